@@ -1,0 +1,182 @@
+"""`python -m minipar ...`: the command line.
+
+    mpiexec -n 8 python -m minipar train --dp 2 --tp 2 --pp 2 --check
+    python -m minipar mesh --dp 2 --tp 2 --pp 2
+
+Failures are collective. A bad setting is found by every rank alone (a pure
+check of the flags, before any communication); rank 0 prints one line and
+every rank exits 2. An exception on any one rank after that aborts the whole
+job (`MPI_Abort`, as `python -m mpi4py` does), so no rank waits forever in a
+collective its dead partner will never join.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from minipar.config import ConfigError, TrainConfig, config_from_args, make_parser, problems
+
+TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
+
+
+def _world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def fail(rank: int, message: str, code: int = 2) -> int:
+    """One line from rank 0; the same exit code on every rank."""
+    if rank == 0:
+        print(f"minipar: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+# ------------------------------------------------------------------- train
+def train_command(argv: list[str]) -> int:
+    world = _world()
+    rank = world.Get_rank()
+    parser = make_parser()
+    parser.add_argument("--check", action="store_true",
+                        help="also run the single-process reference and compare")
+    parser.add_argument("--dump", metavar="DIR", help="write init/final params, data, losses")
+    parser.add_argument("--ledger", action="store_true",
+                        help="print the communication ledger of the last step")
+    try:
+        args = parser.parse_args(argv)
+        cfg = config_from_args(args).resolved(world.Get_size())
+        errors = problems(cfg, world.Get_size())
+    except ConfigError as error:
+        errors = [str(error)]
+    if errors:
+        return fail(rank, errors[0] + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
+
+    from minipar.train import train
+
+    def progress(step: int, loss: float) -> None:
+        if rank == 0:
+            print(f"step {step + 1:4d}  loss {loss:.6f}", flush=True)
+
+    result = train(cfg, world, on_step=progress)
+    if args.ledger and rank == 0:
+        from minipar.report import ledger_table
+
+        print(ledger_table(result.ledger, cfg), flush=True)
+    if args.dump and rank == 0:
+        dump(Path(args.dump), cfg, result)
+    verdict = 0
+    if args.check:
+        verdict = check(cfg, result) if rank == 0 else 0
+        verdict = world.bcast(verdict, root=0)
+    if rank == 0:
+        print(f"done: {cfg.steps} steps on dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}"
+              + (f" ep={cfg.ep}" if cfg.model == "moe" else "")
+              + f", final loss {result.losses[-1]:.6f}", flush=True)
+    return verdict
+
+
+def dump(folder: Path, cfg: TrainConfig, result: object) -> None:
+    """The `--dump` files of DESIGN.md, written by rank 0."""
+    from minipar.train import step_batch
+
+    folder.mkdir(parents=True, exist_ok=True)
+    np.savez(folder / "init.npz", **result.init)
+    np.savez(folder / "final.npz", **result.final)
+    batches = [step_batch(cfg, s) for s in range(cfg.steps)]
+    np.savez(folder / "data.npz", x=np.stack([b[0] for b in batches]),
+             y=np.stack([b[1] for b in batches]))
+    (folder / "losses.json").write_text(json.dumps(result.losses))
+    (folder / "config.json").write_text(json.dumps(cfg.as_json(), indent=1))
+    (folder / "ledger.json").write_text(json.dumps(result.ledger, indent=1))
+
+
+def max_differences(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float, float, str]:
+    """Largest absolute difference over all tensors, the largest relative one
+    (max |a-b| / max |b| per tensor), and the tensor where the relative one is."""
+    worst_abs, worst_rel, where = 0.0, 0.0, ""
+    for name, ref in b.items():
+        diff = float(np.max(np.abs(a[name] - ref))) if ref.size else 0.0
+        rel = diff / max(float(np.max(np.abs(ref))) if ref.size else 0.0, 1e-300)
+        worst_abs = max(worst_abs, diff)
+        if rel > worst_rel:
+            worst_rel, where = rel, name
+    return worst_abs, worst_rel, where
+
+
+def check(cfg: TrainConfig, result: object) -> int:
+    """Run the single-process reference in this process and compare (rank 0)."""
+    from minipar.train import train_reference
+
+    reference = train_reference(cfg)
+    loss_abs = float(np.max(np.abs(np.subtract(result.losses, reference.losses))))
+    loss_rel = loss_abs / max(float(np.max(np.abs(reference.losses))), 1e-300)
+    param_abs, param_rel, where = max_differences(result.final, reference.final)
+    tolerance = TOLERANCE[cfg.dtype]
+    ok = loss_rel <= tolerance and param_rel <= tolerance
+    print(f"check against one process: losses max abs {loss_abs:.3e} rel {loss_rel:.3e}; "
+          f"final params max abs {param_abs:.3e} rel {param_rel:.3e}"
+          + (f" (worst: {where})" if where else "")
+          + f" -> {'OK' if ok else 'MISMATCH'} (tolerance {tolerance:g})", flush=True)
+    for line in result.extras.get("replica_disagreements", [])[:5]:
+        print(f"replicas disagree: {line}", flush=True)
+    return 0 if ok else 1
+
+
+# -------------------------------------------------------------------- mesh
+def mesh_command(argv: list[str]) -> int:
+    from minipar.mesh import MeshShape
+
+    parser = argparse.ArgumentParser(prog="python -m minipar mesh",
+                                     description="Print which rank is in which group.")
+    for axis in ("dp", "tp", "pp", "ep"):
+        parser.add_argument(f"--{axis}", type=int, default=1)
+    args = parser.parse_args(argv)
+    shape = MeshShape(args.dp, args.tp, args.pp, args.ep)
+    errors = shape.problems(shape.world) if min(args.dp, args.tp, args.pp, args.ep) >= 1 \
+        else [f"every axis must be at least 1 (got dp={args.dp} tp={args.tp} pp={args.pp} "
+              f"ep={args.ep})"]
+    if errors:
+        return fail(0, errors[0])
+    print(shape.table())
+    return 0
+
+
+COMMANDS = {"train": train_command, "mesh": mesh_command}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: python -m minipar {{{','.join(COMMANDS)}}} [flags]  "
+              "(add --help after a command)", file=sys.stderr)
+        return 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+def run() -> None:
+    """Entry point: like `python -m mpi4py`, an exception on one rank aborts every rank."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        code = main()
+    except SystemExit:
+        raise
+    except BaseException:
+        world_size = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
+        rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+        sys.stderr.write(f"minipar: rank {rank} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        if world_size > 1:
+            _world().Abort(1)
+        raise SystemExit(1) from None
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()

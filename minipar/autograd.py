@@ -1,0 +1,517 @@
+"""A small reverse-mode autograd over NumPy arrays.
+
+What this file teaches: how a tape of operations turns a forward computation
+into its gradient. Every differentiable op below builds its output `Tensor`
+and, right beside the forward math, a `backward` closure that receives the
+gradient of the output and adds the gradients of the inputs (chain rule, one
+local step at a time).
+
+Design choices a reader should notice:
+
+- Parents are kept in a tuple and `backward()` walks them in a deterministic
+  reverse topological order, so the order in which gradients are summed never
+  depends on object ids: two runs give bitwise-identical gradients.
+- Gradients *accumulate* (`+=`): a tensor used twice receives both gradients.
+- Broadcasting in the forward becomes a sum over the broadcast axes in the
+  backward (`_unbroadcast`).
+- Hot ops used by the model (`linear`, `layer_norm`, `gelu`, `cross_entropy`)
+  are fused: one node each, so the tape's bookkeeping stays small next to the
+  matmuls.
+- Parallel code adds its own ops with `Tensor.from_op` (see `comm.py`): a
+  collective is just another node whose backward is another collective.
+
+Run the gradient checks: `python -m pytest tests/test_autograd.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+_GRAD_ENABLED = True
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_DEFERRED: list[Callable[[], None]] | None = None  # weight-gradient work put off (zero bubble)
+
+
+@contextlib.contextmanager
+def no_grad() -> Iterator[None]:
+    """Inside this block ops build no tape: results are plain constants."""
+    global _GRAD_ENABLED
+    previous, _GRAD_ENABLED = _GRAD_ENABLED, False
+    try:
+        yield
+    finally:
+        _GRAD_ENABLED = previous
+
+
+@contextlib.contextmanager
+def defer_weight_grads() -> Iterator[list[Callable[[], None]]]:
+    """Inside this block, `linear` and `matmul` compute input gradients at once but put
+    the weight-gradient matmuls (x^T g) in the yielded list, to run later.
+
+    This is the split a zero-bubble pipeline schedule (ZB-H1) needs: the backward "B"
+    (input gradient, which the previous stage waits for) runs now, the "W" (weight
+    gradient, which nobody waits for) fills a bubble later: `for work in pending: work()`.
+    """
+    global _DEFERRED
+    previous, _DEFERRED = _DEFERRED, []
+    try:
+        yield _DEFERRED
+    finally:
+        _DEFERRED = previous
+
+
+def _weight_grad(work: Callable[[], None]) -> None:
+    """Run `work` now, or put it off when inside `defer_weight_grads()`."""
+    if _DEFERRED is None:
+        work()
+    else:
+        _DEFERRED.append(work)
+
+
+class Tensor:
+    """An array plus the recipe to push gradients back to the arrays it came from.
+
+    `data` is the value, `grad` the accumulated gradient of the final scalar with
+    respect to it (same shape), `parents` the tensors it was computed from and
+    `_backward` the closure that moves `self.grad` into the parents' grads.
+    """
+
+    __slots__ = ("data", "grad", "requires_grad", "parents", "_backward", "name")
+    __array_priority__ = 100  # so ndarray + Tensor calls Tensor.__radd__
+
+    def __init__(self, data: np.ndarray | float, requires_grad: bool = False,
+                 name: str = "") -> None:
+        self.data = np.asarray(data)
+        self.grad: np.ndarray | None = None
+        self.requires_grad = requires_grad
+        self.parents: tuple[Tensor, ...] = ()
+        self._backward: Callable[[np.ndarray], None] | None = None
+        self.name = name
+
+    # ----------------------------------------------------------------- tape
+    @classmethod
+    def from_op(cls, data: np.ndarray, parents: Sequence[Tensor],
+                backward: Callable[[np.ndarray], None]) -> Tensor:
+        """Make the output of an op. `backward(grad_out)` must add to the parents' grads
+        (use `parent.accumulate(g)`). No tape is recorded when no parent needs a gradient
+        or inside `no_grad()`."""
+        out = cls(data)
+        if _GRAD_ENABLED and any(p.requires_grad for p in parents):
+            out.requires_grad = True
+            out.parents = tuple(parents)
+            out._backward = backward
+        return out
+
+    def accumulate(self, g: np.ndarray) -> None:
+        """Add `g` to this tensor's gradient (the rule that makes reuse work)."""
+        if not self.requires_grad:
+            return
+        if self.grad is None:
+            self.grad = np.array(g, dtype=self.data.dtype, copy=True)
+        else:
+            self.grad += g
+
+    def backward(self, grad: np.ndarray | None = None) -> None:
+        """Backpropagate from this tensor (a scalar loss, or any tensor given `grad`).
+
+        Nodes are visited in reverse topological order; a node's gradient is
+        complete before its closure runs, because every consumer comes later in
+        the forward order and therefore earlier in this walk.
+        """
+        backward_from([(self, 1.0 if grad is None else grad)])
+
+    def zero_grad(self) -> None:
+        self.grad = None
+
+    def detach(self) -> Tensor:
+        """The same values, cut from the tape (a constant)."""
+        return Tensor(self.data)
+
+    # ----------------------------------------------------------- properties
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.data.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim
+
+    def numpy(self) -> np.ndarray:
+        return self.data
+
+    def item(self) -> float:
+        return float(self.data)
+
+    def __repr__(self) -> str:
+        label = f" {self.name}" if self.name else ""
+        return f"Tensor{label}(shape={self.shape}, dtype={self.dtype})"
+
+    # ------------------------------------------------------- operator sugar
+    def __add__(self, other: TensorLike) -> Tensor:
+        return add(self, other)
+
+    def __radd__(self, other: TensorLike) -> Tensor:
+        return add(other, self)
+
+    def __sub__(self, other: TensorLike) -> Tensor:
+        return sub(self, other)
+
+    def __rsub__(self, other: TensorLike) -> Tensor:
+        return sub(other, self)
+
+    def __mul__(self, other: TensorLike) -> Tensor:
+        return mul(self, other)
+
+    def __rmul__(self, other: TensorLike) -> Tensor:
+        return mul(other, self)
+
+    def __truediv__(self, other: TensorLike) -> Tensor:
+        return div(self, other)
+
+    def __rtruediv__(self, other: TensorLike) -> Tensor:
+        return div(other, self)
+
+    def __neg__(self) -> Tensor:
+        return mul(self, -1.0)
+
+    def __matmul__(self, other: Tensor) -> Tensor:
+        return matmul(self, other)
+
+    def __getitem__(self, index: object) -> Tensor:
+        return getitem(self, index)
+
+    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
+        return sum_(self, axis, keepdims)
+
+    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
+        return mean(self, axis, keepdims)
+
+    def reshape(self, *shape: int) -> Tensor:
+        return reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], tuple)
+                       else shape)
+
+    @property
+    def T(self) -> Tensor:
+        return transpose(self)
+
+
+TensorLike = Tensor | np.ndarray | float
+
+
+def _topological_order(roots: Sequence[Tensor]) -> list[Tensor]:
+    """Every node reachable from `roots`, each after all of its parents."""
+    order: list[Tensor] = []
+    seen: set[int] = set()
+    stack: list[tuple[Tensor, bool]] = [(r, False) for r in reversed(roots)]
+    while stack:  # iterative DFS: deep models do not hit Python's recursion limit
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        for parent in reversed(node.parents):
+            if parent.requires_grad and id(parent) not in seen:
+                stack.append((parent, False))
+    return order
+
+
+def backward_from(pairs: Sequence[tuple[Tensor, np.ndarray | float]]) -> None:
+    """Backpropagate several roots at once, root i seeded with gradient g_i.
+
+    A pipeline stage needs this: its output receives the gradient sent back by
+    the next stage, while its own MoE aux loss is seeded with its loss weight.
+    Each node runs once, after all of its consumers, as in `Tensor.backward`.
+    """
+    roots = [t for t, _ in pairs if t.requires_grad]
+    order = _topological_order(roots)
+    for t, g in pairs:
+        t.accumulate(np.broadcast_to(np.asarray(g, dtype=t.dtype), t.shape))
+    for node in reversed(order):
+        if node._backward is not None and node.grad is not None:
+            node._backward(node.grad)
+
+
+def as_tensor(x: TensorLike) -> Tensor:
+    """Wrap arrays and numbers as constant tensors; tensors pass through."""
+    return x if isinstance(x, Tensor) else Tensor(np.asarray(x))
+
+
+def _unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum `g` down to `shape`: the backward of NumPy broadcasting."""
+    if g.shape == shape:
+        return g
+    extra = g.ndim - len(shape)
+    axes = tuple(range(extra)) + tuple(
+        i + extra for i, n in enumerate(shape) if n == 1 and g.shape[i + extra] != 1)
+    g = g.sum(axis=axes, keepdims=True) if axes else g
+    return g.reshape(shape)
+
+
+# ------------------------------------------------------------ elementwise
+def add(a: TensorLike, b: TensorLike) -> Tensor:
+    """a + b, broadcasting. Backward: the gradient flows unchanged to both."""
+    a, b = as_tensor(a), as_tensor(b)
+
+    def backward(g: np.ndarray) -> None:
+        a.accumulate(_unbroadcast(g, a.shape))
+        b.accumulate(_unbroadcast(g, b.shape))
+    return Tensor.from_op(a.data + b.data, (a, b), backward)
+
+
+def sub(a: TensorLike, b: TensorLike) -> Tensor:
+    """a - b. Backward: +g to a, -g to b."""
+    a, b = as_tensor(a), as_tensor(b)
+
+    def backward(g: np.ndarray) -> None:
+        a.accumulate(_unbroadcast(g, a.shape))
+        b.accumulate(_unbroadcast(-g, b.shape))
+    return Tensor.from_op(a.data - b.data, (a, b), backward)
+
+
+def mul(a: TensorLike, b: TensorLike) -> Tensor:
+    """a * b. Backward: d(ab) = b da + a db."""
+    a, b = as_tensor(a), as_tensor(b)
+
+    def backward(g: np.ndarray) -> None:
+        a.accumulate(_unbroadcast(g * b.data, a.shape))
+        b.accumulate(_unbroadcast(g * a.data, b.shape))
+    return Tensor.from_op(a.data * b.data, (a, b), backward)
+
+
+def div(a: TensorLike, b: TensorLike) -> Tensor:
+    """a / b. Backward: da = g / b, db = -g a / b^2."""
+    a, b = as_tensor(a), as_tensor(b)
+    out = a.data / b.data
+
+    def backward(g: np.ndarray) -> None:
+        a.accumulate(_unbroadcast(g / b.data, a.shape))
+        b.accumulate(_unbroadcast(-g * out / b.data, b.shape))
+    return Tensor.from_op(out, (a, b), backward)
+
+
+def exp(a: Tensor) -> Tensor:
+    """e^a. Backward: g * e^a."""
+    out = np.exp(a.data)
+    return Tensor.from_op(out, (a,), lambda g: a.accumulate(g * out))
+
+
+def log(a: Tensor) -> Tensor:
+    """ln a. Backward: g / a."""
+    return Tensor.from_op(np.log(a.data), (a,), lambda g: a.accumulate(g / a.data))
+
+
+def tanh(a: Tensor) -> Tensor:
+    """tanh a. Backward: g (1 - tanh^2 a)."""
+    out = np.tanh(a.data)
+    return Tensor.from_op(out, (a,), lambda g: a.accumulate(g * (1.0 - out * out)))
+
+
+def sqrt(a: Tensor) -> Tensor:
+    """sqrt a. Backward: g / (2 sqrt a)."""
+    out = np.sqrt(a.data)
+    return Tensor.from_op(out, (a,), lambda g: a.accumulate(g * 0.5 / out))
+
+
+def gelu(a: Tensor) -> Tensor:
+    """GELU, tanh form: 0.5 z (1 + tanh(sqrt(2/pi)(z + 0.044715 z^3))). One fused node."""
+    z = a.data
+    inner = _SQRT_2_OVER_PI * (z + 0.044715 * z * z * z)
+    t = np.tanh(inner)
+    out = 0.5 * z * (1.0 + t)
+
+    def backward(g: np.ndarray) -> None:
+        dinner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * z * z)
+        a.accumulate(g * (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * dinner))
+    return Tensor.from_op(out, (a,), backward)
+
+
+# ------------------------------------------------------------- reductions
+def sum_(a: Tensor, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
+    """Sum over axes. Backward: the gradient is broadcast back over the summed axes."""
+    out = a.data.sum(axis=axis, keepdims=keepdims)
+
+    def backward(g: np.ndarray) -> None:
+        if axis is not None and not keepdims:
+            g = np.expand_dims(g, axis)
+        a.accumulate(np.broadcast_to(g, a.shape))
+    return Tensor.from_op(out, (a,), backward)
+
+
+def mean(a: Tensor, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
+    """Mean over axes: a sum divided by the count."""
+    count = a.data.size if axis is None else int(np.prod([a.shape[i] for i in np.atleast_1d(axis)]))
+    return mul(sum_(a, axis, keepdims), 1.0 / count)
+
+
+# ----------------------------------------------------------------- shapes
+def reshape(a: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Same values, new shape. Backward: reshape the gradient back."""
+    return Tensor.from_op(a.data.reshape(shape), (a,), lambda g: a.accumulate(g.reshape(a.shape)))
+
+
+def transpose(a: Tensor, axes: tuple[int, ...] | None = None) -> Tensor:
+    """Permute axes. Backward: the inverse permutation."""
+    inverse = None if axes is None else tuple(np.argsort(axes))
+    return Tensor.from_op(np.transpose(a.data, axes), (a,),
+                          lambda g: a.accumulate(np.transpose(g, inverse)))
+
+
+def getitem(a: Tensor, index: object) -> Tensor:
+    """a[index] for slices or index arrays (a gather). Backward: scatter-add the gradient
+    into the taken places; `np.add.at` sums repeated indices correctly."""
+    def backward(g: np.ndarray) -> None:
+        full = np.zeros_like(a.data)
+        np.add.at(full, index, g)
+        a.accumulate(full)
+    return Tensor.from_op(a.data[index], (a,), backward)
+
+
+def take_rows(a: Tensor, rows: np.ndarray) -> Tensor:
+    """a[rows] for a 1-D integer array: gather rows. Backward: index_add into rows."""
+    def backward(g: np.ndarray) -> None:
+        full = np.zeros_like(a.data)
+        np.add.at(full, rows, g)
+        a.accumulate(full)
+    return Tensor.from_op(a.data[rows], (a,), backward)
+
+
+def index_add(base: Tensor, rows: np.ndarray, values: Tensor) -> Tensor:
+    """out = base; out[rows] += values (repeated rows add up): scatter-add.
+    Backward: base gets g, values get g[rows] (a gather)."""
+    out = base.data.copy()
+    np.add.at(out, rows, values.data)
+
+    def backward(g: np.ndarray) -> None:
+        base.accumulate(g)
+        values.accumulate(g[rows])
+    return Tensor.from_op(out, (base, values), backward)
+
+
+def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
+    """Join along an axis. Backward: cut the gradient back into the pieces."""
+    sizes = [t.shape[axis] for t in tensors]
+    bounds = np.cumsum(sizes)[:-1]
+
+    def backward(g: np.ndarray) -> None:
+        for t, piece in zip(tensors, np.split(g, bounds, axis=axis)):
+            t.accumulate(piece)
+    return Tensor.from_op(np.concatenate([t.data for t in tensors], axis=axis),
+                          tuple(tensors), backward)
+
+
+def split(a: Tensor, sections: int | Sequence[int], axis: int = 0) -> list[Tensor]:
+    """Cut into pieces (equal count, or at the given indices, as `np.split`).
+    Each piece is a slice, whose backward puts its gradient in its place."""
+    pieces = np.split(np.arange(a.shape[axis]), sections)
+    out = []
+    for rows in pieces:
+        index = [slice(None)] * a.ndim
+        index[axis] = slice(int(rows[0]), int(rows[-1]) + 1) if len(rows) else slice(0, 0)
+        out.append(getitem(a, tuple(index)))
+    return out
+
+
+# ------------------------------------------------------------- linear algebra
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b for 2-D operands. Backward: dA = g B^T, dB = A^T g."""
+    def backward(g: np.ndarray) -> None:
+        if a.requires_grad:
+            a.accumulate(g @ b.data.T)
+        if b.requires_grad:
+            _weight_grad(lambda: b.accumulate(a.data.T @ g))
+    return Tensor.from_op(a.data @ b.data, (a, b), backward)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """y = x @ W + b, one fused node. Weights are (in, out).
+    Backward: dx = g W^T, dW = x^T g, db = sum_rows g."""
+    out = x.data @ weight.data
+    if bias is not None:
+        out += bias.data
+    parents = (x, weight) if bias is None else (x, weight, bias)
+
+    def backward(g: np.ndarray) -> None:
+        if x.requires_grad:
+            x.accumulate(g @ weight.data.T)
+
+        def weight_grads() -> None:
+            weight.accumulate(x.data.T @ g)
+            if bias is not None:
+                bias.accumulate(g.sum(axis=0))
+        _weight_grad(weight_grads)
+    return Tensor.from_op(out, parents, backward)
+
+
+# ---------------------------------------------------------- normalization
+def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-5) -> Tensor:
+    """(x - mean) / sqrt(var + eps) * gamma + beta over the last axis (biased var).
+    One fused node; the backward is the standard closed form
+    dx = (g_hat - mean(g_hat) - x_hat mean(g_hat x_hat)) / sigma, g_hat = g gamma."""
+    mu = x.data.mean(axis=-1, keepdims=True)
+    centered = x.data - mu
+    inv_sigma = 1.0 / np.sqrt((centered * centered).mean(axis=-1, keepdims=True) + eps)
+    x_hat = centered * inv_sigma
+    out = x_hat * gamma.data + beta.data
+
+    def backward(g: np.ndarray) -> None:
+        lead = tuple(range(g.ndim - 1))
+        gamma.accumulate((g * x_hat).sum(axis=lead))
+        beta.accumulate(g.sum(axis=lead))
+        if x.requires_grad:
+            g_hat = g * gamma.data
+            dx = g_hat - g_hat.mean(axis=-1, keepdims=True) \
+                - x_hat * (g_hat * x_hat).mean(axis=-1, keepdims=True)
+            x.accumulate(dx * inv_sigma)
+    return Tensor.from_op(out, (x, gamma, beta), backward)
+
+
+# ------------------------------------------------------ softmax and losses
+def softmax(a: Tensor, axis: int = -1) -> Tensor:
+    """exp(a) / sum exp(a), stabilized. Backward: s * (g - sum(g s))."""
+    shifted = a.data - a.data.max(axis=axis, keepdims=True)
+    e = np.exp(shifted)
+    s = e / e.sum(axis=axis, keepdims=True)
+
+    def backward(g: np.ndarray) -> None:
+        a.accumulate(s * (g - (g * s).sum(axis=axis, keepdims=True)))
+    return Tensor.from_op(s, (a,), backward)
+
+
+def log_softmax(a: Tensor, axis: int = -1) -> Tensor:
+    """a - logsumexp(a). Backward: g - softmax(a) sum(g)."""
+    shifted = a.data - a.data.max(axis=axis, keepdims=True)
+    out = shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
+
+    def backward(g: np.ndarray) -> None:
+        a.accumulate(g - np.exp(out) * g.sum(axis=axis, keepdims=True))
+    return Tensor.from_op(out, (a,), backward)
+
+
+def cross_entropy(logits: Tensor, labels: np.ndarray, scale: float | None = None) -> Tensor:
+    """sum_b -log softmax(logits_b)[y_b] * scale; `scale` defaults to 1/B (the mean).
+    Passing the scale lets a data-parallel rank divide by the *global* batch.
+    Backward: (softmax - onehot(y)) * scale."""
+    rows = np.arange(logits.shape[0])
+    scale = 1.0 / logits.shape[0] if scale is None else scale
+    shifted = logits.data - logits.data.max(axis=-1, keepdims=True)
+    e = np.exp(shifted)
+    total = e.sum(axis=-1, keepdims=True)
+    picked = shifted[rows, labels] - np.log(total[:, 0])
+    out = np.asarray(-picked.sum() * scale)
+
+    def backward(g: np.ndarray) -> None:
+        d = e / total
+        d[rows, labels] -= 1.0
+        logits.accumulate(d * (g * scale))
+    return Tensor.from_op(out, (logits,), backward)

@@ -1,0 +1,336 @@
+"""Collectives that know about autograd, and the ledger of every byte sent.
+
+What this file teaches, in two parts.
+
+1. The ledger. Every MPI call minipar makes goes through `Group`, a thin
+   wrapper with mpi4py's own method names (`group.Allreduce(MPI.IN_PLACE, buf)`
+   reads exactly like `comm.Allreduce`), which records `(op, group, calls,
+   elements, bytes)` before calling MPI. `elements` is the size of the whole
+   buffer the operation is defined on: Allreduce the buffer, Allgather the
+   gathered result, Reduce_scatter the input before scattering, Alltoall(v)
+   what this rank sends (its own chunk included), Send/Recv the message.
+   Lessons turn it into wire volume with the ring formulas (`wire_elements`).
+
+2. Megatron's conjugate operators (Megatron-LM, Shoeybi et al. 2019): a
+   collective inside the model is an autograd op whose backward is another
+   collective. Each pair, forward / backward:
+
+       copy_to          identity        / Allreduce(SUM)
+       reduce_from      Allreduce(SUM)  / identity
+       scatter_to       split           / Allgather
+       gather_from      Allgather       / split
+       reduce_scatter   Reduce_scatter  / Allgather
+       all_gather       Allgather       / Reduce_scatter
+       sum_replicated   Allreduce(SUM)  / Allreduce(SUM)
+       alltoallv        Alltoallv       / Alltoallv reversed
+
+   On a group of one they communicate nothing, so a strategy with degree 1
+   runs the reference math exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from minipar.autograd import Tensor
+
+
+# ------------------------------------------------------------------ ledger
+@dataclass
+class Entry:
+    """The totals of one (op, group) pair."""
+
+    calls: int = 0
+    elements: int = 0
+    bytes: int = 0
+
+
+class Ledger:
+    """Counts calls, elements and bytes per (op, group) on this rank."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[str, str], Entry] = {}
+        self.enabled = True
+
+    def record(self, op: str, group: str, elements: int, itemsize: int) -> None:
+        if not self.enabled:
+            return
+        entry = self.entries.setdefault((op, group), Entry())
+        entry.calls += 1
+        entry.elements += int(elements)
+        entry.bytes += int(elements) * int(itemsize)
+
+    def reset(self) -> None:
+        self.entries = {}
+
+    def records(self, rank: int) -> list[dict]:
+        """This rank's entries in the `ledger.json` format of DESIGN.md."""
+        return [{"rank": rank, "op": op, "group": group, "calls": e.calls,
+                 "elements": e.elements, "bytes": e.bytes}
+                for (op, group), e in sorted(self.entries.items())]
+
+    def total(self, op: str | None = None, group: str | None = None,
+              field: str = "elements") -> int:
+        """Sum of `field` over the entries matching `op` and `group` (None = any)."""
+        return sum(getattr(e, field) for (o, g), e in self.entries.items()
+                   if (op is None or o == op) and (group is None or g == group))
+
+
+def wire_elements(op: str, elements: int, group_size: int) -> float:
+    """Elements one rank puts on the wire for a ledger entry, with ring algorithms:
+    Allreduce 2(N-1)/N of the buffer, Allgather and Reduce_scatter (N-1)/N,
+    Alltoall(v) (N-1)/N of what it sends when chunks are equal, Send the message."""
+    n = group_size
+    if op in ("Allreduce", "Iallreduce"):
+        return 2 * (n - 1) / n * elements
+    if op in ("Allgather", "Allgatherv", "Reduce_scatter", "Reduce_scatter_block",
+              "Alltoall", "Alltoallv"):
+        return (n - 1) / n * elements
+    return float(elements)
+
+
+def _size(buf: object) -> tuple[int, int]:
+    """(elements, itemsize) of a buffer argument: an array, or [array, counts, ...]."""
+    array = buf[0] if isinstance(buf, (list, tuple)) else buf
+    array = np.asarray(array)
+    return array.size, array.itemsize
+
+
+# ------------------------------------------------------------------ group
+class Group:
+    """An MPI communicator for one mesh axis that writes every call into the ledger.
+
+    The methods keep mpi4py's names and arguments, so call sites read as plain
+    mpi4py; `comm` is the raw communicator for anything else.
+    """
+
+    def __init__(self, comm: MPI.Comm, name: str, ledger: Ledger) -> None:
+        self.comm = comm
+        self.name = name
+        self.ledger = ledger
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
+
+    def _log(self, op: str, buf: object) -> None:
+        elements, itemsize = _size(buf)
+        self.ledger.record(op, self.name, elements, itemsize)
+
+    # collectives on arrays; recorded sizes follow the ledger convention
+    def Allreduce(self, sendbuf: object, recvbuf: np.ndarray, op: MPI.Op = MPI.SUM) -> None:
+        self._log("Allreduce", recvbuf)
+        self.comm.Allreduce(sendbuf, recvbuf, op=op)
+
+    def Iallreduce(self, sendbuf: object, recvbuf: np.ndarray,
+                   op: MPI.Op = MPI.SUM) -> MPI.Request:
+        self._log("Iallreduce", recvbuf)
+        return self.comm.Iallreduce(sendbuf, recvbuf, op=op)
+
+    def Allgather(self, sendbuf: object, recvbuf: object) -> None:
+        self._log("Allgather", recvbuf)
+        self.comm.Allgather(sendbuf, recvbuf)
+
+    def Allgatherv(self, sendbuf: object, recvbuf: object) -> None:
+        self._log("Allgatherv", recvbuf)
+        self.comm.Allgatherv(sendbuf, recvbuf)
+
+    def Reduce_scatter(self, sendbuf: object, recvbuf: object,
+                       recvcounts: Sequence[int] | None = None, op: MPI.Op = MPI.SUM) -> None:
+        self._log("Reduce_scatter", sendbuf)
+        self.comm.Reduce_scatter(sendbuf, recvbuf, recvcounts, op=op)
+
+    def Reduce_scatter_block(self, sendbuf: object, recvbuf: object,
+                             op: MPI.Op = MPI.SUM) -> None:
+        self._log("Reduce_scatter", sendbuf)
+        self.comm.Reduce_scatter_block(sendbuf, recvbuf, op=op)
+
+    def Alltoall(self, sendbuf: object, recvbuf: object) -> None:
+        self._log("Alltoall", sendbuf)
+        self.comm.Alltoall(sendbuf, recvbuf)
+
+    def Alltoallv(self, sendbuf: object, recvbuf: object) -> None:
+        self._log("Alltoallv", sendbuf)
+        self.comm.Alltoallv(sendbuf, recvbuf)
+
+    def Exscan(self, sendbuf: object, recvbuf: object, op: MPI.Op = MPI.SUM) -> None:
+        self._log("Exscan", recvbuf)
+        self.comm.Exscan(sendbuf, recvbuf, op=op)
+
+    def Bcast(self, buf: object, root: int = 0) -> None:
+        self._log("Bcast", buf)
+        self.comm.Bcast(buf, root=root)
+
+    # point to point
+    def Send(self, buf: object, dest: int, tag: int = 0) -> None:
+        self._log("Send", buf)
+        self.comm.Send(buf, dest=dest, tag=tag)
+
+    def Recv(self, buf: object, source: int, tag: int = 0) -> None:
+        self._log("Recv", buf)
+        self.comm.Recv(buf, source=source, tag=tag)
+
+    def Isend(self, buf: object, dest: int, tag: int = 0) -> MPI.Request:
+        self._log("Isend", buf)
+        return self.comm.Isend(buf, dest=dest, tag=tag)
+
+    def Irecv(self, buf: object, source: int, tag: int = 0) -> MPI.Request:
+        self._log("Irecv", buf)
+        return self.comm.Irecv(buf, source=source, tag=tag)
+
+    def Sendrecv(self, sendbuf: object, dest: int, recvbuf: object, source: int,
+                 sendtag: int = 0, recvtag: int = 0) -> None:
+        self._log("Sendrecv", sendbuf)
+        self.comm.Sendrecv(sendbuf, dest=dest, sendtag=sendtag, recvbuf=recvbuf,
+                           source=source, recvtag=recvtag)
+
+    # small Python objects (pickled): counted as calls with no elements
+    def bcast(self, obj: object, root: int = 0) -> object:
+        self.ledger.record("bcast", self.name, 0, 1)
+        return self.comm.bcast(obj, root=root)
+
+    def allgather(self, obj: object) -> list:
+        self.ledger.record("allgather", self.name, 0, 1)
+        return self.comm.allgather(obj)
+
+    def gather(self, obj: object, root: int = 0) -> list | None:
+        self.ledger.record("gather", self.name, 0, 1)
+        return self.comm.gather(obj, root=root)
+
+    def Barrier(self) -> None:
+        self.ledger.record("Barrier", self.name, 0, 1)
+        self.comm.Barrier()
+
+
+# --------------------------------------------------- array helpers (no autograd)
+def allreduce_sum(group: Group, x: np.ndarray) -> np.ndarray:
+    """Sum `x` over the group into a new array."""
+    out = np.ascontiguousarray(x).copy()
+    if group.size > 1:
+        group.Allreduce(MPI.IN_PLACE, out, op=MPI.SUM)  # x from every rank -> their sum
+    return out
+
+
+def allgather_axis(group: Group, x: np.ndarray, axis: int) -> np.ndarray:
+    """Concatenate every rank's `x` along `axis` (rank order)."""
+    if group.size == 1:
+        return x
+    gathered = np.empty((group.size, *x.shape), dtype=x.dtype)
+    group.Allgather(np.ascontiguousarray(x), gathered)  # x (shape) -> (N, shape) on all
+    return np.concatenate(list(gathered), axis=axis)
+
+
+def split_axis(group: Group, x: np.ndarray, axis: int) -> np.ndarray:
+    """This rank's equal piece of `x` along `axis` (no communication)."""
+    if group.size == 1:
+        return x
+    return np.split(x, group.size, axis=axis)[group.rank].copy()
+
+
+def reduce_scatter_rows(group: Group, x: np.ndarray) -> np.ndarray:
+    """Sum `x` over the group and keep this rank's block of rows."""
+    if group.size == 1:
+        return x
+    out = np.empty((x.shape[0] // group.size, *x.shape[1:]), dtype=x.dtype)
+    group.Reduce_scatter_block(np.ascontiguousarray(x), out, op=MPI.SUM)  # (N b, ..) -> (b, ..)
+    return out
+
+
+# ------------------------------------------------------- autograd collectives
+def copy_to(x: Tensor, group: Group) -> Tensor:
+    """Forward: identity. Backward: Allreduce(SUM) over the group.
+
+    Megatron's f operator, at the input of a tensor-parallel region: every rank
+    uses the same x, so x's gradient is the sum of every rank's contribution."""
+    if group.size == 1:
+        return x
+    return Tensor.from_op(x.data, (x,), lambda g: x.accumulate(allreduce_sum(group, g)))
+
+
+def reduce_from(x: Tensor, group: Group) -> Tensor:
+    """Forward: Allreduce(SUM) over the group. Backward: identity.
+
+    Megatron's g operator, at the output of a row-parallel linear: partial sums
+    become the full result; each rank's copy of the result gets the same gradient."""
+    if group.size == 1:
+        return x
+    return Tensor.from_op(allreduce_sum(group, x.data), (x,), lambda g: x.accumulate(g))
+
+
+def sum_replicated(x: Tensor, group: Group) -> Tensor:
+    """Forward: Allreduce(SUM). Backward: Allreduce(SUM).
+
+    For a partial statistic (the MoE router's mean probability over a batch split
+    across data-parallel ranks) whose sum is used by every rank, each rank seeding
+    its own share of the loss: the sum's gradient is the sum of all ranks' gradients."""
+    if group.size == 1:
+        return x
+    return Tensor.from_op(allreduce_sum(group, x.data), (x,),
+                          lambda g: x.accumulate(allreduce_sum(group, g)))
+
+
+def scatter_to(x: Tensor, group: Group, axis: int = -1) -> Tensor:
+    """Forward: split along `axis`, keep this rank's piece. Backward: Allgather."""
+    if group.size == 1:
+        return x
+    return Tensor.from_op(split_axis(group, x.data, axis), (x,),
+                          lambda g: x.accumulate(allgather_axis(group, g, axis)))
+
+
+def gather_from(x: Tensor, group: Group, axis: int = -1) -> Tensor:
+    """Forward: Allgather along `axis`. Backward: split, keep this rank's piece."""
+    if group.size == 1:
+        return x
+    return Tensor.from_op(allgather_axis(group, x.data, axis), (x,),
+                          lambda g: x.accumulate(split_axis(group, g, axis)))
+
+
+def reduce_scatter(x: Tensor, group: Group) -> Tensor:
+    """Forward: Reduce_scatter of rows (sum, keep my block). Backward: Allgather of rows.
+
+    Sequence parallelism's exit from a tensor-parallel region (Korthikanti et al. 2022)."""
+    if group.size == 1:
+        return x
+    return Tensor.from_op(reduce_scatter_rows(group, x.data), (x,),
+                          lambda g: x.accumulate(allgather_axis(group, g, 0)))
+
+
+def all_gather(x: Tensor, group: Group) -> Tensor:
+    """Forward: Allgather of rows. Backward: Reduce_scatter of rows.
+
+    Sequence parallelism's entry into a tensor-parallel region."""
+    if group.size == 1:
+        return x
+    return Tensor.from_op(allgather_axis(group, x.data, 0), (x,),
+                          lambda g: x.accumulate(reduce_scatter_rows(group, g)))
+
+
+def alltoallv_rows(group: Group, x: np.ndarray, send_counts: np.ndarray,
+                   recv_counts: np.ndarray) -> np.ndarray:
+    """Send `send_counts[j]` consecutive rows of `x` to rank j; receive `recv_counts[i]`
+    rows from rank i, stacked in rank order. Counts are in rows; MPI wants elements."""
+    width = int(np.prod(x.shape[1:], dtype=np.int64))
+    out = np.empty((int(recv_counts.sum()), *x.shape[1:]), dtype=x.dtype)
+    send = np.ascontiguousarray(x)
+    send_elems, recv_elems = send_counts * width, recv_counts * width
+    send_displ = np.concatenate(([0], np.cumsum(send_elems)[:-1]))
+    recv_displ = np.concatenate(([0], np.cumsum(recv_elems)[:-1]))
+    # rows for rank j -> rank j; rows from rank i land at recv_displ[i]
+    group.Alltoallv([send, send_elems, send_displ, MPI._typedict[x.dtype.char]],
+                    [out, recv_elems, recv_displ, MPI._typedict[x.dtype.char]])
+    return out
+
+
+def alltoallv(x: Tensor, group: Group, send_counts: np.ndarray,
+              recv_counts: np.ndarray) -> Tensor:
+    """Forward: Alltoallv of rows. Backward: Alltoallv with the counts swapped.
+
+    The MoE dispatch (tokens to the rank owning their expert) and combine (results
+    back); the backward of sending rows is receiving their gradients back."""
+    if group.size == 1:
+        return x
+    out = alltoallv_rows(group, x.data, send_counts, recv_counts)
+    return Tensor.from_op(out, (x,), lambda g: x.accumulate(
+        alltoallv_rows(group, g, recv_counts, send_counts)))

@@ -1,0 +1,208 @@
+"""The `python -m minipar train` flags, and every reason a setting cannot run.
+
+What this file teaches: a parallel job must refuse an impossible setting
+*before the first collective*, on every rank, with the same verdict. Because
+`problems()` is a pure function of the flags and the world size, every rank
+computes it alone and all agree without talking; rank 0 prints it, all exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import asdict, dataclass, fields
+
+from minipar.mesh import MeshShape
+from minipar.nn import ModelConfig
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+class ConfigError(Exception):
+    """A setting that cannot run; its message is one line naming the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every flag of `python -m minipar train` under its long name (dashes as underscores).
+
+    `dp = None` means "whatever fills the world": world / (tp * pp)."""
+
+    model: str = "mlp"
+    layers: int = 8
+    d_in: int = 32
+    d_model: int = 64
+    d_ff: int | None = None           # default 4 * d_model
+    classes: int = 10
+    experts: int = 8
+    top_k: int = 2
+    expert_d_ff: int | None = None    # default 2 * d_model
+    capacity_factor: float | None = None
+    aux_coef: float = 0.01
+    batch: int = 64
+    microbatches: int = 1
+    steps: int = 5
+    lr: float = 0.05
+    optimizer: str = "sgd"
+    seed: int = 0
+    dtype: str = "float64"
+    dp: int | None = None
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    schedule: str = "1f1b"
+    virtual: int = 1
+    zero: int = 0
+    sp: bool = False
+
+    def resolved(self, world_size: int) -> TrainConfig:
+        """Fill the defaults that depend on other flags (d_ff, expert_d_ff, dp)."""
+        values = asdict(self)
+        if self.d_ff is None:
+            values["d_ff"] = 4 * self.d_model
+        if self.expert_d_ff is None:
+            values["expert_d_ff"] = 2 * self.d_model
+        if self.dp is None:
+            values["dp"] = max(1, world_size // max(1, self.tp * self.pp))
+        return TrainConfig(**values)
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(model=self.model, layers=self.layers, d_in=self.d_in,
+                           d_model=self.d_model, d_ff=self.d_ff, classes=self.classes,
+                           experts=self.experts, top_k=self.top_k,
+                           expert_d_ff=self.expert_d_ff, capacity_factor=self.capacity_factor,
+                           aux_coef=self.aux_coef)
+
+    def mesh_shape(self) -> MeshShape:
+        return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep)
+
+    def as_json(self) -> dict:
+        """`config.json` of `--dump`: every flag under its long name."""
+        return asdict(self)
+
+
+# Strategies whose code is not in this tree yet are refused, never silently ignored.
+# Each strategy's issue deletes its line when its code lands.
+NOT_BUILT: dict[str, str] = {
+    "tp": "--tp: tensor parallelism is not built yet",
+    "pp": "--pp: pipeline parallelism is not built yet",
+    "ep": "--ep: expert parallelism is not built yet",
+    "zero": "--zero: ZeRO is not built yet",
+    "sp": "--sp: sequence parallelism is not built yet",
+    "moe_dp": "--model moe with --dp above 1 needs expert parallelism, not built yet",
+}
+
+
+def problems(cfg: TrainConfig, world_size: int) -> list[str]:
+    """Every reason `cfg` cannot run on `world_size` ranks; empty if it can.
+    `cfg` must be `resolved`. Pure: every rank reaches the same list."""
+    out: list[str] = []
+    positive = ["layers", "d_in", "d_model", "d_ff", "classes", "experts", "top_k",
+                "expert_d_ff", "batch", "microbatches", "steps", "virtual"]
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            out.append(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(cfg, name)})")
+    for name in ("lr", "aux_coef", "capacity_factor"):
+        value = getattr(cfg, name)
+        if value is not None and not math.isfinite(value):
+            out.append(f"--{name.replace('_', '-')} must be a finite number (got {value})")
+    if math.isfinite(cfg.lr) and cfg.lr <= 0:
+        out.append(f"--lr must be positive (got {cfg.lr})")
+    if math.isfinite(cfg.aux_coef) and cfg.aux_coef < 0:
+        out.append(f"--aux-coef must be zero or positive (got {cfg.aux_coef})")
+    if cfg.capacity_factor is not None and math.isfinite(cfg.capacity_factor) \
+            and cfg.capacity_factor <= 0:
+        out.append(f"--capacity-factor must be positive (got {cfg.capacity_factor})")
+    if cfg.seed < 0:
+        out.append(f"--seed must be zero or positive (got {cfg.seed})")
+    if cfg.classes == 1:
+        out.append("--classes must be at least 2 for a classification loss")
+    if cfg.zero not in (0, 1, 2, 3):
+        out.append(f"--zero must be 0, 1, 2 or 3 (got {cfg.zero})")
+    if out:
+        return out  # sizes below are meaningless with non-positive numbers
+    if cfg.top_k > cfg.experts:
+        out.append(f"--top-k {cfg.top_k} is more than --experts {cfg.experts}")
+    out += cfg.mesh_shape().problems(world_size)
+    if out:
+        return out
+    out += _divisibility(cfg)
+    out += [message for flag, message in NOT_BUILT.items() if _flag_used(cfg, flag)]
+    return out
+
+
+def _divisibility(cfg: TrainConfig) -> list[str]:
+    out = []
+    if cfg.batch % cfg.dp:
+        out.append(f"--batch {cfg.batch} is not divisible by --dp {cfg.dp} "
+                   "(every data-parallel rank takes an equal slice)")
+    elif (cfg.batch // cfg.dp) % cfg.microbatches:
+        out.append(f"--microbatches {cfg.microbatches} does not divide the per-rank batch "
+                   f"{cfg.batch // cfg.dp} (= --batch / --dp)")
+    if cfg.model == "mlp" and cfg.d_ff % cfg.tp:
+        out.append(f"--tp {cfg.tp} does not divide --d-ff {cfg.d_ff} "
+                   "(each tensor-parallel rank holds d_ff/tp columns of fc1)")
+    if cfg.model == "moe" and cfg.experts % cfg.ep:
+        out.append(f"--ep {cfg.ep} does not divide --experts {cfg.experts}")
+    if cfg.model == "moe" and cfg.tp > 1:
+        out.append("--tp with --model moe is not built: use --ep to split the experts")
+    if cfg.model == "mlp" and cfg.ep > 1:
+        out.append("--ep needs --model moe (a dense model has no experts)")
+    if cfg.virtual > 1 and cfg.schedule != "interleaved":
+        out.append(f"--virtual {cfg.virtual} needs --schedule interleaved")
+    if cfg.layers % (cfg.pp * cfg.virtual):
+        out.append(f"--layers {cfg.layers} is not divisible by --pp {cfg.pp} x --virtual "
+                   f"{cfg.virtual} (each pipeline stage holds an equal run of blocks)")
+    if cfg.sp and cfg.tp == 1:
+        out.append("--sp (sequence parallelism) needs --tp 2 or more")
+    elif cfg.sp and not (cfg.batch // cfg.dp // max(cfg.microbatches, 1)) % cfg.tp == 0:
+        out.append(f"--sp needs --tp {cfg.tp} to divide the rows of a microbatch on a rank "
+                   f"({cfg.batch // cfg.dp // cfg.microbatches})")
+    return out
+
+
+def _flag_used(cfg: TrainConfig, flag: str) -> bool:
+    """Whether a strategy flag is switched on (a degree above 1, a stage above 0, ...)."""
+    if flag == "moe_dp":
+        return cfg.model == "moe" and cfg.dp > 1
+    value = getattr(cfg, flag)
+    default = {f.name: f.default for f in fields(TrainConfig)}[flag]
+    return value != default and value not in (1, None)
+
+
+# ----------------------------------------------------------------- parsing
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing, so only rank 0 speaks."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """Every flag of the DESIGN.md contract, with its default."""
+    d = TrainConfig()
+    add = parser.add_argument
+    add("--model", choices=("mlp", "moe"), default=d.model)
+    for name in ("layers", "d_in", "d_model", "d_ff", "classes", "experts", "top_k",
+                 "expert_d_ff", "batch", "microbatches", "steps", "seed",
+                 "dp", "tp", "pp", "ep", "virtual", "zero"):
+        add(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    add("--capacity-factor", type=float, default=None)
+    add("--aux-coef", type=float, default=d.aux_coef)
+    add("--lr", type=float, default=d.lr)
+    add("--optimizer", choices=("sgd", "adam"), default=d.optimizer)
+    add("--dtype", choices=("float64", "float32"), default=d.dtype)
+    add("--schedule", choices=SCHEDULES, default=d.schedule)
+    add("--sp", action="store_true", help="sequence parallelism inside the tp group")
+
+
+def make_parser(prog: str = "python -m minipar train") -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, description="Train the reference model on a mesh of ranks.")
+    add_train_flags(parser)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig fields out of parsed arguments (other attributes are ignored)."""
+    names = {f.name for f in fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,0 +1,144 @@
+"""The process grid: world = dp x tp x pp, cut into communicators with `Comm.Split`.
+
+What this file teaches: how one flat list of ranks becomes a 3-D grid, and
+which ranks must talk to each other for each kind of parallelism.
+
+Rank order is Megatron's: tp fastest, then dp, then pp,
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+so the ranks of one tensor-parallel group are neighbours (on a real cluster,
+GPUs of one node, where the bandwidth is). For MoE, expert parallelism lives
+inside the data-parallel axis: `ep` divides `dp`, the ep groups are runs of
+`ep` consecutive dp ranks (they split the experts between them), and the
+expert-data-parallel ("edp") groups are the dp ranks holding the same experts.
+
+All the arithmetic is pure (no MPI): `python -m minipar mesh --dp 2 --tp 2 --pp 2`
+prints the table, and the tests check it for every factorization of 8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minipar.comm import Group, Ledger
+
+AXES = ("dp", "tp", "pp", "ep", "edp")
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Sizes of the grid's axes. `ep` divides `dp` (experts split inside the dp axis)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def problems(self, world_size: int) -> list[str]:
+        """Why this mesh cannot run on `world_size` ranks (empty if it can)."""
+        out = []
+        for axis in ("dp", "tp", "pp", "ep"):
+            if getattr(self, axis) < 1:
+                out.append(f"--{axis} must be at least 1 (got {getattr(self, axis)})")
+        if out:
+            return out
+        if self.world != world_size:
+            out.append(f"the mesh dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.world} "
+                       f"does not fill the {world_size} ranks of the world "
+                       f"(run with mpiexec -n {self.world}, or change --dp/--tp/--pp)")
+        if self.dp % self.ep:
+            out.append(f"--ep {self.ep} must divide --dp {self.dp} "
+                       "(expert parallelism splits the data-parallel axis)")
+        return out
+
+    # ---------------------------------------------------------- rank arithmetic
+    def rank(self, dp_rank: int, tp_rank: int, pp_rank: int) -> int:
+        """World rank of the grid point (tp fastest, then dp, then pp)."""
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Grid coordinates of a world rank, on every axis including ep and edp."""
+        tp_rank = rank % self.tp
+        dp_rank = (rank // self.tp) % self.dp
+        pp_rank = rank // (self.tp * self.dp)
+        return {"dp": dp_rank, "tp": tp_rank, "pp": pp_rank,
+                "ep": dp_rank % self.ep, "edp": dp_rank // self.ep}
+
+    def group_key(self, rank: int, axis: str) -> tuple[int, ...]:
+        """Ranks with equal key are in the same `axis` group (the `color` of Comm.Split)."""
+        c = self.coords(rank)
+        block = c["dp"] // self.ep  # which run of ep consecutive dp ranks
+        keys = {"dp": (c["tp"], c["pp"]), "tp": (c["dp"], c["pp"]), "pp": (c["dp"], c["tp"]),
+                "ep": (block, c["tp"], c["pp"]), "edp": (c["ep"], c["tp"], c["pp"])}
+        return keys[axis]
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group of `axis` as a sorted list of world ranks."""
+        found: dict[tuple[int, ...], list[int]] = {}
+        for r in range(self.world):
+            found.setdefault(self.group_key(r, axis), []).append(r)
+        return sorted(found.values())
+
+    def table(self) -> str:
+        """A slide-ready table: each rank's coordinates and its group on every axis."""
+        axes = ["dp", "tp", "pp"] + (["ep", "edp"] if self.ep > 1 else [])
+        head = ["rank"] + [f"{a}_rank" for a in axes] + [f"{a} group" for a in axes]
+        rows = [head]
+        for r in range(self.world):
+            c = self.coords(r)
+            members = [self.groups(a)[self._group_index(r, a)] for a in axes]
+            rows.append([str(r)] + [str(c[a]) for a in axes]
+                        + [",".join(map(str, m)) for m in members])
+        widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+        lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+        title = f"mesh dp={self.dp} tp={self.tp} pp={self.pp}" + (
+            f" ep={self.ep}" if self.ep > 1 else "") + f": {self.world} ranks, tp fastest"
+        return "\n".join([title, *lines])
+
+    def _group_index(self, rank: int, axis: str) -> int:
+        return next(i for i, g in enumerate(self.groups(axis)) if rank in g)
+
+
+class Mesh:
+    """This rank's place in the grid and its communicators, one per axis.
+
+    `mesh.dp`, `mesh.tp`, `mesh.pp`, `mesh.ep`, `mesh.edp` are `comm.Group`s: the
+    MPI communicator plus the ledger that records every byte sent on that axis.
+    """
+
+    def __init__(self, shape: MeshShape, world: object, ledger: Ledger) -> None:
+        from minipar.comm import Group
+
+        self.shape = shape
+        self.rank = world.Get_rank()
+        self.coords = shape.coords(self.rank)
+        self.world = Group(world, "world", ledger)
+        self.ledger = ledger
+        split: dict[str, Group] = {}
+        for axis in AXES:
+            color = shape.groups(axis).index(
+                next(g for g in shape.groups(axis) if self.rank in g))
+            # Comm.Split: ranks with the same color form one communicator, ordered by key
+            split[axis] = Group(world.Split(color, key=self.rank), axis, ledger)
+        self.dp, self.tp, self.pp = split["dp"], split["tp"], split["pp"]
+        self.ep, self.edp = split["ep"], split["edp"]
+
+    def free(self) -> None:
+        """Release the communicators (a sweep builds many meshes in one process)."""
+        for group in (self.dp, self.tp, self.pp, self.ep, self.edp):
+            group.comm.Free()
+
+    @property
+    def first_stage(self) -> bool:
+        return self.coords["pp"] == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.coords["pp"] == self.shape.pp - 1

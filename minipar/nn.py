@@ -1,0 +1,315 @@
+"""The reference model: a residual MLP, and the same model with Mixture-of-Experts blocks.
+
+What this file teaches: the exact single-process math every parallel strategy
+must reproduce (DESIGN.md, "The reference model"):
+
+    h0 = x @ We + be
+    h_l = h_{l-1} + FFN_l(LN_l(h_{l-1}))            pre-LayerNorm residual blocks
+    dense FFN(u) = GELU(u @ W1 + b1) @ W2 + b2
+    MoE   FFN(u) = sum_{e in topk(softmax(u @ Wr))} g_e * Expert_e(u)
+    loss = mean_b CE(h_L @ Wh + bh, y) + sum_l aux_l
+
+Weights are stored (in, out) and applied as `x @ W + b`. Every strategy starts
+from `init_params`, the *full* model drawn from one seeded generator in
+canonical-name order, and keeps its own slice (wasteful at scale, exact here).
+
+The model is written as a list of pieces (`Embed`, blocks, `Head`) so a
+pipeline stage can hold any contiguous run of them, and so a parallel block
+(tensor- or expert-parallel) can stand in for a reference block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from minipar import autograd as ag
+from minipar.autograd import Tensor
+
+
+class Parameter(Tensor):
+    """A trainable tensor with its canonical name (what `--dump` and checkpoints use).
+
+    `full_index` says which part of the full canonical array this rank holds
+    (`None` = all of it), and `sync` names the mesh axis over which its gradient
+    must be summed after backward (`"dp"` for replicated weights, `"edp"` for
+    expert weights replicated over the expert-data-parallel group, `None` for none).
+    """
+
+    __slots__ = ("full_index", "sync")
+
+    def __init__(self, data: np.ndarray, name: str, full_index: tuple | None = None,
+                 sync: str | None = "dp") -> None:
+        super().__init__(np.array(data, copy=True), requires_grad=True, name=name)
+        self.full_index = full_index
+        self.sync = sync
+
+
+class Module:
+    """Anything that owns parameters; `parameters()` lists them in a fixed order."""
+
+    def parameters(self) -> list[Parameter]:
+        found: list[Parameter] = []
+        for value in vars(self).values():
+            items = value if isinstance(value, (list, tuple)) else [value]
+            for item in items:
+                if isinstance(item, Parameter):
+                    found.append(item)
+                elif isinstance(item, Module):
+                    found.extend(item.parameters())
+        return found
+
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+
+# ------------------------------------------------------------------ config
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's sizes (the `--model ... --expert-d-ff` flags)."""
+
+    model: str = "mlp"
+    layers: int = 8
+    d_in: int = 32
+    d_model: int = 64
+    d_ff: int = 256
+    classes: int = 10
+    experts: int = 8
+    top_k: int = 2
+    expert_d_ff: int = 128
+    capacity_factor: float | None = None
+    aux_coef: float = 0.01
+
+
+def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's canonical name and full shape, in canonical order."""
+    d = cfg.d_model
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.d_in, d), "embed.bias": (d,)}
+    for i in range(cfg.layers):
+        p = f"blocks.{i}"
+        shapes[f"{p}.ln.weight"] = (d,)
+        shapes[f"{p}.ln.bias"] = (d,)
+        if cfg.model == "moe":
+            shapes[f"{p}.router.weight"] = (d, cfg.experts)
+            for e in range(cfg.experts):
+                q = f"{p}.experts.{e}"
+                shapes.update({f"{q}.fc1.weight": (d, cfg.expert_d_ff),
+                               f"{q}.fc1.bias": (cfg.expert_d_ff,),
+                               f"{q}.fc2.weight": (cfg.expert_d_ff, d), f"{q}.fc2.bias": (d,)})
+        else:
+            shapes.update({f"{p}.fc1.weight": (d, cfg.d_ff), f"{p}.fc1.bias": (cfg.d_ff,),
+                           f"{p}.fc2.weight": (cfg.d_ff, d), f"{p}.fc2.bias": (d,)})
+    shapes["head.weight"] = (d, cfg.classes)
+    shapes["head.bias"] = (cfg.classes,)
+    return shapes
+
+
+def init_params(cfg: ModelConfig, seed: int, dtype: np.dtype | str = np.float64
+                ) -> dict[str, np.ndarray]:
+    """The full model, drawn from one seeded generator in canonical-name order.
+
+    Weights ~ N(0, 0.02); fc2 weights (dense and expert) ~ N(0, 0.02/sqrt(2L)), so the
+    residual stream does not grow with depth; biases 0; LayerNorm gamma 1, beta 0.
+    Every rank of every mesh calls this and keeps its slice: all meshes start equal.
+    """
+    rng = np.random.default_rng(seed)
+    small = 0.02 / np.sqrt(2 * cfg.layers)
+    params = {}
+    for name, shape in canonical_shapes(cfg).items():
+        if name.endswith("ln.weight"):
+            value = np.ones(shape)
+        elif name.endswith("bias"):
+            value = np.zeros(shape)
+        else:
+            value = rng.normal(0.0, small if name.endswith("fc2.weight") else 0.02, shape)
+        params[name] = value.astype(dtype)
+    return params
+
+
+# ------------------------------------------------------------- the pieces
+class Linear(Module):
+    """y = x @ W + b with W stored (in, out)."""
+
+    def __init__(self, full: dict[str, np.ndarray], name: str, sync: str | None = "dp") -> None:
+        self.weight = Parameter(full[f"{name}.weight"], f"{name}.weight", sync=sync)
+        self.bias = Parameter(full[f"{name}.bias"], f"{name}.bias", sync=sync)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return ag.linear(x, self.weight, self.bias)
+
+
+class LayerNorm(Module):
+    """Normalize each row over its features, then scale by gamma and shift by beta."""
+
+    def __init__(self, full: dict[str, np.ndarray], name: str) -> None:
+        self.weight = Parameter(full[f"{name}.weight"], f"{name}.weight")
+        self.bias = Parameter(full[f"{name}.bias"], f"{name}.bias")
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return ag.layer_norm(x, self.weight, self.bias)
+
+
+class Embed(Linear):
+    """The input projection x (B, d_in) -> h0 (B, d): the first piece of the model."""
+
+    def __init__(self, full: dict[str, np.ndarray]) -> None:
+        super().__init__(full, "embed")
+
+
+class Head(Linear):
+    """The output projection h (B, d) -> logits (B, C): the last piece of the model."""
+
+    def __init__(self, full: dict[str, np.ndarray]) -> None:
+        super().__init__(full, "head")
+
+
+class DenseBlock(Module):
+    """h + fc2(GELU(fc1(LN(h)))): a pre-LayerNorm residual MLP block."""
+
+    def __init__(self, full: dict[str, np.ndarray], index: int) -> None:
+        self.ln = LayerNorm(full, f"blocks.{index}.ln")
+        self.fc1 = Linear(full, f"blocks.{index}.fc1")
+        self.fc2 = Linear(full, f"blocks.{index}.fc2")
+
+    def __call__(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Returns the new residual stream and the block's aux loss (none for dense)."""
+        u = self.ln(h)                        # (B, d)
+        z = ag.gelu(self.fc1(u))              # (B, d) @ (d, f) -> (B, f)
+        return h + self.fc2(z), None          # (B, f) @ (f, d) -> (B, d)
+
+
+# --------------------------------------------------------------------- MoE
+def route(probs: np.ndarray, top_k: int) -> np.ndarray:
+    """Top-k experts per token, ties to the lower expert id: (B, E) -> (B, k) ids.
+    A stable sort of -p keeps equal probabilities in expert-id order."""
+    return np.argsort(-probs, axis=1, kind="stable")[:, :top_k]
+
+
+def capacity(capacity_factor: float | None, top_k: int, tokens: int, experts: int) -> int | None:
+    """How many assignments one expert may take from a (micro)batch: ceil(c k B / E)."""
+    if capacity_factor is None:
+        return None
+    return int(np.ceil(capacity_factor * top_k * tokens / experts))
+
+
+def keep_within_capacity(expert_of: np.ndarray, experts: int, limit: int | None,
+                         already: np.ndarray | None = None) -> np.ndarray:
+    """Which assignments survive capacity, in order: `expert_of` lists each assignment's
+    expert in global token order (token, then slot). An assignment is kept if fewer than
+    `limit` earlier assignments went to its expert; `already` counts earlier ones seen
+    elsewhere (on data-parallel ranks holding earlier tokens). Vectorized: the position of
+    each assignment within its expert comes from a stable sort, not a loop over tokens."""
+    if limit is None:
+        return np.ones(expert_of.shape, dtype=bool)
+    order = np.argsort(expert_of, kind="stable")
+    counts = np.bincount(expert_of, minlength=experts)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    position = np.empty_like(order)
+    position[order] = np.arange(order.size) - starts[expert_of[order]]
+    if already is not None:
+        position = position + already[expert_of]
+    return position < limit
+
+
+def aux_loss(probs: Tensor, chosen: np.ndarray, experts: int, coef: float,
+             tokens: int | None = None) -> Tensor:
+    """Switch/GShard load balancing: coef * E * sum_e f_e P_e.
+
+    f_e is the fraction of (token, slot) assignments that chose e (counted before any
+    capacity drop), P_e the mean router probability of e. `f` is a count, so no gradient
+    flows through it; the gradient reaches the router through P.
+    """
+    tokens = probs.shape[0] if tokens is None else tokens
+    f = np.bincount(chosen.ravel(), minlength=experts) / (tokens * chosen.shape[1])
+    p_mean = probs.sum(axis=0) * (1.0 / tokens)
+    return (p_mean * (coef * experts * f)).sum()
+
+
+class MoEBlock(Module):
+    """h + sum_e g_e Expert_e(LN(h)): the dense FFN replaced by top-k routed experts.
+
+    Vectorized by expert: for each expert, the (token, slot) assignments routed to it
+    are gathered with one index array, run through the expert, weighted by their gates
+    and scatter-added back (`index_add`): no Python loop over tokens.
+    """
+
+    def __init__(self, full: dict[str, np.ndarray], index: int, cfg: ModelConfig) -> None:
+        p = f"blocks.{index}"
+        self.cfg = cfg
+        self.ln = LayerNorm(full, f"{p}.ln")
+        self.router = Parameter(full[f"{p}.router.weight"], f"{p}.router.weight")
+        self.experts = [ExpertFFN(full, f"{p}.experts.{e}") for e in range(cfg.experts)]
+
+    def __call__(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        cfg = self.cfg
+        u = self.ln(h)                                         # (B, d)
+        probs = ag.softmax(u @ self.router)                    # (B, d) @ (d, E) -> (B, E)
+        chosen = route(probs.data, cfg.top_k)                  # (B, k) expert ids
+        tokens = np.repeat(np.arange(u.shape[0]), cfg.top_k)   # assignment -> token
+        expert_of = chosen.ravel()                             # assignment -> expert
+        picked = probs[tokens, expert_of].reshape(-1, cfg.top_k)    # (B, k)
+        gates = picked / picked.sum(axis=1, keepdims=True)     # renormalized over the top k
+        gates = gates.reshape(-1)                              # (B k,)
+        limit = capacity(cfg.capacity_factor, cfg.top_k, u.shape[0], cfg.experts)
+        kept = keep_within_capacity(expert_of, cfg.experts, limit)
+        out = Tensor(np.zeros_like(h.data))
+        for e, expert in enumerate(self.experts):              # a loop over experts, not tokens
+            mine = np.flatnonzero((expert_of == e) & kept)
+            if mine.size == 0:
+                continue
+            y = expert(ag.take_rows(u, tokens[mine]))          # (n_e, d) -> (n_e, d)
+            weighted = y * ag.reshape(ag.take_rows(gates, mine), (-1, 1))
+            out = ag.index_add(out, tokens[mine], weighted)
+        aux = aux_loss(probs, chosen, cfg.experts, cfg.aux_coef)
+        return h + out, aux
+
+
+class ExpertFFN(Module):
+    """One expert: a dense FFN with its own weights, GELU(u W1 + b1) W2 + b2."""
+
+    def __init__(self, full: dict[str, np.ndarray], name: str, sync: str | None = "dp") -> None:
+        self.fc1 = Linear(full, f"{name}.fc1", sync=sync)
+        self.fc2 = Linear(full, f"{name}.fc2", sync=sync)
+
+    def __call__(self, u: Tensor) -> Tensor:
+        return self.fc2(ag.gelu(self.fc1(u)))
+
+
+# -------------------------------------------------------------- the model
+class Model(Module):
+    """A run of pieces: optionally the embedding, some blocks, optionally the head.
+
+    The whole reference model is one `Model` with every piece; a pipeline stage
+    is a `Model` with a contiguous run of them. `forward` returns the output
+    (h, or logits if this piece ends with the head) and the summed aux loss.
+    """
+
+    def __init__(self, embed: Embed | None, blocks: list[Module], head: Head | None) -> None:
+        self.embed = embed
+        self.blocks = blocks
+        self.head = head
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        h = self.embed(x) if self.embed is not None else x
+        aux_total: Tensor | None = None
+        for block in self.blocks:
+            h, aux = block(h)
+            if aux is not None:
+                aux_total = aux if aux_total is None else aux_total + aux
+        return (self.head(h) if self.head is not None else h), aux_total
+
+
+def build_reference(cfg: ModelConfig, full: dict[str, np.ndarray]) -> Model:
+    """The single-process model holding every parameter."""
+    blocks: list[Module] = [MoEBlock(full, i, cfg) if cfg.model == "moe" else DenseBlock(full, i)
+                            for i in range(cfg.layers)]
+    return Model(Embed(full), blocks, Head(full))
+
+
+def loss_fn(model: Model, x: np.ndarray, y: np.ndarray) -> Tensor:
+    """mean_b CE(logits_b, y_b) + sum_l aux_l on one (micro)batch."""
+    logits, aux = model.forward(Tensor(x))
+    loss = ag.cross_entropy(logits, y)
+    return loss if aux is None else loss + aux

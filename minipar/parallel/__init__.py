@@ -1,0 +1,1 @@
+"""One file per strategy: data, tensor, expert and pipeline parallelism."""

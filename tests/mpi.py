@@ -1,0 +1,117 @@
+"""Launching MPI jobs from pytest without ever hanging the suite.
+
+The pytest process never imports `mpi4py.MPI`. A test starts
+`mpiexec -n N python -m ...` in a subprocess in its own session, with
+`MPIEXEC_TIMEOUT` for the launcher and `communicate(timeout=...)` for us; on
+expiry the whole session is killed (SIGTERM, then SIGKILL), so a deadlocked
+rank fails its test in seconds instead of blocking CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mpiexec() -> str:
+    """The launcher: $MINIPAR_MPIEXEC, else the one beside this Python (PyPI's mpich)."""
+    if os.environ.get("MINIPAR_MPIEXEC"):
+        return os.environ["MINIPAR_MPIEXEC"]
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else "mpiexec"
+
+
+def rank_env(timeout: float) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               UCX_NET_DEVICES="lo", MPIEXEC_TIMEOUT=str(int(timeout)),
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+               PYTHONFAULTHANDLER="1")
+    return env
+
+
+@dataclass
+class Job:
+    """A finished MPI job: exit code, output, and the command to rerun it by hand."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    command: str
+    timed_out: bool = False
+
+    def explain(self) -> str:
+        state = "TIMED OUT" if self.timed_out else f"exit {self.returncode}"
+        return (f"{state}\nrerun: {self.command}\n--- stdout ---\n{self.stdout[-4000:]}"
+                f"\n--- stderr ---\n{self.stderr[-4000:]}")
+
+
+def launch(n: int, python_args: list[str], timeout: float = 60) -> Job:
+    """Run `mpiexec -n n python <python_args>` from the repository root, killing the
+    whole job if it outlives `timeout` seconds."""
+    cmd = [mpiexec(), "-n", str(n), sys.executable, *python_args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=rank_env(timeout), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout + 5)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=3)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        out, err = proc.communicate()
+        timed_out = True
+    command = "OMP_NUM_THREADS=1 " + " ".join(shlex.quote(c) for c in cmd)
+    return Job(proc.returncode, out, err, command, timed_out)
+
+
+def minipar(n: int, args: list[str], timeout: float = 60) -> Job:
+    """`mpiexec -n n python -m minipar <args>`."""
+    return launch(n, ["-m", "minipar", *args], timeout)
+
+
+def train_dump(n: int, flags: list[str], folder: Path, timeout: float = 90) -> dict:
+    """Run `minipar train` with `--dump folder`; return what it wrote, asserting success."""
+    job = minipar(n, ["train", *flags, "--dump", str(folder)], timeout)
+    assert job.returncode == 0 and not job.timed_out, job.explain()
+    return read_dump(folder)
+
+
+def read_dump(folder: Path) -> dict:
+    """The files of a `--dump` folder as Python objects."""
+    with np.load(folder / "final.npz") as final, np.load(folder / "init.npz") as init:
+        return {"final": dict(final), "init": dict(init),
+                "losses": json.loads((folder / "losses.json").read_text()),
+                "config": json.loads((folder / "config.json").read_text()),
+                "ledger": json.loads((folder / "ledger.json").read_text()),
+                "job_folder": folder}
+
+
+def sweep(n: int, configs: list[dict], folder: Path, timeout: float = 240) -> list[dict]:
+    """Run several training configs in ONE mpiexec job (start-up paid once).
+
+    Each config is a dict of TrainConfig fields; result i is read from folder/i.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = folder / "configs.json"
+    spec.write_text(json.dumps(configs))
+    job = launch(n, ["-m", "tests.rank_sweep", str(spec), str(folder)], timeout)
+    assert job.returncode == 0 and not job.timed_out, job.explain()
+    return [read_dump(folder / str(i)) for i in range(len(configs))]

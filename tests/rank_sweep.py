@@ -1,0 +1,43 @@
+"""Rank side of `tests.mpi.sweep`: train several configs in one MPI job.
+
+    mpiexec -n 8 python -m tests.rank_sweep configs.json OUTDIR
+
+Rank 0 writes each run's dump to OUTDIR/<i>/. An exception on any rank aborts
+the job (as `python -m mpi4py` does) with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+from mpi4py import MPI
+
+from minipar.__main__ import dump
+from minipar.config import TrainConfig, problems
+from minipar.train import train
+
+
+def main() -> None:
+    world = MPI.COMM_WORLD
+    configs = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    for i, fields in enumerate(configs):
+        cfg = TrainConfig(**fields).resolved(world.Get_size())
+        errors = problems(cfg, world.Get_size())
+        if errors:
+            raise SystemExit(f"config {i} {fields}: {errors[0]}")
+        result = train(cfg, world)
+        if world.Get_rank() == 0:
+            dump(out / str(i), cfg, result)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
