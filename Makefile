@@ -28,7 +28,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 install: $(VENV)/.installed
 
 lint: install
-	$(PY) -m ruff check $(RUFF_CONFIG) minipar tests lessons
+	$(PY) -m ruff check --output-format concise $(RUFF_CONFIG) minipar tests lessons
 
 test: install lint
 	$(PY) -m pytest

@@ -21,7 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
-from minipar.config import ConfigError, TrainConfig, config_from_args, make_parser, problems
+from minipar.config import (
+    ConfigError,
+    TrainConfig,
+    config_from_args,
+    make_parser,
+    problems,
+)
 
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
 

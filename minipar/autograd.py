@@ -80,7 +80,7 @@ class Tensor:
     `_backward` the closure that moves `self.grad` into the parents' grads.
     """
 
-    __slots__ = ("data", "grad", "requires_grad", "parents", "_backward", "name")
+    __slots__ = ("_backward", "data", "grad", "name", "parents", "requires_grad")
     __array_priority__ = 100  # so ndarray + Tensor calls Tensor.__radd__
 
     def __init__(self, data: np.ndarray | float, requires_grad: bool = False,

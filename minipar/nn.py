@@ -20,6 +20,7 @@ pipeline stage can hold any contiguous run of them, and so a parallel block
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -286,19 +287,31 @@ class Model(Module):
     (h, or logits if this piece ends with the head) and the summed aux loss.
     """
 
-    def __init__(self, embed: Embed | None, blocks: list[Module], head: Head | None) -> None:
+    def __init__(self, embed: Embed | None, blocks: list[Module], head: Head | None,
+                 enter: Callable[[Tensor], Tensor] | None = None,
+                 leave: Callable[[Tensor], Tensor] | None = None) -> None:
         self.embed = embed
         self.blocks = blocks
         self.head = head
+        # Optional re-layout of the residual stream after the embedding and before the
+        # head (sequence parallelism keeps it split by rows in between).
+        self.enter = enter
+        self.leave = leave
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
-        h = self.embed(x) if self.embed is not None else x
+        h = x
+        if self.embed is not None:
+            h = self.embed(x)
+            h = self.enter(h) if self.enter is not None else h
         aux_total: Tensor | None = None
         for block in self.blocks:
             h, aux = block(h)
             if aux is not None:
                 aux_total = aux if aux_total is None else aux_total + aux
-        return (self.head(h) if self.head is not None else h), aux_total
+        if self.head is None:
+            return h, aux_total
+        h = self.leave(h) if self.leave is not None else h
+        return self.head(h), aux_total
 
 
 def build_reference(cfg: ModelConfig, full: dict[str, np.ndarray]) -> Model:

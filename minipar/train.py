@@ -119,7 +119,8 @@ def microbatch_loss(chunk: nn.Model, x: np.ndarray, y: np.ndarray, scale: float)
 def forward_backward(cfg: TrainConfig, mesh: object, chunks: list[nn.Model],
                      x: np.ndarray, y: np.ndarray) -> float:
     """Forward and backward of every microbatch of this rank's rows; returns this
-    rank's share of the step loss (sum over microbatches of loss/M)."""
+    rank's share of the step loss (sum over microbatches of loss/M). With pp > 1
+    the pipeline schedule decides the order (pipeline_parallel.py)."""
     dp_rank = mesh.coords["dp"]
     slices = [shard_rows(cfg.batch, cfg.microbatches, cfg.dp, m, dp_rank)
               for m in range(cfg.microbatches)]
@@ -157,6 +158,7 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
         for p in params:
             p.grad = None
         local = forward_backward(cfg, mesh, chunks, x, y)
+        # data parallelism: sum each weight's gradient over its replicas, divide by dp
         data_parallel.allreduce_gradients(params, mesh)
         optimizer.step([p.data for p in params], [p.grad for p in params])
         ledger.enabled = False  # reporting the loss is not part of training's traffic

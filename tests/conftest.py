@@ -12,7 +12,7 @@ from minipar.train import RunResult, train_reference
 RTOL = 1e-9
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(items: tuple) -> RunResult:
     return train_reference(TrainConfig(**dict(items)).resolved(1))
 
