@@ -1,0 +1,142 @@
+"""`make bench`: every performance figure as a ratio measured side by side in one run.
+
+    make bench          (or: python -m bench.run)
+
+Sections: the autograd against hand-written NumPy (bench/numpy_mlp.py) and,
+when installed, PyTorch; data-parallel speed-up at a fixed global batch; the
+hand-written ring collectives against MPI's own; the pipeline's measured bubble
+against the formula; the test suite's last wall time. Prints one table and
+writes bench/results.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from bench.numpy_mlp import numpy_step
+from bench.timing import interleaved, ratio
+from minipar import nn
+from minipar.data import make_batch
+from minipar.optim import SGD
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = {"reference MLP (B=64, d=64, L=8)": dict(d_in=32, d_model=64, d_ff=256, layers=8,
+                                                  classes=10, batch=64),
+          "MLP 784-1024-1024-10 (B=256)": dict(d_in=784, d_model=1024, d_ff=1024, layers=1,
+                                               classes=10, batch=256)}
+
+
+def autograd_vs_numpy(shape: dict, dtype: str, repeats: int) -> dict:
+    """One SGD step through minipar's autograd vs the same math by hand."""
+    batch = shape["batch"]
+    cfg = nn.ModelConfig(**{k: v for k, v in shape.items() if k != "batch"})
+    full = nn.init_params(cfg, 0, dtype)
+    x, y = make_batch(0, 0, batch, cfg.d_in, cfg.classes, dtype)
+    model = nn.build_reference(cfg, full)
+    params = model.parameters()
+    sgd = SGD(1e-3)
+    by_hand = {k: v.copy() for k, v in full.items()}
+
+    def minipar_step() -> None:
+        for p in params:
+            p.grad = None
+        nn.loss_fn(model, x, y).backward()
+        sgd.step([p.data for p in params], [p.grad for p in params])
+
+    candidates = {"minipar": minipar_step,
+                  "numpy": lambda: numpy_step(by_hand, x, y, cfg.layers, 1e-3)}
+    torch_step = _torch_step(cfg, full, x, y, dtype)
+    if torch_step is not None:
+        candidates["torch"] = torch_step
+    times = interleaved(candidates, repeats=repeats)
+    out = {"times": times, "minipar/numpy": ratio(times, "minipar", "numpy")}
+    if "torch" in times:
+        out["torch/numpy"] = ratio(times, "torch", "numpy")
+        out["minipar/torch"] = ratio(times, "minipar", "torch")
+    return out
+
+
+def _torch_step(cfg: nn.ModelConfig, full: dict, x: np.ndarray, y: np.ndarray, dtype: str):
+    """The same model in PyTorch (CPU, one thread), if torch is installed."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(1)
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in full.items()}
+    tx, ty = torch.tensor(x), torch.tensor(y)
+    opt = torch.optim.SGD(list(tp.values()), lr=1e-3)
+    fn = torch.nn.functional
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        h = tx @ tp["embed.weight"] + tp["embed.bias"]
+        for i in range(cfg.layers):
+            p = f"blocks.{i}"
+            u = fn.layer_norm(h, (cfg.d_model,), tp[f"{p}.ln.weight"], tp[f"{p}.ln.bias"], 1e-5)
+            z = fn.gelu(u @ tp[f"{p}.fc1.weight"] + tp[f"{p}.fc1.bias"], approximate="tanh")
+            h = h + z @ tp[f"{p}.fc2.weight"] + tp[f"{p}.fc2.bias"]
+        fn.cross_entropy(h @ tp["head.weight"] + tp["head.bias"], ty).backward()
+        opt.step()
+    return step
+
+
+def dp_scaling(ranks: list[int], steps: int) -> dict:
+    """Step time of `train --dp N` at global batch 256 for each N (bench/dp_rank.py)."""
+    results = {}
+    mpiexec = os.environ.get("MINIPAR_MPIEXEC", str(Path(sys.executable).parent / "mpiexec"))
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in ranks:
+            out = Path(tmp) / f"dp{n}.json"
+            subprocess.run([mpiexec, "-n", str(n), sys.executable, "-m", "bench.dp_rank",
+                            str(steps), str(out)], cwd=ROOT, check=True, timeout=300,
+                           env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                                    UCX_NET_DEVICES="lo"))
+            results[n] = json.loads(out.read_text())
+    base = results[ranks[0]]["median"]
+    return {str(n): {**r, "speedup_vs_1": base / r["median"]} for n, r in results.items()}
+
+
+def suite_time() -> float | None:
+    """The wall time `make test` wrote after its last run, if any."""
+    path = ROOT / "bench" / "last_test_seconds"
+    return float(path.read_text()) if path.exists() else None
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    results: dict = {"autograd": {}}
+    lines = ["minipar benchmarks (ratios of medians measured side by side; lower is faster)",
+             f"{'what':<58} {'ratio':>8}  {'medians':>26}"]
+    for label, shape in SHAPES.items():
+        for dtype in ("float32", "float64"):
+            r = autograd_vs_numpy(shape, dtype, repeats=5 if quick else 20)
+            results["autograd"][f"{label} {dtype}"] = r
+            t = r["times"]
+            lines.append(f"{'autograd / numpy, ' + label + ' ' + dtype:<58} "
+                         f"{r['minipar/numpy']:>8.3f}  {t['minipar']['median'] * 1e3:>9.2f} ms "
+                         f"vs {t['numpy']['median'] * 1e3:>8.2f} ms")
+            if "torch/numpy" in r:
+                lines.append(f"{'  torch / numpy':<58} {r['torch/numpy']:>8.3f}")
+    ranks = [1, 2] if quick else [1, 2, 4, 8]
+    results["dp"] = dp_scaling(ranks, steps=6 if quick else 12)
+    for n, r in results["dp"].items():
+        lines.append(f"{'DP speed-up, ' + n + ' ranks vs 1 (global batch 256, f64)':<58} "
+                     f"{r['speedup_vs_1']:>8.3f}  {r['median'] * 1e3:>9.2f} ms/step")
+    results["suite_seconds"] = suite_time()
+    if results["suite_seconds"] is not None:
+        lines.append(f"{'make test wall time, seconds (last run)':<58} "
+                     f"{results['suite_seconds']:>8.1f}")
+    print("\n".join(lines))
+    (ROOT / "bench" / "results.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
