@@ -17,7 +17,7 @@ export MINIPAR_MPIEXEC := $(abspath $(MPIEXEC))
 RUFF_CONFIG := $(shell $(PYTHON) -c "import configparser as c; p = c.ConfigParser(); \
 	p.read('setup.cfg'); print(' '.join(\"--config '%s = %s'\" % kv for kv in p['tool:ruff'].items()))")
 
-.PHONY: install test lint demo clean
+.PHONY: install test lint demo bench clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,11 +31,16 @@ lint: install
 	$(PY) -m ruff check --output-format concise $(RUFF_CONFIG) minipar tests lessons
 
 test: install lint
-	$(PY) -m pytest
+	@start=$$(date +%s); $(PY) -m pytest && \
+	  echo $$(( $$(date +%s) - start )) > bench/last_test_seconds
 
+# The guided tour: every strategy on 8 ranks, one line each, checked against one process.
 demo: install
-	$(PY) -m minipar train --steps 5
-	$(MPIEXEC) -n 4 $(PY) -m minipar train --dp 4 --steps 5 --check --ledger
+	$(MPIEXEC) -n 8 $(PY) -m minipar tour
+
+# Speed figures, each a ratio measured side by side (writes bench/results.json).
+bench: install
+	$(PY) -m bench.run
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -154,7 +154,13 @@ def mesh_command(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train_command, "mesh": mesh_command}
+def tour_command(argv: list[str]) -> int:
+    from minipar.tour import main as tour
+
+    return tour(argv)
+
+
+COMMANDS = {"train": train_command, "mesh": mesh_command, "tour": tour_command}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,90 @@
+"""The guided tour (`make demo`): each strategy of the source text, run once, checked once.
+
+    mpiexec -n 8 python -m minipar tour [--plot DIR]
+
+For every strategy the tour trains the same small model on a mesh of the 8
+ranks, then reruns it in one process and prints one line: the mesh, what moved
+in the last step (bytes per axis, from the ledger) and the largest difference
+from the single-process run. Figures go to the folder named at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from minipar.config import TrainConfig, problems
+
+# (title, flags): the source text's strategies in its order, then what it leads to.
+STOPS: list[tuple[str, dict]] = [
+    ("DP   data parallel: 8 replicas, g = 1/8 sum g_i", dict(dp=8)),
+    ("TP   tensor parallel: fc1 by columns, fc2 by rows", dict(dp=2, tp=4)),
+    ("EP   expert parallel: 64 experts, 8 per rank, Alltoall", dict(
+        model="moe", dp=8, ep=8, experts=64, top_k=2, capacity_factor=1.25)),
+    ("PP   pipeline: 8 blocks on 4 stages, 1F1B", dict(dp=2, pp=4, microbatches=4)),
+    ("TP+PP  tensor inside stages, pipeline across", dict(dp=1, tp=2, pp=4, microbatches=4)),
+    ("3-D  dp x tp x pp = 2 x 2 x 2", dict(dp=2, tp=2, pp=2, microbatches=2)),
+    ("ZeRO-3  parameters, gradients, optimizer state sharded", dict(dp=8, zero=3,
+                                                                   optimizer="adam")),
+]
+SMALL = dict(layers=8, d_in=16, d_model=32, batch=64, steps=3)
+
+
+def moved(ledger: list[dict]) -> str:
+    """Bytes one rank sent per axis in the last step (the busiest rank of each axis)."""
+    per_axis: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for r in ledger:
+        if r["op"] not in ("Recv", "Irecv"):
+            per_axis[r["group"]][r["rank"]] += r["bytes"]
+    parts = [f"{axis} {max(ranks.values()) / 1024:.0f} KiB" for axis, ranks in
+             sorted(per_axis.items())]
+    return ", ".join(parts) if parts else "nothing"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mpi4py import MPI
+
+    from minipar.__main__ import max_differences
+    from minipar.train import train, train_reference
+
+    parser = argparse.ArgumentParser(prog="python -m minipar tour")
+    parser.add_argument("--plot", metavar="DIR", default=None, help="write figures here")
+    args = parser.parse_args(argv)
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    if size != 8:
+        if rank == 0:
+            print("minipar: error: the tour runs on 8 ranks: mpiexec -n 8 python -m minipar tour",
+                  file=sys.stderr)
+        return 2
+    worst = 0.0
+    start = time.perf_counter()
+    for title, flags in STOPS:
+        cfg = TrainConfig(**{**SMALL, **flags}).resolved(size)
+        errors = problems(cfg, size)
+        if errors:  # the same verdict on every rank: skip together
+            if rank == 0:
+                print(f"{title:<58} skipped: {errors[0]}", flush=True)
+            continue
+        result = train(cfg, world)
+        if rank == 0:
+            ref = train_reference(cfg)
+            loss_diff = float(np.max(np.abs(np.subtract(result.losses, ref.losses))))
+            _, rel, _ = max_differences(result.final, ref.final)
+            worst = max(worst, rel)
+            print(f"{title:<58} moved {moved(result.ledger)}; "
+                  f"vs one process: loss {loss_diff:.1e}, params rel {rel:.1e}", flush=True)
+    if rank == 0:
+        print(f"every strategy equals one process to {worst:.1e} (relative); "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
+        if args.plot:
+            from minipar.plots import tour_figures
+
+            folder = tour_figures(Path(args.plot))
+            print(f"figures written to {folder}/", flush=True)
+    return 0
