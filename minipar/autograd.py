@@ -106,14 +106,22 @@ class Tensor:
             out._backward = backward
         return out
 
-    def accumulate(self, g: np.ndarray) -> None:
-        """Add `g` to this tensor's gradient (the rule that makes reuse work)."""
+    def accumulate(self, g: np.ndarray, fresh: bool = False) -> None:
+        """Add `g` to this tensor's gradient (the rule that makes reuse work).
+
+        `fresh=True` promises that `g` is a new array nobody else holds, so the first
+        gradient can be kept without a copy (a copy per node would cost as much as
+        the tape itself); shared arrays (an `add` hands the same g to both inputs)
+        are copied, because later accumulations write into the stored gradient."""
         if not self.requires_grad:
             return
-        if self.grad is None:
-            self.grad = np.array(g, dtype=self.data.dtype, copy=True)
-        else:
+        if self.grad is not None:
             self.grad += g
+        elif fresh and g.dtype == self.data.dtype and g.flags.writeable \
+                and g.flags.c_contiguous:
+            self.grad = g
+        else:
+            self.grad = np.array(g, dtype=self.data.dtype, copy=True)
 
     def backward(self, grad: np.ndarray | None = None) -> None:
         """Backpropagate from this tensor (a scalar loss, or any tensor given `grad`).
@@ -207,7 +215,7 @@ TensorLike = Tensor | np.ndarray | float
 
 
 def _topological_order(roots: Sequence[Tensor]) -> list[Tensor]:
-    """Every node reachable from `roots`, each after all of its parents."""
+    """Every op node reachable from `roots`, each after all of its parents."""
     order: list[Tensor] = []
     seen: set[int] = set()
     stack: list[tuple[Tensor, bool]] = [(r, False) for r in reversed(roots)]
@@ -221,7 +229,8 @@ def _topological_order(roots: Sequence[Tensor]) -> list[Tensor]:
         seen.add(id(node))
         stack.append((node, True))
         for parent in reversed(node.parents):
-            if parent.requires_grad and id(parent) not in seen:
+            # leaves (parameters, inputs) need no ordering: they only receive gradients
+            if parent._backward is not None and id(parent) not in seen:
                 stack.append((parent, False))
     return order
 
@@ -275,7 +284,7 @@ def sub(a: TensorLike, b: TensorLike) -> Tensor:
 
     def backward(g: np.ndarray) -> None:
         a.accumulate(_unbroadcast(g, a.shape))
-        b.accumulate(_unbroadcast(-g, b.shape))
+        b.accumulate(_unbroadcast(-g, b.shape), fresh=True)
     return Tensor.from_op(a.data - b.data, (a, b), backward)
 
 
@@ -284,8 +293,8 @@ def mul(a: TensorLike, b: TensorLike) -> Tensor:
     a, b = as_tensor(a), as_tensor(b)
 
     def backward(g: np.ndarray) -> None:
-        a.accumulate(_unbroadcast(g * b.data, a.shape))
-        b.accumulate(_unbroadcast(g * a.data, b.shape))
+        a.accumulate(_unbroadcast(g * b.data, a.shape), fresh=True)
+        b.accumulate(_unbroadcast(g * a.data, b.shape), fresh=True)
     return Tensor.from_op(a.data * b.data, (a, b), backward)
 
 
@@ -295,32 +304,32 @@ def div(a: TensorLike, b: TensorLike) -> Tensor:
     out = a.data / b.data
 
     def backward(g: np.ndarray) -> None:
-        a.accumulate(_unbroadcast(g / b.data, a.shape))
-        b.accumulate(_unbroadcast(-g * out / b.data, b.shape))
+        a.accumulate(_unbroadcast(g / b.data, a.shape), fresh=True)
+        b.accumulate(_unbroadcast(-g * out / b.data, b.shape), fresh=True)
     return Tensor.from_op(out, (a, b), backward)
 
 
 def exp(a: Tensor) -> Tensor:
     """e^a. Backward: g * e^a."""
     out = np.exp(a.data)
-    return Tensor.from_op(out, (a,), lambda g: a.accumulate(g * out))
+    return Tensor.from_op(out, (a,), lambda g: a.accumulate(g * out, fresh=True))
 
 
 def log(a: Tensor) -> Tensor:
     """ln a. Backward: g / a."""
-    return Tensor.from_op(np.log(a.data), (a,), lambda g: a.accumulate(g / a.data))
+    return Tensor.from_op(np.log(a.data), (a,), lambda g: a.accumulate(g / a.data, fresh=True))
 
 
 def tanh(a: Tensor) -> Tensor:
     """tanh a. Backward: g (1 - tanh^2 a)."""
     out = np.tanh(a.data)
-    return Tensor.from_op(out, (a,), lambda g: a.accumulate(g * (1.0 - out * out)))
+    return Tensor.from_op(out, (a,), lambda g: a.accumulate(g * (1.0 - out * out), fresh=True))
 
 
 def sqrt(a: Tensor) -> Tensor:
     """sqrt a. Backward: g / (2 sqrt a)."""
     out = np.sqrt(a.data)
-    return Tensor.from_op(out, (a,), lambda g: a.accumulate(g * 0.5 / out))
+    return Tensor.from_op(out, (a,), lambda g: a.accumulate(g * 0.5 / out, fresh=True))
 
 
 def gelu(a: Tensor) -> Tensor:
@@ -332,7 +341,7 @@ def gelu(a: Tensor) -> Tensor:
 
     def backward(g: np.ndarray) -> None:
         dinner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * z * z)
-        a.accumulate(g * (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * dinner))
+        a.accumulate(g * (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * dinner), fresh=True)
     return Tensor.from_op(out, (a,), backward)
 
 
@@ -373,7 +382,7 @@ def getitem(a: Tensor, index: object) -> Tensor:
     def backward(g: np.ndarray) -> None:
         full = np.zeros_like(a.data)
         np.add.at(full, index, g)
-        a.accumulate(full)
+        a.accumulate(full, fresh=True)
     return Tensor.from_op(a.data[index], (a,), backward)
 
 
@@ -382,7 +391,7 @@ def take_rows(a: Tensor, rows: np.ndarray) -> Tensor:
     def backward(g: np.ndarray) -> None:
         full = np.zeros_like(a.data)
         np.add.at(full, rows, g)
-        a.accumulate(full)
+        a.accumulate(full, fresh=True)
     return Tensor.from_op(a.data[rows], (a,), backward)
 
 
@@ -394,7 +403,7 @@ def index_add(base: Tensor, rows: np.ndarray, values: Tensor) -> Tensor:
 
     def backward(g: np.ndarray) -> None:
         base.accumulate(g)
-        values.accumulate(g[rows])
+        values.accumulate(g[rows], fresh=True)
     return Tensor.from_op(out, (base, values), backward)
 
 
@@ -427,9 +436,9 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     """a @ b for 2-D operands. Backward: dA = g B^T, dB = A^T g."""
     def backward(g: np.ndarray) -> None:
         if a.requires_grad:
-            a.accumulate(g @ b.data.T)
+            a.accumulate(g @ b.data.T, fresh=True)
         if b.requires_grad:
-            _weight_grad(lambda: b.accumulate(a.data.T @ g))
+            _weight_grad(lambda: b.accumulate(a.data.T @ g, fresh=True))
     return Tensor.from_op(a.data @ b.data, (a, b), backward)
 
 
@@ -443,12 +452,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
     def backward(g: np.ndarray) -> None:
         if x.requires_grad:
-            x.accumulate(g @ weight.data.T)
+            x.accumulate(g @ weight.data.T, fresh=True)
 
         def weight_grads() -> None:
-            weight.accumulate(x.data.T @ g)
+            weight.accumulate(x.data.T @ g, fresh=True)
             if bias is not None:
-                bias.accumulate(g.sum(axis=0))
+                bias.accumulate(g.sum(axis=0), fresh=True)
         _weight_grad(weight_grads)
     return Tensor.from_op(out, parents, backward)
 
@@ -466,13 +475,13 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-5) -> Ten
 
     def backward(g: np.ndarray) -> None:
         lead = tuple(range(g.ndim - 1))
-        gamma.accumulate((g * x_hat).sum(axis=lead))
-        beta.accumulate(g.sum(axis=lead))
+        gamma.accumulate((g * x_hat).sum(axis=lead), fresh=True)
+        beta.accumulate(g.sum(axis=lead), fresh=True)
         if x.requires_grad:
             g_hat = g * gamma.data
             dx = g_hat - g_hat.mean(axis=-1, keepdims=True) \
                 - x_hat * (g_hat * x_hat).mean(axis=-1, keepdims=True)
-            x.accumulate(dx * inv_sigma)
+            x.accumulate(dx * inv_sigma, fresh=True)
     return Tensor.from_op(out, (x, gamma, beta), backward)
 
 
@@ -484,7 +493,7 @@ def softmax(a: Tensor, axis: int = -1) -> Tensor:
     s = e / e.sum(axis=axis, keepdims=True)
 
     def backward(g: np.ndarray) -> None:
-        a.accumulate(s * (g - (g * s).sum(axis=axis, keepdims=True)))
+        a.accumulate(s * (g - (g * s).sum(axis=axis, keepdims=True)), fresh=True)
     return Tensor.from_op(s, (a,), backward)
 
 
@@ -494,7 +503,7 @@ def log_softmax(a: Tensor, axis: int = -1) -> Tensor:
     out = shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
 
     def backward(g: np.ndarray) -> None:
-        a.accumulate(g - np.exp(out) * g.sum(axis=axis, keepdims=True))
+        a.accumulate(g - np.exp(out) * g.sum(axis=axis, keepdims=True), fresh=True)
     return Tensor.from_op(out, (a,), backward)
 
 
@@ -513,5 +522,5 @@ def cross_entropy(logits: Tensor, labels: np.ndarray, scale: float | None = None
     def backward(g: np.ndarray) -> None:
         d = e / total
         d[rows, labels] -= 1.0
-        logits.accumulate(d * (g * scale))
+        logits.accumulate(d * (g * scale), fresh=True)
     return Tensor.from_op(out, (logits,), backward)
