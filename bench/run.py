@@ -90,18 +90,21 @@ def _torch_step(cfg: nn.ModelConfig, full: dict, x: np.ndarray, y: np.ndarray, d
 
 def dp_scaling(ranks: list[int], steps: int) -> dict:
     """Step time of `train --dp N` at global batch 256 for each N (bench/dp_rank.py)."""
-    results = {}
-    mpiexec = os.environ.get("MINIPAR_MPIEXEC", str(Path(sys.executable).parent / "mpiexec"))
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in ranks:
-            out = Path(tmp) / f"dp{n}.json"
-            subprocess.run([mpiexec, "-n", str(n), sys.executable, "-m", "bench.dp_rank",
-                            str(steps), str(out)], cwd=ROOT, check=True, timeout=300,
-                           env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-                                    UCX_NET_DEVICES="lo"))
-            results[n] = json.loads(out.read_text())
+    results = {n: _mpi_json(n, "bench.dp_rank", [str(steps)]) for n in ranks}
     base = results[ranks[0]]["median"]
     return {str(n): {**r, "speedup_vs_1": base / r["median"]} for n, r in results.items()}
+
+
+def _mpi_json(n: int, module: str, args: list[str]) -> dict:
+    """Run `mpiexec -n n python -m module <args> OUT.json` and read OUT.json."""
+    mpiexec = os.environ.get("MINIPAR_MPIEXEC", str(Path(sys.executable).parent / "mpiexec"))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        subprocess.run([mpiexec, "-n", str(n), sys.executable, "-m", module, *args, str(out)],
+                       cwd=ROOT, check=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                                UCX_NET_DEVICES="lo"))
+        return json.loads(out.read_text())
 
 
 def suite_time() -> float | None:
@@ -130,6 +133,18 @@ def main() -> None:
     for n, r in results["dp"].items():
         lines.append(f"{'DP speed-up, ' + n + ' ranks vs 1 (global batch 256, f64)':<58} "
                      f"{r['speedup_vs_1']:>8.3f}  {r['median'] * 1e3:>9.2f} ms/step")
+    results["ring"] = {n: _mpi_json(n, "bench.ring_rank", []) for n in ranks if n > 1}
+    for n, r in results["ring"].items():
+        for label in ("8 KB", "1 MB", "16 MB"):
+            lines.append(f"{f'ring / MPI Allreduce, {label}, {n} ranks':<58} "
+                         f"{r[label]['ring/mpi']:>8.3f}  bus {r[label]['ring_bus_GBps']:.2f} vs "
+                         f"{r[label]['mpi_bus_GBps']:.2f} GB/s")
+        lines.append(f"{'  (memcpy bandwidth of this machine, GB/s)':<58} {r['memcpy_GBps']:>8.2f}")
+    results["pipeline"] = _mpi_json(2, "bench.pipeline_rank", [])
+    for label, r in results["pipeline"].items():
+        lines.append(f"{'pipeline bubble measured / formula, pp=2 ' + label:<58} "
+                     f"{r['measured'] / r['formula']:>8.3f}  {r['measured']:.3f} vs "
+                     f"{r['formula']:.3f}")
     results["suite_seconds"] = suite_time()
     if results["suite_seconds"] is not None:
         lines.append(f"{'make test wall time, seconds (last run)':<58} "

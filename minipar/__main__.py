@@ -2,6 +2,8 @@
 
     mpiexec -n 8 python -m minipar train --dp 2 --tp 2 --pp 2 --check
     python -m minipar mesh --dp 2 --tp 2 --pp 2
+    python -m minipar bugs             (the bugs --inject-bug NAME breaks a run with)
+    mpiexec -n 2 python -m minipar reshard CHECKPOINT NEW --tp 2   (one rank: the full state)
 
 Failures are collective. A bad setting is found by every rank alone (a pure
 check of the flags, before any communication); rank 0 prints one line and
@@ -64,13 +66,16 @@ def train_command(argv: list[str]) -> int:
     if errors:
         return fail(rank, errors[0] + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
 
-    from minipar.train import train
+    from minipar.train import DivergedError, train
 
     def progress(step: int, loss: float) -> None:
         if rank == 0:
             print(f"step {step + 1:4d}  loss {loss:.6f}", flush=True)
 
-    result = train(cfg, world, on_step=progress)
+    try:
+        result = train(cfg, world, on_step=progress)
+    except DivergedError as error:  # raised on every rank at the same step: no abort needed
+        return fail(rank, str(error), code=1)
     if args.ledger and rank == 0:
         from minipar.report import ledger_table
 
@@ -121,7 +126,8 @@ def check(cfg: TrainConfig, result: object) -> int:
     from minipar.train import train_reference
 
     reference = train_reference(cfg)
-    loss_abs = float(np.max(np.abs(np.subtract(result.losses, reference.losses))))
+    taken = reference.losses[cfg.steps - len(result.losses):]  # a resumed run: its steps
+    loss_abs = float(np.max(np.abs(np.subtract(result.losses, taken))))
     loss_rel = loss_abs / max(float(np.max(np.abs(reference.losses))), 1e-300)
     param_abs, param_rel, where = max_differences(result.final, reference.final)
     tolerance = TOLERANCE[cfg.dtype]
@@ -143,11 +149,11 @@ def mesh_command(argv: list[str]) -> int:
                                      description="Print which rank is in which group.")
     for axis in ("dp", "tp", "pp", "ep"):
         parser.add_argument(f"--{axis}", type=int, default=1)
+    parser.add_argument("--world", type=int, default=None,
+                        help="ranks the mesh must fill (default: dp*tp*pp)")
     args = parser.parse_args(argv)
     shape = MeshShape(args.dp, args.tp, args.pp, args.ep)
-    errors = shape.problems(shape.world) if min(args.dp, args.tp, args.pp, args.ep) >= 1 \
-        else [f"every axis must be at least 1 (got dp={args.dp} tp={args.tp} pp={args.pp} "
-              f"ep={args.ep})"]
+    errors = shape.problems(shape.world if args.world is None else args.world)
     if errors:
         return fail(0, errors[0])
     print(shape.table())
@@ -160,7 +166,53 @@ def tour_command(argv: list[str]) -> int:
     return tour(argv)
 
 
-COMMANDS = {"train": train_command, "mesh": mesh_command, "tour": tour_command}
+def reshard_command(argv: list[str]) -> int:
+    """`python -m minipar reshard SRC DST [--dp --tp --pp --ep --virtual]`: rewrite a
+    checkpoint for another mesh without training (one rank, no flags: the full state)."""
+    from minipar import checkpoint
+    from minipar.config import _Parser  # argparse that raises, so only rank 0 speaks
+
+    world = _world()
+    rank, size = world.Get_rank(), world.Get_size()
+    parser = _Parser(prog="python -m minipar reshard",
+                    description="Rewrite a checkpoint for the mesh of this job.")
+    for axis, default in (("dp", None), ("tp", 1), ("pp", 1), ("ep", 1), ("virtual", 1)):
+        parser.add_argument(f"--{axis}", type=int, default=default)
+    parser.add_argument("source", metavar="SRC")
+    parser.add_argument("destination", metavar="DST")
+    try:
+        args = parser.parse_args(argv)
+    except ConfigError as error:
+        return fail(rank, str(error))
+    errors = [f"SRC {message}" for message in checkpoint.verify(args.source)]
+    if not errors:
+        mesh = {axis: getattr(args, axis) for axis in ("dp", "tp", "pp", "ep", "virtual")}
+        manifest = checkpoint.read_manifest(Path(args.source))
+        cfg = checkpoint.config_for(manifest, **mesh).resolved(size)
+        errors = problems(cfg, size) + [f"DST {message}" for message in
+                                         checkpoint.folder_problems(Path(args.destination))]
+    if errors:
+        return fail(rank, errors[0])
+    checkpoint.reshard(cfg, world, args.source, args.destination)
+    if rank == 0:
+        print(f"resharded {args.source} (step {manifest['step']}, saved on "
+              f"{manifest['mesh']['world']} ranks) -> {args.destination} for dp={cfg.dp} "
+              f"tp={cfg.tp} pp={cfg.pp} ep={cfg.ep} ({size} shard files)", flush=True)
+    return 0
+
+
+def bugs_command(argv: list[str]) -> int:
+    """`python -m minipar bugs`: the bugs `train --inject-bug NAME` can inject (no MPI)."""
+    from minipar.bugs import listing
+
+    argparse.ArgumentParser(prog="python -m minipar bugs",
+                            description="List the bugs of lesson 08.").parse_args(argv)
+    print(listing())
+    return 0
+
+
+COMMANDS = {"train": train_command, "mesh": mesh_command, "tour": tour_command,
+            "reshard": reshard_command, "bugs": bugs_command}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,10 +94,18 @@ def wire_elements(op: str, elements: int, group_size: int) -> float:
 
 
 def _size(buf: object) -> tuple[int, int]:
-    """(elements, itemsize) of a buffer argument: an array, or [array, counts, ...]."""
-    array = buf[0] if isinstance(buf, (list, tuple)) else buf
-    array = np.asarray(array)
-    return array.size, array.itemsize
+    """(elements, itemsize) of a buffer argument: an array, or an mpi4py buffer spec
+    `[array, counts, displacements, type]` (or `[array, (counts, displacements), type]`),
+    where what moves is the sum of the counts, not the whole array."""
+    if not isinstance(buf, (list, tuple)):
+        array = np.asarray(buf)
+        return array.size, array.itemsize
+    array = np.asarray(buf[0])
+    counts = buf[1] if len(buf) > 1 and not isinstance(buf[1], MPI.Datatype) else None
+    if isinstance(counts, tuple) and len(counts) == 2 and np.ndim(counts[0]) == 1:
+        counts = counts[0]  # (counts, displacements)
+    elements = array.size if counts is None else int(np.sum(counts))
+    return elements, array.itemsize
 
 
 # ------------------------------------------------------------------ group
@@ -139,20 +147,20 @@ class Group:
 
     def Reduce_scatter(self, sendbuf: object, recvbuf: object,
                        recvcounts: Sequence[int] | None = None, op: MPI.Op = MPI.SUM) -> None:
-        self._log("Reduce_scatter", sendbuf)
+        self._log("Reduce_scatter", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf)
         self.comm.Reduce_scatter(sendbuf, recvbuf, recvcounts, op=op)
 
     def Reduce_scatter_block(self, sendbuf: object, recvbuf: object,
                              op: MPI.Op = MPI.SUM) -> None:
-        self._log("Reduce_scatter", sendbuf)
+        self._log("Reduce_scatter", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf)
         self.comm.Reduce_scatter_block(sendbuf, recvbuf, op=op)
 
     def Alltoall(self, sendbuf: object, recvbuf: object) -> None:
-        self._log("Alltoall", sendbuf)
+        self._log("Alltoall", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf)
         self.comm.Alltoall(sendbuf, recvbuf)
 
     def Alltoallv(self, sendbuf: object, recvbuf: object) -> None:
-        self._log("Alltoallv", sendbuf)
+        self._log("Alltoallv", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf)
         self.comm.Alltoallv(sendbuf, recvbuf)
 
     def Exscan(self, sendbuf: object, recvbuf: object, op: MPI.Op = MPI.SUM) -> None:

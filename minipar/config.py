@@ -16,6 +16,7 @@ from minipar.mesh import MeshShape
 from minipar.nn import ModelConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+GRAD_SYNCS = ("naive", "bucketed", "overlapped")
 
 
 class ConfigError(Exception):
@@ -53,7 +54,12 @@ class TrainConfig:
     schedule: str = "1f1b"
     virtual: int = 1
     zero: int = 0
+    grad_sync: str = "bucketed"       # plain DP's gradient sync (data_parallel.py)
+    bucket_size: int = 65536          # elements per gradient bucket
     sp: bool = False
+    save: str | None = None           # checkpoint folder written at the end (checkpoint.py)
+    resume: str | None = None         # checkpoint folder to start from, on any mesh
+    inject_bug: str | None = None     # lesson 08: run with one deliberate bug (bugs.py)
 
     def resolved(self, world_size: int) -> TrainConfig:
         """Fill the defaults that depend on other flags (d_ff, expert_d_ff, dp)."""
@@ -84,12 +90,6 @@ class TrainConfig:
 # Strategies whose code is not in this tree yet are refused, never silently ignored.
 # Each strategy's issue deletes its line when its code lands.
 NOT_BUILT: dict[str, str] = {
-    "tp": "--tp: tensor parallelism is not built yet",
-    "pp": "--pp: pipeline parallelism is not built yet",
-    "ep": "--ep: expert parallelism is not built yet",
-    "zero": "--zero: ZeRO is not built yet",
-    "sp": "--sp: sequence parallelism is not built yet",
-    "moe_dp": "--model moe with --dp above 1 needs expert parallelism, not built yet",
 }
 
 
@@ -119,6 +119,10 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
         out.append("--classes must be at least 2 for a classification loss")
     if cfg.zero not in (0, 1, 2, 3):
         out.append(f"--zero must be 0, 1, 2 or 3 (got {cfg.zero})")
+    if cfg.grad_sync not in GRAD_SYNCS:
+        out.append(f"--grad-sync must be one of {', '.join(GRAD_SYNCS)} (got {cfg.grad_sync})")
+    if cfg.bucket_size < 1:
+        out.append(f"--bucket-size must be at least 1 element (got {cfg.bucket_size})")
     if out:
         return out  # sizes below are meaningless with non-positive numbers
     if cfg.top_k > cfg.experts:
@@ -127,7 +131,16 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
     if out:
         return out
     out += _divisibility(cfg)
+    out += _data_parallel_problems(cfg)
     out += [message for flag, message in NOT_BUILT.items() if _flag_used(cfg, flag)]
+    if cfg.inject_bug is not None:  # an unknown name, or a strategy this mesh does not use
+        from minipar import bugs
+
+        out += bugs.problems(cfg)
+    if not out and (cfg.save or cfg.resume):  # reads the manifest and checksums, no talking
+        from minipar import checkpoint
+
+        out += checkpoint.problems(cfg)
     return out
 
 
@@ -150,6 +163,12 @@ def _divisibility(cfg: TrainConfig) -> list[str]:
         out.append("--ep needs --model moe (a dense model has no experts)")
     if cfg.virtual > 1 and cfg.schedule != "interleaved":
         out.append(f"--virtual {cfg.virtual} needs --schedule interleaved")
+    if cfg.virtual > 1 and cfg.pp == 1:
+        out.append(f"--virtual {cfg.virtual} needs --pp 2 or more (chunks interleave a pipeline)")
+    elif cfg.virtual > 1 and cfg.microbatches % cfg.pp:
+        out.append(f"--schedule interleaved --virtual {cfg.virtual} needs --microbatches "
+                   f"divisible by --pp {cfg.pp} (got {cfg.microbatches}): each chunk takes "
+                   "the microbatches in groups of pp")
     if cfg.layers % (cfg.pp * cfg.virtual):
         out.append(f"--layers {cfg.layers} is not divisible by --pp {cfg.pp} x --virtual "
                    f"{cfg.virtual} (each pipeline stage holds an equal run of blocks)")
@@ -161,10 +180,28 @@ def _divisibility(cfg: TrainConfig) -> list[str]:
     return out
 
 
+def _data_parallel_problems(cfg: TrainConfig) -> list[str]:
+    """Combinations of --grad-sync / --zero with other strategies that are not built."""
+    out = []
+    if cfg.zero and cfg.grad_sync != "bucketed":
+        out.append(f"--grad-sync {cfg.grad_sync} is plain data parallelism's sync: with --zero "
+                   f"{cfg.zero} gradients are Reduce_scattered instead (drop --grad-sync)")
+    if cfg.zero and cfg.model == "moe":
+        out.append(f"--zero {cfg.zero} with --model moe is not built: expert weights sync over "
+                   "the expert-data-parallel group, ZeRO here shards over dp only")
+    hooked = None  # these take each block's gradients from inside the backward
+    if cfg.grad_sync == "overlapped":
+        hooked = "--grad-sync overlapped"
+    elif cfg.zero >= 2:
+        hooked = f"--zero {cfg.zero}"
+    if hooked and cfg.sp:
+        out.append(f"{hooked} takes each block's gradients when its backward ends, before "
+                   "--sp sums LayerNorm gradients over tp: use --zero 0/1 without overlap")
+    return out
+
+
 def _flag_used(cfg: TrainConfig, flag: str) -> bool:
     """Whether a strategy flag is switched on (a degree above 1, a stage above 0, ...)."""
-    if flag == "moe_dp":
-        return cfg.model == "moe" and cfg.dp > 1
     value = getattr(cfg, flag)
     default = {f.name: f.default for f in fields(TrainConfig)}[flag]
     return value != default and value not in (1, None)
@@ -193,7 +230,16 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--optimizer", choices=("sgd", "adam"), default=d.optimizer)
     add("--dtype", choices=("float64", "float32"), default=d.dtype)
     add("--schedule", choices=SCHEDULES, default=d.schedule)
+    add("--grad-sync", choices=GRAD_SYNCS, default=d.grad_sync,
+        help="plain data parallelism: one Allreduce per parameter, per bucket, or per "
+             "bucket overlapped with backward")
+    add("--bucket-size", type=int, default=d.bucket_size,
+        help="elements per gradient bucket (--grad-sync bucketed/overlapped)")
     add("--sp", action="store_true", help="sequence parallelism inside the tp group")
+    add("--save", metavar="DIR", help="write a sharded checkpoint at the end")
+    add("--resume", metavar="DIR", help="start from a checkpoint saved on any mesh")
+    add("--inject-bug", metavar="NAME", default=None,
+        help="break one thing on purpose (lesson 08); `python -m minipar bugs` lists them")
 
 
 def make_parser(prog: str = "python -m minipar train") -> argparse.ArgumentParser:

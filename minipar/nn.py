@@ -257,9 +257,9 @@ class MoEBlock(Module):
         kept = keep_within_capacity(expert_of, cfg.experts, limit)
         out = Tensor(np.zeros_like(h.data))
         for e, expert in enumerate(self.experts):              # a loop over experts, not tokens
+            # An expert no token chose still runs, on zero rows: its gradient is then a
+            # zero array (not missing), so optimizers and gradient syncs see every weight.
             mine = np.flatnonzero((expert_of == e) & kept)
-            if mine.size == 0:
-                continue
             y = expert(ag.take_rows(u, tokens[mine]))          # (n_e, d) -> (n_e, d)
             weighted = y * ag.reshape(ag.take_rows(gates, mine), (-1, 1))
             out = ag.index_add(out, tokens[mine], weighted)

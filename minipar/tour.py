@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     worst = 0.0
     start = time.perf_counter()
+    stops: list[dict] = []  # what the figures need, kept on rank 0 (with --plot)
     for title, flags in STOPS:
         cfg = TrainConfig(**{**SMALL, **flags}).resolved(size)
         errors = problems(cfg, size)
@@ -72,8 +73,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{title:<58} skipped: {errors[0]}", flush=True)
             continue
         result = train(cfg, world)
+        # each rank's bytes of params, grads and optimizer state -> rank 0 (for a figure)
+        memory = world.gather(result.extras["memory"], root=0) if args.plot else None
         if rank == 0:
             ref = train_reference(cfg)
+            stops.append(dict(title=title, cfg=cfg, losses=result.losses, ledger=result.ledger,
+                              reference=ref.losses, memory=memory, extras=result.extras))
             loss_diff = float(np.max(np.abs(np.subtract(result.losses, ref.losses))))
             _, rel, _ = max_differences(result.final, ref.final)
             worst = max(worst, rel)
@@ -85,6 +90,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             from minipar.plots import tour_figures
 
-            folder = tour_figures(Path(args.plot))
+            folder = tour_figures(Path(args.plot), stops)
             print(f"figures written to {folder}/", flush=True)
     return 0

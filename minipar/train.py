@@ -22,13 +22,14 @@ a step is taken before its update, averaged the same way.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import nn
+from minipar import checkpoint, nn
 from minipar.config import TrainConfig
 from minipar.data import make_batch, microbatch_rows, shard_rows
 from minipar.optim import make_optimizer
@@ -43,6 +44,16 @@ class RunResult:
     final: dict[str, np.ndarray] | None = None
     ledger: list[dict] = field(default_factory=list)
     extras: dict = field(default_factory=dict)
+
+
+class DivergedError(ArithmeticError):
+    """The step loss became NaN or infinite. Raised on every rank at the same step (the
+    loss is already the same number everywhere), so the job stops together."""
+
+    def __init__(self, step: int, steps: int, loss: float, lr: float) -> None:
+        super().__init__(f"step {step} of {steps}: the loss is {loss} (training diverged; "
+                         f"every rank stopped; try a smaller --lr than {lr:g})")
+        self.step = step
 
 
 def step_batch(cfg: TrainConfig, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -94,20 +105,36 @@ def build_rank_model(cfg: TrainConfig, mesh: object, full: dict[str, np.ndarray]
     stages = cfg.pp * cfg.virtual
     per_stage = cfg.layers // stages
     chunks = []
+    enter = leave = None
+    if cfg.sp:  # the residual stream is split by rows over tp from the embedding to the
+        # head, so pipeline stages pass row shards (B/tp, d) along (tensor_parallel.py)
+        from minipar.parallel.tensor_parallel import sequence_parallel_hooks
+
+        enter, leave = sequence_parallel_hooks(mesh.tp)
     for chunk in range(cfg.virtual):
         v = chunk * cfg.pp + mesh.coords["pp"]
         blocks = [make_block(cfg, model_cfg, mesh, full, i)
                   for i in range(v * per_stage, (v + 1) * per_stage)]
         chunks.append(nn.Model(nn.Embed(full) if v == 0 else None, blocks,
-                               nn.Head(full) if v == stages - 1 else None))
+                               nn.Head(full) if v == stages - 1 else None,
+                               enter=enter, leave=leave))
     return chunks
 
 
 def make_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: object,
                full: dict[str, np.ndarray], index: int) -> nn.Module:
     """Block `index` as this mesh needs it (reference, tensor- or expert-parallel)."""
+    if cfg.model == "moe" and (cfg.dp > 1 or cfg.ep > 1):
+        # tokens split over dp, experts over ep: the Alltoall dispatch (expert_parallel.py)
+        from minipar.parallel.expert_parallel import ExpertParallelBlock
+
+        return ExpertParallelBlock(full, index, model_cfg, mesh)
     if cfg.model == "moe":
         return nn.MoEBlock(full, index, model_cfg)
+    if cfg.tp > 1:
+        from minipar.parallel.tensor_parallel import TensorParallelBlock
+
+        return TensorParallelBlock(full, index, mesh.tp, sequence_parallel=cfg.sp)
     return nn.DenseBlock(full, index)
 
 
@@ -117,10 +144,15 @@ def microbatch_loss(chunk: nn.Model, x: np.ndarray, y: np.ndarray, scale: float)
 
 
 def forward_backward(cfg: TrainConfig, mesh: object, chunks: list[nn.Model],
-                     x: np.ndarray, y: np.ndarray) -> float:
+                     x: np.ndarray, y: np.ndarray, timeline: list[dict] | None = None) -> float:
     """Forward and backward of every microbatch of this rank's rows; returns this
     rank's share of the step loss (sum over microbatches of loss/M). With pp > 1
-    the pipeline schedule decides the order (pipeline_parallel.py)."""
+    the pipeline schedule decides the order (pipeline_parallel.py) and appends the
+    wall-clock start/end of each of its instructions to `timeline`."""
+    if cfg.pp > 1:
+        from minipar.parallel import pipeline_parallel
+
+        return pipeline_parallel.forward_backward(cfg, mesh, chunks, x, y, timeline)
     dp_rank = mesh.coords["dp"]
     slices = [shard_rows(cfg.batch, cfg.microbatches, cfg.dp, m, dp_rank)
               for m in range(cfg.microbatches)]
@@ -140,40 +172,72 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
     sizes again. Every rank returns the losses; rank 0 also the full parameters
     (init and final) and the ledger of the last step gathered from every rank.
     """
+    if cfg.inject_bug:  # lesson 08: this same run with one piece swapped for a broken one
+        from minipar import bugs
+
+        with bugs.injected(cfg.inject_bug):
+            return train(replace(cfg, inject_bug=None), world, on_step)
     from minipar.comm import Ledger
     from minipar.mesh import Mesh
-    from minipar.parallel import data_parallel
+    from minipar.parallel import data_parallel, tensor_parallel
+    from minipar.parallel.pipeline_parallel import gather_timeline
 
     ledger = Ledger()
     mesh = Mesh(cfg.mesh_shape(), world, ledger)
-    full = nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
+    # --resume: the full arrays assembled from any mesh's shards, sliced below like init
+    saved = checkpoint.load(cfg.resume) if cfg.resume else None
+    full = saved.params if saved else nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
     chunks = build_rank_model(cfg, mesh, full)
     params = [p for chunk in chunks for p in chunk.parameters()]
     init, _ = gather_full_params(mesh, params, cfg)
     optimizer = make_optimizer(cfg.optimizer, cfg.lr)
+    # gradient sync over dp + the optimizer: plain DP (--grad-sync) or ZeRO (--zero);
+    # may wrap the model's pieces in hooks (overlap, ZeRO-2/3), and ZeRO-3 drops params
+    updater = data_parallel.make_updater(cfg, mesh, chunks, optimizer)
+    # the saved optimizer state, cut as the updater keeps it (ZeRO: its flat slice)
+    start = checkpoint.restore_optimizer(optimizer, params, saved, updater) if saved else 0
     losses = []
-    for step in range(cfg.steps):
+    timeline: list[dict] = []  # the pipeline's instructions of the last step, timed
+    for step in range(start, cfg.steps):  # --steps is the total, resumed or not
         ledger.reset()
+        timeline.clear()
         x, y = step_batch(cfg, step)
         for p in params:
             p.grad = None
-        local = forward_backward(cfg, mesh, chunks, x, y)
-        # data parallelism: sum each weight's gradient over its replicas, divide by dp
-        data_parallel.allreduce_gradients(params, mesh)
-        optimizer.step([p.data for p in params], [p.grad for p in params])
+        local = forward_backward(cfg, mesh, chunks, x, y, timeline)
+        if cfg.sp:  # LayerNorm / fc2-bias gradients of row shards: sum over tp first
+            tensor_parallel.allreduce_sequence_parallel_grads(chunks, mesh.tp)
+        # data parallelism: sum each weight's gradient over its replicas, divide by dp;
+        # then the optimizer updates what this rank holds (ZeRO: its slice)
+        updater.step()
         ledger.enabled = False  # reporting the loss is not part of training's traffic
         losses.append(report_loss(mesh, local))
+        if not math.isfinite(losses[-1]):  # the same number on every rank: all stop here
+            raise DivergedError(step + 1, cfg.steps, losses[-1], cfg.lr)
         ledger.enabled = True
         if on_step is not None:
             on_step(step, losses[-1])
     last_ledger = ledger.records(mesh.rank)
     ledger.enabled = False
     gathered = mesh.world.gather(last_ledger)
+    timelines = gather_timeline(mesh.world, timeline)
+    memory = updater.memory()  # bytes of params, grads, optimizer state on this rank
+    updater.materialize()  # ZeRO-3: gather every parameter whole before reading p.data
     final, disagreements = gather_full_params(mesh, params, cfg)
+    if cfg.save:  # every rank writes its shard; rank 0 the manifest, last
+        checkpoint.save(cfg.save, cfg, mesh, params, optimizer, cfg.steps, updater)
     mesh.free()
     return RunResult(losses, init, final,
                      [r for rank in gathered for r in rank] if gathered else [],
-                     {"replica_disagreements": disagreements})
+                     {"replica_disagreements": disagreements,
+                      "memory": memory,  # memory.ModelStates of this rank, after the last step
+                      # pipeline_parallel.gather_timeline: every rank's instructions of the
+                      # last step with wall-clock start/end (rank 0; empty with pp = 1)
+                      "timeline": timelines or [],
+                      # MoE load of the last microbatch, per expert-parallel block of this
+                      # rank (expert_parallel.load_stats): tokens per expert, drops, ...
+                      "expert_load": [block.last_stats for chunk in chunks
+                                      for block in chunk.blocks if hasattr(block, "last_stats")]})
 
 
 def report_loss(mesh: object, local: float) -> float:

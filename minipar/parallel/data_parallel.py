@@ -6,19 +6,64 @@ slice's mean loss, and the full-batch gradient is their average,
 
     g = 1/dp * sum_i g_i          (batch 1024 on 8 ranks: 128 each, 1/8 sum)
 
-computed with one Allreduce(SUM) and a division. Run it:
-`mpiexec -n 8 python -m mpi4py lessons/01_data_parallel.py`.
+computed with Allreduce(SUM) and a division. Three ways to call it, side by
+side, each equal to one process (`--grad-sync`):
+
+1. naive: one Allreduce per parameter after backward. Simple, but a model of
+   many small tensors pays the latency of many small messages.
+2. bucketed: gradients copied into contiguous buckets of about `--bucket-size`
+   elements (in reverse order: the order backward finishes them), one in-place
+   Allreduce per bucket (PyTorch DDP, Li et al. 2020).
+3. overlapped: each bucket's nonblocking Iallreduce starts as soon as backward
+   has produced all of its gradients, while backward goes on with earlier
+   pieces of the model; the requests are waited just before the optimizer.
+
+How overlap knows a gradient is complete: each piece of the model (embedding,
+block, head) is wrapped in a `Piece`, which puts a marker node on its input in
+the autograd tape. Backward visits a node only after everything computed from
+it, so the marker's backward runs once the whole piece is done: its parameters'
+gradients for this microbatch are complete. After the last microbatch (gradient
+accumulation: one sync per step) the piece's buckets can go. ZeRO (zero.py)
+uses the same hooks to gather and drop parameters around each piece.
+
+Run it: `mpiexec -n 8 python lessons/01_data_parallel.py`, or
+`mpiexec -n 4 python -m minipar train --dp 4 --grad-sync overlapped --check --ledger`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
+import numpy as np
 from mpi4py import MPI
 
-from minipar.nn import Parameter
+from minipar import autograd as ag
+from minipar.autograd import Tensor
+from minipar.memory import ModelStates, measure
+from minipar.nn import Module, Parameter
+
+if TYPE_CHECKING:
+    from minipar.config import TrainConfig
+    from minipar.parallel.zero import Zero1
+
+GRAD_SYNCS = ("naive", "bucketed", "overlapped")
 
 
+def grad_or_zeros(p: Parameter) -> np.ndarray:
+    """p.grad, or zeros if backward never reached p on this rank: every replica must
+    send the same buffers, or the collectives of different ranks would not match."""
+    if p.grad is None:
+        p.grad = np.zeros_like(p.data)
+    return p.grad
+
+
+def _group(p: Parameter, mesh: object) -> object:
+    """The replicas of p: all dp ranks, or for an expert weight the ranks with its expert."""
+    return mesh.dp if p.sync == "dp" else mesh.edp
+
+
+# ------------------------------------------------------------- 1. naive
 def allreduce_gradients(params: Sequence[Parameter], mesh: object) -> None:
     """Naive DP: one Allreduce per parameter, then divide by dp.
 
@@ -29,10 +74,232 @@ def allreduce_gradients(params: Sequence[Parameter], mesh: object) -> None:
     one rank's *local mean* loss, of which there are dp in the global mean.
     """
     for p in params:
-        if p.grad is None or p.sync is None:
+        if p.sync is None:
             continue
-        group = mesh.dp if p.sync == "dp" else mesh.edp
+        grad, group = grad_or_zeros(p), _group(p, mesh)
         if group.size > 1:
-            group.Allreduce(MPI.IN_PLACE, p.grad, op=MPI.SUM)  # g_i of every replica -> sum
+            group.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)  # g_i of every replica -> sum
         if mesh.shape.dp > 1:
-            p.grad /= mesh.shape.dp
+            grad /= mesh.shape.dp
+
+
+# ----------------------------------------------------------- 2. bucketed
+def make_buckets(params: Sequence[Parameter], bucket_size: int) -> list[list[Parameter]]:
+    """Cut the parameters into buckets of at most `bucket_size` elements (a larger
+    parameter gets a bucket of its own), in reverse order: the last layer's
+    gradients are ready first. A bucket holds parameters of one sync group."""
+    buckets: list[list[Parameter]] = []
+    for sync in ("dp", "edp"):
+        current: list[Parameter] = []
+        count = 0
+        for p in reversed([p for p in params if p.sync == sync]):
+            if current and count + p.data.size > bucket_size:
+                buckets.append(current)
+                current, count = [], 0
+            current.append(p)
+            count += p.data.size
+        if current:
+            buckets.append(current)
+    return buckets
+
+
+def pack(bucket: Sequence[Parameter]) -> np.ndarray:
+    """The bucket's gradients, copied one after another into one new flat buffer."""
+    return np.concatenate([grad_or_zeros(p).ravel() for p in bucket])
+
+
+def unpack(bucket: Sequence[Parameter], flat: np.ndarray, scale: float) -> None:
+    """Copy `scale * flat` back into the bucket's gradients (the inverse of `pack`)."""
+    start = 0
+    for p in bucket:
+        p.grad[...] = flat[start:start + p.grad.size].reshape(p.grad.shape) * scale
+        start += p.grad.size
+
+
+def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: object) -> None:
+    """Bucketed DP: one in-place Allreduce per bucket, then divide by dp."""
+    for bucket in buckets:
+        flat = pack(bucket)
+        group = _group(bucket[0], mesh)
+        if group.size > 1:
+            group.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)  # a bucket of g_i -> its sum
+        unpack(bucket, flat, 1.0 / mesh.shape.dp)
+
+
+# ----------------------------------------------------- hooks around pieces
+class Hooks:
+    """What a strategy may do around each piece of the model; by default nothing."""
+
+    def before_forward(self, piece: Piece) -> None:
+        """Just before the piece computes (ZeRO-3: gather its parameters)."""
+
+    def after_forward(self, piece: Piece) -> None:
+        """Just after it (ZeRO-3: drop them again)."""
+
+    def before_backward(self, piece: Piece) -> None:
+        """Before any of the piece's backward runs (ZeRO-3: gather them again)."""
+
+    def after_backward(self, piece: Piece) -> None:
+        """After all of it: its parameters' gradients of this microbatch are complete."""
+
+
+_ALWAYS = Tensor(np.zeros(()), requires_grad=True)  # makes a marker part of the tape
+
+
+def _marker(x: Tensor, hook: Callable[[], None], after_weight_grads: bool = False) -> Tensor:
+    """Forward: identity. Backward: call `hook`, then pass the gradient on unchanged.
+    `_ALWAYS` as a second parent keeps the node on the tape even when x is data.
+
+    With `after_weight_grads`, the hook joins the queue of weight-gradient work when a
+    zero-bubble schedule puts that work off (autograd.defer_weight_grads): it then runs
+    after the piece's weight gradients, whenever the schedule runs them."""
+    def backward(g: np.ndarray) -> None:
+        if after_weight_grads:
+            ag._weight_grad(hook)  # now, or queued behind the piece's weight gradients
+        else:
+            hook()
+        x.accumulate(g)
+    return Tensor.from_op(x.data, (x, _ALWAYS), backward)
+
+
+class Piece(Module):
+    """A piece of the model (embedding, block or head) with hooks at its four edges.
+
+    Marker nodes on its input and outputs turn the autograd walk into events:
+    the output markers' backward runs before any of the piece's backward, the
+    input marker's after all of it. Other attributes are read through to the piece.
+    """
+
+    def __init__(self, inner: Module, hooks: Hooks) -> None:
+        self.inner = inner
+        self.hooks = hooks
+
+    def __getattr__(self, name: str) -> object:
+        if name == "inner":  # not set yet (e.g. while unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor | None]:
+        hooks = self.hooks
+        hooks.before_forward(self)
+        out = self.inner(_marker(x, lambda: hooks.after_backward(self), True))
+        hooks.after_forward(self)
+        outs = out if isinstance(out, tuple) else (out,)
+        marked = tuple(t if t is None else _marker(t, lambda: hooks.before_backward(self))
+                       for t in outs)  # a block returns (h, aux): both lead back here
+        return marked if isinstance(out, tuple) else marked[0]
+
+
+def install_hooks(chunks: Sequence[Module], hooks: Hooks) -> list[Piece]:
+    """Wrap every piece of every chunk (in place) in a `Piece` calling `hooks`;
+    returns the pieces in forward order."""
+    pieces: list[Piece] = []
+    for chunk in chunks:
+        if chunk.embed is not None:
+            chunk.embed = Piece(chunk.embed, hooks)
+            pieces.append(chunk.embed)
+        chunk.blocks = [Piece(block, hooks) for block in chunk.blocks]
+        pieces += chunk.blocks
+        if chunk.head is not None:
+            chunk.head = Piece(chunk.head, hooks)
+            pieces.append(chunk.head)
+    return pieces
+
+
+# ---------------------------------------------------------- 3. overlapped
+class OverlappedAllreduce(Hooks):
+    """Overlapped DP: a bucket's Iallreduce starts when backward has finished every
+    parameter in it for the last microbatch; `finish` waits for all of them."""
+
+    def __init__(self, buckets: list[list[Parameter]], mesh: object, microbatches: int) -> None:
+        self.buckets, self.mesh, self.microbatches = buckets, mesh, microbatches
+        self.bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
+        self._reset()
+
+    def _reset(self) -> None:
+        self.passes: dict[int, int] = {}                   # piece -> backward passes so far
+        self.waiting = [len(bucket) for bucket in self.buckets]  # params not final yet
+        self.in_flight: list[tuple[int, np.ndarray, MPI.Request | None]] = []
+
+    def after_backward(self, piece: Piece) -> None:
+        self.passes[id(piece)] = self.passes.get(id(piece), 0) + 1
+        if self.passes[id(piece)] < self.microbatches:
+            return  # a later microbatch will add to these gradients
+        for p in reversed(piece.parameters()):  # buckets were cut from the back
+            i = self.bucket_of.get(id(p))
+            if i is not None:
+                self.waiting[i] -= 1
+                if self.waiting[i] == 0:
+                    self._launch(i)
+
+    def _launch(self, i: int) -> None:
+        flat = pack(self.buckets[i])
+        group = _group(self.buckets[i][0], self.mesh)
+        request = None
+        if group.size > 1:  # a bucket of g_i -> its sum, in the background
+            request = group.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+        self.in_flight.append((i, flat, request))
+
+    def finish(self) -> int:
+        """Start any bucket backward did not (a parameter outside every piece), wait for
+        all, divide by dp. Returns how many buckets had started during backward."""
+        early = len(self.in_flight)
+        started = {i for i, _, _ in self.in_flight}
+        for i in range(len(self.buckets)):
+            if i not in started:
+                self._launch(i)
+        MPI.Request.Waitall([r for _, _, r in self.in_flight if r is not None])
+        for i, flat, _ in self.in_flight:
+            unpack(self.buckets[i], flat, 1.0 / self.mesh.shape.dp)
+        self._reset()
+        return early
+
+
+# ---------------------------------------------------------- the updater
+class DataParallel:
+    """ZeRO stage 0: full parameters, gradients and optimizer state on every rank.
+    `step()` synchronizes the gradients (naive, bucketed or overlapped), then updates."""
+
+    stage = 0
+
+    def __init__(self, chunks: Sequence[Module], mesh: object, optimizer: object,
+                 grad_sync: str = "bucketed", bucket_size: int = 65536,
+                 microbatches: int = 1) -> None:
+        self.params = [p for chunk in chunks for p in chunk.parameters()]
+        self.mesh, self.optimizer, self.grad_sync = mesh, optimizer, grad_sync
+        self.buckets = make_buckets(self.params, bucket_size)
+        self.overlap = None
+        self.started_in_backward = 0  # buckets the last step started during backward
+        if grad_sync == "overlapped":
+            self.overlap = OverlappedAllreduce(self.buckets, mesh, microbatches)
+            install_hooks(chunks, self.overlap)
+
+    def step(self) -> None:
+        if self.grad_sync == "naive":
+            allreduce_gradients(self.params, self.mesh)
+        elif self.grad_sync == "bucketed":
+            bucketed_allreduce(self.buckets, self.mesh)
+        else:
+            self.started_in_backward = self.overlap.finish()
+        self.optimizer.step([p.data for p in self.params], [p.grad for p in self.params])
+
+    def materialize(self) -> None:
+        """Every parameter is already whole in `p.data` (ZeRO-3 must gather them)."""
+
+    def memory(self) -> ModelStates:
+        """Bytes of parameters, gradients and optimizer state this rank holds."""
+        return measure([p.data for p in self.params], [p.grad for p in self.params],
+                       self.optimizer.state_arrays())
+
+
+def make_updater(cfg: TrainConfig, mesh: object, chunks: Sequence[Module],
+                 optimizer: object) -> DataParallel | Zero1:
+    """The object that turns this rank's gradients into updated parameters after each
+    step's backward: plain data parallelism (`--grad-sync`) or a ZeRO stage (`--zero`).
+    Built once, before the first forward (it may wrap the pieces of `chunks`)."""
+    if cfg.zero == 0:
+        return DataParallel(chunks, mesh, optimizer, cfg.grad_sync, cfg.bucket_size,
+                            cfg.microbatches)
+    from minipar.parallel.zero import make_zero
+
+    return make_zero(cfg.zero, chunks, mesh, optimizer)

@@ -1,0 +1,221 @@
+"""Lesson 4: pipeline parallelism. 48 layers on 4 ranks: 1-12 / 13-24 / 25-36 / 37-48.
+
+    mpiexec -n 4 python lessons/04_pipeline_parallel.py
+    mpiexec -n 4 python lessons/04_pipeline_parallel.py --quick   # narrower layers (tests)
+    mpiexec -n 4 python lessons/04_pipeline_parallel.py --plot figures   # + Gantt charts, bubble
+
+The source text's example: a 48-layer model cut by layers into 4 stages, one per
+GPU; the forward flows through them like a pipeline, and the price is the
+"pipeline bubble". Here 48 small residual blocks train on 4 ranks:
+
+  1. the split: which layers each rank holds (and with --virtual 2, two chunks each);
+  2. the schedules as data (GPipe, Huang et al. 2019; 1F1B, PipeDream-flush,
+     Narayanan et al. 2021; interleaved 1F1B, Megatron-LM; ZB-H1, Qi et al. 2023):
+     each rank's program played by the simulator, printed as a text Gantt chart;
+  3. the bubble for M = 1, 4, 8, 16 microbatches: the formula, the simulator,
+     and the wall-clock timeline of a real run side by side;
+  4. activation memory: how many microbatches a stage holds at once, GPipe vs 1F1B;
+  5. every schedule against one process: the largest relative difference.
+
+The code behind it: minipar/parallel/pipeline_schedules.py (schedules, simulator)
+and minipar/parallel/pipeline_parallel.py (the Send/Recv executor).
+"""
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+from mpi4py import MPI
+
+from minipar import nn
+from minipar.__main__ import max_differences
+from minipar.comm import Ledger
+from minipar.config import TrainConfig, problems
+from minipar.log import say_in_order
+from minipar.mesh import Mesh
+from minipar.parallel.pipeline_schedules import (
+    COMPUTE,
+    bubble_formula,
+    bubble_fraction,
+    compute_order,
+    gantt,
+    in_flight_peak,
+    simulate_schedule,
+)
+from minipar.train import RunResult, build_rank_model, train, train_reference
+
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+LAYERS = 48
+SMALL = dict(layers=LAYERS, d_in=16, d_model=64, d_ff=128, batch=256, steps=2)
+if "--quick" in sys.argv[1:]:  # the same lesson on narrower layers: timings mean less
+    SMALL.update(d_model=32, d_ff=64, batch=64)
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+
+
+def say(*lines: str) -> None:
+    """Print from rank 0 only."""
+    if rank == 0:
+        print(*lines, sep="\n", flush=True)
+
+
+def config(schedule: str = "1f1b", microbatches: int = 8, virtual: int = 1) -> TrainConfig:
+    cfg = TrainConfig(**SMALL, pp=size, dp=1, schedule=schedule, microbatches=microbatches,
+                      virtual=virtual).resolved(size)
+    errors = problems(cfg, size)
+    if errors:  # every rank finds the same problems, so all stop together
+        say(f"lesson 4: {errors[0]}")
+        sys.exit(2)
+    return cfg
+
+
+def layer_runs(cfg: TrainConfig) -> str:
+    """What this rank holds, in the source's words: layers a-b (1-based) per chunk."""
+    mesh = Mesh(cfg.mesh_shape(), comm, Ledger())
+    chunks = build_rank_model(cfg, mesh, nn.init_params(cfg.model_config(), cfg.seed))
+    mesh.free()
+    parts = []
+    for chunk in chunks:
+        blocks = [int(block.ln.weight.name.split(".")[1]) for block in chunk.blocks]
+        extra = (" + embedding" if chunk.embed else "") + (" + head" if chunk.head else "")
+        parts.append(f"layers {blocks[0] + 1}-{blocks[-1] + 1}{extra}")
+    count = sum(p.data.size for chunk in chunks for p in chunk.parameters())
+    return f"{', '.join(parts)} ({count} parameters)"
+
+
+# ------------------------------------------------------------- part 1: the split
+def the_split() -> None:
+    say(f"=== 1. {LAYERS} layers on {size} ranks, cut by layers (the source's example)")
+    say_in_order(comm, layer_runs(config()))
+    say(f"with --virtual 2 (interleaved), each rank holds two chunks of "
+        f"{LAYERS // (2 * size)} layers:")
+    say_in_order(comm, layer_runs(config("interleaved", 8, 2)))
+
+
+# ------------------------------------------------------- part 2: the schedules
+def the_schedules(microbatches: int = 4) -> None:
+    say(f"\n=== 2. the schedules as data: each rank's program, simulated (pp={size}, "
+        f"M={microbatches}; F = 1 time unit, B = 2, ZB-H1 B = W = 1; '.' = idle)")
+    for name, virtual in SCHEDULES:
+        sim = simulate_schedule(name, size, microbatches, virtual)
+        title = f"{name}" + (f" --virtual {virtual} (chunks a, b)" if virtual > 1 else "")
+        say(f"{title}: T = {sim.makespan:.0f} units, bubble {sim.bubble:.3f}",
+            *[line.replace("stage", "rank") for line in gantt(sim, size)])
+
+
+# ---------------------------------------------------------- part 3: the bubble
+def measured(result: RunResult) -> float:
+    """The bubble of the real run's last step, from its wall-clock timeline (rank 0)."""
+    intervals = [(r["stage"], r["start"], r["end"]) for r in result.extras["timeline"]
+                 if r["kind"] in COMPUTE]
+    return bubble_fraction(intervals, size)
+
+
+def mean_ms(result: RunResult, kind: str) -> float:
+    """Mean wall-clock duration of one `kind` instruction (F or B) in milliseconds."""
+    times = [r["end"] - r["start"] for r in result.extras["timeline"] if r["kind"] == kind]
+    return 1000 * sum(times) / len(times)
+
+
+def the_bubble(runs: dict) -> None:
+    say(f"\n=== 3. the bubble of 1F1B: idle share of stage-time, pp = {size}",
+        "    M   formula (p-1)/(M+p-1)   simulator   measured (wall clock)   F ms   B ms")
+    for m in (1, 4, 8, 16):
+        runs[("1f1b", m)] = result = train(config("1f1b", m), comm)
+        if rank == 0:
+            sim = simulate_schedule("1f1b", size, m).bubble
+            print(f"  {m:3d}   {bubble_formula('1f1b', size, m):21.3f}   {sim:9.3f}   "
+                  f"{measured(result):20.3f}   {mean_ms(result, 'F'):4.1f}   "
+                  f"{mean_ms(result, 'B'):4.1f}", flush=True)
+    say("  (measured includes Python and Send/Recv overheads; with fewer cores than ranks,",
+        "   ranks waiting in Recv spin and slow the others down, so expect more idle time)")
+
+
+# ----------------------------------------------------------- part 4: memory
+def the_memory(runs: dict, microbatches: int = 8) -> None:
+    say(f"\n=== 4. activation memory: microbatches a stage holds at once (M = {microbatches})")
+    for name in ("gpipe", "1f1b"):
+        sim = simulate_schedule(name, size, microbatches).peak_in_flight
+        if rank == 0:
+            timeline = runs[(name, microbatches)].extras["timeline"]
+            real = [in_flight_peak([r["kind"] for r in timeline
+                                    if r["stage"] == s and r["kind"] in COMPUTE])
+                    for s in range(size)]
+            print(f"  {name:>5}: simulator {sim}, real run {real}", flush=True)
+    say(f"  GPipe keeps all M = {microbatches} microbatches' activations until the "
+        f"backwards start; 1F1B at most pp - stage (<= {size}), whatever M is.")
+
+
+# ----------------------------------------------------------- part 5: the check
+def the_check(runs: dict, microbatches: int = 8) -> None:
+    say(f"\n=== 5. every schedule against one process (M = {microbatches}, "
+        f"{SMALL['steps']} SGD steps)")
+    for name, virtual in SCHEDULES:
+        cfg = config(name, microbatches, virtual)
+        result = runs.get((name, microbatches)) or train(cfg, comm)
+        runs[(name, microbatches)] = result
+        if rank != 0:
+            continue
+        ran = [f"{r['kind']}{r['microbatch'] + 1}" for r in result.extras["timeline"]
+               if r["stage"] == 0 and r["kind"] in COMPUTE]
+        planned = [f"{i.kind}{i.microbatch + 1}"
+                   for i in compute_order(name, size, microbatches, 0, virtual)]
+        ref = train_reference(cfg)
+        loss_rel = max(abs(a - b) / abs(b) for a, b in zip(result.losses, ref.losses))
+        _, param_rel, _ = max_differences(result.final, ref.final)
+        print(f"  {name:>11}: bubble measured {measured(result):.3f} (formula "
+              f"{bubble_formula(name, size, microbatches, virtual):.3f}); rank 0 ran its "
+              f"program in order: {'yes' if ran == planned else 'NO'}; max rel diff "
+              f"losses {loss_rel:.1e}, params {param_rel:.1e}", flush=True)
+    if rank == 0:
+        timeline = runs[("1f1b", microbatches)].extras["timeline"]
+        print("  what rank 0 ran under 1F1B, in wall-clock order: " + " ".join(
+            f"{r['kind']}{r['microbatch'] + 1}" for r in timeline
+            if r["stage"] == 0 and r["kind"] in COMPUTE), flush=True)
+
+
+def figures(runs: dict, folder: Path, microbatches: int = 8) -> None:
+    """Rank 0: each schedule simulated beside its real run (Gantt charts), and the bubble
+    against M: formulas, simulator, and the measured 1F1B runs of part 3."""
+    from minipar.plots import bubble_figure, gantt_figure, save
+
+    for name, virtual in SCHEDULES:
+        sim = simulate_schedule(name, size, microbatches, virtual)
+        title = (f"{name}" + (f", V = {virtual} chunks per rank" if virtual > 1 else "")
+                 + f": pp = {size}, M = {microbatches}, {LAYERS} layers")
+        print("figure:", save(gantt_figure(sim, runs[(name, microbatches)].extras["timeline"],
+                                           title), folder / f"04_gantt_{name}.png"), flush=True)
+    bubble = {m: measured(runs[("1f1b", m)]) for m in (1, 4, 8, 16)}
+    print("figure:", save(bubble_figure(size, measured=bubble), folder / "04_bubble.png"),
+          flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="narrower layers (tests)")
+    parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
+    args = parser.parse_args()
+    if size not in (2, 4):  # M = 4 and 8 split in groups of pp; 48 layers in 2 pp chunks
+        say("lesson 4 runs on 2 or 4 ranks: mpiexec -n 4 python lessons/04_pipeline_parallel.py")
+        sys.exit(2)
+    runs: dict = {}
+    the_split()
+    the_schedules()
+    the_bubble(runs)
+    runs[("gpipe", 8)] = train(config("gpipe", 8), comm)
+    the_memory(runs)
+    the_check(runs)
+    if args.plot and rank == 0:
+        figures(runs, args.plot)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SystemExit:  # every rank decides alike (the world size, the flags)
+        raise
+    except BaseException:  # one failing rank stops them all, never a hang
+        sys.stderr.write(f"rank {rank} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        comm.Abort(1)

@@ -1,0 +1,311 @@
+"""Lesson 8: the bugs that real parallel trainers shipped, and the checks that catch them.
+
+    mpiexec -n 4 python lessons/08_bugs.py                         # all 9 bugs, 12 steps
+    mpiexec -n 8 python lessons/08_bugs.py                         # the same, dp doubled
+    mpiexec -n 4 python lessons/08_bugs.py --bug dp-sum-not-mean --plot figures
+    mpiexec -n 4 python lessons/08_bugs.py --quick                 # 3 steps, a tiny model
+
+Four ranks fit every bug (each needs at most two of dp, tp, pp at 2); on 8 the
+data-parallel axis fills the rest. Each bug (minipar/bugs.py, `python -m
+minipar bugs`) is injected into an otherwise correct run with `--inject-bug`,
+and the lesson shows, for each:
+
+1. its loss curve beside the correct one. Most are indistinguishable to the
+   eye: a wrong parallel run still trains, often just as fast;
+2. what finds it:
+     losses      the step losses against one process (relative 1e-9);
+     parameters  the final parameters against one process, and after ONE step
+                 (where the damage starts, before it spreads through the model),
+                 with the ranks that hold each tensor;
+     replicas    copies of the same parameter piece on different ranks must be
+                 bitwise equal (`train.gather_full_params`), which names the rank;
+     ledger      what each axis moved in the last step, against the correct run
+                 (whose ledger lessons 6 and 7 proved equal to the formulas);
+     memory      the bytes of parameters each rank holds, against the correct run;
+3. the sentence that explains it.
+
+The code behind it: minipar/bugs.py (the detours), minipar/train.py (the hook).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import traceback
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from minipar import nn
+from minipar.bugs import BUGS, Bug
+from minipar.config import TrainConfig, problems
+from minipar.train import RunResult, train, train_reference
+
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+TOLERANCE = 1e-9
+MLP = dict(layers=4, d_in=16, d_model=32, batch=32)
+MOE = dict(MLP, experts=4, top_k=2, expert_d_ff=32)
+QUICK = dict(layers=4, d_in=8, d_model=16, batch=16)
+QUICK_MOE = dict(QUICK, experts=4, top_k=2, expert_d_ff=16)
+CHECKS = ("losses", "parameters", "replicas", "ledger", "memory")
+ROUTED = ("Alltoallv",)  # MoE: how many rows go where depends on the router's choices
+
+
+def say(*lines: str) -> None:
+    """Print from rank 0 only."""
+    if rank == 0:
+        print(*lines, sep="\n", flush=True)
+
+
+def config(bug: Bug, steps: int, quick: bool) -> TrainConfig:
+    """The bug's own flags on a small model; dp fills the world."""
+    moe = bug.flags.get("model") == "moe"
+    sizes = (QUICK_MOE if moe else QUICK) if quick else (MOE if moe else MLP)
+    return TrainConfig(**sizes, **bug.flags, steps=steps).resolved(size)
+
+
+# ------------------------------------------------------ comparing two runs
+def relative(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b| / max |b|: the measure of --check and the test suite."""
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-300))
+
+
+def differing(final: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str, float]:
+    """Tensor name -> relative difference, for those above the tolerance, worst first."""
+    found = {name: relative(final[name], value) for name, value in ref.items()}
+    return dict(sorted(((n, r) for n, r in found.items() if r > TOLERANCE),
+                       key=lambda item: -item[1]))
+
+
+def compact(names: list[str], cfg: TrainConfig) -> str:
+    """Tensor names shortened: blocks with the same damaged tensors are listed together,
+    experts folded into `experts.*`, a block with every tensor damaged says `all`."""
+    loose, per_block = [], defaultdict(set)
+    for name in names:
+        parts = name.split(".")
+        if parts[0] != "blocks":
+            loose.append(name)
+            continue
+        per_block[int(parts[1])].add(re.sub(r"experts\.\d+\.", "experts.*.",
+                                            ".".join(parts[2:])))
+    every = {re.sub(r"experts\.\d+\.", "experts.*.", ".".join(n.split(".")[2:]))
+             for n in nn.canonical_shapes(cfg.model_config()) if n.startswith("blocks.0.")}
+    groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
+    for block, rests in sorted(per_block.items()):
+        groups[("all",) if rests == every else tuple(sorted(rests))].append(block)
+    text = [f"blocks {','.join(map(str, blocks))}: {' '.join(rests)}"
+            for rests, blocks in groups.items()]
+    return "; ".join(([" ".join(loose)] if loose else []) + text)
+
+
+def holders(name: str, cfg: TrainConfig) -> list[int]:
+    """The world ranks holding a piece (or a copy) of tensor `name` on this mesh."""
+    shape = cfg.mesh_shape()
+    stage = {"embed": 0, "head": cfg.pp - 1}.get(name.split(".")[0])
+    if stage is None:
+        stage = int(name.split(".")[1]) // (cfg.layers // cfg.pp)
+    expert = re.search(r"experts\.(\d+)\.", name)
+    owner = int(expert.group(1)) // (cfg.experts // cfg.ep) if expert else None
+    return [r for r in range(shape.world) if shape.coords(r)["pp"] == stage
+            and (owner is None or shape.coords(r)["ep"] == owner)]
+
+
+def ledger_changes(clean: list[dict], buggy: list[dict]) -> list[str]:
+    """(group, op) whose calls or elements differ from the correct run, with the ranks."""
+    def table(records: list[dict]) -> dict:
+        return {(r["group"], r["op"], r["rank"]): (r["calls"], r["elements"]) for r in records}
+    before, after = table(clean), table(buggy)
+    changed: dict[tuple, list] = defaultdict(list)
+    for group, op, where in sorted(set(before) | set(after)):
+        was, now = before.get((group, op, where), (0, 0)), after.get((group, op, where), (0, 0))
+        if op in ROUTED:  # the sizes follow the router, which training moves: calls only
+            was, now = (was[0], "*"), (now[0], "*")
+        if was != now:
+            changed[(group, op, was, now)].append(where)
+    return [f"{group} {op}: {was[0]} calls of {was[1]} elements -> {now[0]} calls of {now[1]} "
+            f"on {ranks_text(ranks)}" for (group, op, was, now), ranks in changed.items()]
+
+
+def disagreements(result: RunResult) -> dict[str, tuple[list[int], float]]:
+    """Tensor -> (ranks whose copy differs from the first copy, largest difference)."""
+    found: dict[str, tuple[list[int], float]] = {}
+    for line in result.extras["replica_disagreements"]:
+        name, where, by = re.match(r"(\S+): rank (\d+) differs .* by (\S+)", line).groups()
+        ranks, worst = found.get(name, ([], 0.0))
+        found[name] = (ranks + [int(where)], max(worst, float(by)))
+    return found
+
+
+# ---------------------------------------------------------------- one bug
+def run_bug(bug: Bug, steps: int, quick: bool) -> dict | None:
+    """The correct run, the run with the bug and one step with the bug, on every rank;
+    what the checks find, on rank 0 (None elsewhere)."""
+    cfg = config(bug, steps, quick)
+    errors = problems(replace(cfg, inject_bug=bug.name), size)
+    if errors:  # the same verdict on every rank: all skip together
+        say(f"\n=== {bug.name}: skipped on {size} ranks: {errors[0]}")
+        return {"skipped": errors[0]} if rank == 0 else None
+    clean = train(cfg, comm)
+    buggy = train(replace(cfg, inject_bug=bug.name), comm)
+    first = train(replace(cfg, steps=1, inject_bug=bug.name), comm)
+    # (parameter bytes of the correct run, of the run with the bug) of every rank -> rank 0
+    held = comm.gather((clean.extras["memory"].params, buggy.extras["memory"].params))
+    if rank != 0:
+        return None
+    return findings(cfg, clean, buggy, first, held)
+
+
+def findings(cfg: TrainConfig, clean: RunResult, buggy: RunResult, first: RunResult,
+             held: list[tuple[float, float]]) -> dict:
+    """Every check of the run with the bug (and of the correct run), as plain numbers."""
+    ref = train_reference(cfg)
+    ref_first = train_reference(replace(cfg, steps=1))
+    steps = [abs(a - b) / abs(b) for a, b in zip(buggy.losses, ref.losses)]
+    found = {
+        "reference": ref.losses, "correct": clean.losses, "buggy": buggy.losses,
+        "loss_rel": max(steps),
+        "loss_from": next((i + 1 for i, r in enumerate(steps) if r > TOLERANCE), None),
+        "final": differing(buggy.final, ref.final), "tensors": len(ref.final),
+        "first_step": differing(first.final, ref_first.final),
+        "replicas": disagreements(buggy),
+        "ledger": ledger_changes(clean.ledger, buggy.ledger),
+        "memory": [(r, int(a), int(b)) for r, (a, b) in enumerate(held) if a != b],
+        "correct_loss_rel": max(abs(a - b) / abs(b) for a, b in zip(clean.losses, ref.losses)),
+        "correct_param_rel": max(relative(clean.final[n], v) for n, v in ref.final.items()),
+        "correct_replicas": clean.extras["replica_disagreements"],
+    }
+    hits = (found["loss_rel"] > TOLERANCE, found["final"], found["replicas"],
+            found["ledger"], found["memory"])
+    found["caught_by"] = [check for check, hit in zip(CHECKS, hits) if hit]
+    return found
+
+
+def ranks_text(ranks: list[int]) -> str:
+    return "rank" + ("s " if len(ranks) > 1 else " ") + ",".join(map(str, ranks))
+
+
+def show(index: int, bug: Bug, cfg: TrainConfig, found: dict) -> None:
+    """The loss curves side by side, each check's verdict, and the explanation."""
+    mesh = f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}" + (f" ep={cfg.ep}" if cfg.ep > 1 else "")
+    extra = "".join(f", {k}={v}" for k, v in bug.flags.items()
+                    if k not in ("dp", "tp", "pp", "ep"))
+    say(f"\n=== {index}/{len(BUGS)} {bug.name} [{bug.strategy}] on {mesh}{extra}",
+        f"broken: {bug.broken}",
+        f"{'step':>5}  {'one process':>14}  {'correct mesh':>14}  {'with the bug':>14}  "
+        "bug vs one process (relative)")
+    for step, (a, b, c) in enumerate(zip(found["reference"], found["correct"],
+                                         found["buggy"])):
+        say(f"{step + 1:>5}  {a:>14.9f}  {b:>14.9f}  {c:>14.9f}  {abs(c - a) / abs(a):.1e}")
+    ok = (max(found["correct_loss_rel"], found["correct_param_rel"]) <= TOLERANCE
+          and not found["correct_replicas"])
+    say(f"the correct run on this mesh: losses rel {found['correct_loss_rel']:.1e}, "
+        f"parameters rel {found['correct_param_rel']:.1e}, "
+        f"{len(found['correct_replicas'])} replica disagreements -> "
+        f"{'OK' if ok else 'MISMATCH'}", "checks on the run with the bug:")
+    for check, lines in check_lines(cfg, found).items():
+        mark = "CAUGHT" if check in found["caught_by"] else "-"
+        say(f"  {check:<11} {lines[0]}  [{mark}]", *[f"  {'':<11} {line}" for line in lines[1:]])
+    caught = ", ".join(found["caught_by"]) or "NOTHING: this bug would ship"
+    say(f"caught by: {caught}", f"why: {bug.why}")
+
+
+def check_lines(cfg: TrainConfig, found: dict) -> dict[str, list[str]]:
+    """One or more lines per check, saying what it saw."""
+    final, first = found["final"], found["first_step"]
+    out = {"losses": [f"max relative difference {found['loss_rel']:.1e}" + (
+        f", from step {found['loss_from']} on" if found["loss_from"] else "")]}
+    if not final:
+        out["parameters"] = [f"all {found['tensors']} tensors equal one process's"]
+    else:
+        worst = next(iter(first or final))
+        out["parameters"] = [
+            f"after {cfg.steps} steps {len(final)} of {found['tensors']} tensors differ, "
+            f"worst {next(iter(final))} (rel {next(iter(final.values())):.1e})",
+            f"after 1 step: {compact(list(first), cfg) or 'none'}",
+            f"  (worst {worst} rel {(first or final)[worst]:.1e}, held by "
+            f"{ranks_text(holders(worst, cfg))})"]
+    replicas = found["replicas"]
+    out["replicas"] = [f"{len(replicas)} tensors have copies that differ"] + [
+        f"{name}: {ranks_text(r)} differ from the first copy by up to {by:.2g}"
+        for name, (r, by) in list(replicas.items())[:3]] if replicas else [
+        "every copy of every piece agrees"]
+    out["ledger"] = found["ledger"] or ["the same calls and sizes as the correct run"]
+    moved: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for r, a, b in found["memory"]:
+        moved[(a, b)].append(r)
+    out["memory"] = [f"{ranks_text(r)}: {a} -> {b} bytes of parameters"
+                     for (a, b), r in moved.items()] or ["the same parameter bytes on every rank"]
+    return out
+
+
+# ------------------------------------------------------------ the lesson
+def summary(results: dict[str, dict]) -> None:
+    say("\n=== every bug, and what caught it",
+        f"{'bug':<24} {'loss rel':>9} {'param rel':>9}  caught by")
+    for name, found in results.items():
+        if "skipped" in found:
+            say(f"{name:<24} {'skipped':>9}")
+            continue
+        worst = next(iter(found["final"].values()), 0.0)
+        say(f"{name:<24} {found['loss_rel']:>9.1e} {worst:>9.1e}  "
+            f"{', '.join(found['caught_by']) or 'NOTHING'}")
+    say("the loss alone would have let most of them through: only a comparison with one",
+        "process, the replica check and the ledger make a parallel run trustworthy.")
+
+
+def plot(folder: Path, results: dict[str, dict]) -> None:
+    """Every bug's loss curve over its one-process curve, and their relative difference."""
+    from minipar import plots
+
+    shown = {name: found for name, found in results.items() if "skipped" not in found}
+    figure = plots.loss_figure({n: f["buggy"] for n, f in shown.items()},
+                               {n: f["reference"] for n, f in shown.items()},
+                               title="lesson 8: runs with a bug over their correct runs")
+    right = figure.axes[1]  # bugs sit far above the tolerance line: a taller scale
+    ticks = [1e-18, 1e-14, 1e-10, 1e-6, 1e-2]
+    right.set_ylim(1e-19, 1.0)
+    right.set_yticks(ticks, ["exactly 0"] + [f"1e{int(np.log10(t))}" for t in ticks[1:]])
+    right.legend(fontsize=7, loc="center right", ncol=2)
+    say(f"\nwrote {plots.save(figure, folder / '08_bugs_losses.png')}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bug", choices=list(BUGS), action="append",
+                        help="only this bug (repeatable); default: all")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--quick", action="store_true", help="3 steps on a tiny model")
+    parser.add_argument("--plot", metavar="DIR", type=Path, help="write the loss curves")
+    parser.add_argument("--json", metavar="PATH", type=Path, help="write the findings")
+    args = parser.parse_args()
+    steps = 3 if args.quick else args.steps
+    say(f"lesson 8 on {size} ranks: each bug injected into a correct run, {steps} steps")
+    results: dict[str, dict] = {}
+    for index, name in enumerate(args.bug or BUGS, start=1):
+        found = run_bug(BUGS[name], steps, args.quick)
+        if rank == 0:
+            results[name] = found
+            if "skipped" not in found:
+                show(index, BUGS[name], config(BUGS[name], steps, args.quick), found)
+    summary(results)
+    if args.plot and rank == 0:
+        plot(args.plot, results)
+    if args.json and rank == 0:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SystemExit:  # every rank decides alike (the flags)
+        raise
+    except BaseException:  # one failing rank stops them all, never a hang
+        sys.stderr.write(f"rank {rank} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        comm.Abort(1)

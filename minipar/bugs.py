@@ -1,0 +1,372 @@
+"""Bugs that real parallel trainers shipped, re-created on purpose, one flag away.
+
+What this file teaches: a parallel run that is wrong usually still trains. Its
+loss goes down, often by the same amount per step as the correct run, because
+most of these bugs leave the model a *reasonable* model -- just not the one the
+single-process math defines. What finds them is the equivalence check
+(`--check`: losses and final parameters against one process), the replica check
+(`train.gather_full_params`: every copy of the same parameter piece must be
+bitwise equal), the ledger (`--ledger`: what each axis moved, against the
+formula) and the bytes each rank holds.
+
+    python -m minipar bugs                                     # the list
+    mpiexec -n 4 python -m minipar train --tp 2 --inject-bug tp-copy-to-no-allreduce --check
+    mpiexec -n 4 python lessons/08_bugs.py                     # every bug, and its checks
+
+How a bug gets in: the correct code is never touched. Each bug below is a
+*detour*: a function returning the (module, name, replacement) swaps that
+break one thing -- a subclass overriding one method, or a replacement function
+-- each broken line marked `# BUG:`. `train.train` applies them for the run
+when `--inject-bug NAME` is given (`injected` puts the originals back after,
+even on error), so a learner can diff the broken piece against the real one.
+
+The detours import the parallel modules when applied, not when this file is
+imported: the registry and `problems` are pure (config.py asks them before any
+communication, the test process never loads MPI).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from minipar import nn
+from minipar.autograd import Tensor
+
+if TYPE_CHECKING:
+    from minipar.config import TrainConfig
+
+Swap = tuple[object, str, object]  # (module, attribute, what stands in for it)
+
+
+@dataclass(frozen=True)
+class Bug:
+    """One injectable bug: what breaks, what a check then shows, and where it applies.
+
+    `requires` names the flags the bug needs to exist at all and `fits(cfg)`
+    checks them; `detour()` builds the swaps; `flags` is a small setting of the
+    strategy that shows it (dp left to fill the world)."""
+
+    name: str
+    strategy: str
+    broken: str
+    why: str
+    requires: str
+    fits: Callable[[TrainConfig], bool]
+    detour: Callable[[], list[Swap]]
+    flags: dict
+
+
+# ----------------------------------------------------- pipeline parallelism
+class OneBuffer:
+    """Indexing hands out the rows copied into ONE array, the same array every time
+    (a data loader that stages every microbatch in one preallocated buffer)."""
+
+    def __init__(self, x: np.ndarray) -> None:
+        self.x = x
+        self.buffer: np.ndarray | None = None
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        picked = self.x[rows]
+        if self.buffer is None:
+            self.buffer = np.empty_like(picked)
+        self.buffer[...] = picked  # BUG: overwrites the microbatch still waiting for backward
+        return self.buffer
+
+
+def one_input_buffer() -> list[Swap]:
+    """A stage worker that allocates its input buffer once, for every microbatch."""
+    from minipar.parallel import pipeline_parallel as pipeline
+
+    class OneInputBufferWorker(pipeline.StageWorker):
+        def __init__(self, cfg: TrainConfig, mesh: object, chunks: list[nn.Model],
+                     x: np.ndarray, y: np.ndarray) -> None:
+            super().__init__(cfg, mesh, chunks, x, y)
+            self.x = OneBuffer(x)  # BUG: the first stage's data rows, all in one array
+            self.buffer = np.empty(self.shape, dtype=self.dtype)
+
+        def recv_act(self, ins: pipeline.Instruction) -> None:
+            source = pipeline.peer(ins.kind, self.pp, self.stage)
+            # activation (B/(M dp), d) <- the previous stage. BUG: into the stage's one buffer
+            self.group.Recv(self.buffer, source=source, tag=pipeline.ACT_TAG)
+            self.inputs[(ins.chunk, ins.microbatch)] = Tensor(self.buffer, requires_grad=True)
+
+    return [(pipeline, "StageWorker", OneInputBufferWorker)]
+
+
+# ------------------------------------------------------- tensor parallelism
+def copy_to_without_allreduce(x: Tensor, group: object) -> Tensor:
+    """Forward: identity. Backward: identity -- BUG: Megatron's f lost its Allreduce."""
+    return x
+
+
+def f_without_allreduce() -> list[Swap]:
+    from minipar.parallel import tensor_parallel
+
+    return [(tensor_parallel, "copy_to", copy_to_without_allreduce)]
+
+
+class PlainLinear(nn.Linear):
+    """Stands in for Column/RowParallelLinear: BUG: the FULL weight on every tp rank, no
+    communication. Each tp rank computes the whole layer: right numbers, no parallelism."""
+
+    def __init__(self, full: dict[str, np.ndarray], name: str, tp: object,
+                 **flags: bool) -> None:
+        super().__init__(full, name)  # BUG: full[name] (d, f), not the shard (d, f/tp)
+
+
+def plain_linears() -> list[Swap]:
+    from minipar.parallel import tensor_parallel
+
+    return [(tensor_parallel, "ColumnParallelLinear", PlainLinear),
+            (tensor_parallel, "RowParallelLinear", PlainLinear)]
+
+
+# --------------------------------------------------------- data parallelism
+def stage_left_out() -> list[Swap]:
+    """Plain DP whose last pipeline stage never registered its gradients for the sync."""
+    from minipar.parallel import data_parallel
+
+    class StageLeftOut(data_parallel.DataParallel):
+        def __init__(self, chunks: list[nn.Model], mesh: object, *args: object) -> None:
+            super().__init__(chunks, mesh, *args)
+            if mesh.coords["pp"] == mesh.shape.pp - 1:
+                self.buckets = []  # BUG: this stage's buckets are never Allreduced over dp
+
+    return [(data_parallel, "DataParallel", StageLeftOut)]
+
+
+def sum_not_mean() -> list[Swap]:
+    """The bucketed gradient sync without its division by dp."""
+    from mpi4py import MPI
+
+    from minipar.parallel import data_parallel as dp
+
+    def bucketed_allreduce_sum(buckets: list[list[nn.Parameter]], mesh: object) -> None:
+        for bucket in buckets:
+            flat = dp.pack(bucket)
+            group = dp._group(bucket[0], mesh)
+            if group.size > 1:
+                group.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)  # a bucket of g_i -> its sum
+            dp.unpack(bucket, flat, 1.0)  # BUG: sum_i g_i, never divided by dp
+
+    return [(dp, "bucketed_allreduce", bucketed_allreduce_sum)]
+
+
+# ----------------------------------------------------- expert parallelism
+def miscounted_aux(counter: Callable[[object, np.ndarray, int], np.ndarray]) -> list[Swap]:
+    """The expert-parallel block with the aux loss's `f` counted by `counter(routing,
+    kept, E)` instead of from every routed assignment. The same collectives, in the
+    same places: only the numbers in the count Allreduce change."""
+    from minipar import comm
+    from minipar.parallel import expert_parallel as ep
+
+    class MiscountedAux(ep.ExpertParallelBlock):
+        def __call__(self, h: Tensor) -> tuple[Tensor, Tensor]:
+            cfg, experts = self.cfg, self.cfg.experts
+            u = self.ln(h)                                            # (b, d)
+            routing = ep.route(u, self.router, cfg.top_k)
+            tokens = u.shape[0] * self.dp_group.size                  # B/M
+            limit = nn.capacity(cfg.capacity_factor, cfg.top_k, tokens, experts)
+            kept = ep.within_capacity(routing.expert_of, experts, limit, self.dp_group)
+            # (E,) counts of every dp rank -> their sum. BUG: `counter` picks what is counted
+            counts = comm.allreduce_sum(self.dp_group, counter(routing, kept, experts))
+            order, send = ep.plan_dispatch(routing.expert_of, kept, experts, self.ep_group.size)
+            recv = ep.exchange_counts(send, self.ep_group)
+            received = ep.dispatch(u, routing.token_of[order], send, recv, self.ep_group)
+            y = ep.run_local_experts(received, recv, self.experts)
+            out = ep.combine(y, routing, order, send, recv, self.ep_group, like=h)
+            aux = ep.global_aux(routing.probs, counts, tokens, cfg, self.dp_group)
+            self.last_stats = ep.load_stats(counts, limit, kept, send, recv)
+            return h + out, aux
+
+    return [(ep, "ExpertParallelBlock", MiscountedAux)]
+
+
+def first_choice_only() -> list[Swap]:
+    # BUG: only column 0 of the top-k choices (Switch's top-1 formula kept for top-2)
+    return miscounted_aux(lambda routing, kept, experts:
+                          np.bincount(routing.chosen[:, 0], minlength=experts))
+
+
+def after_capacity() -> list[Swap]:
+    # BUG: only the assignments that survived capacity; DESIGN.md counts every routed one
+    return miscounted_aux(lambda routing, kept, experts:
+                          np.bincount(routing.expert_of[kept], minlength=experts))
+
+
+def aux_per_rank() -> list[Swap]:
+    """The aux loss of each rank's own tokens: the single-process formula, copied over."""
+    from minipar.parallel import expert_parallel as ep
+
+    def local_aux(probs: Tensor, counts: np.ndarray, tokens: int, cfg: nn.ModelConfig,
+                  dp_group: object) -> Tensor:
+        chosen = nn.route(probs.data, cfg.top_k)  # (b, k): this rank's tokens only
+        # BUG: f and P over this rank's b tokens, not the microbatch's dp b tokens
+        return nn.aux_loss(probs, chosen, cfg.experts, cfg.aux_coef)
+
+    return [(ep, "global_aux", local_aux)]
+
+
+# ------------------------------------------------------------------- ZeRO
+def no_allgather() -> list[Swap]:
+    """ZeRO-1/2 that updates its slice and never Allgathers the parameters back."""
+    from minipar.parallel import zero
+
+    def make_zero_without_allgather(stage: int, chunks: list[nn.Model], mesh: object,
+                                    optimizer: object) -> object:
+        class NoAllgather({1: zero.Zero1, 2: zero.Zero2}[stage]):
+            def allgather_params(self) -> None:
+                """BUG: nothing. My slice is updated; every other slice stays stale here."""
+
+        return NoAllgather(chunks, mesh, optimizer)
+
+    return [(zero, "make_zero", make_zero_without_allgather)]
+
+
+# ------------------------------------------------------- what each needs
+def _pipeline(cfg: TrainConfig) -> bool:
+    return cfg.pp > 1 and cfg.microbatches > 1
+
+
+def _tp(cfg: TrainConfig) -> bool:
+    return cfg.tp > 1 and not cfg.sp
+
+
+def _dp_sync(cfg: TrainConfig) -> bool:
+    return cfg.dp > 1 and cfg.zero == 0 and cfg.grad_sync == "bucketed"
+
+
+def _moe(cfg: TrainConfig) -> bool:
+    return cfg.model == "moe" and cfg.dp > 1
+
+
+def _zero(cfg: TrainConfig) -> bool:
+    return cfg.zero in (1, 2) and cfg.dp > 1
+
+
+PIPELINE = "--pp 2 or more and --microbatches 2 or more (a stage with several inputs)"
+TP = "--tp 2 or more without --sp"
+DP_SYNC = "--dp 2 or more with --zero 0 and --grad-sync bucketed (plain DP's sync)"
+MOE = "--model moe with --dp 2 or more (the expert-parallel block)"
+
+
+# ---------------------------------------------------------------- the list
+_LIST = [
+    Bug("pp-one-input-buffer", "pp",
+        "a pipeline stage keeps ONE input buffer: every microbatch (the data rows on the "
+        "first stage, the received activation on the others) lands in it",
+        "after one step only embed.weight is wrong: its gradient x^T g is formed in backward "
+        "from the buffer, which by then holds a later microbatch's rows (under GPipe the last "
+        "one's, for every microbatch); from step 2 on the wrong embedding moves everything. "
+        "The later stages reuse their buffer too, harmlessly here: a block starts with "
+        "LayerNorm, which keeps its own normalized copy of its input",
+        PIPELINE, _pipeline, one_input_buffer,
+        {"pp": 2, "microbatches": 4, "schedule": "gpipe"}),
+    Bug("tp-copy-to-no-allreduce", "tp",
+        "Megatron's f (copy_to, before fc1) without its backward Allreduce",
+        "after one step the last block's fc1 and fc2 are still right (their own gradients "
+        "need no sum), but the gradient leaving that block through its LayerNorm is only this "
+        "rank's share of it: that LayerNorm and everything below (earlier blocks, the "
+        "embedding) go wrong, the tp copies of those replicated weights drift apart, and the "
+        "ledger is short of the backward half of the tp Allreduces",
+        TP, _tp, f_without_allreduce, {"tp": 2}),
+    Bug("tp-plain-linear", "tp",
+        "the column- and row-parallel linears replaced by plain ones holding the full weights",
+        "every number is right -- each tp rank computes the whole layer -- so the equivalence "
+        "check passes; the ledger shows the missing tp Allreduces and each rank holds the "
+        "full fc weights: tensor parallelism silently never happened",
+        TP, _tp, plain_linears, {"tp": 2}),
+    Bug("dp-stage-not-synced", "dp",
+        "one pipeline stage (the last) never Allreduces its gradients over dp",
+        "each dp replica of the last stage steps with its own g_i instead of the mean: after "
+        "one step exactly that stage's tensors are wrong, their copies disagree across dp and "
+        "the stage's dp Allreduce is missing from the ledger -- while the loss falls like the "
+        "correct one",
+        "--pp 2 or more and " + DP_SYNC, lambda cfg: cfg.pp > 1 and _dp_sync(cfg),
+        stage_left_out, {"pp": 2, "microbatches": 2}),
+    Bug("dp-sum-not-mean", "dp",
+        "the gradient Allreduce sums over dp and never divides by dp",
+        "every replica agrees with every other (the same wrong sum everywhere), so only the "
+        "comparison with one process sees it: the step is dp times too long, the same as "
+        "lr x dp, and the loss even falls faster",
+        DP_SYNC, _dp_sync, sum_not_mean, {}),
+    Bug("moe-aux-first-choice", "ep",
+        "the load-balancing f counts each token's first choice only",
+        "f sums to 1/k instead of 1 and leaves out the second choices, so the aux loss is "
+        "wrong from the very first step; its gradient reaches every router and, through them, "
+        "every LayerNorm and block below: after one step only the last block's experts are "
+        "still right. The same collectives move the same sizes: the ledger cannot see it",
+        MOE, _moe, first_choice_only, {"model": "moe", "ep": 2}),
+    Bug("moe-aux-after-capacity", "ep",
+        "the load-balancing f counts the assignments left after capacity drops",
+        "an overloaded expert looks less loaded than it is (its dropped tokens vanish from "
+        "f), so the aux pushes the router away from it too little, exactly where balance "
+        "matters; the loss differs from step 1 on, the ledger not at all",
+        "--capacity-factor and " + MOE, lambda cfg: cfg.capacity_factor is not None
+        and _moe(cfg), after_capacity, {"model": "moe", "ep": 2, "capacity_factor": 0.75}),
+    Bug("moe-aux-per-rank", "ep",
+        "the aux loss computed from each rank's own tokens (f and P not summed over dp)",
+        "the mean over ranks of f_r P_r is not f P of the whole microbatch: the loss and the "
+        "router gradient are off by a little from step 1 on, which no single rank can notice; "
+        "the ledger can: the Allreduces of P (comm.sum_replicated, forward and backward) "
+        "are gone",
+        MOE, _moe, aux_per_rank, {"model": "moe", "ep": 2}),
+    Bug("zero-no-allgather", "zero",
+        "ZeRO-1/2 updates this rank's slice and never Allgathers the parameters back",
+        "each rank updates its own slice and keeps every other slice at its old value: the "
+        "gathered model is rank 0's copy, right only in rank 0's own slice (the front of the "
+        "flat vector: the embedding onward), every other rank's copy disagrees with it, and "
+        "the ledger is missing the Allgatherv",
+        "--zero 1 or 2 with --dp 2 or more (stage 3 gathers in the forward instead)",
+        _zero, no_allgather, {"zero": 1}),
+]
+BUGS: dict[str, Bug] = {bug.name: bug for bug in _LIST}
+
+
+def problems(cfg: TrainConfig) -> list[str]:
+    """Why `cfg.inject_bug` cannot be injected into this run (empty if it can, or if no
+    bug is asked for): an unknown name, or a mesh that does not use the bug's strategy."""
+    name = cfg.inject_bug
+    if name is None:
+        return []
+    if name not in BUGS:
+        return [f"--inject-bug {name} is not a known bug; choose one of: {', '.join(BUGS)}"]
+    bug = BUGS[name]
+    return [] if bug.fits(cfg) else [f"--inject-bug {name} needs {bug.requires}"]
+
+
+@contextmanager
+def injected(name: str) -> Iterator[Bug]:
+    """Apply bug `name`'s swaps for the body of the `with`, then put the originals back."""
+    bug = BUGS[name]
+    swaps = bug.detour()
+    originals = [(module, attribute, getattr(module, attribute))
+                 for module, attribute, _ in swaps]
+    for module, attribute, replacement in swaps:
+        setattr(module, attribute, replacement)
+    try:
+        yield bug
+    finally:
+        for module, attribute, original in originals:
+            setattr(module, attribute, original)
+
+
+def command(bug: Bug, ranks: int = 4) -> str:
+    """A `python -m minipar train` line that shows `bug` on `ranks` ranks."""
+    flags = "".join(f" --{key.replace('_', '-')} {value}" for key, value in bug.flags.items())
+    return f"mpiexec -n {ranks} python -m minipar train{flags} --inject-bug {bug.name} --check"
+
+
+def listing() -> str:
+    """`python -m minipar bugs`: every bug, what it breaks, and a run that shows it."""
+    lines = [f"{len(BUGS)} bugs to inject with --inject-bug NAME "
+             "(mpiexec -n 4 python lessons/08_bugs.py runs them all):"]
+    for bug in BUGS.values():
+        lines += [f"\n{bug.name}  [{bug.strategy}]", f"  broken: {bug.broken}",
+                  f"  needs:  {bug.requires}", f"  try:    {command(bug)}"]
+    return "\n".join(lines)

@@ -1,0 +1,185 @@
+"""Driving real MPI ranks from a notebook.
+
+What this file teaches: a notebook kernel is one process, so it cannot be a
+rank of an MPI job. It can do two things instead, and the notebooks in
+lessons/ use both:
+
+1. launch `mpiexec -n N python ...` in a subprocess (in its own session, with a
+   timeout after which the whole job is killed) and read back what rank 0
+   wrote: `lesson("04_pipeline_parallel.py", 4, "--quick")` prints a lesson's
+   output, `train(4, [dict(pp=4, microbatches=8), ...])` trains each config on
+   one mesh and returns the losses, the one-process losses, the ledger, each
+   rank's memory and the pipeline timeline / expert load (`Run`);
+2. start N ipyparallel engines that are the ranks of one MPI job
+   (`engines(4)`) and type code into them with `%%px` cells: every rank runs the
+   cell, and its variables stay there to be inspected.
+
+The rank side of `train` is this module run under mpiexec:
+
+    mpiexec -n 4 python -m minipar.classroom configs.json results.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from minipar.config import TrainConfig
+from minipar.memory import ModelStates
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mpiexec() -> str:
+    """The launcher: $MINIPAR_MPIEXEC, else the one beside this Python (PyPI's mpich),
+    else `mpiexec` on the PATH (a system MPI)."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    return os.environ.get("MINIPAR_MPIEXEC") or (str(beside) if beside.exists() else "mpiexec")
+
+
+def rank_environment() -> dict[str, str]:
+    """One BLAS thread per rank (ranks must not fight over few cores), MPI on this host."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               UCX_NET_DEVICES=env.get("UCX_NET_DEVICES", "lo"), PYTHONFAULTHANDLER="1")
+    return env
+
+
+def mpirun(n: int, *args: str, timeout: float = 180, echo: bool = True) -> str:
+    """Run `mpiexec -n n python <args>` from the repository root; print and return its
+    output. Raises RuntimeError (with the output) if it fails or outlives `timeout`
+    seconds, after killing every process of the job: a stuck rank never hangs a cell."""
+    cmd = [mpiexec(), "-n", str(n), sys.executable, *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=rank_environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+        out, _ = proc.communicate()
+        raise RuntimeError(f"timed out after {timeout:.0f} s: {shlex.join(cmd)}\n{out}") from None
+    if echo:
+        print(out, end="", flush=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"exit {proc.returncode}: {shlex.join(cmd)}\n{out[-3000:]}")
+    return out
+
+
+def lesson(script: str, n: int, *flags: str, timeout: float = 180) -> str:
+    """Run lessons/<script> on n ranks, as a student would from the shell."""
+    return mpirun(n, str(Path("lessons") / script), *flags, timeout=timeout)
+
+
+@dataclass
+class Run:
+    """One training run on a mesh, as rank 0 saw it, beside its one-process run."""
+
+    cfg: TrainConfig
+    losses: list[float]
+    reference: list[float]                 # the same steps in one process
+    ledger: list[dict]                     # last step, every rank (RunResult.ledger)
+    memory: list[ModelStates]              # bytes of model states, one per world rank
+    extras: dict = field(default_factory=dict)  # "timeline", "expert_load" of rank 0
+
+
+def train(n: int, configs: list[dict], timeout: float = 240) -> list[Run]:
+    """Train each config (TrainConfig fields) on n ranks, all in one mpiexec job."""
+    with tempfile.TemporaryDirectory() as folder:
+        spec, out = Path(folder) / "configs.json", Path(folder) / "results.json"
+        spec.write_text(json.dumps(configs))
+        mpirun(n, "-m", "minipar.classroom", str(spec), str(out), timeout=timeout, echo=False)
+        results = json.loads(out.read_text())
+    return [Run(TrainConfig(**r["cfg"]), r["losses"], r["reference"], r["ledger"],
+                [ModelStates(**m) for m in r["memory"]], r["extras"]) for r in results]
+
+
+def engines(n: int = 4) -> tuple[object, object]:
+    """Start n ipyparallel engines as the ranks of one MPI job and make `%%px` cells run
+    on them. Returns (cluster, client); `stop(cluster, client)` ends them."""
+    import logging
+
+    import ipyparallel as ipp
+
+    os.environ.update({k: v for k, v in rank_environment().items()
+                       if k.endswith("_THREADS") or k == "UCX_NET_DEVICES"})
+    launcher = Path(mpiexec())  # ipyparallel calls `mpiexec` from the PATH
+    if launcher.parent != Path():
+        os.environ["PATH"] = f"{launcher.parent}{os.pathsep}{os.environ['PATH']}"
+    cluster = ipp.Cluster(engines="mpi", n=n, controller_ip="127.0.0.1",
+                          log_level=logging.ERROR)
+    cluster.start_cluster_sync()
+    client = cluster.connect_client_sync()
+    client.wait_for_engines(n, timeout=120, interactive=False)
+    client.activate()  # %%px cells now run on every engine
+    return cluster, client
+
+
+def stop(cluster: object, client: object, timeout: float = 15) -> None:
+    """End the engines (each leaves its MPI job), wait for mpiexec to exit, then stop
+    the controller."""
+    import time
+
+    client.shutdown(hub=False, block=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(
+            launcher.poll() is None for launcher in cluster.engines.values()):
+        time.sleep(0.1)
+    cluster.stop_cluster_sync()
+
+
+def by_rank(client: object, name: str) -> list:
+    """Variable `name` of every engine, in MPI rank order (engine ids follow the order the
+    engines came up in, not their ranks; each engine must have set `rank`)."""
+    view = client[:]
+    ranks, values = view.pull("rank", block=True), view.pull(name, block=True)
+    return [value for _, value in sorted(zip(ranks, values), key=lambda pair: pair[0])]
+
+
+# ----------------------------------------------------------- the rank side
+def run_configs(configs: list[dict], out: Path) -> None:
+    """Train each config on MPI.COMM_WORLD; rank 0 writes every run's results to `out`."""
+    from mpi4py import MPI
+
+    from minipar.config import problems
+    from minipar.train import train as train_mesh
+    from minipar.train import train_reference
+
+    world = MPI.COMM_WORLD
+    results = []
+    for fields in configs:
+        cfg = TrainConfig(**fields).resolved(world.Get_size())
+        errors = problems(cfg, world.Get_size())
+        if errors:  # every rank finds the same problems: all stop together
+            raise SystemExit(f"minipar.classroom: {fields}: {errors[0]}")
+        result = train_mesh(cfg, world)
+        # each rank's bytes of params, grads and optimizer state -> rank 0 (small objects)
+        memory = world.gather(asdict(result.extras["memory"]), root=0)
+        if world.Get_rank() == 0:
+            extras = {k: result.extras[k] for k in ("timeline", "expert_load")}
+            results.append(dict(cfg=cfg.as_json(), losses=result.losses, memory=memory,
+                                reference=train_reference(cfg).losses, ledger=result.ledger,
+                                extras=extras))
+    if world.Get_rank() == 0:
+        out.write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    try:
+        run_configs(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
+    except SystemExit:  # a bad config: every rank decided alike
+        raise
+    except BaseException:  # one failing rank stops them all, never a hang
+        import traceback
+
+        from mpi4py import MPI
+
+        sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)

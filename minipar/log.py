@@ -1,0 +1,54 @@
+"""Printing from many ranks without a scramble.
+
+What this file teaches: every rank of an MPI job writes to the same terminal,
+and lines from different processes arrive in whatever order the operating
+system delivers them. A lesson that wants "rank 0, then rank 1, then ..." must
+make it so: every rank sends its text to one rank, which prints them in order.
+
+    say(rank, "holds", x)              # one line, now, prefixed "[rank 3]"
+    say_in_order(mesh.world, text)     # every rank's text, in rank order
+
+Used by the lessons: `mpiexec -n 4 python lessons/00_collectives.py`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mpi4py import MPI
+
+if TYPE_CHECKING:
+    from minipar.comm import Group
+
+
+def prefix(rank: int) -> str:
+    """The tag in front of every line a rank prints."""
+    return f"[rank {rank}]"
+
+
+def say(rank: int, *args: object) -> None:
+    """Print one line tagged with `rank`, at once (lines of different ranks may interleave)."""
+    print(prefix(rank), *args, flush=True)
+
+
+def say_in_order(comm: Group | MPI.Comm, text: str) -> None:
+    """Print every rank's `text` in rank order, each line tagged with its world rank.
+
+    A collective: every rank of `comm` must call it. The texts are gathered to
+    the group's rank 0, which prints them all in one write. When `comm` is a
+    `comm.Group`, its ledger is paused: printing is not the model's traffic.
+    """
+    ledger = getattr(comm, "ledger", None)
+    was_enabled = ledger.enabled if ledger is not None else False
+    if ledger is not None:
+        ledger.enabled = False
+    try:
+        # (world rank, text) of every rank -> the group's rank 0
+        texts = comm.gather((MPI.COMM_WORLD.Get_rank(), text), root=0)
+    finally:
+        if ledger is not None:
+            ledger.enabled = was_enabled
+    if texts is None:
+        return
+    lines = [f"{prefix(rank)} {line}" for rank, block in texts for line in block.split("\n")]
+    print("\n".join(lines), flush=True)

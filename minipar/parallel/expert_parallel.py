@@ -1,0 +1,253 @@
+"""Expert parallelism: every rank holds some of the experts, and tokens travel to them.
+
+What this file teaches (the source text's third strategy: 64 experts on 8 ranks, 8 each,
+tokens dispatched by a router, communication by AllToAll), after GShard (Lepikhin et al.
+2020) and the Switch Transformer (Fedus et al. 2021). One MoE block on a mesh, in order:
+
+  1. route     each rank routes its own tokens: router logits, softmax, top-k (ties to
+               the lower expert id), gates renormalized over the k chosen experts;
+  2. dispatch  the (token, slot) assignments are sorted by the rank owning their expert;
+               an Alltoall tells every rank how many rows it will receive for each of
+               its experts, then an Alltoallv moves the rows themselves (d wide each);
+  3. experts   the received rows are grouped per local expert with index arrays, and
+               each expert runs once on its group;
+  4. combine   an Alltoallv sends every result back to the rank its token lives on,
+               which weights it by its gate and scatter-adds it into the token's row;
+  5. backward  the conjugate exchanges (comm.alltoallv): a row's gradient goes back
+               the way the row came, by an Alltoallv with the counts swapped. The
+               backward of combine is a dispatch, the backward of dispatch a combine.
+
+The mesh (mesh.py): tokens are split over ALL dp ranks; the experts are split over the
+ep ranks of each ep group (runs of ep consecutive dp ranks; ep coordinate j holds experts
+j E/ep .. (j+1) E/ep - 1); expert weights are replicated over the dp/ep ranks of the
+expert-data-parallel group (edp), so their gradients are summed there (sync="edp"), while
+the router and LayerNorm, replicated everywhere, are summed over dp (sync="dp").
+
+Capacity and the aux loss are defined on the whole microbatch of the GLOBAL batch
+(DESIGN.md), so a few small collectives over dp make every rank see global counts: a
+count Allreduce (f), an Exscan (how many earlier assignments each expert already took)
+and the probability sums (P). The result equals one process to rounding.
+
+Run it: `mpiexec -n 8 python lessons/03_expert_parallel.py`, or
+`mpiexec -n 8 python -m minipar train --model moe --dp 8 --ep 8 --experts 64 --check`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from minipar import autograd as ag
+from minipar import comm, nn
+from minipar.autograd import Tensor
+from minipar.comm import Group
+
+
+# ------------------------------------------------------------------ 1. route
+@dataclass
+class Routing:
+    """Where this rank's b local tokens go. Assignments are in token order, then slot."""
+
+    probs: Tensor          # (b, E) router probabilities
+    chosen: np.ndarray     # (b, k) expert ids, best first
+    gates: Tensor          # (b k,) gate of each assignment, renormalized over the top k
+    token_of: np.ndarray   # (b k,) assignment -> local token row
+    expert_of: np.ndarray  # (b k,) assignment -> expert id
+
+
+def route(u: Tensor, router: Tensor, top_k: int) -> Routing:
+    """The reference router on the local tokens: softmax(u Wr), top-k, renormalized gates.
+
+    Routing is row by row, so a rank needs nothing but its own rows: no communication."""
+    probs = ag.softmax(u @ router)                            # (b, d) @ (d, E) -> (b, E)
+    chosen = nn.route(probs.data, top_k)                      # (b, k), ties -> lower id
+    token_of = np.repeat(np.arange(u.shape[0]), top_k)        # (b k,)
+    expert_of = chosen.ravel()                                # (b k,)
+    picked = probs[token_of, expert_of].reshape(-1, top_k)    # (b, k)
+    gates = (picked / picked.sum(axis=1, keepdims=True)).reshape(-1)
+    return Routing(probs, chosen, gates, token_of, expert_of)
+
+
+def within_capacity(expert_of: np.ndarray, experts: int, limit: int | None,
+                    dp_group: Group) -> np.ndarray:
+    """Which local assignments survive capacity, decided in GLOBAL token order.
+
+    The tokens of dp rank r come after those of ranks 0..r-1, so an assignment of mine
+    is kept if its expert took fewer than `limit` assignments before it: those of the
+    earlier ranks (an exclusive prefix sum, Exscan) plus my own earlier ones. This holds
+    even when ep < dp and the earlier tokens went to another replica of the expert: the
+    limit is per microbatch of the global batch, as in one process. Dropped assignments
+    are never sent (they contribute 0; the residual carries the token)."""
+    if limit is None:
+        return np.ones(expert_of.shape, dtype=bool)
+    mine = np.bincount(expert_of, minlength=experts)          # (E,) my assignments
+    earlier = np.zeros_like(mine)
+    if dp_group.size > 1:
+        # (E,) counts of every dp rank -> on rank r, the sum over ranks 0..r-1
+        dp_group.Exscan(mine, earlier)
+        if dp_group.rank == 0:
+            earlier[:] = 0  # MPI leaves rank 0's Exscan result undefined
+    return nn.keep_within_capacity(expert_of, experts, limit, already=earlier)
+
+
+# --------------------------------------------------------------- 2. dispatch
+def plan_dispatch(expert_of: np.ndarray, kept: np.ndarray, experts: int, ep: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Sort the kept assignments by destination and count them. Returns
+
+        order (S,)          the assignments in sending order: by expert, then token;
+        send  (ep, E/ep)    send[j, l] = rows for local expert l of ep rank j.
+
+    Experts are numbered contiguously per rank, so sorting by expert id sorts by
+    destination rank too, and the rows for one rank arrive already grouped by expert.
+    A stable sort keeps each expert's rows in token order."""
+    kept_ids = np.flatnonzero(kept)
+    order = kept_ids[np.argsort(expert_of[kept_ids], kind="stable")]
+    send = np.bincount(expert_of[kept_ids], minlength=experts).reshape(ep, experts // ep)
+    return order, send
+
+
+def exchange_counts(send: np.ndarray, ep_group: Group) -> np.ndarray:
+    """recv[i, l] = rows ep rank i will send me for my local expert l (one Alltoall)."""
+    if ep_group.size == 1:
+        return send.copy()
+    recv = np.empty_like(send)
+    # row j of my counts (E/ep per rank) -> ep rank j; row i of recv <- ep rank i
+    ep_group.Alltoall(np.ascontiguousarray(send), recv)
+    return recv
+
+
+def dispatch(u: Tensor, token_rows: np.ndarray, send: np.ndarray, recv: np.ndarray,
+             ep_group: Group) -> Tensor:
+    """The token rows, in sending order, to the ranks owning their experts.
+    Returns (R, d): from source rank 0 first, each source's rows grouped by local expert."""
+    rows = ag.take_rows(u, token_rows)                        # (S, d), one per assignment
+    # tokens (S, d) -> the rank that owns their expert; (R, d) <- every rank of my ep group
+    return comm.alltoallv(rows, ep_group, send.sum(axis=1), recv.sum(axis=1))
+
+
+# ---------------------------------------------------------- 3. local experts
+def run_local_experts(received: Tensor, recv: np.ndarray, experts: list[nn.ExpertFFN]
+                      ) -> Tensor:
+    """Run each local expert once on its rows; outputs come back in the received order.
+
+    Every expert runs, even on zero rows, so its gradient is a zero array rather than
+    missing (the edp gradient Allreduce must see every expert weight on every replica)."""
+    local = len(experts)
+    expert_of_row = np.repeat(np.tile(np.arange(local), recv.shape[0]), recv.ravel())  # (R,)
+    by_expert = np.argsort(expert_of_row, kind="stable")      # rows grouped per expert
+    bounds = np.cumsum(recv.sum(axis=0))[:-1]                 # where each expert's group ends
+    outputs = [expert(ag.take_rows(received, rows))           # (n_e, d) -> (n_e, d)
+               for expert, rows in zip(experts, np.split(by_expert, bounds))]
+    stacked = ag.concat(outputs)                              # (R, d) in by_expert order
+    back = np.empty_like(by_expert)
+    back[by_expert] = np.arange(by_expert.size)               # inverse permutation
+    return ag.take_rows(stacked, back)                        # (R, d) in received order
+
+
+# ---------------------------------------------------------------- 4. combine
+def combine(y: Tensor, routing: Routing, order: np.ndarray, send: np.ndarray,
+            recv: np.ndarray, ep_group: Group, like: Tensor) -> Tensor:
+    """Results back to their tokens' ranks, weighted by the gates, summed per token."""
+    # expert outputs (R, d) -> the ranks their tokens came from; (S, d) in sending order
+    returned = comm.alltoallv(y, ep_group, recv.sum(axis=1), send.sum(axis=1))
+    gate = ag.reshape(ag.take_rows(routing.gates, order), (-1, 1))   # (S, 1)
+    zeros = Tensor(np.zeros_like(like.data))                  # (b, d)
+    return ag.index_add(zeros, routing.token_of[order], returned * gate)
+
+
+# ------------------------------------------------------- the aux loss, global
+def global_aux(probs: Tensor, counts: np.ndarray, tokens: int, cfg: nn.ModelConfig,
+               dp_group: Group) -> Tensor:
+    """coef E sum_e f_e P_e over the whole microbatch (all dp ranks), as one process has it.
+
+    f (`counts`, already summed over dp by a count Allreduce) carries no gradient.
+    P is summed with `sum_replicated`: forward Allreduce, backward Allreduce. Why the
+    backward sums: every one of the dp ranks adds this same aux to its own loss, and the
+    DP step divides the summed gradients by dp (data_parallel.allreduce_gradients). The
+    true gradient reaching my probabilities is d aux/d P once; the backward Allreduce
+    hands each rank the dp identical seeds, dp d aux/d P, and the later /dp restores it.
+    An identity backward would leave the router's aux gradient dp times too small."""
+    f = counts / (tokens * cfg.top_k)                                   # (E,)
+    p_sum = comm.sum_replicated(probs.sum(axis=0), dp_group)            # (E,) over all ranks
+    p_mean = p_sum * (1.0 / tokens)
+    return (p_mean * (cfg.aux_coef * cfg.experts * f)).sum()
+
+
+def load_stats(counts: np.ndarray, limit: int | None, kept_here: np.ndarray,
+               send: np.ndarray, recv: np.ndarray) -> dict:
+    """Load of one microbatch: global per expert and per ep coordinate, local per rank.
+
+    routed[e]  assignments that chose e (all dp ranks); kept[e] = min(routed[e], limit),
+    since capacity keeps the first `limit` in global order; dropped = their difference;
+    rank_load[j] = kept assignments for the experts of ep coordinate j (all ep groups);
+    imbalance = max/mean of routed (1.0 is perfect balance); sent[j] / received[i] =
+    rows this rank sends to / receives from ep rank j / i in the dispatch Alltoallv."""
+    kept = counts if limit is None else np.minimum(counts, limit)
+    rank_load = kept.reshape(send.shape[0], -1).sum(axis=1)
+    mean = counts.mean()
+    return {"routed": counts.tolist(), "kept": kept.tolist(),
+            "dropped": int(counts.sum() - kept.sum()), "limit": limit,
+            "dropped_here": int(kept_here.size - kept_here.sum()),
+            "rank_load": rank_load.tolist(),
+            "imbalance": float(counts.max() / mean) if mean > 0 else 1.0,
+            "rank_imbalance": float(rank_load.max() / rank_load.mean())
+            if rank_load.sum() > 0 else 1.0,
+            "sent": send.sum(axis=1).tolist(), "received": recv.sum(axis=1).tolist()}
+
+
+# ------------------------------------------------------------------ the block
+class ExpertParallelBlock(nn.Module):
+    """h + sum_e g_e Expert_e(LN(h)) with this rank's E/ep experts: the MoEBlock on a mesh.
+
+    Holds the LayerNorm and router (replicated, sync="dp") and experts
+    j E/ep .. (j+1) E/ep - 1 for its ep coordinate j (sync="edp"). Why expert gradients
+    are not summed over dp: the other ranks of my ep group hold *other* experts, and
+    every token of theirs that chose one of mine was already run here, its gradient
+    delivered by the backward Alltoallv. Only the edp replicas (other ep groups, other
+    tokens) hold the same weights; summing over them covers every token, and the DP
+    step's /dp turns each rank's local-mean gradient into the global mean.
+
+    `last_stats` holds the load of the latest call (one microbatch, see `load_stats`).
+    """
+
+    def __init__(self, full: dict[str, np.ndarray], index: int, cfg: nn.ModelConfig,
+                 mesh: object) -> None:
+        p = f"blocks.{index}"
+        self.cfg = cfg
+        self.dp_group, self.ep_group = mesh.dp, mesh.ep
+        self.ln = nn.LayerNorm(full, f"{p}.ln")
+        self.router = nn.Parameter(full[f"{p}.router.weight"], f"{p}.router.weight", sync="dp")
+        per_rank = cfg.experts // mesh.ep.size
+        self.first_expert = mesh.coords["ep"] * per_rank
+        self.experts = [nn.ExpertFFN(full, f"{p}.experts.{e}", sync="edp")
+                        for e in range(self.first_expert, self.first_expert + per_rank)]
+        self.last_stats: dict = {}
+
+    def __call__(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        cfg, experts = self.cfg, self.cfg.experts
+        u = self.ln(h)                                            # (b, d), b = B/(M dp)
+        routing = route(u, self.router, cfg.top_k)
+        tokens = u.shape[0] * self.dp_group.size                  # B/M: the global microbatch
+        # (E,) routed assignments per expert, every dp rank -> their sum (f; counts, no grad)
+        counts = comm.allreduce_sum(self.dp_group,
+                                    np.bincount(routing.expert_of, minlength=experts))
+        limit = nn.capacity(cfg.capacity_factor, cfg.top_k, tokens, experts)
+        kept = within_capacity(routing.expert_of, experts, limit, self.dp_group)
+        order, send = plan_dispatch(routing.expert_of, kept, experts, self.ep_group.size)
+        recv = exchange_counts(send, self.ep_group)
+        received = dispatch(u, routing.token_of[order], send, recv, self.ep_group)
+        y = run_local_experts(received, recv, self.experts)
+        out = combine(y, routing, order, send, recv, self.ep_group, like=h)
+        aux = global_aux(routing.probs, counts, tokens, cfg, self.dp_group)
+        self.last_stats = load_stats(counts, limit, kept, send, recv)
+        return h + out, aux
+
+
+def expected_alltoallv_elements(kept_assignments: int, d_model: int) -> int:
+    """Alltoallv elements of one block and microbatch, summed over all ranks and both
+    passes: each kept (token, slot) row of d crosses four times (dispatch and combine
+    forward, their conjugates backward), k x tokens x d per direction without drops.
+    (Each rank's own rows count too: the ledger records what a rank hands to MPI.)"""
+    return 4 * kept_assignments * d_model

@@ -1,0 +1,218 @@
+"""Pipeline parallelism: the model cut into stages that pass activations along.
+
+What this file teaches (the source text's fourth strategy: 48 layers on 4
+ranks, 1-12 / 13-24 / 25-36 / 37-48). Stage s holds a contiguous run of blocks
+(`train.build_rank_model`: the embedding on the first stage, the head on the
+last; with --virtual V, V chunks per rank, virtual stages s, s + pp, ...). A
+microbatch's activation (B/(M dp), d) goes forward from stage to stage by
+Send/Recv, and the gradient of that activation comes back the same way.
+The messages travel on `mesh.pp`, whose ranks share their dp and tp
+coordinates: with tensor parallelism, tp rank k of one stage talks only to tp
+rank k of the next (each holds the whole activation, or with --sp its rows).
+
+The order in which a stage runs forwards and backwards is the schedule
+(GPipe, Huang et al. 2019; 1F1B, PipeDream-flush, Narayanan et al. 2021;
+interleaved 1F1B, Megatron-LM; ZB-H1, Qi et al. 2023): a list computed by
+pipeline_schedules.py, which also simulates it. This file is only the worker
+that runs a list (ShallowSpeed's design):
+
+    recv_act   Recv the input activation of (chunk, microbatch) from the previous rank
+    F          forward of the chunk; the last stage adds the loss CE/M + aux/M
+    send_act   Isend the output activation to the next rank
+    recv_grad  Recv the gradient of that output from the next rank
+    B          backward: from the loss (last stage) or from (output, received gradient)
+               plus (aux, 1/M) for a stage with MoE blocks
+    send_grad  Isend the gradient of the input back to the previous rank
+    W          ZB-H1 only: the weight-gradient matmuls B put off (autograd.defer_weight_grads)
+
+Why Isend and a blocking Recv: the simulator shows that with blocking sends
+(MPI's rendezvous protocol for large messages) 1F1B deadlocks -- stage 0 sends
+F2's activation while stage 1 sends B1's gradient, each waiting for the other's
+Recv. With Isend a rank waits only in Recv, and the simulator proves every
+Recv's message is sent (tests/test_pipeline_schedules.py, pp 2..8, M 1..16).
+Messages carry tag 0 (activation) or 1 (gradient); in each direction they are
+sent and received in the same order, which is how each Recv gets the right
+microbatch (MPI never lets two messages with the same tag overtake each other).
+
+Run it: `mpiexec -n 4 python -m minipar train --pp 4 --microbatches 8 --schedule 1f1b --check`,
+or the lesson `mpiexec -n 4 python lessons/04_pipeline_parallel.py`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from minipar import autograd as ag
+from minipar.autograd import Tensor
+from minipar.config import TrainConfig
+from minipar.data import shard_rows
+from minipar.nn import Model
+from minipar.parallel.pipeline_schedules import (
+    BACKWARD,
+    FORWARD,
+    RECV_ACT,
+    RECV_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    WEIGHT,
+    Instruction,
+    peer,
+    schedule,
+    virtual_stage,
+)
+
+ACT_TAG, GRAD_TAG = 0, 1
+
+
+def boundary_shape(cfg: TrainConfig) -> tuple[int, int]:
+    """What crosses a stage boundary per microbatch: (B/(M dp), d) rows of the residual
+    stream, or (B/(M dp tp), d) with sequence parallelism (the stream is row-split)."""
+    rows = cfg.batch // cfg.microbatches // cfg.dp
+    return (rows // cfg.tp if cfg.sp else rows, cfg.d_model)
+
+
+class StageWorker:
+    """Runs one rank's instruction list for one training step.
+
+    Everything a microbatch needs between its forward and its backward is kept
+    per (chunk, microbatch) -- its input, its output, its aux loss, the received
+    gradient, the put-off weight work -- never in one shared buffer, because
+    1F1B has several microbatches in flight at once.
+    """
+
+    def __init__(self, cfg: TrainConfig, mesh: object, chunks: list[Model],
+                 x: np.ndarray, y: np.ndarray) -> None:
+        self.group, self.rank = mesh.pp, mesh.rank
+        self.stage, self.pp, self.virtual = mesh.coords["pp"], cfg.pp, cfg.virtual
+        self.chunks = chunks
+        self.scale = 1.0 / cfg.microbatches
+        self.shape, self.dtype = boundary_shape(cfg), np.dtype(cfg.dtype)
+        self.rows = [shard_rows(cfg.batch, cfg.microbatches, cfg.dp, m, mesh.coords["dp"])
+                     for m in range(cfg.microbatches)]
+        self.x, self.y = x, y
+        self.split_backward = cfg.schedule == "zb-h1"
+        self.inputs: dict[tuple[int, int], Tensor] = {}
+        self.outputs: dict[tuple[int, int], tuple[Tensor, Tensor | None]] = {}
+        self.grads: dict[tuple[int, int], np.ndarray] = {}
+        self.deferred: dict[tuple[int, int], list] = {}
+        self.sending: dict[tuple[int, int, int], tuple[object, np.ndarray]] = {}  # Requests
+        self.loss = 0.0
+        self.timeline: list[dict] = []
+        self.handlers = {RECV_ACT: self.recv_act, FORWARD: self.forward,
+                         SEND_ACT: self.send_act, RECV_GRAD: self.recv_grad,
+                         BACKWARD: self.backward, SEND_GRAD: self.send_grad,
+                         WEIGHT: self.weight}
+
+    def run(self, program: list[Instruction]) -> float:
+        """Run every instruction in order, timing each; returns this rank's share of the
+        step loss (CE/M of its microbatches on the last stage, plus aux/M of its blocks)."""
+        for ins in program:
+            start = time.time()  # wall clock: comparable between ranks of one host
+            self.handlers[ins.kind](ins)
+            self.timeline.append({"rank": self.rank, "stage": self.stage,
+                                  "kind": ins.kind, "microbatch": ins.microbatch,
+                                  "chunk": ins.chunk, "start": start, "end": time.time()})
+        from mpi4py import MPI  # here, so the pure shape helpers import without MPI
+
+        MPI.Request.Waitall([request for request, _ in self.sending.values()])
+        self.sending.clear()
+        return self.loss
+
+    def is_first(self, chunk: int) -> bool:
+        return virtual_stage(self.pp, self.stage, chunk) == 0
+
+    def is_last(self, chunk: int) -> bool:
+        return virtual_stage(self.pp, self.stage, chunk) == self.pp * self.virtual - 1
+
+    # ------------------------------------------------------------ messages
+    def recv_act(self, ins: Instruction) -> None:
+        buf = np.empty(self.shape, dtype=self.dtype)
+        # activation (B/(M dp), d) of this microbatch <- the previous stage
+        self.group.Recv(buf, source=peer(ins.kind, self.pp, self.stage), tag=ACT_TAG)
+        self.inputs[(ins.chunk, ins.microbatch)] = Tensor(buf, requires_grad=True)
+
+    def send_act(self, ins: Instruction) -> None:
+        out = np.ascontiguousarray(self.outputs[(ins.chunk, ins.microbatch)][0].data)
+        # activation (B/(M dp), d) of this microbatch -> the next stage
+        request = self.group.Isend(out, dest=peer(ins.kind, self.pp, self.stage), tag=ACT_TAG)
+        self.sending[(ACT_TAG, ins.chunk, ins.microbatch)] = (request, out)
+
+    def recv_grad(self, ins: Instruction) -> None:
+        buf = np.empty(self.shape, dtype=self.dtype)
+        # gradient (B/(M dp), d) of our output <- the next stage
+        self.group.Recv(buf, source=peer(ins.kind, self.pp, self.stage), tag=GRAD_TAG)
+        self.grads[(ins.chunk, ins.microbatch)] = buf
+
+    def send_grad(self, ins: Instruction) -> None:
+        grad = np.ascontiguousarray(self.inputs.pop((ins.chunk, ins.microbatch)).grad)
+        # gradient (B/(M dp), d) of our input -> the previous stage
+        request = self.group.Isend(grad, dest=peer(ins.kind, self.pp, self.stage),
+                                   tag=GRAD_TAG)
+        self.sending[(GRAD_TAG, ins.chunk, ins.microbatch)] = (request, grad)
+
+    # ------------------------------------------------------------- compute
+    def forward(self, ins: Instruction) -> None:
+        key = (ins.chunk, ins.microbatch)
+        rows = self.rows[ins.microbatch]
+        h = Tensor(self.x[rows]) if self.is_first(ins.chunk) else self.inputs[key]
+        out, aux = self.chunks[ins.chunk].forward(h)
+        if self.is_last(ins.chunk):                      # out is the logits
+            loss = ag.cross_entropy(out, self.y[rows]) * self.scale         # CE / M
+            loss = loss if aux is None else loss + aux * self.scale     # + aux / M
+            self.loss += loss.item()
+            self.outputs[key] = (loss, None)
+        else:
+            self.loss += 0.0 if aux is None else aux.item() * self.scale  # aux / M
+            self.outputs[key] = (out, aux)
+
+    def backward(self, ins: Instruction) -> None:
+        key = (ins.chunk, ins.microbatch)
+        out, aux = self.outputs.pop(key)
+        if self.is_last(ins.chunk):
+            roots = [(out, 1.0)]                         # out is the loss
+        else:
+            roots = [(out, self.grads.pop(key))]        # (output, gradient received)
+            roots += [(aux, self.scale)] if aux is not None else []  # (aux, 1/M)
+            self.sending.pop((ACT_TAG, *key))[0].Wait()  # its gradient came back: delivered
+        if self.split_backward:  # B now (input gradients), W later (weight gradients)
+            with ag.defer_weight_grads() as pending:
+                ag.backward_from(roots)
+            self.deferred[key] = pending
+        else:
+            ag.backward_from(roots)
+
+    def weight(self, ins: Instruction) -> None:
+        for work in self.deferred.pop((ins.chunk, ins.microbatch)):
+            work()
+
+
+def forward_backward(cfg: TrainConfig, mesh: object, chunks: list[Model], x: np.ndarray,
+                     y: np.ndarray, timeline: list[dict] | None = None) -> float:
+    """One step's forwards and backwards on this rank, in the order `cfg.schedule` says.
+
+    Gradients accumulate in the parameters' `.grad` as in the one-process loop.
+    Returns this rank's share of the step loss (`train.report_loss` sums over pp);
+    appends the wall-clock start/end of every instruction to `timeline` if given.
+    """
+    program = schedule(cfg.schedule, cfg.pp, cfg.microbatches, mesh.coords["pp"], cfg.virtual)
+    worker = StageWorker(cfg, mesh, chunks, x, y)
+    loss = worker.run(program)
+    if timeline is not None:
+        timeline.extend(worker.timeline)
+    return loss
+
+
+def gather_timeline(world: object, timeline: list[dict]) -> list[dict] | None:
+    """Every rank's timeline on world rank 0 (None elsewhere), times in seconds from the
+    earliest start on any rank. A collective over `world` (a `comm.Group`)."""
+    everything = world.gather(timeline)  # small Python lists of records -> rank 0
+    if everything is None:
+        return None
+    records = [dict(record) for rank in everything for record in rank]
+    origin = min((r["start"] for r in records), default=0.0)
+    for r in records:
+        r["start"] -= origin
+        r["end"] -= origin
+    return records

@@ -1,0 +1,437 @@
+"""Pipeline schedules as data, and a simulator that plays them in logical time.
+
+What this file teaches: a pipeline schedule is nothing but, for each stage, an
+ordered list of instructions -- receive an activation, run a forward, send it
+on, receive a gradient, run a backward, send it back. Written as data, a
+schedule can be printed, simulated and tested without a single MPI process;
+the executor (pipeline_parallel.py) then runs the same list with Send/Recv.
+
+The schedules, each from its paper:
+
+- GPipe (Huang et al. 2019): every forward, then every backward. Simple; a
+  stage holds the activations of all M microbatches at once.
+- 1F1B, PipeDream-flush (Narayanan et al. 2021): warm-up forwards, then one
+  forward / one backward in a steady state, then cool-down backwards. Same
+  bubble as GPipe, but stage s holds at most pp - s microbatches.
+- Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): each rank holds V
+  model chunks (virtual stages s, s + pp, ...); the bubble shrinks by V.
+- ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward is
+  split into B (input gradient: the previous stage waits for it) and W (weight
+  gradient: nobody waits for it); putting W off fills the cool-down bubble.
+
+Bubble, as measured here: run the instruction lists with F = 1 time unit and
+B = 2 (B = W = 1 for ZB-H1), communication free. With T the time from the
+start to the moment the last stage finishes, the bubble fraction is
+
+    bubble = (pp * T - total busy time of all stages) / (pp * T),
+
+the share of stage-time spent idle. It comes out exactly (pp-1)/(M+pp-1) for
+GPipe and 1F1B, (pp-1)/(V M+pp-1) for interleaved, and (pp-1)/(3M+pp-1) for
+ZB-H1 when M >= pp: its idle time is pp-1 units against 1F1B's 3(pp-1), a third.
+
+Run the checks: `python -m pytest tests/test_pipeline_schedules.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from minipar.config import SCHEDULES
+
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
+RECV_ACT, SEND_ACT = "recv_act", "send_act"
+RECV_GRAD, SEND_GRAD = "recv_grad", "send_grad"
+COMPUTE = (FORWARD, BACKWARD, WEIGHT)
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One step of a stage's program: `kind` on microbatch `microbatch` of model chunk
+    `chunk` (always 0 unless the schedule is interleaved)."""
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        suffix = f"/{self.chunk}" if self.chunk else ""
+        return f"{self.kind}{self.microbatch + 1}{suffix}"
+
+
+# ----------------------------------------------------------- compute order
+def gpipe_order(pp: int, microbatches: int, stage: int) -> list[Instruction]:
+    """GPipe: all forwards, then all backwards (in the same microbatch order)."""
+    return ([Instruction(FORWARD, m) for m in range(microbatches)]
+            + [Instruction(BACKWARD, m) for m in range(microbatches)])
+
+
+def one_f_one_b_order(pp: int, microbatches: int, stage: int) -> list[Instruction]:
+    """1F1B (PipeDream-flush): warm-up, steady state, cool-down.
+
+    Stage s starts with pp - s - 1 forwards: just enough that when the first
+    gradient comes back, the pipe behind it is full. From then on every forward
+    is followed by the oldest backward, so at most pp - s microbatches are alive.
+    """
+    warmup = min(pp - stage - 1, microbatches)
+    steady = microbatches - warmup
+    order = [Instruction(FORWARD, m) for m in range(warmup)]          # warm-up
+    for i in range(steady):                                           # steady: 1F, 1B
+        order += [Instruction(FORWARD, warmup + i), Instruction(BACKWARD, i)]
+    order += [Instruction(BACKWARD, m) for m in range(steady, microbatches)]  # cool-down
+    return order
+
+
+def interleaved_order(pp: int, microbatches: int, stage: int, virtual: int
+                      ) -> list[Instruction]:
+    """Interleaved 1F1B (Megatron-LM): 1F1B over (chunk, microbatch) pairs.
+
+    Forwards go in groups of pp microbatches: microbatches 1..pp through chunk 0,
+    the same pp through chunk 1, ..., then the next pp. Backwards walk the chunks
+    in reverse. Needs M divisible by pp (every group full). Warm-up is 1F1B's
+    pp - s - 1 plus (V - 1) pp: the first backward needs a microbatch through all V
+    chunks. With V = 1 this is exactly 1F1B.
+    """
+    total = virtual * microbatches
+
+    def unit(k: int, forward: bool) -> Instruction:
+        group, within = divmod(k, pp * virtual)
+        chunk = within // pp
+        microbatch = group * pp + within % pp
+        if forward:
+            return Instruction(FORWARD, microbatch, chunk)
+        return Instruction(BACKWARD, microbatch, virtual - 1 - chunk)
+
+    warmup = min(pp - stage - 1 + (virtual - 1) * pp, total)
+    steady = total - warmup
+    order = [unit(k, True) for k in range(warmup)]                    # warm-up
+    for i in range(steady):                                           # steady: 1F, 1B
+        order += [unit(warmup + i, True), unit(i, False)]
+    order += [unit(k, False) for k in range(steady, total)]           # cool-down
+    return order
+
+
+def zb_h1_order(pp: int, microbatches: int, stage: int) -> list[Instruction]:
+    """ZB-H1: 1F1B with each backward split into B (input gradient) and W (weights).
+
+    Stage s runs W of microbatch i only `stage` microbatches after its B: the
+    last stages, whose B's the whole pipe waits for, put their W's off the most,
+    and those W's fill the cool-down where 1F1B sits idle. Alive microbatches (F
+    done, W not yet) stay at most pp, the memory of 1F1B.
+    """
+    warmup = min(pp - stage - 1, microbatches)
+    steady = microbatches - warmup
+    lag = stage  # W of microbatch i runs `lag` microbatches after its B
+
+    def put_off_weight(i: int) -> list[Instruction]:
+        return [Instruction(WEIGHT, i - lag)] if i >= lag else []
+
+    order = [Instruction(FORWARD, m) for m in range(warmup)]          # warm-up
+    for i in range(steady):                                           # steady: F, B, W
+        order += [Instruction(FORWARD, warmup + i), Instruction(BACKWARD, i)]
+        order += put_off_weight(i)
+    for m in range(steady, microbatches):                             # cool-down: B, W
+        order += [Instruction(BACKWARD, m)] + put_off_weight(m)
+    order += [Instruction(WEIGHT, m)                                  # the last W's fill
+              for m in range(max(microbatches - lag, 0), microbatches)]  # the tail
+    return order
+
+
+def compute_order(schedule: str, pp: int, microbatches: int, stage: int,
+                  virtual: int = 1) -> list[Instruction]:
+    """The F/B/W order of one stage under `schedule`, without communication."""
+    if schedule == "gpipe":
+        return gpipe_order(pp, microbatches, stage)
+    if schedule == "1f1b":
+        return one_f_one_b_order(pp, microbatches, stage)
+    if schedule == "interleaved":
+        return interleaved_order(pp, microbatches, stage, virtual)
+    if schedule == "zb-h1":
+        return zb_h1_order(pp, microbatches, stage)
+    raise ValueError(f"unknown schedule {schedule!r} (one of {', '.join(SCHEDULES)})")
+
+
+# ---------------------------------------------------- adding communication
+def virtual_stage(pp: int, stage: int, chunk: int) -> int:
+    """Model chunk `chunk` of pipeline rank `stage` is virtual stage chunk * pp + stage."""
+    return chunk * pp + stage
+
+
+def with_communication(order: list[Instruction], pp: int, stage: int, virtual: int = 1
+                       ) -> list[Instruction]:
+    """Wrap each compute instruction in the messages it needs and produces.
+
+    A forward receives its input from the previous virtual stage (unless it is
+    the first) and sends its output to the next (unless it is the last); a
+    backward receives the gradient of its output from the next virtual stage and
+    sends the gradient of its input back. Receives sit right before the compute
+    that needs them, sends right after the compute that produced them.
+    """
+    last = pp * virtual - 1
+    program: list[Instruction] = []
+    for ins in order:
+        v = virtual_stage(pp, stage, ins.chunk)
+        if ins.kind == FORWARD:
+            program += [Instruction(RECV_ACT, ins.microbatch, ins.chunk)] if v > 0 else []
+            program.append(ins)
+            program += [Instruction(SEND_ACT, ins.microbatch, ins.chunk)] if v < last else []
+        elif ins.kind == BACKWARD:
+            program += [Instruction(RECV_GRAD, ins.microbatch, ins.chunk)] if v < last else []
+            program.append(ins)
+            program += [Instruction(SEND_GRAD, ins.microbatch, ins.chunk)] if v > 0 else []
+        else:
+            program.append(ins)
+    return program
+
+
+def schedule(name: str, pp: int, microbatches: int, stage: int, virtual: int = 1
+             ) -> list[Instruction]:
+    """The full program of pipeline rank `stage`: compute and communication in order.
+
+    `schedule("1f1b", 4, 8, 3)` is the last stage's list; the executor runs it
+    with Send/Recv, the simulator with a logical clock.
+    """
+    return with_communication(compute_order(name, pp, microbatches, stage, virtual),
+                              pp, stage, virtual)
+
+
+def programs(name: str, pp: int, microbatches: int, virtual: int = 1
+             ) -> list[list[Instruction]]:
+    """Every stage's program, stage 0 first."""
+    return [schedule(name, pp, microbatches, s, virtual) for s in range(pp)]
+
+
+def peer(kind: str, pp: int, stage: int) -> int:
+    """The pipeline rank a message of `kind` goes to or comes from.
+
+    Activations flow to rank stage + 1, gradients to stage - 1; around the ring
+    (mod pp), because with interleaving the last rank's chunk c feeds rank 0's
+    chunk c + 1."""
+    downstream = kind in (SEND_ACT, RECV_GRAD)
+    return (stage + 1) % pp if downstream else (stage - 1) % pp
+
+
+# ----------------------------------------------------------- the simulator
+class ScheduleError(RuntimeError):
+    """A program that cannot be right: a message received out of order, a backward
+    before its forward."""
+
+
+class DeadlockError(RuntimeError):
+    """Every unfinished stage waits for a message no one will send."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One compute instruction placed on the clock: `kind` of (chunk, microbatch) on
+    `stage` from `start` to `end`."""
+
+    stage: int
+    kind: str
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
+
+
+@dataclass
+class Simulation:
+    """What playing the programs produced: the compute timeline, the time T at which
+    the last stage finishes, the bubble fraction and, per stage, the peak number of
+    (chunk, microbatch) pairs whose activations it held at once."""
+
+    timeline: list[Slot]
+    makespan: float
+    bubble: float
+    peak_in_flight: list[int]
+
+
+def costs(schedule: str) -> dict[str, float]:
+    """Logical durations: F = 1, B = 2 (a backward is two matmuls per forward one);
+    ZB-H1 splits the backward into B = 1 (input gradient) and W = 1 (weights)."""
+    if schedule == "zb-h1":
+        return {FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0}
+    return {FORWARD: 1.0, BACKWARD: 2.0}
+
+
+def message(ins: Instruction, pp: int, stage: int) -> tuple[str, int, int]:
+    """What a send or receive carries: (activation or gradient, the boundary it crosses,
+    microbatch). Boundary b lies between virtual stages b and b + 1."""
+    v = virtual_stage(pp, stage, ins.chunk)
+    boundary = {SEND_ACT: v, RECV_ACT: v - 1, SEND_GRAD: v - 1, RECV_GRAD: v}[ins.kind]
+    return ("act" if ins.kind in (SEND_ACT, RECV_ACT) else "grad", boundary, ins.microbatch)
+
+
+class _Player:
+    """Plays every stage's program on its own clock; see `simulate`."""
+
+    def __init__(self, progs: list[list[Instruction]], cost: dict[str, float],
+                 synchronous_sends: bool) -> None:
+        self.progs, self.cost, self.synchronous = progs, cost, synchronous_sends
+        self.pp = len(progs)
+        self.pc = [0] * self.pp
+        self.clock = [0.0] * self.pp
+        self.channels: dict[tuple[int, int, str], list[tuple[tuple, float]]] = {}
+        self.done: set[tuple[int, str, int, int]] = set()
+        self.alive = [0] * self.pp
+        self.peak = [0] * self.pp
+        self.release = WEIGHT if any(i.kind == WEIGHT for p in progs for i in p) else BACKWARD
+        self.timeline: list[Slot] = []
+
+    def current(self, stage: int) -> Instruction | None:
+        program = self.progs[stage]
+        return program[self.pc[stage]] if self.pc[stage] < len(program) else None
+
+    def step(self, s: int) -> bool:
+        """Run stage s's next instruction if it can run now; False if it must wait."""
+        ins = self.current(s)
+        if ins.kind in COMPUTE:
+            self.compute(s, ins)
+        elif ins.kind in (SEND_ACT, SEND_GRAD):
+            if not self.send(s, ins):
+                return False
+        elif not self.receive(s, ins):
+            return False
+        self.pc[s] += 1
+        return True
+
+    def compute(self, s: int, ins: Instruction) -> None:
+        needs = {BACKWARD: FORWARD, WEIGHT: BACKWARD}.get(ins.kind)
+        if needs and (s, needs, ins.chunk, ins.microbatch) not in self.done:
+            raise ScheduleError(f"stage {s}: {ins} before its {needs}")
+        key = (s, ins.kind, ins.chunk, ins.microbatch)
+        if key in self.done:
+            raise ScheduleError(f"stage {s}: {ins} runs twice")
+        self.done.add(key)
+        start = self.clock[s]
+        self.clock[s] = start + self.cost[ins.kind]
+        self.timeline.append(Slot(s, ins.kind, ins.microbatch, ins.chunk, start, self.clock[s]))
+        self.alive[s] += (ins.kind == FORWARD) - (ins.kind == self.release)
+        self.peak[s] = max(self.peak[s], self.alive[s])
+
+    def send(self, s: int, ins: Instruction) -> bool:
+        dest = peer(ins.kind, self.pp, s)
+        sent = message(ins, self.pp, s)
+        if not self.synchronous:  # eager (Isend): post and go on
+            self.channels.setdefault((s, dest, sent[0]), []).append((sent, self.clock[s]))
+            return True
+        other = self.current(dest)  # rendezvous: only when the receiver is at its Recv
+        if other is None or other.kind not in (RECV_ACT, RECV_GRAD) \
+                or peer(other.kind, self.pp, dest) != s:
+            return False
+        if message(other, self.pp, dest) != sent:
+            raise ScheduleError(f"stage {dest} expects {message(other, self.pp, dest)} "
+                                f"from stage {s}, which sends {sent}")
+        self.clock[s] = self.clock[dest] = max(self.clock[s], self.clock[dest])
+        self.pc[dest] += 1
+        return True
+
+    def receive(self, s: int, ins: Instruction) -> bool:
+        if self.synchronous:
+            return False  # completed by the sender's `send`
+        source = peer(ins.kind, self.pp, s)
+        expected = message(ins, self.pp, s)
+        queue = self.channels.get((source, s, expected[0]), [])
+        if not queue:
+            return False
+        got, sent_at = queue.pop(0)
+        if got != expected:
+            raise ScheduleError(f"stage {s} expects {expected} from stage {source}, "
+                                f"which sent {got} first")
+        self.clock[s] = max(self.clock[s], sent_at)
+        return True
+
+
+def simulate(progs: list[list[Instruction]], cost: dict[str, float],
+             synchronous_sends: bool = False) -> Simulation:
+    """Play every stage's program in logical time, honoring every dependency.
+
+    Each stage runs its instructions in order on its own clock: a compute
+    instruction takes `cost[kind]`, communication takes no time, and a receive
+    waits until its message was sent. With `synchronous_sends` a send also waits
+    until the receiver reaches the matching receive (MPI's rendezvous protocol,
+    what a blocking `Send` of a large message does); otherwise sends never block
+    (`Isend`). Raises `DeadlockError` if the stages get stuck, `ScheduleError` if a
+    message arrives out of order or a backward precedes its forward.
+    """
+    player = _Player(progs, cost, synchronous_sends)
+    progress = True
+    while progress:
+        progress = False
+        for s in range(player.pp):
+            while player.current(s) is not None and player.step(s):
+                progress = True
+    stuck = {s: str(player.current(s)) for s in range(player.pp) if player.current(s)}
+    if stuck:
+        raise DeadlockError(f"stages stuck at {stuck}")
+    makespan = max(player.clock)
+    intervals = [(slot.stage, slot.start, slot.end) for slot in player.timeline]
+    return Simulation(player.timeline, makespan, bubble_fraction(intervals, player.pp),
+                      player.peak)
+
+
+def simulate_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
+                      synchronous_sends: bool = False) -> Simulation:
+    """`simulate` the programs of schedule `name` with its logical costs."""
+    return simulate(programs(name, pp, microbatches, virtual), costs(name), synchronous_sends)
+
+
+def bubble_fraction(intervals: list[tuple[int, float, float]], stages: int) -> float:
+    """Idle share of stage-time: 1 - busy / (stages * T) for busy (stage, start, end)
+    intervals, T from the first start to the last end. Works for simulated slots
+    and for wall-clock timelines alike."""
+    begin = min(start for _, start, _ in intervals)
+    end = max(stop for _, _, stop in intervals)
+    busy = sum(stop - start for _, start, stop in intervals)
+    return 1.0 - busy / (stages * (end - begin))
+
+
+def bubble_formula(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
+    """The papers' bubble fractions, which the simulator reproduces exactly:
+    (pp-1)/(M+pp-1) for GPipe and 1F1B, (pp-1)/(V M+pp-1) interleaved, and for ZB-H1
+    (pp-1)/(3M+pp-1) -- idle pp-1 units where 1F1B idles 3(pp-1) -- when M >= pp."""
+    per_stage_work = {"interleaved": virtual * microbatches, "zb-h1": 3 * microbatches}
+    return (pp - 1) / (per_stage_work.get(schedule, microbatches) + pp - 1)
+
+
+def in_flight_peak(kinds: list[str]) -> int:
+    """Peak number of microbatches alive on a stage whose compute ran in this order:
+    alive from its F until its B (or its W, when the schedule has W's)."""
+    release = WEIGHT if WEIGHT in kinds else BACKWARD
+    alive = peak = 0
+    for kind in kinds:
+        alive += (kind == FORWARD) - (kind == release)
+        peak = max(peak, alive)
+    return peak
+
+
+# ------------------------------------------------------- a text Gantt chart
+def gantt(sim: Simulation, pp: int) -> list[str]:
+    """One line per stage, one cell per time unit: `F3` forward of microbatch 3,
+    `B3` backward (two cells when B = 2), `W3` weight gradient, `.` idle. With
+    model chunks, a letter names the chunk (`F3a`, `F3b`)."""
+    chunks = max(slot.chunk for slot in sim.timeline) + 1
+
+    def label(slot: Slot) -> str:
+        return f"{slot.kind}{slot.microbatch + 1}" + (
+            "abcdefgh"[slot.chunk] if chunks > 1 else "")
+
+    width = max(len(label(slot)) for slot in sim.timeline)
+    units = int(round(sim.makespan))
+    rows = [["." for _ in range(units)] for _ in range(pp)]
+    for slot in sim.timeline:
+        for t in range(int(round(slot.start)), int(round(slot.end))):
+            rows[slot.stage][t] = label(slot)
+    return [f"stage {s}: " + " ".join(cell.ljust(width) for cell in row).rstrip()
+            for s, row in enumerate(rows)]
+
+
+def iter_messages(progs: list[list[Instruction]]) -> Iterator[tuple[int, int, tuple]]:
+    """Every send and receive as (stage, peer, (direction, boundary, microbatch)), each
+    stage's in program order: what the pairwise matching test compares."""
+    pp = len(progs)
+    for s, program in enumerate(progs):
+        for ins in program:
+            if ins.kind not in COMPUTE:
+                yield s, peer(ins.kind, pp, s), (ins.kind.startswith("send"),
+                                                 message(ins, pp, s))

@@ -1,0 +1,208 @@
+"""Tensor parallelism: one layer's weight matrix split across the ranks of a tp group.
+
+What this file teaches (the source text's second strategy, and Megatron-LM,
+Shoeybi et al. 2019). For `Y = X W`, split W by columns: rank k holds
+`W[:, cols_k]` and computes `Y[:, cols_k] = X W[:, cols_k]`; an Allgather
+rebuilds Y (the source: W 8192x8192 on 2 ranks as two 8192x4096 blocks). Split
+W by rows instead and rank k needs only `X[:, rows_k]`; its product is a
+*partial sum* of Y, and an Allreduce adds the partial sums up.
+
+Megatron's pairing for the MLP, `GELU(u W1) W2`: fc1 by columns, fc2 by rows.
+GELU is elementwise, so it runs on the column shard `u W1[:, cols_k]` as it
+stands (it could not run on a partial sum: GELU(a + b) != GELU(a) + GELU(b)),
+and that shard is exactly the input slice the row-split fc2 needs. Between the
+two matmuls nothing moves; one Allreduce of B x d ends the block in the
+forward (g = `reduce_from`), one Allreduce of B x d starts it in the backward
+(f = `copy_to`, whose backward sums the input gradient of every rank's shard).
+
+Sequence parallelism (Korthikanti et al. 2022, `--sp`): outside fc1..fc2 every
+rank of the group above computes the same LayerNorm and residual on all B
+rows. With SP each rank keeps B/tp rows there instead; the Allreduce becomes a
+Reduce_scatter (sum, keep my rows) after fc2 and an Allgather of rows before
+fc1, the same ring volume (Allreduce = Reduce_scatter + Allgather), with the
+activation memory of the row-split region divided by tp. Parameters used on
+row shards (LayerNorm gamma/beta, fc2's bias) then get only this rank's rows'
+share of their gradient: `allreduce_sequence_parallel_grads` sums it over tp.
+
+The embedding and the head stay replicated here (every tp rank computes them
+on all rows). Megatron splits them too: a vocabulary-parallel embedding (each
+rank holds a range of token ids, outputs are Allreduced) and a
+vocabulary-parallel head with a parallel cross-entropy (the softmax's max and
+sum are Allreduced, so full logits are never gathered). Our inputs are dense
+vectors and C is tiny, so there is nothing worth splitting.
+
+Run it: `mpiexec -n 4 python -m minipar train --tp 4 --check --ledger` (add `--sp`),
+or the lesson `mpiexec -n 2 python lessons/02_tensor_parallel.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from minipar import autograd as ag
+from minipar.autograd import Tensor
+from minipar.comm import (
+    Group,
+    all_gather,
+    copy_to,
+    gather_from,
+    reduce_from,
+    reduce_scatter,
+    scatter_to,
+)
+from minipar.nn import LayerNorm, Module, Parameter
+
+
+def shard(size: int, parts: int, rank: int) -> slice:
+    """The contiguous slice `rank` holds when `size` is cut into `parts` equal pieces."""
+    step = size // parts
+    return slice(rank * step, (rank + 1) * step)
+
+
+# ------------------------------------------------------------- the linears
+class ColumnParallelLinear(Module):
+    """y = x @ W + b with W (d, f) split by columns: rank k holds W[:, cols_k], b[cols_k].
+
+    Input: x, the same on every rank (`copy_to` at the entry: forward identity,
+    backward Allreduce, because the input gradient `g_k W[:, cols_k]^T` of each
+    rank is only its shard's share). With `sequence_parallel`, x is this rank's
+    block of rows and the entry is an Allgather of rows (backward Reduce_scatter).
+    Output: the column shard (B, f/tp), or with `gather_output` the full (B, f)
+    by an Allgather of columns (the source's form).
+    """
+
+    def __init__(self, full: dict[str, np.ndarray], name: str, tp: Group,
+                 gather_output: bool = False, sequence_parallel: bool = False) -> None:
+        weight = full[f"{name}.weight"]
+        cols = shard(weight.shape[1], tp.size, tp.rank)
+        self.weight = Parameter(weight[:, cols], f"{name}.weight",
+                                full_index=(slice(None), cols), sync="dp")
+        self.bias = Parameter(full[f"{name}.bias"][cols], f"{name}.bias",
+                              full_index=(cols,), sync="dp")
+        self.tp = tp
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.sequence_parallel:
+            x = all_gather(x, self.tp)         # my rows (B/tp, d) -> all rows (B, d)
+        else:
+            x = copy_to(x, self.tp)            # f: nothing moves; backward Allreduce of (B, d)
+        y = ag.linear(x, self.weight, self.bias)   # (B, d) @ (d, f/tp) -> (B, f/tp)
+        if self.gather_output:
+            y = gather_from(y, self.tp, axis=-1)   # (B, f/tp) of every rank -> Y (B, f)
+        return y
+
+
+class RowParallelLinear(Module):
+    """y = x @ W + b with W (f, d) split by rows: rank k holds W[rows_k, :] and all of b.
+
+    Input: the column shard x[:, rows_k] (B, f/tp) that a column-parallel layer
+    produced, or with `input_is_parallel=False` the full x, of which this rank
+    keeps its columns (backward: Allgather). Each rank's product is a partial sum
+    of y; `reduce_from` (Allreduce, backward identity) adds them up, and only then
+    is the bias added: once, not tp times. With `sequence_parallel` the sum is a
+    Reduce_scatter of rows (backward Allgather) and y is this rank's rows.
+    """
+
+    def __init__(self, full: dict[str, np.ndarray], name: str, tp: Group,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False) -> None:
+        weight = full[f"{name}.weight"]
+        rows = shard(weight.shape[0], tp.size, tp.rank)
+        self.weight = Parameter(weight[rows, :], f"{name}.weight",
+                                full_index=(rows, slice(None)), sync="dp")
+        self.bias = Parameter(full[f"{name}.bias"], f"{name}.bias", sync="dp")
+        self.tp = tp
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to(x, self.tp, axis=-1)    # keep my columns (B, f/tp); no message
+        partial = ag.linear(x, self.weight)        # (B, f/tp) @ (f/tp, d) -> (B, d), a share
+        if self.sequence_parallel:
+            y = reduce_scatter(partial, self.tp)   # shares (B, d) summed -> my rows (B/tp, d)
+        else:
+            y = reduce_from(partial, self.tp)      # g: shares (B, d) of every rank -> their sum
+        return y + self.bias                       # the bias once, after the sum
+
+
+# ---------------------------------------------------------------- the block
+class TensorParallelBlock(Module):
+    """h + fc2(GELU(fc1(LN(h)))) with fc1 column-parallel and fc2 row-parallel.
+
+    The reference `DenseBlock`, split Megatron's way. Per block and microbatch the
+    tp group exchanges one Allreduce of B x d in the forward (after fc2) and one in
+    the backward (before fc1), nothing else. With `sequence_parallel`, h is this
+    rank's B/tp rows, and the pair becomes an Allgather before fc1 and a
+    Reduce_scatter after it (each in both directions: forward and backward swap).
+    """
+
+    def __init__(self, full: dict[str, np.ndarray], index: int, tp: Group,
+                 sequence_parallel: bool = False) -> None:
+        p = f"blocks.{index}"
+        self.ln = LayerNorm(full, f"{p}.ln")       # replicated (gamma, beta of size d)
+        self.fc1 = ColumnParallelLinear(full, f"{p}.fc1", tp, sequence_parallel=sequence_parallel)
+        self.fc2 = RowParallelLinear(full, f"{p}.fc2", tp, sequence_parallel=sequence_parallel)
+        self.sequence_parallel = sequence_parallel
+
+    def __call__(self, h: Tensor) -> tuple[Tensor, None]:
+        u = self.ln(h)                  # (B, d) on every rank; SP: my rows (B/tp, d)
+        z = ag.gelu(self.fc1(u))        # f, then (B, d) @ (d, f/tp) -> (B, f/tp), GELU on the shard
+        return h + self.fc2(z), None    # (B, f/tp) @ (f/tp, d), then g -> (B, d); SP: (B/tp, d)
+
+    def partial_over_tp(self) -> list[Parameter]:
+        """Replicated parameters whose gradient is only this rank's share: under SP,
+        LayerNorm's gamma and beta and fc2's bias see B/tp rows on each rank."""
+        if not self.sequence_parallel:
+            return []
+        return [self.ln.weight, self.ln.bias, self.fc2.bias]
+
+
+# ------------------------------------------------------ sequence parallelism
+def sequence_parallel_hooks(tp: Group) -> tuple[Callable[[Tensor], Tensor],
+                                                Callable[[Tensor], Tensor]]:
+    """`(enter, leave)` for `nn.Model`: split the residual stream by rows after the
+    embedding, gather it back before the head.
+
+    The embedding and head are replicated: every tp rank computes the same h0 and
+    seeds the same loss. So the entry is `scatter_to` (forward split, backward
+    Allgather: each rank's h0 gets the gradient of all rows, as in one process)
+    and the exit `gather_from` (forward Allgather, backward split: each rank keeps
+    its rows' gradient). The other pair (`all_gather` / `reduce_scatter`) would
+    sum tp identical copies and make every gradient tp times too large.
+    """
+    def enter(h: Tensor) -> Tensor:
+        return scatter_to(h, tp, axis=0)    # keep my rows (B/tp, d); backward Allgather of rows
+
+    def leave(h: Tensor) -> Tensor:
+        return gather_from(h, tp, axis=0)   # my rows (B/tp, d) of every rank -> (B, d)
+    return enter, leave
+
+
+def allreduce_sequence_parallel_grads(chunks: Sequence[Module], tp: Group) -> None:
+    """Sum over tp the gradients that sequence parallelism left split by rows.
+
+    Call it after the backward of every microbatch and before the data-parallel
+    sync (as Megatron does). One Allreduce, all such gradients packed in one buffer:
+    3 d per block (gamma, beta, fc2 bias) of this rank's chunks.
+    """
+    params = [p for chunk in chunks for block in getattr(chunk, "blocks", [])
+              if isinstance(block, TensorParallelBlock)
+              for p in block.partial_over_tp() if p.grad is not None]
+    if not params or tp.size == 1:
+        return
+    packed = np.concatenate([p.grad.ravel() for p in params])
+    tp.Allreduce(MPI.IN_PLACE, packed, op=MPI.SUM)  # my rows' share (3 d per block) -> the sum
+    start = 0
+    for p in params:
+        p.grad[...] = packed[start:start + p.grad.size].reshape(p.grad.shape)
+        start += p.grad.size
+
+
+def parameter_count(modules: Sequence[Module]) -> int:
+    """Elements of the parameters this rank holds (for memory per rank)."""
+    return sum(p.data.size for m in modules for p in m.parameters())

@@ -1,0 +1,95 @@
+"""Rank side of the reliability tests: break one rank on purpose, or try many bad settings.
+
+    mpiexec -n 2 python -m tests.rank_faults fault raise:1:2 train --dp 2 --steps 4
+    mpiexec -n 2 python -m tests.rank_faults fault kill:1:2 train --dp 2 --steps 4
+    mpiexec -n 2 python -m tests.rank_faults fault killsave:1 train --dp 2 --save DIR
+    mpiexec -n 4 python -m tests.rank_faults settings cases.json OUTDIR
+
+`fault MODE:RANK[:STEP] ARGS...` runs `python -m minipar ARGS...` through its real
+entry point (`minipar.__main__.run`, which aborts every rank on an exception),
+with world rank RANK made to fail when it fetches the batch of step STEP (1-based):
+`raise` raises an exception, `kill` sends itself SIGKILL (no Python cleanup, no
+MPI_Abort: the launcher must notice). `killsave` kills RANK while it writes its
+checkpoint shard. The failing rank first prints one line naming itself. The
+patching happens here, in the test helper: the library has no fault hooks.
+
+`settings cases.json OUTDIR` calls `minipar.__main__.main(["train", *flags])` for
+every case in the file (a list of flag lists) in this one process, capturing what
+each prints, and writes `OUTDIR/rank<r>.json` with each case's exit code, stdout,
+stderr and seconds: many refusals for one mpiexec start-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from mpi4py import MPI
+
+
+def die(mode: str, rank: int, where: str) -> None:
+    """Fail the way `mode` says, after one line saying who and where."""
+    print(f"rank {rank}: injected {mode} {where}", file=sys.stderr, flush=True)
+    if mode == "raise":
+        raise RuntimeError(f"injected failure on rank {rank} {where}")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def inject(spec: str) -> None:
+    """Patch the library so that world rank RANK fails as `spec` = MODE:RANK[:STEP] says."""
+    from minipar import checkpoint
+    from minipar import train as training
+
+    mode, rank, *step = spec.split(":")
+    if int(rank) != MPI.COMM_WORLD.Get_rank():
+        return
+    if mode == "killsave":
+        def write_shard(*args: object, **kwargs: object) -> dict:
+            die("kill", int(rank), "while writing its checkpoint shard")
+        checkpoint.write_shard = write_shard
+        return
+    original = training.step_batch
+
+    def step_batch(cfg: object, index: int) -> object:
+        if index + 1 == int(step[0]):
+            die(mode, int(rank), f"at step {index + 1}")
+        return original(cfg, index)
+    training.step_batch = step_batch
+
+
+def settings(cases_file: str, out: str) -> None:
+    """Run every case's `train` flags in this process; record what each returned and printed."""
+    from minipar.__main__ import main
+
+    results = []
+    for flags in json.loads(Path(cases_file).read_text()):
+        stdout, stderr = io.StringIO(), io.StringIO()
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = main(["train", *flags])
+        results.append({"flags": flags, "code": code, "stdout": stdout.getvalue(),
+                        "stderr": stderr.getvalue(), "seconds": time.perf_counter() - start})
+    rank = MPI.COMM_WORLD.Get_rank()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "fault":
+        inject(sys.argv[2])
+        from minipar.__main__ import run
+
+        sys.argv = ["minipar", *sys.argv[3:]]
+        run()
+    else:
+        try:
+            settings(sys.argv[2], sys.argv[3])
+        except BaseException:  # one rank's surprise must not leave the others waiting
+            sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
+            MPI.COMM_WORLD.Abort(1)

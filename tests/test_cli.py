@@ -1,0 +1,131 @@
+"""The `python -m minipar train` contract of DESIGN.md, on one process.
+
+`--dump DIR` writes init/final params, the data, the losses, every flag and the
+ledger, and they equal the in-process reference; `--check` says OK; a bad
+setting is one `minipar: error:` line on stderr and exit code 2, never a
+traceback. The command runs in a subprocess with a timeout (`tests.mpi`): the
+pytest process never imports `mpi4py.MPI`.
+
+    python -m pytest tests/test_cli.py
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minipar.config import TrainConfig
+from minipar.train import step_batch, train_reference
+from tests.conftest import assert_equivalent
+from tests.mpi import ROOT, minipar, read_dump
+
+FLAG_NAMES = ["model", "layers", "d_in", "d_model", "d_ff", "classes", "experts", "top_k",
+              "expert_d_ff", "capacity_factor", "aux_coef", "batch", "microbatches", "steps",
+              "lr", "optimizer", "seed", "dtype", "dp", "tp", "pp", "ep", "schedule",
+              "virtual", "zero"]
+
+RUNS = {
+    "mlp": {"layers": 2, "d_in": 6, "d_model": 16, "batch": 8, "steps": 3, "lr": 0.02,
+            "optimizer": "adam", "microbatches": 2, "seed": 4},
+    "moe": {"model": "moe", "layers": 2, "d_in": 6, "d_model": 16, "experts": 4, "top_k": 2,
+            "capacity_factor": 0.75, "aux_coef": 0.05, "batch": 8, "steps": 3},
+}
+
+
+def as_flags(fields: dict) -> list[str]:
+    return [part for name, value in fields.items()
+            for part in (f"--{name.replace('_', '-')}", str(value))]
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def dumped(request, tmp_path_factory):
+    """One `train --dump DIR --check` run per model, and the fields it was given."""
+    fields = RUNS[request.param]
+    folder = tmp_path_factory.mktemp(f"dump_{request.param}")
+    job = minipar(1, ["train", *as_flags(fields), "--dump", str(folder), "--check"], 120)
+    assert job.returncode == 0 and not job.timed_out, job.explain()
+    return fields, folder, job
+
+
+def test_dump_writes_every_file(dumped):
+    _, folder, _ = dumped
+    names = {"init.npz", "final.npz", "data.npz", "losses.json", "config.json", "ledger.json"}
+    assert names <= {p.name for p in folder.iterdir()}
+
+
+def test_dump_equals_the_reference(dumped):
+    fields, folder, _ = dumped
+    cfg = TrainConfig(**fields).resolved(1)
+    ref = train_reference(cfg)
+    run = read_dump(folder)
+    assert list(run["init"]) == list(ref.init)              # canonical names and order
+    for name, value in ref.init.items():
+        assert np.array_equal(run["init"][name], value), name
+    assert isinstance(run["losses"], list) and len(run["losses"]) == cfg.steps
+    assert all(isinstance(v, float) for v in run["losses"])
+    assert_equivalent(run, ref, label="--dump")
+    with np.load(folder / "data.npz") as data:
+        x, y = data["x"], data["y"]
+    assert x.shape == (cfg.steps, cfg.batch, cfg.d_in) and y.shape == (cfg.steps, cfg.batch)
+    for step in range(cfg.steps):
+        expect_x, expect_y = step_batch(cfg, step)
+        assert np.array_equal(x[step], expect_x) and np.array_equal(y[step], expect_y)
+
+
+def test_dump_config_has_every_flag(dumped):
+    fields, folder, _ = dumped
+    written = json.loads((folder / "config.json").read_text())
+    assert set(FLAG_NAMES) <= set(written), set(FLAG_NAMES) - set(written)
+    resolved = TrainConfig(**fields).resolved(1)
+    for name in FLAG_NAMES:
+        assert written[name] == getattr(resolved, name), name
+    assert written["dp"] == 1 and written["d_ff"] == 4 * fields["d_model"]
+
+
+def test_dump_ledger_records(dumped):
+    _, folder, _ = dumped
+    ledger = json.loads((folder / "ledger.json").read_text())
+    assert isinstance(ledger, list)
+    keys = {"rank", "op", "group", "calls", "elements", "bytes"}
+    assert all(set(record) == keys for record in ledger), ledger[:3]
+    assert all(record["rank"] == 0 for record in ledger)     # a single rank
+
+
+def test_check_prints_ok(dumped):
+    _, _, job = dumped
+    verdicts = [line for line in job.stdout.splitlines() if line.startswith("check against")]
+    assert len(verdicts) == 1 and "-> OK" in verdicts[0], job.explain()
+
+
+BAD = [
+    (["--steps", "-1"], "--steps"),
+    (["--lr", "nan"], "--lr"),
+    (["--layers", "0"], "--layers"),
+    (["--dtype", "float16"], "--dtype"),
+    (["--model", "moe", "--experts", "2", "--top-k", "3"], "--top-k"),
+    (["--no-such-flag", "3"], "--no-such-flag"),
+    (["--layers", "2.5"], "--layers"),
+]
+
+
+@pytest.mark.parametrize("flags,named", BAD, ids=[" ".join(f) for f, _ in BAD])
+def test_bad_setting_is_one_error_line(flags, named):
+    job = minipar(1, ["train", *flags], 60)
+    lines = [line for line in job.stderr.splitlines() if line.strip()]
+    assert job.returncode == 2 and not job.timed_out, job.explain()
+    assert len(lines) == 1 and lines[0].startswith("minipar: error:"), job.explain()
+    assert named in lines[0], job.explain()                  # the message names the flag
+    assert "Traceback" not in job.stdout + job.stderr
+
+
+def test_these_tests_import_no_mpi():
+    """What this file imports (the reference, the config, the launcher) starts no MPI:
+    checked in a fresh interpreter, so other test files' imports cannot hide it."""
+    probe = "import sys, tests.test_cli; print('mpi4py.MPI' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr

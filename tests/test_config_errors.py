@@ -1,0 +1,148 @@
+"""Every bad setting is refused before any communication: one line, exit 2, every rank.
+
+The table below is run twice. All of it in ONE mpiexec job of 4 ranks
+(`tests/rank_faults.py settings`: each rank calls the command line in-process
+for every case and records its exit code and output), which checks each rank
+separately; and a few cases through `mpiexec ... python -m minipar train`
+itself, which checks what a user sees: the launcher's exit code and stderr.
+
+A case must: exit 2 on every rank; print exactly one line, on rank 0's stderr,
+starting `minipar: error:` and naming the flag; print no traceback; take
+seconds. Strategies not built yet (config.NOT_BUILT) are refused the same way.
+
+    python -m pytest tests/test_config_errors.py
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from minipar import checkpoint
+from tests.mpi import launch, minipar
+
+WORLD = 4
+SMALL = ["--layers", "2", "--d-model", "16", "--d-in", "8", "--batch", "16", "--steps", "1"]
+# (flags after SMALL, the flag the error line must name). Paths in braces come from the
+# `folders` fixture: a good checkpoint saved at step 2 with Adam, and damaged copies.
+CASES = [
+    (["--dp", "3"], "--dp"),                                         # mesh does not fill world
+    (["--tp", "3"], "--tp"),                                         # tp does not divide world
+    (["--tp", "4", "--d-ff", "30"], "--tp"),                         # tp does not divide d_ff
+    (["--pp", "4", "--layers", "6"], "--pp"),                        # pp does not divide layers
+    (["--microbatches", "3"], "--microbatches"),                     # 16/4 = 4 rows per rank
+    (["--batch", "18"], "--batch"),                                  # batch does not split by dp
+    (["--model", "moe", "--ep", "3"], "--ep"),                       # ep does not divide dp
+    (["--model", "moe", "--experts", "6", "--ep", "4"], "--ep"),     # ep does not divide E
+    (["--model", "moe", "--experts", "2", "--top-k", "3"], "--top-k"),
+    (["--dp", "2", "--pp", "2", "--schedule", "interleaved", "--virtual", "3",
+      "--microbatches", "2"], "--virtual"),                          # 2 layers, 6 stages
+    (["--virtual", "2"], "--virtual"),                               # needs interleaved
+    (["--schedule", "zigzag"], "--schedule"),
+    (["--layers", "-2"], "--layers"),
+    (["--batch", "0"], "--batch"),
+    (["--dp", "0"], "--dp"),
+    (["--lr", "nan"], "--lr"),
+    (["--lr", "inf"], "--lr"),
+    (["--lr", "-0.1"], "--lr"),
+    (["--aux-coef=-inf"], "--aux-coef"),
+    (["--model", "moe", "--capacity-factor", "0"], "--capacity-factor"),
+    (["--steps", "two"], "--steps"),
+    (["--zero", "4"], "--zero"),
+    (["--dtype", "float16"], "--dtype"),
+    (["--no-such-flag", "1"], "--no-such-flag"),
+    (["--resume", "{missing}", "--steps", "4"], "--resume"),
+    (["--resume", "{unfinished}", "--steps", "4"], "--resume"),      # shards, no manifest
+    (["--resume", "{truncated}", "--steps", "4"], "--resume"),
+    (["--resume", "{tampered}", "--steps", "4"], "--resume"),
+    (["--resume", "{garbled}", "--steps", "4"], "--resume"),         # manifest not JSON
+    (["--resume", "{good}", "--steps", "4", "--optimizer", "adam", "--d-model", "32"],
+     "--d-model"),
+    (["--resume", "{good}", "--steps", "4", "--optimizer", "sgd"], "--optimizer"),
+    (["--resume", "{good}", "--steps", "2", "--optimizer", "adam"], "--steps"),  # no step left
+    (["--save", "{a_file}"], "--save"),
+    (["--zero", "1", "--save", "{new}"], "--zero"),
+]
+# Through the real launcher, at several world sizes: (ranks, case index).
+END_TO_END = [(4, 0), (2, 11), (1, 15), (2, 27)]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A good checkpoint (dp=2, Adam, step 2) and damaged copies of it."""
+    root = tmp_path_factory.mktemp("bad_checkpoints")
+    good = root / "good"
+    job = minipar(2, ["train", *SMALL, "--steps", "2", "--dp", "2", "--optimizer", "adam",
+                      "--save", str(good)], 60)
+    assert job.returncode == 0 and not job.timed_out, job.explain()
+    paths = {"good": good, "missing": root / "missing", "new": root / "new",
+             "a_file": root / "a_file"}
+    paths["a_file"].write_text("not a folder")
+    for name in ("unfinished", "truncated", "tampered", "garbled"):
+        paths[name] = root / name
+        shutil.copytree(good, paths[name])
+    (paths["unfinished"] / "manifest.json").unlink()
+    shard = paths["truncated"] / checkpoint.shard_name(0, 2)
+    shard.write_bytes(shard.read_bytes()[:-1])
+    shard = paths["tampered"] / checkpoint.shard_name(0, 2)
+    data = bytearray(shard.read_bytes())
+    data[-200] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    (paths["garbled"] / "manifest.json").write_text('{"format": "minipar-checkp')
+    return paths
+
+
+def case_flags(index: int, folders: dict[str, Path]) -> list[str]:
+    flags, _ = CASES[index]
+    return [*SMALL, *(f.format(**{k: str(v) for k, v in folders.items()}) for f in flags)]
+
+
+@pytest.fixture(scope="module")
+def in_one_job(folders, tmp_path_factory):
+    """Every case on every rank of one 4-rank job: {rank: [result per case]}."""
+    out = tmp_path_factory.mktemp("settings")
+    spec = out / "cases.json"
+    spec.write_text(json.dumps([case_flags(i, folders) for i in range(len(CASES))]))
+    job = launch(WORLD, ["-m", "tests.rank_faults", "settings", str(spec), str(out)], 120)
+    assert job.returncode == 0 and not job.timed_out, job.explain()
+    return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)}
+
+
+def assert_one_error_line(stderr: str, named: str, context: str) -> None:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, context
+    assert lines[0].startswith("minipar: error:"), context
+    assert named in lines[0], context                           # the line names the flag
+
+
+@pytest.mark.parametrize("index", range(len(CASES)),
+                         ids=[" ".join(flags) for flags, _ in CASES])
+def test_every_rank_refuses(in_one_job, index):
+    _, named = CASES[index]
+    results = [in_one_job[rank][index] for rank in range(WORLD)]
+    context = json.dumps(results, indent=1)
+    assert [r["code"] for r in results] == [2] * WORLD, context
+    assert_one_error_line(results[0]["stderr"], named, context)
+    assert all(r["stderr"] == "" for r in results[1:]), context   # only rank 0 speaks
+    assert all(r["stdout"] == "" for r in results), context       # nothing ran
+    assert all("Traceback" not in r["stderr"] for r in results), context
+    assert max(r["seconds"] for r in results) < 5, context
+
+
+@pytest.mark.parametrize("ranks,index", END_TO_END,
+                         ids=[f"{n} ranks: {' '.join(CASES[i][0])}" for n, i in END_TO_END])
+def test_the_launcher_reports_it(folders, ranks, index):
+    start = time.monotonic()
+    job = minipar(ranks, ["train", *case_flags(index, folders)], 60)
+    assert not job.timed_out and time.monotonic() - start < 30, job.explain()
+    assert job.returncode == 2, job.explain()
+    assert_one_error_line(job.stderr, CASES[index][1], job.explain())
+    assert "Traceback" not in job.stdout + job.stderr and job.stdout == "", job.explain()
+
+
+def test_the_table_is_large_enough():
+    assert len(CASES) >= 15 and len({named for _, named in CASES}) >= 15

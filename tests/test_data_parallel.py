@@ -1,0 +1,165 @@
+"""Data parallelism (minipar/parallel/data_parallel.py): naive, bucketed, overlapped.
+
+- Training on dp = 2, 3, 4, 8 with each `--grad-sync`, SGD and Adam, 1 and 2
+  microbatches (gradient accumulation: one sync per step), equals one process
+  (rtol 1e-9); the model's 8954 parameters do not divide 3, 4 or 8.
+- The ledger of the last step: every rank Allreduces exactly its parameter count,
+  in one call per parameter (naive) or one per bucket (bucketed, overlapped).
+- Hybrids (dp with pp, tp, ep; a zero-bubble schedule) stay equal to one process.
+- On the ranks themselves (`check_*`, run by `tests.rank_tests`): overlap starts
+  every bucket during backward, and only in the last microbatch's backward.
+- A batch not divisible by dp is refused by the CLI: one line, exit 2.
+
+Rank side by hand: `mpiexec -n 4 python -m tests.rank_tests /tmp/out
+tests.test_data_parallel:check_overlap_starts_buckets_in_backward`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minipar import nn
+from minipar.config import GRAD_SYNCS, TrainConfig
+from tests.conftest import assert_equivalent, reference
+from tests.mpi import minipar, sweep
+from tests.rank_tests import run_checks
+
+SMALL = {"layers": 4, "d_model": 16, "d_in": 8, "batch": 48, "steps": 3}
+BUCKET = 1000  # elements: the small model's fc weights (1024) each get a bucket of their own
+
+
+def shapes(cfg: dict) -> list[tuple[int, ...]]:
+    """Canonical parameter shapes of a config, in forward order."""
+    model = TrainConfig(**cfg).resolved(1).model_config()
+    return list(nn.canonical_shapes(model).values())
+
+
+def expected_buckets(cfg: dict) -> list[int]:
+    """Sizes of the buckets, worked out here independently: parameters in reverse
+    order, a new bucket whenever the next one would pass the bucket size."""
+    buckets: list[int] = []
+    for size in reversed([int(np.prod(s)) for s in shapes(cfg)]):
+        if buckets and buckets[-1] + size <= cfg["bucket_size"]:
+            buckets[-1] += size
+        else:
+            buckets.append(size)
+    return buckets
+
+
+def plain_configs(world: int) -> list[dict]:
+    """Each sync mode with SGD and one microbatch; with Adam and two microbatches the
+    overlapped one (it counts microbatches before it starts a bucket), and on 4 ranks
+    the bucketed one too. (Naive and bucketed sync after backward, whatever M is.)"""
+    out = []
+    for optimizer, microbatches in (("sgd", 1), ("adam", 2)):
+        syncs = GRAD_SYNCS
+        if microbatches == 2:
+            syncs = ("bucketed", "overlapped") if world == 4 else ("overlapped",)
+        out += [dict(SMALL, dp=world, grad_sync=sync, bucket_size=BUCKET, optimizer=optimizer,
+                     microbatches=microbatches) for sync in syncs]
+    return out
+
+
+HYBRIDS = {  # world -> dp with other strategies, equivalence only
+    4: [dict(SMALL, dp=2, pp=2, grad_sync="overlapped", bucket_size=BUCKET, microbatches=4,
+             schedule="zb-h1"),
+        dict(SMALL, model="moe", experts=4, dp=4, ep=2, grad_sync="overlapped",
+             bucket_size=BUCKET)],
+    8: [dict(SMALL, dp=2, tp=2, pp=2, grad_sync="overlapped", bucket_size=BUCKET,
+             microbatches=2, optimizer="adam")],
+}
+
+
+def check_ledger(run: dict, cfg: dict, world: int, label: str) -> None:
+    """Every rank: one Allreduce per parameter / per bucket, the parameter count in all."""
+    sizes = [int(np.prod(s)) for s in shapes(cfg)]
+    op = "Iallreduce" if cfg["grad_sync"] == "overlapped" else "Allreduce"
+    calls = len(sizes) if cfg["grad_sync"] == "naive" else len(expected_buckets(cfg))
+    for rank in range(world):
+        mine = {(r["group"], r["op"]): (r["calls"], r["elements"])
+                for r in run["ledger"] if r["rank"] == rank}
+        assert mine == {("dp", op): (calls, sum(sizes))}, f"{label} rank {rank}: {mine}"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_every_grad_sync_equals_one_process_and_allreduces_the_parameter_count(world, tmp_path):
+    plain = plain_configs(world)
+    configs = plain + HYBRIDS.get(world, [])
+    runs = sweep(world, configs, tmp_path / "sweep", timeout=240)
+    for cfg, run in zip(configs, runs):
+        label = f"n={world} {cfg}"
+        assert_equivalent(run, reference(**cfg), label=label)
+        if cfg in plain:
+            check_ledger(run, cfg, world, label)
+
+
+def test_bucket_arithmetic_of_the_test_itself():
+    """Buckets pass the size only when one parameter does; no two neighbours would fit
+    in one; together they hold every parameter."""
+    cfg = dict(SMALL, bucket_size=BUCKET)
+    sizes = expected_buckets(cfg)
+    params = [int(np.prod(s)) for s in shapes(cfg)]
+    assert sum(sizes) == sum(params) and len(sizes) > 1
+    assert all(size <= BUCKET or size in params for size in sizes)
+    assert all(a + b > BUCKET for a, b in zip(sizes, sizes[1:]))
+
+
+def test_a_batch_not_divisible_by_dp_is_refused_in_one_line():
+    job = minipar(3, ["train", "--dp", "3", "--batch", "16"], timeout=60)
+    assert job.returncode == 2 and not job.timed_out, job.explain()
+    lines = job.stderr.strip().splitlines()
+    assert lines == ["minipar: error: --batch 16 is not divisible by --dp 3 "
+                     "(every data-parallel rank takes an equal slice)"], job.explain()
+
+
+def test_overlap_starts_every_bucket_in_the_last_backward(tmp_path):
+    name = "tests.test_data_parallel:check_overlap_starts_buckets_in_backward"
+    run_checks(4, [name], tmp_path, timeout=120).assert_passed(name)
+
+
+# ------------------------------------------------------------------ rank side
+def check_overlap_starts_buckets_in_backward(comm: object) -> None:
+    """With 2 microbatches, no bucket starts in the first backward; all of them start
+    in the second, each as soon as its pieces are done; and the synced gradient
+    equals the bucketed sync of the same gradients."""
+    from minipar.comm import Ledger
+    from minipar.data import shard_rows
+    from minipar.mesh import Mesh
+    from minipar.optim import SGD
+    from minipar.parallel.data_parallel import bucketed_allreduce, make_updater
+    from minipar.train import build_rank_model, microbatch_loss, step_batch
+    from tests.rank_tests import agree
+
+    world = comm.Get_size()
+    cfg = TrainConfig(**dict(SMALL, dp=world, microbatches=2, grad_sync="overlapped",
+                             bucket_size=BUCKET)).resolved(world)
+    mesh = Mesh(cfg.mesh_shape(), comm, Ledger())
+    chunks = build_rank_model(cfg, mesh, nn.init_params(cfg.model_config(), cfg.seed))
+    updater = make_updater(cfg, mesh, chunks, SGD(cfg.lr))
+    overlap, problems = updater.overlap, []
+    x, y = step_batch(cfg, 0)
+    started = []
+    for m in range(2):
+        rows = shard_rows(cfg.batch, 2, world, m, mesh.coords["dp"])
+        microbatch_loss(chunks[0], x[rows], y[rows], 0.5).backward()
+        started.append(len(overlap.in_flight))
+    if started != [0, len(updater.buckets)]:
+        problems.append(f"buckets started after each microbatch {started}, "
+                        f"expected [0, {len(updater.buckets)}]")
+    order = [i for i, _, _ in overlap.in_flight]
+    if order != sorted(order):  # buckets are cut from the back: they finish in that order
+        problems.append(f"buckets started in order {order}")
+    local = [p.grad.copy() for p in updater.params]
+    updater.step()
+    if updater.started_in_backward != len(updater.buckets):
+        problems.append(f"{updater.started_in_backward} buckets started in backward")
+    synced = [p.grad for p in updater.params]
+    for p, g in zip(updater.params, local):
+        p.grad = g
+    bucketed_allreduce(updater.buckets, mesh)
+    for p, g in zip(updater.params, synced):
+        if not np.allclose(p.grad, g, rtol=1e-12, atol=1e-18):
+            problems.append(f"{p.name}: overlapped sync differs from bucketed")
+    mesh.free()
+    agree(comm, problems)

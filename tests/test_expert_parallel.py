@@ -1,0 +1,288 @@
+"""Expert parallelism (minipar/parallel/expert_parallel.py) against one process.
+
+Equivalence: `--model moe` on (dp, ep) meshes of 8, 4 and 2 ranks, top-1 and top-2, with
+and without capacity, 1 and 2 microbatches, SGD and Adam, equals the single-process MoE
+(rel 1e-9). Ledger: the Alltoall / Alltoallv / Exscan of a step match, rank by rank,
+what routing implies, recomputed here from the dumped initial parameters. Stats: the
+block's load statistics match the same recomputation (and capacity really drops).
+
+The 4-rank job runs this file as its rank side
+(`mpiexec -n 4 python -m tests.test_expert_parallel SPEC OUT`): it trains the configs
+like `tests.mpi.sweep` and also writes every rank's load statistics, then probes one
+block directly (uniform routing, tape size against the number of tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from minipar import autograd as ag
+from minipar import nn
+from minipar.config import TrainConfig, problems
+from tests.conftest import assert_equivalent, reference
+from tests.mpi import launch, read_dump, sweep
+
+SMALL = {"model": "moe", "layers": 2, "d_in": 8, "d_model": 16, "batch": 32, "seed": 3}
+
+EIGHT = [  # 64 experts, 8 per rank, as in the source text
+    dict(SMALL, dp=8, ep=8, experts=64, top_k=2, steps=2),
+    dict(SMALL, dp=8, ep=8, experts=64, top_k=1, capacity_factor=1.0, microbatches=2,
+         optimizer="adam", steps=2),
+]
+TWO = [
+    dict(SMALL, dp=2, ep=1, top_k=2, capacity_factor=0.75, microbatches=2, optimizer="adam",
+         steps=3),
+    dict(SMALL, dp=2, ep=1, top_k=1, steps=3),
+]
+FOUR = [
+    dict(SMALL, dp=4, ep=2, top_k=2, capacity_factor=1.0, microbatches=2, optimizer="adam",
+         steps=3),
+    dict(SMALL, dp=4, ep=4, top_k=1, capacity_factor=1.25, steps=3),
+    # one step each: the ledger of the last step is then the step of the dumped init
+    dict(SMALL, dp=4, ep=2, top_k=2, capacity_factor=1.0, microbatches=2, steps=1),
+    dict(SMALL, dp=4, ep=4, top_k=2, microbatches=2, optimizer="adam", steps=1),
+]
+PROBE = nn.ModelConfig(model="moe", layers=1, d_in=8, d_model=16, experts=8, top_k=2,
+                       expert_d_ff=32, capacity_factor=1.0, aux_coef=0.01)
+
+
+# ----------------------------------------------------------------- rank side
+def count_nodes(root: ag.Tensor) -> int:
+    """Nodes of the tape behind `root` (a per-token Python loop would grow this)."""
+    seen, stack = set(), [root]
+    while stack:
+        node = stack.pop()
+        if id(node) not in seen:
+            seen.add(id(node))
+            stack.extend(node.parents)
+    return len(seen)
+
+
+def probe_block(world: object) -> dict:
+    """One EP block (dp=4, ep=2) called directly: the aux loss with a zero router, and
+    the tape size for b and 3b local tokens."""
+    from minipar.comm import Ledger
+    from minipar.mesh import Mesh, MeshShape
+    from minipar.parallel.expert_parallel import ExpertParallelBlock
+
+    mesh = Mesh(MeshShape(dp=world.Get_size(), ep=2), world, Ledger())
+    full = nn.init_params(PROBE, seed=1)
+    rng = np.random.default_rng([7, mesh.rank])
+    nodes = []
+    for rows in (4, 12):
+        block = ExpertParallelBlock(full, 0, PROBE, mesh)
+        h = ag.Tensor(rng.normal(size=(rows, PROBE.d_model)), requires_grad=True)
+        out, aux = block(h)
+        loss = out.sum() + aux
+        loss.backward()
+        nodes.append(count_nodes(loss))
+    full["blocks.0.router.weight"][:] = 0.0
+    block = ExpertParallelBlock(full, 0, PROBE, mesh)
+    out, aux = block(ag.Tensor(rng.normal(size=(8, PROBE.d_model)), requires_grad=True))
+    (out.sum() + aux).backward()  # every rank takes part in the backward exchanges
+    mesh.free()
+    return {"nodes": nodes, "uniform_aux": aux.item(), "uniform_stats": block.last_stats}
+
+
+def rank_main(spec: Path, out: Path) -> None:
+    """Train each config of `spec` (dump like tests.mpi.sweep, plus expert_load.json with
+    every rank's load statistics), then write the block probe to probe.json."""
+    from mpi4py import MPI
+
+    from minipar.__main__ import dump
+    from minipar.train import train
+
+    world = MPI.COMM_WORLD
+    for i, fields in enumerate(json.loads(spec.read_text())):
+        cfg = TrainConfig(**fields).resolved(world.Get_size())
+        assert not problems(cfg, world.Get_size()), problems(cfg, world.Get_size())
+        result = train(cfg, world)
+        loads = world.gather(result.extras["expert_load"])
+        if world.Get_rank() == 0:
+            dump(out / str(i), cfg, result)
+            (out / str(i) / "expert_load.json").write_text(json.dumps(loads))
+    probe = probe_block(world)
+    if world.Get_rank() == 0:
+        (out / "probe.json").write_text(json.dumps(probe))
+
+
+# ----------------------------------------------------------- the test side
+def run_equivalence(runs: list[dict], configs: list[dict]) -> None:
+    for run, fields in zip(runs, configs):
+        assert_equivalent(run, reference(**fields), label=str(fields))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The 4-rank job: dumps of FOUR, load statistics, and the block probe."""
+    folder = tmp_path_factory.mktemp("ep4")
+    spec = folder / "configs.json"
+    spec.write_text(json.dumps(FOUR))
+    job = launch(4, ["-m", "tests.test_expert_parallel", str(spec), str(folder)], timeout=120)
+    assert job.returncode == 0 and not job.timed_out, job.explain()
+    runs = [read_dump(folder / str(i)) for i in range(len(FOUR))]
+    for i, run in enumerate(runs):
+        run["expert_load"] = json.loads((folder / str(i) / "expert_load.json").read_text())
+    return {"runs": runs, "probe": json.loads((folder / "probe.json").read_text())}
+
+
+def test_equivalence_eight_ranks_64_experts(tmp_path):
+    run_equivalence(sweep(8, EIGHT, tmp_path, timeout=120), EIGHT)
+
+
+def test_equivalence_two_ranks_ep1(tmp_path):
+    run_equivalence(sweep(2, TWO, tmp_path, timeout=120), TWO)
+
+
+def test_equivalence_four_ranks(four):
+    run_equivalence(four["runs"], FOUR)
+    assert all(run["ledger"] for run in four["runs"])
+
+
+def routing_plan(run: dict) -> list[dict]:
+    """Recompute, in one process from the dumped init and data, what every block of every
+    microbatch of step 0 routes: per dp rank, rows sent to / received from each ep rank."""
+    cfg = TrainConfig(**run["config"])
+    model = nn.build_reference(cfg.model_config(), run["init"])
+    x = np.load(run["job_folder"] / "data.npz")["x"][0]
+    rows, per_rank = cfg.batch // cfg.microbatches, cfg.experts // cfg.ep
+    plans = []
+    with ag.no_grad():
+        for m in range(cfg.microbatches):
+            h = model.embed(ag.Tensor(x[m * rows:(m + 1) * rows]))
+            for block in model.blocks:
+                probs = ag.softmax(block.ln(h) @ block.router).data
+                expert_of = nn.route(probs, cfg.top_k).ravel()
+                limit = nn.capacity(cfg.capacity_factor, cfg.top_k, rows, cfg.experts)
+                kept = nn.keep_within_capacity(expert_of, cfg.experts, limit)
+                owner = np.where(kept, expert_of // per_rank, -1).reshape(cfg.dp, -1)
+                send = np.stack([(owner == j).sum(axis=1) for j in range(cfg.ep)], axis=1)
+                group_of = np.arange(cfg.dp) // cfg.ep
+                recv = np.stack([send[group_of == group_of[r], r % cfg.ep]
+                                 for r in range(cfg.dp)])
+                plans.append({"send": send, "recv": recv, "routed": np.bincount(
+                    expert_of, minlength=cfg.experts), "dropped": int((~kept).sum())})
+                h, _ = block(h)
+    return plans
+
+
+def ledger_of(run: dict, rank: int, op: str, group: str) -> tuple[int, int]:
+    rows = [r for r in run["ledger"] if (r["rank"], r["op"], r["group"]) == (rank, op, group)]
+    return sum(r["calls"] for r in rows), sum(r["elements"] for r in rows)
+
+
+@pytest.mark.parametrize("index", [2, 3])
+def test_ledger_matches_routing(four, index):
+    run = four["runs"][index]
+    cfg = TrainConfig(**run["config"])
+    plans = routing_plan(run)
+    blocks_microbatches = cfg.layers * cfg.microbatches
+    for rank in range(cfg.dp):
+        rows = sum(p["send"][rank].sum() + p["recv"][rank].sum() for p in plans)
+        # dispatch + combine forward, their conjugates backward: each row of d twice per way
+        assert ledger_of(run, rank, "Alltoallv", "ep") == (
+            4 * blocks_microbatches, 2 * rows * cfg.d_model)
+        # the per-expert counts: E/ep to each of the ep ranks, once per block and microbatch
+        assert ledger_of(run, rank, "Alltoall", "ep") == (
+            blocks_microbatches, blocks_microbatches * cfg.experts)
+        exscans = blocks_microbatches if cfg.capacity_factor else 0
+        assert ledger_of(run, rank, "Exscan", "dp") == (exscans, exscans * cfg.experts)
+    total = sum(ledger_of(run, r, "Alltoallv", "ep")[1] for r in range(cfg.dp))
+    kept = sum(cfg.top_k * cfg.batch // cfg.microbatches - p["dropped"] for p in plans)
+    assert total == 4 * kept * cfg.d_model
+    if cfg.capacity_factor is None:  # k x tokens x d per direction, four directions
+        assert total == 4 * cfg.layers * cfg.top_k * cfg.batch * cfg.d_model
+
+
+@pytest.mark.parametrize("index", [2, 3])
+def test_load_statistics_match_routing(four, index):
+    run = four["runs"][index]
+    cfg = TrainConfig(**run["config"])
+    last = routing_plan(run)[-cfg.layers:]  # the last microbatch, every block
+    for rank, blocks in enumerate(run["expert_load"]):
+        for stats, plan in zip(blocks, last):
+            assert stats["routed"] == plan["routed"].tolist()
+            assert stats["dropped"] == plan["dropped"]
+            assert stats["sent"] == plan["send"][rank].tolist()
+            assert stats["received"] == plan["recv"][rank].tolist()
+            assert sum(stats["rank_load"]) == cfg.top_k * cfg.batch // cfg.microbatches \
+                - plan["dropped"]
+            routed = np.array(stats["routed"])
+            assert stats["imbalance"] == pytest.approx(routed.max() / routed.mean())
+    if cfg.capacity_factor is not None:
+        assert sum(s["dropped"] for s in run["expert_load"][0]) > 0, "capacity dropped nothing"
+
+
+def test_capacity_drops_tokens_in_every_capacity_run(four):
+    for run in four["runs"]:
+        if run["config"]["capacity_factor"] is not None:
+            assert sum(s["dropped"] for s in run["expert_load"][0]) > 0, run["config"]
+
+
+def test_uniform_routing_aux_equals_coef():
+    full = nn.init_params(PROBE, seed=1)
+    full["blocks.0.router.weight"][:] = 0.0
+    _, aux = nn.MoEBlock(full, 0, PROBE)(ag.Tensor(np.random.default_rng(0).normal(size=(32, 16))))
+    assert aux.item() == pytest.approx(PROBE.aux_coef, rel=1e-12)
+
+
+def test_uniform_routing_aux_equals_coef_under_ep(four):
+    probe = four["probe"]
+    assert probe["uniform_aux"] == pytest.approx(PROBE.aux_coef, rel=1e-12)
+    # ties go to the lower ids: experts 0 and 1 take every token, capped at ceil(c k B / E)
+    stats = probe["uniform_stats"]
+    tokens = 8 * 4
+    limit = int(np.ceil(PROBE.capacity_factor * PROBE.top_k * tokens / PROBE.experts))
+    assert stats["routed"] == [tokens, tokens] + [0] * 6
+    assert stats["kept"] == [limit, limit] + [0] * 6
+    assert stats["dropped"] == 2 * (tokens - limit)
+
+
+def test_no_per_token_python_loop(four):
+    small, large = four["probe"]["nodes"]
+    assert small == large, f"the tape grows with the tokens: {small} nodes vs {large}"
+
+
+def test_ep_problems_are_refused():
+    def first(**fields):
+        found = problems(TrainConfig(**dict(SMALL, **fields)).resolved(4), 4)
+        return found[0] if found else ""
+    assert "--ep 3 must divide --dp 4" in first(dp=4, ep=3, experts=6)
+    assert "--ep 4 does not divide --experts 6" in first(dp=4, ep=4, experts=6)
+    assert first(dp=4, ep=2) == ""
+    assert first(model="mlp", dp=4, ep=2).startswith("--ep needs --model moe")
+
+
+def test_lesson_runs_and_matches_one_process():
+    job = launch(8, ["lessons/03_expert_parallel.py"], timeout=120)
+    assert job.returncode == 0 and not job.timed_out, job.explain()
+    out = job.stdout
+    assert "tokens sent from rank (row) to rank (column)" in out
+    matrix = re.findall(r"^ *from rank (\d):((?: +\d+){8}) +\| +(\d+)$", out, re.M)
+    assert [int(r) for r, _, _ in matrix[:8]] == list(range(8))
+    assert all(sum(map(int, cells.split())) == int(total) for _, cells, total in matrix)
+    assert re.search(r"dropped by capacity: [1-9]\d* of \d+ assignments", out)
+    diffs = [float(v) for v in re.findall(r"max rel diff ([0-9.e+-]+)", out)]
+    assert len(diffs) >= 3 and max(diffs) <= 1e-9, diffs
+    ledger = re.search(r"Alltoallv elements \(all ranks, forward\+backward\): (\d+) = "
+                       r"4 x kept (\d+) x d (\d+)", out)
+    assert ledger and int(ledger[1]) == 4 * int(ledger[2]) * int(ledger[3])
+
+
+if __name__ == "__main__":
+    try:
+        rank_main(Path(sys.argv[1]), Path(sys.argv[2]))
+    except BaseException:  # one rank failing aborts all, with its traceback
+        import traceback
+
+        from mpi4py import MPI
+
+        sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)

@@ -1,0 +1,158 @@
+"""Pipeline parallelism under MPI: every schedule equals one process, and each stage
+boundary carries exactly one activation and one gradient per microbatch.
+
+Two `sweep` launches (2 and 4 ranks) run every config; the reference runs in
+this process (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import pytest
+
+from minipar.config import TrainConfig, problems
+from minipar.mesh import MeshShape
+from minipar.parallel.pipeline_parallel import boundary_shape
+from tests.conftest import assert_equivalent, reference
+from tests.mpi import launch, sweep
+
+SMALL = dict(layers=8, d_in=8, d_model=16, d_ff=32, batch=16, steps=2)
+MOE = dict(model="moe", experts=4, top_k=2, expert_d_ff=16)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def pipeline_configs(pp: int) -> list[dict]:
+    """Every schedule with M = 1, 2, 4, 8 on pp stages (interleaved also with V = 2
+    where pp divides M), SGD and Adam taking turns."""
+    out = []
+    for i, (schedule, m) in enumerate((s, m) for s in SCHEDULES for m in (1, 2, 4, 8)):
+        out.append(dict(SMALL, pp=pp, dp=1, schedule=schedule, microbatches=m,
+                        optimizer=("sgd", "adam")[i % 2]))
+    for m in (2, 4, 8):
+        if m % pp == 0:
+            out.append(dict(SMALL, pp=pp, dp=1, schedule="interleaved", virtual=2,
+                            microbatches=m, optimizer="adam" if m == 4 else "sgd"))
+    return out
+
+
+CONFIGS = {
+    2: pipeline_configs(2) + [
+        # MoE: the aux loss of the blocks on a stage that is not the last
+        dict(SMALL, **MOE, pp=2, dp=1, schedule="1f1b", microbatches=4),
+        dict(SMALL, **MOE, pp=2, dp=1, schedule="zb-h1", microbatches=2, optimizer="adam"),
+        dict(SMALL, **MOE, pp=2, dp=1, schedule="interleaved", virtual=2, microbatches=2),
+    ],
+    4: pipeline_configs(4) + [
+        dict(SMALL, pp=2, dp=2, schedule="1f1b", microbatches=4),
+        dict(SMALL, pp=2, dp=2, schedule="gpipe", microbatches=1, optimizer="adam"),
+        dict(SMALL, pp=2, dp=2, schedule="zb-h1", microbatches=2),
+        dict(SMALL, pp=2, dp=2, schedule="interleaved", virtual=2, microbatches=4,
+             optimizer="adam"),
+    ],
+}
+CASES = [(n, i) for n in CONFIGS for i in range(len(CONFIGS[n]))]
+
+
+def label(fields: dict) -> str:
+    keys = ("model", "dp", "pp", "schedule", "virtual", "microbatches", "optimizer")
+    return " ".join(f"{k}={fields[k]}" for k in keys if k in fields)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[int, list[dict]]:
+    return {n: sweep(n, CONFIGS[n], tmp_path_factory.mktemp(f"pipeline{n}"), timeout=240)
+            for n in CONFIGS}
+
+
+@pytest.mark.parametrize("n,index", CASES, ids=[label(CONFIGS[n][i]) for n, i in CASES])
+def test_schedule_equals_one_process(runs, n, index):
+    fields = CONFIGS[n][index]
+    assert_equivalent(runs[n][index], reference(**fields), label=label(fields))
+
+
+def expected_messages(cfg: TrainConfig, stage: int) -> dict[str, int]:
+    """Messages one rank of pipeline stage `stage` sends and receives in a step: for each
+    of its chunks (virtual stage v of pp V), M activations out unless v is last, M
+    gradients back unless v is first; receives mirror that."""
+    last = cfg.pp * cfg.virtual - 1
+    sends = recvs = 0
+    for chunk in range(cfg.virtual):
+        v = chunk * cfg.pp + stage
+        sends += cfg.microbatches * ((v < last) + (v > 0))
+        recvs += cfg.microbatches * ((v > 0) + (v < last))
+    return {"Isend": sends, "Recv": recvs}
+
+
+@pytest.mark.parametrize("n,index", CASES, ids=[label(CONFIGS[n][i]) for n, i in CASES])
+def test_ledger_one_activation_and_one_gradient_per_boundary(runs, n, index):
+    cfg = TrainConfig(**CONFIGS[n][index]).resolved(n)
+    rows, d = boundary_shape(cfg)
+    ledger = runs[n][index]["ledger"]
+    per_rank: dict[int, dict[str, dict]] = defaultdict(dict)
+    for record in ledger:
+        if record["group"] == "pp":
+            per_rank[record["rank"]][record["op"]] = record
+    shape = MeshShape(cfg.dp, cfg.tp, cfg.pp)
+    for rank in range(n):
+        expected = expected_messages(cfg, shape.coords(rank)["pp"])
+        got = per_rank[rank]
+        assert set(got) == {"Isend", "Recv"}, (rank, got)
+        for op, calls in expected.items():
+            assert got[op]["calls"] == calls, (rank, op, got[op])
+            assert got[op]["elements"] == calls * rows * d, (rank, op, got[op])
+            assert got[op]["bytes"] == calls * rows * d * 8, (rank, op, got[op])
+    # across the pipeline: pp V - 1 boundaries, each one activation + one gradient per
+    # microbatch, on every (dp, tp) replica of the pipeline
+    total = sum(r["calls"] for r in ledger if r["group"] == "pp" and r["op"] == "Isend")
+    assert total == 2 * cfg.microbatches * (cfg.pp * cfg.virtual - 1) * cfg.dp * cfg.tp
+
+
+def test_pipeline_flags_are_checked_before_any_communication():
+    def first_problem(**fields: object) -> list[str]:
+        return problems(TrainConfig(**fields).resolved(4), 4)
+
+    assert first_problem(pp=4, microbatches=4) == []
+    assert first_problem(pp=2, schedule="zb-h1", microbatches=2) == []
+    assert first_problem(pp=4, schedule="interleaved", virtual=2, microbatches=4) == []
+    assert first_problem(pp=4, schedule="interleaved", microbatches=2) == []  # V = 1: 1F1B
+    bad = first_problem(pp=4, schedule="interleaved", virtual=2, microbatches=2)
+    assert bad and "--microbatches divisible by --pp 4" in bad[0]
+    bad = problems(TrainConfig(schedule="interleaved", virtual=2).resolved(1), 1)
+    assert bad and "--virtual 2 needs --pp 2" in bad[0]
+    bad = first_problem(pp=4, virtual=2, microbatches=4)
+    assert bad and "needs --schedule interleaved" in bad[0]
+
+
+def test_boundary_shape_is_a_microbatch_of_rows_by_d():
+    cfg = TrainConfig(batch=64, microbatches=4, dp=2, pp=2, d_model=16).resolved(4)
+    assert boundary_shape(cfg) == (8, 16)
+    assert boundary_shape(TrainConfig(batch=64, microbatches=4, dp=1, tp=2, pp=2, sp=True,
+                                      d_model=16).resolved(4)) == (8, 16)
+
+
+# ----------------------------------------------------------------- the lesson
+def test_lesson_shows_the_48_layer_example_bubble_memory_and_equivalence():
+    job = launch(4, ["lessons/04_pipeline_parallel.py", "--quick"], timeout=180)
+    assert job.returncode == 0 and not job.timed_out, job.explain()
+    out = job.stdout
+    for rank, (first, last) in enumerate([(1, 12), (13, 24), (25, 36), (37, 48)]):
+        assert re.search(rf"\[rank {rank}\] layers {first}-{last}\b", out), out
+    assert "[rank 0] layers 1-6 + embedding, layers 25-30" in out  # --virtual 2
+    # 1F1B, pp = 4, M = 4, worked by hand: warm-up F1-F3, F4, then B1 once it is back
+    assert "rank 0: F1 F2 F3 F4 .  .  .  .  .  .  B1 B1 .  B2 B2 .  B3 B3 .  B4 B4" in out
+    table = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s+[\d.]+$",
+                       out, re.M)
+    assert [int(row[0]) for row in table] == [1, 4, 8, 16], out
+    for m, formula, simulated, measured in table:
+        expected = f"{3 / (int(m) + 3):.3f}"
+        assert formula == simulated == expected, (m, formula, simulated)
+        assert 0.0 <= float(measured) < 1.0
+    assert "gpipe: simulator [8, 8, 8, 8], real run [8, 8, 8, 8]" in out
+    assert "1f1b: simulator [4, 3, 2, 1], real run [4, 3, 2, 1]" in out
+    checks = re.findall(r"(\S+): bubble measured .* in order: (\w+); max rel diff "
+                        r"losses (\S+), params (\S+)$", out, re.M)
+    assert [c[0] for c in checks] == ["gpipe", "1f1b", "interleaved", "zb-h1"], out
+    for name, in_order, losses, params in checks:
+        assert in_order == "yes" and float(losses) <= 1e-9 and float(params) <= 1e-9, name

@@ -1,0 +1,132 @@
+"""minipar's single-process reference against an independent implementation of DESIGN.md.
+
+`train_reference` (autograd.py + nn.py + optim.py) is what every parallel run is
+compared with, so it is itself compared with `tests/independent.py`: plain NumPy
+with hand-written gradients, sharing nothing with it but the data. Losses and
+final parameters must agree to relative 1e-9 after 4 steps, for the dense MLP
+and for MoE (top-1/top-2, with and without capacity drops), SGD and Adam, one
+or two microbatches. Then properties of the model itself: it learns, float32
+stays float32, and uniform routing gives an aux loss of exactly alpha.
+
+    python -m pytest tests/test_reference.py
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from minipar import autograd as ag
+from minipar import nn
+from minipar.config import TrainConfig
+from minipar.train import step_batch, train_reference
+from tests import independent
+from tests.conftest import assert_equivalent
+
+SMALL = {"layers": 2, "d_in": 8, "d_model": 16, "d_ff": 40, "classes": 5, "batch": 16,
+         "steps": 4}
+MOE = {"model": "moe", "experts": 4, "expert_d_ff": 24}
+LR = {"sgd": 0.05, "adam": 0.01}
+
+
+def config(**fields: object) -> TrainConfig:
+    return TrainConfig(**{**SMALL, **fields}).resolved(1)
+
+
+def compare(cfg: TrainConfig) -> independent.Run:
+    """Run both implementations; assert losses and final parameters agree (rtol 1e-9)."""
+    mine = independent.train(cfg)
+    ref = train_reference(cfg)
+    assert_equivalent({"losses": mine.losses, "final": mine.final}, ref, label=str(cfg))
+    return mine
+
+
+@pytest.mark.parametrize("model", ["mlp", "moe"])
+def test_init_rule(model):
+    """The independent draw of DESIGN.md's init rule is nn.init_params, bit for bit."""
+    cfg = config(**(MOE if model == "moe" else {}), layers=3)
+    for dtype in ("float64", "float32"):
+        mine = independent.init_params(cfg, 5, dtype)
+        theirs = nn.init_params(cfg.model_config(), 5, dtype)
+        assert list(mine) == list(theirs)            # canonical names, canonical order
+        for name, value in theirs.items():
+            assert value.dtype == np.dtype(dtype) and np.array_equal(mine[name], value), name
+
+
+@pytest.mark.parametrize("optimizer,microbatches", list(itertools.product(LR, (1, 2))))
+def test_dense_matches_independent(optimizer, microbatches):
+    compare(config(optimizer=optimizer, lr=LR[optimizer], microbatches=microbatches))
+
+
+@pytest.mark.parametrize("top_k,capacity,optimizer,microbatches", list(itertools.product(
+    (1, 2), (None, 0.75), LR, (1, 2))))
+def test_moe_matches_independent(top_k, capacity, optimizer, microbatches):
+    cfg = config(**MOE, top_k=top_k, capacity_factor=capacity, optimizer=optimizer,
+                 lr=LR[optimizer], microbatches=microbatches, aux_coef=0.1)
+    run = compare(cfg)
+    if capacity is None:
+        assert sum(run.dropped) == 0
+    else:                                  # capacity 0.75 < 1 must drop assignments
+        assert sum(run.dropped) > 0, "no assignment was dropped: capacity is not exercised"
+
+
+@pytest.mark.parametrize("top_k,capacity", [(1, None), (2, 1.0)])
+def test_tied_router_picks_lower_expert_ids(top_k, capacity):
+    """A zero router ties every expert: both implementations send every token to experts
+    0..k-1 (capacity then drops the later tokens), with equal loss and gradients; the
+    experts nobody chose get a zero gradient, not a missing one."""
+    cfg = config(**MOE, top_k=top_k, capacity_factor=capacity, aux_coef=0.1)
+    params = independent.init_params(cfg, cfg.seed)
+    for i in range(cfg.layers):
+        params[f"blocks.{i}.router.weight"][:] = 0.0
+    x, y = step_batch(cfg, 0)
+    loss, grads, dropped = independent.loss_and_grads(params, cfg, x, y)
+    model = nn.build_reference(cfg.model_config(), params)
+    got = nn.loss_fn(model, x, y)
+    got.backward()
+    assert abs(got.item() - loss) <= 1e-12 * abs(loss)
+    assert dropped == (0 if capacity is None else cfg.layers * cfg.batch)
+    for p in model.parameters():
+        expected = grads[p.name]
+        assert p.grad is not None, p.name
+        assert np.max(np.abs(p.grad - expected)) <= 1e-9 * max(np.max(np.abs(expected)),
+                                                                1e-300), p.name
+        if ".experts." in p.name and int(p.name.split(".")[3]) >= top_k:
+            assert not np.any(p.grad), p.name
+
+
+def test_loss_decreases_on_the_synthetic_task():
+    """The default MLP learns the teacher's labels: the loss falls far below ln(C)."""
+    result = train_reference(TrainConfig(steps=200, optimizer="adam", lr=3e-3).resolved(1))
+    first, last = np.mean(result.losses[:10]), np.mean(result.losses[-10:])
+    assert first > 0.8 * np.log(10)
+    assert last < 0.5 * first, (first, last)
+
+
+@pytest.mark.parametrize("model", ["mlp", "moe"])
+def test_float32_stays_float32(model):
+    fields = {**(MOE if model == "moe" else {}), "optimizer": "adam", "lr": 0.01}
+    single = train_reference(config(dtype="float32", **fields))
+    double = train_reference(config(**fields))
+    for name, value in single.final.items():
+        assert single.init[name].dtype == np.float32 and value.dtype == np.float32, name
+        np.testing.assert_allclose(value, double.final[name], rtol=0,
+                                   atol=1e-4 * np.max(np.abs(double.final[name])))
+    assert all(np.isfinite(single.losses))
+    np.testing.assert_allclose(single.losses, double.losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("experts,top_k", [(4, 1), (4, 2), (8, 2), (3, 3)])
+def test_uniform_routing_aux_loss_is_alpha(experts, top_k):
+    """Switch Transformer: with a uniform router, f_e P_e sums to 1/E, so aux = alpha
+    (its minimum). A zero router weight makes every p_be = 1/E exactly."""
+    cfg = nn.ModelConfig(model="moe", layers=1, d_in=4, d_model=8, experts=experts,
+                         top_k=top_k, expert_d_ff=6, aux_coef=0.37)
+    full = nn.init_params(cfg, 0)
+    full["blocks.0.router.weight"][:] = 0.0
+    block = nn.MoEBlock(full, 0, cfg)
+    h = ag.Tensor(np.random.default_rng(0).standard_normal((10, 8)))
+    _, aux = block(h)
+    assert abs(aux.item() - 0.37) <= 1e-15

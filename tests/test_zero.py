@@ -1,0 +1,210 @@
+"""ZeRO stages 1-3 (minipar/parallel/zero.py) and the memory arithmetic (minipar/memory.py).
+
+- Without MPI: the slices of a flat vector (unequal when dp does not divide it),
+  ZeRO's memory formulas and the paper's worked example (7.5 B parameters on 64
+  ranks: 120 / 31.4 / 16.6 / 1.9 GB), the wire volume 2 Psi vs 3 Psi, and the
+  settings refused before any communication.
+- Training: `--zero 1|2|3` with SGD and Adam, 1 and 2 microbatches, on dp = 3, 4
+  and 8 (the model's 8954 parameters divide none of them; a second model's 8988
+  divide 3 and 4), and dense ZeRO beside tp and pp, equals one process (rtol
+  1e-9). The ledger of the last step has exactly ZeRO's collectives: stages 1-2
+  Reduce_scatter + Allgather the parameter count (2 Psi on the wire, as DP's
+  Allreduce), stage 3 one Reduce_scatter and two Allgathers (3 Psi).
+- On the ranks (`check_memory_accounting`): the bytes each rank holds equal the
+  formulas, exactly.
+
+Rank side by hand: `mpiexec -n 4 python -m tests.rank_tests /tmp/out
+tests.test_zero:check_memory_accounting`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minipar import nn
+from minipar.config import TrainConfig, problems
+from minipar.memory import (
+    FlatLayout,
+    ledger_formula,
+    optimizer_bytes_per_param,
+    paper_example,
+    shard_counts,
+    wire_formula,
+    zero_formula,
+)
+from tests.conftest import assert_equivalent, reference
+from tests.mpi import sweep
+from tests.rank_tests import run_checks
+
+SMALL = {"layers": 4, "d_model": 16, "d_in": 8, "batch": 48, "steps": 3}
+EVEN = {"classes": 12}  # 8988 parameters: divisible by 3 and 4 (8954 with 10 classes is not)
+
+
+def psi(cfg: dict) -> int:
+    model = TrainConfig(**cfg).resolved(1).model_config()
+    return sum(int(np.prod(s)) for s in nn.canonical_shapes(model).values())
+
+
+# ------------------------------------------------------------ without MPI
+def test_slices_of_a_flat_vector_cover_it_once_and_differ_by_at_most_one():
+    assert shard_counts(10, 4) == [3, 3, 2, 2] and shard_counts(8, 4) == [2, 2, 2, 2]
+    layout = FlatLayout([(2, 3), (4,), (1,)], ranks=4, rank=1)  # 11 numbers: 3 3 3 2
+    assert (layout.total, layout.counts, layout.starts) == (11, [3, 3, 3, 2], [0, 3, 6, 9])
+    assert layout.span(1, 2) == (6, 11)
+    assert layout.overlap(2, 7) == [1, 3, 1, 0]   # [2, 7) meets slices [0,3) [3,6) [6,9)
+    assert layout.mine(2, 7) == slice(0, 3) and layout.mine(7, 11) == slice(0, 0)
+    flat = np.arange(5.0)
+    first, second = layout.views(flat, 1, 2)
+    flat[4] = 9.0  # views share the buffer
+    assert second.tolist() == [9.0] and first.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_zero_paper_example_is_reproduced():
+    """Rajbhandari et al., Figure 1: 7.5 B parameters, N_d = 64, K = 12, fp16."""
+    totals = [round(states.total / 1e9, 1) for states in paper_example()]
+    assert totals == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_formulas_shard_exactly_the_stage_kinds():
+    full = zero_formula(100, 4, 0, 8, 8, 16)
+    assert (full.params, full.grads, full.optimizer) == (800, 800, 1600)
+    assert zero_formula(100, 4, 1, 8, 8, 16).optimizer == 400
+    two = zero_formula(100, 4, 2, 8, 8, 16)
+    assert (two.params, two.grads, two.optimizer) == (800, 200, 400)
+    assert zero_formula(100, 4, 3, 8, 8, 16).total == 800
+    assert optimizer_bytes_per_param("adam", 8) == 16 and optimizer_bytes_per_param("sgd", 8) == 0
+
+
+def ring(op: str, ranks: int) -> float:
+    """Share of a collective's buffer one rank sends with ring algorithms."""
+    return (2 if op == "Allreduce" else 1) * (ranks - 1) / ranks
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 8])
+def test_ledger_formula_gives_the_papers_wire_volume(ranks):
+    for stage in range(4):
+        wire = sum(ring(op, ranks) * n for op, n in ledger_formula(999, stage).items())
+        assert wire == pytest.approx(wire_formula(999, ranks, stage), rel=1e-12)
+    assert wire_formula(999, ranks, 3) / wire_formula(999, ranks, 0) == 1.5
+
+
+@pytest.mark.parametrize("fields, flag", [
+    ({"zero": 1, "grad_sync": "overlapped"}, "--grad-sync overlapped"),
+    ({"zero": 2, "model": "moe", "ep": 2}, "--zero 2 with --model moe"),
+    ({"zero": 3, "tp": 2, "dp": 2, "sp": True}, "--zero 3 takes"),
+    ({"grad_sync": "overlapped", "tp": 2, "dp": 2, "sp": True}, "--grad-sync overlapped takes"),
+    ({"bucket_size": 0}, "--bucket-size"),
+    ({"grad_sync": "ring"}, "--grad-sync must be one of"),
+])
+def test_settings_that_cannot_run_are_refused_naming_the_flag(fields, flag):
+    cfg = TrainConfig(**dict(SMALL, **fields)).resolved(4)
+    found = problems(cfg, 4)
+    assert any(line.startswith(flag) for line in found), found
+
+
+def test_dense_zero_beside_tp_and_pp_is_allowed():
+    for fields in ({"zero": 3, "dp": 2, "tp": 2, "pp": 2, "microbatches": 2},
+                   {"zero": 2, "dp": 2, "pp": 2, "microbatches": 4, "schedule": "zb-h1"},
+                   {"zero": 1, "dp": 2, "tp": 2, "sp": True}):
+        world = fields["dp"] * fields.get("tp", 1) * fields.get("pp", 1)
+        assert problems(TrainConfig(**dict(SMALL, **fields)).resolved(world), world) == []
+
+
+# ----------------------------------------------------------------- training
+def zero_configs(world: int) -> list[dict]:
+    """Every stage with (SGD, 1 microbatch) and (Adam, 2); on 8 ranks (Adam, 2) only,
+    on 4 also stage 3's other two pairs."""
+    pairs = [("adam", 2)] if world == 8 else [("sgd", 1), ("adam", 2)]
+    out = [dict(SMALL, dp=world, zero=stage, optimizer=optimizer, microbatches=m)
+           for stage in (1, 2, 3) for optimizer, m in pairs]
+    if world == 4:
+        out += [dict(SMALL, dp=world, zero=3, optimizer=optimizer, microbatches=m)
+                for optimizer, m in (("adam", 1), ("sgd", 2))]
+    if world == 3:
+        out += [dict(SMALL, **EVEN, dp=world, zero=stage, optimizer="adam") for stage in (1, 3)]
+    return out
+
+
+HYBRIDS = {8: [dict(SMALL, dp=2, tp=2, pp=2, zero=3, microbatches=2, optimizer="adam"),
+               dict(SMALL, dp=4, pp=2, zero=2, microbatches=2, schedule="zb-h1"),
+               dict(SMALL, dp=2, tp=4, zero=1, optimizer="adam")]}
+
+
+def expected_ledger(cfg: dict) -> dict[str, tuple[int, int]]:
+    """op -> (calls, elements) on the dp group for one step of a dp-only mesh: one
+    collective per step (stage 1), per piece and microbatch (stage 2's Reduce_scatter),
+    per piece, microbatch and direction (stage 3's Allgathers)."""
+    stage, pieces, m = cfg["zero"], cfg["layers"] + 2, cfg.get("microbatches", 1)
+    times = {1: {"Reduce_scatter": 1, "Allgatherv": 1},        # how often per step
+             2: {"Reduce_scatter": m, "Allgatherv": 1},
+             3: {"Reduce_scatter": m, "Allgatherv": m}}[stage]
+    calls = {1: {"Reduce_scatter": 1, "Allgatherv": 1},
+             2: {"Reduce_scatter": pieces * m, "Allgatherv": 1},
+             3: {"Reduce_scatter": pieces * m, "Allgatherv": 2 * pieces * m}}[stage]
+    return {op: (calls[op], n * times[op]) for op, n in ledger_formula(psi(cfg), stage).items()}
+
+
+@pytest.mark.parametrize("world", [3, 4, 8])
+def test_zero_equals_one_process_with_zeros_ledger(world, tmp_path):
+    configs = zero_configs(world) + HYBRIDS.get(world, [])
+    runs = sweep(world, configs, tmp_path / "sweep", timeout=240)
+    for cfg, run in zip(configs, runs):
+        label = f"n={world} {cfg}"
+        assert_equivalent(run, reference(**cfg), label=label)
+        if cfg.get("tp", 1) * cfg.get("pp", 1) > 1:
+            continue
+        expected = expected_ledger(cfg)
+        for rank in range(world):
+            mine = {r["op"]: (r["calls"], r["elements"])
+                    for r in run["ledger"] if r["rank"] == rank and r["group"] == "dp"}
+            assert mine == expected, f"{label} rank {rank}: {mine} != {expected}"
+            if cfg.get("microbatches", 1) == 1:  # stages 1-2: 2 Psi (N-1)/N, stage 3: 3
+                wire = sum(ring(op, world) * n for op, (_, n) in mine.items())
+                assert wire == pytest.approx(wire_formula(psi(cfg), world, cfg["zero"]))
+            assert {r["group"] for r in run["ledger"] if r["rank"] == rank} == {"dp"}
+
+
+def test_each_rank_holds_what_the_formulas_say(tmp_path):
+    name = "tests.test_zero:check_memory_accounting"
+    run_checks(4, [name], tmp_path, timeout=120).assert_passed(name)
+
+
+# ------------------------------------------------------------------ rank side
+def check_memory_accounting(comm: object) -> None:
+    """Measured bytes per rank (after a step) against ZeRO's formulas, stages 0-3, Adam
+    on both models. A sharded kind: rank r holds exactly counts[r]
+    numbers (the formula's Psi/N when N divides Psi) and the ranks together exactly
+    Psi. A replicated kind: every rank exactly the formula."""
+    from tests.rank_tests import agree
+
+    found = []
+    for extra, optimizer in (({}, "adam"), (EVEN, "adam")):
+        for stage in range(4):
+            fields = dict(SMALL, **extra, steps=1, dp=comm.Get_size(), zero=stage,
+                          optimizer=optimizer)
+            found += memory_problems(comm, fields)
+    agree(comm, found)
+
+
+def memory_problems(comm: object, fields: dict) -> list[str]:
+    from minipar.train import train
+
+    world, rank = comm.Get_size(), comm.Get_rank()
+    measured = train(TrainConfig(**fields).resolved(world), comm).extras["memory"]
+    count, stage = psi(fields), fields["zero"]
+    per_param = {"params": 8, "grads": 8,
+                 "optimizer": optimizer_bytes_per_param(fields["optimizer"], 8)}
+    formula = zero_formula(count, world, stage, *per_param.values())
+    found = []
+    for kind, bytes_each in per_param.items():
+        sharded = stage >= {"params": 3, "grads": 2, "optimizer": 1}[kind]
+        value, want = getattr(measured, kind), getattr(formula, kind)
+        together = sum(comm.allgather(value))  # every rank's bytes, summed
+        numbers = shard_counts(count, world)[rank] if sharded else count
+        wrong = [value != bytes_each * numbers,
+                 count % world == 0 and value != want,
+                 sharded and together != bytes_each * count]
+        if any(wrong):
+            found.append(f"{fields}: {kind} {value} bytes, formula {want}")
+    return found
