@@ -255,8 +255,11 @@ def summary(results: dict[str, dict]) -> None:
         worst = next(iter(found["final"].values()), 0.0)
         say(f"{name:<24} {found['loss_rel']:>9.1e} {worst:>9.1e}  "
             f"{', '.join(found['caught_by']) or 'NOTHING'}")
-    say("the loss alone would have let most of them through: only a comparison with one",
-        "process, the replica check and the ledger make a parallel run trustworthy.")
+    unseen = [n for n, f in results.items() if "skipped" not in f
+              and not {"losses", "parameters"} & set(f["caught_by"])]
+    say("every run with a bug still trained: its loss curve alone proves nothing. One process",
+        "is the referee; the replica check says which ranks went astray; the ledger and the",
+        "bytes held catch what the numbers cannot: " + (", ".join(unseen) or "none here") + ".")
 
 
 def plot(folder: Path, results: dict[str, dict]) -> None:

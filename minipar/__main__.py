@@ -89,7 +89,9 @@ def train_command(argv: list[str]) -> int:
     if rank == 0:
         print(f"done: {cfg.steps} steps on dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}"
               + (f" ep={cfg.ep}" if cfg.model == "moe" else "")
-              + f", final loss {result.losses[-1]:.6f}", flush=True)
+              + f", final loss {result.losses[-1]:.6f}"
+              + (f" (with the bug {cfg.inject_bug} injected)" if cfg.inject_bug else ""),
+              flush=True)
     return verdict
 
 

@@ -105,6 +105,7 @@ def copy_to_without_allreduce(x: Tensor, group: object) -> Tensor:
 
 
 def f_without_allreduce() -> list[Swap]:
+    """Column-parallel linears whose f operator forgot the backward half of its pair."""
     from minipar.parallel import tensor_parallel
 
     return [(tensor_parallel, "copy_to", copy_to_without_allreduce)]
@@ -116,10 +117,11 @@ class PlainLinear(nn.Linear):
 
     def __init__(self, full: dict[str, np.ndarray], name: str, tp: object,
                  **flags: bool) -> None:
-        super().__init__(full, name)  # BUG: full[name] (d, f), not the shard (d, f/tp)
+        super().__init__(full, name)  # BUG: the full (in, out) weight, not this rank's shard
 
 
 def plain_linears() -> list[Swap]:
+    """Both of the block's parallel linears built as plain ones (tensor_parallel.py)."""
     from minipar.parallel import tensor_parallel
 
     return [(tensor_parallel, "ColumnParallelLinear", PlainLinear),
@@ -160,29 +162,14 @@ def sum_not_mean() -> list[Swap]:
 # ----------------------------------------------------- expert parallelism
 def miscounted_aux(counter: Callable[[object, np.ndarray, int], np.ndarray]) -> list[Swap]:
     """The expert-parallel block with the aux loss's `f` counted by `counter(routing,
-    kept, E)` instead of from every routed assignment. The same collectives, in the
-    same places: only the numbers in the count Allreduce change."""
-    from minipar import comm
+    kept, E)` instead of from every routed assignment. The same collectives of the same
+    sizes: only the numbers counted change."""
     from minipar.parallel import expert_parallel as ep
 
     class MiscountedAux(ep.ExpertParallelBlock):
-        def __call__(self, h: Tensor) -> tuple[Tensor, Tensor]:
-            cfg, experts = self.cfg, self.cfg.experts
-            u = self.ln(h)                                            # (b, d)
-            routing = ep.route(u, self.router, cfg.top_k)
-            tokens = u.shape[0] * self.dp_group.size                  # B/M
-            limit = nn.capacity(cfg.capacity_factor, cfg.top_k, tokens, experts)
-            kept = ep.within_capacity(routing.expert_of, experts, limit, self.dp_group)
-            # (E,) counts of every dp rank -> their sum. BUG: `counter` picks what is counted
-            counts = comm.allreduce_sum(self.dp_group, counter(routing, kept, experts))
-            order, send = ep.plan_dispatch(routing.expert_of, kept, experts, self.ep_group.size)
-            recv = ep.exchange_counts(send, self.ep_group)
-            received = ep.dispatch(u, routing.token_of[order], send, recv, self.ep_group)
-            y = ep.run_local_experts(received, recv, self.experts)
-            out = ep.combine(y, routing, order, send, recv, self.ep_group, like=h)
-            aux = ep.global_aux(routing.probs, counts, tokens, cfg, self.dp_group)
-            self.last_stats = ep.load_stats(counts, limit, kept, send, recv)
-            return h + out, aux
+        def assignment_counts(self, routing: object, kept: np.ndarray) -> np.ndarray:
+            # BUG: `counter` picks what is counted
+            return counter(routing, kept, self.cfg.experts)
 
     return [(ep, "ExpertParallelBlock", MiscountedAux)]
 

@@ -230,11 +230,10 @@ class ExpertParallelBlock(nn.Module):
         u = self.ln(h)                                            # (b, d), b = B/(M dp)
         routing = route(u, self.router, cfg.top_k)
         tokens = u.shape[0] * self.dp_group.size                  # B/M: the global microbatch
-        # (E,) routed assignments per expert, every dp rank -> their sum (f; counts, no grad)
-        counts = comm.allreduce_sum(self.dp_group,
-                                    np.bincount(routing.expert_of, minlength=experts))
         limit = nn.capacity(cfg.capacity_factor, cfg.top_k, tokens, experts)
         kept = within_capacity(routing.expert_of, experts, limit, self.dp_group)
+        # (E,) assignments per expert, every dp rank -> their sum (f; counts, no grad)
+        counts = comm.allreduce_sum(self.dp_group, self.assignment_counts(routing, kept))
         order, send = plan_dispatch(routing.expert_of, kept, experts, self.ep_group.size)
         recv = exchange_counts(send, self.ep_group)
         received = dispatch(u, routing.token_of[order], send, recv, self.ep_group)
@@ -243,6 +242,11 @@ class ExpertParallelBlock(nn.Module):
         aux = global_aux(routing.probs, counts, tokens, cfg, self.dp_group)
         self.last_stats = load_stats(counts, limit, kept, send, recv)
         return h + out, aux
+
+    def assignment_counts(self, routing: Routing, kept: np.ndarray) -> np.ndarray:
+        """This rank's (token, slot) assignments per expert, for the aux loss's f: every
+        routed one, whether capacity kept it or not (DESIGN.md: drops still count)."""
+        return np.bincount(routing.expert_of, minlength=self.cfg.experts)
 
 
 def expected_alltoallv_elements(kept_assignments: int, d_model: int) -> int:
