@@ -12,12 +12,13 @@ export OMP_NUM_THREADS := 1
 export OPENBLAS_NUM_THREADS := 1
 export MKL_NUM_THREADS := 1
 export UCX_NET_DEVICES := lo
-export MINIPAR_MPIEXEC := $(abspath $(MPIEXEC))
+# A path becomes absolute (tests run from other folders); a bare name stays a PATH lookup.
+export MINIPAR_MPIEXEC := $(if $(findstring /,$(MPIEXEC)),$(abspath $(MPIEXEC)),$(MPIEXEC))
 
 RUFF_CONFIG := $(shell $(PYTHON) -c "import configparser as c; p = c.ConfigParser(); \
 	p.read('setup.cfg'); print(' '.join(\"--config '%s = %s'\" % kv for kv in p['tool:ruff'].items()))")
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint demo lessons notebooks bench clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,9 +35,25 @@ test: install lint
 	@start=$$(date +%s); $(PY) -m pytest && \
 	  echo $$(( $$(date +%s) - start )) > bench/last_test_seconds
 
-# The guided tour: every strategy on 8 ranks, one line each, checked against one process.
+# The guided tour: every strategy on 8 ranks, one line each, checked against one process;
+# its figures go to build/tour.
 demo: install
-	$(MPIEXEC) -n 8 $(PY) -m minipar tour
+	$(MPIEXEC) -n 8 $(PY) -m minipar tour --plot build/tour
+
+# Every lesson script on the rank count of its docstring's run line, at full size; a lesson
+# that fails, or runs longer than 10 minutes, stops the target. Figures go to $(FIGURES).
+FIGURES ?= build/figures
+lessons: install
+	@for lesson in lessons/[0-9][0-9]_*.py; do \
+	  ranks=$$(grep -m1 -o 'mpiexec -n [0-9]*' $$lesson | grep -o '[0-9]*$$'); \
+	  echo "=== $$lesson on $${ranks:-1} rank(s)"; \
+	  if [ -n "$$ranks" ]; then launch="$(MPIEXEC) -n $$ranks"; else launch=""; fi; \
+	  MPIEXEC_TIMEOUT=600 $$launch $(PY) $$lesson --plot $(FIGURES) || exit 1; \
+	done
+
+# Every notebook in lessons/, executed headless in a fresh kernel (nbclient, per-cell timeout).
+notebooks: install
+	$(PY) -m pytest -q tests/test_notebooks.py
 
 # Speed figures, each a ratio measured side by side (writes bench/results.json).
 bench: install

@@ -3,6 +3,7 @@
     mpiexec -n 8 python lessons/01_data_parallel.py           # batch 1024, 128 per rank
     mpiexec -n 8 python lessons/01_data_parallel.py --full    # minipar's default model size
     mpiexec -n 4 python lessons/01_data_parallel.py           # any rank count dividing 1024
+    mpiexec -n 8 python lessons/01_data_parallel.py --plot figures   # + 01_gradient_sync.png
 
 The source text's example: a global batch of 1024 on 8 GPUs, 128 each. Every
 GPU holds the whole model, computes g_i = grad L_i on its own 128 rows, and an
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -75,9 +77,11 @@ def compare(mesh: Mesh, model: nn.Model, single: list[np.ndarray], how: str) -> 
     say_in_order(mesh.world, f"|g| = {norm(grads):.15f}   max relative difference {worst:.1e}")
 
 
-def ledger_line(mesh: Mesh, psi: int) -> None:
-    """What this rank's ledger recorded for the sync just done, beside the formula."""
+def ledger_line(mesh: Mesh, psi: int) -> list[dict]:
+    """What this rank's ledger recorded for the sync just done, beside the formula.
+    Returns those records (for the figure) and empties the ledger."""
     n = mesh.shape.dp
+    records = mesh.ledger.records(mesh.rank)
     for (op, group), entry in sorted(mesh.ledger.entries.items()):
         if mesh.rank == 0:
             wire = wire_elements(op, entry.elements, n)
@@ -85,12 +89,14 @@ def ledger_line(mesh: Mesh, psi: int) -> None:
                   f"{entry.elements} elements (the parameter count: {psi}); on the wire "
                   f"{wire:.0f} = 2(N-1)/N x {psi} = {2 * (n - 1) / n * psi:.0f}", flush=True)
     mesh.ledger.reset()
+    return records
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true", help="minipar's default model size")
     parser.add_argument("--bucket-size", type=int, default=2000, help="elements per bucket")
+    parser.add_argument("--plot", metavar="DIR", type=Path, help="write the figure here (PNG)")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     n = world.Get_size()
@@ -117,7 +123,7 @@ def main() -> None:
     banner(mesh, "2. naive: one Allreduce(SUM) per parameter, then / N")
     allreduce_gradients(model.parameters(), mesh)  # g_i -> 1/N sum_i g_i, tensor by tensor
     compare(mesh, model, single, "the naive Allreduce")
-    ledger_line(mesh, psi)
+    syncs = {"naive": ledger_line(mesh, psi)}  # rank 0's ledger of each way, for the figure
 
     buckets = make_buckets(model.parameters(), args.bucket_size)
     banner(mesh, f"3. bucketed: {len(buckets)} buckets of at most {args.bucket_size} "
@@ -126,7 +132,7 @@ def main() -> None:
         p.grad = g.copy()
     bucketed_allreduce(buckets, mesh)
     compare(mesh, model, single, "the bucketed Allreduce")
-    ledger_line(mesh, psi)
+    syncs["bucketed"] = ledger_line(mesh, psi)
 
     banner(mesh, "4. overlapped: each bucket's Iallreduce starts during backward")
     overlap = OverlappedAllreduce(buckets, mesh, microbatches=1)
@@ -137,8 +143,15 @@ def main() -> None:
     if mesh.rank == 0:
         print(f"{started} of {len(buckets)} Iallreduces had started inside backward", flush=True)
     compare(mesh, model, single, "the overlapped Iallreduce")
-    ledger_line(mesh, psi)
+    syncs["overlapped"] = ledger_line(mesh, psi)
     mesh.free()
+    if args.plot and mesh.rank == 0:
+        from minipar.plots import ledger_figure, save
+
+        path = save(ledger_figure(syncs, f"three ways to sync {psi} gradients over dp = {n}: "
+                                  "the same bytes, fewer calls"),
+                    args.plot / "01_gradient_sync.png")
+        print(f"figure: {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,16 @@ block runs on 8 ranks (dp=8: 32 tokens each; ep=8: rank j holds experts 8j..8j+7
   4. the same block in one process: outputs, aux loss and every gradient agree;
   5. the ledger: the Alltoallv volume beside k x tokens x d per direction.
 
-Run it: `mpiexec -n 8 python lessons/03_expert_parallel.py`
+Run it: `mpiexec -n 8 python lessons/03_expert_parallel.py` (add `--plot DIR` for the
+expert-load figures, 03_expert_load*.png)
 (a whole training run: `mpiexec -n 8 python -m minipar train --model moe --dp 8 --ep 8
 --experts 64 --check`).
 """
 
+import argparse
 import sys
 import traceback
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -129,7 +132,21 @@ def show_load(s: dict) -> None:
         say(f"    n = {label:>7}: {experts:>3} " + "*" * experts)
 
 
+def plot_load(stats: dict, capacity: float | None, folder: Path) -> None:
+    """Rank 0: the load of the block per expert and per rank, as a figure."""
+    from minipar.plots import expert_load_figure, save
+
+    name = "no capacity" if capacity is None else f"capacity factor {capacity}"
+    path = save(expert_load_figure(stats, f"{EXPERTS} experts on {size} ranks, top-{TOP_K}, "
+                                          f"{TOKENS} tokens: {name}"),
+                folder / f"03_expert_load{'' if capacity is None else '_capacity'}.png")
+    say(f"figure: {path}")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
+    args = parser.parse_args()
     if size != 8:
         say("run with 8 ranks: mpiexec -n 8 python lessons/03_expert_parallel.py")
         sys.exit(2)
@@ -171,6 +188,8 @@ def main() -> None:
             f"one process, same block{' with capacity' if capacity else ''}:")
         compare(cfg, full, h, r, gathered)
         say("")
+        if args.plot:
+            plot_load(stats[0], capacity, args.plot)
     mesh.free()
 
 

@@ -1,6 +1,7 @@
 """Lesson 5: tensor vs pipeline parallelism, measured on the same model and the same 4 ranks.
 
     mpiexec -n 4 python lessons/05_tp_vs_pp.py
+    mpiexec -n 4 python lessons/05_tp_vs_pp.py --plot figures   # + 05_traffic.png, 05_memory.png
 
 The source text's comparison (its section 5). TP splits the weight matrix of
 every layer (W 4096 x 4096 on 4 GPUs as four 4096 x 1024 blocks) and must
@@ -27,9 +28,11 @@ Every run is checked against one process on the same global batch.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -200,7 +203,8 @@ def run_all(held: dict) -> dict[str, dict]:
             "acts": max(t * f for t, f in zip(held[name]["tape"], flight)),
             "flight": flight, "simulated": sim,
             "formula": bubble_formula("1f1b", cfg.pp, cfg.microbatches) if cfg.pp > 1 else 0.0,
-            "ms": 1000 * seconds, "check": checked(name, cfg, result, refs)}
+            "ms": 1000 * seconds, "check": checked(name, cfg, result, refs),
+            "ledger": result.ledger}
     return rows
 
 
@@ -292,7 +296,26 @@ def conclusions(rows: dict[str, dict], bubbles: list[float]) -> None:
         "  TP inside a stage (fast links), PP across stages, as large models are deployed.")
 
 
+def figures(rows: dict[str, dict], held: dict[str, dict], folder: Path) -> None:
+    """Rank 0: what each mesh sent per axis, and the parameter bytes of every rank."""
+    from minipar.memory import ModelStates
+    from minipar.plots import ledger_compare_figure, memory_figure, save
+
+    say("figure: " + str(save(ledger_compare_figure(
+        {name: row["ledger"] for name, row in rows.items()},
+        f"one step on {size} ranks, M = 4: what the busiest rank sent per axis"),
+        folder / "05_traffic.png")))
+    whole = ModelStates(params=model_bytes(), grads=0, optimizer=0)
+    say("figure: " + str(save(memory_figure(
+        {name: [ModelStates(params=p, grads=0, optimizer=0) for p in held[name]["params"]]
+         for name in rows}, {name: whole for name in rows}, "the whole model (one process)",
+        f"parameter bytes on each of the {size} ranks"), folder / "05_memory.png")))
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
+    args = parser.parse_args()
     if size != 4:
         say("lesson 5 compares TP and PP on 4 ranks: mpiexec -n 4 python lessons/05_tp_vs_pp.py")
         sys.exit(2)
@@ -302,6 +325,8 @@ def main() -> None:
     bubbles = the_bubble(rows)
     if rank == 0:
         conclusions(rows, bubbles)
+    if rank == 0 and args.plot:
+        figures(rows, held, args.plot)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Lesson 6: the 3-D mesh. Data x tensor x pipeline parallelism on 8 ranks, dp=tp=pp=2.
 
     mpiexec -n 8 python lessons/06_hybrid.py
+    mpiexec -n 8 python lessons/06_hybrid.py --plot figures   # + 06_ledger.png, 06_pipeline.png
 
 The source text ends with "large models usually combine TP and PP"; in practice
 the combination is replicated as well, and each replica takes a slice of the
@@ -25,8 +26,10 @@ full initial weights), tensor_parallel.py, pipeline_parallel.py, data_parallel.p
 
 from __future__ import annotations
 
+import argparse
 import sys
 import traceback
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -173,7 +176,24 @@ def the_check(cfg: TrainConfig, result: RunResult) -> None:
         f"-> {'OK' if ok else 'MISMATCH'}")
 
 
+def figures(cfg: TrainConfig, result: RunResult, folder: Path) -> None:
+    """Rank 0: the step's ledger per axis and operation, and the pipeline's timeline."""
+    from minipar.parallel.pipeline_schedules import simulate_schedule
+    from minipar.plots import gantt_figure, ledger_figure, save
+
+    mesh = f"dp = tp = pp = 2, M = {cfg.microbatches}"
+    say("figure: " + str(save(ledger_figure(result.ledger, f"one step on {mesh}: every axis"),
+                              folder / "06_ledger.png")))
+    sim = simulate_schedule(cfg.schedule, cfg.pp, cfg.microbatches)
+    say("figure: " + str(save(gantt_figure(sim, result.extras["timeline"],
+                                           f"{mesh}: the 1F1B pipeline of every rank"),
+                              folder / "06_pipeline.png")))
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
+    args = parser.parse_args()
     if size != 8:
         say("lesson 6 builds a 2 x 2 x 2 grid: mpiexec -n 8 python lessons/06_hybrid.py")
         sys.exit(2)
@@ -189,6 +209,8 @@ def main() -> None:
         the_ledger(cfg, result)
         every_factorization()
         the_check(cfg, result)
+        if args.plot:
+            figures(cfg, result, args.plot)
 
 
 if __name__ == "__main__":

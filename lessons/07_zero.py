@@ -2,6 +2,7 @@
 
     mpiexec -n 4 python lessons/07_zero.py
     mpiexec -n 8 python lessons/07_zero.py --optimizer sgd
+    mpiexec -n 4 python lessons/07_zero.py --plot figures   # + 07_memory.png, 07_ledger.png
 
 Data parallelism keeps every parameter, gradient and Adam state on every rank.
 ZeRO (Rajbhandari et al. 2020) gives each of the N ranks a 1/N slice of them:
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -93,9 +95,26 @@ def paper_table() -> None:
                                      states.total)]), flush=True)
 
 
+def figures(measured: list[list[ModelStates]], ledgers: list[list[dict]], psi: int, n: int,
+            optimizer: str, folder: Path) -> None:
+    """Rank 0: every rank's bytes per stage beside the formula, and each stage's ledger."""
+    from minipar.plots import ledger_figure, memory_figure, save
+
+    k = optimizer_bytes_per_param(optimizer, 8)
+    formulas = {name: zero_formula(psi, n, stage, 8, 8, k) for stage, name in enumerate(NAMES)}
+    print("figure:", save(memory_figure(
+        dict(zip(NAMES, measured)), formulas, title=f"model states on each of {n} ranks, "
+        f"Psi = {psi}, {optimizer}: measured (bars) and ZeRO's formula (lines)"),
+        folder / "07_memory.png"), flush=True)
+    print("figure:", save(ledger_figure(
+        dict(zip(NAMES, ledgers)), f"the dp axis in the last step, dp = {n}: DP moves 2 Psi on "
+        "the wire (Allreduce), ZeRO-3 3 Psi"), folder / "07_ledger.png"), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     n = world.Get_size()
@@ -120,6 +139,8 @@ def main() -> None:
         worst = max(float(np.max(np.abs(final[k] - v)) / np.max(np.abs(v))) for k, v in one.items())
         print(f"{NAMES[stage]:>13}: {worst:.1e}", flush=True)
     paper_table()
+    if args.plot:
+        figures(measured, ledgers, psi, n, args.optimizer, args.plot)
 
 
 if __name__ == "__main__":

@@ -213,8 +213,15 @@ def bugs_command(argv: list[str]) -> int:
     return 0
 
 
+def plan_command(argv: list[str]) -> int:
+    """`python -m minipar plan ...`: rank the ways to split a job at real scale (no MPI)."""
+    from minipar.plan import plan_command as plan
+
+    return plan(argv)
+
+
 COMMANDS = {"train": train_command, "mesh": mesh_command, "tour": tour_command,
-            "reshard": reshard_command, "bugs": bugs_command}
+            "reshard": reshard_command, "bugs": bugs_command, "plan": plan_command}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,6 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar.autograd import Tensor
+from minipar.memory import wire_elements  # noqa: F401  (pure arithmetic, re-exported)
 
 
 # ------------------------------------------------------------------ ledger
@@ -78,19 +79,6 @@ class Ledger:
         """Sum of `field` over the entries matching `op` and `group` (None = any)."""
         return sum(getattr(e, field) for (o, g), e in self.entries.items()
                    if (op is None or o == op) and (group is None or g == group))
-
-
-def wire_elements(op: str, elements: int, group_size: int) -> float:
-    """Elements one rank puts on the wire for a ledger entry, with ring algorithms:
-    Allreduce 2(N-1)/N of the buffer, Allgather and Reduce_scatter (N-1)/N,
-    Alltoall(v) (N-1)/N of what it sends when chunks are equal, Send the message."""
-    n = group_size
-    if op in ("Allreduce", "Iallreduce"):
-        return 2 * (n - 1) / n * elements
-    if op in ("Allgather", "Allgatherv", "Reduce_scatter", "Reduce_scatter_block",
-              "Alltoall", "Alltoallv"):
-        return (n - 1) / n * elements
-    return float(elements)
 
 
 def _size(buf: object) -> tuple[int, int]:

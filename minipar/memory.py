@@ -162,3 +162,16 @@ def wire_formula(psi: float, ranks: int, stage: int) -> float:
     2 (N-1)/N Psi (Allreduce = Reduce_scatter + Allgather), ZeRO-3 = 3 (N-1)/N Psi
     (section 7: the paper's 2 Psi and 3 Psi)."""
     return (3 if stage == 3 else 2) * (ranks - 1) / ranks * psi
+
+
+def wire_elements(op: str, elements: int, group_size: int) -> float:
+    """Elements one rank puts on the wire for a ledger entry, with ring algorithms:
+    Allreduce 2(N-1)/N of the buffer, Allgather and Reduce_scatter (N-1)/N,
+    Alltoall(v) (N-1)/N of what it sends when chunks are equal, Send the message."""
+    n = group_size
+    if op in ("Allreduce", "Iallreduce"):
+        return 2 * (n - 1) / n * elements
+    if op in ("Allgather", "Allgatherv", "Reduce_scatter", "Reduce_scatter_block",
+              "Alltoall", "Alltoallv"):
+        return (n - 1) / n * elements
+    return float(elements)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from textwrap import fill
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -30,7 +31,13 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from minipar.memory import ModelStates
-from minipar.parallel.pipeline_schedules import COMPUTE, Simulation, simulate_schedule
+from minipar.parallel.pipeline_schedules import (
+    COMPUTE,
+    Simulation,
+    bubble_formula,
+    bubble_fraction,
+    simulate_schedule,
+)
 
 KIND_COLORS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
 KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient (ZB-H1)"}
@@ -55,20 +62,7 @@ def byte_unit(top: float) -> tuple[float, str]:
     return 1.0, "bytes"
 
 
-def scaled(values: Iterable[float]) -> tuple[np.ndarray, str]:
-    """Bytes in the unit of the biggest one: ([1.5, 3.0], 'KiB') for [1536, 3072]."""
-    values = np.asarray(list(values), dtype=float)
-    factor, unit = byte_unit(float(values.max()) if values.size else 0.0)
-    return values / factor, unit
-
-
 # ------------------------------------------------------------ pipeline Gantt
-def simulated_bars(sim: Simulation) -> list[dict]:
-    """The simulator's compute slots as bars: row = pipeline stage, time in units."""
-    return [{"row": s.stage, "kind": s.kind, "microbatch": s.microbatch, "chunk": s.chunk,
-             "start": s.start, "end": s.end} for s in sim.timeline]
-
-
 def timeline_bars(timeline: Sequence[dict]) -> list[dict]:
     """A real run's timeline (`extras["timeline"]`, seconds) as bars in milliseconds:
     row = world rank; compute instructions, and receives (time spent waiting)."""
@@ -102,7 +96,8 @@ def draw_gantt(ax: Axes, bars: Sequence[dict], row_names: dict[int, str], unit: 
 
 
 def gantt_legend(figure: Figure, kinds: Iterable[str], chunks: bool, waits: bool) -> None:
-    handles = [Patch(color=KIND_COLORS[k], label=KIND_NAMES[k]) for k in "FBW" if k in kinds]
+    names = dict(KIND_NAMES, B="backward: input gradient") if "W" in kinds else KIND_NAMES
+    handles = [Patch(color=KIND_COLORS[k], label=names[k]) for k in "FBW" if k in kinds]
     if chunks:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
                              label="second model chunk"))
@@ -124,7 +119,8 @@ def gantt_figure(sim: Simulation, timeline: Sequence[dict] | None = None,
     figure = Figure(figsize=(6.5 * panels, 1.2 + 0.42 * rows), layout="constrained")
     figure.get_layout_engine().set(rect=(0, 0.08, 1, 0.92))
     axes = figure.subplots(1, panels, squeeze=False)[0]
-    draw_gantt(axes[0], simulated_bars(sim), {s: f"stage {s}" for s in range(pp)},
+    simulated = [dict(vars(slot), row=slot.stage) for slot in sim.timeline]
+    draw_gantt(axes[0], simulated, {s: f"stage {s}" for s in range(pp)},
                "logical units: F = 1", f"simulator: bubble {sim.bubble:.1%}")
     if timeline:
         stage_of = {r["rank"]: r["stage"] for r in timeline}
@@ -140,13 +136,10 @@ def gantt_figure(sim: Simulation, timeline: Sequence[dict] | None = None,
 
 
 def measured_bubble(timeline: Sequence[dict]) -> float:
-    """Idle share of rank-time in a real timeline: 1 - busy / (ranks * T), as the
-    simulator defines it (`pipeline_schedules.bubble_fraction`), per rank row."""
-    compute = [r for r in timeline if r["kind"] in COMPUTE]
-    begin = min(r["start"] for r in compute)
-    span = max(r["end"] for r in compute) - begin
-    busy = sum(r["end"] - r["start"] for r in compute)
-    return 1.0 - busy / (len({r["rank"] for r in compute}) * span)
+    """Idle share of rank-time in a real timeline, 1 - busy / (ranks * T), as the
+    simulator measures it (`pipeline_schedules.bubble_fraction`)."""
+    busy = [(r["rank"], r["start"], r["end"]) for r in timeline if r["kind"] in COMPUTE]
+    return bubble_fraction(busy, len({rank for rank, _, _ in busy}))
 
 
 # ------------------------------------------------------------------- bubble
@@ -157,8 +150,6 @@ def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
     """Bubble fraction against the number of microbatches M: the papers' formulas as
     lines, the simulator as dots on them, and (if given) a real 1F1B run's measured
     bubble per M as crosses. GPipe and 1F1B share (pp-1)/(M+pp-1)."""
-    from minipar.parallel.pipeline_schedules import bubble_formula
-
     names = {"1f1b": "GPipe and 1F1B: (pp-1)/(M+pp-1)",
              "interleaved": "interleaved, V={v}: (pp-1)/(VM+pp-1)",
              "zb-h1": "ZB-H1: (pp-1)/(3M+pp-1), M >= pp"}
@@ -199,23 +190,21 @@ def busiest(records: Sequence[dict]) -> dict[tuple[str, str], dict]:
     return best
 
 
-def ledger_figure(runs: dict[str, Sequence[dict]] | Sequence[dict], title: str = "",
-                  ops: Sequence[str] | None = None) -> Figure:
+def ledger_figure(runs: dict[str, Sequence[dict]] | Sequence[dict], title: str = "") -> Figure:
     """The ledger of a step as bars: one group per (mesh axis, operation), one bar per
     run (`runs` maps a label to its records; or pass one run's records), height =
     bytes of the buffers that operation was called on by the busiest rank
-    (DESIGN.md's convention), the number of calls on top. `ops` keeps only those."""
+    (DESIGN.md's convention), the number of calls on top."""
     runs = runs if isinstance(runs, dict) else {"": runs}
     best = {label: busiest(records) for label, records in runs.items()}
-    keys = sorted({key for per in best.values() for key in per if not ops or key[1] in ops},
-                  key=lambda k: (list(AXIS_COLORS).index(k[0]) if k[0] in AXIS_COLORS
-                                 else len(AXIS_COLORS), k[1]))
-    top = max([r["bytes"] for per in best.values() for k, r in per.items() if k in keys]
-              or [1])
+    order = list(AXIS_COLORS)  # mesh axes in mesh order, then operations by name
+    keys = sorted({key for per in best.values() for key in per},
+                  key=lambda k: (order.index(k[0]) if k[0] in order else len(order), k[1]))
+    top = max([r["bytes"] for per in best.values() for r in per.values()] or [1])
     factor, unit = byte_unit(top)
     width = 0.8 / len(runs)
-    figure = Figure(figsize=(min(11.0, 2.5 + 1.1 * len(keys) * max(1, len(runs) / 2)), 4.2),
-                    layout="constrained")
+    width_inches = min(11.0, max(6.5, 2.5 + 1.1 * len(keys) * max(1, len(runs) / 2)))
+    figure = Figure(figsize=(width_inches, 4.4), layout="constrained")
     ax = figure.subplots()
     for x, key in enumerate(keys):
         present = [(i, label) for i, label in enumerate(best) if key in best[label]]
@@ -228,12 +217,13 @@ def ledger_figure(runs: dict[str, Sequence[dict]] | Sequence[dict], title: str =
             ax.text(xi, record["bytes"] / factor, f"{calls}\ncall{'s' * (calls != 1)}",
                     ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(keys)), [f"{op}\n{axis} axis" for axis, op in keys], fontsize=8)
-    ax.set_ylim(0, 1.25 * top / factor)
+    ax.set_ylim(0, (1.5 if len(runs) > 1 else 1.2) * top / factor)  # room for the legend
     ax.set_ylabel(f"{unit} per rank in the last step (busiest rank)")
     if len(runs) > 1:
         ax.legend(handles=[Patch(color=f"C{i}", label=label) for i, label in enumerate(runs)],
-                  fontsize=8, loc="upper right")
-    ax.set_title(title or "the communication ledger", fontsize=10)
+                  fontsize=8, loc="upper center", ncol=min(len(runs), 4))
+    ax.set_title(fill(title or "the communication ledger", int(11 * width_inches)),
+                 fontsize=10)
     return figure
 
 
@@ -270,7 +260,7 @@ def ledger_compare_figure(ledgers: dict[str, Sequence[dict]], title: str = "") -
     ax.legend(handles=[Patch(color=c, label=f"{a} axis") for a, c in AXIS_COLORS.items()
                        if a in axes_seen], fontsize=8, loc="center left",
               bbox_to_anchor=(1.01, 0.5))
-    ax.set_title(title or "what moved, by mesh axis", fontsize=10)
+    ax.set_title(fill(title or "what moved, by mesh axis", 90), fontsize=10)
     return figure
 
 
@@ -287,9 +277,11 @@ def expert_load_figure(stats: dict, title: str = "") -> Figure:
     experts = np.arange(len(routed))
     for j in range(0, ranks, 2):  # shade every other rank's experts
         left.axvspan(j * per_rank - 0.5, (j + 1) * per_rank - 0.5, color="0.93")
-    left.bar(experts, routed, color="tab:red", alpha=0.35, label="routed (chose it)")
-    left.bar(experts, kept, color="tab:red", label="kept (computed)")
-    if stats.get("limit") is not None:
+    if stats.get("limit") is None:  # nothing dropped: routed = kept
+        left.bar(experts, kept, color="tab:red", label="routed = kept (no capacity)")
+    else:
+        left.bar(experts, routed, color="tab:red", alpha=0.35, label="routed (chose it)")
+        left.bar(experts, kept, color="tab:red", label="kept (computed)")
         left.axhline(stats["limit"], color="black", ls="--", lw=1,
                      label=f"capacity ceil(c k B/E) = {stats['limit']}")
     left.axhline(routed.mean(), color="0.3", ls=":", lw=1, label="perfect balance")
@@ -335,7 +327,8 @@ def memory_figure(runs: dict[str, Sequence[ModelStates | dict]],
     tops += [m.total * scale[k] for k, m in (marks or {}).items()]
     factor, unit = (1.0, "%") if relative else byte_unit(max(tops))
     bars = sum(len(r) for r in states.values()) + 1.2 * len(states)
-    figure = Figure(figsize=(min(11.0, max(6.0, 1.5 + 0.22 * bars)), 4.4), layout="constrained")
+    width_inches = min(11.0, max(6.5, 1.5 + 0.22 * bars))
+    figure = Figure(figsize=(width_inches, 4.4), layout="constrained")
     ax = figure.subplots()
     x0, ticks = 0.0, []
     for label, ranks in states.items():
@@ -354,11 +347,12 @@ def memory_figure(runs: dict[str, Sequence[ModelStates | dict]],
     ax.set_ylabel("% of what one process holds, per rank" if relative
                   else f"{unit} per rank (one bar per rank)")
     ax.set_ylim(0, 1.2 * max(tops) / factor)
-    handles = [Patch(color=c, label=k) for k, c in STATE_COLORS.items()]
+    held = {k for k in STATE_COLORS if any(getattr(s, k) for r in states.values() for s in r)}
+    handles = [Patch(color=c, label=k) for k, c in STATE_COLORS.items() if k in held]
     if marks:
         handles.append(Patch(color="black", label=mark_label))
     ax.legend(handles=handles, fontsize=8, ncol=len(handles), loc="upper center")
-    ax.set_title(title or "model states per rank", fontsize=10)
+    ax.set_title(fill(title or "model states per rank", int(11 * width_inches)), fontsize=10)
     return figure
 
 
@@ -368,39 +362,37 @@ def loss_figure(runs: dict[str, Sequence[float]], references: dict[str, Sequence
     """Each parallel run's step losses drawn over its single-process run (`runs` and
     `references` share labels), and beside it their relative difference per step on
     a log scale against the 1e-9 tolerance (an exact 0 is drawn at 1e-18)."""
-    figure = Figure(figsize=(11, 4), layout="constrained")
+    figure = Figure(figsize=(12, 4), layout="constrained")
     left, right = figure.subplots(1, 2)
-    drawn: dict[tuple, str] = {}
-    markers = "osD^v<>p*h"
+    drawn: set[tuple] = set()
+    markers, worst = "osD^v<>p*h", 1e-18
     for i, (label, losses) in enumerate(runs.items()):
         ref = np.asarray(references[label])
         steps = np.arange(1, len(ref) + 1)
-        key = tuple(np.round(ref, 12))
-        if key not in drawn:  # runs of the same model share one reference curve
-            drawn[key] = label
-            left.plot(steps, ref, color="0.5", lw=4, alpha=0.5,
-                      label="one process" if len(drawn) == 1 else None)
-        left.plot(steps, losses, markers[i % len(markers)], color=f"C{i}", label=label,
-                  markersize=5, fillstyle="none")
-        diff = np.abs(np.asarray(losses) - ref) / np.abs(ref)
-        right.plot(steps, np.maximum(diff, 1e-18), markers[i % len(markers)] + "-",
-                   color=f"C{i}", label=label, fillstyle="none")
+        if tuple(np.round(ref, 12)) not in drawn:  # runs of one model share a reference
+            drawn.add(tuple(np.round(ref, 12)))
+            left.plot(steps, ref, color="0.5", lw=4, alpha=0.5)
+        style = dict(color=f"C{i}", marker=markers[i % len(markers)], fillstyle="none")
+        left.plot(steps, losses, ls="none", markersize=5, **style)
+        diff = np.maximum(np.abs(np.asarray(losses) - ref) / np.abs(ref), 1e-18)
+        right.plot(steps, diff, label=label, **style)
+        worst = max(worst, float(diff.max()))
     left.set_xlabel("step")
     left.set_ylabel("loss (before the step's update)")
-    left.legend(fontsize=7)
-    left.set_title("parallel runs over the single-process run", fontsize=10)
-    right.axhline(1e-9, color="black", ls="--", lw=1, label="tolerance 1e-9")
+    left.set_title("parallel runs (marks) over the single-process run (grey)", fontsize=10)
+    right.axhline(1e-9, color="black", ls="--", lw=1)
     right.set_yscale("log")
-    right.set_ylim(1e-19, 1e-6)
-    ticks = [1e-18, 1e-16, 1e-14, 1e-12, 1e-10, 1e-8, 1e-6]
-    right.set_yticks(ticks, ["exactly 0"] + [f"1e{int(np.log10(t))}" for t in ticks[1:]])
+    top = max(-6, int(np.ceil(np.log10(worst))) + 1)  # decades: 1e-18 (= 0) .. 1e{top}
+    right.set_ylim(1e-19, 10.0 ** (top + 0.5))
+    ticks = list(range(-18, top + 1, 2 if top <= -6 else 4))
+    right.set_yticks([10.0 ** t for t in ticks], ["exactly 0"] + [f"1e{t}" for t in ticks[1:]])
     right.minorticks_off()
     right.set_xlabel("step")
     right.set_ylabel("|parallel - one process| / |one process|")
-    right.set_title("relative difference of the loss", fontsize=10)
-    right.legend(fontsize=7, loc="upper left", ncol=2)
+    right.set_title("relative difference of the loss (dashed: tolerance 1e-9)", fontsize=10)
     for ax in (left, right):
         ax.xaxis.get_major_locator().set_params(integer=True)
+    figure.legend(loc="outside right center", fontsize=8, frameon=False)
     if title:
         figure.suptitle(title, fontsize=11)
     return figure
@@ -429,8 +421,7 @@ def alltoall_figure(before: np.ndarray, after: np.ndarray) -> Figure:
     """The source text's Alltoall: each rank's chunks [A1..AN] before, and after it
     rank j holding chunk j+1 of every rank. Colour = the rank that made the chunk."""
     n = min(before.shape[0], 8)  # beyond 8 ranks the cells just get smaller
-    figure = Figure(figsize=(1.2 + 2.0 * n, 1.1 + 0.9 * n),
-                    layout="constrained")
+    figure = Figure(figsize=(1.2 + 2.0 * n, 1.1 + 0.9 * n), layout="constrained")
     left, right = figure.subplots(1, 2)
     draw_chunks(left, before, "before: every rank holds [A1, ..., AN]")
     draw_chunks(right, after, "after Alltoall: slot i of rank j = A(j+1) of rank i")
@@ -483,18 +474,16 @@ def tour_figures(folder: Path | str, stops: Sequence[dict]) -> Path:
                      {k: s["reference"] for k, s in zip(labels, stops)},
                      "the tour: every strategy on 8 ranks against one process"),
          folder / "tour_losses.png")
-    piped = [(k, s) for k, s in zip(labels, stops) if s["extras"].get("timeline")]
-    if piped:  # the first pipelined stop: its schedule simulated beside its real run
-        label, stop = piped[0]
+    # the first pipelined stop (simulated beside its real run), the first MoE stop
+    piped = [(k, s) for k, s in zip(labels, stops) if s["extras"].get("timeline")][:1]
+    for label, stop in piped:
         cfg = stop["cfg"]
         sim = simulate_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual)
         save(gantt_figure(sim, stop["extras"]["timeline"], f"{label}: {cfg.schedule}, "
                           f"M = {cfg.microbatches} microbatches"), folder / "tour_pipeline.png")
-    routed = [(k, s) for k, s in zip(labels, stops) if s["extras"].get("expert_load")]
-    if routed:  # the first MoE stop: the load of its first block's last microbatch
-        label, stop = routed[0]
-        cfg = stop["cfg"]
+    routed = [(k, s) for k, s in zip(labels, stops) if s["extras"].get("expert_load")][:1]
+    for label, stop in routed:  # block 1's load in the last microbatch
         save(expert_load_figure(stop["extras"]["expert_load"][0], f"{label}: block 1, "
-                                f"{cfg.experts} experts, top-{cfg.top_k}"),
+                                f"{stop['cfg'].experts} experts, top-{stop['cfg'].top_k}"),
              folder / "tour_experts.png")
     return folder

@@ -30,7 +30,7 @@ STOPS: list[tuple[str, dict]] = [
     ("TP+PP  tensor inside stages, pipeline across", dict(dp=1, tp=2, pp=4, microbatches=4)),
     ("3-D  dp x tp x pp = 2 x 2 x 2", dict(dp=2, tp=2, pp=2, microbatches=2)),
     ("ZeRO-3  parameters, gradients, optimizer state sharded", dict(dp=8, zero=3,
-                                                                   optimizer="adam")),
+                                                                   optimizer="adam", lr=0.003)),
 ]
 SMALL = dict(layers=8, d_in=16, d_model=32, batch=64, steps=3)
 

@@ -2,7 +2,9 @@
 
     mpiexec -n 8 python -m tests.rank_sweep configs.json OUTDIR
 
-Rank 0 writes each run's dump to OUTDIR/<i>/. An exception on any rank aborts
+Rank 0 writes each run's dump to OUTDIR/<i>/, plus `memory.json`: every rank's
+measured bytes of parameters, gradients and optimizer state (a list by world
+rank; `RunResult.extras["memory"]`). An exception on any rank aborts
 the job (as `python -m mpi4py` does) with that rank's traceback.
 """
 
@@ -30,8 +32,11 @@ def main() -> None:
         if errors:
             raise SystemExit(f"config {i} {fields}: {errors[0]}")
         result = train(cfg, world)
+        # every rank's measured model-state bytes -> rank 0, for memory.json
+        memory = world.gather(vars(result.extras["memory"]))
         if world.Get_rank() == 0:
             dump(out / str(i), cfg, result)
+            (out / str(i) / "memory.json").write_text(json.dumps(memory))
 
 
 if __name__ == "__main__":

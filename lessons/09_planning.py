@@ -1,0 +1,361 @@
+"""Lesson 9: the source text's rules of thumb, checked at real scale by the planner.
+
+    mpiexec -n 1 python lessons/09_planning.py      (one process, no MPI needed:)
+    python lessons/09_planning.py --plot figures
+
+The source text closes its comparison with rules of thumb: TP splits every layer and
+talks in every forward and backward, so it is kept inside a node ("scaling is
+limited, usually 8-16 GPUs"); PP passes only activations, so it can cross nodes, but
+it has a bubble; EP is for MoE models, and its AllToAll is "very heavy"; data
+parallelism takes the rest. `minipar.plan` prices every way to split one training
+step over the GPUs (`python -m minipar plan ...`) with the arithmetic that predicts
+minipar's own 8-rank runs exactly (tests/test_plan.py): ZeRO's model states,
+Megatron's activations, the ledger of every collective, the bubble formula. Here
+it is asked the source's questions about two models:
+
+  - a dense 70B (Llama-2-70B's shape: 80 layers, d 8192, d_ff 28672, 64 heads,
+    vocabulary 32000), batch 1024 x 4096 tokens, on 512 GPUs;
+  - a 671B MoE (DeepSeek-V3's shape: 61 layers of which the first 3 dense with d_ff
+    18432, d 7168, 256 routed experts top-8 + 1 shared, expert d_ff 2048, vocabulary
+    129280; its attention is whatever the 671B leaves), batch 8192 x 4096, on 2048 GPUs.
+
+Assumptions, said once: nodes of 8 GPUs of 80 GB and 989 TFLOP/s (bf16, dense), of
+which 50% is reached; 450 GB/s per GPU inside a node (NVLink), 50 GB/s per GPU
+between nodes (a 400 Gb/s NIC each), 5 us per message step; bf16 weights and
+activations, Adam in mixed precision (16 bytes per parameter); SP with TP; selective
+recomputation for the dense model, full recomputation for the MoE (its activations
+do not fit otherwise: experts are split by ep only, never by tp, as in minipar);
+balanced routing; 1F1B; no overlap of communication with compute (real systems hide
+part of it, so the communication shares below are upper bounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+from minipar.costmodel import (
+    Hardware,
+    Plan,
+    Timing,
+    Workload,
+    ledger_of,
+    rank_shape,
+    traffic,
+)
+from minipar.plan import GB, Estimate, best_by, divisors, evaluate, mfu, search, transformer
+
+H100 = Hardware(gpu_memory=80 * GB, flops=989e12, efficiency=0.5, intra_bw=450 * GB,
+                inter_bw=50 * GB, node_size=8, latency=5e-6)
+TIME_COLORS = {"compute": "0.55", "tp": "tab:orange", "pp": "tab:green", "ep": "tab:red",
+               "dp": "tab:blue", "bubble": "0.85"}
+MEMORY_COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green",
+                 "activations": "tab:purple", "ZeRO buffer": "tab:pink"}
+
+
+def dense_70b(batch: int = 1024) -> Workload:
+    return transformer("a dense 70B", 70e9, 80, 8192, batch, 4096, d_ff=28672, heads=64,
+                       vocab=32000)
+
+
+def moe_671b(batch: int = 8192) -> Workload:
+    return transformer("a 671B MoE", 671e9, 61, 7168, batch, 4096, d_ff=18432, heads=128,
+                       vocab=129280, experts=256, top_k=8, expert_d_ff=2048,
+                       shared_experts=1, dense_layers=3)
+
+
+DENSE = Plan(1, recompute="selective", sp=True)
+MOE = Plan(1, recompute="full", sp=True)
+
+
+# ------------------------------------------------------------------ the numbers
+def time_parts(t: Timing) -> dict[str, float]:
+    """Seconds of a step by cause: compute, each axis's communication, the bubble."""
+    def axis(name: str) -> float:
+        names = ("dp", "edp") if name == "dp" else (name,)
+        return sum(t.pipeline_comm.get(n, 0.0) + t.step_comm.get(n, 0.0) for n in names)
+    return {"compute": t.compute, **{a: axis(a) for a in ("tp", "pp", "ep", "dp")},
+            "bubble": t.bubble}
+
+
+def memory_parts(e: Estimate) -> dict[str, float]:
+    return {"params": e.states.params, "grads": e.states.grads,
+            "optimizer": e.states.optimizer, "activations": e.activations,
+            "ZeRO buffer": e.gathered}
+
+
+def axis_table(best: dict[int, Estimate], axis: str) -> list[str]:
+    """One line per degree of `axis`: its best plan, memory, step time and what it is made of."""
+    lines = [f"  {axis:>4} | best plan with it                     | GB/GPU | step s | "
+             + " ".join(f"{k:>7}" for k in TIME_COLORS)]
+    for degree, e in best.items():
+        head = f"  {degree:4d} | {e.plan.label():37s} | {e.memory / GB:6.1f} |"
+        if e.timing is None:
+            lines.append(head + f"  does not fit in {H100.gpu_memory / GB:g} GB")
+            continue
+        parts = time_parts(e.timing)
+        lines.append(head + f" {e.timing.total:6.2f} | "
+                     + " ".join(f"{parts[k]:7.2f}" for k in TIME_COLORS))
+    return lines
+
+
+def say(*lines: str) -> None:
+    print(*lines, sep="\n", flush=True)
+
+
+def tensor_parallel() -> dict[int, Estimate]:
+    w = dense_70b()
+    best = best_by(search(w, H100, 512, DENSE), "tp")
+    fits = {tp: e for tp, e in best.items() if e.timing}
+    top = min(fits, key=lambda tp: fits[tp].timing.total)
+    inside, across = fits[H100.node_size], fits[2 * H100.node_size]
+    say("1. TP inside a node: the 70B on 512 GPUs, the best plan for each tp",
+        *axis_table(best, "tp"),
+        f"   tp=1 does not fit: {best[1].memory / GB:.0f} GB, of which activations "
+        f"{best[1].activations / GB:.0f} GB (TP+SP cut them by tp).",
+        f"   The fastest plan uses tp={top}. Inside a node TP costs "
+        f"{time_parts(inside.timing)['tp']:.2f} s of {inside.timing.total:.2f} s at tp=8; at "
+        f"tp=16 a tp group spans 2 nodes, its Allreduces run at "
+        f"{H100.inter_bw / GB:g} instead of {H100.intra_bw / GB:g} GB/s: "
+        f"{time_parts(across.timing)['tp']:.2f} s, a step "
+        f"{across.timing.total / inside.timing.total:.1f}x longer. TP stops at the node.", "")
+    return best
+
+
+def pipeline_parallel() -> tuple[dict[int, Estimate], list[Estimate]]:
+    w = dense_70b()
+    found = search(w, H100, 512, DENSE)
+    best, winner = best_by(found, "pp"), found.feasible[0]
+    say("2. PP across nodes: the same 70B, the best plan for each pp", *axis_table(best, "pp"),
+        f"   The winner {winner.plan.label()}: its pp groups stride over "
+        f"{winner.plan.tp * winner.plan.dp} ranks, so every stage boundary crosses nodes, yet "
+        f"a stage passes only (b, d): {winner.wire.get('pp', 0) / GB:.1f} GB per GPU per step "
+        f"against TP's {winner.wire.get('tp', 0) / GB:.0f} GB inside the node.")
+    mesh = best[8].plan  # pp = 8: its bubble (pp-1)/(M+pp-1) against M, memory aside
+    roomy = replace(H100, gpu_memory=float("inf"))
+    sweep = [evaluate(w, roomy, replace(mesh, microbatches=m))
+             for m in divisors(w.batch // mesh.dp)]
+    say(f"   {mesh.label()[:-5]}: the bubble against the microbatches M (each replica has "
+        f"{w.batch // mesh.dp} sequences of the global batch, so M <= {w.batch // mesh.dp}):")
+    for e in sweep:
+        over = e.memory > H100.gpu_memory
+        say(f"     M={e.plan.microbatches:3d}: bubble {e.bubble:6.1%}, step "
+            f"{e.timing.total:6.2f} s, {e.memory / GB:6.1f} GB per GPU"
+            + ("  (does not fit: b = B/(dp M) sequences in flight)" if over else ""))
+    say("   Few microbatches: a long bubble and big ones in flight; many: the bubble shrinks "
+        "as (pp-1)/(M+pp-1), as far as the global batch allows.", "")
+    return best, sweep
+
+
+def expert_parallel() -> dict[int, Estimate]:
+    w = moe_671b()
+    best = best_by(search(w, H100, 2048, MOE), "ep")
+    say(f"3. EP for the MoE: {w.params / 1e9:.0f} B parameters, {w.active_params / 1e9:.1f} B "
+        "active per token, on 2048 GPUs, the best plan for each ep", *axis_table(best, "ep"))
+    none, node, far = best[1], best[H100.node_size], best[64]
+    share = time_parts(far.timing)["ep"] / far.timing.compute
+    say(f"   Without EP the experts fit only in a deep pipeline (pp={none.plan.pp}): "
+        f"{none.timing.total:.1f} s. With ep=8 the AllToAll stays in a node: "
+        f"{time_parts(node.timing)['ep']:.2f} s of {node.timing.total:.1f} s. At ep=64 "
+        f"(8 nodes) 7/8 of every token's k copies leave the node: "
+        f"{time_parts(far.timing)['ep']:.1f} s, {share:.0%} of the compute time: the "
+        "bottleneck the source warns of. (DeepSeek-V3's report puts cross-node EP at a "
+        "computation-to-communication ratio of about 1:1, and hides the AllToAll behind "
+        "compute with its DualPipe schedule: an overlap this planner does not model.)", "")
+    return best
+
+
+def data_parallel() -> list[tuple[int, Estimate]]:
+    w = dense_70b()
+    rows = [(gpus, search(w, H100, gpus, DENSE).feasible[0]) for gpus in
+            (64, 128, 256, 512, 1024, 2048, 4096)]
+    say("4. DP for the rest: the 70B on more and more GPUs (global batch fixed at 1024 x 4096)")
+    for gpus, e in rows:
+        say(f"  {gpus:5d} GPUs: {e.plan.label():37s} step {e.timing.total:7.2f} s, "
+            f"MFU {mfu(w, H100, gpus, e.timing.total):5.1%}, bubble {e.bubble:5.1%}")
+    (low, first), (high, last) = rows[0], rows[-1]
+    say("   tp and pp settle where the model fits; the other GPUs become dp replicas. From "
+        f"{low} to {high} GPUs the step is {first.timing.total / last.timing.total:.0f}x "
+        f"shorter for {high // low}x the GPUs: each replica's share of the fixed batch falls "
+        f"to {w.batch // last.plan.dp} sequences, the bubble grows to {last.bubble:.0%}, and "
+        "the gradient sync stays while the compute shrinks.", "")
+    return rows
+
+
+def small_scale() -> None:
+    """The same functions on minipar's own mesh dp=2 tp=2 pp=2: what rank 0 will hold and
+    send, which tests/test_plan.py compares with a real 8-rank run, exactly."""
+    from minipar.config import TrainConfig
+    from minipar.costmodel import model_states
+    from minipar.plan import minipar_workload, plan_of
+
+    cfg = TrainConfig(layers=4, d_model=16, d_in=8, batch=16, optimizer="adam",
+                      microbatches=2, dp=2, tp=2, pp=2).resolved(8)
+    w, plan = minipar_workload(cfg), plan_of(cfg)
+    say("5. The same arithmetic at minipar's scale: train --dp 2 --tp 2 --pp 2 "
+        "--microbatches 2 --optimizer adam, pipeline stage 0 and 1 of dp rank 0")
+    for stage in (0, 1):
+        shape = rank_shape(w, plan, stage)
+        states = model_states(w, plan, shape)
+        ledger = ", ".join(f"{group} {op} {calls}x ({elements} elements)" for (group, op),
+                           (calls, elements) in sorted(ledger_of(traffic(w, plan, shape)).items()))
+        say(f"  stage {stage}: params {states.params} B, grads {states.grads} B, optimizer "
+            f"{states.optimizer} B; ledger: {ledger}")
+    say("  tests/test_plan.py runs such meshes (DP with buckets, TP+PP, SP with ZeRO-1, "
+        "ZeRO-3, interleaved ZeRO-2, MoE with EP and PP) on 8 ranks: every rank holds and "
+        "sends exactly this.", "")
+
+
+# ------------------------------------------------------------------ the pictures
+def draw_time(ax: object, bars: dict[str, Estimate], xlabel: str,
+              scale: dict[str, float] | None = None) -> None:
+    """Stacked bars of a step's seconds by cause, one bar per plan (times `scale[name]`);
+    a plan that does not fit is marked in red (with its step, if it was timed anyway)."""
+    x, bottom = np.arange(len(bars)), np.zeros(len(bars))
+    for part, color in TIME_COLORS.items():
+        values = np.array([time_parts(e.timing)[part] * (scale or {}).get(name, 1.0)
+                           if e.timing else 0.0 for name, e in bars.items()])
+        if values.any():
+            ax.bar(x, values, bottom=bottom, color=color, width=0.7, label=part,
+                   hatch="//" if part == "bubble" else None, edgecolor="white", lw=0.3)
+        bottom += values
+    for i, e in enumerate(bars.values()):
+        over = e.memory > H100.gpu_memory
+        lines = [f"{bottom[i]:.0f}" if bottom[i] >= 100 else f"{bottom[i]:.3g}"] * bool(e.timing)
+        lines += [f"{e.memory / GB:.0f} GB:", "does not fit"] * over
+        ax.text(i, bottom[i], "\n".join(lines), ha="center", va="bottom", fontsize=8,
+                color="tab:red" if over else "black", zorder=5,
+                bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
+    ax.set_xticks(x, list(bars))
+    ax.set_xlabel(xlabel)
+    ax.set_ylim(0, 1.3 * max(bottom.max(), 1e-9))
+    ax.grid(axis="y", alpha=0.3)
+
+
+def draw_memory(ax: object, bars: dict[str, Estimate], xlabel: str) -> None:
+    """Stacked bars of bytes per GPU by kind, and the GPU's memory as a dashed line."""
+    x, bottom = np.arange(len(bars)), np.zeros(len(bars))
+    for part, color in MEMORY_COLORS.items():
+        values = np.array([memory_parts(e)[part] / GB for e in bars.values()])
+        if values.any():
+            ax.bar(x, values, bottom=bottom, color=color, width=0.7, label=part)
+        bottom += values
+    ax.axhline(H100.gpu_memory / GB, color="black", ls="--", lw=1.2,
+               label=f"{H100.gpu_memory / GB:g} GB per GPU")
+    ax.set_xticks(x, list(bars))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("GB per GPU (its busiest rank)")
+    ax.set_ylim(0, 1.3 * max(bottom.max(), H100.gpu_memory / GB))
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=6)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def node_boundary(ax: object, degrees: list[int]) -> None:
+    """A dotted line where a group of this many ranks stops fitting in one node."""
+    inside = sum(1 for d in degrees if d <= H100.node_size)
+    if 0 < inside < len(degrees):
+        ax.axvline(inside - 0.5, color="tab:red", ls=":", lw=1.5)
+        ax.text(inside - 0.4, ax.get_ylim()[1] * 0.97, "groups span\nseveral nodes \u2192",
+                color="tab:red", fontsize=8, ha="left", va="top")
+
+
+def axis_figure(best: dict[int, Estimate], axis: str, title: str, limit: int = 10**9
+                ) -> Figure:
+    """Step time (by cause) and memory per GPU of the fastest plan for each degree of
+    `axis` (of the least hungry one where none fits)."""
+    degrees = [d for d in best if d <= limit]
+    bars = {str(d): best[d] for d in degrees}
+    figure = Figure(figsize=(12, 4.8), layout="constrained")
+    left, right = figure.subplots(1, 2)
+    draw_time(left, bars, axis)
+    left.set_ylabel("seconds per step")
+    left.set_title("step time of the fastest plan, by cause", fontsize=10)
+    left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=6)
+    draw_memory(right, bars, axis)
+    right.set_title("memory per GPU of the same plan", fontsize=10)
+    if axis in ("tp", "ep"):
+        node_boundary(left, degrees)
+        node_boundary(right, degrees)
+    figure.suptitle(title, fontsize=11)
+    return figure
+
+
+def pp_figure(best: dict[int, Estimate], sweep: list[Estimate]) -> Figure:
+    """Left: the fastest plan per pp. Right: one mesh's step and bubble against M."""
+    figure = Figure(figsize=(12, 4.8), layout="constrained")
+    left, right = figure.subplots(1, 2)
+    draw_time(left, {str(pp): e for pp, e in best.items()}, "pp")
+    left.set_ylabel("seconds per step")
+    left.set_title("step time of the fastest plan for each pp, by cause", fontsize=10)
+    left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=6)
+    draw_time(right, {str(e.plan.microbatches): e for e in sweep}, "microbatches per step M")
+    right.set_ylabel("seconds per step")
+    mesh = sweep[0].plan
+    right.set_title(f"dp={mesh.dp} tp={mesh.tp} pp={mesh.pp}: the bubble (hatched) against M",
+                    fontsize=10)
+    top = right.get_ylim()[1]  # the bubble in % on a right-hand axis: 100% at the top
+    right.plot(np.arange(len(sweep)), [top * e.bubble for e in sweep], "o-", color="black",
+               zorder=4, label="bubble (pp-1)/(M+pp-1), % (right axis)")
+    percent = right.secondary_yaxis("right", functions=(lambda s: 100 * s / top,
+                                                        lambda q: q * top / 100))
+    percent.set_ylabel("bubble, % of the pipeline's time")
+    right.legend(fontsize=8, loc="upper right")
+    figure.suptitle("PP across nodes: the 70B on 512 GPUs", fontsize=11)
+    return figure
+
+
+def dp_figure(rows: list[tuple[int, Estimate]]) -> Figure:
+    """GPU-seconds per step (flat = perfect scaling) by cause, and MFU, against GPUs."""
+    w = dense_70b()
+    figure = Figure(figsize=(9, 4.6), layout="constrained")
+    ax = figure.subplots()
+    bars = {str(gpus): e for gpus, e in rows}
+    draw_time(ax, bars, "GPUs (tp and pp as the model needs, the rest dp)",
+              scale={str(gpus): float(gpus) for gpus, _ in rows})
+    ax.set_ylabel("GPU-seconds per step (flat = perfect scaling)")
+    ax.legend(fontsize=8, loc="upper left", ncol=3)
+    twin = ax.twinx()
+    twin.plot(np.arange(len(rows)), [100 * mfu(w, H100, g, e.timing.total) for g, e in rows],
+              "D-", color="black")
+    twin.set_ylim(0, 100 * H100.efficiency * 1.25)
+    twin.set_ylabel("MFU, % (at most the 50% efficiency)")
+    figure.suptitle("DP for the rest: the 70B, global batch 1024 x 4096 tokens", fontsize=11)
+    twin.legend(handles=[Line2D([], [], color="black", marker="D", label="MFU (right axis)")],
+                fontsize=8, loc="upper right")
+    return figure
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plot", metavar="DIR", help="write the figures as PNG files here")
+    args = parser.parse_args()
+    say(f"Assumptions: {H100.node_size} GPUs a node, {H100.gpu_memory / GB:g} GB, "
+        f"{H100.flops / 1e12:g} TFLOP/s at {H100.efficiency:.0%}, {H100.intra_bw / GB:g} "
+        f"GB/s in a node, {H100.inter_bw / GB:g} GB/s between nodes, "
+        f"{H100.latency * 1e6:g} us a message (seconds in the tables: compute, each axis's "
+        "communication, the bubble)", "")
+    tp = tensor_parallel()
+    pp, sweep = pipeline_parallel()
+    ep = expert_parallel()
+    dp = data_parallel()
+    small_scale()
+    if args.plot:
+        from minipar.plots import save
+
+        figures = {"09_tp.png": axis_figure(tp, "tp", "TP inside a node: the 70B on 512 GPUs",
+                                            limit=32),
+                   "09_pp.png": pp_figure(pp, sweep),
+                   "09_ep.png": axis_figure(ep, "ep", "EP for the 671B MoE on 2048 GPUs "
+                                            "(full recomputation)"),
+                   "09_dp.png": dp_figure(dp)}
+        for name, figure in figures.items():
+            say(f"wrote {save(figure, Path(args.plot) / name)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,481 @@
+"""The cost model behind `python -m minipar plan`: one training step on paper.
+
+What this file teaches. Before a team rents 2048 GPUs for a month it sizes the job
+by arithmetic: what each GPU holds, what each mesh axis moves per step, how long
+the pipeline idles, and what all that costs in seconds. Each number here comes
+from a formula this project already checks against real runs, so the planner's
+answer at 2048 GPUs rests on the same arithmetic as minipar's 8 ranks:
+
+  model states   ZeRO's per-rank bytes (memory.py; Rajbhandari et al. 2020): p + g + K
+                 bytes per parameter, cut over dp by stage, in integer slices
+                 (`memory.shard_counts`): exactly what a minipar rank holds.
+  activations    Megatron's count per layer and token (Korthikanti et al. 2022):
+                 sbh(34 + 5as/h) bytes for a layer; with TP sbh(10 + 24/t + 5as/(ht)),
+                 with TP+SP all of it over t, and selective recomputation drops the
+                 5as/h attention scores. A stage holds as many microbatches at once as
+                 its schedule has in flight (1F1B: pp - stage, GPipe: all M).
+  communication  the ledger a minipar run writes, entry by entry: TP's Allreduce of (b, d)
+                 per block and direction, EP's 4 Alltoallv of (b k, d), PP's Send/Recv of
+                 (b, d), DP's buckets, ZeRO's `memory.ledger_formula`; on the wire by the
+                 ring formulas (`memory.wire_elements`).
+  bubble         (pp-1)/(M+pp-1), interleaved (pp-1)/(VM+pp-1)
+                 (`pipeline_schedules.bubble_formula`; the simulator reproduces it).
+  time           6 x parameters x tokens FLOPs at a stated fraction of peak, plus
+                 alpha ceil(log2 n) + wire bytes / bandwidth per collective: in-node
+                 bandwidth if the group fits in a node, else the network's (a ring goes
+                 at its slowest link). Nothing overlaps.
+
+Ranks are placed as mesh.py places them: tp fastest, then dp, then pp.
+Tested by `python -m pytest tests/test_plan.py`; used by `python -m minipar plan`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from minipar.memory import ModelStates, ledger_formula, shard_counts, wire_elements
+from minipar.parallel.pipeline_schedules import bubble_formula, compute_order, in_flight_peak
+
+Array = tuple[int, bool]  # (elements, split over tp?) of one parameter array
+
+
+# ------------------------------------------------------------ what is trained
+@dataclass(frozen=True, eq=False)
+class Block:
+    """One layer: its parameter arrays in order, and its per-token activation bytes.
+
+    `arrays` are the arrays every rank of the layer's stage holds (tp-split ones cut
+    in tp); `expert` lists the arrays of ONE routed expert (E/ep experts per rank).
+    `tp_reductions` counts Megatron's reduction points per direction: 1 for an MLP
+    block, 2 for a transformer layer (attention and MLP)."""
+
+    arrays: tuple[Array, ...]
+    expert: tuple[int, ...] = ()
+    experts: int = 0
+    top_k: int = 0
+    tp_reductions: int = 1
+    act_replicated: float = 0.0  # bytes/token TP leaves whole (LayerNorm inputs...): SP cuts
+    act_split: float = 0.0       # bytes/token TP cuts (QKV, the FFN's wide tensors...)
+    act_scores: float = 0.0      # bytes/token of attention scores, 5as (selective drops it)
+    act_input: float = 0.0       # bytes/token of the layer input (all full recompute keeps)
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+
+@dataclass(frozen=True, eq=False)
+class Workload:
+    """A model and its step: blocks, the embedding and head pieces, the global batch
+    (`batch` sequences of `seq_len` tokens), and bytes per number of each kind."""
+
+    name: str
+    blocks: tuple[Block, ...]
+    embed: tuple[Array, ...]
+    head: tuple[Array, ...]
+    d_model: int
+    batch: int
+    seq_len: int = 1
+    param_bytes: int = 2        # 16-bit weights
+    grad_bytes: int = 2
+    optimizer_bytes: int = 12   # Adam in mixed precision: fp32 master copy, m, v
+    act_bytes: int = 2          # one activation number on the wire
+    count_bytes: int = 8        # MoE routing counts (int64)
+    bucket_size: int = 12_500_000  # gradient bucket, elements (25 MB of 16-bit numbers)
+    split_dims: tuple[int, ...] = ()  # sizes tp must divide (d_ff, the attention heads)
+    lookup_embedding: bool = False  # a token embedding is a table lookup: no FLOPs
+
+    @property
+    def layers(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def params(self) -> int:
+        per_block = sum(sum(s for s, _ in b.arrays) + b.experts * sum(b.expert)
+                        for b in self.blocks)
+        return per_block + sum(s for s, _ in self.embed + self.head)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: k of the E routed experts."""
+        return self.params - sum((b.experts - b.top_k) * sum(b.expert) for b in self.blocks)
+
+    @property
+    def flop_params(self) -> int:
+        """Parameters one token multiplies by: the active ones but a looked-up embedding."""
+        return self.active_params - (sum(s for s, _ in self.embed) if self.lookup_embedding
+                                     else 0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the step is split: the mesh, the ZeRO stage, the microbatches, and options."""
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    zero: int = 0
+    microbatches: int = 1
+    sp: bool = False
+    schedule: str = "1f1b"
+    virtual: int = 1
+    recompute: str = "none"     # "none", "selective" (drop attention scores), "full"
+    grad_sync: str = "bucketed"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def label(self) -> str:
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} ep={self.ep} "
+                f"zero={self.zero} M={self.microbatches}")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU and its links: bytes, FLOP/s, bytes/s per GPU, seconds per message step."""
+
+    gpu_memory: float
+    flops: float
+    efficiency: float
+    intra_bw: float
+    inter_bw: float
+    node_size: int
+    latency: float
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One predicted ledger entry of a rank: `calls` calls of `op` on `group` defined on
+    `elements` numbers in all. `phase`: "pipeline" (inside the microbatch loop, on the
+    pipeline's critical path) or "step" (once per step, after the pipeline drains)."""
+
+    group: str
+    op: str
+    calls: int
+    elements: int
+    bytes: int
+    phase: str = "pipeline"
+
+
+# ------------------------------------------------------------ who holds what
+def stage_blocks(layers: int, stages: int, v: int) -> range:
+    """Blocks of virtual stage v when `layers` are cut into `stages` runs, the first
+    `layers % stages` runs one block longer (minipar's runs are all equal)."""
+    base, extra = divmod(layers, stages)
+    start = v * base + min(v, extra)
+    return range(start, start + base + (1 if v < extra else 0))
+
+
+def virtual_stages(plan: Plan, stage: int) -> list[int]:
+    """The virtual stages pipeline rank `stage` runs: stage, stage + pp, ..."""
+    return [chunk * plan.pp + stage for chunk in range(plan.virtual)]
+
+
+@dataclass
+class RankShape:
+    """What one pipeline rank holds under a plan: pieces (embedding, blocks, head) in
+    parameter order, its arrays by sync group, and the counts the formulas need."""
+
+    stage: int
+    pieces: list[int]     # elements of each piece here (embedding, block, head), in order
+    blocks: list[Block]
+    first: bool           # holds virtual stage 0 (the embedding)
+    last: bool            # holds the last virtual stage (the head)
+    dp_arrays: list[int]  # elements of each array synced over dp, in parameter order
+    edp_arrays: list[int]  # expert arrays, synced over the expert-data-parallel group
+
+
+def rank_shape(w: Workload, plan: Plan, stage: int) -> RankShape:
+    """The arrays of pipeline rank `stage`: tp-split arrays cut in tp, E/ep experts."""
+    def cut(arrays: tuple[Array, ...]) -> list[int]:
+        return [size // plan.tp if split else size for size, split in arrays]
+
+    stages = plan.pp * plan.virtual
+    shape = RankShape(stage, [], [], False, False, [], [])
+    for v in virtual_stages(plan, stage):
+        parts = [(w.blocks[i].arrays, w.blocks[i]) for i in stage_blocks(w.layers, stages, v)]
+        parts = ([(w.embed, None)] if v == 0 else []) + parts + (
+            [(w.head, None)] if v == stages - 1 else [])
+        for arrays, block in parts:
+            mine = cut(arrays)
+            experts = list(block.expert) * (block.experts // plan.ep) if block else []
+            shape.dp_arrays += mine
+            shape.edp_arrays += experts
+            shape.pieces.append(sum(mine) + sum(experts))
+            shape.blocks += [block] if block else []
+        shape.first, shape.last = shape.first or v == 0, shape.last or v == stages - 1
+    return shape
+
+
+def model_states(w: Workload, plan: Plan, shape: RankShape, dp_rank: int = 0) -> ModelStates:
+    """Bytes of parameters, gradients and optimizer state on one rank (ZeRO section 5):
+    stage >= 1 keeps only my slice of the optimizer state, >= 2 of the gradients,
+    3 of the parameters; slices as memory.shard_counts cuts them (the first ranks one
+    larger). Expert arrays are sliced over their own group of dp/ep ranks (DeepSpeed-MoE's
+    way; minipar itself does not build ZeRO with experts)."""
+    dense, experts = sum(shape.dp_arrays), sum(shape.edp_arrays)
+    psi = dense + experts
+    mine = (shard_counts(dense, plan.dp)[dp_rank]
+            + shard_counts(experts, plan.dp // plan.ep)[dp_rank // plan.ep])
+
+    def held(bytes_per: int, sharded: bool) -> int:
+        return bytes_per * (mine if sharded else psi)
+    return ModelStates(params=held(w.param_bytes, plan.zero >= 3),
+                       grads=held(w.grad_bytes, plan.zero >= 2),
+                       optimizer=held(w.optimizer_bytes, plan.zero >= 1))
+
+
+def tokens_per_microbatch(w: Workload, plan: Plan) -> int:
+    """Tokens of one microbatch on one data-parallel rank: B s / (dp M)."""
+    return w.batch * w.seq_len // (plan.dp * plan.microbatches)
+
+
+@lru_cache(maxsize=4096)
+def in_flight(schedule: str, pp: int, microbatches: int, stage: int, virtual: int = 1) -> int:
+    """Most (chunk, microbatch) pairs whose activations `stage` holds at once: GPipe
+    all M, 1F1B min(pp - stage, M) (PipeDream-flush), others counted from the schedule's
+    own instruction order (pipeline_schedules.in_flight_peak)."""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "1f1b":
+        return min(pp - stage, microbatches)
+    order = compute_order(schedule, pp, microbatches, stage, virtual)
+    return in_flight_peak([ins.kind for ins in order])
+
+
+def activation_bytes(block: Block, tokens: int, plan: Plan) -> float:
+    """Bytes one block keeps from its forward to its backward for `tokens` tokens:
+    Megatron's sbh(10 + 24/t + 5as/(ht)) split as replicated + split/t + scores/t;
+    SP cuts the replicated part too; selective recomputation drops the scores; full
+    recomputation keeps only the block input (Megatron: 2sbh)."""
+    if plan.recompute == "full":
+        return tokens * block.act_input
+    scores = 0.0 if plan.recompute == "selective" else block.act_scores
+    replicated = block.act_replicated / (plan.tp if plan.sp else 1)
+    return tokens * (replicated + (block.act_split + scores) / plan.tp)
+
+
+def stage_activations(w: Workload, plan: Plan, shape: RankShape) -> float:
+    """Peak activation bytes of a pipeline rank: microbatches in flight times what one
+    microbatch leaves in its blocks (a chunk's worth with interleaving)."""
+    if not shape.blocks:
+        return 0.0
+    per_microbatch = sum(activation_bytes(b, tokens_per_microbatch(w, plan), plan)
+                         for b in shape.blocks) / plan.virtual
+    alive = in_flight(plan.schedule, plan.pp, plan.microbatches, shape.stage, plan.virtual)
+    return alive * per_microbatch
+
+
+# ------------------------------------------------------------ what moves
+def bucket_count(arrays: list[int], bucket_size: int) -> int:
+    """Gradient buckets of data_parallel.make_buckets, on sizes: walk the arrays from
+    the last, start a new bucket when the next array would overflow this one."""
+    buckets, filled = 0, 0
+    for size in reversed(arrays):
+        if filled and filled + size > bucket_size:
+            buckets, filled = buckets + 1, 0
+        filled += size
+    return buckets + (1 if filled else 0)
+
+
+def traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
+    """Every ledger entry one rank of pipeline rank `shape.stage` writes in one step."""
+    return (tp_traffic(w, plan, shape) + pp_traffic(w, plan, shape)
+            + moe_traffic(w, plan, shape) + dp_traffic(w, plan, shape))
+
+
+def tp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
+    """Megatron: per reduction point and microbatch an Allreduce of (b, d) forward (g)
+    and one backward (f); with SP each becomes an Allgather on the way into the split
+    region and a Reduce_scatter on the way out, in both directions, plus the residual
+    stream's split after the embedding and gather before the head, and one Allreduce
+    per step of the gradients SP leaves partial (the blocks' replicated arrays)."""
+    dense = [block for block in shape.blocks if not block.moe]
+    if plan.tp == 1 or not dense:
+        return []
+    stream = tokens_per_microbatch(w, plan) * w.d_model       # (b, d)
+    passes = 3 if plan.recompute == "full" else 2             # forward, (again,) backward
+    calls = passes * sum(block.tp_reductions for block in dense) * plan.microbatches
+    if not plan.sp:
+        return [Traffic("tp", "Allreduce", calls, calls * stream, calls * stream * w.act_bytes)]
+    edges = plan.microbatches * (int(shape.first) + int(shape.last))
+    partial = sum(size for block in dense for size, split in block.arrays if not split)
+    gathers = calls + edges
+    out = [Traffic("tp", "Allgather", gathers, gathers * stream, gathers * stream * w.act_bytes),
+           Traffic("tp", "Reduce_scatter", calls, calls * stream, calls * stream * w.act_bytes)]
+    if partial:  # LayerNorm and row-parallel bias gradients of my rows: summed once a step
+        out.append(Traffic("tp", "Allreduce", 1, partial, partial * w.grad_bytes, "step"))
+    return out
+
+
+def pp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
+    """Per microbatch and virtual stage: Recv the input activation and Isend the input's
+    gradient back (unless first); Isend the output and Recv its gradient (unless last).
+    A message is (b, d), or (b/tp, d) with SP."""
+    if plan.pp == 1:
+        return []
+    rows = tokens_per_microbatch(w, plan) // (plan.tp if plan.sp else 1)
+    last = plan.pp * plan.virtual - 1
+    boundaries = sum(int(v > 0) + int(v < last) for v in virtual_stages(plan, shape.stage))
+    calls = boundaries * plan.microbatches
+    size = calls * rows * w.d_model
+    return [Traffic("pp", op, calls, size, size * w.act_bytes) for op in ("Isend", "Recv")]
+
+
+def moe_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
+    """Per MoE block and microbatch (expert_parallel.py): one Alltoall of the E routing
+    counts, four Alltoallv of the b k rows of d (dispatch, combine, and their conjugates
+    in the backward; balanced routing assumed: each rank receives what it sends), and
+    over dp three Allreduce of E numbers (counts f, probability sums P both ways)."""
+    moe = [block for block in shape.blocks if block.moe]
+    if not moe or plan.dp == 1:
+        return []
+    m, tokens = plan.microbatches, tokens_per_microbatch(w, plan)
+    experts = sum(block.experts for block in moe) * m
+    out = []
+    if plan.ep > 1:
+        rows = 4 * tokens * sum(block.top_k for block in moe) * m
+        out += [Traffic("ep", "Alltoall", len(moe) * m, experts, experts * w.count_bytes),
+                Traffic("ep", "Alltoallv", 4 * len(moe) * m, rows * w.d_model,
+                        rows * w.d_model * w.act_bytes)]
+    stats = 3 * experts
+    out.append(Traffic("dp", "Allreduce", 3 * len(moe) * m, stats,
+                       experts * w.count_bytes + 2 * experts * w.act_bytes))
+    return out
+
+
+def dp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
+    """The gradient sync over each weight's replicas. ZeRO 0: one Allreduce per bucket
+    (per array with --grad-sync naive). ZeRO 1-3: memory.ledger_formula's Reduce_scatter
+    and Allgather of Psi, once per step (stage 1), or per piece and microbatch (stage 2's
+    Reduce_scatter, stage 3's both; stage 3 gathers twice: forward and backward)."""
+    out = []
+    moe_pieces = sum(1 for block in shape.blocks if block.moe)
+    for group, size, arrays, pieces in (("dp", plan.dp, shape.dp_arrays, len(shape.pieces)),
+                                        ("edp", plan.dp // plan.ep, shape.edp_arrays,
+                                         moe_pieces)):
+        psi = sum(arrays)
+        if size == 1 or psi == 0:
+            continue
+        if plan.zero == 0:
+            calls = (len(arrays) if plan.grad_sync == "naive"
+                     else bucket_count(arrays, w.bucket_size))
+            op = "Iallreduce" if plan.grad_sync == "overlapped" else "Allreduce"
+            out.append(Traffic(group, op, calls, psi, psi * w.grad_bytes, "step"))
+            continue
+        for op, elements in ledger_formula(psi, plan.zero).items():
+            each = plan.zero == 3 or (plan.zero == 2 and op == "Reduce_scatter")
+            times = plan.microbatches if each else 1
+            calls = elements // psi * times * (pieces if each else 1)
+            itemsize = w.param_bytes if op == "Allgatherv" else w.grad_bytes
+            out.append(Traffic(group, op, calls, elements * times,
+                               elements * times * itemsize, "pipeline" if each else "step"))
+    return out
+
+
+def ledger_of(items: list[Traffic]) -> dict[tuple[str, str], tuple[int, int]]:
+    """(group, op) -> (calls, elements): the shape of a rank's ledger.json records."""
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for t in items:
+        calls, elements = out.get((t.group, t.op), (0, 0))
+        out[(t.group, t.op)] = (calls + t.calls, elements + t.elements)
+    return out
+
+
+# ------------------------------------------------------------ what it costs
+def group_layout(plan: Plan, group: str) -> tuple[int, int]:
+    """(ranks, stride between them) of a group, with tp fastest, then dp, then pp; an
+    ep group is ep consecutive dp ranks, an edp group every ep-th dp rank."""
+    return {"tp": (plan.tp, 1), "dp": (plan.dp, plan.tp), "pp": (plan.pp, plan.tp * plan.dp),
+            "ep": (plan.ep, plan.tp), "edp": (plan.dp // plan.ep, plan.tp * plan.ep)}[group]
+
+
+def members_per_node(size: int, stride: int, node: int) -> int:
+    """How many ranks of one group share a node: all of them if the group's span of
+    size x stride ranks fits in an aligned node, else node/stride (at least 1)."""
+    span = size * stride
+    if span <= node and node % span == 0:
+        return size
+    return max(1, min(size - 1, node // stride))
+
+
+def seconds(t: Traffic, plan: Plan, hw: Hardware) -> float:
+    """Alpha-beta price of one ledger entry. Latency: alpha per call and tree level
+    (alpha ceil(log2 n)), alpha per message for Send/Recv; bandwidth: the ring's wire
+    bytes (memory.wire_elements) at intra-node speed if the group is inside one node,
+    else at inter-node speed; an Alltoall sends its in-node and off-node shares at
+    once. A message is paid by its receiver (Isend returns at once)."""
+    n, stride = group_layout(plan, t.group)
+    if n == 1 or t.elements == 0 or t.op in ("Isend", "Send"):
+        return 0.0
+    local = members_per_node(n, stride, hw.node_size)
+    wire = wire_elements(t.op, t.elements, n) * (t.bytes / t.elements)
+    bandwidth = hw.intra_bw if local == n else hw.inter_bw
+    if t.op in ("Recv", "Irecv"):
+        return t.calls * hw.latency + wire / bandwidth
+    latency = t.calls * hw.latency * math.ceil(math.log2(n))
+    if t.op in ("Alltoall", "Alltoallv"):
+        near = (local - 1) / (n - 1)
+        return latency + max(wire * near / hw.intra_bw, wire * (1 - near) / hw.inter_bw)
+    return latency + wire / bandwidth
+
+
+def compute_seconds(w: Workload, plan: Plan, shape: RankShape, hw: Hardware) -> float:
+    """6 FLOPs per parameter and token (forward 2, backward 4; 8 with full recomputation)
+    over this rank's tokens of the step and the parameters they pass through here."""
+    def cut(arrays: tuple[Array, ...]) -> int:
+        return sum(size // plan.tp if split else size for size, split in arrays)
+
+    per_token = sum(cut(b.arrays) + b.top_k * sum(b.expert) for b in shape.blocks)
+    per_token += cut(w.embed) if shape.first and not w.lookup_embedding else 0
+    per_token += cut(w.head) if shape.last else 0
+    tokens = w.batch * w.seq_len / plan.dp
+    flops = (8 if plan.recompute == "full" else 6) * tokens * per_token
+    return flops / (hw.flops * hw.efficiency)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One step's seconds: compute, communication by axis (inside the pipeline and after
+    it), the bubble, the total. Taken on the busiest pipeline rank."""
+
+    compute: float
+    pipeline_comm: dict[str, float]
+    step_comm: dict[str, float]
+    bubble: float
+    total: float
+
+
+def axis_seconds(entries: list[Traffic], phase: str, plan: Plan, hw: Hardware
+                 ) -> dict[str, float]:
+    """Seconds per mesh axis of one rank's ledger entries of one phase."""
+    out: dict[str, float] = {}
+    for t in entries:
+        if t.phase == phase:
+            out[t.group] = out.get(t.group, 0.0) + seconds(t, plan, hw)
+    return out
+
+
+def step_timing(w: Workload, plan: Plan, hw: Hardware, shapes: list[RankShape],
+                items: list[list[Traffic]]) -> Timing:
+    """The busiest stage runs M microbatches, each its compute plus the collectives
+    inside the microbatch loop; with bubble fraction beta the pipeline lasts
+    busy / (1 - beta) (for 1F1B: M + pp - 1 microbatch slots). The once-per-step
+    collectives (the gradient sync) follow. Nothing overlaps."""
+    busiest: tuple[float, float, dict[str, float]] = (-1.0, 0.0, {})
+    for shape, entries in zip(shapes, items):
+        inside = axis_seconds(entries, "pipeline", plan, hw)
+        compute = compute_seconds(w, plan, shape, hw)
+        busy = compute + sum(inside.values())
+        if busy > busiest[0]:
+            busiest = (busy, compute, inside)
+    busy, compute, inside = busiest
+    after = max((axis_seconds(entries, "step", plan, hw) for entries in items),
+                key=lambda axes: sum(axes.values()))
+    beta = bubble_formula(plan.schedule, plan.pp, plan.microbatches, plan.virtual)
+    makespan = busy / (1.0 - beta)
+    return Timing(compute, inside, after, makespan - busy, makespan + sum(after.values()))

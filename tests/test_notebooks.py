@@ -1,0 +1,54 @@
+"""The classroom notebooks run headless, from the first cell to the last, and draw.
+
+Each notebook in lessons/ is executed with nbclient in a fresh kernel (cwd
+lessons/, a per-cell timeout), as a teacher would run it: its cells start real
+MPI ranks, as ipyparallel engines or as `mpiexec` jobs (minipar/classroom.py).
+A cell that raises fails the test with the cell and its traceback. The
+repository keeps the notebooks without outputs.
+
+The same without pytest: `make notebooks`.
+"""
+
+from __future__ import annotations
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from tests.mpi import ROOT
+
+NOTEBOOKS = sorted((ROOT / "lessons").glob("*.ipynb"))
+CELL_TIMEOUT = 300  # seconds; minipar.classroom kills its own MPI jobs sooner
+
+
+def code_cells(notebook: nbformat.NotebookNode) -> list:
+    return [cell for cell in notebook.cells if cell.cell_type == "code"]
+
+
+def test_a_notebook_for_every_strategy():
+    names = " ".join(path.stem for path in NOTEBOOKS)
+    for word in ("collectives", "data_parallel", "tensor_parallel", "expert_parallel",
+                 "pipeline_parallel", "hybrid"):
+        assert word in names, word
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_notebook_is_stored_without_outputs(path):
+    notebook = nbformat.read(path, as_version=4)
+    nbformat.validate(notebook)
+    for cell in code_cells(notebook):
+        assert cell.outputs == [] and cell.execution_count is None, (
+            f"{path.name}: strip the outputs before committing (cell {cell.source[:60]!r})")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_notebook_runs_and_draws(path):
+    notebook = nbformat.read(path, as_version=4)
+    client = NotebookClient(notebook, timeout=CELL_TIMEOUT, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
+    drawing = [cell for cell in code_cells(notebook) if "display(plots." in cell.source]
+    for cell in drawing:
+        images = [out for out in cell.outputs if "image/png" in out.get("data", {})]
+        assert len(images) >= 1, f"{path.name}: no figure from {cell.source[:80]!r}"
+    assert drawing, f"{path.name} draws no figure"

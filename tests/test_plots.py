@@ -1,0 +1,157 @@
+"""The figures draw the data they are given, from real MPI runs, as readable PNGs.
+
+Real data: one `classroom.train` job on 4 ranks (a pipeline, an MoE model with
+expert parallelism, ZeRO-3) and the guided tour on 8 ranks with `--plot`. Each
+figure is checked against the numbers it was drawn from (bar heights, box
+counts, curves), then saved and read back as a picture that is not blank.
+"""
+
+from __future__ import annotations
+
+import time
+
+import matplotlib.image
+import numpy as np
+import pytest
+from matplotlib.patches import Rectangle
+
+from minipar import classroom, plots
+from minipar.parallel.pipeline_schedules import (
+    COMPUTE,
+    bubble_formula,
+    bubble_fraction,
+    simulate_schedule,
+)
+from tests.mpi import minipar
+
+SMALL = dict(d_model=16, d_in=8, batch=32, steps=2)
+
+
+def assert_picture(path: object) -> None:
+    """A PNG of a real figure: big enough, some ink on white, several colours."""
+    image = matplotlib.image.imread(path)
+    assert image.shape[0] >= 200 and image.shape[1] >= 300, (path, image.shape)
+    ink = (image[..., :3] < 0.9).any(axis=-1).mean()  # share of pixels that are not white
+    assert 0.01 < ink < 0.95, (path, ink)
+    colours = np.unique((image[..., :3] * 255).astype(np.uint8).reshape(-1, 3), axis=0)
+    assert len(colours) > 10, path
+
+
+def boxes(ax: object, height: float) -> list[Rectangle]:
+    return [p for p in ax.patches if isinstance(p, Rectangle) and
+            abs(p.get_height() - height) < 1e-9]
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[classroom.Run]:
+    """A pipeline, an expert-parallel MoE and ZeRO-3, each on 4 ranks, in one job."""
+    return classroom.train(4, [
+        dict(SMALL, layers=4, dp=1, pp=4, microbatches=4, schedule="1f1b"),
+        dict(SMALL, model="moe", layers=2, dp=4, ep=4, experts=8, capacity_factor=1.0),
+        dict(SMALL, layers=2, dp=4, zero=3, optimizer="adam", lr=0.01)])
+
+
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
+                                              ("zb-h1", 1)])
+def test_gantt_has_one_box_per_simulated_instruction(schedule, virtual, tmp_path):
+    sim = simulate_schedule(schedule, 4, 8, virtual)
+    figure = plots.gantt_figure(sim)
+    ax = figure.axes[0]
+    drawn = sorted((round(b.get_y() + 0.4), b.get_x(), b.get_x() + b.get_width())
+                   for b in boxes(ax, 0.8))
+    assert drawn == sorted((s.stage, s.start, s.end) for s in sim.timeline)
+    assert f"{sim.bubble:.1%}" in ax.get_title()
+    assert_picture(plots.save(figure, tmp_path / "gantt.png"))
+
+
+def test_bubble_figure_draws_the_formulas_and_the_simulator(tmp_path):
+    figure = plots.bubble_figure(4, measured={4: 0.5, 8: 0.4})
+    lines = figure.axes[0].get_lines()
+    named = {(line.get_color(), line.get_linestyle()): line for line in lines}
+    schedules = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+    for (name, virtual), color in zip(schedules, ("tab:blue", "tab:purple", "tab:green")):
+        curve, dots = named[(color, "-")], named[(color, "None")]
+        assert np.allclose(curve.get_ydata(), [bubble_formula(name, 4, m, virtual)
+                                               for m in curve.get_xdata()])
+        assert np.allclose(dots.get_ydata(), [bubble_formula(name, 4, m, virtual)
+                                              for m in dots.get_xdata()])  # M >= pp
+    crosses = named[("black", "None")]
+    assert list(crosses.get_xdata()) == [4, 8] and list(crosses.get_ydata()) == [0.5, 0.4]
+    assert_picture(plots.save(figure, tmp_path / "bubble.png"))
+
+
+def test_real_pipeline_timeline_beside_the_simulator(runs, tmp_path):
+    timeline = runs[0].extras["timeline"]
+    compute = [r for r in timeline if r["kind"] in COMPUTE]
+    assert len(compute) == 4 * 4 * 2  # 4 stages x 4 microbatches x (F, B)
+    figure = plots.gantt_figure(simulate_schedule("1f1b", 4, 4), timeline)
+    real = figure.axes[1]
+    assert len(boxes(real, 0.8)) == len(compute)
+    assert len(boxes(real, 0.18)) == sum(r["kind"].startswith("recv") for r in timeline)
+    intervals = [(r["stage"], r["start"], r["end"]) for r in compute]
+    assert plots.measured_bubble(timeline) == pytest.approx(bubble_fraction(intervals, 4))
+    assert_picture(plots.save(figure, tmp_path / "pipeline.png"))
+
+
+def test_ledger_bars_are_the_busiest_ranks_bytes(runs, tmp_path):
+    ledger = runs[2].ledger  # ZeRO-3 on dp = 4: Allgatherv and Reduce_scatter
+    figure = plots.ledger_figure(ledger)
+    heights = sorted(b.get_height() for b in figure.axes[0].patches)
+    factor, unit = plots.byte_unit(max(r["bytes"] for r in ledger))
+    expected = sorted(r["bytes"] / factor for r in plots.busiest(ledger).values())
+    assert heights == pytest.approx(expected)
+    assert unit in figure.axes[0].get_ylabel()
+    assert_picture(plots.save(figure, tmp_path / "ledger.png"))
+    both = plots.ledger_compare_figure({"pipeline": runs[0].ledger, "ZeRO-3": ledger})
+    assert_picture(plots.save(both, tmp_path / "compare.png"))
+
+
+def test_expert_load_bars_are_the_routers_counts(runs, tmp_path):
+    stats = runs[1].extras["expert_load"][0]
+    figure = plots.expert_load_figure(stats)
+    left, right = figure.axes
+    kept = [b.get_height() for b in left.patches if isinstance(b, Rectangle)
+            and b.get_alpha() is None and b.get_width() == 0.8]
+    assert kept == stats["kept"]
+    assert [b.get_height() for b in right.patches] == stats["rank_load"]
+    assert sum(stats["rank_load"]) == sum(stats["kept"])
+    assert_picture(plots.save(figure, tmp_path / "experts.png"))
+
+
+def test_memory_and_losses_are_what_the_ranks_measured(runs, tmp_path):
+    zero = runs[2]
+    figure = plots.memory_figure({"ZeRO-3": zero.memory})
+    bars = figure.axes[0].patches
+    factor, _ = plots.byte_unit(max(m.total for m in zero.memory))
+    tops: dict[float, float] = {}  # each rank's stacked bar: its highest edge
+    for b in bars:
+        x = round(b.get_x(), 6)
+        tops[x] = max(tops.get(x, 0.0), b.get_y() + b.get_height())
+    assert [tops[x] for x in sorted(tops)] == pytest.approx([m.total / factor
+                                                            for m in zero.memory])
+    assert_picture(plots.save(figure, tmp_path / "memory.png"))
+    figure = plots.loss_figure({"ZeRO-3": zero.losses}, {"ZeRO-3": zero.reference})
+    marks = [line for line in figure.axes[0].get_lines() if line.get_linestyle() == "None"]
+    assert list(marks[0].get_ydata()) == zero.losses  # the run's marks over the reference
+    diff = [line for line in figure.axes[1].get_lines() if line.get_label() == "ZeRO-3"][0]
+    assert max(diff.get_ydata()) <= 1e-9
+    assert np.allclose(zero.losses, zero.reference, rtol=1e-9, atol=0)
+    assert_picture(plots.save(figure, tmp_path / "losses.png"))
+
+
+def test_the_tour_writes_its_figures(tmp_path):
+    job = minipar(8, ["tour", "--plot", str(tmp_path)], timeout=240)
+    assert job.returncode == 0 and not job.timed_out, job.explain()
+    assert "every strategy equals one process" in job.stdout
+    names = {p.name for p in tmp_path.glob("*.png")}
+    assert names == {"tour_ledger.png", "tour_memory.png", "tour_losses.png",
+                     "tour_pipeline.png", "tour_experts.png"}, names
+    for name in names:
+        assert_picture(tmp_path / name)
+
+
+def test_a_stuck_job_is_killed_after_its_timeout():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="timed out"):
+        classroom.mpirun(2, "-c", "import time; time.sleep(60)", timeout=3, echo=False)
+    assert time.monotonic() - start < 30
