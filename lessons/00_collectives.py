@@ -35,7 +35,7 @@ from mpi4py import MPI
 
 from minipar import ring
 from minipar.comm import Group, Ledger
-from minipar.log import say_in_order
+from minipar.log import run_collectively, say_in_order
 
 
 def banner(world: Group, title: str) -> None:
@@ -165,4 +165,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_collectively(main)

@@ -28,8 +28,6 @@ The code behind it: minipar/parallel/data_parallel.py.
 from __future__ import annotations
 
 import argparse
-import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +36,7 @@ from mpi4py import MPI
 from minipar import nn
 from minipar.comm import Ledger, wire_elements
 from minipar.data import make_batch, shard_rows
-from minipar.log import say_in_order
+from minipar.log import run_collectively, say_in_order
 from minipar.mesh import Mesh, MeshShape
 from minipar.parallel.data_parallel import (
     OverlappedAllreduce,
@@ -155,11 +153,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except SystemExit:  # every rank decides alike (the world size)
-        raise
-    except BaseException:  # one failing rank stops them all, never a hang
-        sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+    run_collectively(main)

@@ -25,8 +25,6 @@ The code behind part 3: minipar/parallel/tensor_parallel.py.
 from __future__ import annotations
 
 import argparse
-import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +34,7 @@ from minipar import autograd as ag
 from minipar import nn
 from minipar.comm import Group, Ledger, wire_elements
 from minipar.config import TrainConfig, problems
-from minipar.log import say_in_order
+from minipar.log import run_collectively, say_in_order
 from minipar.mesh import Mesh
 from minipar.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -222,11 +220,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except SystemExit:  # every rank decides alike (flags, world size)
-        raise
-    except BaseException:  # one failing rank stops them all, never a hang
-        sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+    run_collectively(main)

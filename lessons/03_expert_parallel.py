@@ -19,7 +19,6 @@ expert-load figures, 03_expert_load*.png)
 
 import argparse
 import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,7 @@ from mpi4py import MPI
 from minipar import autograd as ag
 from minipar import nn
 from minipar.comm import Ledger
+from minipar.log import run_collectively
 from minipar.mesh import Mesh, MeshShape
 from minipar.parallel.expert_parallel import ExpertParallelBlock, expected_alltoallv_elements
 
@@ -194,11 +194,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except SystemExit:  # every rank decides alike (the world size)
-        raise
-    except BaseException:  # one failing rank stops them all, never a hang
-        sys.stderr.write(f"rank {rank} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        comm.Abort(1)
+    run_collectively(main)

@@ -23,7 +23,6 @@ and minipar/parallel/pipeline_parallel.py (the Send/Recv executor).
 
 import argparse
 import sys
-import traceback
 from pathlib import Path
 
 from mpi4py import MPI
@@ -32,7 +31,7 @@ from minipar import nn
 from minipar.__main__ import max_differences
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
-from minipar.log import say_in_order
+from minipar.log import run_collectively, say_in_order
 from minipar.mesh import Mesh
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
@@ -211,11 +210,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except SystemExit:  # every rank decides alike (the world size, the flags)
-        raise
-    except BaseException:  # one failing rank stops them all, never a hang
-        sys.stderr.write(f"rank {rank} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        comm.Abort(1)
+    run_collectively(main)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +41,7 @@ from minipar import nn
 from minipar.__main__ import max_differences
 from minipar.comm import Ledger, wire_elements
 from minipar.config import TrainConfig, problems
-from minipar.log import say_in_order
+from minipar.log import run_collectively, say_in_order
 from minipar.mesh import Mesh
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
@@ -330,11 +329,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except SystemExit:  # every rank decides alike (flags, world size)
-        raise
-    except BaseException:  # one failing rank stops them all, never a hang
-        sys.stderr.write(f"rank {rank} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        comm.Abort(1)
+    run_collectively(main)

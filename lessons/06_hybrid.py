@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +37,7 @@ from minipar import nn
 from minipar.__main__ import max_differences
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
-from minipar.log import say_in_order
+from minipar.log import run_collectively, say_in_order
 from minipar.mesh import Mesh, MeshShape
 from minipar.report import ledger_table
 from minipar.train import RunResult, train, train_reference
@@ -214,11 +213,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except SystemExit:  # every rank decides alike (the world size)
-        raise
-    except BaseException:  # one failing rank stops them all, never a hang
-        sys.stderr.write(f"rank {rank} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        comm.Abort(1)
+    run_collectively(main)

@@ -25,8 +25,6 @@ The code behind it: minipar/parallel/zero.py and minipar/memory.py.
 from __future__ import annotations
 
 import argparse
-import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +33,7 @@ from mpi4py import MPI
 from minipar import nn
 from minipar.comm import wire_elements
 from minipar.config import TrainConfig
+from minipar.log import run_collectively
 from minipar.memory import (
     ModelStates,
     optimizer_bytes_per_param,
@@ -144,11 +143,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except SystemExit:
-        raise
-    except BaseException:  # one failing rank stops them all, never a hang
-        sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+    run_collectively(main)

@@ -32,8 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
-import traceback
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -44,6 +42,7 @@ from mpi4py import MPI
 from minipar import nn
 from minipar.bugs import BUGS, Bug
 from minipar.config import TrainConfig, problems
+from minipar.log import run_collectively
 from minipar.train import RunResult, train, train_reference
 
 comm = MPI.COMM_WORLD
@@ -299,11 +298,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except SystemExit:  # every rank decides alike (the flags)
-        raise
-    except BaseException:  # one failing rank stops them all, never a hang
-        sys.stderr.write(f"rank {rank} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        comm.Abort(1)
+    run_collectively(main)

@@ -7,12 +7,16 @@ make it so: every rank sends its text to one rank, which prints them in order.
 
     say(rank, "holds", x)              # one line, now, prefixed "[rank 3]"
     say_in_order(mesh.world, text)     # every rank's text, in rank order
+    run_collectively(main)             # a lesson's entry: one failing rank stops them all
 
 Used by the lessons: `mpiexec -n 4 python lessons/00_collectives.py`.
 """
 
 from __future__ import annotations
 
+import sys
+import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mpi4py import MPI
@@ -52,3 +56,21 @@ def say_in_order(comm: Group | MPI.Comm, text: str) -> None:
         return
     lines = [f"{prefix(rank)} {line}" for rank, block in texts for line in block.split("\n")]
     print("\n".join(lines), flush=True)
+
+
+def run_collectively(main: Callable[[], object]) -> None:
+    """Run a lesson's `main` so that one failing rank takes the whole job down.
+
+    An exception on one rank prints that rank's traceback and calls MPI_Abort,
+    which ends every rank (as `python -m mpi4py` does); without it, the other
+    ranks would wait forever in a collective their partner never joins.
+    `SystemExit` passes through untouched: every rank decides it alike (from the
+    flags and the world size), so all leave together."""
+    try:
+        main()
+    except SystemExit:
+        raise
+    except BaseException:
+        sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
