@@ -1,7 +1,9 @@
 """Side-by-side timing: interleaved repetitions, median and range.
 
-Two things compared in one run, each repetition alternating between them, so a
-slow moment of the machine hits both; a figure is the ratio of the medians.
+Two things compared in one run, each repetition alternating between them (and
+rotating which goes first), so a slow moment of the machine hits both and
+neither always runs in the caches the other left; a figure is the ratio of
+the medians.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ def interleaved(candidates: dict[str, Callable[[], object]], repeats: int = 20,
         for fn in candidates.values():
             fn()
     samples: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(repeats):
-        for name, fn in candidates.items():
+    names = list(candidates)
+    for rep in range(repeats):
+        # rotate who goes first: what one leaves in the caches never favours the other
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
             start = time.perf_counter()
-            fn()
+            candidates[name]()
             samples[name].append(time.perf_counter() - start)
     return {name: {"median": float(np.median(s)), "min": float(np.min(s)),
                    "max": float(np.max(s))} for name, s in samples.items()}

@@ -240,13 +240,18 @@ def run() -> None:
         code = main()
     except SystemExit:
         raise
+    except BrokenPipeError:  # `python -m minipar plan ... | head`: the reader left
+        sys.stderr.close()
+        raise SystemExit(0) from None
     except BaseException:
         world_size = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
         rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
-        sys.stderr.write(f"minipar: rank {rank} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
+        message = f"minipar: rank {rank} failed:\n{traceback.format_exc()}"
         if world_size > 1:
-            _world().Abort(1)
+            from minipar.log import abort_all
+
+            abort_all(message)
+        sys.stderr.write(message)
         raise SystemExit(1) from None
     sys.exit(code)
 

@@ -100,10 +100,13 @@ class Tensor:
         (use `parent.accumulate(g)`). No tape is recorded when no parent needs a gradient
         or inside `no_grad()`."""
         out = cls(data)
-        if _GRAD_ENABLED and any(p.requires_grad for p in parents):
-            out.requires_grad = True
-            out.parents = tuple(parents)
-            out._backward = backward
+        if _GRAD_ENABLED:
+            for p in parents:  # a plain loop: this runs once per op, so it is kept cheap
+                if p.requires_grad:
+                    out.requires_grad = True
+                    out.parents = tuple(parents)
+                    out._backward = backward
+                    break
         return out
 
     def accumulate(self, g: np.ndarray, fresh: bool = False) -> None:

@@ -60,6 +60,7 @@ class Block:
     act_split: float = 0.0       # bytes/token TP cuts (QKV, the FFN's wide tensors...)
     act_scores: float = 0.0      # bytes/token of attention scores, 5as (selective drops it)
     act_input: float = 0.0       # bytes/token of the layer input (all full recompute keeps)
+    capacity: bool = False       # MoE with an expert capacity: an Exscan of counts over dp
 
     @property
     def moe(self) -> bool:
@@ -330,7 +331,8 @@ def moe_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     """Per MoE block and microbatch (expert_parallel.py): one Alltoall of the E routing
     counts, four Alltoallv of the b k rows of d (dispatch, combine, and their conjugates
     in the backward; balanced routing assumed: each rank receives what it sends), and
-    over dp three Allreduce of E numbers (counts f, probability sums P both ways)."""
+    over dp three Allreduce of E numbers (counts f, probability sums P both ways), and
+    with a capacity one Exscan of E counts (how many earlier tokens took each expert)."""
     moe = [block for block in shape.blocks if block.moe]
     if not moe or plan.dp == 1:
         return []
@@ -345,6 +347,10 @@ def moe_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     stats = 3 * experts
     out.append(Traffic("dp", "Allreduce", 3 * len(moe) * m, stats,
                        experts * w.count_bytes + 2 * experts * w.act_bytes))
+    capped = [block for block in moe if block.capacity]
+    if capped:
+        counts = sum(block.experts for block in capped) * m
+        out.append(Traffic("dp", "Exscan", len(capped) * m, counts, counts * w.count_bytes))
     return out
 
 

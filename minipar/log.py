@@ -15,6 +15,7 @@ Used by the lessons: `mpiexec -n 4 python lessons/00_collectives.py`.
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -71,6 +72,15 @@ def run_collectively(main: Callable[[], object]) -> None:
     except SystemExit:
         raise
     except BaseException:
-        sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+        abort_all(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
+
+
+def abort_all(text: str, code: int = 1) -> None:
+    """Write `text` to stderr, then end every rank of the job with MPI_Abort.
+
+    The short pause lets the launcher forward the text before it kills the
+    processes: without it, the failing rank's own explanation is sometimes lost."""
+    sys.stderr.write(text)
+    sys.stderr.flush()
+    time.sleep(0.5)
+    MPI.COMM_WORLD.Abort(code)

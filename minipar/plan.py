@@ -111,7 +111,8 @@ def minipar_workload(cfg: TrainConfig) -> Workload:
             blocks.append(Block(arrays, expert, cfg.experts, cfg.top_k,
                                 act_replicated=(2 * d + cfg.experts) * itemsize,
                                 act_split=cfg.top_k * (2 * d + 2 * fe) * itemsize,
-                                act_input=d * itemsize))
+                                act_input=d * itemsize,
+                                capacity=cfg.capacity_factor is not None))
         else:
             blocks.append(Block(arrays, act_replicated=2 * d * itemsize,
                                 act_split=2 * f * itemsize, act_input=d * itemsize))

@@ -25,24 +25,47 @@ def group_size(cfg: TrainConfig, group: str) -> int:
     return getattr(cfg, _AXIS_SIZE[group])
 
 
+def predicted_ledgers(cfg: TrainConfig) -> dict[int, dict[tuple[str, str], tuple[int, int]]]:
+    """Every rank's ledger as the formulas predict it (minipar.costmodel, the planner's
+    arithmetic): rank -> (group, op) -> (calls, elements)."""
+    from minipar.costmodel import ledger_of, rank_shape, traffic
+    from minipar.plan import minipar_workload, plan_of
+
+    workload, plan, mesh = minipar_workload(cfg), plan_of(cfg), cfg.mesh_shape()
+    return {rank: ledger_of(traffic(workload, plan, rank_shape(workload, plan,
+                                                               mesh.coords(rank)["pp"])))
+            for rank in range(mesh.world)}
+
+
 def ledger_table(records: list[dict], cfg: TrainConfig) -> str:
-    """One line per (group, op): calls, elements and bytes per rank (max over ranks),
-    and the ring-algorithm wire volume per rank."""
+    """One line per (group, op) for the busiest rank: calls, elements and bytes, the
+    ring-algorithm wire volume, and what the formulas predict for that rank (the
+    planner's cost model; Alltoallv elements follow the router, so only calls are
+    predicted for them)."""
     from minipar.comm import wire_elements
 
+    predicted = predicted_ledgers(cfg)
     per: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in records:
         per[(r["group"], r["op"])].append(r)
     lines = [f"ledger of the last step ({len(records)} records from "
-             f"{len({r['rank'] for r in records})} ranks)",
-             f"{'group':>6} {'op':>15} {'ranks':>5} {'calls/rank':>10} {'elements/rank':>14} "
-             f"{'bytes/rank':>12} {'wire bytes/rank':>16}"]
+             f"{len({r['rank'] for r in records})} ranks; the busiest rank of each line)",
+             f"{'group':>6} {'op':>15} {'rank':>4} {'calls':>6} {'elements':>10} "
+             f"{'bytes':>10} {'wire bytes':>11}  predicted calls, elements"]
     for (group, op), rows in sorted(per.items()):
-        worst = max(rows, key=lambda r: r["bytes"])
+        worst = max(rows, key=lambda r: (r["bytes"], -r["rank"]))
         itemsize = worst["bytes"] / worst["elements"] if worst["elements"] else 0
         wire = wire_elements(op, worst["elements"], group_size(cfg, group)) * itemsize
-        lines.append(f"{group:>6} {op:>15} {len(rows):>5} {worst['calls']:>10} "
-                     f"{worst['elements']:>14} {worst['bytes']:>12} {wire:>16.0f}")
+        calls, elements = predicted[worst["rank"]].get((group, op), (None, None))
+        if calls is None:
+            verdict = "-"
+        elif op == "Alltoallv":
+            verdict = f"{calls}, (router) {'ok' if calls == worst['calls'] else 'DIFFERS'}"
+        else:
+            same = (calls, elements) == (worst["calls"], worst["elements"])
+            verdict = f"{calls}, {elements} {'ok' if same else 'DIFFERS'}"
+        lines.append(f"{group:>6} {op:>15} {worst['rank']:>4} {worst['calls']:>6} "
+                     f"{worst['elements']:>10} {worst['bytes']:>10} {wire:>11.0f}  {verdict}")
     if len(lines) == 2:
         lines.append("  (no communication: a mesh of one rank)")
     return "\n".join(lines)

@@ -33,6 +33,8 @@ from pathlib import Path
 
 from mpi4py import MPI
 
+from minipar.log import abort_all
+
 
 def die(mode: str, rank: int, where: str) -> None:
     """Fail the way `mode` says, after one line saying who and where."""
@@ -91,5 +93,4 @@ if __name__ == "__main__":
         try:
             settings(sys.argv[2], sys.argv[3])
         except BaseException:  # one rank's surprise must not leave the others waiting
-            sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
-            MPI.COMM_WORLD.Abort(1)
+            abort_all(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")

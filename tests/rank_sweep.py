@@ -43,6 +43,6 @@ if __name__ == "__main__":
     try:
         main()
     except BaseException:
-        sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+        from minipar.log import abort_all
+
+        abort_all(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")

@@ -68,6 +68,8 @@ def _resolve(name: str) -> object:
 def rank_main(argv: list[str]) -> None:
     from mpi4py import MPI
 
+    from minipar.log import abort_all
+
     parser = argparse.ArgumentParser(prog="python -m tests.rank_tests")
     parser.add_argument("outdir", type=Path)
     parser.add_argument("names", nargs="+", help="module:function, run in order")
@@ -92,9 +94,7 @@ def rank_main(argv: list[str]) -> None:
             except BaseException:
                 out.write(f"FAIL {name}\n{traceback.format_exc()}")
                 out.flush()
-                sys.stderr.write(f"rank {rank} failed in {name}: see {path}\n")
-                sys.stderr.flush()
-                world.Abort(1)
+                abort_all(f"rank {rank} failed in {name}: see {path}\n")
                 os._exit(1)  # MPI_Abort may return before the launcher's kill arrives
             faulthandler.cancel_dump_traceback_later()
             comm.Free()
