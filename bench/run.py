@@ -92,7 +92,21 @@ def dp_scaling(ranks: list[int], steps: int) -> dict:
     """Step time of `train --dp N` at global batch 256 for each N (bench/dp_rank.py)."""
     results = {n: _mpi_json(n, "bench.dp_rank", [str(steps)]) for n in ranks}
     base = results[ranks[0]]["median"]
-    return {str(n): {**r, "speedup_vs_1": base / r["median"]} for n, r in results.items()}
+    out = {str(n): {**r, "speedup_vs_1": base / r["median"]} for n, r in results.items()}
+    if _has_torch():  # the same model and batch under PyTorch DDP over gloo on loopback
+        for n in (r for r in ranks if r in (2, 4)):
+            ddp = _mpi_json(n, "bench.ddp_rank", [str(steps)])
+            out[str(n)]["ddp"] = ddp
+            out[str(n)]["ddp/minipar"] = ddp["median"] / out[str(n)]["median"]
+    return out
+
+
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _mpi_json(n: int, module: str, args: list[str]) -> dict:
@@ -133,6 +147,9 @@ def main() -> None:
     for n, r in results["dp"].items():
         lines.append(f"{'DP speed-up, ' + n + ' ranks vs 1 (global batch 256, f64)':<58} "
                      f"{r['speedup_vs_1']:>8.3f}  {r['median'] * 1e3:>9.2f} ms/step")
+        if "ddp/minipar" in r:
+            lines.append(f"{'  PyTorch DDP (gloo) step / minipar DP step, ' + n + ' ranks':<58} "
+                         f"{r['ddp/minipar']:>8.3f}  {r['ddp']['median'] * 1e3:>9.2f} ms/step")
     results["ring"] = {n: _mpi_json(n, "bench.ring_rank", []) for n in ranks if n > 1}
     for n, r in results["ring"].items():
         for label in ("8 KB", "1 MB", "16 MB"):
