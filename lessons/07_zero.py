@@ -13,7 +13,7 @@ too. This lesson trains minipar's model with --zero 0, 1, 2, 3 and prints:
    beside ZeRO's formulas (memory.py); minipar runs float64 with no master
    copy, so a parameter costs 8 + 8 bytes and Adam's K is 16 (m and v);
 2. what each rank sent in the last step, from the ledger, beside the paper's
-   count: DP = ZeRO-1 = ZeRO-2 = 2 Psi on the wire, ZeRO-3 = 3 Psi (N-1)/N;
+   count: DP = ZeRO-1 = ZeRO-2 = 2 (N-1)/N Psi on the wire, ZeRO-3 = 3 (N-1)/N Psi;
 3. that every stage ends at the same parameters as one process;
 4. the paper's worked example by the same formulas: 7.5 B parameters on 64
    GPUs with mixed-precision Adam (2 + 2 + K bytes, K = 12): 120 GB per GPU

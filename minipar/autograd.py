@@ -259,6 +259,16 @@ def as_tensor(x: TensorLike) -> Tensor:
     return x if isinstance(x, Tensor) else Tensor(np.asarray(x))
 
 
+def _operands(a: TensorLike, b: TensorLike) -> tuple[Tensor, Tensor]:
+    """Both sides of a binary op as tensors. A bare Python number takes the other side's
+    dtype: as a float64 constant it would silently promote a float32 model to float64."""
+    if isinstance(a, Tensor) and isinstance(b, (int, float)):
+        return a, Tensor(np.asarray(b, dtype=a.dtype))
+    if isinstance(b, Tensor) and isinstance(a, (int, float)):
+        return Tensor(np.asarray(a, dtype=b.dtype)), b
+    return as_tensor(a), as_tensor(b)
+
+
 def _unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """Sum `g` down to `shape`: the backward of NumPy broadcasting."""
     if g.shape == shape:
@@ -273,7 +283,7 @@ def _unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 # ------------------------------------------------------------ elementwise
 def add(a: TensorLike, b: TensorLike) -> Tensor:
     """a + b, broadcasting. Backward: the gradient flows unchanged to both."""
-    a, b = as_tensor(a), as_tensor(b)
+    a, b = _operands(a, b)
 
     def backward(g: np.ndarray) -> None:
         a.accumulate(_unbroadcast(g, a.shape))
@@ -283,7 +293,7 @@ def add(a: TensorLike, b: TensorLike) -> Tensor:
 
 def sub(a: TensorLike, b: TensorLike) -> Tensor:
     """a - b. Backward: +g to a, -g to b."""
-    a, b = as_tensor(a), as_tensor(b)
+    a, b = _operands(a, b)
 
     def backward(g: np.ndarray) -> None:
         a.accumulate(_unbroadcast(g, a.shape))
@@ -293,7 +303,7 @@ def sub(a: TensorLike, b: TensorLike) -> Tensor:
 
 def mul(a: TensorLike, b: TensorLike) -> Tensor:
     """a * b. Backward: d(ab) = b da + a db."""
-    a, b = as_tensor(a), as_tensor(b)
+    a, b = _operands(a, b)
 
     def backward(g: np.ndarray) -> None:
         a.accumulate(_unbroadcast(g * b.data, a.shape), fresh=True)
@@ -303,7 +313,7 @@ def mul(a: TensorLike, b: TensorLike) -> Tensor:
 
 def div(a: TensorLike, b: TensorLike) -> Tensor:
     """a / b. Backward: da = g / b, db = -g a / b^2."""
-    a, b = as_tensor(a), as_tensor(b)
+    a, b = _operands(a, b)
     out = a.data / b.data
 
     def backward(g: np.ndarray) -> None:

@@ -242,7 +242,8 @@ def copy_to(x: Tensor, group: Group) -> Tensor:
     uses the same x, so x's gradient is the sum of every rank's contribution."""
     if group.size == 1:
         return x
-    return Tensor.from_op(x.data, (x,), lambda g: x.accumulate(allreduce_sum(group, g)))
+    return Tensor.from_op(x.data, (x,),
+                          lambda g: x.accumulate(allreduce_sum(group, g), fresh=True))
 
 
 def reduce_from(x: Tensor, group: Group) -> Tensor:
@@ -264,7 +265,7 @@ def sum_replicated(x: Tensor, group: Group) -> Tensor:
     if group.size == 1:
         return x
     return Tensor.from_op(allreduce_sum(group, x.data), (x,),
-                          lambda g: x.accumulate(allreduce_sum(group, g)))
+                          lambda g: x.accumulate(allreduce_sum(group, g), fresh=True))
 
 
 def scatter_to(x: Tensor, group: Group, axis: int = -1) -> Tensor:
@@ -272,7 +273,7 @@ def scatter_to(x: Tensor, group: Group, axis: int = -1) -> Tensor:
     if group.size == 1:
         return x
     return Tensor.from_op(split_axis(group, x.data, axis), (x,),
-                          lambda g: x.accumulate(allgather_axis(group, g, axis)))
+                          lambda g: x.accumulate(allgather_axis(group, g, axis), fresh=True))
 
 
 def gather_from(x: Tensor, group: Group, axis: int = -1) -> Tensor:
@@ -280,7 +281,7 @@ def gather_from(x: Tensor, group: Group, axis: int = -1) -> Tensor:
     if group.size == 1:
         return x
     return Tensor.from_op(allgather_axis(group, x.data, axis), (x,),
-                          lambda g: x.accumulate(split_axis(group, g, axis)))
+                          lambda g: x.accumulate(split_axis(group, g, axis), fresh=True))
 
 
 def reduce_scatter(x: Tensor, group: Group) -> Tensor:
@@ -290,7 +291,7 @@ def reduce_scatter(x: Tensor, group: Group) -> Tensor:
     if group.size == 1:
         return x
     return Tensor.from_op(reduce_scatter_rows(group, x.data), (x,),
-                          lambda g: x.accumulate(allgather_axis(group, g, 0)))
+                          lambda g: x.accumulate(allgather_axis(group, g, 0), fresh=True))
 
 
 def all_gather(x: Tensor, group: Group) -> Tensor:
@@ -300,7 +301,7 @@ def all_gather(x: Tensor, group: Group) -> Tensor:
     if group.size == 1:
         return x
     return Tensor.from_op(allgather_axis(group, x.data, 0), (x,),
-                          lambda g: x.accumulate(reduce_scatter_rows(group, g)))
+                          lambda g: x.accumulate(reduce_scatter_rows(group, g), fresh=True))
 
 
 def alltoallv_rows(group: Group, x: np.ndarray, send_counts: np.ndarray,
@@ -329,4 +330,4 @@ def alltoallv(x: Tensor, group: Group, send_counts: np.ndarray,
         return x
     out = alltoallv_rows(group, x.data, send_counts, recv_counts)
     return Tensor.from_op(out, (x,), lambda g: x.accumulate(
-        alltoallv_rows(group, g, recv_counts, send_counts)))
+        alltoallv_rows(group, g, recv_counts, send_counts), fresh=True))

@@ -123,8 +123,7 @@ class Mesh:
         self.ledger = ledger
         split: dict[str, Group] = {}
         for axis in AXES:
-            color = shape.groups(axis).index(
-                next(g for g in shape.groups(axis) if self.rank in g))
+            color = shape._group_index(self.rank, axis)  # which group of `axis` I am in
             # Comm.Split: ranks with the same color form one communicator, ordered by key
             split[axis] = Group(world.Split(color, key=self.rank), axis, ledger)
         self.dp, self.tp, self.pp = split["dp"], split["tp"], split["pp"]

@@ -179,11 +179,21 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
             return train(replace(cfg, inject_bug=None), world, on_step)
     from minipar.comm import Ledger
     from minipar.mesh import Mesh
+
+    mesh = Mesh(cfg.mesh_shape(), world, Ledger())
+    try:
+        return train_on_mesh(cfg, mesh, on_step)
+    finally:  # also when a step diverges: a sweep or a notebook builds many meshes
+        mesh.free()
+
+
+def train_on_mesh(cfg: TrainConfig, mesh: object,
+                  on_step: Callable[[int, float], None] | None = None) -> RunResult:
+    """The body of `train` on a mesh already built (its communicators and ledger)."""
     from minipar.parallel import data_parallel, tensor_parallel
     from minipar.parallel.pipeline_parallel import gather_timeline
 
-    ledger = Ledger()
-    mesh = Mesh(cfg.mesh_shape(), world, ledger)
+    ledger = mesh.ledger
     # --resume: the full arrays assembled from any mesh's shards, sliced below like init
     saved = checkpoint.load(cfg.resume) if cfg.resume else None
     full = saved.params if saved else nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
@@ -226,7 +236,6 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
     final, disagreements = gather_full_params(mesh, params, cfg)
     if cfg.save:  # every rank writes its shard; rank 0 the manifest, last
         checkpoint.save(cfg.save, cfg, mesh, params, optimizer, cfg.steps, updater)
-    mesh.free()
     return RunResult(losses, init, final,
                      [r for rank in gathered for r in rank] if gathered else [],
                      {"replica_disagreements": disagreements,

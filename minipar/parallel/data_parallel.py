@@ -47,9 +47,6 @@ if TYPE_CHECKING:
     from minipar.config import TrainConfig
     from minipar.parallel.zero import Zero1
 
-GRAD_SYNCS = ("naive", "bucketed", "overlapped")
-
-
 def grad_or_zeros(p: Parameter) -> np.ndarray:
     """p.grad, or zeros if backward never reached p on this rank: every replica must
     send the same buffers, or the collectives of different ranks would not match."""
@@ -119,8 +116,10 @@ def unpack(bucket: Sequence[Parameter], flat: np.ndarray, scale: float) -> None:
 def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: object) -> None:
     """Bucketed DP: one in-place Allreduce per bucket, then divide by dp."""
     for bucket in buckets:
-        flat = pack(bucket)
         group = _group(bucket[0], mesh)
+        if group.size == 1 and mesh.shape.dp == 1:
+            continue  # one replica and nothing to average: the gradients are final
+        flat = pack(bucket)
         if group.size > 1:
             group.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)  # a bucket of g_i -> its sum
         unpack(bucket, flat, 1.0 / mesh.shape.dp)

@@ -54,6 +54,7 @@ from minipar.comm import (
     scatter_to,
 )
 from minipar.nn import LayerNorm, Module, Parameter
+from minipar.parallel.data_parallel import pack, unpack
 
 
 def shard(size: int, parts: int, rank: int) -> slice:
@@ -138,7 +139,7 @@ class TensorParallelBlock(Module):
     tp group exchanges one Allreduce of B x d in the forward (after fc2) and one in
     the backward (before fc1), nothing else. With `sequence_parallel`, h is this
     rank's B/tp rows, and the pair becomes an Allgather before fc1 and a
-    Reduce_scatter after it (each in both directions: forward and backward swap).
+    Reduce_scatter after fc2 (each in both directions: forward and backward swap).
     """
 
     def __init__(self, full: dict[str, np.ndarray], index: int, tp: Group,
@@ -186,8 +187,9 @@ def sequence_parallel_hooks(tp: Group) -> tuple[Callable[[Tensor], Tensor],
 def allreduce_sequence_parallel_grads(chunks: Sequence[Module], tp: Group) -> None:
     """Sum over tp the gradients that sequence parallelism left split by rows.
 
-    Call it after the backward of every microbatch and before the data-parallel
-    sync (as Megatron does). One Allreduce, all such gradients packed in one buffer:
+    Call it once per step, after the backward of the last microbatch (the shares of
+    all microbatches have accumulated in `.grad`) and before the data-parallel sync,
+    as Megatron does. One Allreduce, all such gradients packed in one buffer:
     3 d per block (gamma, beta, fc2 bias) of this rank's chunks.
     """
     params = [p for chunk in chunks for block in getattr(chunk, "blocks", [])
@@ -195,12 +197,9 @@ def allreduce_sequence_parallel_grads(chunks: Sequence[Module], tp: Group) -> No
               for p in block.partial_over_tp() if p.grad is not None]
     if not params or tp.size == 1:
         return
-    packed = np.concatenate([p.grad.ravel() for p in params])
+    packed = pack(params)
     tp.Allreduce(MPI.IN_PLACE, packed, op=MPI.SUM)  # my rows' share (3 d per block) -> the sum
-    start = 0
-    for p in params:
-        p.grad[...] = packed[start:start + p.grad.size].reshape(p.grad.shape)
-        start += p.grad.size
+    unpack(params, packed, 1.0)
 
 
 def parameter_count(modules: Sequence[Module]) -> int:
