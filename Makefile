@@ -29,7 +29,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 install: $(VENV)/.installed
 
 lint: install
-	$(PY) -m ruff check --output-format concise $(RUFF_CONFIG) minipar tests lessons
+	$(PY) -m ruff check --output-format concise $(RUFF_CONFIG) minipar tests lessons bench
 
 test: install lint
 	@start=$$(date +%s); $(PY) -m pytest && \

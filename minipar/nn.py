@@ -223,7 +223,8 @@ def aux_loss(probs: Tensor, chosen: np.ndarray, experts: int, coef: float,
     flows through it; the gradient reaches the router through P.
     """
     tokens = probs.shape[0] if tokens is None else tokens
-    f = np.bincount(chosen.ravel(), minlength=experts) / (tokens * chosen.shape[1])
+    f = (np.bincount(chosen.ravel(), minlength=experts) / (tokens * chosen.shape[1])
+         ).astype(probs.dtype)
     p_mean = probs.sum(axis=0) * (1.0 / tokens)
     return (p_mean * (coef * experts * f)).sum()
 

@@ -169,7 +169,7 @@ def global_aux(probs: Tensor, counts: np.ndarray, tokens: int, cfg: nn.ModelConf
     true gradient reaching my probabilities is d aux/d P once; the backward Allreduce
     hands each rank the dp identical seeds, dp d aux/d P, and the later /dp restores it.
     An identity backward would leave the router's aux gradient dp times too small."""
-    f = counts / (tokens * cfg.top_k)                                   # (E,)
+    f = (counts / (tokens * cfg.top_k)).astype(probs.dtype)              # (E,)
     p_sum = comm.sum_replicated(probs.sum(axis=0), dp_group)            # (E,) over all ranks
     p_mean = p_sum * (1.0 / tokens)
     return (p_mean * (cfg.aux_coef * cfg.experts * f)).sum()
