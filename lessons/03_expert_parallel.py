@@ -134,7 +134,8 @@ def show_load(s: dict) -> None:
 
 def plot_load(stats: dict, capacity: float | None, folder: Path) -> None:
     """Rank 0: the load of the block per expert and per rank, as a figure."""
-    from minipar.plots import expert_load_figure, save
+    from minipar.plots import save
+    from minipar.plots_load import expert_load_figure
 
     name = "no capacity" if capacity is None else f"capacity factor {capacity}"
     path = save(expert_load_figure(stats, f"{EXPERTS} experts on {size} ranks, top-{TOP_K}, "

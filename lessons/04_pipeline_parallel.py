@@ -177,7 +177,8 @@ def the_check(runs: dict, microbatches: int = 8) -> None:
 def figures(runs: dict, folder: Path, microbatches: int = 8) -> None:
     """Rank 0: each schedule simulated beside its real run (Gantt charts), and the bubble
     against M: formulas, simulator, and the measured 1F1B runs of part 3."""
-    from minipar.plots import bubble_figure, gantt_figure, save
+    from minipar.plots import save
+    from minipar.plots_load import bubble_figure, gantt_figure
 
     for name, virtual in SCHEDULES:
         sim = simulate_schedule(name, size, microbatches, virtual)

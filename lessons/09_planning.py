@@ -39,16 +39,9 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from minipar.costmodel import (
-    Hardware,
-    Plan,
-    Timing,
-    Workload,
-    ledger_of,
-    rank_shape,
-    traffic,
-)
+from minipar.costmodel import Plan, Workload, rank_shape
 from minipar.plan import GB, Estimate, best_by, divisors, evaluate, mfu, search, transformer
+from minipar.timemodel import Hardware, Timing, ledger_of, traffic
 
 H100 = Hardware(gpu_memory=80 * GB, flops=989e12, efficiency=0.5, intra_bw=450 * GB,
                 inter_bw=50 * GB, node_size=8, latency=5e-6)

@@ -4,8 +4,8 @@ What this file teaches: the source text's comparison of DP, TP, EP and PP ends i
 rules of thumb -- TP inside a node (it "usually stops at 8-16 GPUs"), PP across
 nodes (mind the bubble), EP for MoE (AllToAll is "very heavy"), DP for the rest.
 Here they are checked, not believed: every mesh that fills the GPUs is priced by
-the cost model (costmodel.py: ZeRO's memory, Megatron's activations, the ledger
-of every collective, the bubble formula, an alpha-beta network) and the plans
+the cost model (costmodel.py: ZeRO's memory, Megatron's activations; timemodel.py:
+the ledger of every collective, the bubble formula, an alpha-beta network) and the plans
 are ranked by step time; the ones that do not fit are counted by reason.
 
     python -m minipar plan --params 70e9 --layers 80 --d-model 8192 --d-ff 28672 \\
@@ -27,22 +27,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from minipar.config import TrainConfig
-from minipar.costmodel import (
-    Block,
-    Hardware,
-    Plan,
-    Timing,
-    Workload,
-    group_layout,
-    model_states,
-    rank_shape,
-    stage_activations,
-    step_timing,
-    traffic,
-)
+from minipar.costmodel import Block, Plan, Workload, model_states, rank_shape, stage_activations
 from minipar.memory import ModelStates, optimizer_bytes_per_param, wire_elements
 from minipar.nn import canonical_shapes
 from minipar.parallel.pipeline_schedules import bubble_formula
+from minipar.timemodel import Hardware, Timing, group_layout, step_timing, traffic
 
 GB = 1e9
 

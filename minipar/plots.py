@@ -1,27 +1,26 @@
-"""Pictures of what the ranks did: pipeline Gantt charts, the bubble, the ledger, the
-expert load, memory per rank and loss curves.
+"""Pictures of what the ranks did: the ledger, memory per rank, loss curves, the
+Alltoall, and the tour's figures; the shared helpers (`save`, `byte_unit`).
 
 What this file teaches: every number a lesson prints has a shape that is easier
-to see than to read. A pipeline schedule is a Gantt chart (GPipe, Huang et al.
-2019; 1F1B, Narayanan et al. 2021); its bubble shrinks with the microbatches as
-(pp-1)/(M+pp-1); the ledger (comm.py) is bytes per mesh axis and operation;
-an MoE router (GShard, Switch) fills some experts more than others; ZeRO
-(Rajbhandari et al. 2020) cuts the bytes of each rank by stage; and a parallel
-run's loss curve lies on the single-process one.
+to see than to read, and three pictures check every strategy: the ledger
+(comm.py) is bytes per mesh axis and operation; ZeRO (Rajbhandari et al. 2020)
+cuts the bytes of each rank by stage; and a parallel run's loss curve lies on the
+single-process one. How busy each rank was (the pipeline's Gantt chart and bubble,
+the expert load) is drawn by plots_load.py.
 
-Every function takes plain data (the simulator's `Simulation`, the records of
-`RunResult.extras` and `RunResult.ledger`, `memory.ModelStates`) and returns a
-matplotlib `Figure` built without pyplot, so it draws headless (Agg) in a
-lesson and shows inline in a notebook; `save(figure, path)` writes a PNG.
+Every function takes plain data (the records of `RunResult.ledger`,
+`memory.ModelStates`, step losses) and returns a matplotlib `Figure` built without
+pyplot, so it draws headless (Agg) in a lesson and shows inline in a notebook;
+`save(figure, path)` writes a PNG.
 
-    mpiexec -n 4 python lessons/04_pipeline_parallel.py --plot figures
+    mpiexec -n 4 python lessons/07_zero.py --plot figures
     mpiexec -n 8 python -m minipar tour --plot figures
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from textwrap import fill
 
@@ -31,16 +30,9 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from minipar.memory import ModelStates
-from minipar.parallel.pipeline_schedules import (
-    COMPUTE,
-    Simulation,
-    bubble_formula,
-    bubble_fraction,
-    simulate_schedule,
-)
+from minipar.parallel.pipeline_schedules import simulate_schedule
+from minipar.plots_load import expert_load_figure, gantt_figure
 
-KIND_COLORS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
-KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient (ZB-H1)"}
 AXIS_COLORS = {"dp": "tab:blue", "tp": "tab:orange", "pp": "tab:green", "ep": "tab:red",
                "edp": "tab:purple", "world": "tab:gray"}
 STATE_COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green"}
@@ -60,123 +52,6 @@ def byte_unit(top: float) -> tuple[float, str]:
         if top >= 1024 ** power:
             return float(1024 ** power), name
     return 1.0, "bytes"
-
-
-# ------------------------------------------------------------ pipeline Gantt
-def timeline_bars(timeline: Sequence[dict]) -> list[dict]:
-    """A real run's timeline (`extras["timeline"]`, seconds) as bars in milliseconds:
-    row = world rank; compute instructions, and receives (time spent waiting)."""
-    return [{"row": r["rank"], "kind": r["kind"], "microbatch": r["microbatch"],
-             "chunk": r["chunk"], "start": 1000 * r["start"], "end": 1000 * r["end"]}
-            for r in timeline if r["kind"] in COMPUTE or r["kind"].startswith("recv")]
-
-
-def draw_gantt(ax: Axes, bars: Sequence[dict], row_names: dict[int, str], unit: str,
-               title: str) -> None:
-    """One row per rank, one box per instruction: F blue, B orange, W green, the
-    microbatch number inside (1-based); a second model chunk hatched; a thin grey
-    strip where a rank sat in a receive. White space is the bubble."""
-    end = max(bar["end"] for bar in bars)
-    for bar in bars:
-        y, width = bar["row"], bar["end"] - bar["start"]
-        if bar["kind"] not in COMPUTE:  # waiting for a message
-            ax.barh(y, width, left=bar["start"], height=0.18, color="0.6")
-            continue
-        ax.barh(y, width, left=bar["start"], height=0.8, color=KIND_COLORS[bar["kind"]],
-                edgecolor="white", linewidth=0.6, hatch="///" if bar["chunk"] else None)
-        if width > 0.022 * end:  # room for the number
-            ax.text(bar["start"] + width / 2, y, str(bar["microbatch"] + 1), ha="center",
-                    va="center", fontsize=7, color="white")
-    rows = sorted(row_names)
-    ax.set_yticks(rows, [row_names[r] for r in rows])
-    ax.set_ylim(max(rows) + 0.6, min(rows) - 0.6)
-    ax.set_xlim(0, end)
-    ax.set_xlabel(f"time ({unit})")
-    ax.set_title(title, fontsize=10)
-
-
-def gantt_legend(figure: Figure, kinds: Iterable[str], chunks: bool, waits: bool) -> None:
-    names = dict(KIND_NAMES, B="backward: input gradient") if "W" in kinds else KIND_NAMES
-    handles = [Patch(color=KIND_COLORS[k], label=names[k]) for k in "FBW" if k in kinds]
-    if chunks:
-        handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
-                             label="second model chunk"))
-    if waits:
-        handles.append(Patch(color="0.6", label="waiting in Recv"))
-    figure.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8,
-                  frameon=False)
-
-
-def gantt_figure(sim: Simulation, timeline: Sequence[dict] | None = None,
-                 title: str = "") -> Figure:
-    """The schedule as the simulator plays it (F = 1 unit, B = 2), and beside it, if
-    given, the wall-clock timeline of a real run's last step (every rank; from
-    `RunResult.extras["timeline"]`). Box numbers are microbatches."""
-    panels = 2 if timeline else 1
-    pp = max(s.stage for s in sim.timeline) + 1
-    real = timeline_bars(timeline) if timeline else []
-    rows = max(pp, len({bar["row"] for bar in real}))
-    figure = Figure(figsize=(6.5 * panels, 1.2 + 0.42 * rows), layout="constrained")
-    figure.get_layout_engine().set(rect=(0, 0.08, 1, 0.92))
-    axes = figure.subplots(1, panels, squeeze=False)[0]
-    simulated = [dict(vars(slot), row=slot.stage) for slot in sim.timeline]
-    draw_gantt(axes[0], simulated, {s: f"stage {s}" for s in range(pp)},
-               "logical units: F = 1", f"simulator: bubble {sim.bubble:.1%}")
-    if timeline:
-        stage_of = {r["rank"]: r["stage"] for r in timeline}
-        measured = measured_bubble(timeline)
-        draw_gantt(axes[1], real, {r: f"rank {r} (stage {s})" for r, s in stage_of.items()},
-                   "ms, wall clock", f"real run, last step: bubble {measured:.1%}")
-    kinds = {s.kind for s in sim.timeline}
-    chunks = any(s.chunk for s in sim.timeline)
-    gantt_legend(figure, kinds, chunks, waits=bool(timeline))
-    if title:
-        figure.suptitle(title, fontsize=11)
-    return figure
-
-
-def measured_bubble(timeline: Sequence[dict]) -> float:
-    """Idle share of rank-time in a real timeline, 1 - busy / (ranks * T), as the
-    simulator measures it (`pipeline_schedules.bubble_fraction`)."""
-    busy = [(r["rank"], r["start"], r["end"]) for r in timeline if r["kind"] in COMPUTE]
-    return bubble_fraction(busy, len({rank for rank, _, _ in busy}))
-
-
-# ------------------------------------------------------------------- bubble
-def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
-                  schedules: Sequence[tuple[str, int]] = (("1f1b", 1), ("interleaved", 2),
-                                                          ("zb-h1", 1)),
-                  measured: dict[int, float] | None = None) -> Figure:
-    """Bubble fraction against the number of microbatches M: the papers' formulas as
-    lines, the simulator as dots on them, and (if given) a real 1F1B run's measured
-    bubble per M as crosses. GPipe and 1F1B share (pp-1)/(M+pp-1)."""
-    names = {"1f1b": "GPipe and 1F1B: (pp-1)/(M+pp-1)",
-             "interleaved": "interleaved, V={v}: (pp-1)/(VM+pp-1)",
-             "zb-h1": "ZB-H1: (pp-1)/(3M+pp-1), M >= pp"}
-    figure = Figure(figsize=(7, 4.2), layout="constrained")
-    ax = figure.subplots()
-    grid = np.geomspace(min(microbatches), max(microbatches), 200)
-    for (name, virtual), color in zip(schedules, ("tab:blue", "tab:purple", "tab:green")):
-        lo = pp if name == "zb-h1" else min(microbatches)
-        line = grid[grid >= lo]
-        ax.plot(line, [bubble_formula(name, pp, m, virtual) for m in line], color=color,
-                label=names.get(name, name).format(v=virtual))
-        sims = [m for m in microbatches if m >= lo and (name != "interleaved" or m % pp == 0)]
-        ax.plot(sims, [simulate_schedule(name, pp, m, virtual).bubble for m in sims], "o",
-                color=color, markersize=5)
-    if measured:
-        ax.plot(list(measured), list(measured.values()), "x", color="black", markersize=8,
-                mew=2, label="1F1B, real run (wall clock)")
-    ax.plot([], [], "o", color="0.4", label="simulator")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(list(microbatches), [str(m) for m in microbatches])
-    ax.set_xlabel("microbatches per step, M")
-    ax.set_ylabel("bubble: idle share of stage-time")
-    ax.set_ylim(0, 1)
-    ax.set_title(f"the pipeline bubble, pp = {pp} stages", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return figure
 
 
 # ------------------------------------------------------------------- ledger
@@ -261,48 +136,6 @@ def ledger_compare_figure(ledgers: dict[str, Sequence[dict]], title: str = "") -
                        if a in axes_seen], fontsize=8, loc="center left",
               bbox_to_anchor=(1.01, 0.5))
     ax.set_title(fill(title or "what moved, by mesh axis", 90), fontsize=10)
-    return figure
-
-
-# -------------------------------------------------------------- expert load
-def expert_load_figure(stats: dict, title: str = "") -> Figure:
-    """An MoE block's load (`expert_parallel.load_stats`): assignments routed to each
-    expert and kept under the capacity limit, the experts of each ep rank shaded
-    alike; and beside it the kept assignments each ep rank computes."""
-    routed, kept = np.asarray(stats["routed"]), np.asarray(stats["kept"])
-    ranks = len(stats["rank_load"])
-    per_rank = len(routed) // ranks
-    figure = Figure(figsize=(11, 3.8), layout="constrained")
-    left, right = figure.subplots(1, 2, width_ratios=(3, 1))
-    experts = np.arange(len(routed))
-    for j in range(0, ranks, 2):  # shade every other rank's experts
-        left.axvspan(j * per_rank - 0.5, (j + 1) * per_rank - 0.5, color="0.93")
-    if stats.get("limit") is None:  # nothing dropped: routed = kept
-        left.bar(experts, kept, color="tab:red", label="routed = kept (no capacity)")
-    else:
-        left.bar(experts, routed, color="tab:red", alpha=0.35, label="routed (chose it)")
-        left.bar(experts, kept, color="tab:red", label="kept (computed)")
-        left.axhline(stats["limit"], color="black", ls="--", lw=1,
-                     label=f"capacity ceil(c k B/E) = {stats['limit']}")
-    left.axhline(routed.mean(), color="0.3", ls=":", lw=1, label="perfect balance")
-    left.set_xlabel(f"expert (shaded bands: {per_rank} experts of one ep rank)")
-    left.set_ylabel("(token, slot) assignments")
-    left.set_xlim(-0.5, len(routed) - 0.5)
-    left.set_ylim(0, 1.45 * routed.max())  # room for the legend above the bars
-    left.legend(fontsize=8, loc="upper right", ncol=2)
-    left.set_title(f"per expert: max/mean {stats['imbalance']:.2f}, "
-                   f"{stats['dropped']} dropped", fontsize=10)
-    load = np.asarray(stats["rank_load"])
-    right.bar(np.arange(ranks), load, color="tab:red")
-    right.axhline(load.mean(), color="0.3", ls=":", lw=1, label="mean")
-    right.set_xticks(np.arange(ranks))
-    right.set_xlabel("ep rank")
-    right.set_ylabel("kept assignments")
-    right.set_ylim(0, 1.25 * load.max())
-    right.set_title(f"per rank: max/mean {stats['rank_imbalance']:.2f}", fontsize=10)
-    right.legend(fontsize=8, loc="upper right")
-    if title:
-        figure.suptitle(title, fontsize=11)
     return figure
 
 

@@ -26,10 +26,11 @@ def group_size(cfg: TrainConfig, group: str) -> int:
 
 
 def predicted_ledgers(cfg: TrainConfig) -> dict[int, dict[tuple[str, str], tuple[int, int]]]:
-    """Every rank's ledger as the formulas predict it (minipar.costmodel, the planner's
+    """Every rank's ledger as the formulas predict it (minipar.timemodel, the planner's
     arithmetic): rank -> (group, op) -> (calls, elements)."""
-    from minipar.costmodel import ledger_of, rank_shape, traffic
+    from minipar.costmodel import rank_shape
     from minipar.plan import minipar_workload, plan_of
+    from minipar.timemodel import ledger_of, traffic
 
     workload, plan, mesh = minipar_workload(cfg), plan_of(cfg), cfg.mesh_shape()
     return {rank: ledger_of(traffic(workload, plan, rank_shape(workload, plan,

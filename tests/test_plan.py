@@ -25,20 +25,18 @@ from minipar.__main__ import main
 from minipar.config import TrainConfig
 from minipar.costmodel import (
     Block,
-    Hardware,
     Plan,
     Workload,
     activation_bytes,
     in_flight,
-    ledger_of,
     model_states,
     rank_shape,
-    traffic,
 )
 from minipar.memory import zero_formula
 from minipar.mesh import MeshShape
 from minipar.parallel.pipeline_schedules import simulate_schedule
 from minipar.plan import evaluate, minipar_workload, plan_of, search, transformer
+from minipar.timemodel import Hardware, ledger_of, traffic
 from tests.mpi import ROOT, sweep
 
 GB = 1e9
@@ -221,7 +219,8 @@ def test_bad_flags_are_one_error_line(flags, named, capsys):
 
 
 def test_the_planner_imports_no_mpi():
-    probe = "import sys, minipar.plan, minipar.costmodel; print('mpi4py.MPI' in sys.modules)"
+    probe = ("import sys, minipar.plan, minipar.costmodel, minipar.timemodel; "
+             "print('mpi4py.MPI' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr

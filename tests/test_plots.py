@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from matplotlib.patches import Rectangle
 
-from minipar import classroom, plots
+from minipar import classroom, plots, plots_load
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
     bubble_formula,
@@ -55,7 +55,7 @@ def runs() -> list[classroom.Run]:
                                               ("zb-h1", 1)])
 def test_gantt_has_one_box_per_simulated_instruction(schedule, virtual, tmp_path):
     sim = simulate_schedule(schedule, 4, 8, virtual)
-    figure = plots.gantt_figure(sim)
+    figure = plots_load.gantt_figure(sim)
     ax = figure.axes[0]
     drawn = sorted((round(b.get_y() + 0.4), b.get_x(), b.get_x() + b.get_width())
                    for b in boxes(ax, 0.8))
@@ -65,7 +65,7 @@ def test_gantt_has_one_box_per_simulated_instruction(schedule, virtual, tmp_path
 
 
 def test_bubble_figure_draws_the_formulas_and_the_simulator(tmp_path):
-    figure = plots.bubble_figure(4, measured={4: 0.5, 8: 0.4})
+    figure = plots_load.bubble_figure(4, measured={4: 0.5, 8: 0.4})
     lines = figure.axes[0].get_lines()
     named = {(line.get_color(), line.get_linestyle()): line for line in lines}
     schedules = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
@@ -84,12 +84,12 @@ def test_real_pipeline_timeline_beside_the_simulator(runs, tmp_path):
     timeline = runs[0].extras["timeline"]
     compute = [r for r in timeline if r["kind"] in COMPUTE]
     assert len(compute) == 4 * 4 * 2  # 4 stages x 4 microbatches x (F, B)
-    figure = plots.gantt_figure(simulate_schedule("1f1b", 4, 4), timeline)
+    figure = plots_load.gantt_figure(simulate_schedule("1f1b", 4, 4), timeline)
     real = figure.axes[1]
     assert len(boxes(real, 0.8)) == len(compute)
     assert len(boxes(real, 0.18)) == sum(r["kind"].startswith("recv") for r in timeline)
     intervals = [(r["stage"], r["start"], r["end"]) for r in compute]
-    assert plots.measured_bubble(timeline) == pytest.approx(bubble_fraction(intervals, 4))
+    assert plots_load.measured_bubble(timeline) == pytest.approx(bubble_fraction(intervals, 4))
     assert_picture(plots.save(figure, tmp_path / "pipeline.png"))
 
 
@@ -108,7 +108,7 @@ def test_ledger_bars_are_the_busiest_ranks_bytes(runs, tmp_path):
 
 def test_expert_load_bars_are_the_routers_counts(runs, tmp_path):
     stats = runs[1].extras["expert_load"][0]
-    figure = plots.expert_load_figure(stats)
+    figure = plots_load.expert_load_figure(stats)
     left, right = figure.axes
     kept = [b.get_height() for b in left.patches if isinstance(b, Rectangle)
             and b.get_alpha() is None and b.get_width() == 0.8]

@@ -1,0 +1,281 @@
+"""The cost model behind `python -m minipar plan`, part two: what moves, and how long it takes.
+
+What this file teaches. Once a plan fits (costmodel.py: what each rank holds), the
+planner ranks it by the seconds of one step: what each rank sends, priced on the
+network, plus its compute and the time its pipeline idles. Each term is a formula
+this project checks against real runs:
+
+  communication  the ledger a minipar run writes, entry by entry: TP's Allreduce of (b, d)
+                 per block and direction, EP's 4 Alltoallv of (b k, d), PP's Send/Recv of
+                 (b, d), DP's buckets, ZeRO's `memory.ledger_formula`; on the wire by the
+                 ring formulas (`memory.wire_elements`).
+  bubble         (pp-1)/(M+pp-1), interleaved (pp-1)/(VM+pp-1)
+                 (`pipeline_schedules.bubble_formula`; the simulator reproduces it).
+  time           6 x parameters x tokens FLOPs at a stated fraction of peak, plus
+                 alpha ceil(log2 n) + wire bytes / bandwidth per collective: in-node
+                 bandwidth if the group fits in a node, else the network's (a ring goes
+                 at its slowest link). Nothing overlaps.
+
+Ranks are placed as mesh.py places them: tp fastest, then dp, then pp.
+Tested by `python -m pytest tests/test_plan.py`; used by `python -m minipar plan` and by
+`python -m minipar train --ledger` (each ledger line beside its prediction).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from minipar.costmodel import (
+    Array,
+    Plan,
+    RankShape,
+    Workload,
+    tokens_per_microbatch,
+    virtual_stages,
+)
+from minipar.memory import ledger_formula, wire_elements
+from minipar.parallel.pipeline_schedules import bubble_formula
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU and its links: bytes, FLOP/s, bytes/s per GPU, seconds per message step."""
+
+    gpu_memory: float
+    flops: float
+    efficiency: float
+    intra_bw: float
+    inter_bw: float
+    node_size: int
+    latency: float
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One predicted ledger entry of a rank: `calls` calls of `op` on `group` defined on
+    `elements` numbers in all. `phase`: "pipeline" (inside the microbatch loop, on the
+    pipeline's critical path) or "step" (once per step, after the pipeline drains)."""
+
+    group: str
+    op: str
+    calls: int
+    elements: int
+    bytes: int
+    phase: str = "pipeline"
+
+
+# ------------------------------------------------------------ what moves
+def bucket_count(arrays: list[int], bucket_size: int) -> int:
+    """Gradient buckets of data_parallel.make_buckets, on sizes: walk the arrays from
+    the last, start a new bucket when the next array would overflow this one."""
+    buckets, filled = 0, 0
+    for size in reversed(arrays):
+        if filled and filled + size > bucket_size:
+            buckets, filled = buckets + 1, 0
+        filled += size
+    return buckets + (1 if filled else 0)
+
+
+def traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
+    """Every ledger entry one rank of pipeline rank `shape.stage` writes in one step."""
+    return (tp_traffic(w, plan, shape) + pp_traffic(w, plan, shape)
+            + moe_traffic(w, plan, shape) + dp_traffic(w, plan, shape))
+
+
+def tp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
+    """Megatron: per reduction point and microbatch an Allreduce of (b, d) forward (g)
+    and one backward (f); with SP each becomes an Allgather on the way into the split
+    region and a Reduce_scatter on the way out, in both directions, plus the residual
+    stream's split after the embedding and gather before the head, and one Allreduce
+    per step of the gradients SP leaves partial (the blocks' replicated arrays)."""
+    dense = [block for block in shape.blocks if not block.moe]
+    if plan.tp == 1 or not dense:
+        return []
+    stream = tokens_per_microbatch(w, plan) * w.d_model       # (b, d)
+    passes = 3 if plan.recompute == "full" else 2             # forward, (again,) backward
+    calls = passes * sum(block.tp_reductions for block in dense) * plan.microbatches
+    if not plan.sp:
+        return [Traffic("tp", "Allreduce", calls, calls * stream, calls * stream * w.act_bytes)]
+    edges = plan.microbatches * (int(shape.first) + int(shape.last))
+    partial = sum(size for block in dense for size, split in block.arrays if not split)
+    gathers = calls + edges
+    out = [Traffic("tp", "Allgather", gathers, gathers * stream, gathers * stream * w.act_bytes),
+           Traffic("tp", "Reduce_scatter", calls, calls * stream, calls * stream * w.act_bytes)]
+    if partial:  # LayerNorm and row-parallel bias gradients of my rows: summed once a step
+        out.append(Traffic("tp", "Allreduce", 1, partial, partial * w.grad_bytes, "step"))
+    return out
+
+
+def pp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
+    """Per microbatch and virtual stage: Recv the input activation and Isend the input's
+    gradient back (unless first); Isend the output and Recv its gradient (unless last).
+    A message is (b, d), or (b/tp, d) with SP."""
+    if plan.pp == 1:
+        return []
+    rows = tokens_per_microbatch(w, plan) // (plan.tp if plan.sp else 1)
+    last = plan.pp * plan.virtual - 1
+    boundaries = sum(int(v > 0) + int(v < last) for v in virtual_stages(plan, shape.stage))
+    calls = boundaries * plan.microbatches
+    size = calls * rows * w.d_model
+    return [Traffic("pp", op, calls, size, size * w.act_bytes) for op in ("Isend", "Recv")]
+
+
+def moe_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
+    """Per MoE block and microbatch (expert_parallel.py): one Alltoall of the E routing
+    counts, four Alltoallv of the b k rows of d (dispatch, combine, and their conjugates
+    in the backward; balanced routing assumed: each rank receives what it sends), and
+    over dp three Allreduce of E numbers (counts f, probability sums P both ways), and
+    with a capacity one Exscan of E counts (how many earlier tokens took each expert)."""
+    moe = [block for block in shape.blocks if block.moe]
+    if not moe or plan.dp == 1:
+        return []
+    m, tokens = plan.microbatches, tokens_per_microbatch(w, plan)
+    experts = sum(block.experts for block in moe) * m
+    out = []
+    if plan.ep > 1:
+        rows = 4 * tokens * sum(block.top_k for block in moe) * m
+        out += [Traffic("ep", "Alltoall", len(moe) * m, experts, experts * w.count_bytes),
+                Traffic("ep", "Alltoallv", 4 * len(moe) * m, rows * w.d_model,
+                        rows * w.d_model * w.act_bytes)]
+    stats = 3 * experts
+    out.append(Traffic("dp", "Allreduce", 3 * len(moe) * m, stats,
+                       experts * w.count_bytes + 2 * experts * w.act_bytes))
+    capped = [block for block in moe if block.capacity]
+    if capped:
+        counts = sum(block.experts for block in capped) * m
+        out.append(Traffic("dp", "Exscan", len(capped) * m, counts, counts * w.count_bytes))
+    return out
+
+
+def dp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
+    """The gradient sync over each weight's replicas. ZeRO 0: one Allreduce per bucket
+    (per array with --grad-sync naive). ZeRO 1-3: memory.ledger_formula's Reduce_scatter
+    and Allgather of Psi, once per step (stage 1), or per piece and microbatch (stage 2's
+    Reduce_scatter, stage 3's both; stage 3 gathers twice: forward and backward)."""
+    out = []
+    moe_pieces = sum(1 for block in shape.blocks if block.moe)
+    for group, size, arrays, pieces in (("dp", plan.dp, shape.dp_arrays, len(shape.pieces)),
+                                        ("edp", plan.dp // plan.ep, shape.edp_arrays,
+                                         moe_pieces)):
+        psi = sum(arrays)
+        if size == 1 or psi == 0:
+            continue
+        if plan.zero == 0:
+            calls = (len(arrays) if plan.grad_sync == "naive"
+                     else bucket_count(arrays, w.bucket_size))
+            op = "Iallreduce" if plan.grad_sync == "overlapped" else "Allreduce"
+            out.append(Traffic(group, op, calls, psi, psi * w.grad_bytes, "step"))
+            continue
+        for op, elements in ledger_formula(psi, plan.zero).items():
+            each = plan.zero == 3 or (plan.zero == 2 and op == "Reduce_scatter")
+            times = plan.microbatches if each else 1
+            calls = elements // psi * times * (pieces if each else 1)
+            itemsize = w.param_bytes if op == "Allgatherv" else w.grad_bytes
+            out.append(Traffic(group, op, calls, elements * times,
+                               elements * times * itemsize, "pipeline" if each else "step"))
+    return out
+
+
+def ledger_of(items: list[Traffic]) -> dict[tuple[str, str], tuple[int, int]]:
+    """(group, op) -> (calls, elements): the shape of a rank's ledger.json records."""
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for t in items:
+        calls, elements = out.get((t.group, t.op), (0, 0))
+        out[(t.group, t.op)] = (calls + t.calls, elements + t.elements)
+    return out
+
+
+# ------------------------------------------------------------ what it costs
+def group_layout(plan: Plan, group: str) -> tuple[int, int]:
+    """(ranks, stride between them) of a group, with tp fastest, then dp, then pp; an
+    ep group is ep consecutive dp ranks, an edp group every ep-th dp rank."""
+    return {"tp": (plan.tp, 1), "dp": (plan.dp, plan.tp), "pp": (plan.pp, plan.tp * plan.dp),
+            "ep": (plan.ep, plan.tp), "edp": (plan.dp // plan.ep, plan.tp * plan.ep)}[group]
+
+
+def members_per_node(size: int, stride: int, node: int) -> int:
+    """How many ranks of one group share a node: all of them if the group's span of
+    size x stride ranks fits in an aligned node, else node/stride (at least 1)."""
+    span = size * stride
+    if span <= node and node % span == 0:
+        return size
+    return max(1, min(size - 1, node // stride))
+
+
+def seconds(t: Traffic, plan: Plan, hw: Hardware) -> float:
+    """Alpha-beta price of one ledger entry. Latency: alpha per call and tree level
+    (alpha ceil(log2 n)), alpha per message for Send/Recv; bandwidth: the ring's wire
+    bytes (memory.wire_elements) at intra-node speed if the group is inside one node,
+    else at inter-node speed; an Alltoall sends its in-node and off-node shares at
+    once. A message is paid by its receiver (Isend returns at once)."""
+    n, stride = group_layout(plan, t.group)
+    if n == 1 or t.elements == 0 or t.op in ("Isend", "Send"):
+        return 0.0
+    local = members_per_node(n, stride, hw.node_size)
+    wire = wire_elements(t.op, t.elements, n) * (t.bytes / t.elements)
+    bandwidth = hw.intra_bw if local == n else hw.inter_bw
+    if t.op in ("Recv", "Irecv"):
+        return t.calls * hw.latency + wire / bandwidth
+    latency = t.calls * hw.latency * math.ceil(math.log2(n))
+    if t.op in ("Alltoall", "Alltoallv"):
+        near = (local - 1) / (n - 1)
+        return latency + max(wire * near / hw.intra_bw, wire * (1 - near) / hw.inter_bw)
+    return latency + wire / bandwidth
+
+
+def compute_seconds(w: Workload, plan: Plan, shape: RankShape, hw: Hardware) -> float:
+    """6 FLOPs per parameter and token (forward 2, backward 4; 8 with full recomputation)
+    over this rank's tokens of the step and the parameters they pass through here."""
+    def cut(arrays: tuple[Array, ...]) -> int:
+        return sum(size // plan.tp if split else size for size, split in arrays)
+
+    per_token = sum(cut(b.arrays) + b.top_k * sum(b.expert) for b in shape.blocks)
+    per_token += cut(w.embed) if shape.first and not w.lookup_embedding else 0
+    per_token += cut(w.head) if shape.last else 0
+    tokens = w.batch * w.seq_len / plan.dp
+    flops = (8 if plan.recompute == "full" else 6) * tokens * per_token
+    return flops / (hw.flops * hw.efficiency)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One step's seconds: compute, communication by axis (inside the pipeline and after
+    it), the bubble, the total. Taken on the busiest pipeline rank."""
+
+    compute: float
+    pipeline_comm: dict[str, float]
+    step_comm: dict[str, float]
+    bubble: float
+    total: float
+
+
+def axis_seconds(entries: list[Traffic], phase: str, plan: Plan, hw: Hardware
+                 ) -> dict[str, float]:
+    """Seconds per mesh axis of one rank's ledger entries of one phase."""
+    out: dict[str, float] = {}
+    for t in entries:
+        if t.phase == phase:
+            out[t.group] = out.get(t.group, 0.0) + seconds(t, plan, hw)
+    return out
+
+
+def step_timing(w: Workload, plan: Plan, hw: Hardware, shapes: list[RankShape],
+                items: list[list[Traffic]]) -> Timing:
+    """The busiest stage runs M microbatches, each its compute plus the collectives
+    inside the microbatch loop; with bubble fraction beta the pipeline lasts
+    busy / (1 - beta) (for 1F1B: M + pp - 1 microbatch slots). The once-per-step
+    collectives (the gradient sync) follow. Nothing overlaps."""
+    busiest: tuple[float, float, dict[str, float]] = (-1.0, 0.0, {})
+    for shape, entries in zip(shapes, items):
+        inside = axis_seconds(entries, "pipeline", plan, hw)
+        compute = compute_seconds(w, plan, shape, hw)
+        busy = compute + sum(inside.values())
+        if busy > busiest[0]:
+            busiest = (busy, compute, inside)
+    busy, compute, inside = busiest
+    after = max((axis_seconds(entries, "step", plan, hw) for entries in items),
+                key=lambda axes: sum(axes.values()))
+    beta = bubble_formula(plan.schedule, plan.pp, plan.microbatches, plan.virtual)
+    makespan = busy / (1.0 - beta)
+    return Timing(compute, inside, after, makespan - busy, makespan + sum(after.values()))
