@@ -35,7 +35,7 @@ from mpi4py import MPI
 
 from minipar import ring
 from minipar.comm import Group, Ledger
-from minipar.log import run_collectively, say_in_order
+from minipar.log import run_collectively, say_in_order, verdict
 
 
 def banner(world: Group, title: str) -> None:
@@ -90,7 +90,7 @@ def alltoall(world: Group, plot: Path | None = None) -> None:
     names = ", ".join(f"A{c % 100}" for c in chunks)
     say_in_order(world, f"holds [{names}]   after Alltoall: "
                  f"[{', '.join(label(c) for c in received)}]"
-                 + ("" if np.array_equal(by_hand, received) else "   PAIRWISE BY HAND DIFFERS"))
+                 + verdict(np.array_equal(by_hand, received), "", "   PAIRWISE BY HAND DIFFERS"))
     if world.rank == 0:
         print("(the same with the pairwise exchange by hand, ring.pairwise_alltoall: "
               "N-1 Sendrecv steps, step s trading with ranks r+s and r-s)", flush=True)

@@ -36,7 +36,7 @@ from mpi4py import MPI
 from minipar import nn
 from minipar.comm import Ledger, wire_elements
 from minipar.data import make_batch, shard_rows
-from minipar.log import run_collectively, say_in_order
+from minipar.log import run_collectively, say_in_order, verdict
 from minipar.mesh import Mesh, MeshShape
 from minipar.parallel.data_parallel import (
     OverlappedAllreduce,
@@ -72,7 +72,8 @@ def compare(mesh: Mesh, model: nn.Model, single: list[np.ndarray], how: str) -> 
     if mesh.rank == 0:
         print(f"after {how}, every rank holds g = 1/N sum_i g_i; against one process on "
               f"all {BATCH} rows:", flush=True)
-    say_in_order(mesh.world, f"|g| = {norm(grads):.15f}   max relative difference {worst:.1e}")
+    say_in_order(mesh.world, f"|g| = {norm(grads):.15f}   max relative difference {worst:.1e} "
+                 f"-> {verdict(worst <= 1e-9)}")
 
 
 def ledger_line(mesh: Mesh, psi: int) -> list[dict]:

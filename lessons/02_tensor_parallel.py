@@ -34,7 +34,7 @@ from minipar import autograd as ag
 from minipar import nn
 from minipar.comm import Group, Ledger, wire_elements
 from minipar.config import TrainConfig, problems
-from minipar.log import run_collectively, say_in_order
+from minipar.log import run_collectively, say_in_order, verdict
 from minipar.mesh import Mesh
 from minipar.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -161,7 +161,7 @@ def one_step(world: MPI.Comm, sp: bool) -> list[dict]:
         wire += wire_elements(op, seen["elements"], n)
         ok = (seen["calls"], seen["elements"]) == (calls, elements)
         print(f"  tp {op:>14}: {seen['calls']:3d} calls, {seen['elements']:6d} elements; "
-              f"expected {calls:3d}, {elements:6d} -> {'matches' if ok else 'DIFFERS'}")
+              f"expected {calls:3d}, {elements:6d} -> {verdict(ok, 'matches', 'DIFFERS')}")
     print(f"  wire per rank: {wire:.0f} elements" + (
         " (Megatron: one Allreduce of B x d forward and one backward per block)" if not sp
         else " (Allreduce = Reduce_scatter + Allgather, the same volume; plus entering\n"
@@ -170,7 +170,7 @@ def one_step(world: MPI.Comm, sp: bool) -> list[dict]:
     worst = max(float(np.max(np.abs(result.final[k] - v)) / np.max(np.abs(v)))
                 for k, v in ref.final.items())
     print(f"  against one process: loss {result.losses[0]:.12f} vs {ref.losses[0]:.12f}, "
-          f"params max rel diff {worst:.1e} -> {'OK' if worst <= 1e-9 else 'MISMATCH'}",
+          f"params max rel diff {worst:.1e} -> {verdict(worst <= 1e-9)}",
           flush=True)
     return result.ledger
 

@@ -27,7 +27,7 @@ from mpi4py import MPI
 from minipar import autograd as ag
 from minipar import nn
 from minipar.comm import Ledger
-from minipar.log import run_collectively
+from minipar.log import run_collectively, verdict
 from minipar.mesh import Mesh, MeshShape
 from minipar.parallel.expert_parallel import ExpertParallelBlock, expected_alltoallv_elements
 
@@ -95,12 +95,14 @@ def compare(cfg: nn.ModelConfig, full: dict, h: np.ndarray, r: np.ndarray,
         for name, g in rank_grads.items():
             summed[name] = summed.get(name, 0.0) + g / size
     worst = max(rel(summed[p.name], p.grad) for p in reference.parameters())
-    say(f"  outputs   (B, d)            max rel diff {rel(np.concatenate(outs), out.data):.2e}",
-        f"  aux loss  {aux.item():.6f}         max rel diff "
-        f"{max(abs(a - aux.item()) for a in auxes) / aux.item():.2e}",
+    diffs = {"outputs": rel(np.concatenate(outs), out.data),
+             "aux": max(abs(a - aux.item()) for a in auxes) / aux.item(),
+             "grads": worst, "x_grad": rel(np.concatenate(x_grads) / size, x.grad)}
+    say(f"  outputs   (B, d)            max rel diff {diffs['outputs']:.2e}",
+        f"  aux loss  {aux.item():.6f}         max rel diff {diffs['aux']:.2e}",
         f"  gradients ({len(summed)} tensors)   max rel diff {worst:.2e}",
-        f"  input grad (B, d)           max rel diff "
-        f"{rel(np.concatenate(x_grads) / size, x.grad):.2e}")
+        f"  input grad (B, d)           max rel diff {diffs['x_grad']:.2e}",
+        f"  -> {verdict(max(diffs.values()) <= 1e-9)} (tolerance 1e-9)")
 
 
 def show_dispatch(stats: list[dict], note: str = "") -> None:

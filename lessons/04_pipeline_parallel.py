@@ -31,7 +31,7 @@ from minipar import nn
 from minipar.__main__ import max_differences
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
-from minipar.log import run_collectively, say_in_order
+from minipar.log import run_collectively, say_in_order, verdict
 from minipar.mesh import Mesh
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
@@ -165,8 +165,9 @@ def the_check(runs: dict, microbatches: int = 8) -> None:
         _, param_rel, _ = max_differences(result.final, ref.final)
         print(f"  {name:>11}: bubble measured {measured(result):.3f} (formula "
               f"{bubble_formula(name, size, microbatches, virtual):.3f}); rank 0 ran its "
-              f"program in order: {'yes' if ran == planned else 'NO'}; max rel diff "
-              f"losses {loss_rel:.1e}, params {param_rel:.1e}", flush=True)
+              f"program in order: {verdict(ran == planned, 'yes', 'NO')}; max rel diff "
+              f"losses {loss_rel:.1e}, params {param_rel:.1e} "
+              f"-> {verdict(max(loss_rel, param_rel) <= 1e-9)}", flush=True)
     if rank == 0:
         timeline = runs[("1f1b", microbatches)].extras["timeline"]
         print("  what rank 0 ran under 1F1B, in wall-clock order: " + " ".join(

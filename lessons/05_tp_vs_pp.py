@@ -41,7 +41,7 @@ from minipar import nn
 from minipar.__main__ import max_differences
 from minipar.comm import Ledger, wire_elements
 from minipar.config import TrainConfig, problems
-from minipar.log import run_collectively, say_in_order
+from minipar.log import run_collectively, say_in_order, verdict
 from minipar.mesh import Mesh
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
@@ -162,7 +162,7 @@ def checked(name: str, cfg: TrainConfig, result: RunResult, refs: dict) -> str:
     _, param_rel, _ = max_differences(result.final, ref.final)
     ok = loss_rel <= 1e-9 and param_rel <= 1e-9
     return (f"{name} against one process: losses rel {loss_rel:.1e}, params rel "
-            f"{param_rel:.1e} -> {'OK' if ok else 'MISMATCH'}")
+            f"{param_rel:.1e} -> {verdict(ok)}")
 
 
 # ------------------------------------------------------------ the lesson

@@ -37,7 +37,7 @@ from minipar import nn
 from minipar.__main__ import max_differences
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
-from minipar.log import run_collectively, say_in_order
+from minipar.log import run_collectively, say_in_order, verdict
 from minipar.mesh import Mesh, MeshShape
 from minipar.report import ledger_table
 from minipar.train import RunResult, train, train_reference
@@ -138,7 +138,7 @@ def the_ledger(cfg: TrainConfig, result: RunResult) -> None:
                                                    ("pp", "Recv"), ("dp", "Allreduce"))]
         say(f"{r:>4}  {c['dp']:>4},{c['tp']},{c['pp']}  " + "  ".join(
             f"{calls:>{w - 8}} x {elements // max(calls, 1):<5}" for (calls, elements), w in
-            zip(cells, (16, 13, 13, 14))) + f"  {'match' if seen == expected else 'DIFFER'}")
+            zip(cells, (16, 13, 13, 14))) + f"  {verdict(seen == expected, 'match', 'DIFFER')}")
     say(f"every rank's ledger equals the formulas: {every}",
         f"  tp: 2 x {cfg.layers // cfg.pp} blocks x {cfg.microbatches} microbatches "
         f"Allreduces of {rows} x {cfg.d_model}",
@@ -172,7 +172,7 @@ def the_check(cfg: TrainConfig, result: RunResult) -> None:
     ok = loss_rel <= 1e-9 and param_rel <= 1e-9
     say(f"\n=== 5. dp=2 x tp=2 x pp=2 against one process ({cfg.steps} SGD steps, "
         f"the same global batch): losses rel {loss_rel:.1e}, params rel {param_rel:.1e} "
-        f"-> {'OK' if ok else 'MISMATCH'}")
+        f"-> {verdict(ok)}")
 
 
 def figures(cfg: TrainConfig, result: RunResult, folder: Path) -> None:

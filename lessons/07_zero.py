@@ -33,7 +33,7 @@ from mpi4py import MPI
 from minipar import nn
 from minipar.comm import wire_elements
 from minipar.config import TrainConfig
-from minipar.log import run_collectively
+from minipar.log import run_collectively, verdict
 from minipar.memory import (
     ModelStates,
     optimizer_bytes_per_param,
@@ -81,7 +81,8 @@ def ledger_table(ledgers: list[list[dict]], psi: int, n: int) -> None:
         expect = wire_formula(psi, n, stage)
         print(f"{NAMES[stage]:>13}: {ops}\n{'':>13}  on the wire {wire:.0f} elements = "
               f"{wire / psi:.4f} Psi; the paper: {3 if stage == 3 else 2} (N-1)/N Psi = "
-              f"{expect:.0f}", flush=True)
+              f"{expect:.0f} -> {verdict(round(wire) == round(expect), 'matches', 'DIFFERS')}",
+              flush=True)
 
 
 def paper_table() -> None:
@@ -136,7 +137,7 @@ def main() -> None:
     print("\n=== 3. final parameters against one process (max relative difference)")
     for stage, final in enumerate(finals):
         worst = max(float(np.max(np.abs(final[k] - v)) / np.max(np.abs(v))) for k, v in one.items())
-        print(f"{NAMES[stage]:>13}: {worst:.1e}", flush=True)
+        print(f"{NAMES[stage]:>13}: {worst:.1e} -> {verdict(worst <= 1e-9)}", flush=True)
     paper_table()
     if args.plot:
         figures(measured, ledgers, psi, n, args.optimizer, args.plot)

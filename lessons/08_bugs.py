@@ -42,7 +42,7 @@ from mpi4py import MPI
 from minipar import nn
 from minipar.bugs import BUGS, Bug
 from minipar.config import TrainConfig, problems
-from minipar.log import run_collectively
+from minipar.log import run_collectively, verdict
 from minipar.train import RunResult, train, train_reference
 
 comm = MPI.COMM_WORLD
@@ -206,11 +206,11 @@ def show(index: int, bug: Bug, cfg: TrainConfig, found: dict) -> None:
     say(f"the correct run on this mesh: losses rel {found['correct_loss_rel']:.1e}, "
         f"parameters rel {found['correct_param_rel']:.1e}, "
         f"{len(found['correct_replicas'])} replica disagreements -> "
-        f"{'OK' if ok else 'MISMATCH'}", "checks on the run with the bug:")
+        f"{verdict(ok)}", "checks on the run with the bug:")
     for check, lines in check_lines(cfg, found).items():
         mark = "CAUGHT" if check in found["caught_by"] else "-"
         say(f"  {check:<11} {lines[0]}  [{mark}]", *[f"  {'':<11} {line}" for line in lines[1:]])
-    caught = ", ".join(found["caught_by"]) or "NOTHING: this bug would ship"
+    caught = ", ".join(found["caught_by"]) or verdict(False, bad="NOTHING: this bug would ship")
     say(f"caught by: {caught}", f"why: {bug.why}")
 
 

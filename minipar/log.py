@@ -7,7 +7,9 @@ make it so: every rank sends its text to one rank, which prints them in order.
 
     say(rank, "holds", x)              # one line, now, prefixed "[rank 3]"
     say_in_order(mesh.world, text)     # every rank's text, in rank order
-    run_collectively(main)             # a lesson's entry: one failing rank stops them all
+    verdict(ok)                        # "OK" or "MISMATCH", and a failed check is counted
+    run_collectively(main)             # a lesson's entry: one failing rank stops them all,
+                                       # and a failed check makes every rank exit 1
 
 Used by the lessons: `mpiexec -n 4 python lessons/00_collectives.py`.
 """
@@ -59,6 +61,18 @@ def say_in_order(comm: Group | MPI.Comm, text: str) -> None:
     print("\n".join(lines), flush=True)
 
 
+_FAILED: list[str] = []  # the checks this process saw fail (see `verdict`)
+
+
+def verdict(ok: bool, good: str = "OK", bad: str = "MISMATCH") -> str:
+    """The word a lesson prints after a check, and the check remembered: when a lesson
+    run through `run_collectively` saw any check fail, every rank exits 1, so a lesson
+    that stops proving what it claims fails `make lessons` and the tests."""
+    if not ok:
+        _FAILED.append(bad)
+    return good if ok else bad
+
+
 def run_collectively(main: Callable[[], object]) -> None:
     """Run a lesson's `main` so that one failing rank takes the whole job down.
 
@@ -66,13 +80,20 @@ def run_collectively(main: Callable[[], object]) -> None:
     which ends every rank (as `python -m mpi4py` does); without it, the other
     ranks would wait forever in a collective their partner never joins.
     `SystemExit` passes through untouched: every rank decides it alike (from the
-    flags and the world size), so all leave together."""
+    flags and the world size), so all leave together. After `main`, the ranks agree
+    on whether any `verdict` failed; if one did, every rank exits 1."""
     try:
         main()
     except SystemExit:
         raise
     except BaseException:
         abort_all(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
+    # failed checks on any rank -> their count on every rank, so all exit alike
+    failed = MPI.COMM_WORLD.allreduce(len(_FAILED))
+    if failed:
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(f"{failed} check(s) failed", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 def abort_all(text: str, code: int = 1) -> None:

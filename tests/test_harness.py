@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from tests.mpi import launch
 from tests.rank_tests import run_checks
 
 OK = "tests.test_harness:check_allreduce_works"
@@ -69,3 +70,18 @@ def test_a_deadlock_fails_via_the_timeout_instead_of_hanging(tmp_path):
     # the dumped stack shows the line where a waiting rank sits
     assert "check_one_rank_skips_a_collective" in report.verdicts[stuck[0]][SKIPS].text
     assert f"--- rank {stuck[0]}: STUCK" in story and "rerun:" in story
+
+
+def test_a_lesson_check_failing_on_one_rank_makes_every_rank_exit_1():
+    """`log.verdict` remembers a failed check; `run_collectively` makes all ranks agree."""
+    code = ("from mpi4py import MPI\n"
+            "from minipar.log import run_collectively, verdict\n"
+            "def main():\n"
+            "    print(verdict(MPI.COMM_WORLD.Get_rank() != 1), flush=True)\n"
+            "run_collectively(main)\n")
+    job = launch(3, ["-c", code], timeout=60)
+    assert job.returncode == 1 and not job.timed_out, job.explain()
+    assert job.stdout.count("MISMATCH") == 1 and job.stdout.count("OK") == 2, job.explain()
+    assert "1 check(s) failed" in job.stderr, job.explain()
+    healthy = launch(3, ["-c", code.replace("!= 1", ">= 0")], timeout=60)
+    assert healthy.returncode == 0, healthy.explain()

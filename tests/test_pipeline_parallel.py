@@ -152,7 +152,8 @@ def test_lesson_shows_the_48_layer_example_bubble_memory_and_equivalence():
     assert "gpipe: simulator [8, 8, 8, 8], real run [8, 8, 8, 8]" in out
     assert "1f1b: simulator [4, 3, 2, 1], real run [4, 3, 2, 1]" in out
     checks = re.findall(r"(\S+): bubble measured .* in order: (\w+); max rel diff "
-                        r"losses (\S+), params (\S+)$", out, re.M)
+                        r"losses (\S+), params (\S+) -> (\w+)$", out, re.M)
     assert [c[0] for c in checks] == ["gpipe", "1f1b", "interleaved", "zb-h1"], out
-    for name, in_order, losses, params in checks:
+    for name, in_order, losses, params, verdict in checks:
         assert in_order == "yes" and float(losses) <= 1e-9 and float(params) <= 1e-9, name
+        assert verdict == "OK", name
