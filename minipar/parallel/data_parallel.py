@@ -172,6 +172,10 @@ class Piece(Module):
     def __init__(self, inner: Module, hooks: Hooks) -> None:
         self.inner = inner
         self.hooks = hooks
+        self.own = inner.parameters()  # fixed once built; the hooks ask every microbatch
+
+    def parameters(self) -> list[Parameter]:
+        return self.own
 
     def __getattr__(self, name: str) -> object:
         if name == "inner":  # not set yet (e.g. while unpickling): no recursion
