@@ -31,9 +31,10 @@ one clear error line, never a traceback. The layout follows sharded checkpoints
 such as PyTorch's Distributed Checkpoint (a global manifest, per-rank shards
 described in global coordinates, replicas written once).
 
-    mpiexec -n 2 python -m minipar train --dp 2 --optimizer adam --steps 2 --save ckpt
-    mpiexec -n 4 python -m minipar train --dp 2 --tp 2 --optimizer adam --steps 4 \
-        --resume ckpt --check
+    mpiexec -n 2 python -m minipar train --dp 2 --optimizer adam --lr 0.003 --steps 2 \
+        --save ckpt
+    mpiexec -n 4 python -m minipar train --dp 2 --tp 2 --optimizer adam --lr 0.003 \
+        --steps 4 --resume ckpt --check
     python -m minipar reshard ckpt full        # one file holding the full state
 """
 

@@ -284,7 +284,8 @@ def gather_full_params(mesh: object, params: list[nn.Parameter], cfg: TrainConfi
                 diff = float(np.nanmax(np.abs(seen - data)))
                 disagreements.append(f"{name}: rank {rank} differs from an earlier replica "
                                      f"by {diff:.3g}")
-    missing = sorted(set(shapes) - set(full))
-    if missing or any(np.isnan(v).any() for v in full.values()):
-        raise RuntimeError(f"parameters not held by any rank: {missing[:3]}")
+    missing = sorted(set(shapes) - set(full)) + sorted(
+        name for name, value in full.items() if np.isnan(value).any())  # a part unheld
+    if missing:
+        raise RuntimeError(f"parameters (or parts of them) held by no rank: {missing[:3]}")
     return full, disagreements
