@@ -31,7 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import autograd as ag
-from minipar import nn
+from minipar import fused, nn
 from minipar.comm import Group, Ledger, wire_elements
 from minipar.config import TrainConfig, problems
 from minipar.log import run_collectively, say_in_order, verdict
@@ -92,7 +92,7 @@ def two_layers(tp: Group) -> None:
     x = rng.normal(size=(tokens, d))
     full = {"fc1.weight": rng.normal(size=(d, f)) / 8, "fc1.bias": rng.normal(size=f) / 8,
             "fc2.weight": rng.normal(size=(f, d)) / 16, "fc2.bias": rng.normal(size=d) / 8}
-    expected = ag.gelu(ag.Tensor(x @ full["fc1.weight"] + full["fc1.bias"])).data \
+    expected = fused.gelu(ag.Tensor(x @ full["fc1.weight"] + full["fc1.bias"])).data \
         @ full["fc2.weight"] + full["fc2.bias"]
     ways = {
         "column + Allgather, column + Allgather": (
@@ -104,7 +104,7 @@ def two_layers(tp: Group) -> None:
     for name, (first, second) in ways.items():
         tp.ledger.reset()
         with ag.no_grad():                     # forward only: the backward mirrors it
-            z = second(ag.gelu(first(ag.Tensor(x))))
+            z = second(fused.gelu(first(ag.Tensor(x))))
         entries = sorted(tp.ledger.entries.items())
         wire = sum(wire_elements(op, e.elements, n) for (op, _), e in entries)
         moved = ", ".join(f"{e.calls} x {op} ({e.elements} elements)" for (op, _), e in entries)
@@ -121,9 +121,9 @@ def rows_first_fails(tp: Group, x: np.ndarray, full: dict[str, np.ndarray]) -> N
     (tokens, d), f = x.shape, full["fc1.bias"].size
     rows = shard(d, n, k)
     share = x[:, rows] @ full["fc1.weight"][rows] + full["fc1.bias"] / n
-    gelu_of_shares = ag.gelu(ag.Tensor(share)).data
+    gelu_of_shares = fused.gelu(ag.Tensor(share)).data
     tp.Allreduce(MPI.IN_PLACE, gelu_of_shares)  # GELU(share_k) (B, f) of every rank -> sum
-    wrong = float(np.max(np.abs(gelu_of_shares - ag.gelu(ag.Tensor(
+    wrong = float(np.max(np.abs(gelu_of_shares - fused.gelu(ag.Tensor(
         x @ full["fc1.weight"] + full["fc1.bias"])).data)))
     if k == 0:
         print(f"why column first: GELU works on a column shard as it is, and that shard is\n"

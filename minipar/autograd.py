@@ -14,9 +14,9 @@ Design choices a reader should notice:
 - Gradients *accumulate* (`+=`): a tensor used twice receives both gradients.
 - Broadcasting in the forward becomes a sum over the broadcast axes in the
   backward (`_unbroadcast`).
-- Hot ops used by the model (`linear`, `layer_norm`, `gelu`, `cross_entropy`)
-  are fused: one node each, so the tape's bookkeeping stays small next to the
-  matmuls.
+- The model's layers (`linear`, `layer_norm`, `gelu`, `cross_entropy`, ...)
+  are fused into one node each, in fused.py, so the tape's bookkeeping stays
+  small next to the matmuls.
 - Parallel code adds its own ops with `Tensor.from_op` (see `comm.py`): a
   collective is just another node whose backward is another collective.
 
@@ -26,13 +26,11 @@ Run the gradient checks: `python -m pytest tests/test_autograd.py`.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
 _GRAD_ENABLED = True
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _DEFERRED: list[Callable[[], None]] | None = None  # weight-gradient work put off (zero bubble)
 
 
@@ -345,19 +343,6 @@ def sqrt(a: Tensor) -> Tensor:
     return Tensor.from_op(out, (a,), lambda g: a.accumulate(g * 0.5 / out, fresh=True))
 
 
-def gelu(a: Tensor) -> Tensor:
-    """GELU, tanh form: 0.5 z (1 + tanh(sqrt(2/pi)(z + 0.044715 z^3))). One fused node."""
-    z = a.data
-    inner = _SQRT_2_OVER_PI * (z + 0.044715 * z * z * z)
-    t = np.tanh(inner)
-    out = 0.5 * z * (1.0 + t)
-
-    def backward(g: np.ndarray) -> None:
-        dinner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * z * z)
-        a.accumulate(g * (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * dinner), fresh=True)
-    return Tensor.from_op(out, (a,), backward)
-
-
 # ------------------------------------------------------------- reductions
 def sum_(a: Tensor, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
     """Sum over axes. Backward: the gradient is broadcast back over the summed axes."""
@@ -453,87 +438,3 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         if b.requires_grad:
             _weight_grad(lambda: b.accumulate(a.data.T @ g, fresh=True))
     return Tensor.from_op(a.data @ b.data, (a, b), backward)
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """y = x @ W + b, one fused node. Weights are (in, out).
-    Backward: dx = g W^T, dW = x^T g, db = sum_rows g."""
-    out = x.data @ weight.data
-    if bias is not None:
-        out += bias.data
-    parents = (x, weight) if bias is None else (x, weight, bias)
-
-    def backward(g: np.ndarray) -> None:
-        if x.requires_grad:
-            x.accumulate(g @ weight.data.T, fresh=True)
-
-        def weight_grads() -> None:
-            weight.accumulate(x.data.T @ g, fresh=True)
-            if bias is not None:
-                bias.accumulate(g.sum(axis=0), fresh=True)
-        _weight_grad(weight_grads)
-    return Tensor.from_op(out, parents, backward)
-
-
-# ---------------------------------------------------------- normalization
-def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-5) -> Tensor:
-    """(x - mean) / sqrt(var + eps) * gamma + beta over the last axis (biased var).
-    One fused node; the backward is the standard closed form
-    dx = (g_hat - mean(g_hat) - x_hat mean(g_hat x_hat)) / sigma, g_hat = g gamma."""
-    mu = x.data.mean(axis=-1, keepdims=True)
-    centered = x.data - mu
-    inv_sigma = 1.0 / np.sqrt((centered * centered).mean(axis=-1, keepdims=True) + eps)
-    x_hat = centered * inv_sigma
-    out = x_hat * gamma.data + beta.data
-
-    def backward(g: np.ndarray) -> None:
-        lead = tuple(range(g.ndim - 1))
-        gamma.accumulate((g * x_hat).sum(axis=lead), fresh=True)
-        beta.accumulate(g.sum(axis=lead), fresh=True)
-        if x.requires_grad:
-            g_hat = g * gamma.data
-            dx = g_hat - g_hat.mean(axis=-1, keepdims=True) \
-                - x_hat * (g_hat * x_hat).mean(axis=-1, keepdims=True)
-            x.accumulate(dx * inv_sigma, fresh=True)
-    return Tensor.from_op(out, (x, gamma, beta), backward)
-
-
-# ------------------------------------------------------ softmax and losses
-def softmax(a: Tensor, axis: int = -1) -> Tensor:
-    """exp(a) / sum exp(a), stabilized. Backward: s * (g - sum(g s))."""
-    shifted = a.data - a.data.max(axis=axis, keepdims=True)
-    e = np.exp(shifted)
-    s = e / e.sum(axis=axis, keepdims=True)
-
-    def backward(g: np.ndarray) -> None:
-        a.accumulate(s * (g - (g * s).sum(axis=axis, keepdims=True)), fresh=True)
-    return Tensor.from_op(s, (a,), backward)
-
-
-def log_softmax(a: Tensor, axis: int = -1) -> Tensor:
-    """a - logsumexp(a). Backward: g - softmax(a) sum(g)."""
-    shifted = a.data - a.data.max(axis=axis, keepdims=True)
-    out = shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
-
-    def backward(g: np.ndarray) -> None:
-        a.accumulate(g - np.exp(out) * g.sum(axis=axis, keepdims=True), fresh=True)
-    return Tensor.from_op(out, (a,), backward)
-
-
-def cross_entropy(logits: Tensor, labels: np.ndarray, scale: float | None = None) -> Tensor:
-    """sum_b -log softmax(logits_b)[y_b] * scale; `scale` defaults to 1/B (the mean).
-    Passing the scale lets a data-parallel rank divide by the *global* batch.
-    Backward: (softmax - onehot(y)) * scale."""
-    rows = np.arange(logits.shape[0])
-    scale = 1.0 / logits.shape[0] if scale is None else scale
-    shifted = logits.data - logits.data.max(axis=-1, keepdims=True)
-    e = np.exp(shifted)
-    total = e.sum(axis=-1, keepdims=True)
-    picked = shifted[rows, labels] - np.log(total[:, 0])
-    out = np.asarray(-picked.sum() * scale)
-
-    def backward(g: np.ndarray) -> None:
-        d = e / total
-        d[rows, labels] -= 1.0
-        logits.accumulate(d * (g * scale), fresh=True)
-    return Tensor.from_op(out, (logits,), backward)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minipar import autograd as ag
+from minipar import fused
 from minipar.autograd import Tensor
 
 
@@ -138,7 +139,7 @@ class Linear(Module):
         self.bias = Parameter(full[f"{name}.bias"], f"{name}.bias", sync=sync)
 
     def __call__(self, x: Tensor) -> Tensor:
-        return ag.linear(x, self.weight, self.bias)
+        return fused.linear(x, self.weight, self.bias)
 
 
 class LayerNorm(Module):
@@ -149,7 +150,7 @@ class LayerNorm(Module):
         self.bias = Parameter(full[f"{name}.bias"], f"{name}.bias")
 
     def __call__(self, x: Tensor) -> Tensor:
-        return ag.layer_norm(x, self.weight, self.bias)
+        return fused.layer_norm(x, self.weight, self.bias)
 
 
 class Embed(Linear):
@@ -177,7 +178,7 @@ class DenseBlock(Module):
     def __call__(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
         """Returns the new residual stream and the block's aux loss (none for dense)."""
         u = self.ln(h)                        # (B, d)
-        z = ag.gelu(self.fc1(u))              # (B, d) @ (d, f) -> (B, f)
+        z = fused.gelu(self.fc1(u))              # (B, d) @ (d, f) -> (B, f)
         return h + self.fc2(z), None          # (B, f) @ (f, d) -> (B, d)
 
 
@@ -247,7 +248,7 @@ class MoEBlock(Module):
     def __call__(self, h: Tensor) -> tuple[Tensor, Tensor]:
         cfg = self.cfg
         u = self.ln(h)                                         # (B, d)
-        probs = ag.softmax(u @ self.router)                    # (B, d) @ (d, E) -> (B, E)
+        probs = fused.softmax(u @ self.router)                    # (B, d) @ (d, E) -> (B, E)
         chosen = route(probs.data, cfg.top_k)                  # (B, k) expert ids
         tokens = np.repeat(np.arange(u.shape[0]), cfg.top_k)   # assignment -> token
         expert_of = chosen.ravel()                             # assignment -> expert
@@ -276,7 +277,7 @@ class ExpertFFN(Module):
         self.fc2 = Linear(full, f"{name}.fc2", sync=sync)
 
     def __call__(self, u: Tensor) -> Tensor:
-        return self.fc2(ag.gelu(self.fc1(u)))
+        return self.fc2(fused.gelu(self.fc1(u)))
 
 
 # -------------------------------------------------------------- the model
@@ -325,5 +326,5 @@ def build_reference(cfg: ModelConfig, full: dict[str, np.ndarray]) -> Model:
 def loss_fn(model: Model, x: np.ndarray, y: np.ndarray) -> Tensor:
     """mean_b CE(logits_b, y_b) + sum_l aux_l on one (micro)batch."""
     logits, aux = model.forward(Tensor(x))
-    loss = ag.cross_entropy(logits, y)
+    loss = fused.cross_entropy(logits, y)
     return loss if aux is None else loss + aux

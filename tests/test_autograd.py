@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from minipar import autograd as ag
-from minipar import nn
+from minipar import fused, nn
 from minipar.autograd import Tensor
 
 RNG = np.random.default_rng(1234)
@@ -80,7 +80,7 @@ CASES = [
     ("log", "", ag.log, [positive(3, 4)]),
     ("tanh", "", ag.tanh, [normal(3, 4)]),
     ("sqrt", "", ag.sqrt, [positive(3, 4)]),
-    ("gelu", "", ag.gelu, [2 * normal(4, 5)]),
+    ("gelu", "", fused.gelu, [2 * normal(4, 5)]),
     ("sum_", "all", lambda a: a.sum(), [normal(2, 3, 4)]),
     ("sum_", "axis0", lambda a: ag.sum_(a, 0), [normal(2, 3, 4)]),
     ("sum_", "axes02", lambda a: ag.sum_(a, (0, 2)), [normal(2, 3, 4)]),
@@ -105,16 +105,16 @@ CASES = [
     ("split", "equal", lambda a: ag.split(a, 3), [normal(6, 2)]),
     ("split", "at-indices-axis1", lambda a: ag.split(a, [1, 4], axis=1), [normal(2, 5)]),
     ("matmul", "", lambda a, b: a @ b, [normal(3, 4), normal(4, 5)]),
-    ("linear", "bias", ag.linear, [normal(3, 4), normal(4, 5), normal(5)]),
-    ("linear", "no-bias", ag.linear, [normal(3, 4), normal(4, 5)]),
-    ("layer_norm", "2d", ag.layer_norm, [normal(3, 6), positive(6), normal(6)]),
-    ("layer_norm", "3d", ag.layer_norm, [normal(2, 3, 5), positive(5), normal(5)]),
-    ("softmax", "last", ag.softmax, [normal(3, 5)]),
-    ("softmax", "axis0", lambda a: ag.softmax(a, axis=0), [normal(3, 5)]),
-    ("log_softmax", "", ag.log_softmax, [normal(3, 5)]),
-    ("log_softmax", "axis0", lambda a: ag.log_softmax(a, axis=0), [normal(3, 5)]),
-    ("cross_entropy", "mean", lambda z: ag.cross_entropy(z, LABELS), [normal(4, 5)]),
-    ("cross_entropy", "scale", lambda z: ag.cross_entropy(z, LABELS, scale=0.37),
+    ("linear", "bias", fused.linear, [normal(3, 4), normal(4, 5), normal(5)]),
+    ("linear", "no-bias", fused.linear, [normal(3, 4), normal(4, 5)]),
+    ("layer_norm", "2d", fused.layer_norm, [normal(3, 6), positive(6), normal(6)]),
+    ("layer_norm", "3d", fused.layer_norm, [normal(2, 3, 5), positive(5), normal(5)]),
+    ("softmax", "last", fused.softmax, [normal(3, 5)]),
+    ("softmax", "axis0", lambda a: fused.softmax(a, axis=0), [normal(3, 5)]),
+    ("log_softmax", "", fused.log_softmax, [normal(3, 5)]),
+    ("log_softmax", "axis0", lambda a: fused.log_softmax(a, axis=0), [normal(3, 5)]),
+    ("cross_entropy", "mean", lambda z: fused.cross_entropy(z, LABELS), [normal(4, 5)]),
+    ("cross_entropy", "scale", lambda z: fused.cross_entropy(z, LABELS, scale=0.37),
      [normal(4, 5)]),
     ("sugar", "neg-rsub-rdiv", lambda a: 2.0 - (-a) / 3.0 + 1.0 / (a * a + 1.0), [normal(3)]),
     ("sugar", "ndarray-left", lambda a: np.arange(3.0) * a + np.ones(3), [normal(3)]),
@@ -128,10 +128,11 @@ def test_op_gradient(op, label, fn, inputs):
 
 
 def test_every_op_has_a_gradient_check():
-    """A new op in autograd.py must come with its finite-difference case above."""
+    """A new op in autograd.py or fused.py must come with its finite-difference case above."""
     tape_machinery = {"no_grad", "defer_weight_grads", "backward_from", "as_tensor"}
-    ops = {name for name, f in vars(ag).items() if inspect.isfunction(f)
-           and f.__module__ == ag.__name__ and not name.startswith("_")}
+    ops = {name for module in (ag, fused) for name, f in vars(module).items()
+           if inspect.isfunction(f) and f.__module__ == module.__name__
+           and not name.startswith("_")}
     missing = ops - tape_machinery - {op for op, *_ in CASES}
     assert not missing, f"ops without a finite-difference check: {sorted(missing)}"
 
@@ -162,9 +163,9 @@ def test_broadcasting_backward_sums_over_broadcast_axes():
 def test_no_grad_builds_no_tape():
     x, w = Tensor(normal(2, 3), requires_grad=True), Tensor(normal(3, 4), requires_grad=True)
     with ag.no_grad():
-        y = ag.gelu(ag.linear(x, w)).sum()
+        y = fused.gelu(fused.linear(x, w)).sum()
     assert not y.requires_grad and y.parents == () and y._backward is None
-    z = ag.linear(x, w).sum()                     # the tape is back after the block
+    z = fused.linear(x, w).sum()                     # the tape is back after the block
     assert z.requires_grad and z.parents
     assert not x.detach().requires_grad
 
@@ -217,7 +218,7 @@ def test_deferred_weight_gradients():
     def forward() -> tuple[Tensor, list[Tensor]]:
         x = Tensor(x0, requires_grad=True)
         ws = [Tensor(a, requires_grad=True) for a in (w1, b1, w2, w3)]
-        out = ag.linear(ag.gelu(ag.linear(x, ws[0], ws[1])), ws[2]) @ ws[3]
+        out = fused.linear(fused.gelu(fused.linear(x, ws[0], ws[1])), ws[2]) @ ws[3]
         return out, [x, *ws]
 
     out, now = forward()

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from minipar import autograd as ag
-from minipar import nn
+from minipar import fused, nn
 from minipar.config import TrainConfig, problems
 from tests.conftest import assert_equivalent, reference
 from tests.mpi import launch, read_dump, sweep
@@ -157,7 +157,7 @@ def routing_plan(run: dict) -> list[dict]:
         for m in range(cfg.microbatches):
             h = model.embed(ag.Tensor(x[m * rows:(m + 1) * rows]))
             for block in model.blocks:
-                probs = ag.softmax(block.ln(h) @ block.router).data
+                probs = fused.softmax(block.ln(h) @ block.router).data
                 expert_of = nn.route(probs, cfg.top_k).ravel()
                 limit = nn.capacity(cfg.capacity_factor, cfg.top_k, rows, cfg.experts)
                 kept = nn.keep_within_capacity(expert_of, cfg.experts, limit)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import comm, nn
+from minipar import comm, fused, nn
 from minipar.autograd import Tensor
 from minipar.comm import Group
 
@@ -60,7 +60,7 @@ def route(u: Tensor, router: Tensor, top_k: int) -> Routing:
     """The reference router on the local tokens: softmax(u Wr), top-k, renormalized gates.
 
     Routing is row by row, so a rank needs nothing but its own rows: no communication."""
-    probs = ag.softmax(u @ router)                            # (b, d) @ (d, E) -> (b, E)
+    probs = fused.softmax(u @ router)                            # (b, d) @ (d, E) -> (b, E)
     chosen = nn.route(probs.data, top_k)                      # (b, k), ties -> lower id
     token_of = np.repeat(np.arange(u.shape[0]), top_k)        # (b k,)
     expert_of = chosen.ravel()                                # (b k,)

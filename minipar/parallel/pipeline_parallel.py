@@ -45,6 +45,7 @@ import time
 import numpy as np
 
 from minipar import autograd as ag
+from minipar import fused
 from minipar.autograd import Tensor
 from minipar.config import TrainConfig
 from minipar.data import shard_rows
@@ -159,7 +160,7 @@ class StageWorker:
         h = Tensor(self.x[rows]) if self.is_first(ins.chunk) else self.inputs[key]
         out, aux = self.chunks[ins.chunk].forward(h)
         if self.is_last(ins.chunk):                      # out is the logits
-            loss = ag.cross_entropy(out, self.y[rows]) * self.scale         # CE / M
+            loss = fused.cross_entropy(out, self.y[rows]) * self.scale         # CE / M
             loss = loss if aux is None else loss + aux * self.scale     # + aux / M
             self.loss += loss.item()
             self.outputs[key] = (loss, None)

@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from minipar import autograd as ag
+from minipar import fused
 from minipar.autograd import Tensor
 from minipar.comm import (
     Group,
@@ -92,7 +92,7 @@ class ColumnParallelLinear(Module):
             x = all_gather(x, self.tp)         # my rows (B/tp, d) -> all rows (B, d)
         else:
             x = copy_to(x, self.tp)            # f: nothing moves; backward Allreduce of (B, d)
-        y = ag.linear(x, self.weight, self.bias)   # (B, d) @ (d, f/tp) -> (B, f/tp)
+        y = fused.linear(x, self.weight, self.bias)   # (B, d) @ (d, f/tp) -> (B, f/tp)
         if self.gather_output:
             y = gather_from(y, self.tp, axis=-1)   # (B, f/tp) of every rank -> Y (B, f)
         return y
@@ -123,7 +123,7 @@ class RowParallelLinear(Module):
     def __call__(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = scatter_to(x, self.tp, axis=-1)    # keep my columns (B, f/tp); no message
-        partial = ag.linear(x, self.weight)        # (B, f/tp) @ (f/tp, d) -> (B, d), a share
+        partial = fused.linear(x, self.weight)        # (B, f/tp) @ (f/tp, d) -> (B, d), a share
         if self.sequence_parallel:
             y = reduce_scatter(partial, self.tp)   # shares (B, d) summed -> my rows (B/tp, d)
         else:
@@ -152,7 +152,7 @@ class TensorParallelBlock(Module):
 
     def __call__(self, h: Tensor) -> tuple[Tensor, None]:
         u = self.ln(h)                  # (B, d) on every rank; SP: my rows (B/tp, d)
-        z = ag.gelu(self.fc1(u))        # f, then (B, d) @ (d, f/tp) -> (B, f/tp), GELU on the shard
+        z = fused.gelu(self.fc1(u))     # f, then (B, d) @ (d, f/tp) -> (B, f/tp), GELU on the shard
         return h + self.fc2(z), None    # (B, f/tp) @ (f/tp, d), then g -> (B, d); SP: (B/tp, d)
 
     def partial_over_tp(self) -> list[Parameter]:

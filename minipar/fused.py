@@ -1,0 +1,126 @@
+"""The model's layers as single tape nodes, each backward written in closed form.
+
+What this file teaches: autograd.py could build every layer from its small ops
+(a LayerNorm is a mean, a subtraction, a variance, a square root, ...), and the
+tape would get every gradient right. But each op is a node with its own Python
+bookkeeping and its own temporaries. A layer written as ONE node, with the
+backward derived by hand beside the forward, costs about what the plain NumPy
+math costs (`make bench` measures it):
+
+    linear         y = x W + b           dx = g W^T, dW = x^T g, db = sum_rows g
+    layer_norm     (x - mu) / sigma * gamma + beta
+    gelu           0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))
+    softmax        s = exp(a) / sum exp(a)          da = s (g - sum(g s))
+    log_softmax    a - logsumexp(a)                 da = g - softmax(a) sum(g)
+    cross_entropy  sum_b -log softmax(logits_b)[y_b] * scale
+
+`linear` leaves its weight gradients to `autograd._weight_grad`, so a zero-bubble
+pipeline can run them later (`autograd.defer_weight_grads`). The finite-difference
+checks of `tests/test_autograd.py` cover every op here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from minipar.autograd import Tensor, _weight_grad
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """y = x @ W + b, one fused node. Weights are (in, out).
+    Backward: dx = g W^T, dW = x^T g, db = sum_rows g."""
+    out = x.data @ weight.data
+    if bias is not None:
+        out += bias.data
+    parents = (x, weight) if bias is None else (x, weight, bias)
+
+    def backward(g: np.ndarray) -> None:
+        if x.requires_grad:
+            x.accumulate(g @ weight.data.T, fresh=True)
+
+        def weight_grads() -> None:
+            weight.accumulate(x.data.T @ g, fresh=True)
+            if bias is not None:
+                bias.accumulate(g.sum(axis=0), fresh=True)
+        _weight_grad(weight_grads)
+    return Tensor.from_op(out, parents, backward)
+
+
+def gelu(a: Tensor) -> Tensor:
+    """GELU, tanh form: 0.5 z (1 + tanh(sqrt(2/pi)(z + 0.044715 z^3))). One fused node."""
+    z = a.data
+    inner = _SQRT_2_OVER_PI * (z + 0.044715 * z * z * z)
+    t = np.tanh(inner)
+    out = 0.5 * z * (1.0 + t)
+
+    def backward(g: np.ndarray) -> None:
+        dinner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * z * z)
+        a.accumulate(g * (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * dinner), fresh=True)
+    return Tensor.from_op(out, (a,), backward)
+
+
+def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-5) -> Tensor:
+    """(x - mean) / sqrt(var + eps) * gamma + beta over the last axis (biased var).
+    One fused node; the backward is the standard closed form
+    dx = (g_hat - mean(g_hat) - x_hat mean(g_hat x_hat)) / sigma, g_hat = g gamma."""
+    mu = x.data.mean(axis=-1, keepdims=True)
+    centered = x.data - mu
+    inv_sigma = 1.0 / np.sqrt((centered * centered).mean(axis=-1, keepdims=True) + eps)
+    x_hat = centered * inv_sigma
+    out = x_hat * gamma.data + beta.data
+
+    def backward(g: np.ndarray) -> None:
+        lead = tuple(range(g.ndim - 1))
+        gamma.accumulate((g * x_hat).sum(axis=lead), fresh=True)
+        beta.accumulate(g.sum(axis=lead), fresh=True)
+        if x.requires_grad:
+            g_hat = g * gamma.data
+            dx = g_hat - g_hat.mean(axis=-1, keepdims=True) \
+                - x_hat * (g_hat * x_hat).mean(axis=-1, keepdims=True)
+            x.accumulate(dx * inv_sigma, fresh=True)
+    return Tensor.from_op(out, (x, gamma, beta), backward)
+
+
+# ------------------------------------------------------ softmax and losses
+def softmax(a: Tensor, axis: int = -1) -> Tensor:
+    """exp(a) / sum exp(a), stabilized. Backward: s * (g - sum(g s))."""
+    shifted = a.data - a.data.max(axis=axis, keepdims=True)
+    e = np.exp(shifted)
+    s = e / e.sum(axis=axis, keepdims=True)
+
+    def backward(g: np.ndarray) -> None:
+        a.accumulate(s * (g - (g * s).sum(axis=axis, keepdims=True)), fresh=True)
+    return Tensor.from_op(s, (a,), backward)
+
+
+def log_softmax(a: Tensor, axis: int = -1) -> Tensor:
+    """a - logsumexp(a). Backward: g - softmax(a) sum(g)."""
+    shifted = a.data - a.data.max(axis=axis, keepdims=True)
+    out = shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
+
+    def backward(g: np.ndarray) -> None:
+        a.accumulate(g - np.exp(out) * g.sum(axis=axis, keepdims=True), fresh=True)
+    return Tensor.from_op(out, (a,), backward)
+
+
+def cross_entropy(logits: Tensor, labels: np.ndarray, scale: float | None = None) -> Tensor:
+    """sum_b -log softmax(logits_b)[y_b] * scale; `scale` defaults to 1/B (the mean).
+    Passing the scale lets a data-parallel rank divide by the *global* batch.
+    Backward: (softmax - onehot(y)) * scale."""
+    rows = np.arange(logits.shape[0])
+    scale = 1.0 / logits.shape[0] if scale is None else scale
+    shifted = logits.data - logits.data.max(axis=-1, keepdims=True)
+    e = np.exp(shifted)
+    total = e.sum(axis=-1, keepdims=True)
+    picked = shifted[rows, labels] - np.log(total[:, 0])
+    out = np.asarray(-picked.sum() * scale)
+
+    def backward(g: np.ndarray) -> None:
+        d = e / total
+        d[rows, labels] -= 1.0
+        logits.accumulate(d * (g * scale), fresh=True)
+    return Tensor.from_op(out, (logits,), backward)
