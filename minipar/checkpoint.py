@@ -189,13 +189,14 @@ def write_shard(folder: Path, rank: int, world: int, pieces: Sequence[nn.Paramet
 
 
 def write_manifest(folder: Path, cfg: TrainConfig, step: int, optimizer_t: int,
-                   entries: list[dict]) -> None:
+                   entries: list[dict], losses: Sequence[float] = ()) -> None:
     """The last file of a save: what was saved, from which mesh, and every shard's checksum.
     Shard files of an earlier save that this one does not list, and temporary files of
     a save that crashed, are removed after it."""
     saved_config = {k: v for k, v in cfg.as_json().items() if k not in ("save", "resume")}
     manifest = {
         "format": FORMAT, "step": step, "optimizer_t": optimizer_t,
+        "losses": list(losses),  # steps 1..step: a resumed run reports all S of them
         "mesh": {"world": len(entries), "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
                  "ep": cfg.ep, "virtual": cfg.virtual},
         "config": saved_config,
@@ -222,7 +223,8 @@ def pieces_to_write(world: object, params: Sequence[nn.Parameter]) -> list[int]:
 
 
 def save(folder: str | Path, cfg: TrainConfig, mesh: object, params: Sequence[nn.Parameter],
-         optimizer: object, step: int, updater: object = None) -> None:
+         optimizer: object, step: int, updater: object = None,
+         losses: Sequence[float] = ()) -> None:
     """Save this rank's params and optimizer state; a collective over `mesh.world`.
 
     `optimizer.state_arrays()` gives each slot (Adam's m, v) as a list aligned with
@@ -247,7 +249,7 @@ def save(folder: str | Path, cfg: TrainConfig, mesh: object, params: Sequence[nn
     # every shard's checksum -> rank 0; when it has them all, every shard is on disk
     entries = world.gather(entry)
     if world.rank == 0:
-        write_manifest(folder, cfg, step, optimizer.t, entries)
+        write_manifest(folder, cfg, step, optimizer.t, entries, losses)
     world.Barrier()  # nobody goes on (or resumes from it) before the manifest is there
 
 
@@ -430,5 +432,5 @@ def reshard(cfg: TrainConfig, world: object, source: str | Path,
     params = [p for chunk in chunks for p in chunk.parameters()]
     optimizer = make_optimizer(cfg.optimizer, cfg.lr)
     step = restore_optimizer(optimizer, params, saved)
-    save(destination, cfg, mesh, params, optimizer, step)
+    save(destination, cfg, mesh, params, optimizer, step, losses=saved.manifest.get("losses", []))
     mesh.free()

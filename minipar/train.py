@@ -206,7 +206,8 @@ def train_on_mesh(cfg: TrainConfig, mesh: object,
     updater = data_parallel.make_updater(cfg, mesh, chunks, optimizer)
     # the saved optimizer state, cut as the updater keeps it (ZeRO: its flat slice)
     start = checkpoint.restore_optimizer(optimizer, params, saved, updater) if saved else 0
-    losses = []
+    # the losses of the steps already taken (a resumed run reports all --steps of them)
+    losses = list(saved.manifest.get("losses", [])) if saved else []
     timeline: list[dict] = []  # the pipeline's instructions of the last step, timed
     for step in range(start, cfg.steps):  # --steps is the total, resumed or not
         ledger.reset()
@@ -235,7 +236,7 @@ def train_on_mesh(cfg: TrainConfig, mesh: object,
     updater.materialize()  # ZeRO-3: gather every parameter whole before reading p.data
     final, disagreements = gather_full_params(mesh, params, cfg)
     if cfg.save:  # every rank writes its shard; rank 0 the manifest, last
-        checkpoint.save(cfg.save, cfg, mesh, params, optimizer, cfg.steps, updater)
+        checkpoint.save(cfg.save, cfg, mesh, params, optimizer, cfg.steps, updater, losses)
     return RunResult(losses, init, final,
                      [r for rank in gathered for r in rank] if gathered else [],
                      {"replica_disagreements": disagreements,
