@@ -343,3 +343,36 @@ def test_attention_lse_merges_two_blocks_of_keys():
     np.testing.assert_allclose(merged, whole, rtol=1e-13, atol=1e-15)
     np.testing.assert_allclose(lse, attention.attention_lse(q, k, 2, q_pos, np.arange(6)).data,
                                rtol=1e-13)
+
+
+@pytest.mark.parametrize("model,sizes", [
+    ("gpt", {}),
+    ("gpt-moe", {"top_k": 2, "aux_coef": 0.5, "capacity_factor": 0.75}),
+], ids=["gpt", "gpt-moe-top2-capacity"])
+def test_transformer_loss_gradient(model, sizes):
+    """The transformer's loss: d loss / d (entries of every kind of weight) against central
+    differences, with O(1) random weights so attention is far from uniform."""
+    from minipar import gpt
+
+    cfg = nn.ModelConfig(model=model, layers=2, d_model=8, d_ff=12, vocab=7, seq_len=5,
+                         heads=2, experts=4, expert_d_ff=6, **sizes)
+    rng = np.random.default_rng(5)
+    full = {name: rng.normal(1.0 if name.split(".")[-2] in nn.LAYER_NORMS
+                             and name.endswith("weight") else 0.0, 0.5, value.shape)
+            for name, value in nn.init_params(cfg, 0).items()}
+    net = gpt.build_reference(cfg, full)
+    x, y = rng.integers(0, cfg.vocab, (3, cfg.seq_len)), rng.integers(0, cfg.vocab, (3, 5))
+    params = {p.name: p for p in net.parameters()}
+    nn.loss_fn(net, x, y).backward()
+    picks = [name for name in params if ".experts." not in name or ".experts.1." in name]
+    for name in picks:
+        p = params[name]
+        index = tuple(int(rng.integers(n)) for n in p.shape)
+        keep = p.data[index]
+        p.data[index] = keep + 1e-6
+        up = nn.loss_fn(net, x, y).item()
+        p.data[index] = keep - 1e-6
+        down = nn.loss_fn(net, x, y).item()
+        p.data[index] = keep
+        numeric = (up - down) / 2e-6
+        assert abs(p.grad[index] - numeric) <= 1e-6 * max(1.0, abs(numeric)), name
