@@ -29,9 +29,15 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import checkpoint, nn
+from minipar import checkpoint, gpt, nn
 from minipar.config import TrainConfig
-from minipar.data import make_batch, microbatch_rows, shard_rows
+from minipar.data import (
+    make_batch,
+    make_sequences,
+    make_text_windows,
+    microbatch_rows,
+    shard_rows,
+)
 from minipar.optim import make_optimizer
 
 
@@ -57,8 +63,19 @@ class DivergedError(ArithmeticError):
 
 
 def step_batch(cfg: TrainConfig, step: int) -> tuple[np.ndarray, np.ndarray]:
-    """The global batch of `step`: the same on every rank, from (seed, step) alone."""
+    """The global batch of `step`: the same on every rank, from (seed, step) alone.
+    MLP models: x (B, d_in), y (B,); the transformer: token ids x, y (B, T)."""
+    if cfg.data is not None:
+        return make_text_windows(cfg.data, cfg.seed, step, cfg.batch, cfg.seq_len)
+    if cfg.model_config().is_gpt:
+        return make_sequences(cfg.seed, step, cfg.batch, cfg.seq_len, cfg.vocab)
     return make_batch(cfg.seed, step, cfg.batch, cfg.d_in, cfg.classes, cfg.dtype)
+
+
+def build_reference(cfg: TrainConfig, full: dict[str, np.ndarray]) -> nn.Model:
+    """The single-process model: the MLP models of nn.py or the transformer of gpt.py."""
+    model_cfg = cfg.model_config()
+    return (gpt.build_reference if model_cfg.is_gpt else nn.build_reference)(model_cfg, full)
 
 
 # ------------------------------------------------------------ the reference
@@ -71,7 +88,7 @@ def train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | No
     """
     full = nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
     init = {k: v.copy() for k, v in full.items()}
-    model = nn.build_reference(cfg.model_config(), full)
+    model = build_reference(cfg, full)
     params = model.parameters()
     optimizer = make_optimizer(cfg.optimizer, cfg.lr)
     losses = []
