@@ -21,6 +21,12 @@ online softmax needs to merge the results of several blocks of keys (Ring Attent
 Liu et al. 2023; FlashAttention, Dao et al. 2022). A row that may see no key at all
 (every key in its future) gives output 0 and log-sum-exp -inf, so such a merge is exact.
 
+The key bias bk is taken by the node itself (`key_bias`): it adds q_i . bk to every
+score of query row i, the same number for every key j, which the softmax ignores. So
+d loss / d bk = 0 exactly, and the node says so. Left to the k linear, the gradient
+would be a sum of terms that cancel -- rounding noise near 1e-17, different on every
+mesh, which Adam would turn into updates.
+
 Heads are an axis, never a Python loop: q, k, v arrive as (B, T, H*dh) -- the output of
 the q, k, v linears -- and are viewed as (B, H, T, dh) inside the node.
 
@@ -88,9 +94,10 @@ def _merge_heads(x: np.ndarray) -> np.ndarray:
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, heads: int, q_positions: np.ndarray | None,
-             k_positions: np.ndarray | None) -> dict:
+             k_positions: np.ndarray | None, key_bias: Tensor | None) -> dict:
     """Scores, mask and softmax of every head at once; what both backward rules need."""
-    Q, K, V = (_heads(t.data, heads) for t in (q, k, v))       # (B, H, T, dh)
+    keys = k.data if key_bias is None else k.data + key_bias.data
+    Q, K, V = (_heads(t, heads) for t in (q.data, keys, v.data))   # (B, H, T, dh)
     scale = 1.0 / np.sqrt(Q.shape[-1])
     q_positions = np.arange(Q.shape[2]) if q_positions is None else q_positions
     k_positions = np.arange(K.shape[2]) if k_positions is None else k_positions
@@ -106,24 +113,34 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, heads: int, q_positions: np.ndarra
     return {"Q": Q, "K": K, "V": V, "P": P, "lse": lse, "scale": scale}
 
 
-def _accumulate_qk(q: Tensor, k: Tensor, c: dict, dS: np.ndarray) -> None:
-    """dQ = dS K * scale, dK = dS^T Q * scale, back in the (B, T, H*dh) layout."""
+def _accumulate_qk(q: Tensor, k: Tensor, c: dict, dS: np.ndarray, key_bias: Tensor | None
+                   ) -> None:
+    """dQ = dS K * scale, dK = dS^T Q * scale, back in the (B, T, H*dh) layout; the key
+    bias gets its exact gradient, 0."""
+    if key_bias is not None:
+        key_bias.accumulate(np.zeros_like(key_bias.data), fresh=True)
     if q.requires_grad:
         q.accumulate(_merge_heads(dS @ c["K"] * c["scale"]), fresh=True)
     if k.requires_grad:
         k.accumulate(_merge_heads(np.swapaxes(dS, -1, -2) @ c["Q"] * c["scale"]), fresh=True)
 
 
+def _parents(q: Tensor, k: Tensor, v: Tensor | None, key_bias: Tensor | None
+             ) -> tuple[Tensor, ...]:
+    return tuple(t for t in (q, k, v, key_bias) if t is not None)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, heads: int,
               q_positions: np.ndarray | None = None,
-              k_positions: np.ndarray | None = None) -> Tensor:
+              k_positions: np.ndarray | None = None,
+              key_bias: Tensor | None = None) -> Tensor:
     """Causal multi-head attention, one node: q (B, Tq, H dh), k, v (B, Tk, H dh) ->
-    concat_h softmax_j(q_h k_h^T / sqrt(dh), causal by position) v_h, (B, Tq, H dh).
+    concat_h softmax_j(q_h (k_h + bk_h)^T / sqrt(dh), causal by position) v_h, (B, Tq, H dh).
 
-    Positions default to 0..T-1 (the whole sequence on one rank).
-    Backward: dV = P^T G, dS = P (G V^T - rowsum(P G V^T)), dQ = dS K/sqrt(dh),
-    dK = dS^T Q/sqrt(dh)."""
-    c = _forward(q, k, v, heads, q_positions, k_positions)
+    Positions default to 0..T-1 (the whole sequence on one rank); `key_bias` (H dh,) is
+    the k linear's bias. Backward: dV = P^T G, dS = P (G V^T - rowsum(P G V^T)),
+    dQ = dS K/sqrt(dh), dK = dS^T Q/sqrt(dh), d key_bias = 0 (softmax ignores it)."""
+    c = _forward(q, k, v, heads, q_positions, k_positions, key_bias)
     P = c["P"]
 
     def backward(g: np.ndarray) -> None:
@@ -132,19 +149,24 @@ def attention(q: Tensor, k: Tensor, v: Tensor, heads: int,
             v.accumulate(_merge_heads(np.swapaxes(P, -1, -2) @ G), fresh=True)
         dP = G @ np.swapaxes(c["V"], -1, -2)                   # (B, H, Tq, Tk)
         dS = P * (dP - (dP * P).sum(axis=-1, keepdims=True))
-        _accumulate_qk(q, k, c, dS)
-    return Tensor.from_op(_merge_heads(P @ c["V"]), (q, k, v), backward)
+        _accumulate_qk(q, k, c, dS, key_bias)
+    return Tensor.from_op(_merge_heads(P @ c["V"]), _parents(q, k, v, key_bias), backward)
 
 
 def attention_lse(q: Tensor, k: Tensor, heads: int, q_positions: np.ndarray | None = None,
-                  k_positions: np.ndarray | None = None) -> Tensor:
+                  k_positions: np.ndarray | None = None, key_bias: Tensor | None = None
+                  ) -> Tensor:
     """The log-sum-exp of every masked score row, (B, H, Tq): log sum_j exp(S_ij).
 
     One node. An online softmax merges two blocks of keys with it: weights
     exp(lse_a - lse) and exp(lse_b - lse), lse = logaddexp(lse_a, lse_b).
-    Backward: d lse_i / d S_ij = P_ij, so dS = P * g[..., None], then as `attention`."""
-    c = _forward(q, k, k, heads, q_positions, k_positions)
+    Backward: d lse_i / d S_ij = P_ij, so dS = P * g[..., None], then as `attention`
+    (here the key bias does move lse, by q_i . bk: d key_bias = sum_i g_i q_i / sqrt(dh))."""
+    c = _forward(q, k, k, heads, q_positions, k_positions, key_bias)
 
     def backward(g: np.ndarray) -> None:
-        _accumulate_qk(q, k, c, c["P"] * g[..., None])
-    return Tensor.from_op(c["lse"], (q, k), backward)
+        _accumulate_qk(q, k, c, c["P"] * g[..., None], None)
+        if key_bias is not None:  # lse_i = ... + q_i . bk / sqrt(dh), per head
+            dq = (g[..., None] * c["Q"] * c["scale"]).sum(axis=(0, 2))   # (H, dh)
+            key_bias.accumulate(dq.reshape(-1), fresh=True)
+    return Tensor.from_op(c["lse"], _parents(q, k, None, key_bias), backward)

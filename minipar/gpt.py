@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from minipar import attention, nn
+from minipar import attention, fused, nn
 from minipar.autograd import Tensor
 
 
@@ -56,7 +56,8 @@ class Attention(nn.Module):
     """h + proj(attention(LN1(h))): multi-head causal self-attention, pre-LN, residual.
 
     Separate q, k, v linears (d, d), each column block h*dh..(h+1)*dh being head h;
-    the H heads run as one batched node (attention.attention), then one proj."""
+    the H heads run as one batched node (attention.attention), then one proj. The key
+    bias is handed to that node, which knows its gradient is exactly 0."""
 
     def __init__(self, full: dict[str, np.ndarray], index: int, heads: int,
                  sync: str | None = "dp") -> None:
@@ -70,8 +71,9 @@ class Attention(nn.Module):
 
     def __call__(self, h: Tensor) -> Tensor:
         a = self.ln(h)                                            # (B, T, d)
-        q, k, v = self.q(a), self.k(a), self.v(a)                 # (B, T, d) @ (d, d) each
-        o = attention.attention(q, k, v, self.heads)              # (B, T, H dh), H dh = d
+        q, v = self.q(a), self.v(a)                               # (B, T, d) @ (d, d) each
+        k = fused.linear(a, self.k.weight)                        # bk: inside attention
+        o = attention.attention(q, k, v, self.heads, key_bias=self.k.bias)  # (B, T, H dh)
         return h + self.proj(o)                                   # (B, T, d) @ (d, d)
 
 

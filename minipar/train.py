@@ -128,31 +128,42 @@ def build_rank_model(cfg: TrainConfig, mesh: object, full: dict[str, np.ndarray]
         from minipar.parallel.tensor_parallel import sequence_parallel_hooks
 
         enter, leave = sequence_parallel_hooks(mesh.tp)
+    embed, head = (gpt.Embedding, gpt.Head) if model_cfg.is_gpt else (nn.Embed, nn.Head)
     for chunk in range(cfg.virtual):
         v = chunk * cfg.pp + mesh.coords["pp"]
         blocks = [make_block(cfg, model_cfg, mesh, full, i)
                   for i in range(v * per_stage, (v + 1) * per_stage)]
-        chunks.append(nn.Model(nn.Embed(full) if v == 0 else None, blocks,
-                               nn.Head(full) if v == stages - 1 else None,
+        chunks.append(nn.Model(embed(full) if v == 0 else None, blocks,
+                               head(full) if v == stages - 1 else None,
                                enter=enter, leave=leave))
     return chunks
 
 
 def make_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: object,
                full: dict[str, np.ndarray], index: int) -> nn.Module:
-    """Block `index` as this mesh needs it (reference, tensor- or expert-parallel)."""
-    if cfg.model == "moe" and (cfg.dp > 1 or cfg.ep > 1):
+    """Block `index` as this mesh needs it (reference, tensor- or expert-parallel).
+    A transformer block is attention followed by that same FFN block (LayerNorm `ln2`)."""
+    if model_cfg.is_gpt:
+        return gpt.Block(full, index, model_cfg.heads,
+                         make_ffn_block(cfg, model_cfg, mesh, full, index, ln="ln2"))
+    return make_ffn_block(cfg, model_cfg, mesh, full, index)
+
+
+def make_ffn_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: object,
+                   full: dict[str, np.ndarray], index: int, ln: str = "ln") -> nn.Module:
+    """The FFN block h + FFN(LN(h)) of block `index`, split as the mesh asks."""
+    if model_cfg.is_moe and (cfg.dp > 1 or cfg.ep > 1):
         # tokens split over dp, experts over ep: the Alltoall dispatch (expert_parallel.py)
         from minipar.parallel.expert_parallel import ExpertParallelBlock
 
-        return ExpertParallelBlock(full, index, model_cfg, mesh)
-    if cfg.model == "moe":
-        return nn.MoEBlock(full, index, model_cfg)
+        return ExpertParallelBlock(full, index, model_cfg, mesh, ln=ln)
+    if model_cfg.is_moe:
+        return nn.MoEBlock(full, index, model_cfg, ln=ln)
     if cfg.tp > 1:
         from minipar.parallel.tensor_parallel import TensorParallelBlock
 
         return TensorParallelBlock(full, index, mesh.tp, sequence_parallel=cfg.sp)
-    return nn.DenseBlock(full, index)
+    return nn.DenseBlock(full, index, ln=ln)
 
 
 def microbatch_loss(chunk: nn.Model, x: np.ndarray, y: np.ndarray, scale: float) -> ag.Tensor:

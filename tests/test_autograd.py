@@ -139,8 +139,12 @@ CASES = [
     ("attention", "a-row-sees-nothing", lambda q, k, v: attention.attention(
         q, k, v, 1, np.array([0, 2]), np.array([1, 2])),
      [normal(2, 2, 3), normal(2, 2, 3), normal(2, 2, 3)]),
+    ("attention", "key-bias", lambda q, k, v, b: attention.attention(q, k, v, 2, key_bias=b),
+     [normal(2, 4, 6), normal(2, 4, 6), normal(2, 4, 6), normal(6)]),
     ("attention_lse", "", lambda q, k: attention.attention_lse(q, k, 2),
      [normal(2, 4, 6), normal(2, 4, 6)]),
+    ("attention_lse", "key-bias", lambda q, k, b: attention.attention_lse(
+        q, k, 2, key_bias=b), [normal(2, 4, 6), normal(2, 4, 6), normal(6)]),
     ("attention_lse", "positions", lambda q, k: attention.attention_lse(
         q, k, 1, np.array([2, 3]), np.arange(4)), [normal(1, 2, 3), normal(1, 4, 3)]),
     ("sugar", "neg-rsub-rdiv", lambda a: 2.0 - (-a) / 3.0 + 1.0 / (a * a + 1.0), [normal(3)]),
