@@ -41,13 +41,16 @@ from minipar.autograd import Tensor
 
 
 # ------------------------------------------------------------- embedding
-def embedding(weight: Tensor, ids: np.ndarray) -> Tensor:
+def embedding(weight: Tensor, ids: Tensor | np.ndarray) -> Tensor:
     """weight[ids]: one row of `weight` (V, d) per id; ids of any shape -> ids.shape + (d,).
 
     Backward: the rows' gradients are scatter-added into dW, an id seen twice getting the
     sum. Vectorized: sort the positions by id, then one `np.add.reduceat` sums each run of
-    equal ids (no loop over tokens)."""
-    ids = np.asarray(ids)
+    equal ids (no loop over tokens). Integer ids have no gradient; given as a Tensor they
+    receive zeros, which tells whoever watches the ids' node (data_parallel.Piece's
+    marker on a piece's input) that the lookup's backward has run."""
+    given = ids if isinstance(ids, Tensor) else None
+    ids = np.asarray(ids.data if given is not None else ids)
     out = weight.data[ids]
 
     def backward(g: np.ndarray) -> None:
@@ -60,7 +63,10 @@ def embedding(weight: Tensor, ids: np.ndarray) -> Tensor:
         if flat_ids.size:
             full[sorted_ids[starts]] = np.add.reduceat(rows[order], starts, axis=0)
         weight.accumulate(full, fresh=True)
-    return Tensor.from_op(out, (weight,), backward)
+        if given is not None:
+            given.accumulate(np.zeros(ids.shape, dtype=given.dtype), fresh=True)
+    parents = (weight,) if given is None else (weight, given)
+    return Tensor.from_op(out, parents, backward)
 
 
 # ------------------------------------------------------------ the mask

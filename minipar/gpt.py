@@ -46,10 +46,9 @@ class Embedding(nn.Module):
         self.pos = nn.Parameter(full["pos_embed.weight"], "pos_embed.weight")
 
     def __call__(self, x: Tensor, positions: np.ndarray | None = None) -> Tensor:
-        ids = np.asarray(x.data)                                  # (B, T) integers
-        positions = np.arange(ids.shape[1]) if positions is None else positions
-        # (B, T, d) + (T, d): every sequence gets the same position rows
-        return attention.embedding(self.tok, ids) + attention.embedding(self.pos, positions)
+        positions = np.arange(x.shape[1]) if positions is None else positions
+        # x (B, T) integer ids; (B, T, d) + (T, d): every sequence gets the same position rows
+        return attention.embedding(self.tok, x) + attention.embedding(self.pos, positions)
 
 
 class Attention(nn.Module):
