@@ -61,7 +61,7 @@ MANIFEST = "manifest.json"
 # What must match between the checkpoint and the run resuming it: the parameter shapes,
 # the optimizer (its state slots), and the dtype (equal to the last bit after resuming).
 MUST_MATCH = ("model", "layers", "d_in", "d_model", "d_ff", "classes", "experts",
-              "expert_d_ff", "optimizer", "dtype")
+              "expert_d_ff", "optimizer", "dtype", "vocab", "seq_len", "heads", "data")
 
 
 class CheckpointError(Exception):
