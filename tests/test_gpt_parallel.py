@@ -12,6 +12,8 @@ bytes are what the planner's formulas predict for the transformer (plan.minipar_
 Alltoallv rows follow the router, so their sum over an ep group is checked, without
 capacity drops).
 
+Every bug of bugs.py that applies to these meshes, injected: the check catches each.
+
 One `sweep` launch per rank count (tests/mpi.py).
 """
 
@@ -21,6 +23,7 @@ import json
 
 import pytest
 
+from minipar import bugs
 from minipar.config import TrainConfig
 from minipar.costmodel import model_states, rank_shape
 from minipar.plan import minipar_workload, plan_of
@@ -62,13 +65,24 @@ RUNS = {
         dict(MOE, dp=2, ep=2, pp=2, microbatches=2, capacity_factor=1.0),
         dict(MOE, **ADAM, dp=2, ep=2, pp=2, microbatches=2, schedule="zb-h1")],
 }
+# Every bug of bugs.py that the transformer's meshes can show, each on 4 ranks: the
+# equivalence check must catch it (tp's bugs need --tp, refused for the transformer).
+BUGGED = [dict(GPT, dp=2, pp=2, microbatches=2, schedule="gpipe",
+               inject_bug="pp-one-input-buffer"),
+          dict(GPT, dp=2, pp=2, microbatches=2, inject_bug="dp-stage-not-synced"),
+          dict(GPT, dp=4, inject_bug="dp-sum-not-mean"),
+          dict(GPT, dp=4, zero=1, inject_bug="zero-no-allgather"),
+          dict(MOE, dp=4, ep=2, inject_bug="moe-aux-first-choice"),
+          dict(MOE, dp=4, ep=2, capacity_factor=0.75, inject_bug="moe-aux-after-capacity"),
+          dict(MOE, dp=4, ep=2, inject_bug="moe-aux-per-rank")]
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
 def swept(request, tmp_path_factory):
     """Every config of one rank count, trained in one mpiexec job."""
     world = request.param
-    runs = sweep(world, RUNS[world], tmp_path_factory.mktemp(f"gpt{world}"), timeout=420)
+    configs = RUNS[world] + (BUGGED if world == 4 else [])
+    runs = sweep(world, configs, tmp_path_factory.mktemp(f"gpt{world}"), timeout=420)
     return world, runs
 
 
@@ -76,6 +90,18 @@ def test_every_mesh_equals_one_process(swept):
     world, runs = swept
     for fields, run in zip(RUNS[world], runs):
         assert_equivalent(run, reference(**fields), label=f"{world} ranks {fields}")
+
+
+def test_every_injected_bug_is_caught(swept):
+    world, runs = swept
+    if world != 4:
+        pytest.skip("the bugs run on 4 ranks")
+    assert {bug["inject_bug"] for bug in BUGGED} == {
+        name for name, bug in bugs.BUGS.items() if bug.strategy != "tp"}
+    for fields, run in zip(BUGGED, runs[len(RUNS[world]):]):
+        clean = {k: v for k, v in fields.items() if k != "inject_bug"}
+        with pytest.raises(AssertionError):
+            assert_equivalent(run, reference(**clean), label=fields["inject_bug"])
 
 
 def test_ledger_and_memory_are_the_formulas(swept):
