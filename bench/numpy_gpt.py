@@ -29,6 +29,11 @@ def _layer_norm_back(du: np.ndarray, gamma: np.ndarray, cache: tuple) -> tuple:
     return dx * inv, (du * xh).reshape(-1, xh.shape[-1]).sum(0), du.reshape(-1, xh.shape[-1]).sum(0)
 
 
+def _mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """(B, T, in) @ (in, out) as one (B*T, in) @ (in, out) BLAS call."""
+    return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
+
+
 def _split(x: np.ndarray, heads: int) -> np.ndarray:
     b, t, d = x.shape
     return x.reshape(b, t, heads, d // heads).transpose(0, 2, 1, 3)
@@ -51,22 +56,22 @@ def numpy_gpt_step(params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, 
     for i in range(layers):
         p = f"blocks.{i}"
         a, ln1 = _layer_norm(h, params[f"{p}.ln1.weight"], params[f"{p}.ln1.bias"])
-        q, k, v = (_split(a @ params[f"{p}.attn.{n}.weight"] + params[f"{p}.attn.{n}.bias"],
+        q, k, v = (_split(_mm(a, params[f"{p}.attn.{n}.weight"]) + params[f"{p}.attn.{n}.bias"],
                           heads) for n in ("q", "k", "v"))
         s = q @ k.transpose(0, 1, 3, 2) * scale
         s[..., future] = -np.inf
         e = np.exp(s - s.max(axis=-1, keepdims=True))
         prob = e / e.sum(axis=-1, keepdims=True)
         o = _merge(prob @ v)
-        h = h + o @ params[f"{p}.attn.proj.weight"] + params[f"{p}.attn.proj.bias"]
+        h = h + _mm(o, params[f"{p}.attn.proj.weight"]) + params[f"{p}.attn.proj.bias"]
         u, ln2 = _layer_norm(h, params[f"{p}.ln2.weight"], params[f"{p}.ln2.bias"])
-        pre = u @ params[f"{p}.fc1.weight"] + params[f"{p}.fc1.bias"]
+        pre = _mm(u, params[f"{p}.fc1.weight"]) + params[f"{p}.fc1.bias"]
         t = np.tanh(C * (pre + 0.044715 * pre * pre * pre))
         z = 0.5 * pre * (1.0 + t)
-        h = h + z @ params[f"{p}.fc2.weight"] + params[f"{p}.fc2.bias"]
+        h = h + _mm(z, params[f"{p}.fc2.weight"]) + params[f"{p}.fc2.bias"]
         saved.append((a, ln1, q, k, v, prob, o, u, ln2, pre, t, z))
     zf, lnf = _layer_norm(h, params["ln_f.weight"], params["ln_f.bias"])
-    logits = (zf @ params["head.weight"] + params["head.bias"]).reshape(B * T, -1)
+    logits = zf.reshape(B * T, d) @ params["head.weight"] + params["head.bias"]
     shifted = logits - logits.max(axis=1, keepdims=True)
     ex = np.exp(shifted)
     total = ex.sum(axis=1, keepdims=True)
@@ -84,18 +89,18 @@ def numpy_gpt_step(params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, 
         flat = dh.reshape(B * T, d)
         grads[f"{p}.fc2.weight"] = z.reshape(B * T, -1).T @ flat
         grads[f"{p}.fc2.bias"] = flat.sum(axis=0)
-        dpre = (dh @ params[f"{p}.fc2.weight"].T) * (
+        dpre = _mm(dh, params[f"{p}.fc2.weight"].T) * (
             0.5 * (1.0 + t) + 0.5 * pre * (1.0 - t * t) * C * (1.0 + 3 * 0.044715 * pre * pre))
         dflat = dpre.reshape(B * T, -1)
         grads[f"{p}.fc1.weight"] = u.reshape(B * T, d).T @ dflat
         grads[f"{p}.fc1.bias"] = dflat.sum(axis=0)
         dx, grads[f"{p}.ln2.weight"], grads[f"{p}.ln2.bias"] = _layer_norm_back(
-            dpre @ params[f"{p}.fc1.weight"].T, params[f"{p}.ln2.weight"], ln2)
+            _mm(dpre, params[f"{p}.fc1.weight"].T), params[f"{p}.ln2.weight"], ln2)
         dh = dh + dx
         flat = dh.reshape(B * T, d)
         grads[f"{p}.attn.proj.weight"] = o.reshape(B * T, d).T @ flat
         grads[f"{p}.attn.proj.bias"] = flat.sum(axis=0)
-        do = _split(dh @ params[f"{p}.attn.proj.weight"].T, heads)
+        do = _split(_mm(dh, params[f"{p}.attn.proj.weight"].T), heads)
         dv = prob.transpose(0, 1, 3, 2) @ do
         dprob = do @ v.transpose(0, 1, 3, 2)
         ds = prob * (dprob - (dprob * prob).sum(axis=-1, keepdims=True))
@@ -107,7 +112,7 @@ def numpy_gpt_step(params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, 
             grads[f"{p}.attn.{name}.weight"] = arows.T @ g.reshape(B * T, d)
             grads[f"{p}.attn.{name}.bias"] = (g.reshape(B * T, d).sum(axis=0) if name != "k"
                                               else np.zeros(d, dtype=g.dtype))
-            da += g @ params[f"{p}.attn.{name}.weight"].T
+            da += _mm(g, params[f"{p}.attn.{name}.weight"].T)
         dx, grads[f"{p}.ln1.weight"], grads[f"{p}.ln1.bias"] = _layer_norm_back(
             da, params[f"{p}.ln1.weight"], ln1)
         dh = dh + dx
