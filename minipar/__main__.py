@@ -96,7 +96,7 @@ def train_command(argv: list[str]) -> int:
 
 
 def dump(folder: Path, cfg: TrainConfig, result: object) -> None:
-    """The `--dump` files of DESIGN.md, written by rank 0."""
+    """The `--dump` files (docs/design.md, "The train command"), written by rank 0."""
     from minipar.train import step_batch
 
     folder.mkdir(parents=True, exist_ok=True)

@@ -181,7 +181,7 @@ def first_choice_only() -> list[Swap]:
 
 
 def after_capacity() -> list[Swap]:
-    # BUG: only the assignments that survived capacity; DESIGN.md counts every routed one
+    # BUG: only the assignments that survived capacity; docs/design.md counts every routed one
     return miscounted_aux(lambda routing, kept, experts:
                           np.bincount(routing.expert_of[kept], minlength=experts))
 

@@ -216,7 +216,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_train_flags(parser: argparse.ArgumentParser) -> None:
-    """Every flag of the DESIGN.md contract, with its default."""
+    """Every flag of the train command, with its default (docs/design.md, "The train
+    command")."""
     d = TrainConfig()
     add = parser.add_argument
     add("--model", choices=("mlp", "moe"), default=d.model)

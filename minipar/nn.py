@@ -1,7 +1,7 @@
 """The reference model: a residual MLP, and the same model with Mixture-of-Experts blocks.
 
 What this file teaches: the exact single-process math every parallel strategy
-must reproduce (DESIGN.md, "The reference model"):
+must reproduce (docs/design.md, "The reference model"):
 
     h0 = x @ We + be
     h_l = h_{l-1} + FFN_l(LN_l(h_{l-1}))            pre-LayerNorm residual blocks

@@ -69,7 +69,7 @@ def ledger_figure(runs: dict[str, Sequence[dict]] | Sequence[dict], title: str =
     """The ledger of a step as bars: one group per (mesh axis, operation), one bar per
     run (`runs` maps a label to its records; or pass one run's records), height =
     bytes of the buffers that operation was called on by the busiest rank
-    (DESIGN.md's convention), the number of calls on top."""
+    (docs/design.md, "Communication"), the number of calls on top."""
     runs = runs if isinstance(runs, dict) else {"": runs}
     best = {label: busiest(records) for label, records in runs.items()}
     order = list(AXIS_COLORS)  # mesh axes in mesh order, then operations by name

@@ -24,8 +24,8 @@ expert-data-parallel group (edp), so their gradients are summed there (sync="edp
 the router and LayerNorm, replicated everywhere, are summed over dp (sync="dp").
 
 Capacity and the aux loss are defined on the whole microbatch of the GLOBAL batch
-(DESIGN.md), so a few small collectives over dp make every rank see global counts: a
-count Allreduce (f), an Exscan (how many earlier assignments each expert already took)
+(docs/design.md, "The reference model"), so a few small collectives over dp make
+every rank see global counts: a count Allreduce (f), an Exscan (how many earlier assignments each expert already took)
 and the probability sums (P). The result equals one process to rounding.
 
 Run it: `mpiexec -n 8 python lessons/03_expert_parallel.py`, or
@@ -245,7 +245,7 @@ class ExpertParallelBlock(nn.Module):
 
     def assignment_counts(self, routing: Routing, kept: np.ndarray) -> np.ndarray:
         """This rank's (token, slot) assignments per expert, for the aux loss's f: every
-        routed one, whether capacity kept it or not (DESIGN.md: drops still count)."""
+        routed one, whether capacity kept it or not (docs/design.md: drops still count)."""
         return np.bincount(routing.expert_of, minlength=self.cfg.experts)
 
 
