@@ -15,23 +15,18 @@ collective its dead partner will never join.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
 from pathlib import Path
 
-import numpy as np
-
 from minipar.config import (
     ConfigError,
-    TrainConfig,
     config_from_args,
     make_parser,
     problems,
 )
-
-TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
+from minipar.results import check, dump
 
 
 def _world():
@@ -93,54 +88,6 @@ def train_command(argv: list[str]) -> int:
               + (f" (with the bug {cfg.inject_bug} injected)" if cfg.inject_bug else ""),
               flush=True)
     return verdict
-
-
-def dump(folder: Path, cfg: TrainConfig, result: object) -> None:
-    """The `--dump` files (docs/design.md, "The train command"), written by rank 0."""
-    from minipar.train import step_batch
-
-    folder.mkdir(parents=True, exist_ok=True)
-    np.savez(folder / "init.npz", **result.init)
-    np.savez(folder / "final.npz", **result.final)
-    batches = [step_batch(cfg, s) for s in range(cfg.steps)]
-    np.savez(folder / "data.npz", x=np.stack([b[0] for b in batches]),
-             y=np.stack([b[1] for b in batches]))
-    (folder / "losses.json").write_text(json.dumps(result.losses))
-    (folder / "config.json").write_text(json.dumps(cfg.as_json(), indent=1))
-    (folder / "ledger.json").write_text(json.dumps(result.ledger, indent=1))
-
-
-def max_differences(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float, float, str]:
-    """Largest absolute difference over all tensors, the largest relative one
-    (max |a-b| / max |b| per tensor), and the tensor where the relative one is."""
-    worst_abs, worst_rel, where = 0.0, 0.0, ""
-    for name, ref in b.items():
-        diff = float(np.max(np.abs(a[name] - ref))) if ref.size else 0.0
-        rel = diff / max(float(np.max(np.abs(ref))) if ref.size else 0.0, 1e-300)
-        worst_abs = max(worst_abs, diff)
-        if rel > worst_rel:
-            worst_rel, where = rel, name
-    return worst_abs, worst_rel, where
-
-
-def check(cfg: TrainConfig, result: object) -> int:
-    """Run the single-process reference in this process and compare (rank 0)."""
-    from minipar.train import train_reference
-
-    reference = train_reference(cfg)
-    taken = reference.losses[cfg.steps - len(result.losses):]  # a resumed run: its steps
-    loss_abs = float(np.max(np.abs(np.subtract(result.losses, taken))))
-    loss_rel = loss_abs / max(float(np.max(np.abs(reference.losses))), 1e-300)
-    param_abs, param_rel, where = max_differences(result.final, reference.final)
-    tolerance = TOLERANCE[cfg.dtype]
-    ok = loss_rel <= tolerance and param_rel <= tolerance
-    print(f"check against one process: losses max abs {loss_abs:.3e} rel {loss_rel:.3e}; "
-          f"final params max abs {param_abs:.3e} rel {param_rel:.3e}"
-          + (f" (worst: {where})" if where else "")
-          + f" -> {'OK' if ok else 'MISMATCH'} (tolerance {tolerance:g})", flush=True)
-    for line in result.extras.get("replica_disagreements", [])[:5]:
-        print(f"replicas disagree: {line}", flush=True)
-    return 0 if ok else 1
 
 
 # -------------------------------------------------------------------- mesh
@@ -233,25 +180,31 @@ def main(argv: list[str] | None = None) -> int:
     return COMMANDS[argv[0]](argv[1:])
 
 
+def main_quiet_on_closed_pipe() -> int:
+    """`main()`; when the reader of our output has left (`python -m minipar plan ... | head`),
+    stop quietly with exit 0."""
+    try:
+        return main()
+    except BrokenPipeError:
+        sys.stderr.close()
+        raise SystemExit(0) from None
+
+
 def run() -> None:
     """Entry point: like `python -m mpi4py`, an exception on one rank aborts every rank."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        code = main()
+    world_size = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
+    if world_size > 1:
+        # here, not at the top: log.py loads mpi4py.MPI, which one process never needs
+        from minipar.log import abort_on_exception
+
+        sys.exit(abort_on_exception(main_quiet_on_closed_pipe, label="minipar: "))
+    try:  # one process: no partner can be left waiting, the traceback and exit 1 suffice
+        code = main_quiet_on_closed_pipe()
     except SystemExit:
         raise
-    except BrokenPipeError:  # `python -m minipar plan ... | head`: the reader left
-        sys.stderr.close()
-        raise SystemExit(0) from None
     except BaseException:
-        world_size = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
-        rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
-        message = f"minipar: rank {rank} failed:\n{traceback.format_exc()}"
-        if world_size > 1:
-            from minipar.log import abort_all
-
-            abort_all(message)
-        sys.stderr.write(message)
+        sys.stderr.write(f"minipar: rank 0 failed:\n{traceback.format_exc()}")
         raise SystemExit(1) from None
     sys.exit(code)
 

@@ -171,15 +171,8 @@ def run_configs(configs: list[dict], out: Path) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        run_configs(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
-    except SystemExit:  # a bad config: every rank decided alike
-        raise
-    except BaseException:  # one failing rank stops them all, never a hang
-        import traceback
+    from minipar.log import abort_on_exception  # loads mpi4py.MPI: only in a rank process
 
-        from mpi4py import MPI
-
-        from minipar.log import abort_all
-
-        abort_all(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
+    # one failing rank stops them all, never a hang; a bad config exits every rank alike
+    abort_on_exception(lambda: run_configs(json.loads(Path(sys.argv[1]).read_text()),
+                                           Path(sys.argv[2])))

@@ -25,8 +25,9 @@ the router and LayerNorm, replicated everywhere, are summed over dp (sync="dp").
 
 Capacity and the aux loss are defined on the whole microbatch of the GLOBAL batch
 (docs/design.md, "The reference model"), so a few small collectives over dp make
-every rank see global counts: a count Allreduce (f), an Exscan (how many earlier assignments each expert already took)
-and the probability sums (P). The result equals one process to rounding.
+every rank see global counts: a count Allreduce (f), an Exscan (how many earlier
+assignments each expert already took) and the probability sums (P). The result equals
+one process to rounding.
 
 Run it: `mpiexec -n 8 python lessons/03_expert_parallel.py`, or
 `mpiexec -n 8 python -m minipar train --model moe --dp 8 --ep 8 --experts 64 --check`.
@@ -61,11 +62,7 @@ def route(u: Tensor, router: Tensor, top_k: int) -> Routing:
 
     Routing is row by row, so a rank needs nothing but its own rows: no communication."""
     probs = fused.softmax(u @ router)                            # (b, d) @ (d, E) -> (b, E)
-    chosen = nn.route(probs.data, top_k)                      # (b, k), ties -> lower id
-    token_of = np.repeat(np.arange(u.shape[0]), top_k)        # (b k,)
-    expert_of = chosen.ravel()                                # (b k,)
-    picked = probs[token_of, expert_of].reshape(-1, top_k)    # (b, k)
-    gates = (picked / picked.sum(axis=1, keepdims=True)).reshape(-1)
+    chosen, token_of, expert_of, gates = nn.top_k_gates(probs, top_k)  # (b, k), 3 x (b k,)
     return Routing(probs, chosen, gates, token_of, expert_of)
 
 
