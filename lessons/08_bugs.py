@@ -41,10 +41,10 @@ from mpi4py import MPI
 
 from minipar import nn
 from minipar.bugs import BUGS, Bug
-from minipar.config import TrainConfig, problems
+from minipar.config import TrainConfig
 from minipar.log import run_collectively, verdict
 from minipar.results import relative_difference
-from minipar.train import RunResult, train, train_reference
+from minipar.train import RunResult, problems, train, train_reference
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()

@@ -20,17 +20,19 @@ import sys
 import traceback
 from pathlib import Path
 
-from minipar.config import (
-    ConfigError,
-    config_from_args,
-    make_parser,
-    problems,
-)
+from minipar import checkpoint
+from minipar.bugs import listing
+from minipar.config import ConfigError, _Parser, config_from_args, make_parser
+from minipar.mesh import MeshShape
+from minipar.plan import plan_command as plan
+from minipar.report import ledger_table
 from minipar.results import check, dump
+from minipar.tour import main as tour
+from minipar.train import DivergedError, problems, train
 
 
 def _world():
-    from mpi4py import MPI
+    from mpi4py import MPI  # here: `plan`, `bugs`, `mesh` and the tests run without MPI
 
     return MPI.COMM_WORLD
 
@@ -61,8 +63,6 @@ def train_command(argv: list[str]) -> int:
     if errors:
         return fail(rank, errors[0] + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
 
-    from minipar.train import DivergedError, train
-
     def progress(step: int, loss: float) -> None:
         if rank == 0:
             print(f"step {step + 1:4d}  loss {loss:.6f}", flush=True)
@@ -72,8 +72,6 @@ def train_command(argv: list[str]) -> int:
     except DivergedError as error:  # raised on every rank at the same step: no abort needed
         return fail(rank, str(error), code=1)
     if args.ledger and rank == 0:
-        from minipar.report import ledger_table
-
         print(ledger_table(result.ledger, cfg), flush=True)
     if args.dump and rank == 0:
         dump(Path(args.dump), cfg, result)
@@ -92,8 +90,6 @@ def train_command(argv: list[str]) -> int:
 
 # -------------------------------------------------------------------- mesh
 def mesh_command(argv: list[str]) -> int:
-    from minipar.mesh import MeshShape
-
     parser = argparse.ArgumentParser(prog="python -m minipar mesh",
                                      description="Print which rank is in which group.")
     for axis in ("dp", "tp", "pp", "ep"):
@@ -110,16 +106,13 @@ def mesh_command(argv: list[str]) -> int:
 
 
 def tour_command(argv: list[str]) -> int:
-    from minipar.tour import main as tour
-
     return tour(argv)
 
 
 def reshard_command(argv: list[str]) -> int:
     """`python -m minipar reshard SRC DST [--dp --tp --pp --ep --virtual]`: rewrite a
     checkpoint for another mesh without training (one rank, no flags: the full state)."""
-    from minipar import checkpoint
-    from minipar.config import _Parser  # argparse that raises, so only rank 0 speaks
+    from minipar.reshard import reshard  # here: loads mpi4py.MPI, which `plan`/`bugs` never need
 
     world = _world()
     rank, size = world.Get_rank(), world.Get_size()
@@ -142,7 +135,7 @@ def reshard_command(argv: list[str]) -> int:
                                          checkpoint.folder_problems(Path(args.destination))]
     if errors:
         return fail(rank, errors[0])
-    checkpoint.reshard(cfg, world, args.source, args.destination)
+    reshard(cfg, world, args.source, args.destination)
     if rank == 0:
         print(f"resharded {args.source} (step {manifest['step']}, saved on "
               f"{manifest['mesh']['world']} ranks) -> {args.destination} for dp={cfg.dp} "
@@ -152,8 +145,6 @@ def reshard_command(argv: list[str]) -> int:
 
 def bugs_command(argv: list[str]) -> int:
     """`python -m minipar bugs`: the bugs `train --inject-bug NAME` can inject (no MPI)."""
-    from minipar.bugs import listing
-
     argparse.ArgumentParser(prog="python -m minipar bugs",
                             description="List the bugs of lesson 08.").parse_args(argv)
     print(listing())
@@ -162,8 +153,6 @@ def bugs_command(argv: list[str]) -> int:
 
 def plan_command(argv: list[str]) -> int:
     """`python -m minipar plan ...`: rank the ways to split a job at real scale (no MPI)."""
-    from minipar.plan import plan_command as plan
-
     return plan(argv)
 
 

@@ -33,6 +33,8 @@ from pathlib import Path
 
 from minipar.config import TrainConfig
 from minipar.memory import ModelStates
+from minipar.train import problems, train_reference
+from minipar.train import train as train_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,11 +147,7 @@ def by_rank(client: object, name: str) -> list:
 # ----------------------------------------------------------- the rank side
 def run_configs(configs: list[dict], out: Path) -> None:
     """Train each config on MPI.COMM_WORLD; rank 0 writes every run's results to `out`."""
-    from mpi4py import MPI
-
-    from minipar.config import problems
-    from minipar.train import train as train_mesh
-    from minipar.train import train_reference
+    from mpi4py import MPI  # here: the notebook side of this file runs without MPI
 
     world = MPI.COMM_WORLD
     results = []

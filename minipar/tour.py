@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from minipar.config import TrainConfig, problems
+from minipar.config import TrainConfig
 from minipar.results import TOLERANCE, max_differences, relative_difference
-from minipar.train import train, train_reference
+from minipar.train import problems, train, train_reference
 
 # (title, flags): the source text's strategies in its order, then what it leads to.
 STOPS: list[tuple[str, dict]] = [

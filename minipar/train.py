@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import checkpoint, nn
+from minipar import bugs, checkpoint, config, nn
 from minipar.config import TrainConfig
 from minipar.data import make_batch, microbatch_rows, shard_rows
 from minipar.optim import make_optimizer
@@ -54,6 +54,20 @@ class DivergedError(ArithmeticError):
         super().__init__(f"step {step} of {steps}: the loss is {loss} (training diverged; "
                          f"every rank stopped; try a smaller --lr than {lr:g})")
         self.step = step
+
+
+def problems(cfg: TrainConfig, world_size: int) -> list[str]:
+    """Every reason this run cannot start, empty if it can: the flags and the mesh
+    (`config.problems`), then the bug `--inject-bug` names (`bugs.problems`: unknown, or
+    for a strategy this mesh does not use), then the `--save`/`--resume` folders
+    (`checkpoint.problems`: reads the manifest and checksums). `cfg` must be resolved.
+    No communication: every rank reaches the same list alone, before the first step."""
+    out = config.problems(cfg, world_size)
+    if cfg.inject_bug is not None and not config.size_problems(cfg, world_size):
+        out += bugs.problems(cfg)
+    if not out and (cfg.save or cfg.resume):
+        out += checkpoint.problems(cfg)
+    return out
 
 
 def step_batch(cfg: TrainConfig, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -190,7 +204,7 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
 def train_on_mesh(cfg: TrainConfig, mesh: object,
                   on_step: Callable[[int, float], None] | None = None) -> RunResult:
     """The body of `train` on a mesh already built (its communicators and ledger)."""
-    from minipar.parallel import data_parallel, tensor_parallel
+    from minipar.parallel import tensor_parallel
     from minipar.parallel.pipeline_parallel import gather_timeline
 
     ledger = mesh.ledger
@@ -203,7 +217,7 @@ def train_on_mesh(cfg: TrainConfig, mesh: object,
     optimizer = make_optimizer(cfg.optimizer, cfg.lr)
     # gradient sync over dp + the optimizer: plain DP (--grad-sync) or ZeRO (--zero);
     # may wrap the model's pieces in hooks (overlap, ZeRO-2/3), and ZeRO-3 drops params
-    updater = data_parallel.make_updater(cfg, mesh, chunks, optimizer)
+    updater = make_updater(cfg, mesh, chunks, optimizer)
     # the saved optimizer state, cut as the updater keeps it (ZeRO: its flat slice)
     start = checkpoint.restore_optimizer(optimizer, params, saved, updater) if saved else 0
     # the losses of the steps already taken (a resumed run reports all --steps of them)
@@ -248,6 +262,19 @@ def train_on_mesh(cfg: TrainConfig, mesh: object,
                       # rank (expert_parallel.load_stats): tokens per expert, drops, ...
                       "expert_load": [block.last_stats for chunk in chunks
                                       for block in chunk.blocks if hasattr(block, "last_stats")]})
+
+
+def make_updater(cfg: TrainConfig, mesh: object, chunks: list[nn.Model],
+                 optimizer: object) -> object:
+    """The object that turns this rank's gradients into updated parameters after each
+    step's backward: plain data parallelism (`--grad-sync`) or a ZeRO stage (`--zero`).
+    Built once, before the first forward (it may wrap the pieces of `chunks`)."""
+    from minipar.parallel import data_parallel, zero  # here: they load mpi4py.MPI
+
+    if cfg.zero == 0:
+        return data_parallel.DataParallel(chunks, mesh, optimizer, cfg.grad_sync,
+                                          cfg.bucket_size, cfg.microbatches)
+    return zero.make_zero(cfg.zero, chunks, mesh, optimizer)
 
 
 def report_loss(mesh: object, local: float) -> float:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from minipar.config import TrainConfig, problems
+from minipar.config import TrainConfig
 from minipar.log import abort_on_exception
 from minipar.results import dump
-from minipar.train import train
+from minipar.train import problems, train
 
 
 def main() -> None:

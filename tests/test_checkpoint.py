@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minipar import checkpoint, nn
+from minipar import checkpoint, nn, shards
 from minipar.config import NOT_BUILT, TrainConfig
 from minipar.optim import Adam
 from tests.conftest import assert_equivalent, reference
@@ -134,11 +134,11 @@ def test_every_flat_run_is_boxes_in_order(shape):
     numbers = np.arange(int(np.prod(shape))).reshape(shape)
     for a in range(numbers.size + 1):
         for b in range(a, numbers.size + 1):
-            boxes = checkpoint.flat_boxes(shape, a, b)
+            boxes = shards.flat_boxes(shape, a, b)
             read = [numbers[box].ravel() for box in boxes]
             assert np.array_equal(np.concatenate(read or [[]]), np.arange(a, b)), (a, b)
             assert len(boxes) <= max(1, 2 * len(shape) - 1)
-    assert checkpoint.flat_boxes((3, 4), 2, 9) == [(slice(0, 1), slice(2, 4)),
+    assert shards.flat_boxes((3, 4), 2, 9) == [(slice(0, 1), slice(2, 4)),
                                                    (slice(1, 2), slice(0, 4)),
                                                    (slice(2, 3), slice(0, 1))]
 
@@ -149,10 +149,10 @@ def test_a_box_of_a_tp_shard_lands_in_its_columns_of_the_full_array():
     full = np.arange(8 * 12).reshape(8, 12)
     index = (slice(None), slice(6, 12))
     local = full[index]
-    for box in checkpoint.flat_boxes(local.shape, 5, 20):
-        assert np.array_equal(full[checkpoint.in_full_array(box, index)], local[box])
-    assert checkpoint.in_full_array((slice(1, 3),), (slice(6, 12),)) == (slice(7, 9),)
-    assert checkpoint.in_full_array((slice(1, 3),), None) == (slice(1, 3),)
+    for box in shards.flat_boxes(local.shape, 5, 20):
+        assert np.array_equal(full[shards.in_full_array(box, index)], local[box])
+    assert shards.in_full_array((slice(1, 3),), (slice(6, 12),)) == (slice(7, 9),)
+    assert shards.in_full_array((slice(1, 3),), None) == (slice(1, 3),)
 
 
 def test_a_shard_missing_from_the_manifest_leaves_arrays_incomplete(tmp_path):

@@ -33,7 +33,6 @@ Run it: `mpiexec -n 8 python lessons/01_data_parallel.py`, or
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 from mpi4py import MPI
@@ -43,9 +42,6 @@ from minipar.autograd import Tensor
 from minipar.memory import ModelStates, measure
 from minipar.nn import Module, Parameter
 
-if TYPE_CHECKING:
-    from minipar.config import TrainConfig
-    from minipar.parallel.zero import Zero1
 
 def grad_or_zeros(p: Parameter) -> np.ndarray:
     """p.grad, or zeros if backward never reached p on this rank: every replica must
@@ -293,16 +289,3 @@ class DataParallel:
         """Bytes of parameters, gradients and optimizer state this rank holds."""
         return measure([p.data for p in self.params], [p.grad for p in self.params],
                        self.optimizer.state_arrays())
-
-
-def make_updater(cfg: TrainConfig, mesh: object, chunks: Sequence[Module],
-                 optimizer: object) -> DataParallel | Zero1:
-    """The object that turns this rank's gradients into updated parameters after each
-    step's backward: plain data parallelism (`--grad-sync`) or a ZeRO stage (`--zero`).
-    Built once, before the first forward (it may wrap the pieces of `chunks`)."""
-    if cfg.zero == 0:
-        return DataParallel(chunks, mesh, optimizer, cfg.grad_sync, cfg.bucket_size,
-                            cfg.microbatches)
-    from minipar.parallel.zero import make_zero
-
-    return make_zero(cfg.zero, chunks, mesh, optimizer)

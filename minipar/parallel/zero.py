@@ -39,10 +39,10 @@ from collections.abc import Sequence
 import numpy as np
 from mpi4py import MPI
 
-from minipar.checkpoint import flat_boxes, in_full_array
 from minipar.memory import FlatLayout, ModelStates, displacements, measure
 from minipar.nn import Module, Parameter
 from minipar.parallel.data_parallel import Hooks, Piece, grad_or_zeros, install_hooks
+from minipar.shards import flat_boxes, in_full_array
 
 
 def _mpi_type(array: np.ndarray) -> MPI.Datatype:
