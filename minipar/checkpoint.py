@@ -47,11 +47,19 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from minipar import nn
 from minipar.config import TrainConfig
+from minipar.mesh import Mesh
+from minipar.optim import Optimizer
+from minipar.shards import held_parts
+
+if TYPE_CHECKING:  # data_parallel.py loads mpi4py.MPI; checking a checkpoint needs none
+    from minipar.comm import Group
+    from minipar.parallel.data_parallel import Updater
 
 FORMAT = "minipar-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -165,7 +173,7 @@ def write_manifest(folder: Path, cfg: TrainConfig, step: int, optimizer_t: int,
             stale.unlink()
 
 
-def pieces_to_write(world: object, params: Sequence[nn.Parameter]) -> list[int]:
+def pieces_to_write(world: Group, params: Sequence[nn.Parameter]) -> list[int]:
     """Which of this rank's params it writes: a replica (the same name and index on several
     ranks, e.g. over dp) is written once, by the lowest rank holding it."""
     keys = [json.dumps([p.name, encode_index(p.full_index)]) for p in params]
@@ -178,25 +186,21 @@ def pieces_to_write(world: object, params: Sequence[nn.Parameter]) -> list[int]:
     return [i for i, key in enumerate(keys) if first[key] == world.rank]
 
 
-def save(folder: str | Path, cfg: TrainConfig, mesh: object, params: Sequence[nn.Parameter],
-         optimizer: object, step: int, updater: object = None,
-         losses: Sequence[float] = ()) -> None:
+def save(folder: str | Path, cfg: TrainConfig, mesh: Mesh, updater: Updater,
+         optimizer: Optimizer, step: int, losses: Sequence[float] = ()) -> None:
     """Save this rank's params and optimizer state; a collective over `mesh.world`.
 
-    `optimizer.state_arrays()` gives each slot (Adam's m, v) as a list aligned with
-    `params`. A ZeRO `updater` keeps one flat slice of the state per rank instead: its
-    `checkpoint_pieces()` says which parameter boxes that slice holds (zero.py).
-    Order of events (the module docstring): old manifest gone, shards, manifest.
+    `updater.checkpoint_pieces()` says what this rank holds: plain data parallelism its
+    parameters and the optimizer's state for each; ZeRO the boxes of the full arrays its
+    one flat slice covers (zero.py). Order of events (the module docstring): old
+    manifest gone, shards, manifest.
     """
     folder, world = Path(folder), mesh.world
     if world.rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / MANIFEST).unlink(missing_ok=True)   # from now on nothing here loads
     world.Barrier()  # no shard is replaced while an old manifest could still vouch for it
-    if hasattr(updater, "checkpoint_pieces"):
-        params, held = updater.checkpoint_pieces()
-    else:
-        held = optimizer.state_arrays()
+    params, held = updater.checkpoint_pieces()
     mine = pieces_to_write(world, params)
     state = {slot: [values[i] for i in mine] for slot, values in held.items()}
     meta = {"step": step, "coords": mesh.coords,
@@ -297,17 +301,17 @@ def load(folder: str | Path) -> Checkpoint:
                       manifest)
 
 
-def restore_optimizer(optimizer: object, params: Sequence[nn.Parameter],
-                      saved: Checkpoint, updater: object = None) -> int:
-    """Hand the optimizer this rank's slice of the saved state (Adam's m and v cut with
-    each param's `full_index`, as the params themselves were cut at build time; under
-    ZeRO the `updater`'s `slice_state` cuts its flat slice instead). Returns the step
-    to start from."""
-    def mine(full: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return [np.array(full[p.name][... if p.full_index is None else p.full_index])
-                for p in params]
-
-    cut = getattr(updater, "slice_state", mine)
+def restore_optimizer(optimizer: Optimizer, params: Sequence[nn.Parameter],
+                      saved: Checkpoint, updater: Updater | None = None) -> int:
+    """Hand the optimizer this rank's slice of the saved state: the `updater`'s
+    `slice_state` (ZeRO: its flat slice), or without one Adam's m and v cut with each
+    param's `full_index`, as the params themselves were cut at build time. Returns the
+    step to start from."""
+    if updater is not None:
+        cut = updater.slice_state
+    else:
+        def cut(full: dict[str, np.ndarray]) -> list[np.ndarray]:
+            return held_parts(params, full)
     optimizer.t = saved.optimizer_t
     if saved.state:   # Adam: m and v per slot of what optim.Adam is handed at each step
         optimizer.m = cut(saved.state["m"])

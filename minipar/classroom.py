@@ -22,12 +22,14 @@ The rank side of `train` is this module run under mpiexec:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -105,9 +107,7 @@ def train(n: int, configs: list[dict], timeout: float = 240) -> list[Run]:
 def engines(n: int = 4) -> tuple[object, object]:
     """Start n ipyparallel engines as the ranks of one MPI job and make `%%px` cells run
     on them. Returns (cluster, client); `stop(cluster, client)` ends them."""
-    import logging
-
-    import ipyparallel as ipp
+    import ipyparallel as ipp  # here: only a notebook starting engines needs ipyparallel
 
     os.environ.update({k: v for k, v in rank_environment().items()
                        if k.endswith("_THREADS") or k == "UCX_NET_DEVICES"})
@@ -126,8 +126,6 @@ def engines(n: int = 4) -> tuple[object, object]:
 def stop(cluster: object, client: object, timeout: float = 15) -> None:
     """End the engines (each leaves its MPI job), wait for mpiexec to exit, then stop
     the controller."""
-    import time
-
     client.shutdown(hub=False, block=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(

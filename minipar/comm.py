@@ -37,7 +37,6 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar.autograd import Tensor
-from minipar.memory import wire_elements  # noqa: F401  (pure arithmetic, re-exported)
 
 
 # ------------------------------------------------------------------ ledger

@@ -87,12 +87,6 @@ class TrainConfig:
         return asdict(self)
 
 
-# Strategies whose code is not in this tree yet are refused, never silently ignored.
-# Each strategy's issue deletes its line when its code lands.
-NOT_BUILT: dict[str, str] = {
-}
-
-
 def problems(cfg: TrainConfig, world_size: int) -> list[str]:
     """Every reason the flags of `cfg` cannot run on `world_size` ranks; empty if they can.
     `cfg` must be `resolved`. Pure: every rank reaches the same list. A run also checks
@@ -102,7 +96,6 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
         return out  # the divisibility below is meaningless with such sizes
     out += _divisibility(cfg)
     out += _data_parallel_problems(cfg)
-    out += [message for flag, message in NOT_BUILT.items() if _flag_used(cfg, flag)]
     return out
 
 
@@ -198,13 +191,6 @@ def _data_parallel_problems(cfg: TrainConfig) -> list[str]:
         out.append(f"{hooked} takes each block's gradients when its backward ends, before "
                    "--sp sums LayerNorm gradients over tp: use --zero 0/1 without overlap")
     return out
-
-
-def _flag_used(cfg: TrainConfig, flag: str) -> bool:
-    """Whether a strategy flag is switched on (a degree above 1, a stage above 0, ...)."""
-    value = getattr(cfg, flag)
-    default = {f.name: f.default for f in fields(TrainConfig)}[flag]
-    return value != default and value not in (1, None)
 
 
 # ----------------------------------------------------------------- parsing

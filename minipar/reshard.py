@@ -2,7 +2,7 @@
 
 What this file teaches: because a checkpoint speaks of the full canonical arrays
 (checkpoint.py), moving it to another mesh is "resume, then save": build this
-rank's model from the full arrays as a resumed run does (`train.build_rank_model`),
+rank's model from the full arrays as a resumed run does (`train.parallelize`),
 hand the optimizer its slices, and save on the new mesh. On one rank with the
 default mesh the result is a single file holding the full state.
 
@@ -19,7 +19,7 @@ from minipar.comm import Ledger
 from minipar.config import TrainConfig
 from minipar.mesh import Mesh
 from minipar.optim import make_optimizer
-from minipar.train import build_rank_model
+from minipar.train import parallelize
 
 
 def reshard(cfg: TrainConfig, world: object, source: str | Path,
@@ -28,10 +28,10 @@ def reshard(cfg: TrainConfig, world: object, source: str | Path,
     a collective over the `world` communicator."""
     mesh = Mesh(cfg.mesh_shape(), world, Ledger())
     saved = checkpoint.load(source)
-    chunks = build_rank_model(cfg, mesh, saved.params)
-    params = [p for chunk in chunks for p in chunk.parameters()]
     optimizer = make_optimizer(cfg.optimizer, cfg.lr)
-    step = checkpoint.restore_optimizer(optimizer, params, saved)
-    checkpoint.save(destination, cfg, mesh, params, optimizer, step,
+    chunks, updater = parallelize(cfg, mesh, saved.params, optimizer)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    step = checkpoint.restore_optimizer(optimizer, params, saved, updater)
+    checkpoint.save(destination, cfg, mesh, updater, optimizer, step,
                     losses=saved.manifest.get("losses", []))
     mesh.free()

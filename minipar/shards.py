@@ -12,7 +12,13 @@ so a file means the same thing whatever mesh wrote it. Pure NumPy, no MPI.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from minipar.nn import Parameter
 
 
 def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[slice, ...]]:
@@ -53,3 +59,10 @@ def in_full_array(box: tuple[slice, ...], full_index: tuple | None) -> tuple[sli
         start = held.start or 0
         out.append(slice(start + part.start, start + part.stop))
     return tuple(out)
+
+
+def held_parts(params: Sequence[Parameter], full: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Each parameter's part of full canonical arrays (name -> array), cut with its
+    `full_index` as the parameter itself was cut at build time: a copy per parameter."""
+    return [np.array(full[p.name][... if p.full_index is None else p.full_index])
+            for p in params]

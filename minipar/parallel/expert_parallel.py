@@ -43,6 +43,7 @@ from minipar import autograd as ag
 from minipar import comm, fused, nn
 from minipar.autograd import Tensor
 from minipar.comm import Group
+from minipar.mesh import Mesh
 
 
 # ------------------------------------------------------------------ 1. route
@@ -210,7 +211,7 @@ class ExpertParallelBlock(nn.Module):
     """
 
     def __init__(self, full: dict[str, np.ndarray], index: int, cfg: nn.ModelConfig,
-                 mesh: object) -> None:
+                 mesh: Mesh) -> None:
         p = f"blocks.{index}"
         self.cfg = cfg
         self.dp_group, self.ep_group = mesh.dp, mesh.ep
