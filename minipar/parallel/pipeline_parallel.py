@@ -211,7 +211,7 @@ def forward_backward(worker: StageWorker, schedule_name: str, microbatches: int,
     return loss
 
 
-def gather_timeline(world: object, timeline: list[dict]) -> list[dict] | None:
+def gather_timeline(world: Group, timeline: list[dict]) -> list[dict] | None:
     """Every rank's timeline on world rank 0 (None elsewhere), times in seconds from the
     earliest start on any rank. A collective over `world` (a `comm.Group`)."""
     everything = world.gather(timeline)  # small Python lists of records -> rank 0
