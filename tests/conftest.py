@@ -28,12 +28,12 @@ def reference(**fields: object) -> RunResult:
 def assert_equivalent(run: dict, ref: RunResult, rtol: float = RTOL, label: str = "") -> None:
     """A parallel run's losses and final parameters equal the reference (float64, 1e-9):
     `results.relative_difference` (max |a - b| / max |b|) at most rtol, per tensor, the
-    measure of `--check`."""
+    measure of `--check`; a parameter's scale is taken as at least 1e-12."""
     losses, expected = np.asarray(run["losses"]), np.asarray(ref.losses)
     assert losses.shape == expected.shape, label
     assert relative_difference(losses, expected) <= rtol, (
         f"{label}: losses {losses} != {expected}")
     assert set(run["final"]) == set(ref.final), label
     for name, value in ref.final.items():
-        rel = relative_difference(run["final"][name], value)
+        rel = relative_difference(run["final"][name], value, floor=1e-12)
         assert rel <= rtol, f"{label}: {name} differs by {rel:.3e} (relative)"
