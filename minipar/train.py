@@ -143,6 +143,10 @@ def parallelize(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray],
     4. data parallelism: the gradients synchronized over `mesh.dp` after backward,
        plainly or with ZeRO 1/2/3, then the optimizer step (`make_updater`).
 
+    The transformer (gpt.py) goes through the same steps: each of its blocks is
+    attention (replicated, synced over dp like any weight) followed by the FFN block
+    that 2 and 3 split, and its pipeline stages pass (B/(M dp), T, d).
+
     Each strategy is handed what it needs (its groups, sizes, the optimizer); returns
     the model chunks and the updater that turns their gradients into a step.
     """
