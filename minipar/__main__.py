@@ -66,6 +66,7 @@ def train_command(argv: list[str]) -> int:
     if errors:
         return fail(rank, errors[0] + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
 
+    from minipar.checkpoint import CheckpointError, FolderInUseError, holding
     from minipar.train import DivergedError, train
 
     def progress(step: int, loss: float) -> None:
@@ -73,7 +74,11 @@ def train_command(argv: list[str]) -> int:
             print(f"step {step + 1:4d}  loss {loss:.6f}", flush=True)
 
     try:
-        result = train(cfg, world, on_step=progress)
+        with holding(world, cfg.save):   # --save DIR is this job's alone until it ends
+            result = train(cfg, world, on_step=progress)
+    except CheckpointError as error:   # on every rank alike: the folder is taken (before the
+        return fail(rank, str(error), code=2 if isinstance(error, FolderInUseError) else 1)  # first
+        # step, exit 2), or a save failed (the previous checkpoint kept, exit 1)
     except DivergedError as error:  # raised on every rank at the same step: no abort needed
         return fail(rank, str(error), code=1)
     if args.ledger and rank == 0:

@@ -59,6 +59,8 @@ class TrainConfig:
     sp: bool = False
     save: str | None = None           # checkpoint folder written at the end (checkpoint.py)
     resume: str | None = None         # checkpoint folder to start from, on any mesh
+    keep: int = 2                     # --save keeps this many step folders (checkpoint.py)
+    timeout: float = 300.0            # seconds a rank may wait in one call (watchdog.py)
     inject_bug: str | None = None     # lesson 08: run with one deliberate bug (bugs.py)
 
     def resolved(self, world_size: int) -> TrainConfig:
@@ -113,6 +115,14 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
     if cfg.capacity_factor is not None and math.isfinite(cfg.capacity_factor) \
             and cfg.capacity_factor <= 0:
         out.append(f"--capacity-factor must be positive (got {cfg.capacity_factor})")
+    if cfg.keep < 1:
+        out.append(f"--keep must be at least 1 checkpoint (got {cfg.keep})")
+    if not math.isfinite(cfg.timeout) or cfg.timeout < 0:
+        out.append(f"--timeout must be 0 (no watchdog) or a positive number of seconds "
+                   f"(got {cfg.timeout})")
+    for name in ("save", "resume"):
+        if getattr(cfg, name) == "":
+            out.append(f"--{name} needs a folder name (got an empty one)")
     if cfg.seed < 0:
         out.append(f"--seed must be zero or positive (got {cfg.seed})")
     if cfg.classes == 1:
@@ -238,6 +248,11 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--sp", action="store_true", help="sequence parallelism inside the tp group")
     add("--save", metavar="DIR", help="write a sharded checkpoint at the end")
     add("--resume", metavar="DIR", help="start from a checkpoint saved on any mesh")
+    add("--keep", type=int, default=d.keep, metavar="N",
+        help="step folders --save keeps (the newest N; a failed save never removes one)")
+    add("--timeout", type=float, default=d.timeout, metavar="SECONDS",
+        help="end the job when a rank waits this long in one collective or receive "
+             "(0: wait forever)")
     add("--inject-bug", metavar="NAME", default=None,
         help="break one thing on purpose (lesson 08); `python -m minipar bugs` lists them")
 

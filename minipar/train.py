@@ -236,7 +236,8 @@ def train_on_mesh(cfg: TrainConfig, mesh: object,
     updater.materialize()  # ZeRO-3: gather every parameter whole before reading p.data
     final, disagreements = gather_full_params(mesh, params, cfg)
     if cfg.save:  # every rank writes its shard; rank 0 the manifest, last
-        checkpoint.save(cfg.save, cfg, mesh, params, optimizer, cfg.steps, updater, losses)
+        checkpoint.save(cfg.save, cfg, mesh, params, optimizer, cfg.steps, updater, losses,
+                        keep=cfg.keep)
     return RunResult(losses, init, final,
                      [r for rank in gathered for r in rank] if gathered else [],
                      {"replica_disagreements": disagreements,

@@ -85,14 +85,15 @@ def folders(tmp_path_factory):
     for name in ("unfinished", "truncated", "tampered", "garbled"):
         paths[name] = root / name
         shutil.copytree(good, paths[name])
-    (paths["unfinished"] / "manifest.json").unlink()
-    shard = paths["truncated"] / checkpoint.shard_name(0, 2)
+    step = checkpoint.resolve(good).name          # the step folder `latest` names
+    (paths["unfinished"] / "latest").unlink()     # as if the save died before the switch
+    shard = paths["truncated"] / step / checkpoint.shard_name(0, 2)
     shard.write_bytes(shard.read_bytes()[:-1])
-    shard = paths["tampered"] / checkpoint.shard_name(0, 2)
+    shard = paths["tampered"] / step / checkpoint.shard_name(0, 2)
     data = bytearray(shard.read_bytes())
     data[-200] ^= 0xFF
     shard.write_bytes(bytes(data))
-    (paths["garbled"] / "manifest.json").write_text('{"format": "minipar-checkp')
+    (paths["garbled"] / step / "manifest.json").write_text('{"format": "minipar-checkp')
     return paths
 
 
