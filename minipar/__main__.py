@@ -66,6 +66,7 @@ def train_command(argv: list[str]) -> int:
     if errors:
         return fail(rank, errors[0] + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
 
+    from minipar import watchdog
     from minipar.checkpoint import CheckpointError, FolderInUseError, holding
     from minipar.train import DivergedError, train
 
@@ -73,6 +74,7 @@ def train_command(argv: list[str]) -> int:
         if rank == 0:
             print(f"step {step + 1:4d}  loss {loss:.6f}", flush=True)
 
+    watchdog.start(cfg.timeout, rank)  # a rank stuck in one call that long ends the job
     try:
         with holding(world, cfg.save):   # --save DIR is this job's alone until it ends
             result = train(cfg, world, on_step=progress)
@@ -81,6 +83,8 @@ def train_command(argv: list[str]) -> int:
         # step, exit 2), or a save failed (the previous checkpoint kept, exit 1)
     except DivergedError as error:  # raised on every rank at the same step: no abort needed
         return fail(rank, str(error), code=1)
+    finally:
+        watchdog.stop()
     if args.ledger and rank == 0:
         from minipar.report import ledger_table
 

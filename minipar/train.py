@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import checkpoint, nn
+from minipar import checkpoint, nn, watchdog
 from minipar.config import TrainConfig
 from minipar.data import make_batch, microbatch_rows, shard_rows
 from minipar.optim import make_optimizer
@@ -210,6 +210,7 @@ def train_on_mesh(cfg: TrainConfig, mesh: object,
     losses = list(saved.manifest.get("losses", [])) if saved else []
     timeline: list[dict] = []  # the pipeline's instructions of the last step, timed
     for step in range(start, cfg.steps):  # --steps is the total, resumed or not
+        watchdog.doing(f"step {step + 1} of {cfg.steps}")  # named if a rank gets stuck
         ledger.reset()
         timeline.clear()
         x, y = step_batch(cfg, step)
@@ -228,6 +229,7 @@ def train_on_mesh(cfg: TrainConfig, mesh: object,
         ledger.enabled = True
         if on_step is not None:
             on_step(step, losses[-1])
+    watchdog.doing("the end of the run (gathering results, saving the checkpoint)")
     last_ledger = ledger.records(mesh.rank)
     ledger.enabled = False
     gathered = mesh.world.gather(last_ledger)
