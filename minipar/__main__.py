@@ -242,25 +242,41 @@ def main(argv: list[str] | None = None) -> int:
     return COMMANDS[argv[0]](argv[1:])
 
 
+# Commands whose ranks talk: a rank that leaves on its own strands the others.
+TALKING = ("train", "reshard", "tour")
+
+
 def run() -> None:
-    """Entry point: like `python -m mpi4py`, an exception on one rank aborts every rank."""
+    """Entry point: like `python -m mpi4py`, an exception on one rank aborts every rank,
+    and so does a SystemExit with a failing code on one rank of a command whose ranks
+    talk (its partners would wait for it forever). Every rank leaving alike (a bad
+    setting, --help) returns an exit code from `main` instead, and exits normally."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    world_size = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
+    rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
     try:
         code = main()
-    except SystemExit:
+    except SystemExit as leaving:
+        if leaving.code in (None, 0) or world_size == 1 or sys.argv[1:2] not in [
+                [name] for name in TALKING]:
+            raise
+        from minipar.log import abort_all
+
+        abort_all(f"minipar: rank {rank} left on its own (SystemExit({leaving.code!r})) "
+                  "while its partners ran on: ending the job\n",
+                  leaving.code if isinstance(leaving.code, int) else 1)
         raise
     except BrokenPipeError:  # `python -m minipar plan ... | head`: the reader left
         sys.stderr.close()
         raise SystemExit(0) from None
     except BaseException:
-        world_size = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
-        rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
         message = f"minipar: rank {rank} failed:\n{traceback.format_exc()}"
-        if world_size > 1:
+        if world_size > 1:   # the traceback once, then MPI_Abort ends every rank
             from minipar.log import abort_all
 
             abort_all(message)
-        sys.stderr.write(message)
+        else:
+            sys.stderr.write(message)
         raise SystemExit(1) from None
     sys.exit(code)
 

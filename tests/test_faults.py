@@ -1,7 +1,7 @@
 """When a rank dies or the numbers blow up, the whole job ends, quickly and clearly.
 
-A rank that raises is turned into `MPI_Abort` for all (`minipar.__main__.run`);
-a rank killed by SIGKILL gets no chance to say anything, and the launcher must
+A rank that raises, or leaves alone through SystemExit, is turned into `MPI_Abort`
+for all (`minipar.__main__.run`); a rank killed by SIGKILL gets no chance to say anything, and the launcher must
 end the others. Either way: a non-zero exit within 30 s, the failing rank named.
 A loss that becomes NaN or infinite stops every rank at the same step with one
 line naming it. (A save cut short: tests/test_save_failures.py.) And the same
@@ -33,15 +33,20 @@ def faulty(n: int, spec: str, args: list[str]) -> tuple[object, float]:
     return job, time.monotonic() - start
 
 
-@pytest.mark.parametrize("mode", ["raise", "kill"])
+@pytest.mark.parametrize("mode", ["raise", "kill", "exit"])
 def test_a_dying_rank_ends_the_whole_job(mode):
-    job, seconds = faulty(4, f"{mode}:2:3", ["train", "--dp", "4", "--steps", "5", *SMALL])
+    # --timeout 0: the watchdog is not what ends these, the dying rank's own exit is
+    job, seconds = faulty(4, f"{mode}:2:3", ["train", "--dp", "4", "--steps", "5",
+                                             "--timeout", "0", *SMALL])
     assert not job.timed_out and seconds < 30, job.explain()
     assert job.returncode != 0, job.explain()
     assert "rank 2: injected" in job.stderr, job.explain()        # the failing rank speaks
-    if mode == "raise":   # its traceback, under the rank's name, then MPI_Abort
+    if mode == "raise":   # its traceback, once, under the rank's name, then MPI_Abort
         assert "minipar: rank 2 failed" in job.stderr, job.explain()
         assert "RuntimeError: injected failure on rank 2 at step 3" in job.stderr
+        assert job.stderr.count("Traceback") == 1, job.explain()
+    if mode == "exit":    # a SystemExit on one rank alone: the others must not wait for it
+        assert "minipar: rank 2 left on its own (SystemExit(3))" in job.stderr, job.explain()
     # nobody went past the failing step (output in flight when the job ends may be lost)
     steps_done = re.findall(r"^step +(\d+)", job.stdout, flags=re.M)
     assert all(int(step) < 3 for step in steps_done), job.explain()
