@@ -2,7 +2,8 @@
 
 A rank that raises, or leaves alone through SystemExit, is turned into `MPI_Abort`
 for all (`minipar.__main__.run`); a rank killed by SIGKILL gets no chance to say
-anything, and the launcher must end the others. Either way: a non-zero exit within 30 s, the failing rank named.
+anything, and the launcher must end the others. Either way: a non-zero exit
+within 30 s, the failing rank named.
 A loss that becomes NaN or infinite stops every rank at the same step with one
 line naming it. (A save cut short: tests/test_save_failures.py.) And the same
 command run twice gives the same bits.
