@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from minipar import preflight
 from minipar.config import (
     ConfigError,
     TrainConfig,
@@ -61,6 +62,10 @@ def train_command(argv: list[str]) -> int:
         args = parser.parse_args(argv)
         cfg = config_from_args(args).resolved(world.Get_size())
         errors = problems(cfg, world.Get_size())
+        if not errors:   # the arithmetic and the folders (preflight.py), still no talking
+            errors = (preflight.overflow_problems(cfg)
+                      + preflight.memory_problems(cfg, world.Get_size())
+                      + preflight.output_problems({"--dump": args.dump}))
     except ConfigError as error:
         errors = [str(error)]
     if errors:
@@ -201,7 +206,7 @@ def reshard_command(argv: list[str]) -> int:
         manifest = checkpoint.read_manifest(Path(args.source))
         cfg = checkpoint.config_for(manifest, **mesh).resolved(size)
         errors = problems(cfg, size) + [f"DST {message}" for message in
-                                         checkpoint.folder_problems(Path(args.destination))]
+                                         preflight.folder_problems(args.destination)]
     if errors:
         return fail(rank, errors[0])
     checkpoint.reshard(cfg, world, args.source, args.destination)

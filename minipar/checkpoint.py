@@ -52,10 +52,8 @@ import contextlib
 import hashlib
 import io
 import json
-import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -521,24 +519,11 @@ def problems(cfg: TrainConfig) -> list[str]:
 
 
 def folder_problems(folder: Path) -> list[str]:
-    """Why files cannot be written into `folder`: an empty name, a file in the way (the
-    folder itself or a parent), a parent where this process cannot create files."""
-    if str(folder) in ("", "."):
-        return ["needs a folder name (got an empty one)"] if str(folder) == "" else []
-    if folder.exists() and not folder.is_dir():
-        return [f"{folder}: exists and is not a folder"]
-    parent = folder
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        return [f"{folder}: {parent} is a file, not a folder"]
-    try:   # really try: os.access says yes to root on a read-only mount
-        handle, probe = tempfile.mkstemp(prefix=".minipar-probe-", dir=parent)
-        os.close(handle)
-        os.unlink(probe)
-    except OSError as error:
-        return [f"{folder}: {parent} is not writable ({error.strerror})"]
-    return []
+    """Why a checkpoint cannot be written to `folder` (preflight.py: not a folder, not
+    writable, an empty name)."""
+    from minipar.preflight import folder_problems as problems_of
+
+    return problems_of(folder)
 
 
 # The flags that define the model (parameter shapes, the loss), the data stream and the

@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI
 
     from minipar.__main__ import TOLERANCE, max_differences
+    from minipar.preflight import output_problems
     from minipar.train import train, train_reference
 
     parser = argparse.ArgumentParser(prog="python -m minipar tour")
@@ -57,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
+    unwritable = output_problems({"--plot": args.plot})   # before the first stop, not after
+    if unwritable:
+        if rank == 0:
+            print(f"minipar: error: {unwritable[0]}", file=sys.stderr, flush=True)
+        return 2
     if size != 8:
         if rank == 0:
             print("minipar: error: the tour runs on 8 ranks: mpiexec -n 8 python -m minipar tour",
