@@ -47,13 +47,36 @@ class RunResult:
 
 
 class DivergedError(ArithmeticError):
-    """The step loss became NaN or infinite. Raised on every rank at the same step (the
-    loss is already the same number everywhere), so the job stops together."""
+    """The step loss, or the parameters after an update, became NaN or infinite. Raised
+    on every rank at the same step (the loss and the count of non-finite numbers are the
+    same everywhere), so the job stops together, before anything is saved."""
 
-    def __init__(self, step: int, steps: int, loss: float, lr: float) -> None:
-        super().__init__(f"step {step} of {steps}: the loss is {loss} (training diverged; "
-                         f"every rank stopped; try a smaller --lr than {lr:g})")
+    def __init__(self, step: int, steps: int, what: str, blame: str) -> None:
+        super().__init__(f"step {step} of {steps}: {what} (training diverged; every rank "
+                         f"stopped, nothing saved; {blame})")
         self.step = step
+
+
+def blame(cfg: TrainConfig, first: bool) -> str:
+    """Which flag to change. The loss of a run's first step is taken before any update, so
+    --lr cannot be its cause; a large MoE --aux-coef can (its term adds to every block's
+    loss and gradient); otherwise the learning rate overshot."""
+    if cfg.model == "moe" and (first or cfg.aux_coef > 1):
+        return f"try a smaller --aux-coef than {cfg.aux_coef:g}"
+    if first:
+        return "the loss is not finite before any update: check --dtype and the sizes"
+    return f"try a smaller --lr than {cfg.lr:g}"
+
+
+def nonfinite_count(mesh: object, params: list[nn.Parameter], updater: object) -> int:
+    """How many numbers of the model are NaN or infinite after the update, summed over
+    every rank (each counts what it updates: ZeRO its flat slice, others what they hold)."""
+    from minipar.comm import allreduce_sum
+
+    held = [updater.my_params()] if hasattr(updater, "my_params") else [p.data for p in params]
+    local = sum(int(np.count_nonzero(~np.isfinite(a))) for a in held)
+    # this rank's count -> the sum on every rank, so all stop at the same step
+    return int(allreduce_sum(mesh.world, np.array([local], dtype=np.int64))[0])
 
 
 def step_batch(cfg: TrainConfig, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -181,8 +204,9 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
     from minipar.mesh import Mesh
 
     mesh = Mesh(cfg.mesh_shape(), world, Ledger())
-    try:
-        return train_on_mesh(cfg, mesh, on_step)
+    try:  # overflow shows up as a DivergedError line, not as NumPy warnings burying it
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+            return train_on_mesh(cfg, mesh, on_step)
     finally:  # also when a step diverges: a sweep or a notebook builds many meshes
         mesh.free()
 
@@ -225,7 +249,12 @@ def train_on_mesh(cfg: TrainConfig, mesh: object,
         ledger.enabled = False  # reporting the loss is not part of training's traffic
         losses.append(report_loss(mesh, local))
         if not math.isfinite(losses[-1]):  # the same number on every rank: all stop here
-            raise DivergedError(step + 1, cfg.steps, losses[-1], cfg.lr)
+            raise DivergedError(step + 1, cfg.steps, f"the loss is {losses[-1]}",
+                                blame(cfg, step == start))
+        broken = nonfinite_count(mesh, params, updater)   # a finite loss, a broken update
+        if broken:
+            raise DivergedError(step + 1, cfg.steps, f"the update left {broken} numbers of "
+                                "the ranks' parameters NaN or infinite", blame(cfg, first=False))
         ledger.enabled = True
         if on_step is not None:
             on_step(step, losses[-1])

@@ -63,12 +63,30 @@ def test_a_diverging_loss_stops_every_rank_at_the_same_step(tmp_path):
     assert job.returncode != 0 and job.returncode != 2, job.explain()   # not a bad setting
     errors = [line for line in job.stderr.splitlines() if line.startswith("minipar: error:")]
     assert len(errors) == 1 and "Traceback" not in job.stderr, job.explain()
+    assert "Warning" not in job.stderr, job.explain()
     named = re.search(r"step (\d+) of 6: the loss is (nan|inf|-inf)", errors[0])
     assert named, errors[0]
     finite = re.findall(r"^step +(\d+)", job.stdout, flags=re.M)
     assert int(named.group(1)) == len(finite) + 1 and len(finite) < 6, job.explain()
     assert "done:" not in job.stdout
     assert not (folder / "latest").exists() and not list(folder.glob("step-*"))  # no save
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--dtype", "float32", "--lr", "1e39", "--steps", "1"], "--lr"),   # lr is inf in float32
+    (["--zero", "3", "--optimizer", "adam", "--dtype", "float32", "--lr", "1e39", "--steps",
+      "2"], "--lr"),
+    (["--model", "moe", "--aux-coef", "1e308", "--steps", "2"], "--aux-coef"),
+])
+def test_non_finite_parameters_stop_the_run_at_that_step(tmp_path, flags, named):
+    folder = tmp_path / "never"
+    job = minipar(2, ["train", "--dp", "2", *SMALL, *flags, "--save", str(folder)], 60)
+    assert job.returncode == 1 and not job.timed_out, job.explain()
+    lines = [line for line in job.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, job.explain()          # no NumPy warnings burying the line
+    assert lines[0].startswith("minipar: error: step 1 of ") and "nothing saved" in lines[0]
+    assert f"try a smaller {named} than" in lines[0], lines[0]
+    assert "done:" not in job.stdout and not list(folder.glob("step-*")), job.explain()
 
 
 def determinism_flags() -> tuple[int, list[str]]:
