@@ -158,18 +158,25 @@ def check(cfg: TrainConfig, result: object) -> int:
 
 
 # -------------------------------------------------------------------- mesh
+MESH_TABLE_LIMIT = 4096
+
+
 def mesh_command(argv: list[str]) -> int:
     from minipar.mesh import MeshShape
 
     parser = argparse.ArgumentParser(prog="python -m minipar mesh",
                                      description="Print which rank is in which group.")
     for axis in ("dp", "tp", "pp", "ep"):
-        parser.add_argument(f"--{axis}", type=int, default=1)
+        parser.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} degree")
     parser.add_argument("--world", type=int, default=None,
                         help="ranks the mesh must fill (default: dp*tp*pp)")
     args = parser.parse_args(argv)
     shape = MeshShape(args.dp, args.tp, args.pp, args.ep)
     errors = shape.problems(shape.world if args.world is None else args.world)
+    if not errors and shape.world > MESH_TABLE_LIMIT:   # one row per rank: keep it readable
+        errors = [f"the mesh dp*tp*pp = {shape.world} ranks is more rows than a table can "
+                  f"show (at most {MESH_TABLE_LIMIT}): the same shape with smaller sizes "
+                  "shows the same pattern"]
     if errors:
         return fail(0, errors[0])
     print(shape.table())
@@ -193,9 +200,11 @@ def reshard_command(argv: list[str]) -> int:
     parser = _Parser(prog="python -m minipar reshard",
                     description="Rewrite a checkpoint for the mesh of this job.")
     for axis, default in (("dp", None), ("tp", 1), ("pp", 1), ("ep", 1), ("virtual", 1)):
-        parser.add_argument(f"--{axis}", type=int, default=default)
-    parser.add_argument("source", metavar="SRC")
-    parser.add_argument("destination", metavar="DST")
+        parser.add_argument(f"--{axis}", type=int, default=default,
+                            help=f"the new mesh's {axis} (default: dp fills the job)"
+                            if axis == "dp" else f"the new mesh's {axis}")
+    parser.add_argument("source", metavar="SRC", help="the checkpoint folder to read")
+    parser.add_argument("destination", metavar="DST", help="the checkpoint folder to write")
     try:
         args = parser.parse_args(argv)
     except ConfigError as error:
@@ -240,6 +249,9 @@ COMMANDS = {"train": train_command, "mesh": mesh_command, "tour": tour_command,
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv[1:]) and os.environ.get("PMI_RANK", os.environ.get(
+            "OMPI_COMM_WORLD_RANK", "0")) != "0":
+        sys.stdout = open(os.devnull, "w")  # --help: every rank parses, rank 0 alone prints
     if not argv or argv[0] not in COMMANDS:
         print(f"usage: python -m minipar {{{','.join(COMMANDS)}}} [flags]  "
               "(add --help after a command)", file=sys.stderr)

@@ -225,21 +225,42 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+TRAIN_HELP = {
+    "layers": "blocks in the model", "d_in": "input features", "d_model": "model width",
+    "d_ff": "hidden width of a dense block (default 4 d_model)", "classes": "output classes",
+    "experts": "MoE: experts per block", "top_k": "MoE: experts each token goes to",
+    "expert_d_ff": "MoE: hidden width of an expert (default 2 d_model)",
+    "batch": "rows per step, over all data-parallel ranks",
+    "microbatches": "gradient accumulation: pieces of each rank's rows",
+    "steps": "total steps (also when resuming)", "seed": "seeds the model and the data",
+    "dp": "data-parallel ranks (default: world / (tp pp))", "tp": "tensor-parallel ranks",
+    "pp": "pipeline stages", "ep": "MoE: expert-parallel ranks (divides dp)",
+    "virtual": "model chunks per pipeline rank (--schedule interleaved)",
+    "zero": "ZeRO stage 0-3: shard optimizer state, gradients, parameters over dp",
+}
+
+
 def add_train_flags(parser: argparse.ArgumentParser) -> None:
     """Every flag of the DESIGN.md contract, with its default."""
     d = TrainConfig()
     add = parser.add_argument
-    add("--model", choices=("mlp", "moe"), default=d.model)
+    add("--model", choices=("mlp", "moe"), default=d.model,
+        help="dense MLP blocks, or mixture-of-experts blocks")
     for name in ("layers", "d_in", "d_model", "d_ff", "classes", "experts", "top_k",
                  "expert_d_ff", "batch", "microbatches", "steps", "seed",
                  "dp", "tp", "pp", "ep", "virtual", "zero"):
-        add(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
-    add("--capacity-factor", type=float, default=None)
-    add("--aux-coef", type=float, default=d.aux_coef)
-    add("--lr", type=float, default=d.lr)
-    add("--optimizer", choices=("sgd", "adam"), default=d.optimizer)
-    add("--dtype", choices=("float64", "float32"), default=d.dtype)
-    add("--schedule", choices=SCHEDULES, default=d.schedule)
+        add(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name),
+            help=TRAIN_HELP[name])
+    add("--capacity-factor", type=float, default=None,
+        help="MoE: tokens an expert takes, as a multiple of an even share (default: all)")
+    add("--aux-coef", type=float, default=d.aux_coef,
+        help="MoE: weight of the load-balancing loss")
+    add("--lr", type=float, default=d.lr, help="learning rate")
+    add("--optimizer", choices=("sgd", "adam"), default=d.optimizer, help="the update rule")
+    add("--dtype", choices=("float64", "float32"), default=d.dtype,
+        help="the numbers of parameters, data and activations")
+    add("--schedule", choices=SCHEDULES, default=d.schedule,
+        help="the pipeline schedule (--pp 2 or more)")
     add("--grad-sync", choices=GRAD_SYNCS, default=d.grad_sync,
         help="plain data parallelism: one Allreduce per parameter, per bucket, or per "
              "bucket overlapped with backward")
