@@ -286,6 +286,15 @@ def run() -> None:
     except BrokenPipeError:  # `python -m minipar plan ... | head`: the reader left
         sys.stderr.close()
         raise SystemExit(0) from None
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback, and every rank ends
+        message = f"minipar: rank {rank} interrupted (Ctrl-C): ending the job\n"
+        if world_size > 1:
+            from minipar.log import abort_all
+
+            abort_all(message, 130)
+        else:
+            sys.stderr.write(message)
+        raise SystemExit(130) from None
     except BaseException:
         message = f"minipar: rank {rank} failed:\n{traceback.format_exc()}"
         if world_size > 1:   # the traceback once, then MPI_Abort ends every rank

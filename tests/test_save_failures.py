@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -60,6 +61,9 @@ def test_a_save_cut_short_keeps_the_previous_checkpoint(tmp_path, spec):
     job, seconds = faulty_save(folder, spec)
     assert job.returncode != 0 and not job.timed_out and seconds < 30, job.explain()
     assert "done:" not in job.stdout, job.explain()
+    if spec == "interruptsave:0":   # Ctrl-C is one line, not a traceback
+        assert job.returncode == 130 and "Traceback" not in job.stderr, job.explain()
+        assert job.stderr.count("minipar: rank 0 interrupted (Ctrl-C)") == 1, job.explain()
     assert_step_two_survived(folder)
     if spec == "killsave:1":   # and training goes on from it (the next save sweeps debris)
         job = minipar(2, ["train", *SMALL, "--steps", "3", "--resume", str(folder),
@@ -68,6 +72,30 @@ def test_a_save_cut_short_keeps_the_previous_checkpoint(tmp_path, spec):
         assert checkpoint.resolve(folder).name == "step-000003"
         assert not list(folder.glob(".staging-*"))
         assert sorted(p.name for p in folder.glob("step-*")) == ["step-000002", "step-000003"]
+
+
+def test_ctrl_c_during_the_save_keeps_the_previous_checkpoint(tmp_path):
+    """A real SIGINT to the whole job (what Ctrl-C in a terminal sends) while rank 0 is
+    slowly writing its shard of step 4."""
+    folder = tmp_path / "ckpt"
+    save_two_steps(folder)
+    job = subprocess.Popen(
+        [mpiexec(), "-n", "2", sys.executable, "-m", "tests.rank_faults", "fault", "slowsave:0:5",
+         "train", *SMALL, "--steps", "4", "--resume", str(folder), "--save", str(folder)],
+        cwd=ROOT, env=rank_env(60), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not list(folder.glob(".staging-*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(folder.glob(".staging-*")), "the save never started"
+        os.killpg(job.pid, signal.SIGINT)
+        _, err = job.communicate(timeout=30)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0 and "interrupted" in err, err
+    assert_step_two_survived(folder)
 
 
 @pytest.fixture
