@@ -25,7 +25,7 @@ import contextlib
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 # (since when, what) of the blocking call the main thread is in; None between calls.
 # One tuple, replaced whole: the watchdog thread reads a consistent pair without a lock.
@@ -62,10 +62,10 @@ def overdue(timeout: float, now: float | None = None) -> str | None:
             f"group is stuck, stopped or dead; --timeout {timeout:g})")
 
 
-def start(timeout: float, rank: int) -> None:
+def start(timeout: float, rank: int, abort: Callable[[str], None]) -> None:
     """Watch this process from a daemon thread: when one call outlasts `timeout` seconds,
-    print the line (from whichever rank notices: every waiting rank may) and MPI_Abort
-    the whole job. `timeout = 0` watches nothing."""
+    hand the line to `abort` (log.abort_all: print it, MPI_Abort the whole job); any
+    waiting rank may be the one that notices. `timeout = 0` watches nothing."""
     if timeout <= 0:
         return
     _stop.clear()
@@ -74,9 +74,7 @@ def start(timeout: float, rank: int) -> None:
         while not _stop.wait(min(1.0, timeout / 4)):
             line = overdue(timeout)
             if line is not None:
-                from minipar.log import abort_all
-
-                abort_all(f"minipar: error: watchdog: rank {rank} {line}\n")
+                abort(f"minipar: error: watchdog: rank {rank} {line}\n")
     threading.Thread(target=watch, name="minipar-watchdog", daemon=True).start()
 
 
