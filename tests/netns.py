@@ -198,13 +198,15 @@ def our_links(tag: str) -> list[str]:
 
 
 def remove_leftovers() -> None:
-    """Remove what a run killed outright (SIGKILL: no cleanup) left behind: namespaces
-    and links named after a process that no longer exists. Live runs are left alone."""
+    """Remove what a run killed outright (SIGKILL: no cleanup) left behind: namespaces,
+    links and processes named after a process that no longer exists. Live runs are left
+    alone."""
     names = [line.split()[0] for line in run_ip("netns", "list").splitlines()]
     names += our_links(PREFIX + r"\d+")
     for pid in {int(m.group(1)) for name in names if (m := re.match(rf"{PREFIX}(\d+)\D",
                                                                     name))}:
         if not Path(f"/proc/{pid}").exists():
+            kill_everything_in(f"{PREFIX}{pid}")
             remove(f"{PREFIX}{pid}")
 
 

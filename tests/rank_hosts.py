@@ -3,17 +3,20 @@
     mpiexec ... -n 2 python -m tests.rank_hosts probe 8388608
     mpiexec ... -n 8 python -m tests.rank_hosts where train --dp 2 --tp 2 --pp 2 --check
     mpiexec ... -n 8 python -m tests.rank_hosts where fault kill:6:2 train --dp 2 ...
+    mpiexec ... -n 8 python -m tests.rank_hosts where lessons/06_hybrid.py
 
 Both first print, from rank 0, one line naming every rank's host in rank order
 (`hosts: a a a a b b b b`), from `MPI_Get_processor_name` (the host's hostname).
 `probe N` then sends N bytes from rank 0 to the last rank and checks that they
 arrived intact (`probe: N bytes 0 -> 1 intact`). `where ARGS...` runs
 `python -m minipar ARGS...` through its real entry point, and `where fault SPEC ARGS...`
-the same with one rank failing as `tests/rank_faults.py` says.
+the same with one rank failing as `tests/rank_faults.py` says, and `where SCRIPT.py ARGS...`
+runs a lesson script.
 """
 
 from __future__ import annotations
 
+import runpy
 import sys
 
 import numpy as np
@@ -55,5 +58,9 @@ if __name__ == "__main__":
         if args[0] == "fault":
             inject(args[1])
             args = args[2:]
-        sys.argv = ["minipar", *args]
-        run()
+        if args[0].endswith(".py"):                         # a lesson script
+            sys.argv = args
+            runpy.run_path(args[0], run_name="__main__")
+        else:
+            sys.argv = ["minipar", *args]
+            run()
