@@ -215,8 +215,9 @@ if __name__ == "__main__":
     if reason:
         sys.exit(f"tests.netns: {reason}")
     with SimulatedHosts() as cluster:
+        hosts = cluster.environment()["MINIPAR_NETNS_HOSTS"]
         line = cluster.mpiexec(str(Path(sys.executable).parent / "mpiexec"), [4, 4])
-        print(f"export {shlex.join(['UCX_NET_DEVICES=eth0'])} "
-              f"MINIPAR_NETNS_HOSTS={shlex.quote(cluster.environment()['MINIPAR_NETNS_HOSTS'])}")
-        print(shlex.join(line), "-n 8", sys.executable, "-m minipar train --dp 2 --tp 2 --pp 2")
+        print(f"export UCX_NET_DEVICES=eth0 MINIPAR_NETNS_HOSTS={shlex.quote(hosts)}")
+        print(shlex.join([*line, "-n", "8", sys.executable, "-m", "minipar", "train",
+                          "--dp", "2", "--tp", "2", "--pp", "2", "--check"]))
         input("Enter removes the hosts ")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -34,8 +35,15 @@ from pathlib import Path
 import pytest
 
 from tests.mpi import ROOT, Job, mpiexec, read_dump
-from tests.netns import (SimulatedHosts, our_links, our_namespaces, pids_in, remove_leftovers,
-                         why_not)
+from tests.netns import (
+    SimulatedHosts,
+    kill_everything_in,
+    our_links,
+    our_namespaces,
+    pids_in,
+    remove_leftovers,
+    why_not,
+)
 
 REASON = why_not()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -90,8 +98,10 @@ def run_on(cluster: SimulatedHosts, n: int, args: list[str], slots: list[int] | 
     deadline = time.monotonic() + 2            # a rank's exit may trail mpiexec's a little
     while (left := cluster.processes()) and time.monotonic() < deadline:
         time.sleep(0.1)
+    kill_everything_in(cluster.tag)            # a stray rank fails this test, not the next
     wire = [b - a for a, b in zip(before, cluster.bytes_on_the_wire())]
-    command = " ".join(f"{k}={v}" for k, v in network.items()) + " " + " ".join(cmd)
+    command = " ".join(shlex.quote(f"{k}={v}") for k, v in
+                       {**cluster.environment(), **network}.items()) + " " + shlex.join(cmd)
     return HostJob(Job(proc.returncode, out, err, command, timed_out), wire, seconds, left)
 
 
