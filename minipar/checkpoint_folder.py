@@ -25,6 +25,7 @@ before switching `latest`, the saver checks the lock still holds its own token.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -39,6 +40,7 @@ LOCK = ".lock"
 STEP_FOLDER = re.compile(r"^step-\d{6,}(-[0-9a-f]+)?$")
 
 _HELD: dict[Path, str] = {}  # the folders whose lock this process holds -> its token
+_MADE: set[Path] = set()     # ... of them, those `acquire` created (removed again if empty)
 
 
 class FolderError(Exception):
@@ -116,6 +118,8 @@ def acquire(root: Path) -> str:
     root = Path(root)
     if root in _HELD:
         return _HELD[root]
+    if not root.exists():
+        _MADE.add(root)
     root.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(6)
     body = json.dumps({"token": token, "pid": os.getpid(), "host": socket.gethostname(),
@@ -138,9 +142,14 @@ def acquire(root: Path) -> str:
 
 def release(root: Path) -> None:
     """Give the lock back, if this process holds it and it is still ours."""
-    token = _HELD.pop(Path(root), None)
-    if token is not None and (_owner(Path(root)) or {}).get("token") == token:
-        (Path(root) / LOCK).unlink(missing_ok=True)
+    root = Path(root)
+    token = _HELD.pop(root, None)
+    if token is not None and (_owner(root) or {}).get("token") == token:
+        (root / LOCK).unlink(missing_ok=True)
+    if root in _MADE:   # a run that saved nothing (it diverged, it failed) leaves no folder
+        _MADE.discard(root)
+        with contextlib.suppress(OSError):
+            root.rmdir()  # only if empty
 
 
 def still_ours(root: Path, token: str) -> bool:
