@@ -88,6 +88,7 @@ class ColumnParallelLinear(Module):
         self.sequence_parallel = sequence_parallel
 
     def __call__(self, x: Tensor) -> Tensor:
+        # exercise: column-parallel
         if self.sequence_parallel:
             x = all_gather(x, self.tp)         # my rows (B/tp, d) -> all rows (B, d)
         else:
@@ -96,6 +97,7 @@ class ColumnParallelLinear(Module):
         if self.gather_output:
             y = gather_from(y, self.tp, axis=-1)   # (B, f/tp) of every rank -> Y (B, f)
         return y
+        # end exercise
 
 
 class RowParallelLinear(Module):
@@ -121,6 +123,7 @@ class RowParallelLinear(Module):
         self.sequence_parallel = sequence_parallel
 
     def __call__(self, x: Tensor) -> Tensor:
+        # exercise: row-parallel
         if not self.input_is_parallel:
             x = scatter_to(x, self.tp, axis=-1)    # keep my columns (B, f/tp); no message
         partial = fused.linear(x, self.weight)        # (B, f/tp) @ (f/tp, d) -> (B, d), a share
@@ -129,6 +132,7 @@ class RowParallelLinear(Module):
         else:
             y = reduce_from(partial, self.tp)      # g: shares (B, d) of every rank -> their sum
         return y + self.bias                       # the bias once, after the sum
+        # end exercise
 
 
 # ---------------------------------------------------------------- the block
