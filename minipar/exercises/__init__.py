@@ -13,7 +13,7 @@ exercise never drifts from it. `python -m minipar exercise check NAME DIR` runs 
 exercise's checks on the student's copy in one MPI job (grade.py): equivalence with
 one process (float64, relative 1e-9), the ledger against the formulas, the
 gradient checks; and prints passed, or the first mismatch in words a student can
-act on. Each exercise has a hint file (hints/NAME.md). docs/design.md, "Exercises".
+act on. Each exercise has a hint file in hints/, named after it. docs/design.md, "Exercises".
 
     python -m minipar exercise list
     python -m minipar exercise start dp-naive ~/work && cd ~/work
@@ -84,8 +84,9 @@ EXERCISES = [
     Exercise(
         "column-parallel", "Tensor parallelism: the column-parallel linear",
         "Write ColumnParallelLinear.__call__: this rank holds W[:, cols] (d, f/tp) and "
-        "b[cols]. Enter the tp region with copy_to(x, self.tp) (or, with "
-        "sequence_parallel, all_gather(x, self.tp): my rows (B/tp, d) -> (B, d)), compute "
+        "b[cols]. Enter the tp region with copy_to(x, self.tp) (f: its backward is an "
+        "Allreduce), or with sequence_parallel all_gather(x, self.tp): my rows (B/tp, d) "
+        "-> (B, d). Compute "
         "fused.linear(x, self.weight, self.bias): (B, d) @ (d, f/tp) -> (B, f/tp), and "
         "with gather_output Allgather the columns (gather_from(y, self.tp, axis=-1)) into "
         "(B, f).",

@@ -51,7 +51,8 @@ def check(names: list[str], folder: Path, timeout: float = TIMEOUT) -> tuple[int
     report = job.stdout.strip()
     if job.returncode not in (0, 1) or not report:
         tail = "\n".join(job.stderr.strip().splitlines()[-12:])
-        report = (report + "\n" if report else "") + f"the check job ended (exit {job.returncode}):\n{tail}"
+        ended = f"the check job ended (exit {job.returncode}):\n{tail}"
+        report = (report + "\n" if report else "") + ended
         return 1, report
     return job.returncode, report
 
@@ -85,7 +86,7 @@ def main(argv: list[str]) -> int:
                 print(f"{exercise.name:18} {exercise.title}  [{', '.join(files)}]")
         elif args.action == "start":
             stubbed = regions.start([args.name], Path(args.dir))
-            print(f"started {args.name} in {args.dir}: read {Path(args.dir) / 'EXERCISE.md'}, "
+            print(f"started {args.name} in {args.dir}: read {Path(args.dir) / 'EXERCISE.txt'}, "
                   f"write your code in {', '.join(str(p) for p in stubbed)}, then run "
                   f"python -m minipar exercise check {args.name} {args.dir}")
         elif args.action == "hint":
@@ -96,7 +97,8 @@ def main(argv: list[str]) -> int:
             names = [a for a in args.args if a in exercises.BY_NAME]
             rest = [a for a in args.args if a not in exercises.BY_NAME]
             if not names or len(rest) > 1:
-                raise ValueError(f"check NAME [NAME ...] [DIR]: names are {', '.join(exercises.BY_NAME)}")
+                raise ValueError("check NAME [NAME ...] [DIR]: the names are "
+                                 + ", ".join(exercises.BY_NAME))
             code, report = check(names, Path(rest[0] if rest else "."))
             print(report, flush=True)
             return code

@@ -26,8 +26,8 @@ from mpi4py import MPI
 
 import minipar
 from minipar import exercises, watchdog
-from minipar.autograd import Tensor
 from minipar import train as training
+from minipar.autograd import Tensor
 from minipar.comm import Group, Ledger, copy_to, reduce_from
 from minipar.config import TrainConfig
 from minipar.log import abort_all
@@ -184,14 +184,13 @@ def ring_on(group: Group) -> str | None:
         counts = even_counts(n, n_ranks)
         start = int(np.sum(counts[:me]))
         for what, run, want, sent in (
-                ("ring_allreduce", lambda: ring_allreduce(group, x), everyone.sum(axis=0),
+                ("ring_allreduce", ring_allreduce, everyone.sum(axis=0),
                  2 * n - counts[me] - counts[(me + 1) % n_ranks]),
-                ("ring_reduce_scatter", lambda: ring_reduce_scatter(group, x),
+                ("ring_reduce_scatter", ring_reduce_scatter,
                  everyone.sum(axis=0)[start:start + counts[me]], n - counts[me]),
-                ("ring_allgather", lambda: ring_allgather(group, x), everyone,
-                 (n_ranks - 1) * n)):
+                ("ring_allgather", ring_allgather, everyone, (n_ranks - 1) * n)):
             group.ledger.reset()
-            got = run()
+            got = run(group, x)
             where = f"{what} of {n} element(s) on {n_ranks} ranks"
             if np.shape(got) != np.shape(want):
                 return f"{where}: rank {me} returned shape {np.shape(got)}, not {want.shape}"
@@ -220,7 +219,8 @@ def check_schedule(world: MPI.Comm) -> str | None:
                 for kind in (schedules.FORWARD, schedules.BACKWARD):
                     seen = [ins.microbatch for ins in order if ins.kind == kind]
                     if seen != list(range(microbatches)):
-                        return f"{where}: its {kind}s are for microbatches {seen}, not 0..M-1 in order"
+                        return (f"{where}: its {kind}s are for microbatches {seen}, "
+                                "not 0..M-1 in order")
                 first_backward = kinds.index(schedules.BACKWARD)
                 if first_backward != min(pp - stage, microbatches):
                     return (f"{where}: {first_backward} forward(s) before the first backward; "

@@ -91,7 +91,7 @@ def solution(name: str, package: Path = PACKAGE) -> str:
 
 def start(names: list[str], folder: Path, package: Path = PACKAGE) -> list[Path]:
     """Copy the package into folder/minipar with the regions of `names` stubbed; write
-    folder/EXERCISE.md (instructions and hints). Returns the files that hold a stub."""
+    folder/EXERCISE.txt (instructions and hints). Returns the files that hold a stub."""
     target = folder / "minipar"
     if target.exists():
         raise ValueError(f"{target} exists already: start an exercise in a new folder")
@@ -112,5 +112,5 @@ def start(names: list[str], folder: Path, package: Path = PACKAGE) -> list[Path]
         sheet.append(f"# {exercise.title} (`{name}`)\n\n{exercise.instructions}\n\n"
                      f"Where: {where}\n\nCheck: `python -m minipar exercise check {name} .`\n\n"
                      f"## Hint\n\n{(HINTS / f'{name}.md').read_text().strip()}\n")
-    (folder / "EXERCISE.md").write_text("\n".join(sheet))
+    (folder / "EXERCISE.txt").write_text("\n".join(sheet))
     return [target / path for path in by_file]
