@@ -144,3 +144,22 @@ def test_stubs_fail_with_their_instructions_and_the_real_code_passes(tmp_path):
     assert code == 0, text
     assert all(got.startswith(" passed") for got in reports(text).values()), text
     assert set(reports(text)) == set(NAMES)
+
+
+ONE_RANK_MORE = """
+grad, group = grad_or_zeros(p), _group(p, mesh)
+if group.size > 1 and group.rank > 0:
+    group.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)
+grad /= mesh.shape.dp
+"""
+
+
+def test_calls_that_do_not_match_across_ranks_end_the_job_with_a_sentence(tmp_path):
+    regions.start(["dp-naive"], tmp_path)
+    replace_stub(tmp_path / "minipar" / "parallel" / "data_parallel.py", "dp-naive",
+                 ONE_RANK_MORE)
+    code, text = check(["dp-naive", "dp-bucketed"], tmp_path, timeout=120)
+    assert code == 1, text
+    assert text.startswith("exercise dp-naive: FAILED"), text
+    assert "the ranks' calls did not match" in text or "watchdog" in text, text
+    assert "exercise dp-bucketed: not checked" in text, text

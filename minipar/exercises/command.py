@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,11 +51,30 @@ def check(names: list[str], folder: Path, timeout: float = TIMEOUT) -> tuple[int
         return 1, f"the check job outlived {timeout} s: a rank waits in a collective forever"
     report = job.stdout.strip()
     if job.returncode not in (0, 1) or not report:
-        tail = "\n".join(job.stderr.strip().splitlines()[-12:])
-        ended = f"the check job ended (exit {job.returncode}):\n{tail}"
-        report = (report + "\n" if report else "") + ended
-        return 1, report
+        unreported = [name for name in names if f"exercise {name}:" not in report]
+        lines = [report] if report else []
+        lines.append(f"exercise {unreported[0]}: FAILED\n  "
+                     + explain_crash(job.returncode, job.stderr))
+        lines += [f"exercise {name}: not checked (the job ended before it)"
+                  for name in unreported[1:]]
+        return 1, "\n".join(lines)
     return job.returncode, report
+
+
+def explain_crash(code: int, stderr: str) -> str:
+    """A job that ended without its report, in words: MPI's own fatal error (the ranks'
+    calls did not match), the watchdog's line (a rank stuck), or the last lines."""
+    fatal = re.search(r"Fatal error in (?:internal_|P?MPI_)?(\w+?)(?:_c)?: ([^,\n]+)", stderr)
+    if fatal:
+        return (f"MPI stopped the job in {fatal.group(1)} ({fatal.group(2)}): the "
+                "ranks' calls did not match. One rank made a collective call its partners "
+                "did not make, or with another size; every rank of a group must make the "
+                "same calls, in the same order, with the same counts")
+    stuck = [line for line in stderr.splitlines() if "watchdog:" in line]
+    if stuck:
+        return stuck[0].removeprefix("minipar: error: ")
+    tail = "\n".join(stderr.strip().splitlines()[-12:])
+    return f"the check job ended (exit {code}):\n{tail}"
 
 
 def parser() -> argparse.ArgumentParser:
