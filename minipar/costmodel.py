@@ -54,6 +54,8 @@ class Block:
     act_input: float = 0.0       # bytes/token of the layer input (all full recompute keeps)
     capacity: bool = False       # MoE with an expert capacity: an Exscan of counts over dp
     kv_width: int = 0            # numbers per token of K and V together (CP gathers them)
+    cheap_replicated: float = 0.0  # bytes/token selective recomputation also drops: norms'
+    cheap_split: float = 0.0       # outputs (whole) and the FFN's activation (cut by tp)
     attn_flops: float = 0.0      # forward FLOPs per token of QK^T and AV (no parameters)
 
     @property
@@ -237,13 +239,17 @@ def in_flight(schedule: str, pp: int, microbatches: int, stage: int, virtual: in
 def activation_bytes(block: Block, tokens: int, plan: Plan) -> float:
     """Bytes one block keeps from its forward to its backward for `tokens` tokens:
     Megatron's sbh(10 + 24/t + 5as/(ht)) split as replicated + split/t + scores/t;
-    SP cuts the replicated part too; selective recomputation drops the scores; full
+    SP cuts the replicated part too; selective recomputation drops the scores (and the
+    block's cheap_* bytes: what is cheap to recompute, if the block names any); full
     recomputation keeps only the block input (Megatron: 2sbh)."""
     if plan.recompute == "full":  # the layer's input: the residual stream, cut by SP
         return tokens * block.act_input / (plan.tp if plan.sp else 1)
-    scores = 0.0 if plan.recompute == "selective" else block.act_scores
-    replicated = block.act_replicated / (plan.tp if plan.sp else 1)
-    return tokens * (replicated + (block.act_split + scores) / plan.tp)
+    selective = plan.recompute == "selective"
+    scores = 0.0 if selective else block.act_scores
+    replicated = (block.act_replicated - selective * block.cheap_replicated) / (
+        plan.tp if plan.sp else 1)
+    split = block.act_split - selective * block.cheap_split
+    return tokens * (replicated + (split + scores) / plan.tp)
 
 
 def stage_activations(w: Workload, plan: Plan, shape: RankShape) -> float:

@@ -25,6 +25,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from itertools import product
 from pathlib import Path
 
 import numpy as np
@@ -85,7 +86,10 @@ def transformer(m: Model, batch: int, params: float | None = None) -> Workload:
     the FFN's 2 d_ff ffn_matrices (16d for a 4d GELU MLP: the paper's 24d in all), the
     scores 5as with dropout, 2as without, nothing with FlashAttention-style attention
     (4a bytes of fp32 softmax statistics). An MoE layer keeps per routed copy 4d +
-    2 fe ffn_matrices, and 2 fe ffn_matrices per shared expert."""
+    2 fe ffn_matrices, and 2 fe ffn_matrices per shared expert. Selective recomputation
+    drops the scores (Korthikanti et al.) and, llama style, what Megatron-Core and
+    DeepSeek-V3 also recompute: the norms' outputs (4d) and the FFN's activation function
+    (its 2 d_ff output): elementwise work, nearly free in FLOPs."""
     sizes, d, s = layer_sizes(m), m.d_model, m.seq_len
     gpt, flash = m.style == "gpt", m.style == "llama"
     q, kv = sizes["q_width"], sizes["kv_width"]
@@ -93,11 +97,12 @@ def transformer(m: Model, batch: int, params: float | None = None) -> Workload:
     attention = (sizes["attention"] - (d if gpt else 0), True)
     scores = 4 * m.heads if flash else (5 if gpt else 2) * m.heads * s
     base = dict(act_replicated=(10 if gpt else 8) * d, act_scores=scores, act_input=2 * d,
-                kv_width=kv, attn_flops=4 * s * q)
+                kv_width=kv, attn_flops=4 * s * q, cheap_replicated=0 if gpt else 4 * d)
     attend = 4 * q + 2 * kv
     ffn = ffn_params(m, m.d_ff)
     dense = Block((norms, attention, *bias, (ffn - (d if gpt else 0), True), *bias),
-                  act_split=attend + 2 * m.d_ff * m.ffn_matrices, tp_reductions=2, **base)
+                  act_split=attend + 2 * m.d_ff * m.ffn_matrices, tp_reductions=2,
+                  cheap_split=0 if gpt else 2 * m.d_ff, **base)
     moe_layers = m.layers - m.dense_layers if m.experts else 0
     blocks = [dense] * (m.layers - moe_layers)
     if moe_layers:
@@ -108,7 +113,9 @@ def transformer(m: Model, batch: int, params: float | None = None) -> Workload:
         arrays += ((m.shared_experts * expert, True),) if m.shared_experts else ()
         blocks += [Block(arrays, (expert,), m.experts, m.top_k,
                          tp_reductions=1 + (m.shared_experts > 0),
-                         act_split=attend + routed + shared, **base)] * moe_layers
+                         act_split=attend + routed + shared,
+                         cheap_split=0 if gpt else 2 * fe * (m.top_k + m.shared_experts),
+                         **base)] * moe_layers
     embed = ((m.vocab * d, True),) + (((s * d, False),) if gpt else ())
     head = ((m.vocab * d, True), (sizes["norm"], False))
     splits = (m.d_ff, m.heads, m.kv_heads or m.heads) + (
@@ -282,8 +289,8 @@ def mesh_problem(w: Workload, plan: Plan) -> str | None:
         return "ep does not divide tp x cp x dp (the ranks that share a stage's experts)"
     if plan.pp * plan.virtual > w.layers:
         return "more pipeline stages than layers"
-    if plan.schedule == "interleaved" and plan.microbatches % plan.pp:
-        return "interleaving needs M divisible by pp"
+    if plan.schedule == "interleaved" and (plan.pp == 1 or plan.microbatches % plan.pp):
+        return "interleaving needs pp > 1 and M divisible by pp"
     return None
 
 
@@ -306,20 +313,24 @@ def meshes(w: Workload, world: int, fixed: dict[str, int]) -> list[tuple[int, ..
 def search(w: Workload, hw: Hardware, world: int, template: Plan | None = None,
            zero_stages: tuple[int, ...] = (0, 1, 2, 3),
            recomputes: tuple[str, ...] = ("selective",),
-           fixed: dict[str, int] | None = None) -> Search:
-    """Price every (dp, tp, pp, cp, ep, zero, M, recompute) with dp tp pp cp = world and
-    M | B/dp, that agrees with `fixed` (any of dp, tp, pp, cp, ep, microbatches).
-    `template` carries the options every plan shares (schedule, virtual; `sp=True` turns
-    sequence parallelism on whenever tp > 1)."""
+           fixed: dict[str, int] | None = None,
+           schedules: tuple[tuple[str, int], ...] | None = None) -> Search:
+    """Price every (dp, tp, pp, cp, ep, zero, M, recompute, schedule) with dp tp pp cp =
+    world and M | B/dp, that agrees with `fixed` (any of dp, tp, pp, cp, ep,
+    microbatches). `schedules` lists (schedule, virtual) pairs (default: the template's);
+    `template` carries the options every plan shares (`sp=True` turns sequence
+    parallelism on whenever tp > 1)."""
     template, fixed = template or Plan(1), fixed or {}
+    schedules = schedules or ((template.schedule, template.virtual),)
     found = Search([], [], Counter())
-    for dp, tp, pp, cp, ep in meshes(w, world, fixed):
+    for (dp, tp, pp, cp, ep), (schedule, virtual) in product(meshes(w, world, fixed),
+                                                              schedules):
         counts = divisors(w.batch // dp) if w.batch % dp == 0 else [1]
         if "microbatches" in fixed:
             counts = [m for m in counts if m == fixed["microbatches"]] or [fixed["microbatches"]]
         for m in counts:
             mesh = replace(template, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=m,
-                           sp=template.sp and tp > 1)
+                           sp=template.sp and tp > 1, schedule=schedule, virtual=virtual)
             problem = mesh_problem(w, mesh)
             if problem:
                 found.rejected[problem] += len(zero_stages) * len(recomputes)
@@ -367,14 +378,20 @@ def row(e: Estimate, w: Workload, hw: Hardware) -> str:
     p, s, t = e.plan, e.states, e.timing
     wire = " ".join(f"{e.wire.get(a, 0.0) / GB:6.1f}" for a in WIRE_AXES)
     return (f"{p.dp:5d} {p.tp:3d} {p.pp:3d} {p.cp:3d} {p.ep:3d} {p.zero:4d} {p.microbatches:5d}"
-            f" {p.recompute[:4]:>4} | {s.params / GB:6.1f} {s.grads / GB:6.1f}"
+            f" {p.recompute[:4]:>4} {schedule_tag(p):>5} | {s.params / GB:6.1f} {s.grads / GB:6.1f}"
             f" {s.optimizer / GB:6.1f} {e.activations / GB:6.1f} {e.memory / GB:6.1f} |"
             f" {wire} | {e.bubble:6.1%} | {t.total:8.3f} {mfu(w, hw, p.world, t.total):5.1%}")
 
 
+def schedule_tag(p: Plan) -> str:
+    """1f1b, gpipe, zb-h1, or i<V> for the interleaved schedule with V chunks a rank."""
+    return f"i{p.virtual}" if p.schedule == "interleaved" else p.schedule
+
+
 def header() -> str:
     wire = " ".join(f"{a:>6}" for a in WIRE_AXES)
-    return (f"{'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'zero':>4} {'M':>5} {'rc':>4} | "
+    return (f"{'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'zero':>4} {'M':>5} {'rc':>4} "
+            f"{'sched':>5} | "
             f"{'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'total':>6} | {wire} | "
             f"{'bubble':>6} | {'step s':>8} {'MFU':>5}")
 
@@ -434,9 +451,12 @@ def describe(w: Workload, m: Model, hw: Hardware, world: int) -> list[str]:
 
 def report(found: Search, w: Workload, m: Model, hw: Hardware, world: int, template: Plan,
            top: int = 10) -> str:
+    """The ranking: the job, the fastest plan of each mesh, the top three explained, and
+    the plans that cannot run counted by reason."""
     lines = describe(w, m, hw, world)
-    lines.append(f"  {template.schedule}, SP {'on' if template.sp else 'off'} with tp > 1; "
-                 "rc: recomputation (none, selective: the attention, full: the layers)")
+    lines.append(f"  SP {'on' if template.sp else 'off'} with tp > 1; rc: recomputation "
+                 "(none, selective: the attention and elementwise parts, full: the layers); "
+                 "sched: pipeline schedule (iV: interleaved, V chunks a rank)")
     fastest = distinct_meshes(found.feasible)
     lines += [f"{len(found.feasible)} plans fit on {len(fastest)} meshes; the fastest plan of "
               "each mesh, fastest first (memory GB per GPU; wire GB per GPU per step):",
@@ -584,9 +604,10 @@ def make_parser() -> argparse.ArgumentParser:
     add("--gpus", type=POSITIVE, help="GPUs in the job (default: the product of a named "
         "--dp --tp --pp --cp)")
     add("--global-batch", type=POSITIVE, required=True, help="sequences per step")
-    add("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
-    add("--virtual", type=POSITIVE, default=1, help="model chunks per pipeline rank "
-        "(--schedule interleaved)")
+    add("--schedule", choices=SCHEDULES, action="append", help="pipeline schedules to "
+        "consider (repeat the flag; default 1f1b and interleaved)")
+    add("--virtual", type=POSITIVE, action="append", help="model chunks per pipeline rank "
+        "for --schedule interleaved (repeat the flag; default 2 and 4)")
     add("--no-sp", action="store_true", help="no sequence parallelism with tp > 1")
     for axis, text in (("dp", "data-parallel"), ("tp", "tensor-parallel"),
                        ("pp", "pipeline-parallel"), ("cp", "context-parallel"),
@@ -683,8 +704,11 @@ def run_problems(args: argparse.Namespace, m: Model) -> list[str]:
             out.append(f"--{axis} {getattr(args, axis)} does not divide --gpus {args.gpus}")
     if args.ep and args.ep > 1 and not m.experts:
         out.append(f"--ep {args.ep} needs a model with --experts")
-    if args.virtual > 1 and args.schedule != "interleaved":
-        out.append(f"--virtual {args.virtual} needs --schedule interleaved")
+    schedules = args.schedule or ["1f1b", "interleaved"]
+    if args.virtual and "interleaved" not in schedules:
+        out.append(f"--virtual {args.virtual[0]} needs --schedule interleaved")
+    if args.virtual and min(args.virtual) < 2:
+        out.append("--virtual must be at least 2 (1 is --schedule 1f1b)")
     if args.microbatches and args.dp and args.global_batch % (args.dp * args.microbatches):
         out.append(f"--dp {args.dp} x --microbatches {args.microbatches} does not divide "
                    f"--global-batch {args.global_batch}")
@@ -710,7 +734,10 @@ def plan_command(argv: list[str]) -> int:
     if errors:
         print(f"minipar: error: {errors[0]}", file=sys.stderr, flush=True)
         return 2
-    template = Plan(1, schedule=args.schedule, virtual=args.virtual, sp=not args.no_sp)
+    template = Plan(1, sp=not args.no_sp)
+    schedules = tuple((s, v) for s in dict.fromkeys(args.schedule or ["1f1b", "interleaved"])
+                      for v in (sorted(set(args.virtual or [2, 4])) if s == "interleaved"
+                                else [1]))
     fixed = {k: getattr(args, k) for k in (*MESH, "microbatches") if getattr(args, k)}
     named = all(k in fixed for k in ("dp", "tp", "pp"))
     if named:
@@ -720,16 +747,17 @@ def plan_command(argv: list[str]) -> int:
                        microbatches=fixed.get("microbatches", 1),
                        sp=template.sp and fixed["tp"] > 1)
         problem = mesh_problem(w, plan) if "microbatches" in fixed else mesh_problem(
-            w, replace(plan, microbatches=plan.pp))
+            w, replace(plan, microbatches=plan.pp * (w.batch % (plan.dp * plan.pp) == 0)
+                       or 1))
         if problem:
             print(f"minipar: error: the plan you named cannot run: {problem}",
                   file=sys.stderr, flush=True)
             return 2
     found = search(w, hw, args.gpus, template, tuple(sorted(set(args.zero or (0, 1, 2, 3)))),
-                   tuple(args.recompute or RECOMPUTE), fixed)
+                   tuple(dict.fromkeys(args.recompute or RECOMPUTE)), fixed, schedules)
     if args.json:
         records = [plan_record(e, w, hw) for e in found.feasible]
-        text = json.dumps({"model": w.name, "gpus": args.gpus, "plans": records}, indent=1)
+        text = json.dumps({"model": w.name, "gpus": args.gpus, "plans": records})
         if args.json == "-":
             print(text, flush=True)
             return 0

@@ -128,8 +128,8 @@ MODELS: dict[str, Model] = {
     # vocabulary 129280; pre-training sequences of 4096 (671 B parameters, 37 B active;
     # the multi-token prediction module is left out).
     "deepseek-v3": Model("DeepSeek-V3", 61, 7168, 128, 18432, 129280, 4096, 3, "llama",
-                         experts=256, top_k=8, expert_d_ff=2048, shared_experts=1,
-                         dense_layers=3,
+                         head_dim=128, experts=256, top_k=8, expert_d_ff=2048,
+                         shared_experts=1, dense_layers=3,
                          attention=mla_params(7168, 128, 1536, 512, 128, 64, 128)),
 }
 
