@@ -1,4 +1,4 @@
-"""Planning a job at real scale: which (dp, tp, pp, ep, ZeRO, microbatches) to run.
+"""Planning a job at real scale: which (dp, tp, pp, cp, ep, ZeRO, M, recompute) to run.
 
 What this file teaches: the source text's comparison of DP, TP, EP and PP ends in
 rules of thumb -- TP inside a node (it "usually stops at 8-16 GPUs"), PP across
@@ -6,11 +6,17 @@ nodes (mind the bubble), EP for MoE (AllToAll is "very heavy"), DP for the rest.
 Here they are checked, not believed: every mesh that fills the GPUs is priced by
 the cost model (costmodel.py: ZeRO's memory, Megatron's activations; timemodel.py:
 the ledger of every collective, the bubble formula, an alpha-beta network) and the plans
-are ranked by step time; the ones that do not fit are counted by reason.
+are ranked by step time; the ones that do not fit are counted by reason. The
+levers: the mesh (tp, cp, pp, dp, and ep over the tp x cp x dp ranks of a stage: TP
+for attention, EP for experts), the ZeRO stage, the microbatches, the recomputation
+(none, selective, full) and the pipeline schedule (1F1B, interleaved). Models and
+clusters come from presets.py (each with its source) or from flags; every size is
+stated or derived, and printed.
 
-    python -m minipar plan --params 70e9 --layers 80 --d-model 8192 --d-ff 28672 \\
-        --gpus 512 --gpu-memory 80 --flops 989 --intra-bw 450 --inter-bw 50 \\
-        --global-batch 1024 --seq-len 4096
+    python -m minipar plan --preset llama3-405b --cluster h100 --gpus 8192 \\
+        --global-batch 2048                          # rank every plan
+    python -m minipar plan --preset llama3-405b --cluster h100 --global-batch 2048 \\
+        --dp 64 --tp 8 --pp 16                       # price the one Llama 3 ran
 
 The same arithmetic predicts minipar's own 8-rank runs exactly
 (`minipar_workload`, tests/test_plan.py), which is what licenses it at 2048 GPUs.
@@ -346,6 +352,16 @@ def search(w: Workload, hw: Hardware, world: int, template: Plan | None = None,
     found.feasible.sort(key=lambda e: (e.timing.total, e.memory))
     found.too_big.sort(key=lambda e: e.memory)
     return found
+
+
+def hardware(cluster: Cluster, efficiency: float = 0.5, headroom: float | None = None
+             ) -> Hardware:
+    """A cluster preset as the cost model's Hardware: bytes, FLOP/s, bytes/s, seconds;
+    `headroom` GB per GPU left to the framework (default 10% of its memory)."""
+    headroom = 0.1 * cluster.gpu_memory if headroom is None else headroom
+    return Hardware(cluster.gpu_memory * GB, cluster.flops * 1e12, efficiency,
+                    cluster.intra_bw * GB, cluster.inter_bw * GB, cluster.node_size,
+                    cluster.latency_us * 1e-6, headroom * GB)
 
 
 def usable(hw: Hardware) -> float:
@@ -684,8 +700,7 @@ def resolve_hardware(args: argparse.Namespace) -> tuple[Hardware | None, list[st
     if headroom >= c.gpu_memory:
         out.append(f"--memory-headroom {headroom:g} leaves nothing of --gpu-memory "
                    f"{c.gpu_memory:g}")
-    return Hardware(c.gpu_memory * GB, c.flops * 1e12, args.efficiency, c.intra_bw * GB,
-                    c.inter_bw * GB, c.node_size, c.latency_us * 1e-6, headroom * GB), out
+    return hardware(c, args.efficiency, headroom), out
 
 
 def run_problems(args: argparse.Namespace, m: Model) -> list[str]:
