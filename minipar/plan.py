@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minipar.config import TrainConfig
+from minipar.config import ConfigError, TrainConfig, _Parser  # _Parser: raises, one line
 from minipar.costmodel import (
     Block,
     Plan,
@@ -48,7 +48,7 @@ from minipar.costmodel import (
 )
 from minipar.memory import ModelStates, optimizer_bytes_per_param, wire_elements
 from minipar.nn import canonical_shapes
-from minipar.parallel.pipeline_schedules import bubble_formula
+from minipar.parallel.pipeline_schedules import SCHEDULES, bubble_formula
 from minipar.presets import CLUSTERS, MODELS, Cluster, Model
 from minipar.timemodel import Hardware, Timing, group_layout, step_timing, traffic
 
@@ -590,8 +590,6 @@ CLUSTER_FLAGS = {
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from minipar.config import SCHEDULES, _Parser  # argparse that raises: one error line
-
     parser = _Parser(prog="python -m minipar plan",
                      description="Rank every way to split a training step over the GPUs, "
                      "or price one plan you name.")
@@ -732,8 +730,6 @@ def run_problems(args: argparse.Namespace, m: Model) -> list[str]:
 
 def plan_command(argv: list[str]) -> int:
     """`python -m minipar plan ...`: print the ranking; a bad flag is one line, exit 2."""
-    from minipar.config import ConfigError
-
     errors: list[str] = []
     try:
         args = make_parser().parse_args(argv)
