@@ -24,6 +24,7 @@ Tested by `python -m pytest tests/test_plan.py`; used by `python -m minipar plan
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from minipar.costmodel import (
@@ -245,9 +246,10 @@ def compute_seconds(w: Workload, plan: Plan, shape: RankShape, hw: Hardware) -> 
 
     passes = 4 if plan.recompute == "full" else 3
     again = 1 if plan.recompute == "selective" else 0
-    blocks = sum(passes * (2 * cut(b.arrays) + b.attn_flops / plan.tp)
-                 + again * b.attn_flops / plan.tp
-                 + passes * 2 * b.top_k * sum(b.expert) / plan.tp for b in shape.blocks)
+    blocks = sum(n * (passes * (2 * cut(b.arrays) + b.attn_flops / plan.tp)
+                      + again * b.attn_flops / plan.tp
+                      + passes * 2 * b.top_k * sum(b.expert) / plan.tp)
+                 for b, n in Counter(shape.blocks).items())  # most layers: one Block, repeated
     ends = cut(w.embed) if shape.first and not w.lookup_embedding else 0
     ends += cut(w.head) if shape.last else 0
     tokens = w.batch * w.seq_len / plan.replicas
