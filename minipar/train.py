@@ -30,9 +30,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import bugs, checkpoint, config, fused, nn
+from minipar import bugs, checkpoint, config, fused, gpt, nn, preflight, watchdog
 from minipar.config import TrainConfig
-from minipar.data import make_batch, microbatch_rows, shard_rows
+from minipar.data import (
+    make_batch,
+    make_sequences,
+    make_text_windows,
+    microbatch_rows,
+    shard_rows,
+)
 from minipar.mesh import Mesh
 from minipar.optim import Optimizer, make_optimizer
 from minipar.parallel import pipeline_parallel
@@ -54,22 +60,50 @@ class RunResult:
 
 
 class DivergedError(ArithmeticError):
-    """The step loss became NaN or infinite. Raised on every rank at the same step (the
-    loss is already the same number everywhere), so the job stops together."""
+    """The step loss, or the parameters after an update, became NaN or infinite. Raised
+    on every rank at the same step (the loss and the count of non-finite numbers are the
+    same everywhere), so the job stops together, before anything is saved."""
 
-    def __init__(self, step: int, steps: int, loss: float, lr: float) -> None:
-        super().__init__(f"step {step} of {steps}: the loss is {loss} (training diverged; "
-                         f"every rank stopped; try a smaller --lr than {lr:g})")
+    def __init__(self, step: int, steps: int, what: str, blame: str) -> None:
+        super().__init__(f"step {step} of {steps}: {what} (training diverged; every rank "
+                         f"stopped, nothing saved; {blame})")
         self.step = step
+
+
+def blame(cfg: TrainConfig, first: bool) -> str:
+    """Which flag to change. The loss of a run's first step is taken before any update, so
+    --lr cannot be its cause; a large MoE --aux-coef can (its term adds to every block's
+    loss and gradient); otherwise the learning rate overshot."""
+    if cfg.model == "moe" and (first or cfg.aux_coef > 1):
+        return f"try a smaller --aux-coef than {cfg.aux_coef:g}"
+    if first:
+        return "the loss is not finite before any update: check --dtype and the sizes"
+    return f"try a smaller --lr than {cfg.lr:g}"
+
+
+def nonfinite_count(mesh: Mesh, chunks: list[nn.Model], updater: Updater) -> int:
+    """How many numbers of the model are NaN or infinite after the update, summed over
+    every rank (each counts what it updates: ZeRO its flat slice, others what they hold)."""
+    from minipar.comm import allreduce_sum  # here: comm.py loads mpi4py.MPI
+
+    mine = getattr(updater, "my_params", None)   # ZeRO: the flat slice this rank updates
+    held = [mine()] if mine else [p.data for chunk in chunks for p in chunk.parameters()]
+    local = sum(int(np.count_nonzero(~np.isfinite(a))) for a in held)
+    # this rank's count -> the sum on every rank, so all stop at the same step
+    return int(allreduce_sum(mesh.world, np.array([local], dtype=np.int64))[0])
 
 
 def problems(cfg: TrainConfig, world_size: int) -> list[str]:
     """Every reason this run cannot start, empty if it can: the flags and the mesh
     (`config.problems`), then the bug `--inject-bug` names (`bugs.problems`: unknown, or
     for a strategy this mesh does not use), then the `--save`/`--resume` folders
-    (`checkpoint.problems`: reads the manifest and checksums). `cfg` must be resolved.
-    No communication: every rank reaches the same list alone, before the first step."""
+    (`checkpoint.problems`: reads the manifest and checksums); with sound flags, also a
+    size this machine cannot hold or a product that is no count (preflight.py). `cfg`
+    must be resolved. No communication: every rank reaches the same list alone, before
+    the first step."""
     out = config.problems(cfg, world_size)
+    if not out:
+        out += preflight.overflow_problems(cfg) + preflight.memory_problems(cfg, world_size)
     if cfg.inject_bug is not None and not config.size_problems(cfg, world_size):
         out += bugs.problems(cfg)
     if not out and (cfg.save or cfg.resume):
@@ -78,8 +112,19 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
 
 
 def step_batch(cfg: TrainConfig, step: int) -> tuple[np.ndarray, np.ndarray]:
-    """The global batch of `step`: the same on every rank, from (seed, step) alone."""
+    """The global batch of `step`: the same on every rank, from (seed, step) alone.
+    MLP models: x (B, d_in), y (B,); the transformer: token ids x, y (B, T)."""
+    if cfg.data is not None:
+        return make_text_windows(cfg.data, cfg.seed, step, cfg.batch, cfg.seq_len)
+    if cfg.model_config().is_gpt:
+        return make_sequences(cfg.seed, step, cfg.batch, cfg.seq_len, cfg.vocab)
     return make_batch(cfg.seed, step, cfg.batch, cfg.d_in, cfg.classes, cfg.dtype)
+
+
+def build_reference(cfg: TrainConfig, full: dict[str, np.ndarray]) -> nn.Model:
+    """The single-process model: the MLP models of nn.py or the transformer of gpt.py."""
+    model_cfg = cfg.model_config()
+    return (gpt.build_reference if model_cfg.is_gpt else nn.build_reference)(model_cfg, full)
 
 
 # ------------------------------------------------------------ the reference
@@ -92,7 +137,7 @@ def train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | No
     """
     full = nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
     init = {k: v.copy() for k, v in full.items()}
-    model = nn.build_reference(cfg.model_config(), full)
+    model = build_reference(cfg, full)
     params = model.parameters()
     optimizer = make_optimizer(cfg.optimizer, cfg.lr)
     losses = []
@@ -126,6 +171,10 @@ def parallelize(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray],
     4. data parallelism: the gradients synchronized over `mesh.dp` after backward,
        plainly or with ZeRO 1/2/3, then the optimizer step (`make_updater`).
 
+    The transformer (gpt.py) goes through the same steps: each of its blocks is
+    attention (replicated, synced over dp like any weight) followed by the FFN block
+    that 2 and 3 split, and its pipeline stages pass (B/(M dp), T, d).
+
     Each strategy is handed what it needs (its groups, sizes, the optimizer); returns
     the model chunks and the updater that turns their gradients into a step.
     """
@@ -153,12 +202,13 @@ def build_rank_model(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray]
         from minipar.parallel import tensor_parallel  # here: it loads mpi4py.MPI
 
         enter, leave = tensor_parallel.sequence_parallel_hooks(mesh.tp)
+    embed, head = (gpt.Embedding, gpt.Head) if model_cfg.is_gpt else (nn.Embed, nn.Head)
     for chunk in range(cfg.virtual):
         v = chunk * cfg.pp + mesh.coords["pp"]
         blocks = [make_block(cfg, model_cfg, mesh, full, i)
                   for i in range(v * per_stage, (v + 1) * per_stage)]
-        chunks.append(nn.Model(nn.Embed(full) if v == 0 else None, blocks,
-                               nn.Head(full) if v == stages - 1 else None,
+        chunks.append(nn.Model(embed(full) if v == 0 else None, blocks,
+                               head(full) if v == stages - 1 else None,
                                enter=enter, leave=leave))
     return chunks
 
@@ -166,20 +216,30 @@ def build_rank_model(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray]
 def make_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
                full: dict[str, np.ndarray], index: int) -> nn.Module:
     """Block `index` as this mesh needs it (reference, tensor- or expert-parallel).
+    A transformer block is attention followed by that same FFN block (LayerNorm `ln2`)."""
+    if model_cfg.is_gpt:
+        return gpt.Block(full, index, model_cfg.heads,
+                         make_ffn_block(cfg, model_cfg, mesh, full, index, ln="ln2"))
+    return make_ffn_block(cfg, model_cfg, mesh, full, index)
+
+
+def make_ffn_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
+                   full: dict[str, np.ndarray], index: int, ln: str = "ln") -> nn.Module:
+    """The FFN block h + FFN(LN(h)) of block `index`, split as the mesh asks.
     The classes are looked up in their modules at call time, so `--inject-bug` can
     swap what they use."""
     # here: both load mpi4py.MPI, which the one-process reference never needs
     from minipar.parallel import expert_parallel, tensor_parallel
 
-    if cfg.model == "moe" and (cfg.dp > 1 or cfg.ep > 1):
+    if model_cfg.is_moe and (cfg.dp > 1 or cfg.ep > 1):
         # tokens split over dp, experts over ep: the Alltoall dispatch (expert_parallel.py)
-        return expert_parallel.ExpertParallelBlock(full, index, model_cfg, mesh)
-    if cfg.model == "moe":
-        return nn.MoEBlock(full, index, model_cfg)
+        return expert_parallel.ExpertParallelBlock(full, index, model_cfg, mesh, ln=ln)
+    if model_cfg.is_moe:
+        return nn.MoEBlock(full, index, model_cfg, ln=ln)
     if cfg.tp > 1:
         return tensor_parallel.TensorParallelBlock(full, index, mesh.tp,
                                                    sequence_parallel=cfg.sp)
-    return nn.DenseBlock(full, index)
+    return nn.DenseBlock(full, index, ln=ln)
 
 
 def make_updater(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
@@ -200,10 +260,13 @@ def microbatch_loss(chunk: nn.Model, x: np.ndarray, y: np.ndarray, scale: float)
     return nn.loss_fn(chunk, x, y) * scale
 
 
-def boundary_shape(cfg: TrainConfig) -> tuple[int, int]:
+def boundary_shape(cfg: TrainConfig) -> tuple[int, ...]:
     """What crosses a stage boundary per microbatch: (B/(M dp), d) rows of the residual
-    stream, or (B/(M dp tp), d) with sequence parallelism (the stream is row-split)."""
+    stream, or (B/(M dp tp), d) with sequence parallelism (the stream is row-split);
+    for the transformer (B/(M dp), T, d), every position of those sequences."""
     rows = cfg.batch // cfg.microbatches // cfg.dp
+    if cfg.model_config().is_gpt:
+        return (rows, cfg.seq_len, cfg.d_model)
     return (rows // cfg.tp if cfg.sp else rows, cfg.d_model)
 
 
@@ -225,7 +288,8 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
         # looked up at call time: --inject-bug swaps pipeline_parallel.StageWorker
         worker = pipeline_parallel.StageWorker(
             mesh.pp, chunks, x, y, slices, last_stage_loss, scale, boundary_shape(cfg),
-            cfg.virtual, split_backward=cfg.schedule == "zb-h1", rank=mesh.rank)
+            cfg.virtual, split_backward=cfg.schedule == "zb-h1", rank=mesh.rank,
+            dtype=cfg.dtype)
         return pipeline_parallel.forward_backward(worker, cfg.schedule, cfg.microbatches,
                                                   timeline)
     total = 0.0
@@ -250,8 +314,9 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
     from minipar.comm import Ledger  # here: comm.py loads mpi4py.MPI, train_reference not
 
     mesh = Mesh(cfg.mesh_shape(), world, Ledger())
-    try:
-        return train_on_mesh(cfg, mesh, on_step)
+    try:  # overflow shows up as a DivergedError line, not as NumPy warnings burying it
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+            return train_on_mesh(cfg, mesh, on_step)
     finally:  # also when a step diverges: a sweep or a notebook builds many meshes
         mesh.free()
 
@@ -272,10 +337,12 @@ def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
     losses = list(saved.manifest.get("losses", [])) if saved else []
     timeline: list[dict] = []  # the pipeline's instructions of the last step, timed
     for step in range(start, cfg.steps):  # --steps is the total, resumed or not
+        watchdog.doing(f"step {step + 1} of {cfg.steps}")  # named if a rank gets stuck
         timeline.clear()
         losses.append(train_step(cfg, mesh, chunks, updater, step, timeline))
         if on_step is not None:
             on_step(step, losses[-1])
+    watchdog.doing("the end of the run (gathering results, saving the checkpoint)")
     return finish(cfg, mesh, chunks, updater, losses, init, timeline)
 
 
@@ -300,7 +367,11 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
     ledger.enabled = False  # reporting the loss is not part of training's traffic
     loss = report_loss(mesh, local)
     if not math.isfinite(loss):  # the same number on every rank: all stop here
-        raise DivergedError(step + 1, cfg.steps, loss, cfg.lr)
+        raise DivergedError(step + 1, cfg.steps, f"the loss is {loss}", blame(cfg, step == 0))
+    broken = nonfinite_count(mesh, chunks, updater)   # a finite loss, a broken update
+    if broken:
+        raise DivergedError(step + 1, cfg.steps, f"the update left {broken} numbers of the "
+                            "ranks' parameters NaN or infinite", blame(cfg, first=False))
     ledger.enabled = True
     return loss
 
@@ -320,7 +391,8 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
     params = [p for chunk in chunks for p in chunk.parameters()]
     final, disagreements = gather_full_params(mesh, params, cfg)
     if cfg.save:  # every rank writes its shard; rank 0 the manifest, last
-        checkpoint.save(cfg.save, cfg, mesh, updater, updater.optimizer, cfg.steps, losses)
+        checkpoint.save(cfg.save, cfg, mesh, updater, updater.optimizer, cfg.steps, losses,
+                        keep=cfg.keep)
     return RunResult(losses, init, final,
                      [r for rank in gathered for r in rank] if gathered else [],
                      {"replica_disagreements": disagreements,

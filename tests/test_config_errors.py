@@ -16,7 +16,9 @@ seconds.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from minipar import checkpoint
 from tests.mpi import launch, minipar
 
 WORLD = 4
-SMALL = ["--layers", "2", "--d-model", "16", "--d-in", "8", "--batch", "16", "--steps", "1"]
+SMALL = ["--layers", "2", "--d-model", "16", "--batch", "16", "--steps", "1"]
 # (flags after SMALL, the flag the error line must name). Paths in braces come from the
 # `folders` fixture: a good checkpoint saved at step 2 with Adam, and damaged copies.
 CASES = [
@@ -66,9 +68,48 @@ CASES = [
     (["--resume", "{good}", "--steps", "2", "--optimizer", "adam"], "--steps"),  # no step left
     (["--save", "{a_file}"], "--save"),
     (["--zero", "1", "--model", "moe"], "--zero"),                  # ZeRO shards dense only
+    # resuming on another data stream or model: the flag that differs is named
+    (["--resume", "{good}", "--steps", "4", "--optimizer", "adam", "--seed", "5"], "--seed"),
+    (["--resume", "{good}", "--steps", "4", "--optimizer", "adam", "--batch", "32"], "--batch"),
+    # a hand-edited manifest: caught by its own checksum, or (re-sealed) by its structure
+    (["--resume", "{t_edited}", "--steps", "4", "--optimizer", "adam"], "--resume"),
+    (["--resume", "{losses_edited}", "--steps", "4", "--optimizer", "adam"], "--resume"),
+    (["--resume", "{files_a_list}", "--steps", "4", "--optimizer", "adam"], "--resume"),
+    (["--resume", "{shape_edited}", "--steps", "4", "--optimizer", "adam"], "--resume"),
+    # outputs that cannot be written, found before the first step (not after the last)
+    (["--save", "{locked}"], "--save"),                              # another live job's
+    (["--save", "{a_file}/sub"], "--save"),
+    (["--save", ""], "--save"),
+    (["--resume", ""], "--resume"),
+    (["--dump", ""], "--dump"),
+    (["--dump", "{a_file}"], "--dump"),
+    (["--dump", "{a_file}/sub"], "--dump"),
+    (["--keep", "0"], "--keep"),
+    (["--timeout", "-1"], "--timeout"),
+    (["--timeout", "nan"], "--timeout"),
+    # sizes this machine cannot hold, numbers whose products are not counts
+    (["--d-model", "1000000000"], "--d-model"),
+    (["--layers", "1000000000"], "--layers"),
+    (["--model", "moe", "--experts", "4", "--capacity-factor", "1e308"], "--capacity-factor"),
+    (["--model", "gpt", "--heads", "3"], "--heads"),                 # 3 does not divide d = 16
+    (["--model", "gpt", "--heads", "0"], "--heads"),
+    (["--model", "gpt", "--seq-len", "1"], "--seq-len"),             # nothing to predict
+    (["--model", "gpt", "--vocab", "1"], "--vocab"),
+    (["--model", "gpt", "--data", "{missing}"], "--data"),
+    (["--model", "gpt", "--data", "{empty}"], "--data"),
+    (["--model", "gpt", "--data", "{short}"], "--data"),             # fewer than T+1 bytes
+    (["--model", "gpt", "--data", "{good}"], "--data"),              # a folder
+    (["--model", "gpt", "--data", "{text}", "--vocab", "64"], "--vocab"),  # bytes: V = 256
+    (["--model", "gpt", "--d-in", "8"], "--d-in"),                   # reads token ids
+    (["--model", "gpt", "--classes", "5"], "--classes"),
+    (["--model", "gpt", "--tp", "2"], "--tp"),                       # heads over tp: not yet
+    (["--model", "gpt", "--ep", "2"], "--ep"),                       # no experts
+    (["--model", "gpt-moe", "--zero", "1"], "--zero"),
+    (["--heads", "2"], "--heads"),                                   # the MLP has no heads
+    (["--data", "{text}"], "--data"),
 ]
 # Through the real launcher, at several world sizes: (ranks, case index).
-END_TO_END = [(4, 0), (2, 11), (1, 15), (2, 27)]
+END_TO_END = [(4, 0), (2, 11), (1, 15), (2, 27), (2, 42), (2, 50), (2, 52), (2, 58)]
 
 
 @pytest.fixture(scope="module")
@@ -80,19 +121,42 @@ def folders(tmp_path_factory):
                       "--save", str(good)], 60)
     assert job.returncode == 0 and not job.timed_out, job.explain()
     paths = {"good": good, "missing": root / "missing", "new": root / "new",
-             "a_file": root / "a_file"}
+             "a_file": root / "a_file", "empty": root / "empty.txt",
+             "short": root / "short.txt", "text": root / "text.txt"}
     paths["a_file"].write_text("not a folder")
+    paths["empty"].write_text("")
+    paths["short"].write_text("ten bytes!")                   # T + 1 = 33 are needed
+    paths["text"].write_text("a text long enough for windows of 33 bytes. " * 4)
     for name in ("unfinished", "truncated", "tampered", "garbled"):
         paths[name] = root / name
         shutil.copytree(good, paths[name])
-    (paths["unfinished"] / "manifest.json").unlink()
-    shard = paths["truncated"] / checkpoint.shard_name(0, 2)
+    step = checkpoint.resolve(good).name          # the step folder `latest` names
+    (paths["unfinished"] / "latest").unlink()     # as if the save died before the switch
+    shard = paths["truncated"] / step / checkpoint.shard_name(0, 2)
     shard.write_bytes(shard.read_bytes()[:-1])
-    shard = paths["tampered"] / checkpoint.shard_name(0, 2)
+    shard = paths["tampered"] / step / checkpoint.shard_name(0, 2)
     data = bytearray(shard.read_bytes())
     data[-200] ^= 0xFF
     shard.write_bytes(bytes(data))
-    (paths["garbled"] / "manifest.json").write_text('{"format": "minipar-checkp')
+    (paths["garbled"] / step / "manifest.json").write_text('{"format": "minipar-checkp')
+    edits = {"t_edited": ("optimizer_t", 9, False), "losses_edited": ("losses", [0.0, 0.0], False),
+             "files_a_list": ("files", None, True), "shape_edited": ("shapes", None, True)}
+    for name, (key, value, reseal) in edits.items():
+        paths[name] = root / name
+        shutil.copytree(good, paths[name])
+        path = paths[name] / step / "manifest.json"
+        manifest = json.loads(path.read_text())
+        if key == "files":
+            manifest["files"] = sorted(manifest["files"])
+        elif key == "shapes":
+            manifest["shapes"]["head.weight"] = [16, 11]
+        else:
+            manifest[key] = value
+        path.write_text(json.dumps(checkpoint.seal(manifest) if reseal else manifest))
+    paths["locked"] = root / "locked"      # held by this (live) pytest process
+    paths["locked"].mkdir()
+    (paths["locked"] / ".lock").write_text(json.dumps(
+        {"token": "t", "pid": os.getpid(), "host": socket.gethostname(), "since": "now"}))
     return paths
 
 

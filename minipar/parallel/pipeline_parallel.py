@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar import autograd as ag
+from minipar import watchdog
 from minipar.autograd import Tensor
 from minipar.nn import Model
 from minipar.parallel.pipeline_schedules import (
@@ -86,19 +87,21 @@ class StageWorker:
     this stage), the model `chunks` this rank holds (`virtual` of them), the step's
     batch `x, y` with this rank's `rows` of each microbatch, the last stage's `loss`
     function, `aux_weight` (what a block's aux loss counts for in the step's loss:
-    1/M), the `boundary` shape of an activation, and whether the backward is split
-    (ZB-H1: B now, W later). `rank` only labels the timeline.
+    1/M), the `boundary` shape of an activation and its `dtype` (the model's; by
+    default x's, which for the transformer holds integer token ids instead), and
+    whether the backward is split (ZB-H1: B now, W later). `rank` only labels the
+    timeline.
     """
 
     def __init__(self, pp_group: Group, chunks: list[Model], x: np.ndarray, y: np.ndarray,
                  rows: list[slice], loss: LossFunction, aux_weight: float,
-                 boundary: tuple[int, int], virtual: int = 1, split_backward: bool = False,
-                 rank: int = 0) -> None:
+                 boundary: tuple[int, ...], virtual: int = 1, split_backward: bool = False,
+                 rank: int = 0, dtype: np.dtype | str | None = None) -> None:
         self.group, self.rank = pp_group, rank
         self.stage, self.pp, self.virtual = pp_group.rank, pp_group.size, virtual
         self.chunks = chunks
         self.loss_function, self.aux_weight = loss, aux_weight
-        self.shape, self.dtype = boundary, x.dtype
+        self.shape, self.dtype = boundary, np.dtype(x.dtype if dtype is None else dtype)
         self.rows = rows
         self.x, self.y = x, y
         self.split_backward = split_backward
@@ -125,7 +128,8 @@ class StageWorker:
                                   "chunk": ins.chunk, "start": start, "end": time.time()})
         from mpi4py import MPI  # here: importing this file (bugs.py, the tests) needs no MPI
 
-        MPI.Request.Waitall([request for request, _ in self.sending.values()])
+        with watchdog.waiting("Waitall of the sends over pp"):
+            MPI.Request.Waitall([request for request, _ in self.sending.values()])
         self.sending.clear()
         return self.loss
 
@@ -183,7 +187,8 @@ class StageWorker:
         else:
             roots = [(out, self.grads.pop(key))]        # (output, gradient received)
             roots += [(aux, self.aux_weight)] if aux is not None else []  # (aux, 1/M)
-            self.sending.pop((ACT_TAG, *key))[0].Wait()  # its gradient came back: delivered
+            with watchdog.waiting("Wait of an activation send over pp"):
+                self.sending.pop((ACT_TAG, *key))[0].Wait()  # its gradient came back: sent
         if self.split_backward:  # B now (input gradients), W later (weight gradients)
             with ag.defer_weight_grads() as pending:
                 ag.backward_from(roots)
