@@ -36,7 +36,7 @@ LAYERS: list[set[str]] = [
     {"train"},                                                              # composition
     {"results", "reshard"},
     {"costmodel", "timemodel", "plan", "presets", "plots_load", "plots", "report", "tour",
-     "classroom", "exercises", "exercises.regions", "exercises.grade",
+     "classroom", "exercises", "exercises.regions", "exercises.units", "exercises.grade",
      "exercises.command", "__main__", ""},                                  # on top
 ]
 

@@ -90,7 +90,7 @@ EXERCISES = [
         "fused.linear(x, self.weight, self.bias): (B, d) @ (d, f/tp) -> (B, f/tp), and "
         "with gather_output Allgather the columns (gather_from(y, self.tp, axis=-1)) into "
         "(B, f).",
-        [_train(tp=2, dp=2), _train(tp=2, dp=2, sp=True)]),
+        [("linears", {}), _train(tp=2, dp=2), _train(tp=2, dp=2, sp=True)]),
     Exercise(
         "row-parallel", "Tensor parallelism: the row-parallel linear",
         "Write RowParallelLinear.__call__: this rank holds W[rows, :] (f/tp, d) and all "
@@ -99,7 +99,7 @@ EXERCISES = [
         "(f/tp, d) -> (B, d), add the partial sums of all tp ranks with reduce_from (g, "
         "an Allreduce; with sequence_parallel reduce_scatter: my rows (B/tp, d)), and "
         "only then add the bias, once.",
-        [_train(tp=2, dp=2), _train(tp=2, dp=2, sp=True)]),
+        [("linears", {}), _train(tp=2, dp=2), _train(tp=2, dp=2, sp=True)]),
     Exercise(
         "alltoall-dispatch", "Expert parallelism: the Alltoall dispatch and its counts",
         "In expert_parallel.py: exchange_counts must tell every rank how many rows it "

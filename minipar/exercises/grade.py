@@ -27,14 +27,11 @@ from mpi4py import MPI
 import minipar
 from minipar import exercises, watchdog
 from minipar import train as training
-from minipar.autograd import Tensor
-from minipar.comm import Group, Ledger, copy_to, reduce_from
 from minipar.config import TrainConfig
+from minipar.exercises.units import UNITS
 from minipar.log import abort_all
-from minipar.parallel import pipeline_schedules as schedules
 from minipar.report import predicted_ledgers
 from minipar.results import TOLERANCE, relative_difference
-from minipar.ring import even_counts, ring_allgather, ring_allreduce, ring_reduce_scatter
 
 AGREE_SECONDS = 20.0
 STUCK_SECONDS = 30.0
@@ -128,126 +125,13 @@ def check_train(fields: dict, world: MPI.Comm) -> str | None:
     return world.bcast(verdict)
 
 
-# ---------------------------------------------------------------- unit checks
-def check_conjugate(world: MPI.Comm) -> str | None:
-    """f and g on the world group: forward and backward against their definitions."""
-    group = Group(world, "tp", Ledger())
-    rng = np.random.default_rng(7)
-    xs, gs = rng.normal(size=(2, group.size, 3, 5))  # every rank's x and output gradient
-    me = group.rank
-    x = Tensor(xs[0].copy(), requires_grad=True)
-    y = copy_to(x, group)
-    y.backward(gs[me].copy())
-    for what, got, want in (("copy_to (f) forward", y.data, xs[0]),
-                            ("copy_to (f) backward: x.grad", x.grad, gs.sum(axis=0))):
-        if (rel := relative_difference(got, want)) > 1e-12:
-            return f"{what} on rank {me} is off by {rel:.2e} relative: {hint_for(what)}"
-    x = Tensor(xs[me].copy(), requires_grad=True)
-    y = reduce_from(x, group)
-    y.backward(gs[0].copy())
-    for what, got, want in (("reduce_from (g) forward", y.data, xs.sum(axis=0)),
-                            ("reduce_from (g) backward: x.grad", x.grad, gs[0])):
-        if (rel := relative_difference(got, want)) > 1e-12:
-            return f"{what} on rank {me} is off by {rel:.2e} relative: {hint_for(what)}"
-    return None
-
-
-def hint_for(what: str) -> str:
-    """What each direction of f and g must be."""
-    if "forward" in what and "copy_to" in what or "backward" in what and "reduce" in what:
-        return "this direction is the identity"
-    return "this direction is the Allreduce(SUM) over the group of every rank's array"
-
-
-def check_ring(world: MPI.Comm) -> str | None:
-    """The ring collectives against MPI's sums, on the world and on its first 3 ranks;
-    what each rank sent against the formulas of ring.py."""
-    for size in (world.Get_size(), 3):
-        part = world.Split(0 if world.Get_rank() < size else MPI.UNDEFINED, world.Get_rank())
-        if part == MPI.COMM_NULL:
-            continue
-        try:
-            problem = ring_on(Group(part, "ring", Ledger()))
-        finally:
-            part.Free()
-        if problem:
-            return problem
-    return None
-
-
-def ring_on(group: Group) -> str | None:
-    """One group's checks, elements of 1, 5 and 13 (chunks of unequal length)."""
-    n_ranks, me = group.size, group.rank
-    for n in (1, 5, 13):
-        x = np.random.default_rng(100 + me).normal(size=n)
-        everyone = np.array(group.comm.allgather(x))                 # (N, n)
-        counts = even_counts(n, n_ranks)
-        start = int(np.sum(counts[:me]))
-        for what, run, want, sent in (
-                ("ring_allreduce", ring_allreduce, everyone.sum(axis=0),
-                 2 * n - counts[me] - counts[(me + 1) % n_ranks]),
-                ("ring_reduce_scatter", ring_reduce_scatter,
-                 everyone.sum(axis=0)[start:start + counts[me]], n - counts[me]),
-                ("ring_allgather", ring_allgather, everyone, (n_ranks - 1) * n)):
-            group.ledger.reset()
-            got = run(group, x)
-            where = f"{what} of {n} element(s) on {n_ranks} ranks"
-            if np.shape(got) != np.shape(want):
-                return f"{where}: rank {me} returned shape {np.shape(got)}, not {want.shape}"
-            rel = relative_difference(got, want)
-            if not rel <= 1e-12:
-                worst = int(np.argmax(np.abs(np.asarray(got) - want)))
-                return (f"{where}: rank {me} is off by {rel:.2e} relative, worst at flat "
-                        f"element {worst} ({np.ravel(got)[worst]:.6g}, should be "
-                        f"{np.ravel(want)[worst]:.6g})")
-            entry = group.ledger.total("Sendrecv"), group.ledger.total("Sendrecv", field="calls")
-            if entry != (sent, n_ranks - 1 if what != "ring_allreduce" else 2 * (n_ranks - 1)):
-                calls = 2 * (n_ranks - 1) if what == "ring_allreduce" else n_ranks - 1
-                return (f"{where}: rank {me} sent {entry[0]} elements in {entry[1]} Sendrecv "
-                        f"calls; the ring sends {sent} in {calls}")
-    return None
-
-
-def check_schedule(world: MPI.Comm) -> str | None:
-    """The 1F1B order of every stage for pp 1..4 and M 1..6, then played by the simulator."""
-    for pp in range(1, 5):
-        for microbatches in range(1, 7):
-            for stage in range(pp):
-                order = schedules.one_f_one_b_order(pp, microbatches, stage)
-                where = f"one_f_one_b_order(pp={pp}, microbatches={microbatches}, stage={stage})"
-                kinds = [ins.kind for ins in order]
-                for kind in (schedules.FORWARD, schedules.BACKWARD):
-                    seen = [ins.microbatch for ins in order if ins.kind == kind]
-                    if seen != list(range(microbatches)):
-                        return (f"{where}: its {kind}s are for microbatches {seen}, "
-                                "not 0..M-1 in order")
-                first_backward = kinds.index(schedules.BACKWARD)
-                if first_backward != min(pp - stage, microbatches):
-                    return (f"{where}: {first_backward} forward(s) before the first backward; "
-                            f"1F1B warms up with pp - stage - 1 = {pp - stage - 1} and then "
-                            "does one more forward")
-                peak = schedules.in_flight_peak(kinds)
-                if peak != min(pp - stage, microbatches):
-                    return (f"{where}: {peak} microbatches alive at once; 1F1B keeps "
-                            f"min(pp - stage, M) = {min(pp - stage, microbatches)}")
-            bubble = schedules.simulate_schedule("1f1b", pp, microbatches).bubble
-            want = schedules.bubble_formula("1f1b", pp, microbatches)
-            if abs(bubble - want) > 1e-12:
-                return (f"1F1B on pp={pp}, M={microbatches}: the simulated bubble is "
-                        f"{bubble:.4f}, the formula (pp-1)/(M+pp-1) says {want:.4f}")
-    return None
-
-
-UNIT = {"conjugate": check_conjugate, "ring": check_ring, "schedule": check_schedule}
-
-
 # ------------------------------------------------------------------ the driver
 def run_check(kind: str, fields: dict, world: MPI.Comm) -> str | None:
     """One check on this rank: its verdict, or the exception it raised, in words."""
     try:
         if kind == "train":
             return check_train(fields, world)
-        return UNIT[kind](world)
+        return UNITS[kind](world)
     except Exception as error:  # a stub, or a student's bug: the verdict, not a crash
         frame = traceback.extract_tb(error.__traceback__)[-1]
         where = f"{frame.filename.split('/minipar/')[-1]}:{frame.lineno}"
