@@ -24,6 +24,7 @@ from pathlib import Path
 from minipar import exercises
 from minipar.exercises import regions
 
+VERDICT = "minipar: exercise verdict: "  # grade.VERDICT (grade.py loads MPI: not imported)
 TIMEOUT = 240  # seconds for a whole check job; the watchdog names a stuck call sooner
 
 
@@ -70,6 +71,9 @@ def explain_crash(code: int, stderr: str) -> str:
                 "ranks' calls did not match. One rank made a collective call its partners "
                 "did not make, or with another size; every rank of a group must make the "
                 "same calls, in the same order, with the same counts")
+    verdict = [line for line in stderr.splitlines() if line.startswith(VERDICT)]
+    if verdict:
+        return verdict[0].removeprefix(VERDICT)
     stuck = [line for line in stderr.splitlines() if "watchdog:" in line]
     if stuck:
         return stuck[0].removeprefix("minipar: error: ")

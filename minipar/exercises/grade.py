@@ -35,6 +35,7 @@ from minipar.results import TOLERANCE, relative_difference
 
 AGREE_SECONDS = 20.0
 STUCK_SECONDS = 30.0
+VERDICT = "minipar: exercise verdict: "  # how command.py finds a verdict in an ended job
 
 
 def flags(fields: dict) -> str:
@@ -133,8 +134,9 @@ def run_check(kind: str, fields: dict, world: MPI.Comm) -> str | None:
             return check_train(fields, world)
         return UNITS[kind](world)
     except Exception as error:  # a stub, or a student's bug: the verdict, not a crash
-        frame = traceback.extract_tb(error.__traceback__)[-1]
-        where = f"{frame.filename.split('/minipar/')[-1]}:{frame.lineno}"
+        frames = traceback.extract_tb(error.__traceback__)
+        ours = [f for f in frames if "/minipar/" in f.filename] or frames  # not numpy's
+        where = f"{ours[-1].filename.split('/minipar/')[-1]}:{ours[-1].lineno}"
         return f"rank {world.Get_rank()} raised {type(error).__name__} at {where}: {error}"
 
 
@@ -145,8 +147,8 @@ def agree(world: MPI.Comm, verdict: str | None) -> str | None:
     deadline = time.monotonic() + AGREE_SECONDS
     while not request.Test():
         if verdict is not None and time.monotonic() > deadline:
-            abort_all(f"{verdict}\n(the other ranks did not finish the check: they wait in "
-                      "a collective this rank left)\n")
+            abort_all(f"{VERDICT}{verdict} (the other ranks did not finish the check: they "
+                      "wait in a collective this rank left)\n")
         time.sleep(0.005)
     return next((v for v in world.allgather(verdict) if v is not None), None)
 
