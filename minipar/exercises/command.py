@@ -124,6 +124,8 @@ def main(argv: list[str]) -> int:
                 raise ValueError("check NAME [NAME ...] [DIR]: the names are "
                                  + ", ".join(exercises.BY_NAME))
             code, report = check(names, Path(rest[0] if rest else "."))
+            if code == 2:
+                raise ValueError(report)
             print(report, flush=True)
             return code
     except ValueError as error:
