@@ -123,12 +123,22 @@ def build_rank_model(cfg: TrainConfig, mesh: object, full: dict[str, np.ndarray]
     per_stage = cfg.layers // stages
     chunks = []
     enter = leave = None
-    if cfg.sp:  # the residual stream is split by rows over tp from the embedding to the
-        # head, so pipeline stages pass row shards (B/tp, d) along (tensor_parallel.py)
+    if cfg.sp:  # the residual stream is split by rows (the transformer: positions) over
+        # tp from the embedding to the head, so pipeline stages pass those shards along
         from minipar.parallel.tensor_parallel import sequence_parallel_hooks
 
-        enter, leave = sequence_parallel_hooks(mesh.tp)
+        enter, leave = sequence_parallel_hooks(mesh.tp, axis=1 if model_cfg.is_gpt else 0)
     embed, head = (gpt.Embedding, gpt.Head) if model_cfg.is_gpt else (nn.Embed, nn.Head)
+    if cfg.vocab_parallel:  # rows of tok and columns of the head over tp (vocab_parallel.py)
+        from minipar.parallel import vocab_parallel
+
+        def embed(full: dict) -> nn.Module:
+            return vocab_parallel.VocabParallelEmbedding(full, mesh.tp, cfg.sp)
+
+        def head(full: dict) -> nn.Module:
+            return vocab_parallel.VocabParallelHead(full, mesh.tp, cfg.sp)
+        enter = leave = None  # under SP, the embedding's Reduce_scatter and the head's
+        # Allgather are the residual stream's way in and out of its split along T
     for chunk in range(cfg.virtual):
         v = chunk * cfg.pp + mesh.coords["pp"]
         blocks = [make_block(cfg, model_cfg, mesh, full, i)
@@ -141,28 +151,49 @@ def build_rank_model(cfg: TrainConfig, mesh: object, full: dict[str, np.ndarray]
 
 def make_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: object,
                full: dict[str, np.ndarray], index: int) -> nn.Module:
-    """Block `index` as this mesh needs it (reference, tensor- or expert-parallel).
-    A transformer block is attention followed by that same FFN block (LayerNorm `ln2`)."""
+    """Block `index` as this mesh needs it (reference, tensor- or expert-parallel), under
+    `--recompute full` wrapped to keep only its input (recompute.py). A transformer
+    block is attention (split by heads over tp) followed by that same FFN block
+    (LayerNorm `ln2`)."""
+    from minipar.recompute import Recomputed
+
+    block = make_ffn_block(cfg, model_cfg, mesh, full, index,
+                           ln="ln2" if model_cfg.is_gpt else "ln")
     if model_cfg.is_gpt:
-        return gpt.Block(full, index, model_cfg.heads,
-                         make_ffn_block(cfg, model_cfg, mesh, full, index, ln="ln2"))
-    return make_ffn_block(cfg, model_cfg, mesh, full, index)
+        selective = cfg.recompute == "selective"
+        if cfg.tp > 1:
+            from minipar.parallel.tensor_parallel import TensorParallelAttention
+
+            attn = TensorParallelAttention(full, index, model_cfg.heads, mesh.tp, cfg.sp,
+                                           selective=selective)
+        else:
+            attn = gpt.Attention(full, index, model_cfg.heads, selective=selective)
+        block = gpt.Block(full, index, model_cfg.heads, block, attn=attn)
+    return Recomputed(block) if cfg.recompute == "full" else block
 
 
 def make_ffn_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: object,
                    full: dict[str, np.ndarray], index: int, ln: str = "ln") -> nn.Module:
-    """The FFN block h + FFN(LN(h)) of block `index`, split as the mesh asks."""
-    if model_cfg.is_moe and (cfg.dp > 1 or cfg.ep > 1):
-        # tokens split over dp, experts over ep: the Alltoall dispatch (expert_parallel.py)
-        from minipar.parallel.expert_parallel import ExpertParallelBlock
-
-        return ExpertParallelBlock(full, index, model_cfg, mesh, ln=ln)
+    """The FFN block h + FFN(LN(h)) of block `index`, split as the mesh asks. The MoE
+    FFN is not split over tp: every tp rank runs it whole (its experts over ep)."""
     if model_cfg.is_moe:
-        return nn.MoEBlock(full, index, model_cfg, ln=ln)
+        if cfg.dp > 1 or cfg.ep > 1:
+            # tokens split over dp, experts over ep: the Alltoall dispatch (expert_parallel.py)
+            from minipar.parallel.expert_parallel import ExpertParallelBlock
+
+            moe: nn.Module = ExpertParallelBlock(full, index, model_cfg, mesh, ln=ln)
+        else:
+            moe = nn.MoEBlock(full, index, model_cfg, ln=ln)
+        if cfg.sp:  # my positions -> all of them, and back (tensor_parallel.py)
+            from minipar.parallel.tensor_parallel import ReplicatedOverTp
+
+            return ReplicatedOverTp(moe, mesh.tp)
+        return moe
     if cfg.tp > 1:
         from minipar.parallel.tensor_parallel import TensorParallelBlock
 
-        return TensorParallelBlock(full, index, mesh.tp, sequence_parallel=cfg.sp)
+        return TensorParallelBlock(full, index, mesh.tp, sequence_parallel=cfg.sp, ln=ln,
+                                   seq_axis=1 if model_cfg.is_gpt else 0)
     return nn.DenseBlock(full, index, ln=ln)
 
 

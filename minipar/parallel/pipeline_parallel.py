@@ -45,7 +45,7 @@ import time
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import fused
+from minipar import nn
 from minipar.autograd import Tensor
 from minipar.config import TrainConfig
 from minipar.data import shard_rows
@@ -72,8 +72,8 @@ def boundary_shape(cfg: TrainConfig) -> tuple[int, ...]:
     stream, or (B/(M dp tp), d) with sequence parallelism (the stream is row-split);
     for the transformer (B/(M dp), T, d), every position of those sequences."""
     rows = cfg.batch // cfg.microbatches // cfg.dp
-    if cfg.model_config().is_gpt:
-        return (rows, cfg.seq_len, cfg.d_model)
+    if cfg.model_config().is_gpt:  # sequence parallelism cuts positions: (b, T/tp, d)
+        return (rows, cfg.seq_len // cfg.tp if cfg.sp else cfg.seq_len, cfg.d_model)
     return (rows // cfg.tp if cfg.sp else rows, cfg.d_model)
 
 
@@ -163,7 +163,8 @@ class StageWorker:
         h = Tensor(self.x[rows]) if self.is_first(ins.chunk) else self.inputs[key]
         out, aux = self.chunks[ins.chunk].forward(h)
         if self.is_last(ins.chunk):                      # out is the logits
-            loss = fused.cross_entropy(out, self.y[rows]) * self.scale         # CE / M
+            head = self.chunks[ins.chunk].head
+            loss = nn.output_loss(head, out, self.y[rows]) * self.scale        # CE / M
             loss = loss if aux is None else loss + aux * self.scale     # + aux / M
             self.loss += loss.item()
             self.outputs[key] = (loss, None)
