@@ -52,6 +52,8 @@ class Block:
     act_scores: float = 0.0      # bytes/token of attention scores, 5as (selective drops it)
     act_input: float = 0.0       # bytes/token of the layer input (all full recompute keeps)
     capacity: bool = False       # MoE with an expert capacity: an Exscan of counts over dp
+    sp_gathers: int = 0          # SP: Allgathers per pass of a part every tp rank runs whole
+    sp_partial: int | None = None  # SP: gradient elements left partial (None: every unsplit)
 
     @property
     def moe(self) -> bool:
@@ -78,6 +80,9 @@ class Workload:
     bucket_size: int = 12_500_000  # gradient bucket, elements (25 MB of 16-bit numbers)
     split_dims: tuple[int, ...] = ()  # sizes tp must divide (d_ff, the attention heads)
     lookup_embedding: bool = False  # a token embedding is a table lookup: no FLOPs
+    vocab_parallel: bool = False  # embedding rows and head columns over tp: their traffic
+    sp_partial_embed: int = 0     # SP: gradient elements the first stage's embedding and
+    sp_partial_head: int = 0      # the last stage's head leave partial over tp
 
     @property
     def layers(self) -> int:
