@@ -99,3 +99,99 @@ class Recomputed(Module):
             if result.grad is None:  # the loss uses aux only: h' still runs its backward
                 result.accumulate(np.zeros_like(result.data), fresh=True)
         return result, Tensor.from_op(aux.data, (result,), keep_aux)
+
+
+# ------------------------------------------------------------ what the tape keeps
+def _buffer(a: np.ndarray) -> np.ndarray:
+    """The array that owns `a`'s memory (a view's base, all the way down)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def tape_bytes(out: Tensor, exclude: tuple[Tensor, ...] = ()) -> int:
+    """Bytes of the arrays the tape behind `out` keeps alive for the backward: every
+    node's output and every array its backward closure holds (lesson 5 counted the
+    outputs alone; attention's probabilities, LayerNorm's x_hat, GELU's tanh live in
+    closures). Parameters, the arrays of `exclude` (a block's input) and views of
+    arrays already counted are not counted again: one buffer, one count."""
+    skip = {id(_buffer(t.data)) for t in exclude}
+    held: dict[int, int] = {}
+    seen: set[int] = set()
+
+    def keep(a: np.ndarray) -> None:
+        root = _buffer(a)
+        if id(root) not in skip and a.dtype.kind == "f":
+            held[id(root)] = root.nbytes
+
+    def visit(value: object) -> None:  # a closure cell: arrays, tensors, containers
+        if isinstance(value, Parameter):
+            return
+        if isinstance(value, Tensor):
+            stack.append(value)
+        elif isinstance(value, np.ndarray):
+            keep(value)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    stack = [out]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or isinstance(node, Parameter) or not node.requires_grad:
+            continue
+        seen.add(id(node))
+        if not any(node is t for t in exclude):
+            keep(node.data)
+        for cell in getattr(node._backward, "__closure__", None) or ():
+            visit(cell.cell_contents)
+        stack.extend(node.parents)
+    return sum(held.values())
+
+
+def gpt_block_activation_bytes(tokens: int, d_model: int, d_ff: int, heads: int,
+                               seq_len: int, itemsize: int, tp: int = 1, sp: bool = False,
+                               recompute: str = "none") -> int:
+    """Bytes one dense transformer block of minipar keeps for its backward, per rank
+    and microbatch of `tokens` = b s positions (`tape_bytes` measures exactly this).
+
+    Counted array by array (h, the block input, belongs to the block before):
+
+      whole on every rank   LN1 out, x_hat; proj out; h'; LN2 out, x_hat; fc2 out; h_out
+                            (8 b d); with tp each reduction adds its sum and the bias
+                            added after it (2 b d per reduction: 12 b d)
+      split by heads / f    q, k, v, o (4 b d), fc1 out, GELU out and its tanh (3 b f)
+      scores                k + bk (b d), P (b H s), its log-sum-exp (b H)
+      small                 LayerNorm's 1/sigma (2 b)
+
+    so, in numbers per position,
+
+      tp = 1    8d + 5d + 3f + 2 + H s + H
+      tp > 1    12d + (5d + 3f + H s + H)/t + 2
+      tp + sp   4d + (10d + 5d + 3f + H s + H + 2)/t  (4d: the two Allgathered inputs
+                and the two partial sums before the Reduce_scatters, whole on every rank)
+
+    selective drops the scores (b d + b H s + b H, over t); full keeps only the block
+    output, b d (over t with sp), which is the next block's input. Beside Korthikanti
+    et al.'s sbh(34 + 5as/h) bytes in 16-bit numbers: with f = 4d, tp = 1 this is
+    25d + 2 + H s + H numbers, where Megatron's 34h bytes are 17 h numbers plus 1-byte
+    dropout masks; minipar has no dropout (no masks), but its tape keeps what Megatron
+    frees or never makes: x_hat beside LN's output, GELU's tanh, k + bk, the
+    sums before and after each bias, and under sp the gathered inputs (Megatron
+    gathers them again in the backward) -- which is why sp leaves 4d whole here."""
+    b, d, f = tokens, d_model, d_ff
+    scores = b * d + b * heads * seq_len + b * heads
+    if recompute == "selective":
+        scores = 0
+    if recompute == "full":
+        numbers = b * d // (tp if sp else 1)
+    elif tp == 1:
+        numbers = 8 * b * d + 4 * b * d + 3 * b * f + 2 * b + scores
+    elif not sp:
+        numbers = 12 * b * d + (4 * b * d + 3 * b * f + scores) // tp + 2 * b
+    else:
+        numbers = 4 * b * d + (10 * b * d + 4 * b * d + 3 * b * f + scores + 2 * b) // tp
+    return numbers * itemsize

@@ -119,3 +119,30 @@ def test_the_four_allreduces_of_a_block():
                                                                                  "Allreduce")]
         assert calls == 4 * GPT["layers"] + extra_calls
         assert elements == 4 * GPT["layers"] * b * 16 + extra_elements
+
+
+def test_activation_memory_is_the_formula(tmp_path):
+    """One gpt block's tape bytes per rank (recompute.tape_bytes) equal
+    recompute.gpt_block_activation_bytes for tp 1, 2, 4, with and without sp, for
+    none / selective / full; and each mode keeps less than the one before."""
+    from minipar.recompute import gpt_block_activation_bytes
+    from tests.mpi import launch
+    from tests.rank_activations import SHAPE
+
+    out = tmp_path / "activations.json"
+    job = launch(4, ["-m", "tests.rank_activations", str(out)], timeout=120)
+    assert job.returncode == 0 and not job.timed_out, job.explain()
+    found = json.loads(out.read_text())
+    assert len(found) == 15
+    tokens = SHAPE["batch"] * SHAPE["seq_len"]
+    by_setting = {}
+    for r in found:
+        formula = gpt_block_activation_bytes(tokens, SHAPE["d_model"], SHAPE["d_ff"],
+                                             SHAPE["heads"], SHAPE["seq_len"], 8, r["tp"],
+                                             r["sp"], r["recompute"])
+        assert r["measured"] == formula, r
+        by_setting.setdefault((r["tp"], r["sp"]), {})[r["recompute"]] = r["measured"]
+    for modes in by_setting.values():
+        assert modes["none"] > modes["selective"] > modes["full"]
+    assert by_setting[(4, True)]["none"] < by_setting[(4, False)]["none"] \
+        < by_setting[(1, False)]["none"]
