@@ -70,14 +70,29 @@ RUNS = {
         dict(MLP, model="moe", experts=4, dp=2, ep=2, pp=2, microbatches=2,
              schedule="zb-h1", recompute="full")],
 }
+# Megatron's f without its backward Allreduce, on the transformer's attention and FFN
+# entries and the vocabulary-parallel head's: the check must catch it (2 ranks).
+BUGGED = [dict(GPT, tp=2, inject_bug="tp-copy-to-no-allreduce"),
+          dict(GPT, **REPLICATED, tp=2, inject_bug="tp-copy-to-no-allreduce")]
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
 def swept(request, tmp_path_factory):
     """Every config of one rank count, trained in one mpiexec job."""
     world = request.param
-    runs = sweep(world, RUNS[world], tmp_path_factory.mktemp(f"tpgpt{world}"), timeout=420)
+    configs = RUNS[world] + (BUGGED if world == 2 else [])
+    runs = sweep(world, configs, tmp_path_factory.mktemp(f"tpgpt{world}"), timeout=420)
     return world, runs
+
+
+def test_a_missing_backward_allreduce_is_caught(swept):
+    world, runs = swept
+    if world != 2:
+        pytest.skip("the bug runs on 2 ranks")
+    for fields, run in zip(BUGGED, runs[len(RUNS[world]):]):
+        clean = {k: v for k, v in fields.items() if k != "inject_bug"}
+        with pytest.raises(AssertionError):
+            assert_equivalent(run, reference(**clean), label=str(fields))
 
 
 def test_every_mesh_equals_one_process(swept):

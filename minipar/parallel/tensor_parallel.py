@@ -24,15 +24,18 @@ activation memory of the row-split region divided by tp. Parameters used on
 row shards (LayerNorm gamma/beta, fc2's bias) then get only this rank's rows'
 share of their gradient: `allreduce_sequence_parallel_grads` sums it over tp.
 
-The embedding and the head stay replicated here (every tp rank computes them
-on all rows). Megatron splits them too: a vocabulary-parallel embedding (each
-rank holds a range of token ids, outputs are Allreduced) and a
-vocabulary-parallel head with a parallel cross-entropy (the softmax's max and
-sum are Allreduced, so full logits are never gathered). Our inputs are dense
-vectors and C is tiny, so there is nothing worth splitting.
+The transformer (`--model gpt`, gpt.py) is split the same way block by block:
+attention by heads (`TensorParallelAttention`: the q, k, v columns and proj rows of
+H/tp whole heads, one Allreduce after it), then the FFN as above, so four Allreduces
+of (B, T, d) per block and microbatch; under SP the split region is cut along T
+(positions, axis 1), not rows. Its embedding and head are vocabulary-parallel
+(vocab_parallel.py). The MLP models' embedding and head stay replicated: their
+inputs are dense vectors and C is tiny, so there is nothing worth splitting.
 
 Run it: `mpiexec -n 4 python -m minipar train --tp 4 --check --ledger` (add `--sp`),
-or the lesson `mpiexec -n 2 python lessons/02_tensor_parallel.py`.
+`mpiexec -n 4 python -m minipar train --model gpt --tp 4 --sp --check --ledger`,
+or the lessons `mpiexec -n 2 python lessons/02_tensor_parallel.py` and
+`mpiexec -n 4 python lessons/10_transformer_tp.py`.
 """
 
 from __future__ import annotations
