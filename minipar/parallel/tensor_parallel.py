@@ -35,7 +35,7 @@ inputs are dense vectors and C is tiny, so there is nothing worth splitting.
 Run it: `mpiexec -n 4 python -m minipar train --tp 4 --check --ledger` (add `--sp`),
 `mpiexec -n 4 python -m minipar train --model gpt --tp 4 --sp --check --ledger`,
 or the lessons `mpiexec -n 2 python lessons/02_tensor_parallel.py` and
-`mpiexec -n 4 python lessons/10_transformer_tp.py`.
+`mpiexec -n 4 python lessons/11_transformer_tp.py`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Lesson 10: the transformer on a tp group -- heads, vocabulary, SP along T, recomputation.
+"""Lesson 11: the transformer on a tp group -- heads, vocabulary, SP along T, recomputation.
 
-    mpiexec -n 4 python lessons/10_transformer_tp.py          # tp = 4
-    mpiexec -n 2 python lessons/10_transformer_tp.py          # tp = 2
-    mpiexec -n 4 python lessons/10_transformer_tp.py --plot figures   # + 10_tp_memory.png
+    mpiexec -n 4 python lessons/11_transformer_tp.py          # tp = 4
+    mpiexec -n 2 python lessons/11_transformer_tp.py          # tp = 2
+    mpiexec -n 4 python lessons/11_transformer_tp.py --plot figures   # + 11_tp_memory.png
 
 Megatron-LM (Shoeybi et al. 2019) splits a whole transformer block over the tp group,
 and Korthikanti et al. (2022) then cut its activation memory. On minipar's `gpt`:
@@ -64,7 +64,7 @@ def config(**fields: object) -> TrainConfig:
     cfg = TrainConfig(**{**SHAPE, **fields}, tp=size).resolved(size)
     errors = problems(cfg, size)
     if errors:  # every rank finds the same problem: all stop together
-        say(f"lesson 10: {errors[0]} (run it with mpiexec -n 2 or 4)")
+        say(f"lesson 11: {errors[0]} (run it with mpiexec -n 2 or 4)")
         raise SystemExit(2)
     return cfg
 
@@ -291,7 +291,7 @@ def main() -> None:
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
     args = parser.parse_args()
     if size not in (2, 4):
-        say("lesson 10 runs on 2 or 4 ranks (mpiexec -n 4 python lessons/10_transformer_tp.py)")
+        say("lesson 11 runs on 2 or 4 ranks (mpiexec -n 4 python lessons/11_transformer_tp.py)")
         raise SystemExit(2)
     holdings()
     say("\n=== 2. one step's tp ledger (rank 0) beside timemodel.traffic")
@@ -300,7 +300,7 @@ def main() -> None:
     found = memory_and_time()
     equivalence()
     if args.plot and rank == 0:
-        print(f"figure: {figure(found, args.plot / '10_tp_memory.png')}", flush=True)
+        print(f"figure: {figure(found, args.plot / '11_tp_memory.png')}", flush=True)
 
 
 if __name__ == "__main__":
