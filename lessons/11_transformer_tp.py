@@ -44,6 +44,7 @@ from minipar.memory import wire_elements
 from minipar.mesh import Mesh
 from minipar.plan import minipar_workload, plan_of
 from minipar.recompute import gpt_block_activation_bytes, tape_bytes
+from minipar.results import TOLERANCE, max_differences, relative_difference
 from minipar.timemodel import ledger_of, traffic
 from minipar.train import build_rank_model, make_block, step_batch, train, train_reference
 
@@ -255,12 +256,12 @@ def equivalence() -> None:
         if rank != 0:
             continue
         ref = train_reference(cfg)
-        worst = max(float(np.max(np.abs(result.final[k] - v)) / max(np.max(np.abs(v)), 1e-12))
-                    for k, v in ref.final.items())
-        loss = max(abs(a - b) for a, b in zip(result.losses, ref.losses))
+        _, worst, _ = max_differences(result.final, ref.final)
+        loss = relative_difference(result.losses, ref.losses)
         label = ", ".join(f"{k}={v}" for k, v in fields.items()) or "defaults"
-        print(f"  {label:>44}: loss diff {loss:.1e}, params max rel diff {worst:.1e} -> "
-              f"{verdict(worst <= 1e-9 and loss <= 1e-9)}", flush=True)
+        tolerance = TOLERANCE[cfg.dtype]
+        print(f"  {label:>44}: losses rel diff {loss:.1e}, params max rel diff {worst:.1e} "
+              f"-> {verdict(worst <= tolerance and loss <= tolerance)}", flush=True)
 
 
 def figure(found: dict[str, dict[str, int]], path: Path) -> Path:
