@@ -5,8 +5,8 @@ and 4 (attention split by heads; gpt's FFN column/row-parallel, gpt-moe's expert
 on every tp rank and split over ep), with and without --sp (T/tp positions per rank),
 vocab-parallel and replicated embedding/head, every --recompute mode, tp x dp (ZeRO 1
 and 3 too), tp x pp under each schedule, tp x dp x ep; and --recompute full on the MLP
-and MoE models (tp with SP, dp with overlapped sync and ZeRO-2, ep, zb-h1). SGD and Adam
-take turns; tiny shapes (L=2, d=16, T=8, V=16, B=8).
+and MoE models (tp with SP, dp with overlapped sync and ZeRO-2, ep, zb-h1); a checkpoint
+saved on tp 2 with SP and resumed on dp 2 continues as one process. SGD and Adam take turns; tiny shapes (L=2, d=16, T=8, V=16, B=8).
 
 Ledger and memory: every rank's ledger entries (calls and elements per (group, op)) and
 its parameter, gradient and optimizer bytes are what timemodel.traffic and
@@ -50,7 +50,10 @@ RUNS = {
         dict(GPT, **ADAM, dp=2, grad_sync="overlapped", recompute="selective"),
         dict(MLP, dp=2, grad_sync="overlapped", microbatches=2, recompute="full"),
         dict(MLP, **ADAM, dp=2, zero=2, recompute="full"),
-        dict(MLP, model="moe", experts=4, dp=2, ep=2, capacity_factor=1.0, recompute="full")],
+        dict(MLP, model="moe", experts=4, dp=2, ep=2, capacity_factor=1.0, recompute="full"),
+        # a checkpoint of vocabulary rows and heads split over tp (under SP), resumed on dp
+        dict(GPT, **ADAM, tp=2, sp=True, save="{checkpoint}"),
+        dict(GPT, **ADAM, dp=2, steps=4, resume="{checkpoint}")],
     4: [dict(GPT, tp=4),
         dict(GPT, **REPLICATED, tp=4, sp=True, recompute="selective"),
         dict(GPT, **ADAM, tp=4, sp=True, recompute="full"),
@@ -80,8 +83,11 @@ BUGGED = [dict(GPT, tp=2, inject_bug="tp-copy-to-no-allreduce"),
 def swept(request, tmp_path_factory):
     """Every config of one rank count, trained in one mpiexec job."""
     world = request.param
-    configs = RUNS[world] + (BUGGED if world == 2 else [])
-    runs = sweep(world, configs, tmp_path_factory.mktemp(f"tpgpt{world}"), timeout=420)
+    folder = tmp_path_factory.mktemp(f"tpgpt{world}")
+    configs = [{k: v.format(checkpoint=folder / "checkpoint") if k in ("save", "resume")
+                else v for k, v in fields.items()}
+               for fields in RUNS[world] + (BUGGED if world == 2 else [])]
+    runs = sweep(world, configs, folder / "runs", timeout=420)
     return world, runs
 
 
@@ -98,6 +104,7 @@ def test_a_missing_backward_allreduce_is_caught(swept):
 def test_every_mesh_equals_one_process(swept):
     world, runs = swept
     for fields, run in zip(RUNS[world], runs):
+        fields = {k: v for k, v in fields.items() if k not in ("save", "resume")}
         assert_equivalent(run, reference(**fields), label=f"{world} ranks {fields}")
 
 
