@@ -6,7 +6,8 @@ on every tp rank and split over ep), with and without --sp (T/tp positions per r
 vocab-parallel and replicated embedding/head, every --recompute mode, tp x dp (ZeRO 1
 and 3 too), tp x pp under each schedule, tp x dp x ep; and --recompute full on the MLP
 and MoE models (tp with SP, dp with overlapped sync and ZeRO-2, ep, zb-h1); a checkpoint
-saved on tp 2 with SP and resumed on dp 2 continues as one process. SGD and Adam take turns; tiny shapes (L=2, d=16, T=8, V=16, B=8).
+saved on tp 2 with SP and resumed on dp 2 continues as one process. SGD and Adam take
+turns; tiny shapes (L=2, d=16, T=8, V=16, B=8).
 
 Ledger and memory: every rank's ledger entries (calls and elements per (group, op)) and
 its parameter, gradient and optimizer bytes are what timemodel.traffic and
