@@ -269,7 +269,8 @@ _LIST = [
         "every number is right -- each tp rank computes the whole layer -- so the equivalence "
         "check passes; the ledger shows the missing tp Allreduces and each rank holds the "
         "full fc weights: tensor parallelism silently never happened",
-        TP, _tp, plain_linears, {"tp": 2}),
+        TP + " on --model mlp (the transformer's heads would not be whole)",
+        lambda cfg: _tp(cfg) and cfg.model == "mlp", plain_linears, {"tp": 2}),
     Bug("dp-stage-not-synced", "dp",
         "one pipeline stage (the last) never Allreduces its gradients over dp",
         "each dp replica of the last stage steps with its own g_i instead of the mean: after "
