@@ -51,6 +51,9 @@ class Block:
     act_split: float = 0.0       # bytes/token TP cuts (QKV, the FFN's wide tensors...)
     act_scores: float = 0.0      # bytes/token of attention scores, 5as (selective drops it)
     act_input: float = 0.0       # bytes/token of the layer input (all full recompute keeps)
+    act_tp_whole: float = 0.0    # bytes/token whole on every rank once tp > 1, SP or not
+    act_sp_cut: float = 0.0      # bytes/token SP adds to the cut part (minipar's tape:
+    #                              partial sums, gathered inputs; recompute.py counts them)
     capacity: bool = False       # MoE with an expert capacity: an Exscan of counts over dp
     sp_gathers: int = 0          # SP: Allgathers per pass of a part every tp rank runs whole
     sp_partial: int | None = None  # SP: gradient elements left partial (None: every unsplit)
@@ -221,12 +224,16 @@ def activation_bytes(block: Block, tokens: int, plan: Plan) -> float:
     """Bytes one block keeps from its forward to its backward for `tokens` tokens:
     Megatron's sbh(10 + 24/t + 5as/(ht)) split as replicated + split/t + scores/t;
     SP cuts the replicated part too; selective recomputation drops the scores; full
-    recomputation keeps only the block input (Megatron: 2sbh)."""
+    recomputation keeps only the block input (Megatron: 2sbh; SP cuts it too).
+    minipar's own tape adds what its tp layers keep besides (`act_tp_whole`,
+    `act_sp_cut`: recompute.gpt_block_activation_bytes)."""
+    cut = plan.tp if plan.sp else 1
     if plan.recompute == "full":
-        return tokens * block.act_input
+        return tokens * block.act_input / cut
     scores = 0.0 if plan.recompute == "selective" else block.act_scores
-    replicated = block.act_replicated / (plan.tp if plan.sp else 1)
-    return tokens * (replicated + (block.act_split + scores) / plan.tp)
+    replicated = (block.act_replicated + (block.act_sp_cut if plan.sp else 0.0)) / cut
+    whole = block.act_tp_whole if plan.tp > 1 else 0.0
+    return tokens * (replicated + whole + (block.act_split + scores) / plan.tp)
 
 
 def stage_activations(w: Workload, plan: Plan, shape: RankShape) -> float:

@@ -85,9 +85,11 @@ def minipar_workload(cfg: TrainConfig) -> Workload:
     exactly as its ranks hold them (fc1 and fc2's weight cut by tp, fc2's bias and the
     LayerNorm whole). Activations: its saved tensors counted by hand per row, 2d
     (h, LN(h)) whole and 2f (fc1's output, GELU's) cut by tp; per MoE assignment
-    2d + 2fe; the transformer adds 6d per position (h, LN1, q, k, v, o) and its
-    probabilities, H T per position. An estimate: the test checks states and ledger,
-    not activations. The transformer's rows are its B*T positions (seq_len = T)."""
+    2d + 2fe; gpt-moe adds 6d per position (h, LN1, q, k, v, o) and its
+    probabilities, H T per position: estimates. The dense transformer's block is
+    exact: recompute.gpt_block_activation_bytes, every layout and recompute mode
+    (tests/test_gpt_tensor_parallel.py). The transformer's rows are its B*T positions
+    (seq_len = T)."""
     model = cfg.model_config()
     shapes = {name: math.prod(shape) for name, shape in canonical_shapes(model).items()}
     itemsize = np.dtype(cfg.dtype).itemsize
@@ -116,6 +118,13 @@ def minipar_workload(cfg: TrainConfig) -> Workload:
                                 act_input=d * itemsize,
                                 capacity=cfg.capacity_factor is not None,
                                 sp_gathers=int(model.is_gpt), sp_partial=3 * d, **attention))
+        elif model.is_gpt:  # exactly what its tape keeps (recompute.py counts it)
+            blocks.append(Block(arrays, tp_reductions=reductions,
+                                act_replicated=(8 * d + 2) * itemsize,
+                                act_split=(4 * d + 3 * f) * itemsize,
+                                act_scores=(d + model.heads * (model.seq_len + 1)) * itemsize,
+                                act_input=d * itemsize, act_tp_whole=4 * d * itemsize,
+                                act_sp_cut=2 * d * itemsize))
         else:
             blocks.append(Block(arrays, tp_reductions=reductions,
                                 act_replicated=(2 * d + extra) * itemsize,

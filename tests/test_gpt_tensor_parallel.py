@@ -169,3 +169,20 @@ def test_activation_memory_is_the_formula(tmp_path):
         assert modes["none"] > modes["selective"] > modes["full"]
     assert by_setting[(4, True)]["none"] < by_setting[(4, False)]["none"] \
         < by_setting[(1, False)]["none"]
+
+
+def test_the_planner_counts_a_block_as_the_tape_does():
+    """costmodel.activation_bytes of minipar's gpt block (plan.minipar_workload) is
+    recompute.gpt_block_activation_bytes (which the test above holds to the tape) on
+    every layout and recompute mode."""
+    from minipar.costmodel import activation_bytes
+    from minipar.recompute import gpt_block_activation_bytes
+
+    shape = dict(GPT, d_ff=48, batch=4)
+    tokens = shape["batch"] * shape["seq_len"]
+    for tp, sp in ((1, False), (2, False), (2, True), (4, False), (4, True)):
+        for mode in ("none", "selective", "full"):
+            cfg = TrainConfig(**shape, tp=tp, sp=sp, recompute=mode).resolved(tp)
+            block = minipar_workload(cfg).blocks[0]
+            assert activation_bytes(block, tokens, plan_of(cfg)) == gpt_block_activation_bytes(
+                tokens, 16, 48, 4, 8, 8, tp, sp, mode), (tp, sp, mode)
