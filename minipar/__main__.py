@@ -235,7 +235,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """Entry point: like `python -m mpi4py`, an exception on one rank aborts every rank."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         code = main()
     except SystemExit:
