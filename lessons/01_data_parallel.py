@@ -145,10 +145,11 @@ def main() -> None:
     syncs["overlapped"] = ledger_line(mesh, psi)
     mesh.free()
     if args.plot and mesh.rank == 0:
-        from minipar.plots import ledger_figure, save
+        from minipar.plots import group_sizes, ledger_figure, save
 
-        path = save(ledger_figure(syncs, f"three ways to sync {psi} gradients over dp = {n}: "
-                                  "the same bytes, fewer calls"),
+        path = save(ledger_figure(syncs, group_sizes(mesh.shape),
+                                  f"three ways to sync {psi} gradients over dp = {n}: the same "
+                                  f"wire bytes, 2(N-1)/N x {psi} x 8, in fewer calls"),
                     args.plot / "01_gradient_sync.png")
         print(f"figure: {path}", flush=True)
 
