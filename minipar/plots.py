@@ -29,9 +29,10 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from minipar.memory import ModelStates
-from minipar.parallel.pipeline_schedules import simulate_schedule
+from minipar.parallel.pipeline_schedules import replay, simulate_schedule
 from minipar.plots_load import expert_load_figure, gantt_figure
 from minipar.report import RECEIVES, group_sizes, sent_per_axis, wire_bytes
+from minipar.threads import cores
 
 AXIS_COLORS = {"dp": "tab:blue", "tp": "tab:orange", "pp": "tab:green", "ep": "tab:red",
                "edp": "tab:purple", "world": "tab:gray"}
@@ -321,8 +322,11 @@ def tour_figures(folder: Path | str, stops: Sequence[dict]) -> Path:
     for label, stop in piped:
         cfg = stop["cfg"]
         sim = simulate_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual)
-        save(gantt_figure(sim, stop["extras"]["timeline"], f"{label}: {cfg.schedule}, "
-                          f"M = {cfg.microbatches} microbatches"), folder / "tour_pipeline.png")
+        timeline = stop["extras"]["timeline"]
+        again = replay(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual, timeline)
+        save(gantt_figure(sim, timeline, f"{label}: {cfg.schedule}, M = {cfg.microbatches} "
+                          "microbatches", replayed=again, cores=cores()),
+             folder / "tour_pipeline.png")
     routed = [(k, s) for k, s in zip(labels, stops) if s["extras"].get("expert_load")][:1]
     for label, stop in routed:  # block 1's load in the last microbatch
         save(expert_load_figure(stop["extras"]["expert_load"][0], f"{label}: block 1, "

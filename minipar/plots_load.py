@@ -82,25 +82,39 @@ def gantt_legend(figure: Figure, kinds: Iterable[str], chunks: bool, waits: bool
 
 
 def gantt_figure(sim: Simulation, timeline: Sequence[dict] | None = None,
-                 title: str = "") -> Figure:
-    """The schedule as the simulator plays it (F = 1 unit, B = 2), and beside it, if
-    given, the wall-clock timeline of a real run's last step (every rank; from
-    `RunResult.extras["timeline"]`). Box numbers are microbatches."""
-    panels = 2 if timeline else 1
+                 title: str = "", replayed: Simulation | None = None,
+                 cores: int | None = None) -> Figure:
+    """The schedule as the simulator plays it (F = 1 unit, B = 2 per stage's share of
+    the layers), and beside it, if given, the wall-clock timeline of a real run's last
+    step (every rank; from `RunResult.extras["timeline"]`) and `replayed`: that run's
+    measured compute times played on the schedule's dependencies
+    (`pipeline_schedules.replay`). With `cores` fewer than the ranks, the wall-clock
+    panel says it was oversubscribed. Box numbers are microbatches."""
+    panels = 1 + bool(timeline) + (replayed is not None)
     pp = max(s.stage for s in sim.timeline) + 1
     real = timeline_bars(timeline) if timeline else []
     rows = max(pp, len({bar["row"] for bar in real}))
-    figure = Figure(figsize=(6.5 * panels, 1.2 + 0.42 * rows), layout="constrained")
+    figure = Figure(figsize=(5.6 * panels, 1.5 + 0.42 * rows), layout="constrained")
     figure.get_layout_engine().set(rect=(0, 0.08, 1, 0.92))
     axes = figure.subplots(1, panels, squeeze=False)[0]
     simulated = [dict(vars(slot), row=slot.stage) for slot in sim.timeline]
     draw_gantt(axes[0], simulated, {s: f"stage {s}" for s in range(pp)},
-               "logical units: F = 1", f"simulator: bubble {sim.bubble:.1%}")
+               "logical units: F = 1 per stage's layers", f"simulator: bubble {sim.bubble:.1%}")
     if timeline:
         stage_of = {r["rank"]: r["stage"] for r in timeline}
         measured = measured_bubble(timeline)
+        ranks = len(stage_of)
+        shared = (f"\n{ranks} ranks on {cores} cores: oversubscribed, the wall clock "
+                  "measures the sharing" if cores and ranks > cores else
+                  f"\n{ranks} ranks on {cores} cores" if cores else "")
         draw_gantt(axes[1], real, {r: f"rank {r} (stage {s})" for r, s in stage_of.items()},
-                   "ms, wall clock", f"real run, last step: bubble {measured:.1%}")
+                   "ms, wall clock", f"real run, last step: bubble {measured:.1%}{shared}")
+    if replayed is not None:
+        bars = [dict(vars(slot), row=slot.stage, start=1000 * slot.start, end=1000 * slot.end)
+                for slot in replayed.timeline]
+        draw_gantt(axes[-1], bars, {s: f"stage {s}" for s in range(pp)}, "ms of CPU time",
+                   f"replay: bubble {replayed.bubble:.1%}\nthe measured CPU times "
+                   "on the schedule's dependencies")
     kinds = {s.kind for s in sim.timeline}
     chunks = any(s.chunk for s in sim.timeline)
     gantt_legend(figure, kinds, chunks, waits=bool(timeline))
@@ -120,10 +134,14 @@ def measured_bubble(timeline: Sequence[dict]) -> float:
 def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
                   schedules: Sequence[tuple[str, int]] = (("1f1b", 1), ("interleaved", 2),
                                                           ("zb-h1", 1)),
-                  measured: dict[int, float] | None = None) -> Figure:
+                  measured: dict[int, float] | None = None,
+                  replayed: dict[int, float] | None = None,
+                  measured_label: str = "1F1B, real run (wall clock)") -> Figure:
     """Bubble fraction against the number of microbatches M: the papers' formulas as
-    lines, the simulator as dots on them, and (if given) a real 1F1B run's measured
-    bubble per M as crosses. GPipe and 1F1B share (pp-1)/(M+pp-1)."""
+    lines, the simulator as dots on them, and (if given) a real 1F1B run's bubble per
+    M: wall clock as crosses (named `measured_label`), its measured compute times
+    replayed on the schedule (`pipeline_schedules.replay`) as squares. GPipe and 1F1B
+    share (pp-1)/(M+pp-1)."""
     names = {"1f1b": "GPipe and 1F1B: (pp-1)/(M+pp-1)",
              "interleaved": "interleaved, V={v}: (pp-1)/(VM+pp-1)",
              "zb-h1": "ZB-H1: (pp-1)/(3M+pp-1), M >= pp"}
@@ -140,7 +158,11 @@ def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
                 color=color, markersize=5)
     if measured:
         ax.plot(list(measured), list(measured.values()), "x", color="black", markersize=8,
-                mew=2, label="1F1B, real run (wall clock)")
+                mew=2, label=measured_label)
+    if replayed:
+        ax.plot(list(replayed), list(replayed.values()), "s", color="tab:red", markersize=7,
+                fillstyle="none", mew=1.5,
+                label="1F1B, real run's CPU times replayed on the schedule")
     ax.plot([], [], "o", color="0.4", label="simulator")
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(microbatches), [str(m) for m in microbatches])

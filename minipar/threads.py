@@ -43,3 +43,13 @@ def blas_threads() -> dict[str, int]:
 
     return {f"{info['internal_api']} ({os.path.basename(info['filepath'])})":
             info["num_threads"] for info in threadpool_info()}
+
+
+def cores() -> int:
+    """Cores this process may run on (its CPU affinity; `os.cpu_count()` where the
+    platform has no affinity): with more ranks than this, wall-clock times measure
+    the sharing, not the work."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
