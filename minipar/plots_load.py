@@ -175,6 +175,36 @@ def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
     return figure
 
 
+# ------------------------------------------------------------ the aux loss
+def balance_figure(histories: dict[float, Sequence[dict]], capacity_factor: float,
+                   title: str = "") -> Figure:
+    """Training runs of one MoE block, one line per aux-loss coefficient: the router's
+    imbalance (max/mean assignments per expert) and the share of assignments dropped
+    at capacity, step by step (`histories[coef]` = records with step, imbalance,
+    dropped)."""
+    figure = Figure(figsize=(11, 3.8), layout="constrained")
+    left, right = figure.subplots(1, 2)
+    for i, (coef, history) in enumerate(histories.items()):
+        steps = [h["step"] for h in history]
+        label = "no aux loss" if coef == 0 else f"aux coef {coef:g}"
+        left.plot(steps, [h["imbalance"] for h in history], color=f"C{i}", label=label)
+        right.plot(steps, [100 * h["dropped"] for h in history], color=f"C{i}", label=label)
+    left.axhline(1.0, color="black", ls=":", lw=1, label="perfect balance")
+    left.set_ylim(0, None)
+    left.set_ylabel("imbalance: max / mean assignments")
+    right.set_ylim(0, None)
+    right.set_ylabel(f"% of assignments dropped (capacity factor {capacity_factor:g})")
+    for ax in (left, right):
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    left.set_title("the router's imbalance", fontsize=10)
+    right.set_title("tokens the full experts turn away", fontsize=10)
+    if title:
+        figure.suptitle(title, fontsize=11)
+    return figure
+
+
 # -------------------------------------------------------------- expert load
 def expert_load_figure(stats: dict, title: str = "") -> Figure:
     """An MoE block's load (`expert_parallel.load_stats`): assignments routed to each
@@ -193,9 +223,16 @@ def expert_load_figure(stats: dict, title: str = "") -> Figure:
     else:
         left.bar(experts, routed, color="tab:red", alpha=0.35, label="routed (chose it)")
         left.bar(experts, kept, color="tab:red", label="kept (computed)")
-        left.axhline(stats["limit"], color="black", ls="--", lw=1,
-                     label=f"capacity ceil(c k B/E) = {stats['limit']}")
-    left.axhline(routed.mean(), color="0.3", ls=":", lw=1, label="perfect balance")
+    mean, limit = routed.mean(), stats.get("limit")
+    if limit is not None and np.isclose(limit, mean):  # capacity factor 1: one line, both names
+        left.axhline(limit, color="black", ls="--", lw=1.2,
+                     label=f"capacity ceil(c k B/E) = {limit} = perfect balance (mean)")
+    else:
+        if limit is not None:
+            left.axhline(limit, color="black", ls="--", lw=1.2,
+                         label=f"capacity ceil(c k B/E) = {limit}")
+        left.axhline(mean, color="tab:blue", ls=":", lw=1.5,
+                     label=f"perfect balance (mean {mean:.1f})")
     left.set_xlabel(f"expert (shaded bands: {per_rank} experts of one ep rank)")
     left.set_ylabel("(token, slot) assignments")
     left.set_xlim(-0.5, len(routed) - 0.5)
