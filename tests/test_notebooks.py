@@ -6,10 +6,15 @@ MPI ranks, as ipyparallel engines or as `mpiexec` jobs (minipar/classroom.py).
 A cell that raises fails the test with the cell and its traceback. The
 repository keeps the notebooks without outputs.
 
-The same without pytest: `make notebooks`.
+`make notebooks` runs this file with $MINIPAR_NOTEBOOKS_OUT=build/notebooks: each
+executed notebook, outputs and figures included, is written there for a teacher
+to read (a notebook that fails is written too, up to the failing cell).
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -46,7 +51,14 @@ def test_notebook_runs_and_draws(path):
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(notebook, timeout=CELL_TIMEOUT, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
-    client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
+    out = os.environ.get("MINIPAR_NOTEBOOKS_OUT")
+    try:
+        client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
+    finally:
+        if out:  # the executed notebook, kept for a teacher (`make notebooks`)
+            folder = Path(out) if Path(out).is_absolute() else ROOT / out
+            folder.mkdir(parents=True, exist_ok=True)
+            nbformat.write(notebook, folder / path.name)
     drawing = [cell for cell in code_cells(notebook) if "display(plots" in cell.source]
     for cell in drawing:
         images = [out for out in cell.outputs if "image/png" in out.get("data", {})]
