@@ -33,7 +33,7 @@ def code_cells(notebook: nbformat.NotebookNode) -> list:
 def test_a_notebook_for_every_strategy():
     names = " ".join(path.stem for path in NOTEBOOKS)
     for word in ("collectives", "data_parallel", "tensor_parallel", "expert_parallel",
-                 "pipeline_parallel", "hybrid"):
+                 "pipeline_parallel", "tp_vs_pp", "hybrid", "zero", "bugs"):
         assert word in names, word
 
 
@@ -64,3 +64,18 @@ def test_notebook_runs_and_draws(path):
         images = [out for out in cell.outputs if "image/png" in out.get("data", {})]
         assert len(images) >= 1, f"{path.name}: no figure from {cell.source[:80]!r}"
     assert drawing, f"{path.name} draws no figure"
+
+
+@pytest.mark.parametrize("name", ["05_tp_vs_pp", "07_zero", "08_bugs"])
+def test_lesson_notebooks_ask_what_to_notice_and_check_exercises(name):
+    """A notebook for a class: "what to notice" prompts, and exercises whose cells
+    check the answer against what the ranks measured (an assert that can fail)."""
+    notebook = nbformat.read(ROOT / "lessons" / f"{name}.ipynb", as_version=4)
+    text = [cell.source for cell in notebook.cells if cell.cell_type == "markdown"]
+    assert sum("What to notice" in t for t in text) >= 1, name
+    exercises = [i for i, cell in enumerate(notebook.cells) if cell.cell_type == "markdown"
+                 and cell.source.startswith("## Exercise")]
+    assert 2 <= len(exercises) <= 3, name
+    for i in exercises:  # the code cell after each exercise checks the answer
+        check = notebook.cells[i + 1]
+        assert check.cell_type == "code" and "assert" in check.source, (name, i)
