@@ -50,6 +50,7 @@ from minipar.parallel.pipeline_schedules import (
     simulate_schedule,
 )
 from minipar.report import group_sizes, wire_bytes
+from minipar.threads import cores
 from minipar.train import RunResult, build_rank_model, train, train_reference
 
 comm = MPI.COMM_WORLD
@@ -222,7 +223,7 @@ def the_table(rows: dict[str, dict]) -> None:
         ("saved activations KiB / rank, peak", "acts", "{:.1f}"),
         ("bubble, simulator", "simulated", "{:.3f}"),
         ("bubble, formula (p-1)/(M+p-1)", "formula", "{:.3f}"),
-        ("step time here, ms", "ms", "{:.1f}"),
+        (f"step time, ms ({size} ranks on {cores()} cores)", "ms", "{:.1f}"),
     ]
     for title, key, fmt in lines:
         scale = KiB if key in ("bytes", "wire", "total", "params", "acts") else 1
@@ -288,7 +289,7 @@ def conclusions(rows: dict[str, dict], bubbles: list[float]) -> None:
         "PP's bubble shrinks with more microbatches: " + ", ".join(
             f"M={m} {b:.3f}" for m, b in zip((1, 4, 8), bubbles))
         + f"; decreasing: {all(a > b for a, b in zip(bubbles, bubbles[1:]))}.",
-        f"Step time here: fastest {fastest} ("
+        f"Step time on {size} ranks sharing {cores()} cores: fastest {fastest} ("
         + ", ".join(f"{name} {row['ms']:.0f} ms" for name, row in rows.items()) + ");",
         f"  {latency}.",
         f"TP+PP (tp=2 x pp=2) sits between: {both['wire'] / KiB:.1f} KiB on the wire per rank, "
