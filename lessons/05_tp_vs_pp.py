@@ -315,8 +315,8 @@ def figures(rows: dict[str, dict], held: dict[str, dict], folder: Path) -> None:
         {name: [ModelStates(params=p, grads=0, optimizer=0) for p in held[name]["params"]]
          for name in rows}, {name: whole for name in rows}, "the whole model's parameters",
         f"parameters and peak saved activations on each of the {size} ranks (1F1B, M = 4): "
-        "TP and PP hold about the same parameters; PP's first stage keeps more "
-        "microbatches' activations alive",
+        f"microbatches alive at once per rank, TP {rows['TP']['flight']}, "
+        f"PP {rows['PP']['flight']}",
         activations={name: row["acts_per_rank"] for name, row in rows.items()}),
         folder / "05_memory.png")))
 

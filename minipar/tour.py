@@ -71,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     worst, skipped = 0.0, 0
     start = time.perf_counter()
+    if rank == 0:
+        print("each line: the strategy, its mesh of the 8 ranks [dp2 tp4 = 2 replicas of a "
+              "model split 4 ways],\nthe KiB the busiest rank of each axis put on the wire "
+              "in the last step (ring formulas),\nand the largest difference from one "
+              "process\n", flush=True)
     stops: list[dict] = []  # what the figures need, kept on rank 0 (with --plot)
     for title, flags in STOPS:
         cfg = TrainConfig(**{**SMALL, **flags}).resolved(size)

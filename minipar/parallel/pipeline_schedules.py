@@ -398,9 +398,13 @@ def replay(name: str, pp: int, microbatches: int, virtual: int,
     communication free: the pipeline the measured compute times would make on one
     core per rank. A record's "cpu" (the CPU time of the instruction, which a rank
     waiting for a shared core does not accumulate) is used where present, else its
-    wall-clock end - start. Times come out in seconds."""
-    measured = {(r["stage"], r["kind"], r["chunk"], r["microbatch"]):
-                r.get("cpu", r["end"] - r["start"]) for r in timeline if r["kind"] in COMPUTE}
+    wall-clock end - start; with several replicas of a stage (dp > 1) the slowest one's,
+    as a step waits for its slowest replica. Times come out in seconds."""
+    measured: dict[tuple, float] = {}
+    for r in timeline:
+        if r["kind"] in COMPUTE:
+            key = (r["stage"], r["kind"], r["chunk"], r["microbatch"])
+            measured[key] = max(measured.get(key, 0.0), r.get("cpu", r["end"] - r["start"]))
     return simulate(programs(name, pp, microbatches, virtual), measured)
 
 
