@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import matplotlib.colors
 import matplotlib.image
 import numpy as np
 import pytest
@@ -201,3 +202,32 @@ def test_a_stuck_job_is_killed_after_its_timeout():
     with pytest.raises(RuntimeError, match="timed out"):
         classroom.mpirun(2, "-c", "import time; time.sleep(60)", timeout=3, echo=False)
     assert time.monotonic() - start < 30
+
+
+def test_memory_figure_stacks_saved_activations_on_top(runs, tmp_path):
+    """Lesson 5's figure: each rank's bar is its model states plus its saved activations,
+    the activations drawn in their own colour on top."""
+    zero = runs[2]
+    acts = [1000.0 * (r + 1) for r in range(len(zero.memory))]
+    figure = plots.memory_figure({"ZeRO-3": zero.memory}, activations={"ZeRO-3": acts})
+    factor, _ = plots.byte_unit(max(m.total + a for m, a in zip(zero.memory, acts)))
+    red = [b for b in figure.axes[0].patches
+           if tuple(b.get_facecolor()[:3]) == matplotlib.colors.to_rgb(plots.ACTIVATION_COLOR)]
+    assert [b.get_height() for b in red] == pytest.approx([a / factor for a in acts])
+    assert [b.get_y() for b in red] == pytest.approx([m.total / factor for m in zero.memory])
+    assert_picture(plots.save(figure, tmp_path / "memory_acts.png"))
+
+
+def test_timing_bars_are_medians_and_capacity_line_is_one_when_it_is_the_mean(tmp_path):
+    times = {"naive": [3.0, 1.0, 2.0], "bucketed": [1.0, 1.5, 0.5]}
+    figure = plots.timing_figure(times, "measured")
+    bars = [b.get_height() for b in figure.axes[0].patches]
+    assert bars == pytest.approx([2.0, 1.0])
+    assert_picture(plots.save(figure, tmp_path / "timing.png"))
+    # capacity factor 1 with 16 assignments on 4 experts: the limit IS the mean, one line
+    stats = dict(routed=[8, 4, 2, 2], kept=[4, 4, 2, 2], limit=4, dropped=4, imbalance=2.0,
+                 rank_load=[8, 4], rank_imbalance=4 / 3)
+    lines = plots_load.expert_load_figure(stats).axes[0].get_lines()
+    assert len(lines) == 1 and "perfect balance" in lines[0].get_label()
+    stats = dict(stats, limit=5, kept=[5, 4, 2, 2], dropped=3)
+    assert len(plots_load.expert_load_figure(stats).axes[0].get_lines()) == 2
