@@ -194,7 +194,8 @@ def main() -> None:
     times = timed(sizes, x[rows], y[rows], mesh, args.bucket_size, args.repeats)
     mesh.free()
     if args.plot and mesh.rank == 0:
-        from minipar.plots import save, timing_figure
+        from minipar.plots import save
+        from minipar.plots_load import timing_figure
 
         path = save(timing_figure(times, f"forward + backward + gradient sync of {psi} "
                                   f"parameters on dp = {n}, measured on {n} ranks sharing "

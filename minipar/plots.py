@@ -136,24 +136,6 @@ def ledger_compare_figure(ledgers: dict[str, Sequence[dict]],
     return figure
 
 
-def timing_figure(times: dict[str, Sequence[float]], title: str = "",
-                  unit: str = "ms") -> Figure:
-    """Measured times side by side: one bar per label at the median of its samples,
-    a line from the fastest to the slowest sample, the median written beside it."""
-    figure = Figure(figsize=(6.5, 4.2), layout="constrained")
-    ax = figure.subplots()
-    for x, samples in enumerate(times.values()):
-        median = float(np.median(samples))
-        ax.bar(x, median, width=0.6, color=f"C{x}")
-        ax.vlines(x, min(samples), max(samples), color="black", lw=1.5)
-        ax.text(x + 0.05, median, f" {median:.3g} {unit}", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(times)), list(times), fontsize=9)
-    ax.set_ylim(0, 1.15 * max(max(s) for s in times.values()))
-    ax.set_ylabel(f"{unit} (bar: median; line: fastest to slowest)")
-    ax.set_title(fill(title or "measured times", 70), fontsize=10)
-    return figure
-
-
 # ------------------------------------------------------------------- memory
 def as_states(value: ModelStates | dict) -> ModelStates:
     """A `ModelStates`, or the dict of one (read back from JSON)."""

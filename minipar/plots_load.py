@@ -5,7 +5,10 @@ shows where. A pipeline schedule is a Gantt chart (GPipe, Huang et al. 2019; 1F1
 Narayanan et al. 2021): one row per stage, and the white space is the bubble, which
 shrinks with the microbatches as (pp-1)/(M+pp-1). An MoE router (GShard, Lepikhin et
 al. 2021; Switch, Fedus et al. 2022) fills some experts more than others, and every ep
-rank waits for the busiest one.
+rank waits for the busiest one; its aux loss, trained, evens them out. Measured times
+are drawn as what they are: medians over repeats, on the cores they ran on (with more
+ranks than cores a wall clock measures the ranks taking turns; a replay of the measured
+CPU times shows the schedule instead).
 
 Every function takes plain data (the simulator's `Simulation`, the records of
 `RunResult.extras`) and returns a matplotlib `Figure` built without pyplot, as
@@ -18,6 +21,7 @@ plots.py does (its `save` writes the PNG).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from textwrap import fill
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -172,6 +176,25 @@ def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
     ax.set_title(f"the pipeline bubble, pp = {pp} stages", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return figure
+
+
+# ------------------------------------------------------------ measured times
+def timing_figure(times: dict[str, Sequence[float]], title: str = "",
+                  unit: str = "ms") -> Figure:
+    """Measured times side by side: one bar per label at the median of its samples,
+    a line from the fastest to the slowest sample, the median written beside it."""
+    figure = Figure(figsize=(6.5, 4.2), layout="constrained")
+    ax = figure.subplots()
+    for x, samples in enumerate(times.values()):
+        median = float(np.median(samples))
+        ax.bar(x, median, width=0.6, color=f"C{x}")
+        ax.vlines(x, min(samples), max(samples), color="black", lw=1.5)
+        ax.text(x + 0.05, median, f" {median:.3g} {unit}", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(times)), list(times), fontsize=9)
+    ax.set_ylim(0, 1.15 * max(max(s) for s in times.values()))
+    ax.set_ylabel(f"{unit} (bar: median; line: fastest to slowest)")
+    ax.set_title(fill(title or "measured times", 70), fontsize=10)
     return figure
 
 

@@ -220,7 +220,7 @@ def test_memory_figure_stacks_saved_activations_on_top(runs, tmp_path):
 
 def test_timing_bars_are_medians_and_capacity_line_is_one_when_it_is_the_mean(tmp_path):
     times = {"naive": [3.0, 1.0, 2.0], "bucketed": [1.0, 1.5, 0.5]}
-    figure = plots.timing_figure(times, "measured")
+    figure = plots_load.timing_figure(times, "measured")
     bars = [b.get_height() for b in figure.axes[0].patches]
     assert bars == pytest.approx([2.0, 1.0])
     assert_picture(plots.save(figure, tmp_path / "timing.png"))
