@@ -34,7 +34,6 @@ from pathlib import Path
 from mpi4py import MPI
 
 from minipar import nn
-from minipar.__main__ import max_differences
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
 from minipar.log import run_collectively, say_in_order, verdict
@@ -49,6 +48,7 @@ from minipar.parallel.pipeline_schedules import (
     replay,
     simulate_schedule,
 )
+from minipar.results import max_differences
 from minipar.threads import cores
 from minipar.train import RunResult, build_rank_model, train, train_reference
 

@@ -38,7 +38,6 @@ from mpi4py import MPI
 
 from minipar import autograd as ag
 from minipar import nn
-from minipar.__main__ import max_differences
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
 from minipar.log import run_collectively, say_in_order, verdict
@@ -50,6 +49,7 @@ from minipar.parallel.pipeline_schedules import (
     simulate_schedule,
 )
 from minipar.report import group_sizes, wire_bytes
+from minipar.results import max_differences
 from minipar.threads import cores
 from minipar.train import RunResult, build_rank_model, train, train_reference
 
