@@ -3,8 +3,9 @@
     mpiexec -n 2 python -m tests.rank_threads
 
 The variables are set to 2 before NumPy loads, as a launch line without them
-would leave OpenBLAS on a 2-core machine; each rank prints, as one JSON line,
-its BLAS thread counts before and after importing minipar.
+would leave OpenBLAS on a 2-core machine; each rank reports
+its BLAS thread counts before and after importing minipar, gathered to rank 0
+and printed there as one JSON list.
 """
 
 import json
@@ -26,5 +27,8 @@ import minipar  # noqa: E402, F401  (what every entry point imports first)
 from minipar.threads import blas_threads  # noqa: E402
 
 after = blas_threads()
-print(json.dumps({"rank": MPI.COMM_WORLD.Get_rank(), "before": before, "after": after,
-                  "env": os.environ["OMP_NUM_THREADS"]}), flush=True)
+mine = {"rank": MPI.COMM_WORLD.Get_rank(), "before": before, "after": after,
+        "env": os.environ["OMP_NUM_THREADS"]}
+everyone = MPI.COMM_WORLD.gather(mine)  # one line from rank 0: ranks' prints can interleave
+if everyone is not None:
+    print(json.dumps(everyone), flush=True)

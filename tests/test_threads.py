@@ -16,7 +16,9 @@ from tests.mpi import launch
 def test_each_rank_runs_one_blas_thread():
     job = launch(2, ["-m", "tests.rank_threads"], timeout=60)
     assert job.returncode == 0 and not job.timed_out, job.explain()
-    reports = [json.loads(line) for line in job.stdout.splitlines() if line.startswith("{")]
+    lines = [line for line in job.stdout.splitlines() if line.startswith("[")]
+    assert len(lines) == 1, job.explain()
+    reports = json.loads(lines[0])
     assert sorted(r["rank"] for r in reports) == [0, 1], job.explain()
     for report in reports:
         assert report["before"], "no BLAS found: the test would prove nothing"
