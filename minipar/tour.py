@@ -55,7 +55,7 @@ GPT_SMALL = dict(layers=8, d_model=32, heads=4, seq_len=16, batch=16, steps=3)
 def mesh_name(cfg: TrainConfig) -> str:
     """'dp2 tp4': the mesh axes of more than one rank."""
     axes = [f"{axis}{getattr(cfg, axis)}" for axis in ("dp", "tp", "pp", "ep")
-            if getattr(cfg, axis) > 1 and not (axis == "ep" and cfg.model != "moe")]
+            if getattr(cfg, axis) > 1 and not (axis == "ep" and not cfg.model_config().is_moe)]
     return " ".join(axes) or "one rank"
 
 
