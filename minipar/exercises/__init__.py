@@ -83,13 +83,13 @@ EXERCISES = [
         [("conjugate", {}), _train(tp=2, dp=2), _train(tp=4)]),
     Exercise(
         "column-parallel", "Tensor parallelism: the column-parallel linear",
-        "Write ColumnParallelLinear.__call__: this rank holds W[:, cols] (d, f/tp) and "
-        "b[cols]. Enter the tp region with copy_to(x, self.tp) (f: its backward is an "
-        "Allreduce), or with sequence_parallel all_gather(x, self.tp): my rows (B/tp, d) "
-        "-> (B, d). Compute "
-        "fused.linear(x, self.weight, self.bias): (B, d) @ (d, f/tp) -> (B, f/tp), and "
-        "with gather_output Allgather the columns (gather_from(y, self.tp, axis=-1)) into "
-        "(B, f).",
+        "Write enter_region(x, tp, sequence_parallel, axis), the entry of a tensor-parallel "
+        "region: copy_to(x, tp) (f: forward identity, backward Allreduce), or with "
+        "sequence_parallel all_gather(x, tp, axis): my rows (B/tp, d) -> (B, d). Then "
+        "ColumnParallelLinear.__call__: this rank holds W[:, cols] (d, f/tp) and b[cols]; "
+        "enter the region (unless self.entered), compute fused.linear(x, self.weight, "
+        "self.bias): (B, d) @ (d, f/tp) -> (B, f/tp), and with gather_output Allgather the "
+        "columns (gather_from(y, self.tp, axis=-1)) into (B, f).",
         [("linears", {}), _train(tp=2, dp=2), _train(tp=2, dp=2, sp=True)]),
     Exercise(
         "row-parallel", "Tensor parallelism: the row-parallel linear",
