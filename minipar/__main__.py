@@ -89,6 +89,7 @@ def train_command(argv: list[str]) -> int:
     if rank == 0:
         print(f"done: {cfg.steps} steps on dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}"
               + (f" ep={cfg.ep}" if cfg.model_config().is_moe else "")
+              + (f" cp={cfg.cp} ({cfg.cp_mode})" if cfg.cp > 1 else "")
               + f", final loss {result.losses[-1]:.6f}"
               + (f" (with the bug {cfg.inject_bug} injected)" if cfg.inject_bug else ""),
               flush=True)
@@ -149,12 +150,12 @@ def mesh_command(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m minipar mesh",
                                      description="Print which rank is in which group.")
-    for axis in ("dp", "tp", "pp", "ep"):
+    for axis in ("dp", "tp", "pp", "ep", "cp"):
         parser.add_argument(f"--{axis}", type=int, default=1)
     parser.add_argument("--world", type=int, default=None,
-                        help="ranks the mesh must fill (default: dp*tp*pp)")
+                        help="ranks the mesh must fill (default: dp*cp*tp*pp)")
     args = parser.parse_args(argv)
-    shape = MeshShape(args.dp, args.tp, args.pp, args.ep)
+    shape = MeshShape(args.dp, args.tp, args.pp, args.ep, args.cp)
     errors = shape.problems(shape.world if args.world is None else args.world)
     if errors:
         return fail(0, errors[0])

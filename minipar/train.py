@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 
@@ -129,6 +130,8 @@ def build_rank_model(cfg: TrainConfig, mesh: object, full: dict[str, np.ndarray]
 
         enter, leave = sequence_parallel_hooks(mesh.tp)
     embed, head = (gpt.Embedding, gpt.Head) if model_cfg.is_gpt else (nn.Embed, nn.Head)
+    if cfg.cp > 1:  # the embedding adds the rows of the positions this rank holds
+        embed = partial(gpt.Embedding, positions=context_positions(cfg, mesh))
     for chunk in range(cfg.virtual):
         v = chunk * cfg.pp + mesh.coords["pp"]
         blocks = [make_block(cfg, model_cfg, mesh, full, i)
@@ -144,19 +147,28 @@ def make_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: object,
     """Block `index` as this mesh needs it (reference, tensor- or expert-parallel).
     A transformer block is attention followed by that same FFN block (LayerNorm `ln2`)."""
     if model_cfg.is_gpt:
+        core = None
+        if cfg.cp > 1:  # attention over the sequence split on cp (context_parallel.py)
+            from minipar.parallel.context_parallel import ContextParallelAttention
+
+            core = ContextParallelAttention(mesh.cp, cfg.cp_mode, cfg.seq_len)
         return gpt.Block(full, index, model_cfg.heads,
-                         make_ffn_block(cfg, model_cfg, mesh, full, index, ln="ln2"))
+                         make_ffn_block(cfg, model_cfg, mesh, full, index, ln="ln2"), core)
     return make_ffn_block(cfg, model_cfg, mesh, full, index)
 
 
 def make_ffn_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: object,
                    full: dict[str, np.ndarray], index: int, ln: str = "ln") -> nn.Module:
     """The FFN block h + FFN(LN(h)) of block `index`, split as the mesh asks."""
-    if model_cfg.is_moe and (cfg.dp > 1 or cfg.ep > 1):
-        # tokens split over dp, experts over ep: the Alltoall dispatch (expert_parallel.py)
+    if model_cfg.is_moe and (cfg.dp > 1 or cfg.ep > 1 or cfg.cp > 1):
+        # tokens split over dp (and cp), experts over ep: the Alltoall dispatch
+        # (expert_parallel.py); under cp, capacity needs where each token sits
+        from minipar.parallel.context_parallel import TokenLayout
         from minipar.parallel.expert_parallel import ExpertParallelBlock
 
-        return ExpertParallelBlock(full, index, model_cfg, mesh, ln=ln)
+        layout = None if cfg.cp == 1 else TokenLayout(
+            cfg.seq_len, cfg.cp, cfg.cp_mode, cfg.dp, mesh.coords["dp"], mesh.coords["cp"])
+        return ExpertParallelBlock(full, index, model_cfg, mesh, ln=ln, layout=layout)
     if model_cfg.is_moe:
         return nn.MoEBlock(full, index, model_cfg, ln=ln)
     if cfg.tp > 1:
@@ -164,6 +176,13 @@ def make_ffn_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: object,
 
         return TensorParallelBlock(full, index, mesh.tp, sequence_parallel=cfg.sp)
     return nn.DenseBlock(full, index, ln=ln)
+
+
+def context_positions(cfg: TrainConfig, mesh: object) -> np.ndarray:
+    """The global positions of every sequence this cp rank holds (context_parallel.py)."""
+    from minipar.parallel.context_parallel import positions
+
+    return positions(cfg.seq_len, cfg.cp, mesh.coords["cp"], cfg.cp_mode)
 
 
 def microbatch_loss(chunk: nn.Model, x: np.ndarray, y: np.ndarray, scale: float) -> ag.Tensor:
@@ -241,6 +260,8 @@ def train_on_mesh(cfg: TrainConfig, mesh: object,
         ledger.reset()
         timeline.clear()
         x, y = step_batch(cfg, step)
+        if cfg.cp > 1:  # (B, T) -> (B, T/cp): the positions of every sequence I hold
+            x, y = x[:, context_positions(cfg, mesh)], y[:, context_positions(cfg, mesh)]
         for p in params:
             p.grad = None
         local = forward_backward(cfg, mesh, chunks, x, y, timeline)
@@ -275,15 +296,21 @@ def train_on_mesh(cfg: TrainConfig, mesh: object,
                       # MoE load of the last microbatch, per expert-parallel block of this
                       # rank (expert_parallel.load_stats): tokens per expert, drops, ...
                       "expert_load": [block.last_stats for chunk in chunks
-                                      for block in chunk.blocks if hasattr(block, "last_stats")]})
+                                      for block in chunk.blocks if hasattr(block, "last_stats")],
+                      # context parallelism: score entries of each attention's latest
+                      # forward on this rank (the work a ring step does or skips)
+                      "attention_scores": [getattr(block.attn.core, "last_scores", None)
+                                           for chunk in chunks for block in chunk.blocks
+                                           if hasattr(block, "attn")]})
 
 
 def report_loss(mesh: object, local: float) -> float:
-    """The step loss on every rank: stage shares summed over pp, averaged over dp."""
+    """The step loss on every rank: stage shares summed over pp, averaged over dp (and cp:
+    each cp rank's share is the mean over its positions, the same number of them)."""
     from minipar.comm import allreduce_sum
 
     value = allreduce_sum(mesh.pp, np.array([local]))
-    return float(allreduce_sum(mesh.dp, value)[0] / mesh.shape.dp)
+    return float(allreduce_sum(mesh.dp_cp, value)[0] / mesh.shape.replicas)
 
 
 def gather_full_params(mesh: object, params: list[nn.Parameter], cfg: TrainConfig

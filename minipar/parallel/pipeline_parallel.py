@@ -70,10 +70,10 @@ ACT_TAG, GRAD_TAG = 0, 1
 def boundary_shape(cfg: TrainConfig) -> tuple[int, ...]:
     """What crosses a stage boundary per microbatch: (B/(M dp), d) rows of the residual
     stream, or (B/(M dp tp), d) with sequence parallelism (the stream is row-split);
-    for the transformer (B/(M dp), T, d), every position of those sequences."""
+    for the transformer (B/(M dp), T/cp, d), the positions of those sequences it holds."""
     rows = cfg.batch // cfg.microbatches // cfg.dp
     if cfg.model_config().is_gpt:
-        return (rows, cfg.seq_len, cfg.d_model)
+        return (rows, cfg.seq_len // cfg.cp, cfg.d_model)
     return (rows // cfg.tp if cfg.sp else rows, cfg.d_model)
 
 
