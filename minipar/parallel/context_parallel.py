@@ -167,12 +167,12 @@ def _block_forward(Q: np.ndarray, K: np.ndarray, V: np.ndarray, keep: np.ndarray
     return (E @ V) / np.where(total > 0, total, 1.0), lse
 
 
-def _merge(O: np.ndarray, L: np.ndarray, o: np.ndarray, lse: np.ndarray) -> None:
-    """Online softmax, in place: O, L (all keys so far) absorb o, lse (one more block).
-    L' = logaddexp(L, lse); O' = O exp(L - L') + o exp(lse - L')."""
+def _merge(Out: np.ndarray, L: np.ndarray, o: np.ndarray, lse: np.ndarray) -> None:
+    """Online softmax, in place: Out, L (all keys so far) absorb o, lse (one more block).
+    L' = logaddexp(L, lse); Out' = Out exp(L - L') + o exp(lse - L')."""
     new = np.logaddexp(L, lse)
     safe = np.where(np.isfinite(new), new, 0.0)
-    O[...] = O * np.exp(L - safe)[..., None] + o * np.exp(lse - safe)[..., None]
+    Out[...] = Out * np.exp(L - safe)[..., None] + o * np.exp(lse - safe)[..., None]
     L[...] = new
 
 
@@ -185,19 +185,19 @@ def ring_attention(cpa: ContextParallelAttention, q: Tensor, k: Tensor, v: Tenso
     keys = k.data if key_bias is None else k.data + key_bias.data
     Q, K, V = (_split_heads(t, heads) for t in (q.data, keys, v.data))  # (B, H, T/cp, dh)
     scale = 1.0 / np.sqrt(Q.shape[-1])
-    O = np.zeros_like(Q)
+    Out = np.zeros_like(Q)
     L = np.full(Q.shape[:-1], -np.inf, dtype=Q.dtype)           # (B, H, T/cp) row lse
     for step in range(cp):
         if step > 0:  # the block I used goes on; the previous rank's arrives
             K, V = pass_along(group, K), pass_along(group, V)
         for a, b, keep in cpa.visible_blocks((me - step) % cp):    # masked blocks skipped
             o, lse = _block_forward(Q[:, :, a], K[:, :, b], V[:, :, b], keep, scale)
-            _merge(O[:, :, a], L[:, :, a], o, lse)
+            _merge(Out[:, :, a], L[:, :, a], o, lse)
             cpa.count(Q.shape[0] * heads * (a.stop - a.start) * (b.stop - b.start))
 
     def backward(g: np.ndarray) -> None:
         G = _split_heads(g, heads)
-        D = (G * O).sum(axis=-1)                                 # rowsum(dP * P) = G . O
+        D = (G * Out).sum(axis=-1)                       # rowsum(dP * P) = G . O
         dQ = np.zeros_like(Q)
         Kb, Vb = (_split_heads(t, heads) for t in (keys, v.data))
         dK, dV = np.zeros_like(Kb), np.zeros_like(Vb)
@@ -219,7 +219,7 @@ def ring_attention(cpa: ContextParallelAttention, q: Tensor, k: Tensor, v: Tenso
         if key_bias is not None:  # softmax ignores q . bk, the same for every key: 0
             key_bias.accumulate(np.zeros_like(key_bias.data), fresh=True)
     parents = tuple(t for t in (q, k, v, key_bias) if t is not None)
-    return Tensor.from_op(_merge_heads(O), parents, backward)
+    return Tensor.from_op(_merge_heads(Out), parents, backward)
 
 
 # ------------------------------------------------------------ the strategy

@@ -1,0 +1,105 @@
+"""Context parallelism: the sequence split over cp ranks trains `gpt` like one process.
+
+Equivalence (float64, rel 1e-9, losses and final parameters): every --cp-mode
+(allgather, ring, zigzag, ulysses) on cp = 2 and cp = 4; cp x dp (with microbatches and
+each gradient sync), ZeRO 1/2/3 over the dp x cp ranks, cp x pp under every schedule,
+gpt-moe under cp (the rank's positions are its tokens; capacity and aux over the global
+microbatch in global token order) and cp x dp x ep. SGD and Adam take turns; tiny shapes
+(L=2, d=16, H=4, T=16, V=16).
+
+Work: the score entries each rank computes in its latest forward (`scores.json`): the
+ring's rank r does r+1 blocks of (T/cp)^2 (its causal imbalance), zigzag's ranks all do
+the same (2cp+1 quarter blocks), allgather and Ulysses the whole (masked) T x T.
+
+Ledger: each mode's entries are the formulas (`context_parallel.expected_ledger`).
+
+One `sweep` launch per rank count (tests/mpi.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from minipar.config import TrainConfig
+from tests.conftest import assert_equivalent, reference
+from tests.mpi import sweep
+
+GPT = dict(model="gpt", layers=2, d_model=16, heads=4, seq_len=16, vocab=16, batch=4,
+           steps=2, d_ff=32)
+MOE = dict(GPT, model="gpt-moe", experts=4, expert_d_ff=16, aux_coef=0.1)
+ADAM = dict(optimizer="adam", lr=0.01)
+MODES = ("allgather", "ring", "zigzag", "ulysses")
+
+RUNS = {
+    2: [dict(GPT, cp=2, cp_mode="allgather"),
+        dict(GPT, **ADAM, cp=2, cp_mode="ring"),
+        dict(GPT, cp=2, cp_mode="zigzag", microbatches=2),
+        dict(GPT, **ADAM, cp=2, cp_mode="ulysses"),
+        dict(GPT, **ADAM, cp=2, zero=1, cp_mode="ring"),
+        dict(GPT, cp=2, zero=2, microbatches=2),
+        dict(GPT, **ADAM, cp=2, zero=3, cp_mode="ulysses"),
+        dict(GPT, cp=2, grad_sync="overlapped", cp_mode="allgather"),
+        dict(MOE, cp=2, top_k=1, capacity_factor=1.0),              # tokens over cp, ep 1
+        dict(MOE, **ADAM, cp=2, cp_mode="ring", capacity_factor=0.75)],
+    4: [*(dict(GPT, cp=4, cp_mode=mode, **(ADAM if i % 2 else {}))
+          for i, mode in enumerate(MODES)),
+        dict(GPT, dp=2, cp=2, cp_mode="ring", microbatches=2),
+        dict(GPT, **ADAM, dp=2, cp=2, cp_mode="zigzag", grad_sync="naive"),
+        dict(GPT, dp=2, cp=2, cp_mode="ulysses", zero=3),
+        dict(GPT, **ADAM, dp=2, cp=2, cp_mode="allgather", zero=1),
+        dict(GPT, pp=2, cp=2, schedule="gpipe", microbatches=2),
+        dict(GPT, **ADAM, pp=2, cp=2, cp_mode="ring", schedule="1f1b", microbatches=4),
+        dict(GPT, pp=2, cp=2, cp_mode="ulysses", layers=4, schedule="interleaved",
+             virtual=2, microbatches=2),
+        dict(GPT, **ADAM, pp=2, cp=2, cp_mode="allgather", schedule="zb-h1",
+             microbatches=2),
+        dict(MOE, dp=2, cp=2, capacity_factor=0.75, microbatches=2),
+        dict(MOE, **ADAM, cp=4, cp_mode="ring", top_k=1, capacity_factor=1.0),
+        dict(MOE, dp=2, ep=2, cp=2, capacity_factor=0.75),
+        dict(MOE, **ADAM, dp=2, ep=2, cp=2, cp_mode="ulysses", top_k=1, microbatches=2,
+             capacity_factor=1.0),
+        dict(MOE, dp=2, ep=2, cp=2, cp_mode="ring", batch=8, microbatches=2)],
+    8: [dict(GPT, dp=2, cp=2, pp=2, cp_mode="zigzag", microbatches=2, schedule="1f1b"),
+        dict(MOE, **ADAM, dp=2, ep=2, cp=2, pp=2, cp_mode="ring", microbatches=2,
+             capacity_factor=1.0, schedule="zb-h1"),
+        dict(MOE, dp=4, ep=2, cp=2, cp_mode="allgather", capacity_factor=0.75)],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def swept(request, tmp_path_factory):
+    """Every config of one rank count, trained in one mpiexec job."""
+    world = request.param
+    runs = sweep(world, RUNS[world], tmp_path_factory.mktemp(f"cp{world}"), timeout=480)
+    return world, runs
+
+
+def test_every_mode_and_mesh_equals_one_process(swept):
+    world, runs = swept
+    for fields, run in zip(RUNS[world], runs):
+        assert_equivalent(run, reference(**fields), label=f"{world} ranks {fields}")
+
+
+def test_score_work_per_rank_shows_ring_imbalance_and_zigzag_balance(swept):
+    """Measured score entries per rank and block: ring rank r computes r+1 of the cp
+    (T/cp)^2 blocks, zigzag every rank 2cp+1 blocks of (T/2cp)^2, the others all cp."""
+    world, runs = swept
+    for fields, run in zip(RUNS[world], runs):
+        cfg = TrainConfig(**fields).resolved(world)
+        if cfg.pp > 1:
+            continue
+        scores = json.loads((run["job_folder"] / "scores.json").read_text())
+        b = cfg.batch // cfg.microbatches // cfg.dp
+        block = b * cfg.heads * (cfg.seq_len // cfg.cp) ** 2     # one (T/cp)^2 block
+        for rank, per_layer in enumerate(scores):
+            r = cfg.mesh_shape().coords(rank)["cp"]
+            expected = {"ring": (r + 1) * block, "zigzag": (2 * cfg.cp + 1) * block // 4,
+                        "allgather": cfg.cp * block, "ulysses": cfg.cp * block}[cfg.cp_mode]
+            assert per_layer == [expected] * cfg.layers, f"{fields} rank {rank}"
+        if cfg.cp_mode in ("ring", "zigzag"):
+            work = np.array([s[0] for s in scores])
+            spread = work.max() / work.min()
+            assert (spread == 1.0) == (cfg.cp_mode == "zigzag"), (fields, work)
