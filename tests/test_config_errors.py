@@ -82,6 +82,15 @@ CASES = [
     (["--model", "gpt-moe", "--zero", "1"], "--zero"),
     (["--heads", "2"], "--heads"),                                   # the MLP has no heads
     (["--data", "{text}"], "--data"),
+    (["--model", "gpt", "--cp", "4", "--cp-mode", "ring", "--seq-len", "6"], "--seq-len"),
+    (["--model", "gpt", "--cp", "2", "--seq-len", "6"], "--seq-len"),  # zigzag: 2 cp chunks
+    (["--model", "gpt", "--cp", "4", "--cp-mode", "ulysses", "--heads", "2"], "--cp"),
+    (["--model", "gpt", "--cp", "2", "--tp", "2"], "--cp"),          # cp x tp: not yet
+    (["--model", "gpt", "--cp", "3"], "--cp"),                       # does not fill 4 ranks
+    (["--model", "gpt", "--cp", "0"], "--cp"),
+    (["--model", "gpt", "--cp-mode", "star"], "--cp-mode"),
+    (["--cp", "2"], "--cp"),                                         # the MLP has no sequence
+    (["--model", "moe", "--cp-mode", "ring"], "--cp-mode"),
 ]
 # Through the real launcher, at several world sizes: (ranks, case index).
 END_TO_END = [(4, 0), (2, 11), (1, 15), (2, 27), (2, 39)]
