@@ -116,10 +116,12 @@ class Plan:
     virtual: int = 1
     recompute: str = "none"     # "none", "selective" (drop attention scores), "full"
     grad_sync: str = "bucketed"
+    cp: int = 1                 # context parallelism: each sequence over cp ranks
+    cp_mode: str = "zigzag"
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def label(self) -> str:
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} ep={self.ep} "
@@ -181,11 +183,13 @@ def model_states(w: Workload, plan: Plan, shape: RankShape, dp_rank: int = 0) ->
     stage >= 1 keeps only my slice of the optimizer state, >= 2 of the gradients,
     3 of the parameters; slices as memory.shard_counts cuts them (the first ranks one
     larger). Expert arrays are sliced over their own group of dp/ep ranks (DeepSpeed-MoE's
-    way; minipar itself does not build ZeRO with experts)."""
+    way; minipar itself does not build ZeRO with experts). With context parallelism the
+    replicas are the dp x cp ranks and `dp_rank` is the rank among them (dp cp + cp)."""
     dense, experts = sum(shape.dp_arrays), sum(shape.edp_arrays)
     psi = dense + experts
-    mine = (shard_counts(dense, plan.dp)[dp_rank]
-            + shard_counts(experts, plan.dp // plan.ep)[dp_rank // plan.ep])
+    dp, cp = divmod(dp_rank, plan.cp)   # ZeRO shards over the dp x cp replicas
+    mine = (shard_counts(dense, plan.dp * plan.cp)[dp_rank]
+            + shard_counts(experts, plan.dp // plan.ep * plan.cp)[dp // plan.ep * plan.cp + cp])
 
     def held(bytes_per: int, sharded: bool) -> int:
         return bytes_per * (mine if sharded else psi)
@@ -195,8 +199,9 @@ def model_states(w: Workload, plan: Plan, shape: RankShape, dp_rank: int = 0) ->
 
 
 def tokens_per_microbatch(w: Workload, plan: Plan) -> int:
-    """Tokens of one microbatch on one data-parallel rank: B s / (dp M)."""
-    return w.batch * w.seq_len // (plan.dp * plan.microbatches)
+    """Tokens of one microbatch on one data-parallel rank: B s / (dp M), and / cp with
+    context parallelism (each rank holds s/cp positions of its sequences)."""
+    return w.batch * w.seq_len // (plan.dp * plan.microbatches * plan.cp)
 
 
 @lru_cache(maxsize=4096)

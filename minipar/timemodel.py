@@ -16,7 +16,7 @@ this project checks against real runs:
                  bandwidth if the group fits in a node, else the network's (a ring goes
                  at its slowest link). Nothing overlaps.
 
-Ranks are placed as mesh.py places them: tp fastest, then dp, then pp.
+Ranks are placed as mesh.py places them: tp fastest, then cp, then dp, then pp.
 Tested by `python -m pytest tests/test_plan.py`; used by `python -m minipar plan` and by
 `python -m minipar train --ledger` (each ledger line beside its prediction).
 """
@@ -80,7 +80,27 @@ def bucket_count(arrays: list[int], bucket_size: int) -> int:
 def traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     """Every ledger entry one rank of pipeline rank `shape.stage` writes in one step."""
     return (tp_traffic(w, plan, shape) + pp_traffic(w, plan, shape)
-            + moe_traffic(w, plan, shape) + dp_traffic(w, plan, shape))
+            + cp_traffic(w, plan, shape) + moe_traffic(w, plan, shape)
+            + dp_traffic(w, plan, shape))
+
+
+def cp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
+    """Context parallelism, per transformer layer and microbatch (context_parallel.py),
+    a block of K or V being the rank's (b, s/cp, d): allgather 2 Allgathers of (b, s, d)
+    forward and 2 Reduce_scatters backward; ring and zigzag 2 (cp-1) Sendrecv of a block
+    forward, 4 (cp-1) backward (K, V, dK, dV travel) and 2 more (dK, dV home); Ulysses
+    4 Alltoalls of a block forward (q, k, v, the output) and 4 backward."""
+    if plan.cp == 1 or not shape.blocks:
+        return []
+    times = len(shape.blocks) * plan.microbatches
+    block = tokens_per_microbatch(w, plan) * w.d_model            # (b, s/cp, d)
+    if plan.cp_mode == "allgather":
+        size = 2 * times * plan.cp * block
+        return [Traffic("cp", op, 2 * times, size, size * w.act_bytes)
+                for op in ("Allgather", "Reduce_scatter")]
+    calls = times * (8 if plan.cp_mode == "ulysses" else 6 * (plan.cp - 1) + 2)
+    op = "Alltoall" if plan.cp_mode == "ulysses" else "Sendrecv"
+    return [Traffic("cp", op, calls, calls * block, calls * block * w.act_bytes)]
 
 
 def tp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
@@ -128,9 +148,10 @@ def moe_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     over dp three Allreduce of E numbers (counts f, probability sums P both ways), and
     with a capacity one Exscan of E counts (how many earlier tokens took each expert)."""
     moe = [block for block in shape.blocks if block.moe]
-    if not moe or plan.dp == 1:
+    if not moe or plan.dp * plan.cp == 1:
         return []
     m, tokens = plan.microbatches, tokens_per_microbatch(w, plan)
+    dp = "dp" if plan.cp == 1 else "dp_cp"   # the ranks of the global microbatch
     experts = sum(block.experts for block in moe) * m
     out = []
     if plan.ep > 1:
@@ -139,12 +160,15 @@ def moe_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
                 Traffic("ep", "Alltoallv", 4 * len(moe) * m, rows * w.d_model,
                         rows * w.d_model * w.act_bytes)]
     stats = 3 * experts
-    out.append(Traffic("dp", "Allreduce", 3 * len(moe) * m, stats,
+    out.append(Traffic(dp, "Allreduce", 3 * len(moe) * m, stats,
                        experts * w.count_bytes + 2 * experts * w.act_bytes))
     capped = [block for block in moe if block.capacity]
-    if capped:
+    if capped and plan.cp == 1:
         counts = sum(block.experts for block in capped) * m
-        out.append(Traffic("dp", "Exscan", len(capped) * m, counts, counts * w.count_bytes))
+        out.append(Traffic(dp, "Exscan", len(capped) * m, counts, counts * w.count_bytes))
+    elif capped:  # under cp: everyone's expert ids, the global order rebuilt (k per token)
+        ids = sum(block.top_k for block in capped) * tokens * m * plan.dp * plan.cp
+        out.append(Traffic(dp, "Allgather", len(capped) * m, ids, ids * w.count_bytes))
     return out
 
 
@@ -155,9 +179,11 @@ def dp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     Reduce_scatter, stage 3's both; stage 3 gathers twice: forward and backward)."""
     out = []
     moe_pieces = sum(1 for block in shape.blocks if block.moe)
-    for group, size, arrays, pieces in (("dp", plan.dp, shape.dp_arrays, len(shape.pieces)),
-                                        ("edp", plan.dp // plan.ep, shape.edp_arrays,
-                                         moe_pieces)):
+    cp = "" if plan.cp == 1 else "_cp"  # the replicas span cp too (mesh.py: dp_cp)
+    for group, size, arrays, pieces in (("dp" + cp, plan.dp * plan.cp, shape.dp_arrays,
+                                         len(shape.pieces)),
+                                        ("edp" + cp, plan.dp // plan.ep * plan.cp,
+                                         shape.edp_arrays, moe_pieces)):
         psi = sum(arrays)
         if size == 1 or psi == 0:
             continue
@@ -188,10 +214,14 @@ def ledger_of(items: list[Traffic]) -> dict[tuple[str, str], tuple[int, int]]:
 
 # ------------------------------------------------------------ what it costs
 def group_layout(plan: Plan, group: str) -> tuple[int, int]:
-    """(ranks, stride between them) of a group, with tp fastest, then dp, then pp; an
-    ep group is ep consecutive dp ranks, an edp group every ep-th dp rank."""
-    return {"tp": (plan.tp, 1), "dp": (plan.dp, plan.tp), "pp": (plan.pp, plan.tp * plan.dp),
-            "ep": (plan.ep, plan.tp), "edp": (plan.dp // plan.ep, plan.tp * plan.ep)}[group]
+    """(ranks, stride between them) of a group, with tp fastest, then cp, then dp, then pp;
+    an ep group is ep consecutive dp ranks, an edp group every ep-th dp rank; dp_cp spans
+    cp and dp (edp_cp priced as if its ranks were evenly strided)."""
+    tc = plan.tp * plan.cp
+    return {"tp": (plan.tp, 1), "cp": (plan.cp, plan.tp), "dp": (plan.dp, tc),
+            "pp": (plan.pp, tc * plan.dp), "ep": (plan.ep, tc),
+            "edp": (plan.dp // plan.ep, tc * plan.ep), "dp_cp": (plan.dp * plan.cp, plan.tp),
+            "edp_cp": (plan.dp // plan.ep * plan.cp, plan.tp * plan.ep)}[group]
 
 
 def members_per_node(size: int, stride: int, node: int) -> int:

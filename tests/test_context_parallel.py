@@ -11,7 +11,9 @@ Work: the score entries each rank computes in its latest forward (`scores.json`)
 ring's rank r does r+1 blocks of (T/cp)^2 (its causal imbalance), zigzag's ranks all do
 the same (2cp+1 quarter blocks), allgather and Ulysses the whole (masked) T x T.
 
-Ledger: each mode's entries are the formulas (`context_parallel.expected_ledger`).
+Ledger: each rank's entries are the formulas of timemodel.traffic (cp_traffic per mode:
+ring 2 (cp-1) K and V blocks forward per layer, Ulysses 4 Alltoalls forward and 4
+backward, allgather 2 Allgathers forward), and the gradient sync over dp x cp.
 
 One `sweep` launch per rank count (tests/mpi.py).
 """
@@ -24,6 +26,9 @@ import numpy as np
 import pytest
 
 from minipar.config import TrainConfig
+from minipar.costmodel import model_states, rank_shape
+from minipar.plan import minipar_workload, plan_of
+from minipar.timemodel import cp_traffic, ledger_of, traffic
 from tests.conftest import assert_equivalent, reference
 from tests.mpi import sweep
 
@@ -103,3 +108,44 @@ def test_score_work_per_rank_shows_ring_imbalance_and_zigzag_balance(swept):
             work = np.array([s[0] for s in scores])
             spread = work.max() / work.min()
             assert (spread == 1.0) == (cfg.cp_mode == "zigzag"), (fields, work)
+
+
+def test_ledger_and_memory_are_the_formulas(swept):
+    """Every rank's ledger entries (calls and elements) are timemodel.traffic's, cp's own
+    per mode (2 Allgathers / 2 (cp-1) Sendrecv / 4 Alltoalls forward per layer) and the
+    gradient sync over dp x cp; its model-state bytes are costmodel.model_states'."""
+    world, runs = swept
+    for fields, run in zip(RUNS[world], runs):
+        cfg = TrainConfig(**fields).resolved(world)
+        w, plan, mesh = minipar_workload(cfg), plan_of(cfg), cfg.mesh_shape()
+        memory = json.loads((run["job_folder"] / "memory.json").read_text())
+        for rank in range(world):
+            where = mesh.coords(rank)
+            shape = rank_shape(w, plan, where["pp"])
+            replica = where["dp"] * cfg.cp + where["cp"]
+            assert vars(model_states(w, plan, shape, replica)) == memory[rank], \
+                f"{fields} rank {rank}"
+            predicted = ledger_of(traffic(w, plan, shape))
+            measured = {(r["group"], r["op"]): (r["calls"], r["elements"])
+                        for r in run["ledger"] if r["rank"] == rank}
+            assert measured.keys() == predicted.keys(), f"{fields} rank {rank}"
+            for key, (calls, elements) in measured.items():
+                assert calls == predicted[key][0], f"{fields} rank {rank} {key}"
+                if key != ("ep", "Alltoallv"):
+                    assert elements == predicted[key][1], f"{fields} rank {rank} {key}"
+
+
+def test_the_cp_formulas_per_layer():
+    """The per-layer counts the issue names, read off the formulas for one microbatch."""
+    cfg = TrainConfig(**GPT, cp=4).resolved(4)
+    for mode, expected in {"ring": {("cp", "Sendrecv"): 6 * 3 + 2},
+                           "zigzag": {("cp", "Sendrecv"): 6 * 3 + 2},
+                           "ulysses": {("cp", "Alltoall"): 4 + 4},
+                           "allgather": {("cp", "Allgather"): 2, ("cp", "Reduce_scatter"): 2}
+                           }.items():
+        c = TrainConfig(**dict(GPT, cp=4, cp_mode=mode, layers=1)).resolved(4)
+        w, plan = minipar_workload(c), plan_of(c)
+        found = {k: v[0] for k, v in ledger_of(cp_traffic(w, plan, rank_shape(w, plan, 0)))
+                 .items()}
+        assert found == expected, mode
+    assert cfg.mesh_shape().groups("cp") == [[0, 1, 2, 3]]
