@@ -5,8 +5,9 @@
 Rank 0 writes each run's dump to OUTDIR/<i>/, plus `memory.json`: every rank's
 measured bytes of parameters, gradients and optimizer state (a list by world
 rank; `RunResult.extras["memory"]`), and `scores.json`: every rank's attention
-score entries per block in the last forward (`extras["attention_scores"]`). An exception on any rank aborts
-the job (as `python -m mpi4py` does) with that rank's traceback.
+score entries per block in the last forward (`extras["attention_scores"]`).
+An exception on any rank aborts the job (as `python -m mpi4py` does) with that
+rank's traceback.
 """
 
 from __future__ import annotations
