@@ -86,7 +86,9 @@ class MeshShape:
         dp_rank = (rank // (self.tp * self.cp)) % self.dp
         pp_rank = rank // (self.tp * self.cp * self.dp)
         return {"dp": dp_rank, "tp": tp_rank, "pp": pp_rank, "cp": cp_rank,
-                "ep": dp_rank % self.ep, "edp": dp_rank // self.ep}
+                "ep": dp_rank % self.ep, "edp": dp_rank // self.ep,
+                "dp_cp": dp_rank * self.cp + cp_rank,
+                "edp_cp": dp_rank // self.ep * self.cp + cp_rank}
 
     def group_key(self, rank: int, axis: str) -> tuple[int, ...]:
         """Ranks with equal key are in the same `axis` group (the `color` of Comm.Split)."""
