@@ -222,6 +222,22 @@ def ring_attention(cpa: ContextParallelAttention, q: Tensor, k: Tensor, v: Tenso
     return Tensor.from_op(_merge_heads(Out), parents, backward)
 
 
+def visible_blocks(held: list[list[np.ndarray]], me: int, source: int
+                   ) -> list[tuple[slice, slice, np.ndarray]]:
+    """(my query run, source's key run, mask) for every pair of runs (`held[r]`: rank r's
+    runs of positions, one each or two with zigzag) that the causal mask does not hide
+    entirely: what rank `me` computes when the keys of rank `source` are with it. The
+    slices index the local arrays (the runs stacked in order); pure, no MPI."""
+    out = []
+    for i, qpos in enumerate(held[me]):
+        for j, kpos in enumerate(held[source]):
+            keep = attention.allowed(qpos, kpos)
+            if keep.any():
+                out.append((slice(i * qpos.size, (i + 1) * qpos.size),
+                            slice(j * kpos.size, (j + 1) * kpos.size), keep))
+    return out
+
+
 # ------------------------------------------------------------ the strategy
 class ContextParallelAttention:
     """The attention of one block under context parallelism: called as
@@ -243,17 +259,8 @@ class ContextParallelAttention:
         self.scores += entries
 
     def visible_blocks(self, source: int) -> list[tuple[slice, slice, np.ndarray]]:
-        """(my query run, source's key run, mask) for every pair of runs (one per rank, or
-        two with zigzag) the causal mask does not hide entirely: the work of a ring step."""
-        out = []
-        mine, theirs = self.chunks[self.group.rank], self.chunks[source]
-        for i, qpos in enumerate(mine):
-            for j, kpos in enumerate(theirs):
-                keep = attention.allowed(qpos, kpos)
-                if keep.any():
-                    a = slice(i * qpos.size, (i + 1) * qpos.size)
-                    out.append((a, slice(j * kpos.size, (j + 1) * kpos.size), keep))
-        return out
+        """The work of the ring step that brings the keys of rank `source`."""
+        return visible_blocks(self.chunks, self.group.rank, source)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, heads: int,
                  key_bias: Tensor | None = None) -> Tensor:
