@@ -11,6 +11,11 @@ Work: the score entries each rank computes in its latest forward (`scores.json`)
 ring's rank r does r+1 blocks of (T/cp)^2 (its causal imbalance), zigzag's ranks all do
 the same (2cp+1 quarter blocks), allgather and Ulysses the whole (masked) T x T.
 
+Each mode's attention on its own: outputs and the gradients of q, k, v and the key bias
+equal attention.attention on the whole sequence (rel 1e-12), with the collectives the
+formulas count per call, on 2, 3, 4 and 8 ranks (`check_context_parallel_attention`, in
+the MPI unit suite of tests/rank_tests.py).
+
 Ledger: each rank's entries are the formulas of timemodel.traffic (cp_traffic per mode:
 ring 2 (cp-1) K and V blocks forward per layer, Ulysses 4 Alltoalls forward and 4
 backward, allgather 2 Allgathers forward), and the gradient sync over dp x cp.
@@ -31,6 +36,7 @@ from minipar.plan import minipar_workload, plan_of
 from minipar.timemodel import cp_traffic, ledger_of, traffic
 from tests.conftest import assert_equivalent, reference
 from tests.mpi import sweep
+from tests.rank_tests import RANK_COUNTS, agree, suite_report
 
 GPT = dict(model="gpt", layers=2, d_model=16, heads=4, seq_len=16, vocab=16, batch=4,
            steps=2, d_ff=32)
@@ -149,3 +155,61 @@ def test_the_cp_formulas_per_layer():
                  .items()}
         assert found == expected, mode
     assert cfg.mesh_shape().groups("cp") == [[0, 1, 2, 3]]
+
+
+# ------------------------------------------------- each mode's attention alone
+@pytest.mark.parametrize("n", RANK_COUNTS)
+def test_each_mode_is_attention_on_the_whole_sequence(n):
+    suite_report(n).assert_passed("tests.test_context_parallel:check_context_parallel_attention")
+
+
+# the collectives of one call: forward, backward (cp ranks)
+CALLS = {"allgather": lambda cp: ({"Allgather": 2}, {"Reduce_scatter": 2}),
+         "ring": lambda cp: ({"Sendrecv": 2 * (cp - 1)}, {"Sendrecv": 4 * (cp - 1) + 2}),
+         "zigzag": lambda cp: ({"Sendrecv": 2 * (cp - 1)}, {"Sendrecv": 4 * (cp - 1) + 2}),
+         "ulysses": lambda cp: ({"Alltoall": 4}, {"Alltoall": 4})}
+
+
+def check_context_parallel_attention(comm):
+    """Rank side: random q, k, v, key bias and output gradient of a whole sequence (the
+    same on every rank); each rank keeps its positions, runs one mode, and compares its
+    output and gradients with attention.attention on the whole sequence."""
+    from minipar import attention
+    from minipar.autograd import Tensor
+    from minipar.comm import Group, Ledger
+    from minipar.parallel.context_parallel import ContextParallelAttention, positions
+
+    cp = comm.Get_size()
+    if cp == 1:
+        return
+    heads, dh, b = 2 * cp, 3, 2
+    t = 4 * cp
+    rng = np.random.default_rng(7)
+    q, k, v, g = (rng.normal(size=(b, t, heads * dh)) for _ in range(4))
+    bias = rng.normal(size=heads * dh)
+    whole = [Tensor(a.copy(), requires_grad=True) for a in (q, k, v, bias)]
+    attention.attention(*whole[:3], heads, key_bias=whole[3]).backward(g)
+    expected_out = attention.attention(*(Tensor(a) for a in (q, k, v)), heads,
+                                       key_bias=Tensor(bias)).data
+    problems = []
+    for mode in CALLS:
+        ledger = Ledger()
+        cpa = ContextParallelAttention(Group(comm, "cp", ledger), mode, t)
+        mine = positions(t, cp, comm.Get_rank(), mode)
+        local = [Tensor(a[:, mine].copy(), requires_grad=True) for a in (q, k, v)]
+        local_bias = Tensor(bias.copy(), requires_grad=True)
+        out = cpa(*local, heads, key_bias=local_bias)
+        forward = {op: e.calls for (op, _), e in ledger.entries.items()}
+        ledger.reset()
+        out.backward(g[:, mine])
+        backward = {op: e.calls for (op, _), e in ledger.entries.items()}
+        pairs = [("output", out.data, expected_out[:, mine])] + [
+            (f"d{name}", got.grad, want.grad[:, mine])
+            for name, got, want in zip("qkv", local, whole)]
+        pairs.append(("d key_bias", local_bias.grad, np.zeros_like(bias)))
+        for name, got, want in pairs:
+            if np.max(np.abs(got - want)) > 1e-12 * max(np.max(np.abs(want)), 1.0):
+                problems.append(f"{mode} {name}: off by {np.max(np.abs(got - want)):.2e}")
+        if (forward, backward) != CALLS[mode](cp):
+            problems.append(f"{mode}: calls {forward}, {backward} != {CALLS[mode](cp)}")
+    agree(comm, problems)

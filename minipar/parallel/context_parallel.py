@@ -60,8 +60,10 @@ def token_index(rows: np.ndarray, seq_len: int, cp: int, rank: int, mode: str) -
 
 # ------------------------------------------------------------- 1. allgather
 def gather_sequence(x: Tensor, group: Group) -> Tensor:
-    """Forward: Allgather of the positions (B, T/cp, w) -> (B, T, w), rank order.
-    Backward: Reduce_scatter, each rank keeping the summed gradient of its positions."""
+    """Forward: Allgather along T. Backward: Reduce_scatter along T.
+
+    (B, T/cp, w) -> (B, T, w) with the ranks' positions in rank order; backward, every
+    rank's gradient of all T positions is summed and each rank keeps its own T/cp."""
     b, t, w = x.shape
     cp = group.size
     gathered = np.empty((cp, b, t, w), dtype=x.dtype)
