@@ -170,7 +170,7 @@ def tour_command(argv: list[str]) -> int:
 
 
 def reshard_command(argv: list[str]) -> int:
-    """`python -m minipar reshard SRC DST [--dp --tp --pp --ep --virtual]`: rewrite a
+    """`python -m minipar reshard SRC DST [--dp --tp --pp --ep --virtual --cp]`: rewrite a
     checkpoint for another mesh without training (one rank, no flags: the full state)."""
     from minipar import checkpoint
     from minipar.config import _Parser  # argparse that raises, so only rank 0 speaks
@@ -179,7 +179,8 @@ def reshard_command(argv: list[str]) -> int:
     rank, size = world.Get_rank(), world.Get_size()
     parser = _Parser(prog="python -m minipar reshard",
                     description="Rewrite a checkpoint for the mesh of this job.")
-    for axis, default in (("dp", None), ("tp", 1), ("pp", 1), ("ep", 1), ("virtual", 1)):
+    for axis, default in (("dp", None), ("tp", 1), ("pp", 1), ("ep", 1), ("virtual", 1),
+                          ("cp", 1)):
         parser.add_argument(f"--{axis}", type=int, default=default)
     parser.add_argument("source", metavar="SRC")
     parser.add_argument("destination", metavar="DST")
@@ -189,7 +190,7 @@ def reshard_command(argv: list[str]) -> int:
         return fail(rank, str(error))
     errors = [f"SRC {message}" for message in checkpoint.verify(args.source)]
     if not errors:
-        mesh = {axis: getattr(args, axis) for axis in ("dp", "tp", "pp", "ep", "virtual")}
+        mesh = {axis: getattr(args, axis) for axis in ("dp", "tp", "pp", "ep", "virtual", "cp")}
         manifest = checkpoint.read_manifest(Path(args.source))
         cfg = checkpoint.config_for(manifest, **mesh).resolved(size)
         errors = problems(cfg, size) + [f"DST {message}" for message in
@@ -200,7 +201,8 @@ def reshard_command(argv: list[str]) -> int:
     if rank == 0:
         print(f"resharded {args.source} (step {manifest['step']}, saved on "
               f"{manifest['mesh']['world']} ranks) -> {args.destination} for dp={cfg.dp} "
-              f"tp={cfg.tp} pp={cfg.pp} ep={cfg.ep} ({size} shard files)", flush=True)
+              f"tp={cfg.tp} pp={cfg.pp} ep={cfg.ep}" + (f" cp={cfg.cp}" if cfg.cp > 1 else "")
+              + f" ({size} shard files)", flush=True)
     return 0
 
 
