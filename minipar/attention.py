@@ -35,6 +35,8 @@ The finite-difference checks of `tests/test_autograd.py` cover every op here.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from minipar.autograd import Tensor
@@ -104,7 +106,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, heads: int, q_positions: np.ndarra
     """Scores, mask and softmax of every head at once; what both backward rules need."""
     keys = k.data if key_bias is None else k.data + key_bias.data
     Q, K, V = (_heads(t, heads) for t in (q.data, keys, v.data))   # (B, H, T, dh)
-    scale = 1.0 / np.sqrt(Q.shape[-1])
+    scale = 1.0 / math.sqrt(Q.shape[-1])   # a Python float: float32 stays float32
     q_positions = np.arange(Q.shape[2]) if q_positions is None else q_positions
     k_positions = np.arange(K.shape[2]) if k_positions is None else k_positions
     keep = allowed(q_positions, k_positions)                   # (Tq, Tk)

@@ -34,15 +34,19 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """y = x @ W + b, one fused node. Weights are (in, out); x is (rows, in) or, for a
     sequence model, (B, T, in): every leading axis counts as rows.
-    Backward: dx = g W^T, dW = x^T g, db = sum_rows g (the sums run over all B*T rows)."""
-    out = x.data @ weight.data
+    Backward: dx = g W^T, dW = x^T g, db = sum_rows g (the sums run over all B*T rows).
+    The rows are flattened to one (N, in) matrix first: one BLAS call, not one per row
+    of a stacked matmul."""
+    rows_in = x.data.reshape(-1, x.shape[-1])                    # (N, in), a view
+    out = (rows_in @ weight.data).reshape(*x.shape[:-1], weight.shape[-1])
     if bias is not None:
         out += bias.data
     parents = (x, weight) if bias is None else (x, weight, bias)
 
     def backward(g: np.ndarray) -> None:
         if x.requires_grad:
-            x.accumulate(g @ weight.data.T, fresh=True)
+            dx = g.reshape(-1, g.shape[-1]) @ weight.data.T      # (N, out) @ (out, in)
+            x.accumulate(dx.reshape(x.shape), fresh=True)
 
         def weight_grads() -> None:
             rows, grad_rows = x.data.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])

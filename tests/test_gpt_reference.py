@@ -118,3 +118,21 @@ def train_reference_model(cfg: TrainConfig) -> nn.Model:
 
     final = train_reference(cfg).final
     return build_reference(cfg, final)
+
+
+@pytest.mark.parametrize("model", ["gpt", "gpt-moe"])
+def test_float32_stays_float32_on_every_node(model):
+    """Every value on the tape of a float32 transformer is float32 (a float64 constant
+    anywhere would silently double the work), and it trains like float64."""
+    from minipar import autograd as ag
+    from minipar.train import build_reference, step_batch
+
+    fields = {**(MOE if model == "gpt-moe" else {}), "optimizer": "adam", "lr": 0.01}
+    cfg = config(dtype="float32", **fields)
+    net = build_reference(cfg, nn.init_params(cfg.model_config(), 0, "float32"))
+    loss = nn.loss_fn(net, *step_batch(cfg, 0))
+    floats = {node.data.dtype for node in ag._topological_order([loss])
+              if node.data.dtype.kind == "f"}
+    assert floats == {np.dtype("float32")}, floats
+    single, double = train_reference(cfg), train_reference(config(**fields))
+    np.testing.assert_allclose(single.losses, double.losses, rtol=1e-5)
