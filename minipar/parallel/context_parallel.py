@@ -27,6 +27,8 @@ or the lesson `mpiexec -n 4 python lessons/11_context_parallel.py`.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from mpi4py import MPI
 
@@ -186,7 +188,7 @@ def ring_attention(cpa: ContextParallelAttention, q: Tensor, k: Tensor, v: Tenso
     group, cp, me = cpa.group, cpa.group.size, cpa.group.rank
     keys = k.data if key_bias is None else k.data + key_bias.data
     Q, K, V = (_split_heads(t, heads) for t in (q.data, keys, v.data))  # (B, H, T/cp, dh)
-    scale = 1.0 / np.sqrt(Q.shape[-1])
+    scale = 1.0 / math.sqrt(Q.shape[-1])   # a Python float: float32 stays float32
     Out = np.zeros_like(Q)
     L = np.full(Q.shape[:-1], -np.inf, dtype=Q.dtype)           # (B, H, T/cp) row lse
     for step in range(cp):
