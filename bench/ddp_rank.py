@@ -25,7 +25,7 @@ from minipar.data import make_batch
 
 
 class MLP(torch.nn.Module):
-    """DESIGN.md's dense model: embed, pre-LN residual GELU blocks, head."""
+    """docs/design.md's dense model: embed, pre-LN residual GELU blocks, head."""
 
     def __init__(self, full: dict, layers: int) -> None:
         super().__init__()

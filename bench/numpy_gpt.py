@@ -1,7 +1,7 @@
 """The yardstick for the transformer: one training step of `--model gpt` as plain NumPy.
 
 Forward and backward by hand, all heads batched as an axis (B, H, T, dh), no tape, no
-closures: the fastest honest way to run DESIGN.md's transformer on one thread.
+closures: the fastest honest way to run docs/design.md's transformer on one thread.
 `bench/run.py` times minipar's step (autograd + attention.py + gpt.py) against this.
 """
 

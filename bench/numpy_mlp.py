@@ -1,7 +1,7 @@
 """The yardstick: one training step of the reference MLP written as plain NumPy.
 
 Forward and backward by hand, no tape, no closures: the fastest honest way to
-run DESIGN.md's dense model on one thread. `bench/run.py` times minipar's
+run docs/design.md's dense model on one thread. `bench/run.py` times minipar's
 autograd against this, so "the autograd adds little" is a measured ratio.
 """
 

@@ -34,9 +34,10 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import nn
-from minipar.comm import Ledger, wire_elements
+from minipar.comm import Ledger
 from minipar.data import make_batch, shard_rows
 from minipar.log import run_collectively, say_in_order, verdict
+from minipar.memory import wire_elements
 from minipar.mesh import Mesh, MeshShape
 from minipar.parallel.data_parallel import (
     OverlappedAllreduce,

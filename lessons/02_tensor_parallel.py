@@ -32,9 +32,10 @@ from mpi4py import MPI
 
 from minipar import autograd as ag
 from minipar import fused, nn
-from minipar.comm import Group, Ledger, wire_elements
+from minipar.comm import Group, Ledger
 from minipar.config import TrainConfig, problems
 from minipar.log import run_collectively, say_in_order, verdict
+from minipar.memory import wire_elements
 from minipar.mesh import Mesh
 from minipar.parallel.tensor_parallel import (
     ColumnParallelLinear,

@@ -30,6 +30,7 @@ from minipar.comm import Ledger
 from minipar.log import run_collectively, verdict
 from minipar.mesh import Mesh, MeshShape
 from minipar.parallel.expert_parallel import ExpertParallelBlock, expected_alltoallv_elements
+from minipar.results import relative_difference
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -77,7 +78,7 @@ def run_block(cfg: nn.ModelConfig, mesh: Mesh, full: dict, h: np.ndarray, r: np.
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+    return relative_difference(a, b)
 
 
 def compare(cfg: nn.ModelConfig, full: dict, h: np.ndarray, r: np.ndarray,

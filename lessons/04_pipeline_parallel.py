@@ -28,7 +28,6 @@ from pathlib import Path
 from mpi4py import MPI
 
 from minipar import nn
-from minipar.__main__ import max_differences
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
 from minipar.log import run_collectively, say_in_order, verdict
@@ -42,6 +41,7 @@ from minipar.parallel.pipeline_schedules import (
     in_flight_peak,
     simulate_schedule,
 )
+from minipar.results import max_differences
 from minipar.train import RunResult, build_rank_model, train, train_reference
 
 comm = MPI.COMM_WORLD

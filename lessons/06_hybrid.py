@@ -34,12 +34,12 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import nn
-from minipar.__main__ import max_differences
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
 from minipar.log import run_collectively, say_in_order, verdict
 from minipar.mesh import Mesh, MeshShape
 from minipar.report import ledger_table
+from minipar.results import max_differences
 from minipar.train import RunResult, train, train_reference
 
 comm = MPI.COMM_WORLD

@@ -31,7 +31,6 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import nn
-from minipar.comm import wire_elements
 from minipar.config import TrainConfig
 from minipar.log import run_collectively, verdict
 from minipar.memory import (
@@ -39,6 +38,7 @@ from minipar.memory import (
     optimizer_bytes_per_param,
     paper_example,
     shard_counts,
+    wire_elements,
     wire_formula,
     zero_formula,
 )

@@ -41,9 +41,10 @@ from mpi4py import MPI
 
 from minipar import nn
 from minipar.bugs import BUGS, Bug
-from minipar.config import TrainConfig, problems
+from minipar.config import TrainConfig
 from minipar.log import run_collectively, verdict
-from minipar.train import RunResult, train, train_reference
+from minipar.results import relative_difference
+from minipar.train import RunResult, problems, train, train_reference
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -72,7 +73,7 @@ def config(bug: Bug, steps: int, quick: bool) -> TrainConfig:
 # ------------------------------------------------------ comparing two runs
 def relative(a: np.ndarray, b: np.ndarray) -> float:
     """max |a - b| / max |b|: the measure of --check and the test suite."""
-    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-300))
+    return relative_difference(a, b)
 
 
 def differing(final: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str, float]:

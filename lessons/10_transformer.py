@@ -29,10 +29,10 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import autograd as ag
-from minipar.__main__ import max_differences
 from minipar.config import TrainConfig
 from minipar.data import make_sequences, read_corpus, repeated_positions
 from minipar.log import run_collectively, verdict
+from minipar.results import max_differences
 from minipar.train import build_reference, train, train_reference
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -3,6 +3,8 @@
 Start with `python -m minipar train --help`, `make demo`, and the lessons in `lessons/`.
 """
 
+import ctypes
+
 __version__ = "0.1.0"
 
 
@@ -16,8 +18,6 @@ def reuse_freed_memory() -> bool:
     them in the process, for the same reason PyTorch keeps a caching allocator.
     Linux/glibc only; elsewhere nothing happens. Returns whether it took effect."""
     try:
-        import ctypes
-
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameter numbers (malloc.h)
         return bool(libc.mallopt(m_mmap_threshold, 1 << 30)

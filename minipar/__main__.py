@@ -15,27 +15,24 @@ collective its dead partner will never join.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
 from pathlib import Path
 
-import numpy as np
-
-from minipar.config import (
-    ConfigError,
-    TrainConfig,
-    config_from_args,
-    make_parser,
-    problems,
-)
-
-TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
+from minipar import checkpoint
+from minipar.bugs import listing
+from minipar.config import ConfigError, _Parser, config_from_args, make_parser
+from minipar.mesh import MeshShape
+from minipar.plan import plan_command as plan
+from minipar.report import ledger_table
+from minipar.results import check, dump
+from minipar.tour import main as tour
+from minipar.train import DivergedError, problems, train
 
 
 def _world():
-    from mpi4py import MPI
+    from mpi4py import MPI  # here: `plan`, `bugs`, `mesh` and the tests run without MPI
 
     return MPI.COMM_WORLD
 
@@ -66,8 +63,6 @@ def train_command(argv: list[str]) -> int:
     if errors:
         return fail(rank, errors[0] + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
 
-    from minipar.train import DivergedError, train
-
     def progress(step: int, loss: float) -> None:
         if rank == 0:
             print(f"step {step + 1:4d}  loss {loss:.6f}", flush=True)
@@ -77,8 +72,6 @@ def train_command(argv: list[str]) -> int:
     except DivergedError as error:  # raised on every rank at the same step: no abort needed
         return fail(rank, str(error), code=1)
     if args.ledger and rank == 0:
-        from minipar.report import ledger_table
-
         print(ledger_table(result.ledger, cfg), flush=True)
     if args.dump and rank == 0:
         dump(Path(args.dump), cfg, result)
@@ -96,58 +89,8 @@ def train_command(argv: list[str]) -> int:
     return verdict
 
 
-def dump(folder: Path, cfg: TrainConfig, result: object) -> None:
-    """The `--dump` files of DESIGN.md, written by rank 0."""
-    from minipar.train import step_batch
-
-    folder.mkdir(parents=True, exist_ok=True)
-    np.savez(folder / "init.npz", **result.init)
-    np.savez(folder / "final.npz", **result.final)
-    batches = [step_batch(cfg, s) for s in range(cfg.steps)]
-    np.savez(folder / "data.npz", x=np.stack([b[0] for b in batches]),
-             y=np.stack([b[1] for b in batches]))
-    (folder / "losses.json").write_text(json.dumps(result.losses))
-    (folder / "config.json").write_text(json.dumps(cfg.as_json(), indent=1))
-    (folder / "ledger.json").write_text(json.dumps(result.ledger, indent=1))
-
-
-def max_differences(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float, float, str]:
-    """Largest absolute difference over all tensors, the largest relative one
-    (max |a-b| / max |b| per tensor), and the tensor where the relative one is."""
-    worst_abs, worst_rel, where = 0.0, 0.0, ""
-    for name, ref in b.items():
-        diff = float(np.max(np.abs(a[name] - ref))) if ref.size else 0.0
-        rel = diff / max(float(np.max(np.abs(ref))) if ref.size else 0.0, 1e-300)
-        worst_abs = max(worst_abs, diff)
-        if rel > worst_rel:
-            worst_rel, where = rel, name
-    return worst_abs, worst_rel, where
-
-
-def check(cfg: TrainConfig, result: object) -> int:
-    """Run the single-process reference in this process and compare (rank 0)."""
-    from minipar.train import train_reference
-
-    reference = train_reference(cfg)
-    taken = reference.losses[cfg.steps - len(result.losses):]  # a resumed run: its steps
-    loss_abs = float(np.max(np.abs(np.subtract(result.losses, taken))))
-    loss_rel = loss_abs / max(float(np.max(np.abs(reference.losses))), 1e-300)
-    param_abs, param_rel, where = max_differences(result.final, reference.final)
-    tolerance = TOLERANCE[cfg.dtype]
-    ok = loss_rel <= tolerance and param_rel <= tolerance
-    print(f"check against one process: losses max abs {loss_abs:.3e} rel {loss_rel:.3e}; "
-          f"final params max abs {param_abs:.3e} rel {param_rel:.3e}"
-          + (f" (worst: {where})" if where else "")
-          + f" -> {'OK' if ok else 'MISMATCH'} (tolerance {tolerance:g})", flush=True)
-    for line in result.extras.get("replica_disagreements", [])[:5]:
-        print(f"replicas disagree: {line}", flush=True)
-    return 0 if ok else 1
-
-
 # -------------------------------------------------------------------- mesh
 def mesh_command(argv: list[str]) -> int:
-    from minipar.mesh import MeshShape
-
     parser = argparse.ArgumentParser(prog="python -m minipar mesh",
                                      description="Print which rank is in which group.")
     for axis in ("dp", "tp", "pp", "ep", "cp"):
@@ -164,16 +107,13 @@ def mesh_command(argv: list[str]) -> int:
 
 
 def tour_command(argv: list[str]) -> int:
-    from minipar.tour import main as tour
-
     return tour(argv)
 
 
 def reshard_command(argv: list[str]) -> int:
     """`python -m minipar reshard SRC DST [--dp --tp --pp --ep --virtual --cp]`: rewrite a
     checkpoint for another mesh without training (one rank, no flags: the full state)."""
-    from minipar import checkpoint
-    from minipar.config import _Parser  # argparse that raises, so only rank 0 speaks
+    from minipar.reshard import reshard  # here: loads mpi4py.MPI, which `plan`/`bugs` never need
 
     world = _world()
     rank, size = world.Get_rank(), world.Get_size()
@@ -197,7 +137,7 @@ def reshard_command(argv: list[str]) -> int:
                                          checkpoint.folder_problems(Path(args.destination))]
     if errors:
         return fail(rank, errors[0])
-    checkpoint.reshard(cfg, world, args.source, args.destination)
+    reshard(cfg, world, args.source, args.destination)
     if rank == 0:
         print(f"resharded {args.source} (step {manifest['step']}, saved on "
               f"{manifest['mesh']['world']} ranks) -> {args.destination} for dp={cfg.dp} "
@@ -208,8 +148,6 @@ def reshard_command(argv: list[str]) -> int:
 
 def bugs_command(argv: list[str]) -> int:
     """`python -m minipar bugs`: the bugs `train --inject-bug NAME` can inject (no MPI)."""
-    from minipar.bugs import listing
-
     argparse.ArgumentParser(prog="python -m minipar bugs",
                             description="List the bugs of lesson 08.").parse_args(argv)
     print(listing())
@@ -218,8 +156,6 @@ def bugs_command(argv: list[str]) -> int:
 
 def plan_command(argv: list[str]) -> int:
     """`python -m minipar plan ...`: rank the ways to split a job at real scale (no MPI)."""
-    from minipar.plan import plan_command as plan
-
     return plan(argv)
 
 
@@ -236,25 +172,31 @@ def main(argv: list[str] | None = None) -> int:
     return COMMANDS[argv[0]](argv[1:])
 
 
+def main_quiet_on_closed_pipe() -> int:
+    """`main()`; when the reader of our output has left (`python -m minipar plan ... | head`),
+    stop quietly with exit 0."""
+    try:
+        return main()
+    except BrokenPipeError:
+        sys.stderr.close()
+        raise SystemExit(0) from None
+
+
 def run() -> None:
     """Entry point: like `python -m mpi4py`, an exception on one rank aborts every rank."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        code = main()
+    world_size = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
+    if world_size > 1:
+        # here, not at the top: log.py loads mpi4py.MPI, which one process never needs
+        from minipar.log import abort_on_exception
+
+        sys.exit(abort_on_exception(main_quiet_on_closed_pipe, label="minipar: "))
+    try:  # one process: no partner can be left waiting, the traceback and exit 1 suffice
+        code = main_quiet_on_closed_pipe()
     except SystemExit:
         raise
-    except BrokenPipeError:  # `python -m minipar plan ... | head`: the reader left
-        sys.stderr.close()
-        raise SystemExit(0) from None
     except BaseException:
-        world_size = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
-        rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
-        message = f"minipar: rank {rank} failed:\n{traceback.format_exc()}"
-        if world_size > 1:
-            from minipar.log import abort_all
-
-            abort_all(message)
-        sys.stderr.write(message)
+        sys.stderr.write(f"minipar: rank 0 failed:\n{traceback.format_exc()}")
         raise SystemExit(1) from None
     sys.exit(code)
 

@@ -20,9 +20,9 @@ break one thing -- a subclass overriding one method, or a replacement function
 when `--inject-bug NAME` is given (`injected` puts the originals back after,
 even on error), so a learner can diff the broken piece against the real one.
 
-The detours import the parallel modules when applied, not when this file is
-imported: the registry and `problems` are pure (config.py asks them before any
-communication, the test process never loads MPI).
+The detours import the parallel modules that load mpi4py.MPI when applied, not
+when this file is imported: the registry and `problems` are pure (`train.problems`
+asks them before any communication; the test process never loads MPI).
 """
 
 from __future__ import annotations
@@ -36,9 +36,13 @@ import numpy as np
 
 from minipar import nn
 from minipar.autograd import Tensor
+from minipar.parallel import pipeline_parallel as pipeline
 
 if TYPE_CHECKING:
+    from minipar.comm import Group
     from minipar.config import TrainConfig
+    from minipar.mesh import Mesh
+    from minipar.optim import Optimizer
 
 Swap = tuple[object, str, object]  # (module, attribute, what stands in for it)
 
@@ -80,12 +84,10 @@ class OneBuffer:
 
 def one_input_buffer() -> list[Swap]:
     """A stage worker that allocates its input buffer once, for every microbatch."""
-    from minipar.parallel import pipeline_parallel as pipeline
-
     class OneInputBufferWorker(pipeline.StageWorker):
-        def __init__(self, cfg: TrainConfig, mesh: object, chunks: list[nn.Model],
-                     x: np.ndarray, y: np.ndarray) -> None:
-            super().__init__(cfg, mesh, chunks, x, y)
+        def __init__(self, pp_group: Group, chunks: list[nn.Model], x: np.ndarray,
+                     y: np.ndarray, *args: object, **kwargs: object) -> None:
+            super().__init__(pp_group, chunks, x, y, *args, **kwargs)
             self.x = OneBuffer(x)  # BUG: the first stage's data rows, all in one array
             self.buffer = np.empty(self.shape, dtype=self.dtype)
 
@@ -106,7 +108,7 @@ def copy_to_without_allreduce(x: Tensor, group: object) -> Tensor:
 
 def f_without_allreduce() -> list[Swap]:
     """Column-parallel linears whose f operator forgot the backward half of its pair."""
-    from minipar.parallel import tensor_parallel
+    from minipar.parallel import tensor_parallel  # here: loads mpi4py.MPI (module docstring)
 
     return [(tensor_parallel, "copy_to", copy_to_without_allreduce)]
 
@@ -122,7 +124,7 @@ class PlainLinear(nn.Linear):
 
 def plain_linears() -> list[Swap]:
     """Both of the block's parallel linears built as plain ones (tensor_parallel.py)."""
-    from minipar.parallel import tensor_parallel
+    from minipar.parallel import tensor_parallel  # here: loads mpi4py.MPI (module docstring)
 
     return [(tensor_parallel, "ColumnParallelLinear", PlainLinear),
             (tensor_parallel, "RowParallelLinear", PlainLinear)]
@@ -131,10 +133,10 @@ def plain_linears() -> list[Swap]:
 # --------------------------------------------------------- data parallelism
 def stage_left_out() -> list[Swap]:
     """Plain DP whose last pipeline stage never registered its gradients for the sync."""
-    from minipar.parallel import data_parallel
+    from minipar.parallel import data_parallel  # here: loads mpi4py.MPI (module docstring)
 
     class StageLeftOut(data_parallel.DataParallel):
-        def __init__(self, chunks: list[nn.Model], mesh: object, *args: object) -> None:
+        def __init__(self, chunks: list[nn.Model], mesh: Mesh, *args: object) -> None:
             super().__init__(chunks, mesh, *args)
             if mesh.coords["pp"] == mesh.shape.pp - 1:
                 self.buckets = []  # BUG: this stage's buckets are never Allreduced over dp
@@ -144,11 +146,11 @@ def stage_left_out() -> list[Swap]:
 
 def sum_not_mean() -> list[Swap]:
     """The bucketed gradient sync without its division by dp."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # here, as every detour's import (module docstring)
 
-    from minipar.parallel import data_parallel as dp
+    from minipar.parallel import data_parallel as dp  # here: loads mpi4py.MPI
 
-    def bucketed_allreduce_sum(buckets: list[list[nn.Parameter]], mesh: object) -> None:
+    def bucketed_allreduce_sum(buckets: list[list[nn.Parameter]], mesh: Mesh) -> None:
         for bucket in buckets:
             flat = dp.pack(bucket)
             group = dp._group(bucket[0], mesh)
@@ -164,7 +166,7 @@ def miscounted_aux(counter: Callable[[object, np.ndarray, int], np.ndarray]) -> 
     """The expert-parallel block with the aux loss's `f` counted by `counter(routing,
     kept, E)` instead of from every routed assignment. The same collectives of the same
     sizes: only the numbers counted change."""
-    from minipar.parallel import expert_parallel as ep
+    from minipar.parallel import expert_parallel as ep  # here: loads mpi4py.MPI (module docstring)
 
     class MiscountedAux(ep.ExpertParallelBlock):
         def assignment_counts(self, routing: object, kept: np.ndarray) -> np.ndarray:
@@ -181,14 +183,14 @@ def first_choice_only() -> list[Swap]:
 
 
 def after_capacity() -> list[Swap]:
-    # BUG: only the assignments that survived capacity; DESIGN.md counts every routed one
+    # BUG: only the assignments that survived capacity; docs/design.md counts every routed one
     return miscounted_aux(lambda routing, kept, experts:
                           np.bincount(routing.expert_of[kept], minlength=experts))
 
 
 def aux_per_rank() -> list[Swap]:
     """The aux loss of each rank's own tokens: the single-process formula, copied over."""
-    from minipar.parallel import expert_parallel as ep
+    from minipar.parallel import expert_parallel as ep  # here: loads mpi4py.MPI (module docstring)
 
     def local_aux(probs: Tensor, counts: np.ndarray, tokens: int, cfg: nn.ModelConfig,
                   dp_group: object) -> Tensor:
@@ -202,10 +204,10 @@ def aux_per_rank() -> list[Swap]:
 # ------------------------------------------------------------------- ZeRO
 def no_allgather() -> list[Swap]:
     """ZeRO-1/2 that updates its slice and never Allgathers the parameters back."""
-    from minipar.parallel import zero
+    from minipar.parallel import zero  # here: loads mpi4py.MPI (module docstring)
 
-    def make_zero_without_allgather(stage: int, chunks: list[nn.Model], mesh: object,
-                                    optimizer: object) -> object:
+    def make_zero_without_allgather(stage: int, chunks: list[nn.Model], mesh: Mesh,
+                                    optimizer: Optimizer) -> zero.Zero1:
         class NoAllgather({1: zero.Zero1, 2: zero.Zero2}[stage]):
             def allgather_params(self) -> None:
                 """BUG: nothing. My slice is updated; every other slice stays stale here."""

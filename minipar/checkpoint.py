@@ -15,7 +15,7 @@ as drawing the full model at init is; here it keeps loading to one code path.)
 ZeRO keeps no per-parameter optimizer state: rank i of dp holds one flat slice
 of all its parameters, m and v, which cuts parameters mid-row. It saves that
 slice as boxes of the full arrays (the end of one row, whole rows, the start of
-another: `flat_boxes`), so its shards read like any other; resuming, each rank
+another: `shards.flat_boxes`), so its shards read like any other; resuming, each rank
 cuts its own flat slice out of the full m and v (zero.py, `Zero1.slice_state`).
 
 A save must never leave a checkpoint that loads wrong. In order:
@@ -35,7 +35,7 @@ described in global coordinates, replicas written once).
         --save ckpt
     mpiexec -n 4 python -m minipar train --dp 2 --tp 2 --optimizer adam --lr 0.003 \
         --steps 4 --resume ckpt --check
-    python -m minipar reshard ckpt full        # one file holding the full state
+    python -m minipar reshard ckpt full        # one file holding the full state (reshard.py)
 """
 
 from __future__ import annotations
@@ -52,9 +52,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar import nn
+from minipar.config import TrainConfig
+from minipar.mesh import Mesh
+from minipar.optim import Optimizer
+from minipar.shards import held_parts
 
-if TYPE_CHECKING:
-    from minipar.config import TrainConfig
+if TYPE_CHECKING:  # data_parallel.py loads mpi4py.MPI; checking a checkpoint needs none
+    from minipar.comm import Group
+    from minipar.parallel.data_parallel import Updater
 
 FORMAT = "minipar-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -96,47 +101,6 @@ def decode_index(spec: list | None) -> tuple:
     if spec is None:
         return (Ellipsis,)
     return tuple(slice(*part) if isinstance(part, list) else part for part in spec)
-
-
-# ------------------------------------- a flat run as boxes of the full array
-def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[slice, ...]]:
-    """Elements [a, b) of an array of `shape` in C order, as rectangular boxes (one slice
-    per axis), in order: a run of a flat vector is a box only when it covers whole rows.
-
-    A run crossing rows is cut into the end of its first row, the whole rows in the
-    middle, and the start of its last row (recursively, for the rows' own axes):
-    (3, 4) elements [2, 9) -> rows 0 cols 2:4, row 1 all, row 2 col 0:1."""
-    if a >= b:
-        return []
-    if not shape:
-        return [()]
-    rest = int(np.prod(shape[1:], dtype=np.int64))
-    first, last = a // rest, (b - 1) // rest
-    if first == last:  # inside one row: that row, and a run of it
-        return [(slice(first, first + 1),) + box
-                for box in flat_boxes(shape[1:], a - first * rest, b - first * rest)]
-    whole = [slice(0, n) for n in shape[1:]]
-    head, tail = -(-a // rest), b // rest   # the whole rows are [head, tail)
-    boxes = flat_boxes(shape, a, head * rest)
-    if head < tail:
-        boxes.append((slice(head, tail), *whole))
-    return boxes + flat_boxes(shape, tail * rest, b)
-
-
-def in_full_array(box: tuple[slice, ...], full_index: tuple | None) -> tuple[slice, ...]:
-    """A box of a rank's LOCAL array as a box of the full canonical array: shift each axis
-    by where the local array starts in the full one (its `full_index`, slices of step 1,
-    e.g. the columns a column-parallel linear holds)."""
-    if full_index is None:
-        return box
-    out = []
-    for axis, part in enumerate(box):
-        held = full_index[axis] if axis < len(full_index) else slice(None)
-        if not isinstance(held, slice) or held.step not in (None, 1):
-            raise ValueError(f"full_index {full_index} is not made of step-1 slices")
-        start = held.start or 0
-        out.append(slice(start + part.start, start + part.stop))
-    return tuple(out)
 
 
 # ------------------------------------------------------------- writing
@@ -209,7 +173,7 @@ def write_manifest(folder: Path, cfg: TrainConfig, step: int, optimizer_t: int,
             stale.unlink()
 
 
-def pieces_to_write(world: object, params: Sequence[nn.Parameter]) -> list[int]:
+def pieces_to_write(world: Group, params: Sequence[nn.Parameter]) -> list[int]:
     """Which of this rank's params it writes: a replica (the same name and index on several
     ranks, e.g. over dp) is written once, by the lowest rank holding it."""
     keys = [json.dumps([p.name, encode_index(p.full_index)]) for p in params]
@@ -222,25 +186,21 @@ def pieces_to_write(world: object, params: Sequence[nn.Parameter]) -> list[int]:
     return [i for i, key in enumerate(keys) if first[key] == world.rank]
 
 
-def save(folder: str | Path, cfg: TrainConfig, mesh: object, params: Sequence[nn.Parameter],
-         optimizer: object, step: int, updater: object = None,
-         losses: Sequence[float] = ()) -> None:
+def save(folder: str | Path, cfg: TrainConfig, mesh: Mesh, updater: Updater,
+         optimizer: Optimizer, step: int, losses: Sequence[float] = ()) -> None:
     """Save this rank's params and optimizer state; a collective over `mesh.world`.
 
-    `optimizer.state_arrays()` gives each slot (Adam's m, v) as a list aligned with
-    `params`. A ZeRO `updater` keeps one flat slice of the state per rank instead: its
-    `checkpoint_pieces()` says which parameter boxes that slice holds (zero.py).
-    Order of events (the module docstring): old manifest gone, shards, manifest.
+    `updater.checkpoint_pieces()` says what this rank holds: plain data parallelism its
+    parameters and the optimizer's state for each; ZeRO the boxes of the full arrays its
+    one flat slice covers (zero.py). Order of events (the module docstring): old
+    manifest gone, shards, manifest.
     """
     folder, world = Path(folder), mesh.world
     if world.rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / MANIFEST).unlink(missing_ok=True)   # from now on nothing here loads
     world.Barrier()  # no shard is replaced while an old manifest could still vouch for it
-    if hasattr(updater, "checkpoint_pieces"):
-        params, held = updater.checkpoint_pieces()
-    else:
-        held = optimizer.state_arrays()
+    params, held = updater.checkpoint_pieces()
     mine = pieces_to_write(world, params)
     state = {slot: [values[i] for i in mine] for slot, values in held.items()}
     meta = {"step": step, "coords": mesh.coords,
@@ -341,17 +301,17 @@ def load(folder: str | Path) -> Checkpoint:
                       manifest)
 
 
-def restore_optimizer(optimizer: object, params: Sequence[nn.Parameter],
-                      saved: Checkpoint, updater: object = None) -> int:
-    """Hand the optimizer this rank's slice of the saved state (Adam's m and v cut with
-    each param's `full_index`, as the params themselves were cut at build time; under
-    ZeRO the `updater`'s `slice_state` cuts its flat slice instead). Returns the step
-    to start from."""
-    def mine(full: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return [np.array(full[p.name][... if p.full_index is None else p.full_index])
-                for p in params]
-
-    cut = getattr(updater, "slice_state", mine)
+def restore_optimizer(optimizer: Optimizer, params: Sequence[nn.Parameter],
+                      saved: Checkpoint, updater: Updater | None = None) -> int:
+    """Hand the optimizer this rank's slice of the saved state: the `updater`'s
+    `slice_state` (ZeRO: its flat slice), or without one Adam's m and v cut with each
+    param's `full_index`, as the params themselves were cut at build time. Returns the
+    step to start from."""
+    if updater is not None:
+        cut = updater.slice_state
+    else:
+        def cut(full: dict[str, np.ndarray]) -> list[np.ndarray]:
+            return held_parts(params, full)
     optimizer.t = saved.optimizer_t
     if saved.state:   # Adam: m and v per slot of what optim.Adam is handed at each step
         optimizer.m = cut(saved.state["m"])
@@ -404,33 +364,8 @@ def mismatches(manifest: dict, cfg: TrainConfig) -> list[str]:
 def config_for(manifest: dict, **mesh: int) -> TrainConfig:
     """The saved run's config with another mesh (`dp=.., tp=.., pp=.., ep=.., virtual=..`);
     `--steps` is the checkpoint's step (the total so far)."""
-    from minipar.config import TrainConfig
-
     fields = dict(manifest["config"], steps=int(manifest["step"]), zero=0, **mesh)
     if fields.get("virtual", 1) > 1:
         fields["schedule"] = "interleaved"
     known = set(TrainConfig.__dataclass_fields__)
     return TrainConfig(**{k: v for k, v in fields.items() if k in known})
-
-
-def reshard(cfg: TrainConfig, world: object, source: str | Path,
-            destination: str | Path) -> None:
-    """Rewrite the checkpoint in `source` for the mesh of `cfg`, into `destination`.
-
-    No training: build this rank's model from the full arrays (as a resumed run
-    does), hand the optimizer its slices, and save. On one rank with the default
-    mesh this is a single file holding the full state.
-    """
-    from minipar.comm import Ledger
-    from minipar.mesh import Mesh
-    from minipar.optim import make_optimizer
-    from minipar.train import build_rank_model
-
-    mesh = Mesh(cfg.mesh_shape(), world, Ledger())
-    saved = load(source)
-    chunks = build_rank_model(cfg, mesh, saved.params)
-    params = [p for chunk in chunks for p in chunk.parameters()]
-    optimizer = make_optimizer(cfg.optimizer, cfg.lr)
-    step = restore_optimizer(optimizer, params, saved)
-    save(destination, cfg, mesh, params, optimizer, step, losses=saved.manifest.get("losses", []))
-    mesh.free()

@@ -22,17 +22,21 @@ The rank side of `train` is this module run under mpiexec:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from minipar.config import TrainConfig
 from minipar.memory import ModelStates
+from minipar.train import problems, train_reference
+from minipar.train import train as train_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,9 +107,7 @@ def train(n: int, configs: list[dict], timeout: float = 240) -> list[Run]:
 def engines(n: int = 4) -> tuple[object, object]:
     """Start n ipyparallel engines as the ranks of one MPI job and make `%%px` cells run
     on them. Returns (cluster, client); `stop(cluster, client)` ends them."""
-    import logging
-
-    import ipyparallel as ipp
+    import ipyparallel as ipp  # here: only a notebook starting engines needs ipyparallel
 
     os.environ.update({k: v for k, v in rank_environment().items()
                        if k.endswith("_THREADS") or k == "UCX_NET_DEVICES"})
@@ -124,8 +126,6 @@ def engines(n: int = 4) -> tuple[object, object]:
 def stop(cluster: object, client: object, timeout: float = 15) -> None:
     """End the engines (each leaves its MPI job), wait for mpiexec to exit, then stop
     the controller."""
-    import time
-
     client.shutdown(hub=False, block=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(
@@ -145,11 +145,7 @@ def by_rank(client: object, name: str) -> list:
 # ----------------------------------------------------------- the rank side
 def run_configs(configs: list[dict], out: Path) -> None:
     """Train each config on MPI.COMM_WORLD; rank 0 writes every run's results to `out`."""
-    from mpi4py import MPI
-
-    from minipar.config import problems
-    from minipar.train import train as train_mesh
-    from minipar.train import train_reference
+    from mpi4py import MPI  # here: the notebook side of this file runs without MPI
 
     world = MPI.COMM_WORLD
     results = []
@@ -171,15 +167,8 @@ def run_configs(configs: list[dict], out: Path) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        run_configs(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
-    except SystemExit:  # a bad config: every rank decided alike
-        raise
-    except BaseException:  # one failing rank stops them all, never a hang
-        import traceback
+    from minipar.log import abort_on_exception  # loads mpi4py.MPI: only in a rank process
 
-        from mpi4py import MPI
-
-        from minipar.log import abort_all
-
-        abort_all(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
+    # one failing rank stops them all, never a hang; a bad config exits every rank alike
+    abort_on_exception(lambda: run_configs(json.loads(Path(sys.argv[1]).read_text()),
+                                           Path(sys.argv[2])))

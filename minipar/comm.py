@@ -37,7 +37,6 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar.autograd import Tensor
-from minipar.memory import wire_elements  # noqa: F401  (pure arithmetic, re-exported)
 
 
 # ------------------------------------------------------------------ ledger
@@ -69,7 +68,8 @@ class Ledger:
         self.entries = {}
 
     def records(self, rank: int) -> list[dict]:
-        """This rank's entries in the `ledger.json` format of DESIGN.md."""
+        """This rank's entries in the `ledger.json` format (docs/design.md, "The train
+        command")."""
         return [{"rank": rank, "op": op, "group": group, "calls": e.calls,
                  "elements": e.elements, "bytes": e.bytes}
                 for (op, group), e in sorted(self.entries.items())]

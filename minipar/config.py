@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, fields
 from minipar.data import corpus_problem
 from minipar.mesh import CP_MODES, MeshShape
 from minipar.nn import GPT_MODELS, ModelConfig
+from minipar.parallel.pipeline_schedules import SCHEDULES
 
 MODELS = ("mlp", "moe", *GPT_MODELS)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 GRAD_SYNCS = ("naive", "bucketed", "overlapped")
 
 
@@ -98,15 +98,21 @@ class TrainConfig:
         return asdict(self)
 
 
-# Strategies whose code is not in this tree yet are refused, never silently ignored.
-# Each strategy's issue deletes its line when its code lands.
-NOT_BUILT: dict[str, str] = {
-}
-
-
 def problems(cfg: TrainConfig, world_size: int) -> list[str]:
-    """Every reason `cfg` cannot run on `world_size` ranks; empty if it can.
-    `cfg` must be `resolved`. Pure: every rank reaches the same list."""
+    """Every reason the flags of `cfg` cannot run on `world_size` ranks; empty if they can.
+    `cfg` must be `resolved`. Pure: every rank reaches the same list. A run also checks
+    the bug `--inject-bug` names and the `--save`/`--resume` folders: `train.problems`."""
+    out = size_problems(cfg, world_size)
+    if out:
+        return out  # the divisibility below is meaningless with such sizes
+    out += _divisibility(cfg)
+    out += _data_parallel_problems(cfg)
+    return out
+
+
+def size_problems(cfg: TrainConfig, world_size: int) -> list[str]:
+    """The first checks of `problems`: numbers out of range, and a mesh that does not fill
+    the world. Only when these pass do divisibility and other checks mean anything."""
     out: list[str] = []
     positive = ["layers", "d_in", "d_model", "d_ff", "classes", "experts", "top_k",
                 "expert_d_ff", "batch", "microbatches", "steps", "virtual"]
@@ -140,19 +146,6 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
     if cfg.top_k > cfg.experts:
         out.append(f"--top-k {cfg.top_k} is more than --experts {cfg.experts}")
     out += cfg.mesh_shape().problems(world_size)
-    if out:
-        return out
-    out += _divisibility(cfg)
-    out += _data_parallel_problems(cfg)
-    out += [message for flag, message in NOT_BUILT.items() if _flag_used(cfg, flag)]
-    if cfg.inject_bug is not None:  # an unknown name, or a strategy this mesh does not use
-        from minipar import bugs
-
-        out += bugs.problems(cfg)
-    if not out and (cfg.save or cfg.resume):  # reads the manifest and checksums, no talking
-        from minipar import checkpoint
-
-        out += checkpoint.problems(cfg)
     return out
 
 
@@ -269,13 +262,6 @@ def _data_parallel_problems(cfg: TrainConfig) -> list[str]:
     return out
 
 
-def _flag_used(cfg: TrainConfig, flag: str) -> bool:
-    """Whether a strategy flag is switched on (a degree above 1, a stage above 0, ...)."""
-    value = getattr(cfg, flag)
-    default = {f.name: f.default for f in fields(TrainConfig)}[flag]
-    return value != default and value not in (1, None)
-
-
 # ----------------------------------------------------------------- parsing
 class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of printing, so only rank 0 speaks."""
@@ -285,7 +271,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_train_flags(parser: argparse.ArgumentParser) -> None:
-    """Every flag of the DESIGN.md contract, with its default."""
+    """Every flag of the train command, with its default (docs/design.md, "The train
+    command")."""
     d = TrainConfig()
     add = parser.add_argument
     add("--model", choices=MODELS, default=d.model,

@@ -2,7 +2,7 @@
 
 What this file teaches: every rank can *compute* the whole global batch of a
 step from (seed, step) alone, so no data ever has to be sent; a rank then keeps
-its rows. The rule (DESIGN.md): the global batch of B rows is cut into M
+its rows. The rule (docs/design.md, "The reference model"): the global batch of B rows is cut into M
 contiguous microbatches, and each microbatch into dp contiguous pieces, piece r
 to data-parallel rank r. With M = 1, rank r holds rows r*B/dp .. (r+1)*B/dp - 1,
 as in the source text's example (1024 rows on 8 ranks: 128 each).

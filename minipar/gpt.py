@@ -2,7 +2,7 @@
 
 What this file teaches: the model real systems split (Radford et al. 2019, GPT-2;
 Megatron-LM splits exactly this), built from the MLP's own pieces plus attention
-(attention.py). DESIGN.md, "The transformer", is the exact math:
+(attention.py). docs/design.md, "The transformer", is the exact math:
 
     h0  = tok[x] + pos[0:T]                       x (B, T) token ids, h (B, T, d)
     h'  = h + concat_h(softmax(causal(q_h k_h^T / sqrt(dh))) v_h) @ Wo + bo,

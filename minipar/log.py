@@ -10,6 +10,7 @@ make it so: every rank sends its text to one rank, which prints them in order.
     verdict(ok)                        # "OK" or "MISMATCH", and a failed check is counted
     run_collectively(main)             # a lesson's entry: one failing rank stops them all,
                                        # and a failed check makes every rank exit 1
+    abort_on_exception(main)           # any rank program: one failing rank stops them all
 
 Used by the lessons: `mpiexec -n 4 python lessons/00_collectives.py`.
 """
@@ -20,12 +21,14 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from mpi4py import MPI
 
 if TYPE_CHECKING:
     from minipar.comm import Group
+
+T = TypeVar("T")
 
 
 def prefix(rank: int) -> str:
@@ -82,18 +85,29 @@ def run_collectively(main: Callable[[], object]) -> None:
     `SystemExit` passes through untouched: every rank decides it alike (from the
     flags and the world size), so all leave together. After `main`, the ranks agree
     on whether any `verdict` failed; if one did, every rank exits 1."""
-    try:
-        main()
-    except SystemExit:
-        raise
-    except BaseException:
-        abort_all(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
+    abort_on_exception(main)
     # failed checks on any rank -> their count on every rank, so all exit alike
     failed = MPI.COMM_WORLD.allreduce(len(_FAILED))
     if failed:
         if MPI.COMM_WORLD.Get_rank() == 0:
             print(f"{failed} check(s) failed", file=sys.stderr, flush=True)
         raise SystemExit(1)
+
+
+def abort_on_exception(main: Callable[[], T], label: str = "") -> T:
+    """`main()`, except that an exception on this rank ends every rank of the job.
+
+    The rank's traceback goes to stderr (after `label`), then MPI_Abort ends them all
+    (as `python -m mpi4py` does): without it the other ranks would wait forever in a
+    collective their partner never joins. `SystemExit` passes through untouched: every
+    rank decides it alike (from the flags and the world size), so all leave together."""
+    try:
+        return main()
+    except SystemExit:
+        raise
+    except BaseException:
+        abort_all(f"{label}rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
+        raise  # MPI_Abort does not return; should it, the exception still ends this rank
 
 
 def abort_all(text: str, code: int = 1) -> None:

@@ -141,7 +141,7 @@ class Mesh:
     """
 
     def __init__(self, shape: MeshShape, world: object, ledger: Ledger) -> None:
-        from minipar.comm import Group
+        from minipar.comm import Group  # here: comm.py loads mpi4py.MPI, MeshShape needs none
 
         self.shape = shape
         self.rank = world.Get_rank()
@@ -165,11 +165,3 @@ class Mesh:
         """Release the communicators (a sweep builds many meshes in one process)."""
         for group in self._groups:
             group.comm.Free()
-
-    @property
-    def first_stage(self) -> bool:
-        return self.coords["pp"] == 0
-
-    @property
-    def last_stage(self) -> bool:
-        return self.coords["pp"] == self.shape.pp - 1

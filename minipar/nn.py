@@ -1,7 +1,7 @@
 """The reference model: a residual MLP, and the same model with Mixture-of-Experts blocks.
 
 What this file teaches: the exact single-process math every parallel strategy
-must reproduce (DESIGN.md, "The reference model"):
+must reproduce (docs/design.md, "The reference model"):
 
     h0 = x @ We + be
     h_l = h_{l-1} + FFN_l(LN_l(h_{l-1}))            pre-LayerNorm residual blocks
@@ -104,7 +104,7 @@ GPT_MODELS = ("gpt", "gpt-moe")
 def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's canonical name and full shape, in canonical order."""
     d = cfg.d_model
-    if cfg.is_gpt:  # DESIGN.md, "The transformer": embeddings, attention + FFN blocks
+    if cfg.is_gpt:  # docs/design.md, "The transformer": embeddings, attention + FFN
         shapes: dict[str, tuple[int, ...]] = {"tok_embed.weight": (cfg.vocab, d),
                                               "pos_embed.weight": (cfg.seq_len, d)}
     else:
@@ -225,6 +225,20 @@ def route(probs: np.ndarray, top_k: int) -> np.ndarray:
     return np.argsort(-probs, axis=1, kind="stable")[:, :top_k]
 
 
+def top_k_gates(probs: Tensor, top_k: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Tensor]:
+    """The router's choice for each of B token rows of `probs` (B, E): the top-k experts
+    `chosen` (B, k), then per assignment (token order, then slot; B k of them) its token
+    `token_of`, its expert `expert_of`, and its gate g_be = p_be / sum_{e' in T_b} p_be'.
+    The reference block and the expert-parallel block both route with this."""
+    chosen = route(probs.data, top_k)                         # (B, k), ties -> lower id
+    token_of = np.repeat(np.arange(probs.shape[0]), top_k)    # (B k,) assignment -> token
+    expert_of = chosen.ravel()                                # (B k,) assignment -> expert
+    picked = probs[token_of, expert_of].reshape(-1, top_k)    # (B, k)
+    gates = (picked / picked.sum(axis=1, keepdims=True)).reshape(-1)  # renormalized, (B k,)
+    return chosen, token_of, expert_of, gates
+
+
 def capacity(capacity_factor: float | None, top_k: int, tokens: int, experts: int) -> int | None:
     """How many assignments one expert may take from a (micro)batch: ceil(c k B / E)."""
     if capacity_factor is None:
@@ -299,12 +313,7 @@ class MoEBlock(Module):
         """The routed FFN on N tokens u (N, d): (sum_e g_e Expert_e(u), aux)."""
         cfg = self.cfg
         probs = fused.softmax(u @ self.router)                 # (N, d) @ (d, E) -> (N, E)
-        chosen = route(probs.data, cfg.top_k)                  # (N, k) expert ids
-        tokens = np.repeat(np.arange(u.shape[0]), cfg.top_k)   # assignment -> token
-        expert_of = chosen.ravel()                             # assignment -> expert
-        picked = probs[tokens, expert_of].reshape(-1, cfg.top_k)    # (N, k)
-        gates = picked / picked.sum(axis=1, keepdims=True)     # renormalized over the top k
-        gates = gates.reshape(-1)                              # (N k,)
+        chosen, tokens, expert_of, gates = top_k_gates(probs, cfg.top_k)  # (N, k), 3 x (N k,)
         limit = capacity(cfg.capacity_factor, cfg.top_k, u.shape[0], cfg.experts)
         kept = keep_within_capacity(expert_of, cfg.experts, limit)
         out = Tensor(np.zeros_like(u.data))

@@ -68,7 +68,10 @@ class Adam:
         return {"m": self.m, "v": self.v} if self.m else {}
 
 
-def make_optimizer(name: str, lr: float) -> SGD | Adam:
+Optimizer = SGD | Adam  # what every updater is handed: `step(params, grads)`, `state_arrays()`
+
+
+def make_optimizer(name: str, lr: float) -> Optimizer:
     """`--optimizer sgd|adam` -> an optimizer object."""
     if name == "sgd":
         return SGD(lr)

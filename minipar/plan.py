@@ -26,11 +26,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from minipar.config import TrainConfig
+from minipar.config import ConfigError, TrainConfig, _Parser  # _Parser: raises, one line
 from minipar.costmodel import Block, Plan, Workload, model_states, rank_shape, stage_activations
 from minipar.memory import ModelStates, optimizer_bytes_per_param, wire_elements
 from minipar.nn import canonical_shapes
-from minipar.parallel.pipeline_schedules import bubble_formula
+from minipar.parallel.pipeline_schedules import SCHEDULES, bubble_formula
 from minipar.timemodel import Hardware, Timing, group_layout, step_timing, traffic
 
 GB = 1e9
@@ -337,8 +337,6 @@ def count(text: str) -> float:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from minipar.config import SCHEDULES, _Parser  # argparse that raises: one error line
-
     parser = _Parser(prog="python -m minipar plan",
                      description="Rank every way to split a training step over the GPUs.")
     add = parser.add_argument
@@ -390,8 +388,6 @@ def problems(args: argparse.Namespace) -> list[str]:
 
 def plan_command(argv: list[str]) -> int:
     """`python -m minipar plan ...`: print the ranking; a bad flag is one line, exit 2."""
-    from minipar.config import ConfigError
-
     try:
         args = make_parser().parse_args(argv)
         errors = problems(args)

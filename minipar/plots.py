@@ -29,7 +29,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from minipar.memory import ModelStates
+from minipar.memory import ModelStates, optimizer_bytes_per_param
+from minipar.nn import canonical_shapes
 from minipar.parallel.pipeline_schedules import simulate_schedule
 from minipar.plots_load import expert_load_figure, gantt_figure
 
@@ -69,7 +70,7 @@ def ledger_figure(runs: dict[str, Sequence[dict]] | Sequence[dict], title: str =
     """The ledger of a step as bars: one group per (mesh axis, operation), one bar per
     run (`runs` maps a label to its records; or pass one run's records), height =
     bytes of the buffers that operation was called on by the busiest rank
-    (DESIGN.md's convention), the number of calls on top."""
+    (docs/design.md, "Communication"), the number of calls on top."""
     runs = runs if isinstance(runs, dict) else {"": runs}
     best = {label: busiest(records) for label, records in runs.items()}
     order = list(AXIS_COLORS)  # mesh axes in mesh order, then operations by name
@@ -266,9 +267,6 @@ def alltoall_figure(before: np.ndarray, after: np.ndarray) -> Figure:
 def whole_model(cfg: object) -> ModelStates:
     """Bytes of model states one process holds for `cfg` (a TrainConfig): every
     parameter, its gradient and its optimizer state."""
-    from minipar.memory import optimizer_bytes_per_param
-    from minipar.nn import canonical_shapes
-
     psi = sum(int(np.prod(shape)) for shape in canonical_shapes(cfg.model_config()).values())
     itemsize = np.dtype(cfg.dtype).itemsize
     return ModelStates(params=psi * itemsize, grads=psi * itemsize,

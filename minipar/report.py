@@ -3,7 +3,7 @@
 What this file teaches: a ledger record says how big a buffer an operation was
 defined on; what crosses the wire per rank depends on the algorithm. With ring
 algorithms an Allreduce of N elements over n ranks sends 2(n-1)/n N from each
-rank, an Allgather or Reduce_scatter (n-1)/n N (`comm.wire_elements`).
+rank, an Allgather or Reduce_scatter (n-1)/n N (`memory.wire_elements`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 from minipar.config import TrainConfig
+from minipar.costmodel import rank_shape
+from minipar.memory import wire_elements
+from minipar.plan import minipar_workload, plan_of
+from minipar.timemodel import ledger_of, traffic
 
 # Mesh axis -> the flag that sets its size (edp is dp/ep).
 _AXIS_SIZE = {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "cp": "cp"}
@@ -32,10 +36,6 @@ def group_size(cfg: TrainConfig, group: str) -> int:
 def predicted_ledgers(cfg: TrainConfig) -> dict[int, dict[tuple[str, str], tuple[int, int]]]:
     """Every rank's ledger as the formulas predict it (minipar.timemodel, the planner's
     arithmetic): rank -> (group, op) -> (calls, elements)."""
-    from minipar.costmodel import rank_shape
-    from minipar.plan import minipar_workload, plan_of
-    from minipar.timemodel import ledger_of, traffic
-
     workload, plan, mesh = minipar_workload(cfg), plan_of(cfg), cfg.mesh_shape()
     return {rank: ledger_of(traffic(workload, plan, rank_shape(workload, plan,
                                                                mesh.coords(rank)["pp"])))
@@ -47,8 +47,6 @@ def ledger_table(records: list[dict], cfg: TrainConfig) -> str:
     ring-algorithm wire volume, and what the formulas predict for that rank (the
     planner's cost model; Alltoallv elements follow the router, so only calls are
     predicted for them)."""
-    from minipar.comm import wire_elements
-
     predicted = predicted_ledgers(cfg)
     per: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in records:

@@ -26,11 +26,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import checkpoint, gpt, nn
+from minipar import bugs, checkpoint, config, fused, gpt, nn
 from minipar.config import TrainConfig
 from minipar.data import (
     make_batch,
@@ -39,7 +40,13 @@ from minipar.data import (
     microbatch_rows,
     shard_rows,
 )
-from minipar.optim import make_optimizer
+from minipar.mesh import Mesh
+from minipar.optim import Optimizer, make_optimizer
+from minipar.parallel import pipeline_parallel
+from minipar.shards import held_parts
+
+if TYPE_CHECKING:  # data_parallel.py loads mpi4py.MPI; train_reference needs none
+    from minipar.parallel.data_parallel import Updater
 
 
 @dataclass
@@ -61,6 +68,20 @@ class DivergedError(ArithmeticError):
         super().__init__(f"step {step} of {steps}: the loss is {loss} (training diverged; "
                          f"every rank stopped; try a smaller --lr than {lr:g})")
         self.step = step
+
+
+def problems(cfg: TrainConfig, world_size: int) -> list[str]:
+    """Every reason this run cannot start, empty if it can: the flags and the mesh
+    (`config.problems`), then the bug `--inject-bug` names (`bugs.problems`: unknown, or
+    for a strategy this mesh does not use), then the `--save`/`--resume` folders
+    (`checkpoint.problems`: reads the manifest and checksums). `cfg` must be resolved.
+    No communication: every rank reaches the same list alone, before the first step."""
+    out = config.problems(cfg, world_size)
+    if cfg.inject_bug is not None and not config.size_problems(cfg, world_size):
+        out += bugs.problems(cfg)
+    if not out and (cfg.save or cfg.resume):
+        out += checkpoint.problems(cfg)
+    return out
 
 
 def step_batch(cfg: TrainConfig, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -110,7 +131,33 @@ def train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | No
 
 
 # ----------------------------------------------------------- the mesh run
-def build_rank_model(cfg: TrainConfig, mesh: object, full: dict[str, np.ndarray]
+def parallelize(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray],
+                optimizer: Optimizer) -> tuple[list[nn.Model], Updater]:
+    """The model of this rank with every strategy of the mesh applied, in this order:
+
+    1. pipeline parallelism: the blocks cut into pp x V stages; this rank keeps the
+       chunks of its stages (`build_rank_model`);
+    2. tensor parallelism (and sequence parallelism): each dense block's fc1 split by
+       columns, fc2 by rows over `mesh.tp` (`make_block`);
+    3. expert parallelism: each MoE block's experts split over `mesh.ep`, tokens sent
+       to their experts by Alltoall (`make_block`);
+    4. context parallelism (the transformer): each sequence's positions split over
+       `mesh.cp`, the embedding adding the rows of the positions held and attention
+       reaching the others' keys by Allgather, ring or Alltoall (`make_block`; the
+       step keeps the rank's positions of the batch, `context_positions`);
+    5. data parallelism: the gradients synchronized over `mesh.dp` (over dp x cp,
+       `mesh.dp_cp`, with context parallelism) after backward, plainly or with
+       ZeRO 1/2/3, then the optimizer step (`make_updater`).
+
+    Each strategy is handed what it needs (its groups, sizes, the optimizer); returns
+    the model chunks and the updater that turns their gradients into a step.
+    """
+    chunks = build_rank_model(cfg, mesh, full)           # 1, 2, 3, 4
+    updater = make_updater(cfg, mesh, chunks, optimizer)  # 5: may wrap the chunks' pieces
+    return chunks, updater
+
+
+def build_rank_model(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray]
                      ) -> list[nn.Model]:
     """The model pieces this rank holds: one `Model` per pipeline chunk it runs.
 
@@ -126,9 +173,9 @@ def build_rank_model(cfg: TrainConfig, mesh: object, full: dict[str, np.ndarray]
     enter = leave = None
     if cfg.sp:  # the residual stream is split by rows over tp from the embedding to the
         # head, so pipeline stages pass row shards (B/tp, d) along (tensor_parallel.py)
-        from minipar.parallel.tensor_parallel import sequence_parallel_hooks
+        from minipar.parallel import tensor_parallel  # here: it loads mpi4py.MPI
 
-        enter, leave = sequence_parallel_hooks(mesh.tp)
+        enter, leave = tensor_parallel.sequence_parallel_hooks(mesh.tp)
     embed, head = (gpt.Embedding, gpt.Head) if model_cfg.is_gpt else (nn.Embed, nn.Head)
     if cfg.cp > 1:  # the embedding adds the rows of the positions this rank holds
         embed = partial(gpt.Embedding, positions=context_positions(cfg, mesh))
@@ -142,47 +189,63 @@ def build_rank_model(cfg: TrainConfig, mesh: object, full: dict[str, np.ndarray]
     return chunks
 
 
-def make_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: object,
+def make_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
                full: dict[str, np.ndarray], index: int) -> nn.Module:
     """Block `index` as this mesh needs it (reference, tensor- or expert-parallel).
     A transformer block is attention followed by that same FFN block (LayerNorm `ln2`)."""
     if model_cfg.is_gpt:
         core = None
         if cfg.cp > 1:  # attention over the sequence split on cp (context_parallel.py)
-            from minipar.parallel.context_parallel import ContextParallelAttention
+            from minipar.parallel import context_parallel  # here: it loads mpi4py.MPI
 
-            core = ContextParallelAttention(mesh.cp, cfg.cp_mode, cfg.seq_len)
+            core = context_parallel.ContextParallelAttention(mesh.cp, cfg.cp_mode,
+                                                              cfg.seq_len)
         return gpt.Block(full, index, model_cfg.heads,
                          make_ffn_block(cfg, model_cfg, mesh, full, index, ln="ln2"), core)
     return make_ffn_block(cfg, model_cfg, mesh, full, index)
 
 
-def make_ffn_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: object,
+def make_ffn_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
                    full: dict[str, np.ndarray], index: int, ln: str = "ln") -> nn.Module:
-    """The FFN block h + FFN(LN(h)) of block `index`, split as the mesh asks."""
+    """The FFN block h + FFN(LN(h)) of block `index`, split as the mesh asks.
+    The classes are looked up in their modules at call time, so `--inject-bug` can
+    swap what they use."""
+    # here: these load mpi4py.MPI, which the one-process reference never needs
+    from minipar.parallel import context_parallel, expert_parallel, tensor_parallel
+
     if model_cfg.is_moe and (cfg.dp > 1 or cfg.ep > 1 or cfg.cp > 1):
         # tokens split over dp (and cp), experts over ep: the Alltoall dispatch
         # (expert_parallel.py); under cp, capacity needs where each token sits
-        from minipar.parallel.context_parallel import TokenLayout
-        from minipar.parallel.expert_parallel import ExpertParallelBlock
-
-        layout = None if cfg.cp == 1 else TokenLayout(
+        layout = None if cfg.cp == 1 else context_parallel.TokenLayout(
             cfg.seq_len, cfg.cp, cfg.cp_mode, cfg.dp, mesh.coords["dp"], mesh.coords["cp"])
-        return ExpertParallelBlock(full, index, model_cfg, mesh, ln=ln, layout=layout)
+        return expert_parallel.ExpertParallelBlock(full, index, model_cfg, mesh, ln=ln,
+                                                   layout=layout)
     if model_cfg.is_moe:
         return nn.MoEBlock(full, index, model_cfg, ln=ln)
     if cfg.tp > 1:
-        from minipar.parallel.tensor_parallel import TensorParallelBlock
-
-        return TensorParallelBlock(full, index, mesh.tp, sequence_parallel=cfg.sp)
+        return tensor_parallel.TensorParallelBlock(full, index, mesh.tp,
+                                                   sequence_parallel=cfg.sp)
     return nn.DenseBlock(full, index, ln=ln)
 
 
-def context_positions(cfg: TrainConfig, mesh: object) -> np.ndarray:
+def context_positions(cfg: TrainConfig, mesh: Mesh) -> np.ndarray:
     """The global positions of every sequence this cp rank holds (context_parallel.py)."""
-    from minipar.parallel.context_parallel import positions
+    from minipar.parallel import context_parallel  # here: it loads mpi4py.MPI
 
-    return positions(cfg.seq_len, cfg.cp, mesh.coords["cp"], cfg.cp_mode)
+    return context_parallel.positions(cfg.seq_len, cfg.cp, mesh.coords["cp"], cfg.cp_mode)
+
+
+def make_updater(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
+                 optimizer: Optimizer) -> Updater:
+    """The object that turns this rank's gradients into updated parameters after each
+    step's backward: plain data parallelism (`--grad-sync`) or a ZeRO stage (`--zero`).
+    Built once, before the first forward (it may wrap the pieces of `chunks`)."""
+    from minipar.parallel import data_parallel, zero  # here: they load mpi4py.MPI
+
+    if cfg.zero == 0:
+        return data_parallel.DataParallel(chunks, mesh, optimizer, cfg.grad_sync,
+                                          cfg.bucket_size, cfg.microbatches)
+    return zero.make_zero(cfg.zero, chunks, mesh, optimizer)
 
 
 def microbatch_loss(chunk: nn.Model, x: np.ndarray, y: np.ndarray, scale: float) -> ag.Tensor:
@@ -190,22 +253,41 @@ def microbatch_loss(chunk: nn.Model, x: np.ndarray, y: np.ndarray, scale: float)
     return nn.loss_fn(chunk, x, y) * scale
 
 
-def forward_backward(cfg: TrainConfig, mesh: object, chunks: list[nn.Model],
+def boundary_shape(cfg: TrainConfig) -> tuple[int, ...]:
+    """What crosses a stage boundary per microbatch: (B/(M dp), d) rows of the residual
+    stream, or (B/(M dp tp), d) with sequence parallelism (the stream is row-split);
+    for the transformer (B/(M dp), T/cp, d), the positions of those sequences it holds."""
+    rows = cfg.batch // cfg.microbatches // cfg.dp
+    if cfg.model_config().is_gpt:
+        return (rows, cfg.seq_len // cfg.cp, cfg.d_model)
+    return (rows // cfg.tp if cfg.sp else rows, cfg.d_model)
+
+
+def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
                      x: np.ndarray, y: np.ndarray, timeline: list[dict] | None = None) -> float:
     """Forward and backward of every microbatch of this rank's rows; returns this
     rank's share of the step loss (sum over microbatches of loss/M). With pp > 1
     the pipeline schedule decides the order (pipeline_parallel.py) and appends the
     wall-clock start/end of each of its instructions to `timeline`."""
-    if cfg.pp > 1:
-        from minipar.parallel import pipeline_parallel
-
-        return pipeline_parallel.forward_backward(cfg, mesh, chunks, x, y, timeline)
-    dp_rank = mesh.coords["dp"]
-    slices = [shard_rows(cfg.batch, cfg.microbatches, cfg.dp, m, dp_rank)
+    scale = 1.0 / cfg.microbatches
+    slices = [shard_rows(cfg.batch, cfg.microbatches, cfg.dp, m, mesh.coords["dp"])
               for m in range(cfg.microbatches)]
+    if cfg.pp > 1:
+        def last_stage_loss(logits: ag.Tensor, aux: ag.Tensor | None,
+                            labels: np.ndarray) -> ag.Tensor:
+            loss = fused.cross_entropy(logits, labels) * scale      # CE / M
+            return loss if aux is None else loss + aux * scale      # + aux / M
+
+        # looked up at call time: --inject-bug swaps pipeline_parallel.StageWorker
+        worker = pipeline_parallel.StageWorker(
+            mesh.pp, chunks, x, y, slices, last_stage_loss, scale, boundary_shape(cfg),
+            cfg.virtual, split_backward=cfg.schedule == "zb-h1", rank=mesh.rank,
+            dtype=cfg.dtype)
+        return pipeline_parallel.forward_backward(worker, cfg.schedule, cfg.microbatches,
+                                                  timeline)
     total = 0.0
     for rows in slices:  # gradient accumulation: grads add up in .grad
-        loss = microbatch_loss(chunks[0], x[rows], y[rows], 1.0 / cfg.microbatches)
+        loss = microbatch_loss(chunks[0], x[rows], y[rows], scale)
         loss.backward()
         total += loss.item()
     return total
@@ -215,17 +297,14 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
           ) -> RunResult:
     """Train `cfg` on the mesh it describes over the `world` communicator.
 
-    `cfg` must be resolved and free of `config.problems`: nothing here checks
-    sizes again. Every rank returns the losses; rank 0 also the full parameters
-    (init and final) and the ledger of the last step gathered from every rank.
+    `cfg` must be resolved and free of `problems`: nothing here checks sizes again.
+    Every rank returns the losses; rank 0 also the full parameters (init and final)
+    and the ledger of the last step gathered from every rank.
     """
     if cfg.inject_bug:  # lesson 08: this same run with one piece swapped for a broken one
-        from minipar import bugs
-
         with bugs.injected(cfg.inject_bug):
             return train(replace(cfg, inject_bug=None), world, on_step)
-    from minipar.comm import Ledger
-    from minipar.mesh import Mesh
+    from minipar.comm import Ledger  # here: comm.py loads mpi4py.MPI, train_reference not
 
     mesh = Mesh(cfg.mesh_shape(), world, Ledger())
     try:
@@ -234,58 +313,73 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
         mesh.free()
 
 
-def train_on_mesh(cfg: TrainConfig, mesh: object,
+def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
                   on_step: Callable[[int, float], None] | None = None) -> RunResult:
     """The body of `train` on a mesh already built (its communicators and ledger)."""
-    from minipar.parallel import data_parallel, tensor_parallel
-    from minipar.parallel.pipeline_parallel import gather_timeline
-
-    ledger = mesh.ledger
     # --resume: the full arrays assembled from any mesh's shards, sliced below like init
     saved = checkpoint.load(cfg.resume) if cfg.resume else None
     full = saved.params if saved else nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
-    chunks = build_rank_model(cfg, mesh, full)
-    params = [p for chunk in chunks for p in chunk.parameters()]
-    init, _ = gather_full_params(mesh, params, cfg)
     optimizer = make_optimizer(cfg.optimizer, cfg.lr)
-    # gradient sync over dp + the optimizer: plain DP (--grad-sync) or ZeRO (--zero);
-    # may wrap the model's pieces in hooks (overlap, ZeRO-2/3), and ZeRO-3 drops params
-    updater = data_parallel.make_updater(cfg, mesh, chunks, optimizer)
+    chunks, updater = parallelize(cfg, mesh, full, optimizer)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    init, _ = gather_full_params(mesh, params, cfg, values=full)  # (ZeRO-3 dropped p.data)
     # the saved optimizer state, cut as the updater keeps it (ZeRO: its flat slice)
     start = checkpoint.restore_optimizer(optimizer, params, saved, updater) if saved else 0
     # the losses of the steps already taken (a resumed run reports all --steps of them)
     losses = list(saved.manifest.get("losses", [])) if saved else []
     timeline: list[dict] = []  # the pipeline's instructions of the last step, timed
     for step in range(start, cfg.steps):  # --steps is the total, resumed or not
-        ledger.reset()
         timeline.clear()
-        x, y = step_batch(cfg, step)
-        if cfg.cp > 1:  # (B, T) -> (B, T/cp): the positions of every sequence I hold
-            x, y = x[:, context_positions(cfg, mesh)], y[:, context_positions(cfg, mesh)]
-        for p in params:
-            p.grad = None
-        local = forward_backward(cfg, mesh, chunks, x, y, timeline)
-        if cfg.sp:  # LayerNorm / fc2-bias gradients of row shards: sum over tp first
-            tensor_parallel.allreduce_sequence_parallel_grads(chunks, mesh.tp)
-        # data parallelism: sum each weight's gradient over its replicas, divide by dp;
-        # then the optimizer updates what this rank holds (ZeRO: its slice)
-        updater.step()
-        ledger.enabled = False  # reporting the loss is not part of training's traffic
-        losses.append(report_loss(mesh, local))
-        if not math.isfinite(losses[-1]):  # the same number on every rank: all stop here
-            raise DivergedError(step + 1, cfg.steps, losses[-1], cfg.lr)
-        ledger.enabled = True
+        losses.append(train_step(cfg, mesh, chunks, updater, step, timeline))
         if on_step is not None:
             on_step(step, losses[-1])
+    return finish(cfg, mesh, chunks, updater, losses, init, timeline)
+
+
+def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Updater,
+               step: int, timeline: list[dict]) -> float:
+    """One training step on this rank; returns the step loss (the same on every rank).
+    The ledger holds this step's traffic afterwards (the loss report left out)."""
+    from minipar.parallel import tensor_parallel  # here: it loads mpi4py.MPI
+
+    ledger = mesh.ledger
+    ledger.reset()
+    x, y = step_batch(cfg, step)
+    if cfg.cp > 1:  # (B, T) -> (B, T/cp): the positions of every sequence I hold
+        x, y = x[:, context_positions(cfg, mesh)], y[:, context_positions(cfg, mesh)]
+    for chunk in chunks:
+        for p in chunk.parameters():
+            p.grad = None
+    local = forward_backward(cfg, mesh, chunks, x, y, timeline)
+    if cfg.sp:  # LayerNorm / fc2-bias gradients of row shards: sum over tp first
+        tensor_parallel.allreduce_sequence_parallel_grads(chunks, mesh.tp)
+    # data parallelism: sum each weight's gradient over its replicas, divide by dp;
+    # then the optimizer updates what this rank holds (ZeRO: its slice)
+    updater.step()
+    ledger.enabled = False  # reporting the loss is not part of training's traffic
+    loss = report_loss(mesh, local)
+    if not math.isfinite(loss):  # the same number on every rank: all stop here
+        raise DivergedError(step + 1, cfg.steps, loss, cfg.lr)
+    ledger.enabled = True
+    return loss
+
+
+def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Updater,
+           losses: list[float], init: dict[str, np.ndarray] | None,
+           timeline: list[dict]) -> RunResult:
+    """After the last step: gather the ledger, the timeline and the final parameters on
+    rank 0, and save the checkpoint (`--save`)."""
+    ledger = mesh.ledger
     last_ledger = ledger.records(mesh.rank)
     ledger.enabled = False
     gathered = mesh.world.gather(last_ledger)
-    timelines = gather_timeline(mesh.world, timeline)
+    timelines = pipeline_parallel.gather_timeline(mesh.world, timeline)
     memory = updater.memory()  # bytes of params, grads, optimizer state on this rank
     updater.materialize()  # ZeRO-3: gather every parameter whole before reading p.data
+    params = [p for chunk in chunks for p in chunk.parameters()]
     final, disagreements = gather_full_params(mesh, params, cfg)
     if cfg.save:  # every rank writes its shard; rank 0 the manifest, last
-        checkpoint.save(cfg.save, cfg, mesh, params, optimizer, cfg.steps, updater, losses)
+        checkpoint.save(cfg.save, cfg, mesh, updater, updater.optimizer, cfg.steps, losses)
     return RunResult(losses, init, final,
                      [r for rank in gathered for r in rank] if gathered else [],
                      {"replica_disagreements": disagreements,
@@ -304,25 +398,29 @@ def train_on_mesh(cfg: TrainConfig, mesh: object,
                                            if hasattr(block, "attn")]})
 
 
-def report_loss(mesh: object, local: float) -> float:
+def report_loss(mesh: Mesh, local: float) -> float:
     """The step loss on every rank: stage shares summed over pp, averaged over dp (and cp:
     each cp rank's share is the mean over its positions, the same number of them)."""
-    from minipar.comm import allreduce_sum
+    from minipar.comm import allreduce_sum  # here: comm.py loads mpi4py.MPI
 
     value = allreduce_sum(mesh.pp, np.array([local]))
     return float(allreduce_sum(mesh.dp_cp, value)[0] / mesh.shape.replicas)
 
 
-def gather_full_params(mesh: object, params: list[nn.Parameter], cfg: TrainConfig
+def gather_full_params(mesh: Mesh, params: list[nn.Parameter], cfg: TrainConfig,
+                       values: dict[str, np.ndarray] | None = None
                        ) -> tuple[dict[str, np.ndarray] | None, list[str]]:
     """Assemble the full canonical parameters on world rank 0 from every rank's pieces.
 
     Each rank sends `(name, full_index, array)` for what it holds; rank 0 writes
     each piece into its place (the first rank's copy wins). Replicas (the same
     piece on several ranks) must agree: each disagreement is a strategy that
-    forgot to synchronize, and is listed in the second return value.
+    forgot to synchronize, and is listed in the second return value. With `values`
+    (full arrays the params were cut from), each piece is read from there instead
+    of `p.data`: the model as built, even where ZeRO-3 has dropped `p.data` since.
     """
-    pieces = [(p.name, p.full_index, p.data) for p in params]
+    pieces = [(p.name, p.full_index, p.data) for p in params] if values is None else [
+        (p.name, p.full_index, part) for p, part in zip(params, held_parts(params, values))]
     everything = mesh.world.gather(pieces)
     if everything is None:
         return None, []

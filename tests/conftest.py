@@ -7,9 +7,10 @@ import functools
 import numpy as np
 
 from minipar.config import TrainConfig
+from minipar.results import TOLERANCE, relative_difference
 from minipar.train import RunResult, train_reference
 
-RTOL = 1e-9
+RTOL = TOLERANCE["float64"]
 
 
 @functools.cache
@@ -26,13 +27,13 @@ def reference(**fields: object) -> RunResult:
 
 def assert_equivalent(run: dict, ref: RunResult, rtol: float = RTOL, label: str = "") -> None:
     """A parallel run's losses and final parameters equal the reference (float64, 1e-9):
-    max |a - b| <= rtol * max |b|, per tensor."""
+    `results.relative_difference` (max |a - b| / max |b|) at most rtol, per tensor, the
+    measure of `--check`; a parameter's scale is taken as at least 1e-12."""
     losses, expected = np.asarray(run["losses"]), np.asarray(ref.losses)
     assert losses.shape == expected.shape, label
-    assert np.max(np.abs(losses - expected)) <= rtol * np.max(np.abs(expected)), (
+    assert relative_difference(losses, expected) <= rtol, (
         f"{label}: losses {losses} != {expected}")
     assert set(run["final"]) == set(ref.final), label
     for name, value in ref.final.items():
-        diff = np.max(np.abs(run["final"][name] - value))
-        assert diff <= rtol * max(np.max(np.abs(value)), 1e-12), (
-            f"{label}: {name} differs by {diff:.3e}")
+        rel = relative_difference(run["final"][name], value, floor=1e-12)
+        assert rel <= rtol, f"{label}: {name} differs by {rel:.3e} (relative)"

@@ -1,13 +1,13 @@
-"""A second, independent implementation of DESIGN.md's model: plain NumPy, backward by hand.
+"""A second, independent implementation of docs/design.md's model: plain NumPy, backward by hand.
 
 What this file teaches: how to trust a reference. minipar's single-process run
 (autograd.py + nn.py) is the ground truth every parallel strategy is compared with;
-this file is the ground truth *for that*. It is written from DESIGN.md's formulas only,
+this file is the ground truth *for that*. It is written from docs/design.md's formulas only,
 with no `minipar.autograd` and no `minipar.nn`: every gradient is the chain rule worked
 out on paper and typed in, layer by layer, in reverse. Only the batches come from
 `minipar.data` (they are an input, not math under test).
 
-It follows the papers DESIGN.md follows: pre-LayerNorm residual MLP blocks, top-k routed
+It follows the papers docs/design.md follows: pre-LayerNorm residual MLP blocks, top-k routed
 experts with renormalized gates and a capacity limit (GShard), the load-balancing loss
 `alpha * E * sum_e f_e P_e` (Switch Transformer), Adam with bias correction (Kingma & Ba).
 The MoE is vectorized per expert: each expert gathers its tokens with one index array.
@@ -34,7 +34,7 @@ Params = dict[str, np.ndarray]
 
 # ------------------------------------------------------------------ init
 def init_params(cfg: TrainConfig, seed: int, dtype: str = "float64") -> Params:
-    """DESIGN.md's init rule: one generator seeded with `seed`, weights drawn in canonical
+    """docs/design.md's init rule: one generator seeded with `seed`, weights drawn in canonical
     name order, N(0, 0.02) except fc2 weights N(0, 0.02 / sqrt(2L)); biases 0, LN 1 and 0."""
     rng = np.random.default_rng(seed)
     d = cfg.d_model
@@ -284,7 +284,7 @@ def update(params: Params, grads: Params, state: dict, cfg: TrainConfig, t: int)
 
 
 def train(cfg: TrainConfig) -> Run:
-    """`cfg.steps` steps from DESIGN.md's init; losses are taken before each update."""
+    """`cfg.steps` steps from docs/design.md's init; losses are taken before each update."""
     params = init_params(cfg, cfg.seed, cfg.dtype)
     run = Run([], {name: value.copy() for name, value in params.items()}, params)
     state: dict = {}

@@ -1,7 +1,7 @@
-"""A second, independent implementation of DESIGN.md's transformer: NumPy, backward by hand.
+"""A second, independent implementation of the transformer of docs/design.md, by hand.
 
 What this file teaches: how to trust the transformer of minipar (gpt.py + attention.py
-+ autograd). It is written from DESIGN.md's formulas, "The transformer", with no
++ autograd). It is written from docs/design.md's formulas, "The transformer", with no
 `minipar.autograd`, `minipar.nn` or `minipar.gpt`: attention is computed head by head
 from the column blocks of Wq, Wk, Wv exactly as the formula reads
 (q_h = a Wq[:, h dh:(h+1) dh] + bq[...]), and every gradient is the chain rule worked
@@ -41,7 +41,7 @@ from tests.independent import (
 
 # ------------------------------------------------------------------ init
 def init_params(cfg: TrainConfig, seed: int, dtype: str = "float64") -> Params:
-    """DESIGN.md's init, in canonical order: embeddings and weights N(0, 0.02), the
+    """docs/design.md's init, in canonical order: embeddings and weights N(0, 0.02), the
     residual outputs (attn.proj, fc2, expert fc2) N(0, 0.02 / sqrt(2L)), biases 0, LN 1, 0."""
     rng = np.random.default_rng(seed)
     d, small = cfg.d_model, 0.02 / math.sqrt(2 * cfg.layers)

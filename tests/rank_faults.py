@@ -28,12 +28,11 @@ import os
 import signal
 import sys
 import time
-import traceback
 from pathlib import Path
 
 from mpi4py import MPI
 
-from minipar.log import abort_all
+from minipar.log import abort_on_exception
 
 
 def die(mode: str, rank: int, where: str) -> None:
@@ -90,7 +89,5 @@ if __name__ == "__main__":
         sys.argv = ["minipar", *sys.argv[3:]]
         run()
     else:
-        try:
-            settings(sys.argv[2], sys.argv[3])
-        except BaseException:  # one rank's surprise must not leave the others waiting
-            abort_all(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
+        # one rank's surprise must not leave the others waiting
+        abort_on_exception(lambda: settings(sys.argv[2], sys.argv[3]))

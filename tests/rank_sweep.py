@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 from pathlib import Path
 
 from mpi4py import MPI
 
-from minipar.__main__ import dump
-from minipar.config import TrainConfig, problems
-from minipar.train import train
+from minipar.config import TrainConfig
+from minipar.log import abort_on_exception
+from minipar.results import dump
+from minipar.train import problems, train
 
 
 def main() -> None:
@@ -45,9 +45,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        from minipar.log import abort_all
-
-        abort_all(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
+    abort_on_exception(main)

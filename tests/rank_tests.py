@@ -53,8 +53,8 @@ RANK_COUNTS = (1, 2, 3, 4, 8)
 
 # ------------------------------------------------------------------ rank side
 def agree(comm: object, problems: list[str]) -> None:
-    """Collective verdict: every rank raises if any rank found a problem (rule 9 of
-    STYLE.md), with all ranks' problems in the message."""
+    """Collective verdict: every rank raises if any rank found a problem (failures are
+    collective: docs/design.md, "Tests"), with all ranks' problems in the message."""
     everyone = comm.allgather(problems)  # each rank's list -> every rank
     found = [f"rank {rank}: {p}" for rank, mine in enumerate(everyone) for p in mine]
     if found:

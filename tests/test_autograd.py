@@ -309,7 +309,7 @@ def test_model_loss_gradient(model, sizes):
 
 # ------------------------------------------------------------ attention
 def test_attention_equals_the_per_head_formula():
-    """The batched node against DESIGN.md's formula written head by head, in plain NumPy:
+    """The batched node against docs/design.md's formula written head by head, in plain NumPy:
     S_h = q_h k_h^T / sqrt(dh), -inf above the diagonal, o_h = softmax(S_h) v_h."""
     q, k, v = normal(2, 5, 6), normal(2, 5, 6), normal(2, 5, 6)
     heads, dh = 3, 2

@@ -1,7 +1,7 @@
 """Lesson 8's bugs (minipar/bugs.py): every injected bug is caught, and without one nothing is.
 
 - Without MPI: the registry (at least 8 bugs, each explained), `python -m minipar
-  bugs`, `config.problems` refusing an unknown name and a bug whose strategy the
+  bugs`, `train.problems` refusing an unknown name and a bug whose strategy the
   mesh does not use (one line naming --inject-bug), accepting each bug's own flags;
   `injected` puts back what it swapped, even after an error.
 - ONE sweep on 4 ranks (tests.mpi.sweep): each bug's run and the correct run of the
@@ -26,7 +26,8 @@ import pytest
 
 from minipar import bugs, nn
 from minipar.__main__ import main
-from minipar.config import TrainConfig, config_from_args, make_parser, problems
+from minipar.config import TrainConfig, config_from_args, make_parser
+from minipar.train import problems
 from tests.conftest import assert_equivalent, reference
 from tests.mpi import launch, sweep
 

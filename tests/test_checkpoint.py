@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minipar import checkpoint, nn
-from minipar.config import NOT_BUILT, TrainConfig
+from minipar import checkpoint, nn, shards
+from minipar.config import TrainConfig
 from minipar.optim import Adam
 from tests.conftest import assert_equivalent, reference
 from tests.mpi import minipar, sweep
@@ -42,7 +42,7 @@ MODELS = {
                 "capacity_factor": 1.0, "optimizer": "adam", "lr": 0.01, "seed": 3},
 }
 # (model, first mesh, its ranks, second mesh, its ranks): 2 steps on the first, 2 on the
-# second. A pair runs when every strategy it uses is built (config.NOT_BUILT).
+# second.
 PAIRS = [
     ("mlp", {"dp": 2}, 2, {"dp": 4}, 4),
     ("mlp", {"dp": 4}, 4, {}, 1),
@@ -73,17 +73,7 @@ PAIRS = [
     ("gpt", {"dp": 2, "cp": 2}, 4, {}, 1),
     ("gpt-moe", {"cp": 2, "cp_mode": "allgather"}, 2, {"dp": 2, "ep": 2}, 2),
 ]
-NEEDS = {"tp": "tp", "sp": "sp", "pp": "pp", "ep": "ep", "virtual": "pp"}
-
-
-def built(mesh: dict, model: str) -> bool:
-    needs = {NEEDS[axis] for axis, value in mesh.items() if axis in NEEDS and value not in (1,)}
-    if model in ("moe", "gpt-moe") and mesh.get("dp", 1) > 1:
-        needs.add("moe_dp")
-    return not needs & set(NOT_BUILT)
-
-
-RUNNABLE = [pair for pair in PAIRS if built(pair[1], pair[0]) and built(pair[3], pair[0])]
+RUNNABLE = PAIRS
 
 
 # ------------------------------------------------------------- without MPI
@@ -150,11 +140,11 @@ def test_every_flat_run_is_boxes_in_order(shape):
     numbers = np.arange(int(np.prod(shape))).reshape(shape)
     for a in range(numbers.size + 1):
         for b in range(a, numbers.size + 1):
-            boxes = checkpoint.flat_boxes(shape, a, b)
+            boxes = shards.flat_boxes(shape, a, b)
             read = [numbers[box].ravel() for box in boxes]
             assert np.array_equal(np.concatenate(read or [[]]), np.arange(a, b)), (a, b)
             assert len(boxes) <= max(1, 2 * len(shape) - 1)
-    assert checkpoint.flat_boxes((3, 4), 2, 9) == [(slice(0, 1), slice(2, 4)),
+    assert shards.flat_boxes((3, 4), 2, 9) == [(slice(0, 1), slice(2, 4)),
                                                    (slice(1, 2), slice(0, 4)),
                                                    (slice(2, 3), slice(0, 1))]
 
@@ -165,10 +155,10 @@ def test_a_box_of_a_tp_shard_lands_in_its_columns_of_the_full_array():
     full = np.arange(8 * 12).reshape(8, 12)
     index = (slice(None), slice(6, 12))
     local = full[index]
-    for box in checkpoint.flat_boxes(local.shape, 5, 20):
-        assert np.array_equal(full[checkpoint.in_full_array(box, index)], local[box])
-    assert checkpoint.in_full_array((slice(1, 3),), (slice(6, 12),)) == (slice(7, 9),)
-    assert checkpoint.in_full_array((slice(1, 3),), None) == (slice(1, 3),)
+    for box in shards.flat_boxes(local.shape, 5, 20):
+        assert np.array_equal(full[shards.in_full_array(box, index)], local[box])
+    assert shards.in_full_array((slice(1, 3),), (slice(6, 12),)) == (slice(7, 9),)
+    assert shards.in_full_array((slice(1, 3),), None) == (slice(1, 3),)
 
 
 def test_a_shard_missing_from_the_manifest_leaves_arrays_incomplete(tmp_path):
@@ -254,7 +244,7 @@ def resumed(tmp_path_factory):
 def reshard_chain(root: Path, second: dict) -> None:
     """pair0 (dp=2) -> one file with the full state -> a tp=2 (or dp=2) checkpoint, and
     a run resumed from it on dp=2 joins the second phase as pair "reshard"."""
-    target_mesh = ["--tp", "2"] if "tp" not in NOT_BUILT else ["--dp", "2"]
+    target_mesh = ["--tp", "2"]
     for n, source, destination, flags in ((1, "pair0", "full", []),
                                           (2, "full", "moved", target_mesh)):
         job = minipar(n, ["reshard", str(root / source), str(root / destination), *flags], 60)

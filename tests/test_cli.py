@@ -1,4 +1,4 @@
-"""The `python -m minipar train` contract of DESIGN.md, on one process.
+"""The `python -m minipar train` contract of docs/design.md ("The train command"), on one process.
 
 `--dump DIR` writes init/final params, the data, the losses, every flag and the
 ledger, and they equal the in-process reference; `--check` says OK; a bad

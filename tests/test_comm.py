@@ -14,7 +14,7 @@ is summed is each pair's contract:
   same value with the same weights) counts once, not once per rank.
 
 Each op's ledger records must be the collectives its docstring names, forward and
-backward, with the sizes of DESIGN.md's convention; a group of one sends nothing.
+backward, with the sizes of docs/design.md ("Communication"); a group of one sends nothing.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def check_case(case: Case, index: int, group: object, helper: object, referee: o
 
 def check_ledger_of_pair(case: Case, group: object, x: np.ndarray, y: np.ndarray,
                          forward: dict, backward: dict) -> list[str]:
-    """The ops the docstring names, with DESIGN.md's sizes (Allreduce and Allgather count
+    """The ops the docstring names, with docs/design.md's sizes (Allreduce and Allgather count
     the result, Reduce_scatter and Alltoallv what goes in); nothing on a group of one."""
     from minipar import comm
 
@@ -255,7 +255,7 @@ def check_conjugate_pairs(comm):
 # ----------------------------------------------------- rank side: the ledger
 def ledger_cases(group: object) -> list[tuple[str, object, tuple[str, int, int]]]:
     """(label, action, expected (op, elements, itemsize)) for every method of Group.
-    Sizes follow DESIGN.md: Allreduce the buffer, Allgather the gathered result,
+    Sizes follow docs/design.md: Allreduce the buffer, Allgather the gathered result,
     Reduce_scatter the input before scattering, Alltoall(v) what this rank sends (its
     own chunk included), Send/Recv and Sendrecv the message sent; pickled objects and
     Barrier count calls only."""

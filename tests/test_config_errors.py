@@ -8,7 +8,7 @@ itself, which checks what a user sees: the launcher's exit code and stderr.
 
 A case must: exit 2 on every rank; print exactly one line, on rank 0's stderr,
 starting `minipar: error:` and naming the flag; print no traceback; take
-seconds. Strategies not built yet (config.NOT_BUILT) are refused the same way.
+seconds.
 
     python -m pytest tests/test_config_errors.py
 """

@@ -127,8 +127,8 @@ def check_overlap_starts_buckets_in_backward(comm: object) -> None:
     from minipar.data import shard_rows
     from minipar.mesh import Mesh
     from minipar.optim import SGD
-    from minipar.parallel.data_parallel import bucketed_allreduce, make_updater
-    from minipar.train import build_rank_model, microbatch_loss, step_batch
+    from minipar.parallel.data_parallel import bucketed_allreduce
+    from minipar.train import build_rank_model, make_updater, microbatch_loss, step_batch
     from tests.rank_tests import agree
 
     world = comm.Get_size()

@@ -95,7 +95,7 @@ def rank_main(spec: Path, out: Path) -> None:
     every rank's load statistics), then write the block probe to probe.json."""
     from mpi4py import MPI
 
-    from minipar.__main__ import dump
+    from minipar.results import dump
     from minipar.train import train
 
     world = MPI.COMM_WORLD
@@ -276,13 +276,7 @@ def test_lesson_runs_and_matches_one_process():
 
 
 if __name__ == "__main__":
-    try:
-        rank_main(Path(sys.argv[1]), Path(sys.argv[2]))
-    except BaseException:  # one rank failing aborts all, with its traceback
-        import traceback
+    from minipar.log import abort_on_exception  # loads mpi4py.MPI: only in a rank process
 
-        from mpi4py import MPI
-
-        from minipar.log import abort_all
-
-        abort_all(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
+    # one rank failing aborts all, with its traceback
+    abort_on_exception(lambda: rank_main(Path(sys.argv[1]), Path(sys.argv[2])))

@@ -1,4 +1,4 @@
-"""minipar's single-process transformer against an independent implementation of DESIGN.md.
+"""minipar's single-process transformer against an independent implementation of docs/design.md.
 
 `train_reference` on `--model gpt` / `gpt-moe` (attention.py + gpt.py + nn.py + optim.py)
 is compared with `tests/independent_gpt.py`: plain NumPy, attention head by head,
@@ -44,7 +44,7 @@ def compare(cfg: TrainConfig) -> independent_gpt.Run:
 
 @pytest.mark.parametrize("model", ["gpt", "gpt-moe"])
 def test_init_rule(model):
-    """The independent draw of DESIGN.md's init is nn.init_params, names, order and bits."""
+    """The independent draw of docs/design.md's init is nn.init_params, names, order and bits."""
     cfg = config(**(MOE if model == "gpt-moe" else {}), layers=3)
     mine = independent_gpt.init_params(cfg, 5)
     theirs = nn.init_params(cfg.model_config(), 5)

@@ -14,7 +14,7 @@ import pytest
 
 from minipar.config import TrainConfig, problems
 from minipar.mesh import MeshShape
-from minipar.parallel.pipeline_parallel import boundary_shape
+from minipar.train import boundary_shape
 from tests.conftest import assert_equivalent, reference
 from tests.mpi import launch, sweep
 

@@ -1,4 +1,4 @@
-"""minipar's single-process reference against an independent implementation of DESIGN.md.
+"""minipar's single-process reference against an independent implementation of docs/design.md.
 
 `train_reference` (autograd.py + nn.py + optim.py) is what every parallel run is
 compared with, so it is itself compared with `tests/independent.py`: plain NumPy
@@ -45,7 +45,7 @@ def compare(cfg: TrainConfig) -> independent.Run:
 
 @pytest.mark.parametrize("model", ["mlp", "moe"])
 def test_init_rule(model):
-    """The independent draw of DESIGN.md's init rule is nn.init_params, bit for bit."""
+    """The independent draw of docs/design.md's init rule is nn.init_params, bit for bit."""
     cfg = config(**(MOE if model == "moe" else {}), layers=3)
     for dtype in ("float64", "float32"):
         mine = independent.init_params(cfg, 5, dtype)

@@ -270,13 +270,6 @@ def test_tp_not_dividing_d_ff_is_refused():
 
 
 if __name__ == "__main__":
-    import traceback
+    from minipar.log import abort_on_exception  # loads mpi4py.MPI: only in a rank process
 
-    from mpi4py import MPI
-
-    try:
-        rank_main(Path(sys.argv[1]))
-    except BaseException:
-        from minipar.log import abort_all
-
-        abort_all(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
+    abort_on_exception(lambda: rank_main(Path(sys.argv[1])))

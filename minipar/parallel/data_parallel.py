@@ -33,19 +33,20 @@ Run it: `mpiexec -n 8 python lessons/01_data_parallel.py`, or
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 from mpi4py import MPI
 
 from minipar import autograd as ag
 from minipar.autograd import Tensor
+from minipar.comm import Group
 from minipar.memory import ModelStates, measure
+from minipar.mesh import Mesh
 from minipar.nn import Module, Parameter
+from minipar.optim import Optimizer
+from minipar.shards import held_parts
 
-if TYPE_CHECKING:
-    from minipar.config import TrainConfig
-    from minipar.parallel.zero import Zero1
 
 def grad_or_zeros(p: Parameter) -> np.ndarray:
     """p.grad, or zeros if backward never reached p on this rank: every replica must
@@ -55,14 +56,14 @@ def grad_or_zeros(p: Parameter) -> np.ndarray:
     return p.grad
 
 
-def _group(p: Parameter, mesh: object) -> object:
+def _group(p: Parameter, mesh: Mesh) -> Group:
     """The replicas of p: all dp ranks, or for an expert weight the ranks with its expert;
     with context parallelism, those of every cp coordinate too (mesh.py: dp_cp, edp_cp)."""
     return mesh.dp_cp if p.sync == "dp" else mesh.edp_cp
 
 
 # ------------------------------------------------------------- 1. naive
-def allreduce_gradients(params: Sequence[Parameter], mesh: object) -> None:
+def allreduce_gradients(params: Sequence[Parameter], mesh: Mesh) -> None:
     """Naive DP: one Allreduce per parameter, then divide by dp.
 
     A parameter replicated over all data-parallel ranks (`sync="dp"`) sums over
@@ -116,7 +117,7 @@ def unpack(bucket: Sequence[Parameter], flat: np.ndarray, scale: float) -> None:
         start += p.grad.size
 
 
-def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: object) -> None:
+def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: Mesh) -> None:
     """Bucketed DP: one in-place Allreduce per bucket, then divide by dp."""
     for bucket in buckets:
         group = _group(bucket[0], mesh)
@@ -217,7 +218,7 @@ class OverlappedAllreduce(Hooks):
     """Overlapped DP: a bucket's Iallreduce starts when backward has finished every
     parameter in it for the last microbatch; `finish` waits for all of them."""
 
-    def __init__(self, buckets: list[list[Parameter]], mesh: object, microbatches: int) -> None:
+    def __init__(self, buckets: list[list[Parameter]], mesh: Mesh, microbatches: int) -> None:
         self.buckets, self.mesh, self.microbatches = buckets, mesh, microbatches
         self.bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
         self._reset()
@@ -262,13 +263,39 @@ class OverlappedAllreduce(Hooks):
 
 
 # ---------------------------------------------------------- the updater
+class Updater(Protocol):
+    """What turns this rank's gradients into updated parameters after each step's
+    backward: plain data parallelism (`DataParallel`) or a ZeRO stage (zero.py). Built
+    once before the first forward (it may wrap the model's pieces in hooks)."""
+
+    stage: int             # the ZeRO stage: 0 for plain data parallelism
+    optimizer: Optimizer   # what updates this rank's parameters (or its flat slice)
+
+    def step(self) -> None:
+        """Synchronize the gradients over dp, then update what this rank holds."""
+
+    def materialize(self) -> None:
+        """Make every parameter whole in `p.data` (ZeRO-3 gathers them)."""
+
+    def memory(self) -> ModelStates:
+        """Bytes of parameters, gradients and optimizer state this rank holds."""
+
+    def checkpoint_pieces(self) -> tuple[list[Parameter], dict[str, list[np.ndarray]]]:
+        """What this rank saves: pieces named and indexed in the full canonical arrays,
+        and each optimizer slot (Adam's m, v) as one array per piece."""
+
+    def slice_state(self, full: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """This rank's part of one optimizer slot, cut from its full canonical arrays:
+        the inverse of `checkpoint_pieces`, in the layout the optimizer is handed."""
+
+
 class DataParallel:
     """ZeRO stage 0: full parameters, gradients and optimizer state on every rank.
     `step()` synchronizes the gradients (naive, bucketed or overlapped), then updates."""
 
     stage = 0
 
-    def __init__(self, chunks: Sequence[Module], mesh: object, optimizer: object,
+    def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer,
                  grad_sync: str = "bucketed", bucket_size: int = 65536,
                  microbatches: int = 1) -> None:
         self.params = [p for chunk in chunks for p in chunk.parameters()]
@@ -297,15 +324,10 @@ class DataParallel:
         return measure([p.data for p in self.params], [p.grad for p in self.params],
                        self.optimizer.state_arrays())
 
+    def checkpoint_pieces(self) -> tuple[list[Parameter], dict[str, list[np.ndarray]]]:
+        """Every parameter as it is held (its `full_index`), with its optimizer state."""
+        return self.params, self.optimizer.state_arrays()
 
-def make_updater(cfg: TrainConfig, mesh: object, chunks: Sequence[Module],
-                 optimizer: object) -> DataParallel | Zero1:
-    """The object that turns this rank's gradients into updated parameters after each
-    step's backward: plain data parallelism (`--grad-sync`) or a ZeRO stage (`--zero`).
-    Built once, before the first forward (it may wrap the pieces of `chunks`)."""
-    if cfg.zero == 0:
-        return DataParallel(chunks, mesh, optimizer, cfg.grad_sync, cfg.bucket_size,
-                            cfg.microbatches)
-    from minipar.parallel.zero import make_zero
-
-    return make_zero(cfg.zero, chunks, mesh, optimizer)
+    def slice_state(self, full: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Each parameter's part of the full slot, cut as the parameter was cut."""
+        return held_parts(self.params, full)

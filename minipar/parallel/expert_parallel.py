@@ -24,9 +24,10 @@ expert-data-parallel group (edp), so their gradients are summed there (sync="edp
 the router and LayerNorm, replicated everywhere, are summed over dp (sync="dp").
 
 Capacity and the aux loss are defined on the whole microbatch of the GLOBAL batch
-(DESIGN.md), so a few small collectives over dp make every rank see global counts: a
-count Allreduce (f), an Exscan (how many earlier assignments each expert already took)
-and the probability sums (P). The result equals one process to rounding.
+(docs/design.md, "The reference model"), so a few small collectives over dp make
+every rank see global counts: a count Allreduce (f), an Exscan (how many earlier
+assignments each expert already took) and the probability sums (P). The result equals
+one process to rounding.
 
 Run it: `mpiexec -n 8 python lessons/03_expert_parallel.py`, or
 `mpiexec -n 8 python -m minipar train --model moe --dp 8 --ep 8 --experts 64 --check`.
@@ -42,6 +43,7 @@ from minipar import autograd as ag
 from minipar import comm, fused, nn
 from minipar.autograd import Tensor
 from minipar.comm import Group
+from minipar.mesh import Mesh
 from minipar.parallel import context_parallel
 
 
@@ -62,11 +64,7 @@ def route(u: Tensor, router: Tensor, top_k: int) -> Routing:
 
     Routing is row by row, so a rank needs nothing but its own rows: no communication."""
     probs = fused.softmax(u @ router)                            # (b, d) @ (d, E) -> (b, E)
-    chosen = nn.route(probs.data, top_k)                      # (b, k), ties -> lower id
-    token_of = np.repeat(np.arange(u.shape[0]), top_k)        # (b k,)
-    expert_of = chosen.ravel()                                # (b k,)
-    picked = probs[token_of, expert_of].reshape(-1, top_k)    # (b, k)
-    gates = (picked / picked.sum(axis=1, keepdims=True)).reshape(-1)
+    chosen, token_of, expert_of, gates = nn.top_k_gates(probs, top_k)  # (b, k), 3 x (b k,)
     return Routing(probs, chosen, gates, token_of, expert_of)
 
 
@@ -214,7 +212,8 @@ class ExpertParallelBlock(nn.Module):
     """
 
     def __init__(self, full: dict[str, np.ndarray], index: int, cfg: nn.ModelConfig,
-                 mesh: object, ln: str = "ln", layout: object | None = None) -> None:
+                 mesh: Mesh, ln: str = "ln",
+                 layout: context_parallel.TokenLayout | None = None) -> None:
         p = f"blocks.{index}"
         self.cfg = cfg
         # tokens live on the dp ranks, and with context parallelism on dp x cp (mesh.dp_cp);
@@ -259,7 +258,7 @@ class ExpertParallelBlock(nn.Module):
 
     def assignment_counts(self, routing: Routing, kept: np.ndarray) -> np.ndarray:
         """This rank's (token, slot) assignments per expert, for the aux loss's f: every
-        routed one, whether capacity kept it or not (DESIGN.md: drops still count)."""
+        routed one, whether capacity kept it or not (docs/design.md: drops still count)."""
         return np.bincount(routing.expert_of, minlength=self.cfg.experts)
 
 

@@ -41,14 +41,13 @@ or the lesson `mpiexec -n 4 python lessons/04_pipeline_parallel.py`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import fused
 from minipar.autograd import Tensor
-from minipar.config import TrainConfig
-from minipar.data import shard_rows
 from minipar.nn import Model
 from minipar.parallel.pipeline_schedules import (
     BACKWARD,
@@ -64,17 +63,15 @@ from minipar.parallel.pipeline_schedules import (
     virtual_stage,
 )
 
+if TYPE_CHECKING:
+    from minipar.comm import Group
+
 ACT_TAG, GRAD_TAG = 0, 1
 
 
-def boundary_shape(cfg: TrainConfig) -> tuple[int, ...]:
-    """What crosses a stage boundary per microbatch: (B/(M dp), d) rows of the residual
-    stream, or (B/(M dp tp), d) with sequence parallelism (the stream is row-split);
-    for the transformer (B/(M dp), T/cp, d), the positions of those sequences it holds."""
-    rows = cfg.batch // cfg.microbatches // cfg.dp
-    if cfg.model_config().is_gpt:
-        return (rows, cfg.seq_len // cfg.cp, cfg.d_model)
-    return (rows // cfg.tp if cfg.sp else rows, cfg.d_model)
+# The last stage's loss of one microbatch from (logits, the chunk's aux loss or None,
+# labels): the caller's to define (train.py: CE/M + aux/M); the pipeline only runs it.
+LossFunction = Callable[[Tensor, "Tensor | None", np.ndarray], Tensor]
 
 
 class StageWorker:
@@ -84,19 +81,29 @@ class StageWorker:
     per (chunk, microbatch) -- its input, its output, its aux loss, the received
     gradient, the put-off weight work -- never in one shared buffer, because
     1F1B has several microbatches in flight at once.
+
+    What it is given, and nothing else: the pipeline group `pp_group` (its rank is
+    this stage), the model `chunks` this rank holds (`virtual` of them), the step's
+    batch `x, y` with this rank's `rows` of each microbatch, the last stage's `loss`
+    function, `aux_weight` (what a block's aux loss counts for in the step's loss:
+    1/M), the `boundary` shape of an activation and its `dtype` (the model's; by
+    default x's, which for the transformer holds integer token ids instead), and
+    whether the backward is split (ZB-H1: B now, W later). `rank` only labels the
+    timeline.
     """
 
-    def __init__(self, cfg: TrainConfig, mesh: object, chunks: list[Model],
-                 x: np.ndarray, y: np.ndarray) -> None:
-        self.group, self.rank = mesh.pp, mesh.rank
-        self.stage, self.pp, self.virtual = mesh.coords["pp"], cfg.pp, cfg.virtual
+    def __init__(self, pp_group: Group, chunks: list[Model], x: np.ndarray, y: np.ndarray,
+                 rows: list[slice], loss: LossFunction, aux_weight: float,
+                 boundary: tuple[int, ...], virtual: int = 1, split_backward: bool = False,
+                 rank: int = 0, dtype: np.dtype | str | None = None) -> None:
+        self.group, self.rank = pp_group, rank
+        self.stage, self.pp, self.virtual = pp_group.rank, pp_group.size, virtual
         self.chunks = chunks
-        self.scale = 1.0 / cfg.microbatches
-        self.shape, self.dtype = boundary_shape(cfg), np.dtype(cfg.dtype)
-        self.rows = [shard_rows(cfg.batch, cfg.microbatches, cfg.dp, m, mesh.coords["dp"])
-                     for m in range(cfg.microbatches)]
+        self.loss_function, self.aux_weight = loss, aux_weight
+        self.shape, self.dtype = boundary, np.dtype(x.dtype if dtype is None else dtype)
+        self.rows = rows
         self.x, self.y = x, y
-        self.split_backward = cfg.schedule == "zb-h1"
+        self.split_backward = split_backward
         self.inputs: dict[tuple[int, int], Tensor] = {}
         self.outputs: dict[tuple[int, int], tuple[Tensor, Tensor | None]] = {}
         self.grads: dict[tuple[int, int], np.ndarray] = {}
@@ -118,7 +125,7 @@ class StageWorker:
             self.timeline.append({"rank": self.rank, "stage": self.stage,
                                   "kind": ins.kind, "microbatch": ins.microbatch,
                                   "chunk": ins.chunk, "start": start, "end": time.time()})
-        from mpi4py import MPI  # here, so the pure shape helpers import without MPI
+        from mpi4py import MPI  # here: importing this file (bugs.py, the tests) needs no MPI
 
         MPI.Request.Waitall([request for request, _ in self.sending.values()])
         self.sending.clear()
@@ -163,12 +170,11 @@ class StageWorker:
         h = Tensor(self.x[rows]) if self.is_first(ins.chunk) else self.inputs[key]
         out, aux = self.chunks[ins.chunk].forward(h)
         if self.is_last(ins.chunk):                      # out is the logits
-            loss = fused.cross_entropy(out, self.y[rows]) * self.scale         # CE / M
-            loss = loss if aux is None else loss + aux * self.scale     # + aux / M
+            loss = self.loss_function(out, aux, self.y[rows])   # e.g. CE/M + aux/M
             self.loss += loss.item()
             self.outputs[key] = (loss, None)
         else:
-            self.loss += 0.0 if aux is None else aux.item() * self.scale  # aux / M
+            self.loss += 0.0 if aux is None else aux.item() * self.aux_weight  # aux / M
             self.outputs[key] = (out, aux)
 
     def backward(self, ins: Instruction) -> None:
@@ -178,7 +184,7 @@ class StageWorker:
             roots = [(out, 1.0)]                         # out is the loss
         else:
             roots = [(out, self.grads.pop(key))]        # (output, gradient received)
-            roots += [(aux, self.scale)] if aux is not None else []  # (aux, 1/M)
+            roots += [(aux, self.aux_weight)] if aux is not None else []  # (aux, 1/M)
             self.sending.pop((ACT_TAG, *key))[0].Wait()  # its gradient came back: delivered
         if self.split_backward:  # B now (input gradients), W later (weight gradients)
             with ag.defer_weight_grads() as pending:
@@ -192,23 +198,22 @@ class StageWorker:
             work()
 
 
-def forward_backward(cfg: TrainConfig, mesh: object, chunks: list[Model], x: np.ndarray,
-                     y: np.ndarray, timeline: list[dict] | None = None) -> float:
-    """One step's forwards and backwards on this rank, in the order `cfg.schedule` says.
+def forward_backward(worker: StageWorker, schedule_name: str, microbatches: int,
+                     timeline: list[dict] | None = None) -> float:
+    """One step's forwards and backwards on this rank, in the order the schedule says.
 
     Gradients accumulate in the parameters' `.grad` as in the one-process loop.
     Returns this rank's share of the step loss (`train.report_loss` sums over pp);
     appends the wall-clock start/end of every instruction to `timeline` if given.
     """
-    program = schedule(cfg.schedule, cfg.pp, cfg.microbatches, mesh.coords["pp"], cfg.virtual)
-    worker = StageWorker(cfg, mesh, chunks, x, y)
+    program = schedule(schedule_name, worker.pp, microbatches, worker.stage, worker.virtual)
     loss = worker.run(program)
     if timeline is not None:
         timeline.extend(worker.timeline)
     return loss
 
 
-def gather_timeline(world: object, timeline: list[dict]) -> list[dict] | None:
+def gather_timeline(world: Group, timeline: list[dict]) -> list[dict] | None:
     """Every rank's timeline on world rank 0 (None elsewhere), times in seconds from the
     earliest start on any rank. A collective over `world` (a `comm.Group`)."""
     everything = world.gather(timeline)  # small Python lists of records -> rank 0

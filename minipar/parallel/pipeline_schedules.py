@@ -37,8 +37,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from minipar.config import SCHEDULES
-
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # the names `--schedule` accepts
 FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 RECV_ACT, SEND_ACT = "recv_act", "send_act"
 RECV_GRAD, SEND_GRAD = "recv_grad", "send_grad"

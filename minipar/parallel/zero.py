@@ -39,10 +39,12 @@ from collections.abc import Sequence
 import numpy as np
 from mpi4py import MPI
 
-from minipar.checkpoint import flat_boxes, in_full_array
 from minipar.memory import FlatLayout, ModelStates, displacements, measure
+from minipar.mesh import Mesh
 from minipar.nn import Module, Parameter
+from minipar.optim import Optimizer
 from minipar.parallel.data_parallel import Hooks, Piece, grad_or_zeros, install_hooks
+from minipar.shards import flat_boxes, in_full_array
 
 
 def _mpi_type(array: np.ndarray) -> MPI.Datatype:
@@ -55,7 +57,7 @@ class Zero1:
 
     stage = 1
 
-    def __init__(self, chunks: Sequence[Module], mesh: object, optimizer: object) -> None:
+    def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer) -> None:
         self.params = [p for chunk in chunks for p in chunk.parameters()]
         if any(p.sync != "dp" for p in self.params):
             raise ValueError("ZeRO here shards parameters replicated over dp (sync='dp') only")
@@ -160,7 +162,7 @@ class Zero2(Zero1, Hooks):
 
     stage = 2
 
-    def __init__(self, chunks: Sequence[Module], mesh: object, optimizer: object) -> None:
+    def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer) -> None:
         super().__init__(chunks, mesh, optimizer)
         self.grad_shard = np.zeros(self.layout.counts[self.layout.rank], dtype=self.flat.dtype)
         self.pieces = install_hooks(chunks, self)
@@ -211,7 +213,7 @@ class Zero3(Zero2):
 
     stage = 3
 
-    def __init__(self, chunks: Sequence[Module], mesh: object, optimizer: object) -> None:
+    def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer) -> None:
         super().__init__(chunks, mesh, optimizer)
         self.shard = self.my_params().copy()  # (Psi/N,): my slice, the only copy I keep
         self.flat = None
@@ -272,6 +274,6 @@ class Zero3(Zero2):
                        self.optimizer.state_arrays())
 
 
-def make_zero(stage: int, chunks: Sequence[Module], mesh: object, optimizer: object) -> Zero1:
+def make_zero(stage: int, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer) -> Zero1:
     """The ZeRO stage `stage` (1, 2 or 3) updater for this rank's chunks."""
     return {1: Zero1, 2: Zero2, 3: Zero3}[stage](chunks, mesh, optimizer)

@@ -1,0 +1,37 @@
+"""Rewrite a checkpoint for another mesh, without training.
+
+What this file teaches: because a checkpoint speaks of the full canonical arrays
+(checkpoint.py), moving it to another mesh is "resume, then save": build this
+rank's model from the full arrays as a resumed run does (`train.parallelize`),
+hand the optimizer its slices, and save on the new mesh. On one rank with the
+default mesh the result is a single file holding the full state.
+
+    mpiexec -n 2 python -m minipar reshard ckpt ckpt-tp2 --tp 2
+    python -m minipar reshard ckpt full
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from minipar import checkpoint
+from minipar.comm import Ledger
+from minipar.config import TrainConfig
+from minipar.mesh import Mesh
+from minipar.optim import make_optimizer
+from minipar.train import parallelize
+
+
+def reshard(cfg: TrainConfig, world: object, source: str | Path,
+            destination: str | Path) -> None:
+    """Rewrite the checkpoint in `source` for the mesh of `cfg`, into `destination`;
+    a collective over the `world` communicator."""
+    mesh = Mesh(cfg.mesh_shape(), world, Ledger())
+    saved = checkpoint.load(source)
+    optimizer = make_optimizer(cfg.optimizer, cfg.lr)
+    chunks, updater = parallelize(cfg, mesh, saved.params, optimizer)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    step = checkpoint.restore_optimizer(optimizer, params, saved, updater)
+    checkpoint.save(destination, cfg, mesh, updater, optimizer, step,
+                    losses=saved.manifest.get("losses", []))
+    mesh.free()
