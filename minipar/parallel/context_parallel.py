@@ -210,7 +210,7 @@ def ring_attention(cpa: ContextParallelAttention, q: Tensor, k: Tensor, v: Tenso
                 Kb, Vb, dK, dV = (pass_along(group, t) for t in (Kb, Vb, dK, dV))
             for a, b, keep in cpa.visible_blocks((me - step) % cp):
                 S = (Q[:, :, a] @ np.swapaxes(Kb[:, :, b], -1, -2)) * scale
-                P = np.where(keep, np.exp(S - L[:, :, a, None]), 0.0)
+                P = np.exp(np.where(keep, S - L[:, :, a, None], -np.inf))  # masked: 0
                 dV[:, :, b] += np.swapaxes(P, -1, -2) @ G[:, :, a]
                 dS = P * (G[:, :, a] @ np.swapaxes(Vb[:, :, b], -1, -2) - D[:, :, a, None])
                 dQ[:, :, a] += dS @ Kb[:, :, b] * scale
