@@ -27,12 +27,12 @@ PACKAGE = ROOT / "minipar"
 LAYERS: list[set[str]] = [
     {"autograd", "fused", "attention", "nn", "gpt", "optim", "data", "memory",  # core,
      "shards"},                                                             # no MPI
-    {"comm", "mesh", "ring", "log"},                                        # communication
+    {"comm", "mesh", "ring", "log", "watchdog"},                            # communication
     {"parallel", "parallel.pipeline_schedules", "parallel.data_parallel",   # strategies
      "parallel.zero", "parallel.tensor_parallel", "parallel.expert_parallel",
      "parallel.pipeline_parallel", "parallel.context_parallel"},
     {"config"},                                                             # the flags
-    {"checkpoint", "bugs"},
+    {"checkpoint", "checkpoint_folder", "preflight", "bugs"},
     {"train"},                                                              # composition
     {"results", "reshard"},
     {"costmodel", "timemodel", "plan", "plots_load", "plots", "report", "tour",
