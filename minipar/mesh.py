@@ -17,7 +17,8 @@ Context parallelism (`cp`, parallel/context_parallel.py) splits every sequence's
 positions over the cp ranks of a group. Every weight is replicated over cp as over
 dp, so gradients are summed over the dp x cp ranks together: the `dp_cp` group
 (and `edp_cp` for expert weights). With cp = 1 those are the dp and edp groups
-themselves, and the order above is the one without cp.
+themselves, and the order above is the one without cp. The ledger records them
+under "dp" and "edp": the axis of every replica, as the planner names it.
 
 All the arithmetic is pure (no MPI): `python -m minipar mesh --dp 2 --tp 2 --pp 2`
 prints the table, and the tests check it for every factorization of 8.
@@ -160,7 +161,10 @@ class Mesh:
                 continue  # the same ranks as dp / edp: no second communicator
             color = shape._group_index(self.rank, axis)  # which group of `axis` I am in
             # Comm.Split: ranks with the same color form one communicator, ordered by key
-            split[axis] = Group(world.Split(color, key=self.rank), axis, ledger)
+            # the ledger names dp x cp "dp" (edp x cp "edp"): every replica of a weight
+            # (with cp > 1 the pure dp group carries no traffic of its own)
+            name = axis.removesuffix("_cp")
+            split[axis] = Group(world.Split(color, key=self.rank), name, ledger)
         self.dp, self.tp, self.pp = split["dp"], split["tp"], split["pp"]
         self.ep, self.edp, self.cp = split["ep"], split["edp"], split["cp"]
         self.dp_cp = split.get("dp_cp", self.dp)

@@ -22,12 +22,10 @@ _AXIS_SIZE = {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "cp": "cp"}
 
 def group_size(cfg: TrainConfig, group: str) -> int:
     """How many ranks a group of this axis has under `cfg`."""
-    if group == "edp":
-        return cfg.dp // cfg.ep
-    if group == "dp_cp":  # the replicas of a weight under context parallelism
-        return cfg.dp * cfg.cp
-    if group == "edp_cp":
+    if group == "edp":  # with context parallelism: every cp coordinate's too
         return cfg.dp // cfg.ep * cfg.cp
+    if group == "dp":   # the replicas of a weight: dp x cp ranks (mesh.py)
+        return cfg.dp * cfg.cp
     if group == "world":
         return cfg.dp * cfg.cp * cfg.tp * cfg.pp
     return getattr(cfg, _AXIS_SIZE[group])
