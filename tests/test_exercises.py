@@ -99,7 +99,7 @@ for bucket in buckets:
         group = _group(p, mesh)
         if group.size > 1:
             group.Allreduce(MPI.IN_PLACE, grad_or_zeros(p), op=MPI.SUM)
-        p.grad /= mesh.shape.dp
+        p.grad /= mesh.shape.replicas
 """
 
 
@@ -150,7 +150,7 @@ ONE_RANK_MORE = """
 grad, group = grad_or_zeros(p), _group(p, mesh)
 if group.size > 1 and group.rank > 0:
     group.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)
-grad /= mesh.shape.dp
+grad /= mesh.shape.replicas
 """
 
 

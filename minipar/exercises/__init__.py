@@ -60,7 +60,8 @@ EXERCISES = [
         "In data_parallel.allreduce_gradients, make every replica's gradient the average "
         "over dp: for each parameter p, Allreduce(SUM) its gradient grad_or_zeros(p) in "
         "place over its replica group _group(p, mesh) (the dp group, or edp for an expert "
-        "weight), then divide by mesh.shape.dp. Shapes: p.grad has p.data's shape; one "
+        "weight), then divide by mesh.shape.replicas (dp, times cp under context "
+        "parallelism). Shapes: p.grad has p.data's shape; one "
         "Allreduce per parameter.",
         [_train(dp=4, grad_sync="naive"),
          _train(model="moe", dp=4, ep=2, grad_sync="naive")]),
