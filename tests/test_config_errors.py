@@ -66,6 +66,10 @@ CASES = [
     (["--resume", "{good}", "--steps", "2", "--optimizer", "adam"], "--steps"),  # no step left
     (["--save", "{a_file}"], "--save"),
     (["--zero", "1", "--model", "moe"], "--zero"),                  # ZeRO shards dense only
+    (["--schedule", "zb-v"], "--pp"),                                # a V needs a pipeline
+    (["--dp", "2", "--pp", "2", "--schedule", "zb-v"], "--layers"),  # 2 layers, 4 chunks
+    (["--dp", "2", "--pp", "2", "--layers", "4", "--schedule", "dualpipev",
+      "--microbatches", "2"], "--microbatches"),                     # needs M >= 2 pp
 ]
 # Through the real launcher, at several world sizes: (ranks, case index).
 END_TO_END = [(4, 0), (2, 11), (1, 15), (2, 27)]

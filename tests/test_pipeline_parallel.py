@@ -20,12 +20,13 @@ from tests.mpi import launch, sweep
 
 SMALL = dict(layers=8, d_in=8, d_model=16, d_ff=32, batch=16, steps=2)
 MOE = dict(model="moe", experts=4, top_k=2, expert_d_ff=16)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+V_SHAPED = ("zb-v", "dualpipev")
 
 
 def pipeline_configs(pp: int) -> list[dict]:
     """Every schedule with M = 1, 2, 4, 8 on pp stages (interleaved also with V = 2
-    where pp divides M), SGD and Adam taking turns."""
+    where pp divides M; dualpipev with M = 2pp and 8), SGD and Adam taking turns."""
     out = []
     for i, (schedule, m) in enumerate((s, m) for s in SCHEDULES for m in (1, 2, 4, 8)):
         out.append(dict(SMALL, pp=pp, dp=1, schedule=schedule, microbatches=m,
@@ -34,6 +35,9 @@ def pipeline_configs(pp: int) -> list[dict]:
         if m % pp == 0:
             out.append(dict(SMALL, pp=pp, dp=1, schedule="interleaved", virtual=2,
                             microbatches=m, optimizer="adam" if m == 4 else "sgd"))
+    for m in sorted({2 * pp, 8, 16}):
+        out.append(dict(SMALL, pp=pp, dp=1, schedule="dualpipev", microbatches=m,
+                        optimizer="adam" if m == 8 else "sgd"))
     return out
 
 
@@ -43,6 +47,8 @@ CONFIGS = {
         dict(SMALL, **MOE, pp=2, dp=1, schedule="1f1b", microbatches=4),
         dict(SMALL, **MOE, pp=2, dp=1, schedule="zb-h1", microbatches=2, optimizer="adam"),
         dict(SMALL, **MOE, pp=2, dp=1, schedule="interleaved", virtual=2, microbatches=2),
+        dict(SMALL, **MOE, pp=2, dp=1, schedule="zb-v", microbatches=4, optimizer="adam"),
+        dict(SMALL, **MOE, pp=2, dp=1, schedule="dualpipev", microbatches=4),
     ],
     4: pipeline_configs(4) + [
         dict(SMALL, pp=2, dp=2, schedule="1f1b", microbatches=4),
@@ -50,13 +56,25 @@ CONFIGS = {
         dict(SMALL, pp=2, dp=2, schedule="zb-h1", microbatches=2),
         dict(SMALL, pp=2, dp=2, schedule="interleaved", virtual=2, microbatches=4,
              optimizer="adam"),
+        # the V schedules with the other axes: dp (plain and ZeRO), tp (+ sp), MoE's ep
+        dict(SMALL, pp=2, dp=2, schedule="zb-v", microbatches=2),
+        dict(SMALL, pp=2, dp=2, schedule="dualpipev", microbatches=4, optimizer="adam",
+             grad_sync="overlapped"),
+        dict(SMALL, pp=2, dp=2, schedule="zb-v", microbatches=4, zero=2, optimizer="adam"),
+        dict(SMALL, pp=2, dp=2, schedule="dualpipev", microbatches=4, zero=3),
+        dict(SMALL, pp=2, dp=1, tp=2, schedule="zb-v", microbatches=4),
+        dict(SMALL, pp=2, dp=1, tp=2, sp=True, schedule="dualpipev", microbatches=4),
+        dict(SMALL, **MOE, pp=2, dp=2, ep=2, schedule="dualpipev", microbatches=4),
+        dict(SMALL, **MOE, pp=2, dp=2, ep=2, schedule="zb-v", microbatches=2,
+             optimizer="adam"),
     ],
 }
 CASES = [(n, i) for n in CONFIGS for i in range(len(CONFIGS[n]))]
 
 
 def label(fields: dict) -> str:
-    keys = ("model", "dp", "pp", "schedule", "virtual", "microbatches", "optimizer")
+    keys = ("model", "dp", "tp", "sp", "ep", "pp", "schedule", "virtual", "microbatches",
+            "optimizer", "zero", "grad_sync")
     return " ".join(f"{k}={fields[k]}" for k in keys if k in fields)
 
 
@@ -76,12 +94,18 @@ def expected_messages(cfg: TrainConfig, stage: int) -> dict[str, int]:
     """Messages one rank of pipeline stage `stage` sends and receives in a step: for each
     of its chunks (virtual stage v of pp V), M activations out unless v is last, M
     gradients back unless v is first; receives mirror that."""
-    last = cfg.pp * cfg.virtual - 1
+    if cfg.schedule in V_SHAPED:  # chunks s and 2pp-1-s; the V's bottom needs no message
+        last = 2 * cfg.pp - 1
+        places = [stage, last - stage]
+        crossing = [b for b in range(last) if b != cfg.pp - 1]
+    else:
+        last = cfg.pp * cfg.virtual - 1
+        places = [chunk * cfg.pp + stage for chunk in range(cfg.virtual)]
+        crossing = list(range(last))
     sends = recvs = 0
-    for chunk in range(cfg.virtual):
-        v = chunk * cfg.pp + stage
-        sends += cfg.microbatches * ((v < last) + (v > 0))
-        recvs += cfg.microbatches * ((v > 0) + (v < last))
+    for v in places:
+        sends += cfg.microbatches * ((v in crossing) + (v - 1 in crossing))
+        recvs += cfg.microbatches * ((v - 1 in crossing) + (v in crossing))
     return {"Isend": sends, "Recv": recvs}
 
 
@@ -106,7 +130,8 @@ def test_ledger_one_activation_and_one_gradient_per_boundary(runs, n, index):
     # across the pipeline: pp V - 1 boundaries, each one activation + one gradient per
     # microbatch, on every (dp, tp) replica of the pipeline
     total = sum(r["calls"] for r in ledger if r["group"] == "pp" and r["op"] == "Isend")
-    assert total == 2 * cfg.microbatches * (cfg.pp * cfg.virtual - 1) * cfg.dp * cfg.tp
+    boundaries = 2 * cfg.pp - 2 if cfg.schedule in V_SHAPED else cfg.pp * cfg.virtual - 1
+    assert total == 2 * cfg.microbatches * boundaries * cfg.dp * cfg.tp
 
 
 def test_pipeline_flags_are_checked_before_any_communication():
@@ -123,6 +148,14 @@ def test_pipeline_flags_are_checked_before_any_communication():
     assert bad and "--virtual 2 needs --pp 2" in bad[0]
     bad = first_problem(pp=4, virtual=2, microbatches=4)
     assert bad and "needs --schedule interleaved" in bad[0]
+    assert first_problem(pp=4, schedule="zb-v", microbatches=1, layers=8) == []
+    assert first_problem(pp=2, schedule="dualpipev", microbatches=4, layers=4) == []
+    bad = first_problem(pp=4, schedule="dualpipev", microbatches=4, layers=8)
+    assert bad and "at least 2 x --pp = 8 (got 4)" in bad[0]
+    bad = first_problem(pp=4, schedule="zb-v", microbatches=4, layers=4)
+    assert bad and "--layers divisible by 2 x --pp 4" in bad[0]
+    bad = problems(TrainConfig(schedule="zb-v").resolved(1), 1)
+    assert bad and "needs --pp 2 or more" in bad[0]
 
 
 def test_boundary_shape_is_a_microbatch_of_rows_by_d():
