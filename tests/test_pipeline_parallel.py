@@ -173,6 +173,8 @@ def test_lesson_shows_the_48_layer_example_bubble_memory_and_equivalence():
     for rank, (first, last) in enumerate([(1, 12), (13, 24), (25, 36), (37, 48)]):
         assert re.search(rf"\[rank {rank}\] layers {first}-{last}\b", out), out
     assert "[rank 0] layers 1-6 + embedding, layers 25-30" in out  # --virtual 2
+    assert "[rank 0] layers 1-6 + embedding, layers 43-48 + head" in out  # the V
+    assert "[rank 3] layers 19-24, layers 25-30 (" in out
     # 1F1B, pp = 4, M = 4, worked by hand: warm-up F1-F3, F4, then B1 once it is back
     assert "rank 0: F1 F2 F3 F4 .  .  .  .  .  .  B1 B1 .  B2 B2 .  B3 B3 .  B4 B4" in out
     table = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s+[\d.]+$",
@@ -184,9 +186,12 @@ def test_lesson_shows_the_48_layer_example_bubble_memory_and_equivalence():
         assert 0.0 <= float(measured) < 1.0
     assert "gpipe: simulator [8, 8, 8, 8], real run [8, 8, 8, 8]" in out
     assert "1f1b: simulator [4, 3, 2, 1], real run [4, 3, 2, 1]" in out
+    assert "zb-v: simulator [8, 8, 8, 8], real run [8, 8, 8, 8]" in out
+    assert "dualpipev: simulator [9, 9, 9, 9], real run [9, 9, 9, 9]" in out
     checks = re.findall(r"(\S+): bubble measured .* in order: (\w+); max rel diff "
                         r"losses (\S+), params (\S+) -> (\w+)$", out, re.M)
-    assert [c[0] for c in checks] == ["gpipe", "1f1b", "interleaved", "zb-h1"], out
+    assert [c[0] for c in checks] == ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v",
+                                      "dualpipev"], out
     for name, in_order, losses, params, verdict in checks:
         assert in_order == "yes" and float(losses) <= 1e-9 and float(params) <= 1e-9, name
         assert verdict == "OK", name

@@ -691,6 +691,9 @@ def bubble_formula(schedule: str, pp: int, microbatches: int, virtual: int = 1) 
     """The papers' bubble fractions, which the simulator reproduces exactly:
     (pp-1)/(M+pp-1) for GPipe and 1F1B, (pp-1)/(V M+pp-1) interleaved, and for ZB-H1
     (pp-1)/(3M+pp-1) -- idle pp-1 units where 1F1B idles 3(pp-1) -- when M >= pp."""
+    if schedule in V_SHAPED:
+        raise ValueError(f"{schedule} has no closed-form bubble on this measure: simulate "
+                         "it (its per-rank idle time is in Simulation.idle)")
     per_stage_work = {"interleaved": virtual * microbatches, "zb-h1": 3 * microbatches}
     return (pp - 1) / (per_stage_work.get(schedule, microbatches) + pp - 1)
 
