@@ -18,7 +18,7 @@ export MINIPAR_MPIEXEC := $(if $(findstring /,$(MPIEXEC)),$(abspath $(MPIEXEC)),
 RUFF_CONFIG := $(shell $(PYTHON) -c "import configparser as c; p = c.ConfigParser(); \
 	p.read('setup.cfg'); print(' '.join(\"--config '%s = %s'\" % kv for kv in p['tool:ruff'].items()))")
 
-.PHONY: install test lint demo lessons notebooks bench clean
+.PHONY: install test lint hosts-test demo lessons notebooks bench clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ lint: install
 test: install lint
 	@start=$$(date +%s); $(PY) -m pytest && \
 	  echo $$(( $$(date +%s) - start )) > bench/last_test_seconds
+
+# The several-hosts tests alone (also in `test`): two simulated hosts, each a network
+# namespace on a bridge, and real jobs across them. Root only; skipped, with the reason, if not.
+hosts-test: install
+	$(PY) -m pytest -q -rs tests/test_hosts.py
 
 # The guided tour: every strategy on 8 ranks, one line each, checked against one process;
 # its figures go to build/tour.
