@@ -34,6 +34,13 @@ The schedules, each from its paper:
   microbatches' instructions run one after the other inside the step, so the
   step's duration is its own cost `F&B` in the simulator (F + B + W when
   nothing overlaps, less when the hardware overlaps).
+  DualPipe itself is not built: it sends microbatches both ways through PP
+  ranks, rank r holding stage r for one direction and stage PP-1-r for the
+  other -- the two ends of one model twice, so 2x the parameters, whose
+  gradients the two copies must sum. By that symmetry its ranks r and PP-1-r
+  run mirror images of one program, and ranks 0..PP/2-1 run exactly
+  DualPipeV's on pp = PP/2 (the V's bottom then a message): its bubble and
+  activation memory are DualPipeV's.
 
 Bubble, as measured here: run the instruction lists with F = 1 time unit and
 B = 2 (B = W = 1 for the split schedules), communication free (`Costs` weighs
