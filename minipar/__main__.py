@@ -20,8 +20,9 @@ import sys
 import traceback
 from pathlib import Path
 
-from minipar import checkpoint
+from minipar import checkpoint, preflight, watchdog
 from minipar.bugs import listing
+from minipar.checkpoint import CheckpointError, FolderInUseError, holding
 from minipar.config import ConfigError, _Parser, config_from_args, make_parser
 from minipar.mesh import MeshShape
 from minipar.plan import plan_command as plan
@@ -58,6 +59,8 @@ def train_command(argv: list[str]) -> int:
         args = parser.parse_args(argv)
         cfg = config_from_args(args).resolved(world.Get_size())
         errors = problems(cfg, world.Get_size())
+        if not errors:   # the --dump folder too (preflight.py), still no talking
+            errors = preflight.output_problems({"--dump": args.dump})
     except ConfigError as error:
         errors = [str(error)]
     if errors:
@@ -67,10 +70,20 @@ def train_command(argv: list[str]) -> int:
         if rank == 0:
             print(f"step {step + 1:4d}  loss {loss:.6f}", flush=True)
 
+    if cfg.timeout and world.Get_size() > 1:   # a rank stuck in one call that long ends
+        from minipar.log import abort_all  # the job (here: log.py loads mpi4py.MPI)
+
+        watchdog.start(cfg.timeout, rank, abort_all)
     try:
-        result = train(cfg, world, on_step=progress)
+        with holding(world, cfg.save):   # --save DIR is this job's alone until it ends
+            result = train(cfg, world, on_step=progress)
+    except CheckpointError as error:   # on every rank alike: the folder is taken (before the
+        return fail(rank, str(error), code=2 if isinstance(error, FolderInUseError) else 1)  # first
+        # step, exit 2), or a save failed (the previous checkpoint kept, exit 1)
     except DivergedError as error:  # raised on every rank at the same step: no abort needed
         return fail(rank, str(error), code=1)
+    finally:
+        watchdog.stop()
     if args.ledger and rank == 0:
         print(ledger_table(result.ledger, cfg), flush=True)
     if args.dump and rank == 0:
@@ -89,16 +102,23 @@ def train_command(argv: list[str]) -> int:
 
 
 # -------------------------------------------------------------------- mesh
+MESH_TABLE_LIMIT = 4096
+
+
 def mesh_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m minipar mesh",
                                      description="Print which rank is in which group.")
     for axis in ("dp", "tp", "pp", "ep"):
-        parser.add_argument(f"--{axis}", type=int, default=1)
+        parser.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} degree")
     parser.add_argument("--world", type=int, default=None,
                         help="ranks the mesh must fill (default: dp*tp*pp)")
     args = parser.parse_args(argv)
     shape = MeshShape(args.dp, args.tp, args.pp, args.ep)
     errors = shape.problems(shape.world if args.world is None else args.world)
+    if not errors and shape.world > MESH_TABLE_LIMIT:   # one row per rank: keep it readable
+        errors = [f"the mesh dp*tp*pp = {shape.world} ranks is more rows than a table can "
+                  f"show (at most {MESH_TABLE_LIMIT}): the same shape with smaller sizes "
+                  "shows the same pattern"]
     if errors:
         return fail(0, errors[0])
     print(shape.table())
@@ -119,9 +139,11 @@ def reshard_command(argv: list[str]) -> int:
     parser = _Parser(prog="python -m minipar reshard",
                     description="Rewrite a checkpoint for the mesh of this job.")
     for axis, default in (("dp", None), ("tp", 1), ("pp", 1), ("ep", 1), ("virtual", 1)):
-        parser.add_argument(f"--{axis}", type=int, default=default)
-    parser.add_argument("source", metavar="SRC")
-    parser.add_argument("destination", metavar="DST")
+        parser.add_argument(f"--{axis}", type=int, default=default,
+                            help=f"the new mesh's {axis} (default: dp fills the job)"
+                            if axis == "dp" else f"the new mesh's {axis}")
+    parser.add_argument("source", metavar="SRC", help="the checkpoint folder to read")
+    parser.add_argument("destination", metavar="DST", help="the checkpoint folder to write")
     try:
         args = parser.parse_args(argv)
     except ConfigError as error:
@@ -132,7 +154,7 @@ def reshard_command(argv: list[str]) -> int:
         manifest = checkpoint.read_manifest(Path(args.source))
         cfg = checkpoint.config_for(manifest, **mesh).resolved(size)
         errors = problems(cfg, size) + [f"DST {message}" for message in
-                                         checkpoint.folder_problems(Path(args.destination))]
+                                         preflight.folder_problems(args.destination)]
     if errors:
         return fail(rank, errors[0])
     reshard(cfg, world, args.source, args.destination)
@@ -160,8 +182,15 @@ COMMANDS = {"train": train_command, "mesh": mesh_command, "tour": tour_command,
             "reshard": reshard_command, "bugs": bugs_command, "plan": plan_command}
 
 
+def launcher_rank() -> str:
+    """This process's rank as the launcher tells it (no MPI needed to read it)."""
+    return os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv[1:]) and launcher_rank() != "0":
+        sys.stdout = open(os.devnull, "w")  # --help: every rank parses, rank 0 alone prints
     if not argv or argv[0] not in COMMANDS:
         print(f"usage: python -m minipar {{{','.join(COMMANDS)}}} [flags]  "
               "(add --help after a command)", file=sys.stderr)
@@ -179,19 +208,45 @@ def main_quiet_on_closed_pipe() -> int:
         raise SystemExit(0) from None
 
 
+# Commands whose ranks talk: a rank that leaves on its own strands the others.
+TALKING = ("train", "reshard", "tour")
+
+
+def main_leaving_together() -> int:
+    """`main_quiet_on_closed_pipe()`, where a SystemExit with a failing code inside a
+    command whose ranks talk is one rank leaving on its own (every rank leaving alike
+    returns an exit code from `main` instead): end the job, or its partners wait forever."""
+    try:
+        return main_quiet_on_closed_pipe()
+    except SystemExit as leaving:
+        if leaving.code in (None, 0) or sys.argv[1:2] not in [[name] for name in TALKING]:
+            raise
+        from minipar.log import abort_all  # here: log.py loads mpi4py.MPI
+
+        abort_all(f"minipar: rank {launcher_rank()} left on its own "
+                  f"(SystemExit({leaving.code!r})) while its partners ran on: ending the job\n",
+                  leaving.code if isinstance(leaving.code, int) else 1)
+        raise
+
+
 def run() -> None:
-    """Entry point: like `python -m mpi4py`, an exception on one rank aborts every rank."""
+    """Entry point: like `python -m mpi4py`, an exception on one rank aborts every rank,
+    and so does a SystemExit with a failing code on one rank of a command whose ranks
+    talk (`main_leaving_together`); Ctrl-C is one line from each rank, exit 130."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     world_size = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
     if world_size > 1:
         # here, not at the top: log.py loads mpi4py.MPI, which one process never needs
         from minipar.log import abort_on_exception
 
-        sys.exit(abort_on_exception(main_quiet_on_closed_pipe, label="minipar: "))
+        sys.exit(abort_on_exception(main_leaving_together, label="minipar: "))
     try:  # one process: no partner can be left waiting, the traceback and exit 1 suffice
         code = main_quiet_on_closed_pipe()
     except SystemExit:
         raise
+    except KeyboardInterrupt:
+        sys.stderr.write("minipar: interrupted (Ctrl-C)\n")
+        raise SystemExit(130) from None
     except BaseException:
         sys.stderr.write(f"minipar: rank 0 failed:\n{traceback.format_exc()}")
         raise SystemExit(1) from None

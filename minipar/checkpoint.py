@@ -18,18 +18,26 @@ slice as boxes of the full arrays (the end of one row, whole rows, the start of
 another: `shards.flat_boxes`), so its shards read like any other; resuming, each rank
 cuts its own flat slice out of the full m and v (zero.py, `Zero1.slice_state`).
 
-A save must never leave a checkpoint that loads wrong. In order:
+A save must never destroy the checkpoint it would replace: each save goes to
+a new step folder inside `--save DIR`, and `DIR/latest` is switched to it only
+once it is complete and verified (checkpoint_folder.py). In order:
 
-    1. rank 0 removes the old manifest: from here on the folder holds no checkpoint;
-    2. every rank writes its shard atomically (temporary file, fsync, rename);
-    3. the shards' sha256 checksums go to rank 0, which writes `manifest.json`
-       last, atomically. A crash before 3 leaves no manifest: nothing loads.
+    1. rank 0 makes a staging folder (DIR/.staging-...) nothing points at;
+    2. every rank writes its shard there atomically (temporary file, fsync, rename);
+       a rank that cannot (a full disk) says so, and every rank learns it;
+    3. rank 0 writes `manifest.json` (every shard's sha256, and its own), reads
+       the whole folder back (`verify`), renames it to DIR/step-NNNNNN and
+       replaces DIR/latest atomically; older step folders beyond --keep go.
 
-Loading checks the manifest and every checksum first, on every rank alone and
-before any communication (`verify`): a missing, truncated or tampered file is
-one clear error line, never a traceback. The layout follows sharded checkpoints
-such as PyTorch's Distributed Checkpoint (a global manifest, per-rank shards
-described in global coordinates, replicas written once).
+A crash anywhere before the last rename leaves `latest` where it was.
+
+Loading checks the manifest (its own checksum, its structure, the shapes its
+config implies) and every shard (checksum, and each array's dtype and shape)
+first, on every rank alone and before any communication (`verify`): a missing,
+truncated, tampered or hand-edited file is one clear error line, never a
+traceback. The layout follows sharded checkpoints such as PyTorch's Distributed
+Checkpoint and Megatron-LM's (a global manifest, per-rank shards described in
+global coordinates, replicas written once, one folder per saved step).
 
     mpiexec -n 2 python -m minipar train --dp 2 --optimizer adam --lr 0.003 --steps 2 \
         --save ckpt
@@ -40,18 +48,22 @@ described in global coordinates, replicas written once).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
-import os
-from collections.abc import Sequence
+import re
+import shutil
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from minipar import checkpoint_folder as folders
 from minipar import nn
+from minipar.checkpoint_folder import atomic_write, fsync_folder  # noqa: F401
 from minipar.config import TrainConfig
 from minipar.mesh import Mesh
 from minipar.optim import Optimizer
@@ -63,14 +75,14 @@ if TYPE_CHECKING:  # data_parallel.py loads mpi4py.MPI; checking a checkpoint ne
 
 FORMAT = "minipar-checkpoint/1"
 MANIFEST = "manifest.json"
-# What must match between the checkpoint and the run resuming it: the parameter shapes,
-# the optimizer (its state slots), and the dtype (equal to the last bit after resuming).
-MUST_MATCH = ("model", "layers", "d_in", "d_model", "d_ff", "classes", "experts",
-              "expert_d_ff", "optimizer", "dtype")
 
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message is one line naming the folder."""
+
+
+class FolderInUseError(CheckpointError):
+    """Another live job holds the lock of the --save folder: a bad setting (exit 2)."""
 
 
 @dataclass
@@ -104,26 +116,6 @@ def decode_index(spec: list | None) -> tuple:
 
 
 # ------------------------------------------------------------- writing
-def fsync_folder(folder: Path) -> None:
-    """Make a rename inside `folder` durable (the directory entry itself is data)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that a crash leaves the old file or the new, never half."""
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temporary, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())     # the bytes are on disk before a name points at them
-    os.replace(temporary, path)       # atomic on POSIX: readers see the old or the new file
-    fsync_folder(path.parent)
-
-
 def shard_name(rank: int, world: int) -> str:
     return f"shard-{rank:05d}-of-{world:05d}.npz"
 
@@ -154,10 +146,9 @@ def write_shard(folder: Path, rank: int, world: int, pieces: Sequence[nn.Paramet
 
 def write_manifest(folder: Path, cfg: TrainConfig, step: int, optimizer_t: int,
                    entries: list[dict], losses: Sequence[float] = ()) -> None:
-    """The last file of a save: what was saved, from which mesh, and every shard's checksum.
-    Shard files of an earlier save that this one does not list, and temporary files of
-    a save that crashed, are removed after it."""
-    saved_config = {k: v for k, v in cfg.as_json().items() if k not in ("save", "resume")}
+    """The last file of a save: what was saved, from which mesh, every shard's checksum,
+    and the manifest's own checksum (`seal`), so a hand edit of any field is caught."""
+    saved_config = {k: v for k, v in cfg.as_json().items() if k not in RUN_ONLY}
     manifest = {
         "format": FORMAT, "step": step, "optimizer_t": optimizer_t,
         "losses": list(losses),  # steps 1..step: a resumed run reports all S of them
@@ -167,11 +158,14 @@ def write_manifest(folder: Path, cfg: TrainConfig, step: int, optimizer_t: int,
         "shapes": {k: list(v) for k, v in nn.canonical_shapes(cfg.model_config()).items()},
         "files": {e["file"]: {k: e[k] for k in ("rank", "bytes", "sha256")} for e in entries},
     }
-    atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
-    for stale in [*folder.glob("shard-*.npz"), *folder.glob(".shard-*.tmp-*")]:
-        if stale.name not in manifest["files"]:
-            stale.unlink()
+    atomic_write(folder / MANIFEST, json.dumps(seal(manifest), indent=1).encode())
 
+
+def seal(manifest: dict) -> dict:
+    """`manifest` with its own sha256 (of its canonical JSON without that field) added."""
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return dict(body, sha256=hashlib.sha256(text.encode()).hexdigest())
 
 def pieces_to_write(world: Group, params: Sequence[nn.Parameter]) -> list[int]:
     """Which of this rank's params it writes: a replica (the same name and index on several
@@ -187,62 +181,187 @@ def pieces_to_write(world: Group, params: Sequence[nn.Parameter]) -> list[int]:
 
 
 def save(folder: str | Path, cfg: TrainConfig, mesh: Mesh, updater: Updater,
-         optimizer: Optimizer, step: int, losses: Sequence[float] = ()) -> None:
-    """Save this rank's params and optimizer state; a collective over `mesh.world`.
+         optimizer: Optimizer, step: int, losses: Sequence[float] = (),
+         keep: int = 2) -> str:
+    """Save this rank's params and optimizer state as a new step folder of `folder`; a
+    collective over `mesh.world`. Returns the step folder's name on every rank.
 
     `updater.checkpoint_pieces()` says what this rank holds: plain data parallelism its
     parameters and the optimizer's state for each; ZeRO the boxes of the full arrays its
-    one flat slice covers (zero.py). Order of events (the module docstring): old
-    manifest gone, shards, manifest.
+    one flat slice covers (zero.py). Order of events (the module docstring): staging
+    folder, shards, manifest, verify,
+    switch. A failure anywhere raises CheckpointError on every rank, the previous
+    checkpoint untouched.
     """
-    folder, world = Path(folder), mesh.world
-    if world.rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / MANIFEST).unlink(missing_ok=True)   # from now on nothing here loads
-    world.Barrier()  # no shard is replaced while an old manifest could still vouch for it
+    root, world = Path(folder), mesh.world
+    held_before = root in folders._HELD
+    plan = _start_save(root, step) if world.rank == 0 else None
+    # (the staging folder, the lock's token) or an error -> every rank
+    staging, token, error = world.bcast(plan)
+    if error:
+        raise CheckpointError(f"--save {error}")
     params, held = updater.checkpoint_pieces()
     mine = pieces_to_write(world, params)
     state = {slot: [values[i] for i in mine] for slot, values in held.items()}
     meta = {"step": step, "coords": mesh.coords,
             "mesh": {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "ep": cfg.ep}}
-    entry = write_shard(folder, world.rank, world.size, [params[i] for i in mine], state, meta)
-    # every shard's checksum -> rank 0; when it has them all, every shard is on disk
-    entries = world.gather(entry)
+    try:
+        entry, error = write_shard(Path(staging), world.rank, world.size,
+                                   [params[i] for i in mine], state, meta), None
+    except OSError as failure:   # a full disk, a folder gone: the others must hear of it
+        entry, error = None, f"rank {world.rank} could not write its shard ({failure.strerror})"
+    # every shard's checksum (or why it is missing) -> rank 0: then every shard is on disk
+    entries = world.gather((entry, error))
+    outcome = None
     if world.rank == 0:
-        write_manifest(folder, cfg, step, optimizer.t, entries, losses)
-    world.Barrier()  # nobody goes on (or resumes from it) before the manifest is there
+        outcome = _finish_save(root, Path(staging), token, cfg, step, optimizer.t, entries,
+                               losses, keep, held_before)
+    # the published step folder, or why the save failed -> every rank
+    name, error = world.bcast(outcome)
+    if error:
+        raise CheckpointError(f"--save {root}: {error}; the previous checkpoint is kept")
+    return name
+
+
+@contextlib.contextmanager
+def holding(world: object, folder: str | None) -> Iterator[None]:
+    """Hold the lock of `folder` (on rank 0) for the whole block; a collective over the
+    raw `world` communicator. Raises CheckpointError on every rank when another live job
+    holds it: two jobs saving into one folder are refused before the first step."""
+    if not folder:
+        yield
+        return
+    error = None
+    if world.Get_rank() == 0:
+        try:
+            folders.acquire(Path(folder))
+        except (folders.FolderError, OSError) as failure:
+            error = f"--save {failure}"
+    error = world.bcast(error, root=0)   # the lock's verdict -> every rank
+    if error:
+        raise FolderInUseError(error)
+    try:
+        yield
+    finally:
+        if world.Get_rank() == 0:
+            folders.release(Path(folder))
+
+
+def _start_save(root: Path, step: int) -> tuple[str | None, str | None, str | None]:
+    """Rank 0: the lock (if the job does not hold it already) and an empty staging folder."""
+    try:
+        token = folders.acquire(root)
+        staging = folders.staging_folder(root, step, token)
+        staging.mkdir()
+    except folders.FolderError as error:
+        return None, None, str(error)
+    except OSError as error:
+        return None, None, f"{root}: cannot make a folder there ({error.strerror})"
+    return str(staging), token, None
+
+
+def _finish_save(root: Path, staging: Path, token: str, cfg: TrainConfig, step: int,
+                 optimizer_t: int, entries: list, losses: Sequence[float], keep: int,
+                 held_before: bool) -> tuple[str | None, str | None]:
+    """Rank 0: the manifest, a full read-back, the switch of `latest`; on any failure the
+    staging folder is removed and `latest` stays. Returns (step folder, error)."""
+    try:
+        errors = [error for _, error in entries if error]
+        if not errors:
+            write_manifest(staging, cfg, step, optimizer_t, [e for e, _ in entries], losses)
+            errors = verify(staging)
+        if not errors:
+            return folders.publish(root, staging, step, token, keep), None
+        return None, errors[0]
+    except folders.FolderError as error:
+        return None, str(error)
+    except OSError as error:
+        return None, f"could not finish the save ({error.strerror})"
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)   # published: already renamed away
+        if not held_before:
+            folders.release(root)
 
 
 # ------------------------------------------------------------- reading
 def read_manifest(folder: Path) -> dict:
-    """The manifest, with its shape checked; raises CheckpointError if absent or corrupt."""
+    """The manifest of the checkpoint `folder` holds (its `latest` step folder, or a step
+    folder itself), checked: its own checksum, its structure, its shapes against its
+    config. Raises CheckpointError (one line) if absent, corrupt or edited."""
+    folder = resolve(Path(folder))
     path = folder / MANIFEST
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: no such checkpoint folder")
-    if not path.is_file():
-        raise CheckpointError(f"{folder}: no {MANIFEST} (not a checkpoint, or its save "
-                              "never finished)")
     try:
         manifest = json.loads(path.read_text())
-        if manifest["format"] != FORMAT:
-            raise ValueError(f"format {manifest['format']!r}, expected {FORMAT!r}")
-        int(manifest["step"]), int(manifest["optimizer_t"]), dict(manifest["config"])
-        if not manifest["files"] or not manifest["shapes"]:
-            raise ValueError("no shard files listed")
+        if not isinstance(manifest, dict):
+            raise ValueError("not a JSON object")
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"format {manifest.get('format')!r}, expected {FORMAT!r}")
+        if seal(manifest)["sha256"] != manifest.get("sha256"):
+            raise ValueError("it fails its own sha256 check: edited since saved")
+        _check_structure(manifest)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{folder}: {MANIFEST} is corrupt ({error})") from None
+    except OSError as error:
+        raise CheckpointError(f"{folder}: cannot read {MANIFEST} ({error.strerror})") from None
     return manifest
+
+
+def resolve(folder: Path) -> Path:
+    """The step folder to read: `folder` itself when it holds a manifest (or shards: a
+    step folder that lost its manifest), else the one `folder/latest` names."""
+    folder = Path(folder)
+    if (folder / MANIFEST).is_file():
+        return folder
+    if any(folder.glob("shard-*.npz")):
+        raise CheckpointError(f"{folder}: no {MANIFEST} (its save never finished)")
+    try:
+        return folders.latest(folder)
+    except folders.FolderError as error:
+        raise CheckpointError(str(error)) from None
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_structure(manifest: dict) -> None:
+    """Raise ValueError naming the first field of the wrong kind (the checksum vouches for
+    the bytes; this vouches that they mean what the loader expects)."""
+    if not _is_count(manifest["step"]) or not _is_count(manifest["optimizer_t"]):
+        raise ValueError("step and optimizer_t must be counts")
+    losses, shapes, files = manifest["losses"], manifest["shapes"], manifest["files"]
+    if not isinstance(losses, list) or len(losses) != manifest["step"] or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in losses):
+        raise ValueError(f"losses must be {manifest['step']} numbers, one per step")
+    if not isinstance(manifest["config"], dict) or not isinstance(shapes, dict) or not shapes:
+        raise ValueError("config and shapes must be objects")
+    if not isinstance(files, dict) or not files:
+        raise ValueError("files must be an object of shard name -> rank, bytes, sha256")
+    for name, entry in files.items():
+        if not re.fullmatch(r"shard-\d{5}-of-\d{5}\.npz", name) or not isinstance(
+                entry, dict) or not _is_count(entry.get("bytes")) or not _is_count(
+                entry.get("rank")) or not isinstance(entry.get("sha256"), str):
+            raise ValueError(f"files entry {name[:40]!r} is malformed")
+    expected = {k: list(v) for k, v in nn.canonical_shapes(
+        config_for(manifest).resolved(1).model_config()).items()}
+    if shapes != expected:
+        wrong = sorted(k for k in set(shapes) | set(expected)
+                       if shapes.get(k) != expected.get(k))
+        raise ValueError(f"shapes of {wrong[0]} do not match the saved config")
+    if np.dtype(manifest["config"]["dtype"]) not in (np.float64, np.float32):
+        raise ValueError(f"dtype {manifest['config']['dtype']!r}")
 
 
 def verify(folder: str | Path) -> list[str]:
     """Every reason the checkpoint in `folder` cannot be trusted; empty if it can.
 
     Reads the manifest and every shard, compares sizes and sha256 checksums, and
-    checks each shard says the same step as the manifest. No communication: every
-    rank runs it alone and reaches the same verdict.
+    checks each shard says the same step as the manifest and holds arrays of the
+    manifest's dtype and shapes. No communication: every rank runs it alone and
+    reaches the same verdict.
     """
-    folder = Path(folder)
     try:
+        folder = resolve(Path(folder))
         manifest = read_manifest(folder)
     except CheckpointError as error:
         return [str(error)]
@@ -258,14 +377,34 @@ def verify(folder: str | Path) -> list[str]:
                        f"{entry['bytes']} (truncated or overwritten)")
         elif hashlib.sha256(data).hexdigest() != entry["sha256"]:
             out.append(f"{folder}: shard {name} fails its sha256 check (changed since saved)")
-        elif _shard_meta(data)["step"] != manifest["step"]:
-            out.append(f"{folder}: shard {name} is from another step than {MANIFEST}")
+        else:
+            out += [f"{folder}: shard {name} {problem}" for problem in
+                    _shard_problems(io.BytesIO(data), manifest)[:1]]
     return out
 
 
-def _shard_meta(data: bytes) -> dict:
-    with np.load(io.BytesIO(data), allow_pickle=False) as shard:
-        return json.loads(shard["meta"].item())
+def _shard_problems(source: object, manifest: dict) -> list[str]:
+    """What in one shard disagrees with the manifest: its step, a name it does not list,
+    an array of another dtype or shape than the piece's box of the full array."""
+    dtype = np.dtype(manifest["config"]["dtype"])
+    try:
+        with np.load(source, allow_pickle=False) as shard:
+            meta = json.loads(shard["meta"].item())
+            if meta["step"] != manifest["step"]:
+                return [f"is from another step than {MANIFEST}"]
+            for i, piece in enumerate(meta["pieces"]):
+                if piece["name"] not in manifest["shapes"]:
+                    return [f"holds {piece['name']!r}, which the manifest does not list"]
+                full = tuple(manifest["shapes"][piece["name"]])
+                box = np.empty(full, np.bool_)[decode_index(piece["index"])].shape
+                for key in [f"{i}.data", *(f"{i}.{slot}" for slot in meta["slots"])]:
+                    array = shard[key]
+                    if array.dtype != dtype or array.shape != box:
+                        return [f"holds {piece['name']} ({key}) as {array.dtype} "
+                                f"{list(array.shape)}, the manifest says {dtype} {list(box)}"]
+    except (ValueError, KeyError, TypeError, IndexError, OSError) as error:
+        return [f"cannot be read ({type(error).__name__}: {str(error)[:80]})"]
+    return []
 
 
 def load(folder: str | Path) -> Checkpoint:
@@ -273,9 +412,10 @@ def load(folder: str | Path) -> Checkpoint:
 
     Each piece is written into its place (`full[name][full_index] = data`); a
     replica lands on the same place with the same values. Every element of every
-    array must be covered by some shard, or the checkpoint is refused.
+    array must be covered by some shard, or the checkpoint is refused. `verify`
+    has checked each array's dtype and shape against the manifest.
     """
-    folder = Path(folder)
+    folder = resolve(Path(folder))
     manifest = read_manifest(folder)
     dtype = np.dtype(manifest["config"]["dtype"])
     shapes = {name: tuple(shape) for name, shape in manifest["shapes"].items()}
@@ -283,6 +423,9 @@ def load(folder: str | Path) -> Checkpoint:
     covered = {name: np.zeros(shape, bool) for name, shape in shapes.items()}
     state: dict[str, dict[str, np.ndarray]] = {}
     for name in sorted(manifest["files"]):
+        problems_here = _shard_problems(folder / name, manifest)
+        if problems_here:
+            raise CheckpointError(f"{folder}: shard {name} {problems_here[0]}")
         with np.load(folder / name, allow_pickle=False) as shard:
             meta = json.loads(shard["meta"].item())
             for slot in meta["slots"]:
@@ -299,7 +442,6 @@ def load(folder: str | Path) -> Checkpoint:
                               f"({len(missing)} arrays incomplete)")
     return Checkpoint(int(manifest["step"]), params, state, int(manifest["optimizer_t"]),
                       manifest)
-
 
 def restore_optimizer(optimizer: Optimizer, params: Sequence[nn.Parameter],
                       saved: Checkpoint, updater: Updater | None = None) -> int:
@@ -325,6 +467,8 @@ def problems(cfg: TrainConfig) -> list[str]:
     Reads files but never communicates: every rank reaches the same verdict alone."""
     out = []
     if cfg.save:
+        # (whether another job holds the folder's lock is asked once, by rank 0, in
+        # `holding`: here rank 1 could see the lock its own rank 0 just took)
         out += [f"--save {message}" for message in folder_problems(Path(cfg.save))]
     if cfg.resume:
         errors = verify(cfg.resume)
@@ -336,15 +480,21 @@ def problems(cfg: TrainConfig) -> list[str]:
 
 
 def folder_problems(folder: Path) -> list[str]:
-    """Why a checkpoint cannot be written to `folder` (not a folder, not writable)."""
-    if folder.exists() and not folder.is_dir():
-        return [f"{folder}: exists and is not a folder"]
-    parent = folder
-    while not parent.exists():
-        parent = parent.parent
-    if not os.access(parent, os.W_OK):
-        return [f"{folder}: {parent} is not writable"]
-    return []
+    """Why a checkpoint cannot be written to `folder` (preflight.py: not a folder, not
+    writable, an empty name)."""
+    from minipar.preflight import folder_problems as problems_of  # the same layer
+
+    return problems_of(folder)
+
+
+# The flags that define the model (parameter shapes, the loss), the data stream and the
+# optimizer state: a resumed run with any of them different would not continue the saved
+# one. The mesh, --microbatches and --lr may change.
+MUST_MATCH = ("model", "layers", "d_in", "d_model", "d_ff", "classes", "experts",
+              "expert_d_ff", "top_k", "capacity_factor", "aux_coef", "batch", "seed",
+              "optimizer", "dtype")
+# Flags of one run, not of the model or the training: not kept in the manifest.
+RUN_ONLY = ("save", "resume", "keep", "timeout")
 
 
 def mismatches(manifest: dict, cfg: TrainConfig) -> list[str]:
@@ -352,7 +502,7 @@ def mismatches(manifest: dict, cfg: TrainConfig) -> list[str]:
     saved = manifest["config"]
     out = [f"saved with --{name.replace('_', '-')} {saved.get(name)}, this run has "
            f"{getattr(cfg, name)} (they must match)"
-           for name in MUST_MATCH if saved.get(name) != getattr(cfg, name)]
+           for name in MUST_MATCH if name in saved and saved[name] != getattr(cfg, name)]
     if cfg.steps <= manifest["step"]:
         out.append(f"--steps {cfg.steps} leaves nothing to do after the checkpoint's step "
                    f"{manifest['step']} (--steps is the total: use more than "

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from minipar import watchdog
 from minipar.autograd import Tensor
 
 
@@ -101,7 +102,8 @@ class Group:
     """An MPI communicator for one mesh axis that writes every call into the ledger.
 
     The methods keep mpi4py's names and arguments, so call sites read as plain
-    mpi4py; `comm` is the raw communicator for anything else.
+    mpi4py; `comm` is the raw communicator for anything else. Each blocking call is
+    stamped for the watchdog (`watchdog.waiting`: what it is and since when).
     """
 
     def __init__(self, comm: MPI.Comm, name: str, ledger: Ledger) -> None:
@@ -118,7 +120,8 @@ class Group:
     # collectives on arrays; recorded sizes follow the ledger convention
     def Allreduce(self, sendbuf: object, recvbuf: np.ndarray, op: MPI.Op = MPI.SUM) -> None:
         self._log("Allreduce", recvbuf)
-        self.comm.Allreduce(sendbuf, recvbuf, op=op)
+        with watchdog.waiting(f"Allreduce over {self.name}"):
+            self.comm.Allreduce(sendbuf, recvbuf, op=op)
 
     def Iallreduce(self, sendbuf: object, recvbuf: np.ndarray,
                    op: MPI.Op = MPI.SUM) -> MPI.Request:
@@ -127,46 +130,56 @@ class Group:
 
     def Allgather(self, sendbuf: object, recvbuf: object) -> None:
         self._log("Allgather", recvbuf)
-        self.comm.Allgather(sendbuf, recvbuf)
+        with watchdog.waiting(f"Allgather over {self.name}"):
+            self.comm.Allgather(sendbuf, recvbuf)
 
     def Allgatherv(self, sendbuf: object, recvbuf: object) -> None:
         self._log("Allgatherv", recvbuf)
-        self.comm.Allgatherv(sendbuf, recvbuf)
+        with watchdog.waiting(f"Allgatherv over {self.name}"):
+            self.comm.Allgatherv(sendbuf, recvbuf)
 
     def Reduce_scatter(self, sendbuf: object, recvbuf: object,
                        recvcounts: Sequence[int] | None = None, op: MPI.Op = MPI.SUM) -> None:
         self._log("Reduce_scatter", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf)
-        self.comm.Reduce_scatter(sendbuf, recvbuf, recvcounts, op=op)
+        with watchdog.waiting(f"Reduce_scatter over {self.name}"):
+            self.comm.Reduce_scatter(sendbuf, recvbuf, recvcounts, op=op)
 
     def Reduce_scatter_block(self, sendbuf: object, recvbuf: object,
                              op: MPI.Op = MPI.SUM) -> None:
         self._log("Reduce_scatter", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf)
-        self.comm.Reduce_scatter_block(sendbuf, recvbuf, op=op)
+        with watchdog.waiting(f"Reduce_scatter_block over {self.name}"):
+            self.comm.Reduce_scatter_block(sendbuf, recvbuf, op=op)
 
     def Alltoall(self, sendbuf: object, recvbuf: object) -> None:
         self._log("Alltoall", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf)
-        self.comm.Alltoall(sendbuf, recvbuf)
+        with watchdog.waiting(f"Alltoall over {self.name}"):
+            self.comm.Alltoall(sendbuf, recvbuf)
 
     def Alltoallv(self, sendbuf: object, recvbuf: object) -> None:
         self._log("Alltoallv", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf)
-        self.comm.Alltoallv(sendbuf, recvbuf)
+        with watchdog.waiting(f"Alltoallv over {self.name}"):
+            self.comm.Alltoallv(sendbuf, recvbuf)
 
     def Exscan(self, sendbuf: object, recvbuf: object, op: MPI.Op = MPI.SUM) -> None:
         self._log("Exscan", recvbuf)
-        self.comm.Exscan(sendbuf, recvbuf, op=op)
+        with watchdog.waiting(f"Exscan over {self.name}"):
+            self.comm.Exscan(sendbuf, recvbuf, op=op)
 
     def Bcast(self, buf: object, root: int = 0) -> None:
         self._log("Bcast", buf)
-        self.comm.Bcast(buf, root=root)
+        with watchdog.waiting(f"Bcast over {self.name}"):
+            self.comm.Bcast(buf, root=root)
 
     # point to point
     def Send(self, buf: object, dest: int, tag: int = 0) -> None:
         self._log("Send", buf)
-        self.comm.Send(buf, dest=dest, tag=tag)
+        with watchdog.waiting(f"Send to {self.name} rank {dest}"):
+            self.comm.Send(buf, dest=dest, tag=tag)
 
     def Recv(self, buf: object, source: int, tag: int = 0) -> None:
         self._log("Recv", buf)
-        self.comm.Recv(buf, source=source, tag=tag)
+        with watchdog.waiting(f"Recv from {self.name} rank {source}"):
+            self.comm.Recv(buf, source=source, tag=tag)
 
     def Isend(self, buf: object, dest: int, tag: int = 0) -> MPI.Request:
         self._log("Isend", buf)
@@ -179,25 +192,30 @@ class Group:
     def Sendrecv(self, sendbuf: object, dest: int, recvbuf: object, source: int,
                  sendtag: int = 0, recvtag: int = 0) -> None:
         self._log("Sendrecv", sendbuf)
-        self.comm.Sendrecv(sendbuf, dest=dest, sendtag=sendtag, recvbuf=recvbuf,
+        with watchdog.waiting(f"Sendrecv with {self.name} ranks {dest}/{source}"):
+            self.comm.Sendrecv(sendbuf, dest=dest, sendtag=sendtag, recvbuf=recvbuf,
                            source=source, recvtag=recvtag)
 
     # small Python objects (pickled): counted as calls with no elements
     def bcast(self, obj: object, root: int = 0) -> object:
         self.ledger.record("bcast", self.name, 0, 1)
-        return self.comm.bcast(obj, root=root)
+        with watchdog.waiting(f"bcast over {self.name}"):
+            return self.comm.bcast(obj, root=root)
 
     def allgather(self, obj: object) -> list:
         self.ledger.record("allgather", self.name, 0, 1)
-        return self.comm.allgather(obj)
+        with watchdog.waiting(f"allgather over {self.name}"):
+            return self.comm.allgather(obj)
 
     def gather(self, obj: object, root: int = 0) -> list | None:
         self.ledger.record("gather", self.name, 0, 1)
-        return self.comm.gather(obj, root=root)
+        with watchdog.waiting(f"gather over {self.name}"):
+            return self.comm.gather(obj, root=root)
 
     def Barrier(self) -> None:
         self.ledger.record("Barrier", self.name, 0, 1)
-        self.comm.Barrier()
+        with watchdog.waiting(f"Barrier over {self.name}"):
+            self.comm.Barrier()
 
 
 # --------------------------------------------------- array helpers (no autograd)

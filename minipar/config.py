@@ -59,6 +59,8 @@ class TrainConfig:
     sp: bool = False
     save: str | None = None           # checkpoint folder written at the end (checkpoint.py)
     resume: str | None = None         # checkpoint folder to start from, on any mesh
+    keep: int = 2                     # --save keeps this many step folders (checkpoint.py)
+    timeout: float = 300.0            # seconds a rank may wait in one call (watchdog.py)
     inject_bug: str | None = None     # lesson 08: run with one deliberate bug (bugs.py)
 
     def resolved(self, world_size: int) -> TrainConfig:
@@ -119,6 +121,14 @@ def size_problems(cfg: TrainConfig, world_size: int) -> list[str]:
     if cfg.capacity_factor is not None and math.isfinite(cfg.capacity_factor) \
             and cfg.capacity_factor <= 0:
         out.append(f"--capacity-factor must be positive (got {cfg.capacity_factor})")
+    if cfg.keep < 1:
+        out.append(f"--keep must be at least 1 checkpoint (got {cfg.keep})")
+    if not math.isfinite(cfg.timeout) or cfg.timeout < 0:
+        out.append(f"--timeout must be 0 (no watchdog) or a positive number of seconds "
+                   f"(got {cfg.timeout})")
+    for name in ("save", "resume"):
+        if getattr(cfg, name) == "":
+            out.append(f"--{name} needs a folder name (got an empty one)")
     if cfg.seed < 0:
         out.append(f"--seed must be zero or positive (got {cfg.seed})")
     if cfg.classes == 1:
@@ -210,22 +220,43 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+TRAIN_HELP = {
+    "layers": "blocks in the model", "d_in": "input features", "d_model": "model width",
+    "d_ff": "hidden width of a dense block (default 4 d_model)", "classes": "output classes",
+    "experts": "MoE: experts per block", "top_k": "MoE: experts each token goes to",
+    "expert_d_ff": "MoE: hidden width of an expert (default 2 d_model)",
+    "batch": "rows per step, over all data-parallel ranks",
+    "microbatches": "gradient accumulation: pieces of each rank's rows",
+    "steps": "total steps (also when resuming)", "seed": "seeds the model and the data",
+    "dp": "data-parallel ranks (default: world / (tp pp))", "tp": "tensor-parallel ranks",
+    "pp": "pipeline stages", "ep": "MoE: expert-parallel ranks (divides dp)",
+    "virtual": "model chunks per pipeline rank (--schedule interleaved)",
+    "zero": "ZeRO stage 0-3: shard optimizer state, gradients, parameters over dp",
+}
+
+
 def add_train_flags(parser: argparse.ArgumentParser) -> None:
     """Every flag of the train command, with its default (docs/design.md, "The train
     command")."""
     d = TrainConfig()
     add = parser.add_argument
-    add("--model", choices=("mlp", "moe"), default=d.model)
+    add("--model", choices=("mlp", "moe"), default=d.model,
+        help="dense MLP blocks, or mixture-of-experts blocks")
     for name in ("layers", "d_in", "d_model", "d_ff", "classes", "experts", "top_k",
                  "expert_d_ff", "batch", "microbatches", "steps", "seed",
                  "dp", "tp", "pp", "ep", "virtual", "zero"):
-        add(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
-    add("--capacity-factor", type=float, default=None)
-    add("--aux-coef", type=float, default=d.aux_coef)
-    add("--lr", type=float, default=d.lr)
-    add("--optimizer", choices=("sgd", "adam"), default=d.optimizer)
-    add("--dtype", choices=("float64", "float32"), default=d.dtype)
-    add("--schedule", choices=SCHEDULES, default=d.schedule)
+        add(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name),
+            help=TRAIN_HELP[name])
+    add("--capacity-factor", type=float, default=None,
+        help="MoE: tokens an expert takes, as a multiple of an even share (default: all)")
+    add("--aux-coef", type=float, default=d.aux_coef,
+        help="MoE: weight of the load-balancing loss")
+    add("--lr", type=float, default=d.lr, help="learning rate")
+    add("--optimizer", choices=("sgd", "adam"), default=d.optimizer, help="the update rule")
+    add("--dtype", choices=("float64", "float32"), default=d.dtype,
+        help="the numbers of parameters, data and activations")
+    add("--schedule", choices=SCHEDULES, default=d.schedule,
+        help="the pipeline schedule (--pp 2 or more)")
     add("--grad-sync", choices=GRAD_SYNCS, default=d.grad_sync,
         help="plain data parallelism: one Allreduce per parameter, per bucket, or per "
              "bucket overlapped with backward")
@@ -234,6 +265,11 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--sp", action="store_true", help="sequence parallelism inside the tp group")
     add("--save", metavar="DIR", help="write a sharded checkpoint at the end")
     add("--resume", metavar="DIR", help="start from a checkpoint saved on any mesh")
+    add("--keep", type=int, default=d.keep, metavar="N",
+        help="step folders --save keeps (the newest N; a failed save never removes one)")
+    add("--timeout", type=float, default=d.timeout, metavar="SECONDS",
+        help="end the job when a rank waits this long in one collective or receive "
+             "(0: wait forever)")
     add("--inject-bug", metavar="NAME", default=None,
         help="break one thing on purpose (lesson 08); `python -m minipar bugs` lists them")
 

@@ -99,15 +99,22 @@ def abort_on_exception(main: Callable[[], T], label: str = "") -> T:
 
     The rank's traceback goes to stderr (after `label`), then MPI_Abort ends them all
     (as `python -m mpi4py` does): without it the other ranks would wait forever in a
-    collective their partner never joins. `SystemExit` passes through untouched: every
-    rank decides it alike (from the flags and the world size), so all leave together."""
+    collective their partner never joins. Ctrl-C's KeyboardInterrupt is one line and exit
+    130. `SystemExit` passes through untouched: every rank decides it alike (from the
+    flags and the world size), so all leave together."""
     try:
         return main()
     except SystemExit:
         raise
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line each, not a traceback
+        abort_all(f"{label}rank {MPI.COMM_WORLD.Get_rank()} interrupted (Ctrl-C): ending the "
+                  "job\n", 130)
+        raise SystemExit(130) from None
     except BaseException:
         abort_all(f"{label}rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
-        raise  # MPI_Abort does not return; should it, the exception still ends this rank
+        # MPI_Abort may return before the launcher ends this rank: leave without letting
+        # Python print the same traceback a second time
+        raise SystemExit(1) from None
 
 
 def abort_all(text: str, code: int = 1) -> None:

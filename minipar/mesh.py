@@ -87,15 +87,21 @@ class MeshShape:
         return sorted(found.values())
 
     def table(self) -> str:
-        """A slide-ready table: each rank's coordinates and its group on every axis."""
+        """A slide-ready table: each rank's coordinates and its group on every axis.
+        Linear in the ranks: each axis's groups are found once; a group of more than
+        8 ranks (always evenly spaced) is written by its first two and last members."""
         axes = ["dp", "tp", "pp"] + (["ep", "edp"] if self.ep > 1 else [])
         head = ["rank"] + [f"{a}_rank" for a in axes] + [f"{a} group" for a in axes]
+        written = {a: {} for a in axes}   # axis -> world rank -> its group, as text
+        for a in axes:
+            for group in self.groups(a):
+                text = ",".join(map(str, group)) if len(group) <= 8 else (
+                    f"{group[0]},{group[1]},...,{group[-1]}")
+                written[a].update(dict.fromkeys(group, text))
         rows = [head]
         for r in range(self.world):
             c = self.coords(r)
-            members = [self.groups(a)[self._group_index(r, a)] for a in axes]
-            rows.append([str(r)] + [str(c[a]) for a in axes]
-                        + [",".join(map(str, m)) for m in members])
+            rows.append([str(r)] + [str(c[a]) for a in axes] + [written[a][r] for a in axes])
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
         title = f"mesh dp={self.dp} tp={self.tp} pp={self.pp}" + (

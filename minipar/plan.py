@@ -326,26 +326,41 @@ def count(text: str) -> float:
     return float(text[:-1]) * units[suffix] if suffix in units else float(text)
 
 
+PLAN_HELP = {
+    "layers": "transformer layers", "d_model": "model width", "gpus": "GPUs to split over",
+    "global_batch": "sequences per step, over all GPUs",
+    "d_ff": "FFN width (default 4 d_model)",
+    "heads": "attention heads (default d_model / 128)", "vocab": "vocabulary size",
+    "seq_len": "tokens per sequence", "experts": "routed experts per MoE layer (0: dense)",
+    "top_k": "experts each token goes to", "expert_d_ff": "FFN width of one expert",
+    "shared_experts": "experts every token goes to", "dense_layers": "leading dense layers",
+    "ffn_matrices": "2 (GELU MLP) or 3 (SwiGLU)", "node_size": "GPUs per node",
+    "virtual": "model chunks per pipeline rank (interleaved)", "top": "plans to print",
+}
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m minipar plan",
                      description="Rank every way to split a training step over the GPUs.")
     add = parser.add_argument
     add("--params", type=count, required=True, help="total parameters (70e9, 671B)")
     for name in ("layers", "d_model", "gpus", "global_batch"):
-        add(f"--{name.replace('_', '-')}", type=int, required=True)
+        add(f"--{name.replace('_', '-')}", type=int, required=True, help=PLAN_HELP[name])
     for name, default in (("d_ff", None), ("heads", None), ("vocab", 0), ("seq_len", 4096),
                           ("experts", 0), ("top_k", 0), ("expert_d_ff", 0),
                           ("shared_experts", 0), ("dense_layers", 0), ("ffn_matrices", 3),
                           ("node_size", 8), ("virtual", 1), ("top", 10)):
-        add(f"--{name.replace('_', '-')}", type=int, default=default)
+        add(f"--{name.replace('_', '-')}", type=int, default=default, help=PLAN_HELP[name])
     for name in ("gpu_memory", "flops", "intra_bw", "inter_bw"):
         add(f"--{name.replace('_', '-')}", type=float, required=True,
             help={"gpu_memory": "GB", "flops": "peak TFLOP/s"}.get(name, "GB/s per GPU"))
     add("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s achieved")
     add("--latency-us", type=float, default=5.0, help="alpha: microseconds per message step")
     # the V schedules' chunks are half a stage: the memory model does not count them yet
-    add("--schedule", choices=[s for s in SCHEDULES if s not in V_SHAPED], default="1f1b")
-    add("--recompute", choices=("none", "selective", "full"), default="selective")
+    add("--schedule", choices=[s for s in SCHEDULES if s not in V_SHAPED], default="1f1b",
+        help="the pipeline schedule")
+    add("--recompute", choices=("none", "selective", "full"), default="selective",
+        help="activation recomputation: none, attention only (selective), or every layer")
     add("--no-sp", action="store_true", help="no sequence parallelism with tp > 1")
     add("--zero", type=int, action="append", choices=(0, 1, 2, 3),
         help="ZeRO stages to consider (repeat the flag; default all)")
@@ -362,6 +377,9 @@ def problems(args: argparse.Namespace) -> list[str]:
     out += [f"--{name.replace('_', '-')} must be zero or positive"
             for name in ("vocab", "experts", "top_k", "expert_d_ff", "shared_experts",
                          "dense_layers", "latency_us") if not 0 <= getattr(args, name) < math.inf]
+    out += [f"--{name.replace('_', '-')} must be a positive number (got {getattr(args, name)})"
+            for name in ("d_ff", "heads", "top") if getattr(args, name) is not None
+            and getattr(args, name) < 1]
     if args.efficiency > 1:
         out.append(f"--efficiency is a fraction of peak: at most 1 (got {args.efficiency})")
     if args.ffn_matrices not in (2, 3):

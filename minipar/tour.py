@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from minipar.config import TrainConfig
+from minipar.preflight import output_problems
 from minipar.results import TOLERANCE, max_differences, relative_difference
 from minipar.train import problems, train, train_reference
 
@@ -56,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
+    unwritable = output_problems({"--plot": args.plot})   # before the first stop, not after
+    if unwritable:
+        if rank == 0:
+            print(f"minipar: error: {unwritable[0]}", file=sys.stderr, flush=True)
+        return 2
     if size != 8:
         if rank == 0:
             print("minipar: error: the tour runs on 8 ranks: mpiexec -n 8 python -m minipar tour",

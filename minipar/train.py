@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import bugs, checkpoint, config, fused, nn
+from minipar import bugs, checkpoint, config, fused, nn, preflight, watchdog
 from minipar.config import TrainConfig
 from minipar.data import make_batch, microbatch_rows, shard_rows
 from minipar.mesh import Mesh
@@ -54,22 +54,50 @@ class RunResult:
 
 
 class DivergedError(ArithmeticError):
-    """The step loss became NaN or infinite. Raised on every rank at the same step (the
-    loss is already the same number everywhere), so the job stops together."""
+    """The step loss, or the parameters after an update, became NaN or infinite. Raised
+    on every rank at the same step (the loss and the count of non-finite numbers are the
+    same everywhere), so the job stops together, before anything is saved."""
 
-    def __init__(self, step: int, steps: int, loss: float, lr: float) -> None:
-        super().__init__(f"step {step} of {steps}: the loss is {loss} (training diverged; "
-                         f"every rank stopped; try a smaller --lr than {lr:g})")
+    def __init__(self, step: int, steps: int, what: str, blame: str) -> None:
+        super().__init__(f"step {step} of {steps}: {what} (training diverged; every rank "
+                         f"stopped, nothing saved; {blame})")
         self.step = step
+
+
+def blame(cfg: TrainConfig, first: bool) -> str:
+    """Which flag to change. The loss of a run's first step is taken before any update, so
+    --lr cannot be its cause; a large MoE --aux-coef can (its term adds to every block's
+    loss and gradient); otherwise the learning rate overshot."""
+    if cfg.model == "moe" and (first or cfg.aux_coef > 1):
+        return f"try a smaller --aux-coef than {cfg.aux_coef:g}"
+    if first:
+        return "the loss is not finite before any update: check --dtype and the sizes"
+    return f"try a smaller --lr than {cfg.lr:g}"
+
+
+def nonfinite_count(mesh: Mesh, chunks: list[nn.Model], updater: Updater) -> int:
+    """How many numbers of the model are NaN or infinite after the update, summed over
+    every rank (each counts what it updates: ZeRO its flat slice, others what they hold)."""
+    from minipar.comm import allreduce_sum  # here: comm.py loads mpi4py.MPI
+
+    mine = getattr(updater, "my_params", None)   # ZeRO: the flat slice this rank updates
+    held = [mine()] if mine else [p.data for chunk in chunks for p in chunk.parameters()]
+    local = sum(int(np.count_nonzero(~np.isfinite(a))) for a in held)
+    # this rank's count -> the sum on every rank, so all stop at the same step
+    return int(allreduce_sum(mesh.world, np.array([local], dtype=np.int64))[0])
 
 
 def problems(cfg: TrainConfig, world_size: int) -> list[str]:
     """Every reason this run cannot start, empty if it can: the flags and the mesh
     (`config.problems`), then the bug `--inject-bug` names (`bugs.problems`: unknown, or
     for a strategy this mesh does not use), then the `--save`/`--resume` folders
-    (`checkpoint.problems`: reads the manifest and checksums). `cfg` must be resolved.
-    No communication: every rank reaches the same list alone, before the first step."""
+    (`checkpoint.problems`: reads the manifest and checksums); with sound flags, also a
+    size this machine cannot hold or a product that is no count (preflight.py). `cfg`
+    must be resolved. No communication: every rank reaches the same list alone, before
+    the first step."""
     out = config.problems(cfg, world_size)
+    if not out:
+        out += preflight.overflow_problems(cfg) + preflight.memory_problems(cfg, world_size)
     if cfg.inject_bug is not None and not config.size_problems(cfg, world_size):
         out += bugs.problems(cfg)
     if not out and (cfg.save or cfg.resume):
@@ -255,8 +283,9 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
     from minipar.comm import Ledger  # here: comm.py loads mpi4py.MPI, train_reference not
 
     mesh = Mesh(cfg.mesh_shape(), world, Ledger())
-    try:
-        return train_on_mesh(cfg, mesh, on_step)
+    try:  # overflow shows up as a DivergedError line, not as NumPy warnings burying it
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+            return train_on_mesh(cfg, mesh, on_step)
     finally:  # also when a step diverges: a sweep or a notebook builds many meshes
         mesh.free()
 
@@ -277,10 +306,12 @@ def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
     losses = list(saved.manifest.get("losses", [])) if saved else []
     timeline: list[dict] = []  # the pipeline's instructions of the last step, timed
     for step in range(start, cfg.steps):  # --steps is the total, resumed or not
+        watchdog.doing(f"step {step + 1} of {cfg.steps}")  # named if a rank gets stuck
         timeline.clear()
         losses.append(train_step(cfg, mesh, chunks, updater, step, timeline))
         if on_step is not None:
             on_step(step, losses[-1])
+    watchdog.doing("the end of the run (gathering results, saving the checkpoint)")
     return finish(cfg, mesh, chunks, updater, losses, init, timeline)
 
 
@@ -305,7 +336,11 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
     ledger.enabled = False  # reporting the loss is not part of training's traffic
     loss = report_loss(mesh, local)
     if not math.isfinite(loss):  # the same number on every rank: all stop here
-        raise DivergedError(step + 1, cfg.steps, loss, cfg.lr)
+        raise DivergedError(step + 1, cfg.steps, f"the loss is {loss}", blame(cfg, step == 0))
+    broken = nonfinite_count(mesh, chunks, updater)   # a finite loss, a broken update
+    if broken:
+        raise DivergedError(step + 1, cfg.steps, f"the update left {broken} numbers of the "
+                            "ranks' parameters NaN or infinite", blame(cfg, first=False))
     ledger.enabled = True
     return loss
 
@@ -325,7 +360,8 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
     params = [p for chunk in chunks for p in chunk.parameters()]
     final, disagreements = gather_full_params(mesh, params, cfg)
     if cfg.save:  # every rank writes its shard; rank 0 the manifest, last
-        checkpoint.save(cfg.save, cfg, mesh, updater, updater.optimizer, cfg.steps, losses)
+        checkpoint.save(cfg.save, cfg, mesh, updater, updater.optimizer, cfg.steps, losses,
+                        keep=cfg.keep)
     return RunResult(losses, init, final,
                      [r for rank in gathered for r in rank] if gathered else [],
                      {"replica_disagreements": disagreements,

@@ -5,13 +5,18 @@
     mpiexec -n 2 python -m tests.rank_faults fault killsave:1 train --dp 2 --save DIR
     mpiexec -n 4 python -m tests.rank_faults settings cases.json OUTDIR
 
-`fault MODE:RANK[:STEP] ARGS...` runs `python -m minipar ARGS...` through its real
-entry point (`minipar.__main__.run`, which aborts every rank on an exception),
+`fault MODE:RANK[:STEP[:SECONDS]] ARGS...` runs `python -m minipar ARGS...` through its
+real entry point (`minipar.__main__.run`, which aborts every rank on an exception),
 with world rank RANK made to fail when it fetches the batch of step STEP (1-based):
-`raise` raises an exception, `kill` sends itself SIGKILL (no Python cleanup, no
-MPI_Abort: the launcher must notice). `killsave` kills RANK while it writes its
-checkpoint shard. The failing rank first prints one line naming itself. The
-patching happens here, in the test helper: the library has no fault hooks.
+`raise` raises an exception, `exit` raises SystemExit(3) (a rank leaving alone),
+`kill` sends itself SIGKILL (no Python cleanup, no MPI_Abort: the launcher must
+notice), `stop` sends itself SIGSTOP (alive but frozen: only a watchdog can tell),
+`sleep` sleeps SECONDS (default 60) inside the step. During a save: `killsave`,
+`raisesave` and `interruptsave` (KeyboardInterrupt, what Ctrl-C raises) hit RANK
+while it writes its checkpoint shard, `killmanifest` while rank 0 writes the
+manifest, and `slowsave` makes RANK take SECONDS to write its shard. The failing
+rank first prints one line naming itself. The patching happens here, in the test
+helper: the library has no fault hooks.
 
 `settings cases.json OUTDIR` calls `minipar.__main__.main(["train", *flags])` for
 every case in the file (a list of flag lists) in this one process, capturing what
@@ -35,12 +40,19 @@ from mpi4py import MPI
 from minipar.log import abort_on_exception
 
 
-def die(mode: str, rank: int, where: str) -> None:
+def die(mode: str, rank: int, where: str, seconds: float = 60) -> None:
     """Fail the way `mode` says, after one line saying who and where."""
     print(f"rank {rank}: injected {mode} {where}", file=sys.stderr, flush=True)
     if mode == "raise":
         raise RuntimeError(f"injected failure on rank {rank} {where}")
-    os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "exit":
+        raise SystemExit(3)
+    if mode == "interrupt":
+        raise KeyboardInterrupt
+    if mode == "sleep":
+        time.sleep(seconds)
+        return
+    os.kill(os.getpid(), signal.SIGSTOP if mode == "stop" else signal.SIGKILL)
 
 
 def inject(spec: str) -> None:
@@ -51,16 +63,26 @@ def inject(spec: str) -> None:
     mode, rank, *step = spec.split(":")
     if int(rank) != MPI.COMM_WORLD.Get_rank():
         return
-    if mode == "killsave":
+    if mode in ("killsave", "raisesave", "interruptsave", "slowsave"):
+        write = checkpoint.write_shard
+
         def write_shard(*args: object, **kwargs: object) -> dict:
-            die("kill", int(rank), "while writing its checkpoint shard")
+            if mode == "slowsave":
+                time.sleep(float(step[0]))
+                return write(*args, **kwargs)
+            die(mode.removesuffix("save"), int(rank), "while writing its checkpoint shard")
         checkpoint.write_shard = write_shard
+        return
+    if mode == "killmanifest":
+        def write_manifest(*args: object, **kwargs: object) -> None:
+            die("kill", int(rank), "while writing the manifest")
+        checkpoint.write_manifest = write_manifest
         return
     original = training.step_batch
 
     def step_batch(cfg: object, index: int) -> object:
         if index + 1 == int(step[0]):
-            die(mode, int(rank), f"at step {index + 1}")
+            die(mode, int(rank), f"at step {index + 1}", *(float(s) for s in step[1:]))
         return original(cfg, index)
     training.step_batch = step_batch
 

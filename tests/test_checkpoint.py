@@ -86,7 +86,8 @@ def two_rank_shards(folder: Path, cfg: TrainConfig) -> dict[str, np.ndarray]:
                 pieces.append(nn.Parameter(value, name))
         state = {"m": [2 * p.data for p in pieces], "v": [p.data ** 2 for p in pieces]}
         entries.append(checkpoint.write_shard(folder, rank, 2, pieces, state, {"step": 3}))
-    checkpoint.write_manifest(folder, cfg, step=3, optimizer_t=3, entries=entries)
+    checkpoint.write_manifest(folder, cfg, step=3, optimizer_t=3, entries=entries,
+                              losses=[2.5, 2.25, 2.0])
     return full
 
 
@@ -155,7 +156,7 @@ def test_a_shard_missing_from_the_manifest_leaves_arrays_incomplete(tmp_path):
     two_rank_shards(tmp_path, cfg)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     del manifest["files"][checkpoint.shard_name(1, 2)]
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "manifest.json").write_text(json.dumps(checkpoint.seal(manifest)))
     assert checkpoint.verify(tmp_path) == []                 # what is listed is intact ...
     with pytest.raises(checkpoint.CheckpointError, match="fc1.weight"):
         checkpoint.load(tmp_path)                            # ... but half of fc1 is nowhere
@@ -176,13 +177,41 @@ def corrupt(folder: Path, how: str) -> None:
         manifest.unlink()
     elif how == "manifest not json":
         manifest.write_text(manifest.read_text()[:50])
-    elif how == "manifest of another step":
-        manifest.write_text(manifest.read_text().replace('"step": 3', '"step": 2'))
+    elif how.startswith("manifest"):   # a hand edit, and the same edit re-sealed
+        edit(manifest, how.split(": ")[1], reseal="resealed" in how)
+
+
+def edit(path: Path, what: str, reseal: bool) -> None:
+    """Change one field of a manifest the way a hand edit would; `reseal` recomputes the
+    manifest's own checksum, so only the structure and shape checks stand in the way."""
+    manifest = json.loads(path.read_text())
+    if what == "step":
+        manifest["step"] = 2
+        manifest["losses"] = manifest["losses"][:2]
+    elif what == "optimizer_t":
+        manifest["optimizer_t"] = 7
+    elif what == "losses":
+        manifest["losses"][0] = 0.5
+    elif what == "files a list":
+        manifest["files"] = list(manifest["files"])
+    elif what == "a shape":
+        manifest["shapes"]["blocks.0.fc1.weight"] = [8, 13]
+    elif what == "the dtype":
+        manifest["config"]["dtype"] = "float32"
+    elif what == "a file name":
+        manifest["files"]["../../etc/passwd"] = manifest["files"].popitem()[1]
+    path.write_text(json.dumps(checkpoint.seal(manifest) if reseal else manifest))
 
 
 REFUSALS = {"truncated": "truncated", "tampered": "sha256", "shard missing": "missing",
             "no manifest": "no manifest.json", "manifest not json": "corrupt",
-            "manifest of another step": "another step"}
+            **{f"manifest: {what}": "edited since saved" for what in (
+                "step", "optimizer_t", "losses", "files a list", "a shape", "the dtype")},
+            "manifest resealed: step": "another step",
+            "manifest resealed: files a list": "files must be an object",
+            "manifest resealed: a shape": "shapes of blocks.0.fc1.weight",
+            "manifest resealed: the dtype": "as float64",   # the shards hold float64
+            "manifest resealed: a file name": "malformed"}
 
 
 @pytest.mark.parametrize("how", sorted(REFUSALS))
@@ -192,6 +221,13 @@ def test_a_damaged_checkpoint_is_refused(tmp_path, how):
     errors = checkpoint.verify(tmp_path)
     assert errors and REFUSALS[how] in errors[0], errors
     assert all("\n" not in e and e.startswith(str(tmp_path)) for e in errors)
+
+
+def test_a_damaged_checkpoint_cannot_be_loaded_either(tmp_path):
+    two_rank_shards(tmp_path, small_config())
+    edit(tmp_path / "manifest.json", "the dtype", reseal=True)
+    with pytest.raises(checkpoint.CheckpointError, match="as float64"):
+        checkpoint.load(tmp_path)
 
 
 def test_atomic_write_keeps_the_old_file_when_the_rename_never_happens(tmp_path, monkeypatch):
@@ -277,7 +313,7 @@ def test_zero_saves_each_number_once_in_boxes_that_cut_rows(resumed):
     for i, (model, mesh, *_) in enumerate(RUNNABLE):
         if not mesh.get("zero"):
             continue
-        pieces = saved_pieces(root / f"pair{i}")
+        pieces = saved_pieces(checkpoint.resolve(root / f"pair{i}"))
         shapes = nn.canonical_shapes(TrainConfig(**MODELS[model]).resolved(1).model_config())
         assert sum(size for *_, size in pieces) == sum(
             int(np.prod(shape)) for shape in shapes.values()), mesh
@@ -292,17 +328,19 @@ def test_zero_saves_each_number_once_in_boxes_that_cut_rows(resumed):
 def test_resharded_checkpoint_holds_the_same_bits_and_continues(resumed):
     root, runs = resumed
     original, full = checkpoint.load(root / "pair0"), checkpoint.load(root / "full")
-    assert [p.name for p in sorted((root / "full").glob("shard-*"))] == [
+    assert [p.name for p in sorted(checkpoint.resolve(root / "full").glob("shard-*"))] == [
         "shard-00000-of-00001.npz"]
     assert full.step == original.step == 2
     for name, value in original.params.items():
         assert np.array_equal(full.params[name], value), name
         for slot in ("m", "v"):
             assert np.array_equal(full.state[slot][name], original.state[slot][name])
-    moved = json.loads((root / "moved" / "manifest.json").read_text())
+    moved_folder = checkpoint.resolve(root / "moved")   # reshard writes a step folder too
+    assert moved_folder.name == "step-000002"
+    moved = json.loads((moved_folder / "manifest.json").read_text())
     assert moved["mesh"]["world"] == 2 and len(moved["files"]) == 2
     if moved["mesh"]["tp"] == 2:   # each tp rank wrote its own columns of every fc1
-        with np.load(root / "moved" / checkpoint.shard_name(1, 2)) as shard:
+        with np.load(moved_folder / checkpoint.shard_name(1, 2)) as shard:
             pieces = json.loads(shard["meta"].item())["pieces"]
         assert any(p["name"].endswith("fc1.weight") and p["index"] for p in pieces)
     first, second = runs[0][0], runs["reshard"][0]

@@ -122,6 +122,33 @@ def test_bad_setting_is_one_error_line(flags, named):
     assert "Traceback" not in job.stdout + job.stderr
 
 
+def help_entries(text: str) -> dict[str, str]:
+    """Each flag (or positional) of an argparse --help text -> its help text."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):   # an entry starts
+            invocation, _, rest = line.strip().partition("  ")
+            current = invocation.split(", ")[-1].split()[0]
+            entries[current] = rest.strip()
+        elif line.startswith("   ") and current is not None:      # its help, continued
+            entries[current] = (entries[current] + " " + line.strip()).strip()
+        else:
+            current = None
+    return entries
+
+
+@pytest.mark.parametrize("command", ["train", "mesh", "tour", "reshard", "bugs", "plan"])
+def test_help_prints_once_with_text_for_every_flag(command):
+    job = minipar(2, [command, "--help"], 30)
+    assert job.returncode == 0 and job.stdout.count("usage:") == 1, job.explain()
+    entries = help_entries(job.stdout)
+    assert "--help" in entries, job.stdout
+    assert [flag for flag, text in entries.items() if not text] == [], job.stdout
+    if command == "train":   # every flag of the contract is there, with its help
+        assert {f"--{name.replace('_', '-')}" for name in FLAG_NAMES} <= set(entries)
+
+
 def test_these_tests_import_no_mpi():
     """What this file imports (the reference, the config, the launcher) starts no MPI:
     checked in a fresh interpreter, so other test files' imports cannot hide it."""

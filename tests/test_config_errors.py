@@ -16,7 +16,9 @@ seconds.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -66,13 +68,37 @@ CASES = [
     (["--resume", "{good}", "--steps", "2", "--optimizer", "adam"], "--steps"),  # no step left
     (["--save", "{a_file}"], "--save"),
     (["--zero", "1", "--model", "moe"], "--zero"),                  # ZeRO shards dense only
+    # resuming on another data stream or model: the flag that differs is named
+    (["--resume", "{good}", "--steps", "4", "--optimizer", "adam", "--seed", "5"], "--seed"),
+    (["--resume", "{good}", "--steps", "4", "--optimizer", "adam", "--batch", "32"], "--batch"),
+    # a hand-edited manifest: caught by its own checksum, or (re-sealed) by its structure
+    (["--resume", "{t_edited}", "--steps", "4", "--optimizer", "adam"], "--resume"),
+    (["--resume", "{losses_edited}", "--steps", "4", "--optimizer", "adam"], "--resume"),
+    (["--resume", "{files_a_list}", "--steps", "4", "--optimizer", "adam"], "--resume"),
+    (["--resume", "{shape_edited}", "--steps", "4", "--optimizer", "adam"], "--resume"),
+    # outputs that cannot be written, found before the first step (not after the last)
+    (["--save", "{locked}"], "--save"),                              # another live job's
+    (["--save", "{a_file}/sub"], "--save"),
+    (["--save", ""], "--save"),
+    (["--resume", ""], "--resume"),
+    (["--dump", ""], "--dump"),
+    (["--dump", "{a_file}"], "--dump"),
+    (["--dump", "{a_file}/sub"], "--dump"),
+    (["--keep", "0"], "--keep"),
+    (["--timeout", "-1"], "--timeout"),
+    (["--timeout", "nan"], "--timeout"),
+    # sizes this machine cannot hold, numbers whose products are not counts
+    (["--d-model", "1000000000"], "--d-model"),
+    (["--layers", "1000000000"], "--layers"),
+    (["--model", "moe", "--experts", "4", "--capacity-factor", "1e308"], "--capacity-factor"),
+    # the V schedules (zb-v, dualpipev): a pipeline, two chunks per rank, M >= 2 pp
     (["--schedule", "zb-v"], "--pp"),                                # a V needs a pipeline
     (["--dp", "2", "--pp", "2", "--schedule", "zb-v"], "--layers"),  # 2 layers, 4 chunks
     (["--dp", "2", "--pp", "2", "--layers", "4", "--schedule", "dualpipev",
       "--microbatches", "2"], "--microbatches"),                     # needs M >= 2 pp
 ]
 # Through the real launcher, at several world sizes: (ranks, case index).
-END_TO_END = [(4, 0), (2, 11), (1, 15), (2, 27)]
+END_TO_END = [(4, 0), (2, 11), (1, 15), (2, 27), (2, 42), (2, 50), (2, 52)]
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +115,33 @@ def folders(tmp_path_factory):
     for name in ("unfinished", "truncated", "tampered", "garbled"):
         paths[name] = root / name
         shutil.copytree(good, paths[name])
-    (paths["unfinished"] / "manifest.json").unlink()
-    shard = paths["truncated"] / checkpoint.shard_name(0, 2)
+    step = checkpoint.resolve(good).name          # the step folder `latest` names
+    (paths["unfinished"] / "latest").unlink()     # as if the save died before the switch
+    shard = paths["truncated"] / step / checkpoint.shard_name(0, 2)
     shard.write_bytes(shard.read_bytes()[:-1])
-    shard = paths["tampered"] / checkpoint.shard_name(0, 2)
+    shard = paths["tampered"] / step / checkpoint.shard_name(0, 2)
     data = bytearray(shard.read_bytes())
     data[-200] ^= 0xFF
     shard.write_bytes(bytes(data))
-    (paths["garbled"] / "manifest.json").write_text('{"format": "minipar-checkp')
+    (paths["garbled"] / step / "manifest.json").write_text('{"format": "minipar-checkp')
+    edits = {"t_edited": ("optimizer_t", 9, False), "losses_edited": ("losses", [0.0, 0.0], False),
+             "files_a_list": ("files", None, True), "shape_edited": ("shapes", None, True)}
+    for name, (key, value, reseal) in edits.items():
+        paths[name] = root / name
+        shutil.copytree(good, paths[name])
+        path = paths[name] / step / "manifest.json"
+        manifest = json.loads(path.read_text())
+        if key == "files":
+            manifest["files"] = sorted(manifest["files"])
+        elif key == "shapes":
+            manifest["shapes"]["head.weight"] = [16, 11]
+        else:
+            manifest[key] = value
+        path.write_text(json.dumps(checkpoint.seal(manifest) if reseal else manifest))
+    paths["locked"] = root / "locked"      # held by this (live) pytest process
+    paths["locked"].mkdir()
+    (paths["locked"] / ".lock").write_text(json.dumps(
+        {"token": "t", "pid": os.getpid(), "host": socket.gethostname(), "since": "now"}))
     return paths
 
 

@@ -26,12 +26,12 @@ PACKAGE = ROOT / "minipar"
 # Bottom first. A module may import from its own layer and every layer below it.
 LAYERS: list[set[str]] = [
     {"autograd", "fused", "nn", "optim", "data", "memory", "shards"},       # core, no MPI
-    {"comm", "mesh", "ring", "log"},                                        # communication
+    {"comm", "mesh", "ring", "log", "watchdog"},                            # communication
     {"parallel", "parallel.pipeline_schedules", "parallel.data_parallel",   # strategies
      "parallel.zero", "parallel.tensor_parallel", "parallel.expert_parallel",
      "parallel.pipeline_parallel"},
     {"config"},                                                             # the flags
-    {"checkpoint", "bugs"},
+    {"checkpoint", "checkpoint_folder", "preflight", "bugs"},
     {"train"},                                                              # composition
     {"results", "reshard"},
     {"costmodel", "timemodel", "plan", "plots_load", "plots", "report", "tour",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -118,10 +119,24 @@ def test_mesh_command_shows_ep_and_edp_for_moe():
     assert rows[6][-2:] == ["6,7", "4,6"]  # rank 6: ep group {6,7}, edp group {4,6}
 
 
+def test_a_large_mesh_prints_fast_with_long_groups_shortened():
+    start = time.monotonic()
+    done = mesh_cli("--dp", "1000", "--tp", "2", "--ep", "4")
+    assert done.returncode == 0 and time.monotonic() - start < 20, done.stderr
+    rows = {int(r.split()[0]): r.split() for r in done.stdout.splitlines()[2:]}
+    assert len(rows) == 2000
+    # rank 7 = tp 1, dp 3 (ep 3, edp 0): its dp group is every odd rank, written by its
+    # first two and last; its edp group every 4th dp rank from dp 3
+    assert rows[7][1:6] == ["3", "1", "0", "3", "0"]
+    assert rows[7][6:] == ["1,3,...,1999", "6,7", "7", "1,3,5,7", "7,15,...,1999"]
+
+
 @pytest.mark.parametrize("args, words", [
     (["--dp", "3", "--ep", "2"], "--ep 2 must divide --dp 3"),
     (["--dp", "2", "--world", "8"], "does not fill the 8 ranks"),
     (["--tp", "0"], "--tp must be at least 1"),
+    (["--dp", "5000"], "more rows than a table can show"),
+    (["--dp", "1000000000000"], "more rows than a table can show"),
 ])
 def test_a_mesh_that_does_not_fit_is_refused_in_one_line(args, words):
     done = mesh_cli(*args)

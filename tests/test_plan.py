@@ -207,6 +207,9 @@ def test_plan_command_ranks_plans_and_counts_the_rest(capsys):
     (["--top-k", "4"], "--experts"),
     (["--params", "lots"], "--params"),
     (["--params", "1e6"], "--params"),
+    (["--d-ff", "-5"], "--d-ff"),
+    (["--heads", "-8"], "--heads"),
+    (["--top", "0"], "--top"),
 ])
 def test_bad_flags_are_one_error_line(flags, named, capsys):
     good = DEEPSEEK[:DEEPSEEK.index("--experts")] + DEEPSEEK[DEEPSEEK.index("--vocab"):]

@@ -39,6 +39,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import autograd as ag
+from minipar import watchdog
 from minipar.autograd import Tensor
 from minipar.comm import Group
 from minipar.memory import ModelStates, measure
@@ -252,7 +253,8 @@ class OverlappedAllreduce(Hooks):
         for i in range(len(self.buckets)):
             if i not in started:
                 self._launch(i)
-        MPI.Request.Waitall([r for _, _, r in self.in_flight if r is not None])
+        with watchdog.waiting("Waitall of the gradient buckets over dp"):
+            MPI.Request.Waitall([r for _, _, r in self.in_flight if r is not None])
         for i, flat, _ in self.in_flight:
             unpack(self.buckets[i], flat, 1.0 / self.mesh.shape.dp)
         self._reset()

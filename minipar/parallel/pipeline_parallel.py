@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar import autograd as ag
+from minipar import watchdog
 from minipar.autograd import Tensor
 from minipar.nn import Model
 from minipar.parallel.pipeline_schedules import (
@@ -137,7 +138,8 @@ class StageWorker:
                                   "chunk": ins.chunk, "start": start, "end": time.time()})
         from mpi4py import MPI  # here: importing this file (bugs.py, the tests) needs no MPI
 
-        MPI.Request.Waitall([request for request, _ in self.sending.values()])
+        with watchdog.waiting("Waitall of the sends over pp"):
+            MPI.Request.Waitall([request for request, _ in self.sending.values()])
         self.sending.clear()
         return self.loss
 
@@ -219,7 +221,8 @@ class StageWorker:
         else:
             roots = [(out, self.grads.pop(key))]        # (output, gradient received)
             roots += [(aux, self.aux_weight)] if aux is not None else []  # (aux, 1/M)
-            self.sending.pop((ACT_TAG, *key))[0].Wait()  # its gradient came back: delivered
+            with watchdog.waiting("Wait of an activation send over pp"):
+                self.sending.pop((ACT_TAG, *key))[0].Wait()  # its gradient came back: sent
         if self.split_backward:  # B now (input gradients), W later (weight gradients)
             with ag.defer_weight_grads() as pending:
                 ag.backward_from(roots)

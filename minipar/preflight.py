@@ -1,0 +1,128 @@
+"""Checks that need arithmetic or the file system, made before the first step.
+
+What this file teaches: a run that will fail should fail *now*, not after an
+hour of training (or after allocating 238 GiB on every rank). Three kinds of
+check, each a pure function of the flags and of facts every rank sees alike
+(the machine's total memory, the folders on disk), so every rank reaches the
+same verdict without talking:
+
+- memory: the bytes a rank will hold (the full model drawn at init, its own
+  parameters, gradients and optimizer state, the activations kept for
+  backward), times the ranks on this machine, against its physical memory;
+- overflow: numbers that are finite but make a count no machine can hold
+  (`--capacity-factor 1e308`);
+- output folders: `--save`, `--dump`, `--plot` must name a folder this process can
+  create files in, and not a file, and not "" (checked by `folder_problems`).
+
+    python -m minipar train --d-model 1000000000     # refused: one line, the estimate
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minipar.config import TrainConfig
+
+GiB = 2 ** 30
+EXACT = 2 ** 53          # floats count exactly up to here; a capacity beyond it is nonsense
+
+
+def parameter_count(cfg: TrainConfig) -> int:
+    """Elements of the full model (`nn.canonical_shapes`, in closed form: no loop over
+    layers or experts, so --layers 10**9 costs nothing to count)."""
+    d, L = cfg.d_model, cfg.layers
+    embed, head = cfg.d_in * d + d, d * cfg.classes + cfg.classes
+    if cfg.model == "moe":
+        f = cfg.expert_d_ff
+        block = 2 * d + d * cfg.experts + cfg.experts * (2 * d * f + f + d)
+    else:
+        f = cfg.d_ff
+        block = 2 * d + 2 * d * f + f + d
+    return embed + L * block + head
+
+
+def activation_count(cfg: TrainConfig) -> int:
+    """Elements a rank keeps for backward, at most: its rows of the batch (all its
+    microbatches, as a pipeline may hold them) times what each block saves per row."""
+    rows = cfg.batch // max(1, cfg.dp)
+    d = cfg.d_model
+    if cfg.model == "moe":   # k expert copies of each row: fc1 and GELU (f each), fc2 (d)
+        per_row = 4 * d + cfg.experts + cfg.top_k * (2 * cfg.expert_d_ff + d)
+    else:                    # LayerNorm, fc1, GELU, fc2, residual
+        per_row = 4 * d + 2 * cfg.d_ff
+    return rows * (cfg.layers * per_row + cfg.d_in + cfg.classes)
+
+
+def rank_bytes(cfg: TrainConfig) -> int:
+    """An upper estimate of one rank's memory: the full model drawn at init, and as much
+    again for its own parameters, their gradients, Adam's m and v (SGD: none), and the
+    activations. Sharding (tp, pp, ep, ZeRO) only makes the real figure smaller."""
+    itemsize = 4 if cfg.dtype == "float32" else 8
+    slots = 2 if cfg.optimizer == "adam" else 0
+    return itemsize * (parameter_count(cfg) * (3 + slots) + activation_count(cfg))
+
+
+def machine_bytes() -> int:
+    """This machine's physical memory (the same number on every rank)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 2 ** 62   # unknown: no refusal
+
+
+def memory_problems(cfg: TrainConfig, world_size: int, total: int | None = None) -> list[str]:
+    """One line when every rank of this machine together would need more than it has."""
+    total = machine_bytes() if total is None else total
+    per_rank = rank_bytes(cfg)
+    if per_rank * world_size <= total:
+        return []
+    return [f"--d-model {cfg.d_model} --d-ff {cfg.d_ff} --layers {cfg.layers} --batch "
+            f"{cfg.batch}: this run needs about {per_rank / GiB:.3g} GiB per rank "
+            f"({parameter_count(cfg):.3g} parameters, {world_size} rank(s): "
+            f"{per_rank * world_size / GiB:.3g} GiB) and this machine has "
+            f"{total / GiB:.3g} GiB: make the model or the batch smaller"]
+
+
+def overflow_problems(cfg: TrainConfig) -> list[str]:
+    """Finite numbers whose products are not counts any more."""
+    out = []
+    if cfg.model == "moe" and cfg.capacity_factor is not None:
+        slots = cfg.capacity_factor * cfg.top_k * cfg.batch / cfg.experts
+        if not math.isfinite(slots) or slots > EXACT:
+            out.append(f"--capacity-factor {cfg.capacity_factor:g} makes an expert capacity of "
+                       f"{slots:g} tokens (not a count); any factor from --experts / --top-k "
+                       f"= {cfg.experts / cfg.top_k:g} up already keeps every token")
+    return out
+
+
+def folder_problems(folder: str | Path) -> list[str]:
+    """Why files cannot be written into `folder`: an empty name, a file in the way (the
+    folder itself or a parent), a parent where this process cannot create files."""
+    if isinstance(folder, str) and folder.strip() == "":   # (Path("") would mean ".")
+        return ["needs a folder name (got an empty one)"]
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        return [f"{folder}: exists and is not a folder"]
+    parent = folder
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return [f"{folder}: {parent} is a file, not a folder"]
+    try:   # really try: os.access says yes to root on a read-only mount
+        handle, probe = tempfile.mkstemp(prefix=".minipar-probe-", dir=parent)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        return [f"{folder}: {parent} is not writable ({error.strerror})"]
+    return []
+
+
+def output_problems(flags: dict[str, str | None]) -> list[str]:
+    """`folder_problems` of every output flag given (`{"--dump": path, ...}`)."""
+    return [f"{flag} {message}" for flag, path in flags.items() if path is not None
+            for message in folder_problems(path)]
