@@ -3,7 +3,8 @@
     make bench          (or: python -m bench.run)
 
 Sections: the autograd against hand-written NumPy (bench/numpy_mlp.py) and,
-when installed, PyTorch; data-parallel speed-up at a fixed global batch; the
+when installed, PyTorch; the transformer's step against hand-written NumPy
+(bench/numpy_gpt.py); data-parallel speed-up at a fixed global batch; the
 hand-written ring collectives against MPI's own; the pipeline's measured bubble
 against the formula; the test suite's last wall time. Prints one table and
 writes bench/results.json.
@@ -20,10 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.numpy_gpt import numpy_gpt_step
 from bench.numpy_mlp import numpy_step
 from bench.timing import interleaved, ratio
-from minipar import nn
-from minipar.data import make_batch
+from minipar import gpt, nn
+from minipar.data import make_batch, make_sequences
 from minipar.optim import SGD
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +33,10 @@ SHAPES = {"reference MLP (B=64, d=64, L=8)": dict(d_in=32, d_model=64, d_ff=256,
                                                   classes=10, batch=64),
           "MLP 784-1024-1024-10 (B=256)": dict(d_in=784, d_model=1024, d_ff=1024, layers=1,
                                                classes=10, batch=256)}
+GPT_SHAPES = {"gpt defaults (B=64, T=32, d=64, L=8, H=4)": dict(
+                  layers=8, d_model=64, d_ff=256, heads=4, seq_len=32, vocab=64, batch=64),
+              "gpt larger (B=16, T=128, d=256, L=4, H=4)": dict(
+                  layers=4, d_model=256, d_ff=1024, heads=4, seq_len=128, vocab=64, batch=16)}
 
 
 def autograd_vs_numpy(shape: dict, dtype: str, repeats: int) -> dict:
@@ -61,6 +67,28 @@ def autograd_vs_numpy(shape: dict, dtype: str, repeats: int) -> dict:
         out["torch/numpy"] = ratio(times, "torch", "numpy")
         out["minipar/torch"] = ratio(times, "minipar", "torch")
     return out
+
+
+def gpt_vs_numpy(shape: dict, dtype: str, repeats: int) -> dict:
+    """One SGD step of the transformer through minipar vs the same math by hand
+    (bench/numpy_gpt.py, heads batched). PyTorch is not timed here."""
+    cfg = nn.ModelConfig(model="gpt", **{k: v for k, v in shape.items() if k != "batch"})
+    full = nn.init_params(cfg, 0, dtype)
+    x, y = make_sequences(0, 0, shape["batch"], cfg.seq_len, cfg.vocab)
+    model = gpt.build_reference(cfg, full)
+    params = model.parameters()
+    sgd = SGD(1e-3)
+    by_hand = {k: v.copy() for k, v in full.items()}
+
+    def minipar_step() -> None:
+        for p in params:
+            p.grad = None
+        nn.loss_fn(model, x, y).backward()
+        sgd.step([p.data for p in params], [p.grad for p in params])
+
+    times = interleaved({"minipar": minipar_step, "numpy": lambda: numpy_gpt_step(
+        by_hand, x, y, cfg.layers, cfg.heads, 1e-3)}, repeats=repeats)
+    return {"times": times, "minipar/numpy": ratio(times, "minipar", "numpy")}
 
 
 def _torch_step(cfg: nn.ModelConfig, full: dict, x: np.ndarray, y: np.ndarray, dtype: str):
@@ -142,6 +170,15 @@ def main() -> None:
                          f"vs {t['numpy']['median'] * 1e3:>8.2f} ms")
             if "torch/numpy" in r:
                 lines.append(f"{'  torch / numpy':<58} {r['torch/numpy']:>8.3f}")
+    results["gpt"] = {}
+    for label, shape in GPT_SHAPES.items():
+        for dtype in ("float32", "float64"):
+            r = gpt_vs_numpy(shape, dtype, repeats=3 if quick else 10)
+            results["gpt"][f"{label} {dtype}"] = r
+            t = r["times"]
+            lines.append(f"{'gpt step / numpy, ' + label + ' ' + dtype:<58} "
+                         f"{r['minipar/numpy']:>8.3f}  {t['minipar']['median'] * 1e3:>9.2f} ms "
+                         f"vs {t['numpy']['median'] * 1e3:>8.2f} ms")
     ranks = [1, 2] if quick else [1, 2, 4, 8]
     results["dp"] = dp_scaling(ranks, steps=6 if quick else 12)
     for n, r in results["dp"].items():

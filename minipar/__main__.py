@@ -94,7 +94,7 @@ def train_command(argv: list[str]) -> int:
         verdict = world.bcast(verdict, root=0)
     if rank == 0:
         print(f"done: {cfg.steps} steps on dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}"
-              + (f" ep={cfg.ep}" if cfg.model == "moe" else "")
+              + (f" ep={cfg.ep}" if cfg.model_config().is_moe else "")
               + f", final loss {result.losses[-1]:.6f}"
               + (f" (with the bug {cfg.inject_bug} injected)" if cfg.inject_bug else ""),
               flush=True)

@@ -431,10 +431,21 @@ def split(a: Tensor, sections: int | Sequence[int], axis: int = 0) -> list[Tenso
 
 # ------------------------------------------------------------- linear algebra
 def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b for 2-D operands. Backward: dA = g B^T, dB = A^T g."""
+    """a @ b, batched over leading axes as `np.matmul` (both operands at least 2-D).
+    Backward: dA = g B^T, dB = A^T g, each summed over the axes its operand was broadcast
+    along. A 2-D weight under a (..., n, k) input gets the sum over every leading axis,
+    computed as one (k, N) @ (N, m) matmul of the flattened rows."""
     def backward(g: np.ndarray) -> None:
         if a.requires_grad:
-            a.accumulate(g @ b.data.T, fresh=True)
+            a.accumulate(_unbroadcast(g @ np.swapaxes(b.data, -1, -2), a.shape), fresh=True)
         if b.requires_grad:
-            _weight_grad(lambda: b.accumulate(a.data.T @ g, fresh=True))
+            _weight_grad(lambda: b.accumulate(_matmul_weight_grad(a.data, g, b.shape),
+                                              fresh=True))
     return Tensor.from_op(a.data @ b.data, (a, b), backward)
+
+
+def _matmul_weight_grad(a: np.ndarray, g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A^T g summed down to the shape of the right operand of `a @ b`."""
+    if len(shape) == 2:  # a weight: every leading axis of a is rows -> (k, N) @ (N, m)
+        return a.reshape(-1, a.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+    return _unbroadcast(np.swapaxes(a, -1, -2) @ g, shape)

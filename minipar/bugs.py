@@ -231,7 +231,7 @@ def _dp_sync(cfg: TrainConfig) -> bool:
 
 
 def _moe(cfg: TrainConfig) -> bool:
-    return cfg.model == "moe" and cfg.dp > 1
+    return cfg.model in ("moe", "gpt-moe") and cfg.dp > 1
 
 
 def _zero(cfg: TrainConfig) -> bool:
@@ -241,7 +241,7 @@ def _zero(cfg: TrainConfig) -> bool:
 PIPELINE = "--pp 2 or more and --microbatches 2 or more (a stage with several inputs)"
 TP = "--tp 2 or more without --sp"
 DP_SYNC = "--dp 2 or more with --zero 0 and --grad-sync bucketed (plain DP's sync)"
-MOE = "--model moe with --dp 2 or more (the expert-parallel block)"
+MOE = "--model moe or gpt-moe with --dp 2 or more (the expert-parallel block)"
 
 
 # ---------------------------------------------------------------- the list

@@ -492,7 +492,7 @@ def folder_problems(folder: Path) -> list[str]:
 # one. The mesh, --microbatches and --lr may change.
 MUST_MATCH = ("model", "layers", "d_in", "d_model", "d_ff", "classes", "experts",
               "expert_d_ff", "top_k", "capacity_factor", "aux_coef", "batch", "seed",
-              "optimizer", "dtype")
+              "optimizer", "dtype", "vocab", "seq_len", "heads", "data")
 # Flags of one run, not of the model or the training: not kept in the manifest.
 RUN_ONLY = ("save", "resume", "keep", "timeout")
 

@@ -12,10 +12,12 @@ import argparse
 import math
 from dataclasses import asdict, dataclass, fields
 
+from minipar.data import corpus_problem
 from minipar.mesh import MeshShape
-from minipar.nn import ModelConfig
+from minipar.nn import GPT_MODELS, ModelConfig
 from minipar.parallel.pipeline_schedules import SCHEDULES, V_SHAPED
 
+MODELS = ("mlp", "moe", *GPT_MODELS)
 GRAD_SYNCS = ("naive", "bucketed", "overlapped")
 
 
@@ -62,6 +64,10 @@ class TrainConfig:
     keep: int = 2                     # --save keeps this many step folders (checkpoint.py)
     timeout: float = 300.0            # seconds a rank may wait in one call (watchdog.py)
     inject_bug: str | None = None     # lesson 08: run with one deliberate bug (bugs.py)
+    vocab: int | None = None          # the transformer's V: default 64, or 256 with --data
+    seq_len: int = 32                 # T positions per sequence
+    heads: int = 4                    # H attention heads, dividing d_model
+    data: str | None = None           # a text file: byte windows instead of the copy task
 
     def resolved(self, world_size: int) -> TrainConfig:
         """Fill the defaults that depend on other flags (d_ff, expert_d_ff, dp)."""
@@ -72,6 +78,8 @@ class TrainConfig:
             values["expert_d_ff"] = 2 * self.d_model
         if self.dp is None:
             values["dp"] = max(1, world_size // max(1, self.tp * self.pp))
+        if self.vocab is None and self.model in GPT_MODELS:
+            values["vocab"] = 256 if self.data is not None else 64
         return TrainConfig(**values)
 
     def model_config(self) -> ModelConfig:
@@ -79,7 +87,8 @@ class TrainConfig:
                            d_model=self.d_model, d_ff=self.d_ff, classes=self.classes,
                            experts=self.experts, top_k=self.top_k,
                            expert_d_ff=self.expert_d_ff, capacity_factor=self.capacity_factor,
-                           aux_coef=self.aux_coef)
+                           aux_coef=self.aux_coef, vocab=self.vocab or 64,
+                           seq_len=self.seq_len, heads=self.heads)
 
     def mesh_shape(self) -> MeshShape:
         return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep)
@@ -139,11 +148,40 @@ def size_problems(cfg: TrainConfig, world_size: int) -> list[str]:
         out.append(f"--grad-sync must be one of {', '.join(GRAD_SYNCS)} (got {cfg.grad_sync})")
     if cfg.bucket_size < 1:
         out.append(f"--bucket-size must be at least 1 element (got {cfg.bucket_size})")
+    out += _transformer_problems(cfg)
     if out:
         return out  # sizes below are meaningless with non-positive numbers
     if cfg.top_k > cfg.experts:
         out.append(f"--top-k {cfg.top_k} is more than --experts {cfg.experts}")
     out += cfg.mesh_shape().problems(world_size)
+    return out
+
+
+def _transformer_problems(cfg: TrainConfig) -> list[str]:
+    """The transformer's own flags: sizes, --data, and the flags of the other family."""
+    defaults = TrainConfig()
+    if cfg.model not in GPT_MODELS:
+        return [f"--{name.replace('_', '-')} applies to --model gpt/gpt-moe only"
+                for name in ("vocab", "seq_len", "heads", "data")
+                if getattr(cfg, name) != getattr(defaults, name)]
+    out = [f"--{name.replace('_', '-')} does not apply to --model {cfg.model} (it reads "
+           "token ids: see --vocab and --data)"
+           for name in ("d_in", "classes") if getattr(cfg, name) != getattr(defaults, name)]
+    if cfg.vocab < 2:
+        out.append(f"--vocab must be at least 2 (got {cfg.vocab})")
+    if cfg.seq_len < 2:
+        out.append(f"--seq-len must be at least 2 (got {cfg.seq_len})")
+    if cfg.heads < 1:
+        out.append(f"--heads must be at least 1 (got {cfg.heads})")
+    elif cfg.d_model >= 1 and cfg.d_model % cfg.heads:
+        out.append(f"--heads {cfg.heads} does not divide --d-model {cfg.d_model} "
+                   "(each head takes d_model/heads columns of q, k and v)")
+    if cfg.data is not None:
+        if cfg.vocab != 256:
+            out.append(f"--vocab {cfg.vocab} with --data: a text file is read byte by byte, "
+                       "so the vocabulary is 256 (drop --vocab)")
+        problem = corpus_problem(cfg.data, max(cfg.seq_len, 1))
+        out += [problem] if problem else []
     return out
 
 
@@ -158,12 +196,16 @@ def _divisibility(cfg: TrainConfig) -> list[str]:
     if cfg.model == "mlp" and cfg.d_ff % cfg.tp:
         out.append(f"--tp {cfg.tp} does not divide --d-ff {cfg.d_ff} "
                    "(each tensor-parallel rank holds d_ff/tp columns of fc1)")
-    if cfg.model == "moe" and cfg.experts % cfg.ep:
+    moe = cfg.model in ("moe", "gpt-moe")
+    if moe and cfg.experts % cfg.ep:
         out.append(f"--ep {cfg.ep} does not divide --experts {cfg.experts}")
     if cfg.model == "moe" and cfg.tp > 1:
         out.append("--tp with --model moe is not built: use --ep to split the experts")
-    if cfg.model == "mlp" and cfg.ep > 1:
-        out.append("--ep needs --model moe (a dense model has no experts)")
+    if cfg.model in GPT_MODELS and cfg.tp > 1:
+        out.append(f"--tp with --model {cfg.model} is not built yet (attention heads split "
+                   "over tp): use --dp, --pp or --ep")
+    if not moe and cfg.ep > 1:
+        out.append(f"--ep needs --model moe or gpt-moe (--model {cfg.model} has no experts)")
     if cfg.virtual > 1 and cfg.schedule != "interleaved":
         out.append(f"--virtual {cfg.virtual} needs --schedule interleaved")
     if cfg.virtual > 1 and cfg.pp == 1:
@@ -198,9 +240,9 @@ def _data_parallel_problems(cfg: TrainConfig) -> list[str]:
     if cfg.zero and cfg.grad_sync != "bucketed":
         out.append(f"--grad-sync {cfg.grad_sync} is plain data parallelism's sync: with --zero "
                    f"{cfg.zero} gradients are Reduce_scattered instead (drop --grad-sync)")
-    if cfg.zero and cfg.model == "moe":
-        out.append(f"--zero {cfg.zero} with --model moe is not built: expert weights sync over "
-                   "the expert-data-parallel group, ZeRO here shards over dp only")
+    if cfg.zero and cfg.model in ("moe", "gpt-moe"):
+        out.append(f"--zero {cfg.zero} with --model {cfg.model} is not built: expert weights "
+                   "sync over the expert-data-parallel group, ZeRO here shards over dp only")
     hooked = None  # these take each block's gradients from inside the backward
     if cfg.grad_sync == "overlapped":
         hooked = "--grad-sync overlapped"
@@ -240,8 +282,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     command")."""
     d = TrainConfig()
     add = parser.add_argument
-    add("--model", choices=("mlp", "moe"), default=d.model,
-        help="dense MLP blocks, or mixture-of-experts blocks")
+    add("--model", choices=MODELS, default=d.model,
+        help="mlp and moe: residual MLPs on feature rows; gpt and gpt-moe: a transformer "
+             "on token sequences (its FFN dense or MoE)")
     for name in ("layers", "d_in", "d_model", "d_ff", "classes", "experts", "top_k",
                  "expert_d_ff", "batch", "microbatches", "steps", "seed",
                  "dp", "tp", "pp", "ep", "virtual", "zero"):
@@ -270,6 +313,15 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--timeout", type=float, default=d.timeout, metavar="SECONDS",
         help="end the job when a rank waits this long in one collective or receive "
              "(0: wait forever)")
+    add("--vocab", type=int, default=None,
+        help="transformer: tokens in the vocabulary (default 64; 256 with --data)")
+    add("--seq-len", type=int, default=d.seq_len,
+        help="transformer: positions T per sequence (--batch counts sequences)")
+    add("--heads", type=int, default=d.heads,
+        help="transformer: attention heads H (H divides --d-model)")
+    add("--data", metavar="PATH", default=None,
+        help="transformer: train on windows of --seq-len + 1 bytes of this text file "
+             "(byte-level, V = 256) instead of the synthetic copy task")
     add("--inject-bug", metavar="NAME", default=None,
         help="break one thing on purpose (lesson 08); `python -m minipar bugs` lists them")
 

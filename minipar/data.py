@@ -9,9 +9,18 @@ as in the source text's example (1024 rows on 8 ranks: 128 each).
 
 The task is learnable: labels come from a fixed random two-layer "teacher"
 network, so the loss visibly falls over a few hundred steps.
+
+The transformer's batches are token sequences x (B, T) with their next tokens y (B, T):
+either the synthetic copy task (`make_sequences`: the second half of each sequence
+repeats its first, so only attention that looks back can predict it), or windows of
+T+1 bytes of a text file (`--data PATH`, V = 256), the window starts drawn from
+(seed, step) alone. Both are as deterministic as the MLP's batches.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import numpy as np
 
@@ -49,3 +58,56 @@ def shard_rows(batch: int, microbatches: int, dp: int, microbatch: int, dp_rank:
     size = batch // microbatches // dp
     start = microbatch * (batch // microbatches) + dp_rank * size
     return slice(start, start + size)
+
+
+# ------------------------------------------------------------- sequences
+def make_sequences(seed: int, step: int, batch: int, seq_len: int, vocab: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """The copy task: x, y (B, T) token ids; y[:, t] = x[:, t + 1], the next token.
+
+    Each sequence of T+1 tokens is a random first half (H = ceil((T+1)/2) uniform tokens)
+    followed by the same tokens again. The positions t >= H-1 (`repeated_positions`)
+    predict a token seen H positions earlier: their loss can fall below log V only once
+    attention has learned to look back; the others stay at log V."""
+    rng = np.random.default_rng([seed, step])
+    half = (seq_len + 2) // 2
+    first = rng.integers(0, vocab, size=(batch, half))
+    sequence = np.concatenate([first, first], axis=1)[:, :seq_len + 1]   # (B, T+1)
+    return sequence[:, :-1].astype(np.int64), sequence[:, 1:].astype(np.int64)
+
+
+def repeated_positions(seq_len: int) -> np.ndarray:
+    """(T,) booleans: the positions of the copy task whose next token repeats an earlier one."""
+    return np.arange(seq_len) >= (seq_len + 2) // 2 - 1
+
+
+@functools.lru_cache(maxsize=4)
+def read_corpus(path: str) -> np.ndarray:
+    """The bytes of a text file as token ids 0..255 (uint8), read once per process."""
+    return np.fromfile(path, dtype=np.uint8)
+
+
+def corpus_problem(path: str, seq_len: int) -> str | None:
+    """Why `--data path` cannot give windows of T+1 bytes, or None if it can."""
+    if not os.path.exists(path):
+        return f"--data {path}: no such file"
+    if not os.path.isfile(path):
+        return f"--data {path}: not a file"
+    size = os.path.getsize(path)
+    if size == 0:
+        return f"--data {path}: the file is empty"
+    if size < seq_len + 1:
+        return (f"--data {path}: {size} bytes is shorter than one window of --seq-len + 1 = "
+                f"{seq_len + 1} bytes")
+    return None
+
+
+def make_text_windows(path: str, seed: int, step: int, batch: int, seq_len: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """B windows of T+1 consecutive bytes of the file, starts drawn from (seed, step):
+    x = window[:, :T], y = window[:, 1:] (B, T), byte values as token ids (V = 256)."""
+    corpus = read_corpus(path)
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, corpus.size - seq_len, size=batch)         # window fits
+    windows = corpus[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64)  # (B, T+1)
+    return windows[:, :-1], windows[:, 1:]

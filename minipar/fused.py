@@ -8,6 +8,7 @@ backward derived by hand beside the forward, costs about what the plain NumPy
 math costs (`make bench` measures it):
 
     linear         y = x W + b           dx = g W^T, dW = x^T g, db = sum_rows g
+                   (x may be (..., in): every leading axis counts as rows)
     layer_norm     (x - mu) / sigma * gamma + beta
     gelu           0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))
     softmax        s = exp(a) / sum exp(a)          da = s (g - sum(g s))
@@ -31,21 +32,27 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """y = x @ W + b, one fused node. Weights are (in, out).
-    Backward: dx = g W^T, dW = x^T g, db = sum_rows g."""
-    out = x.data @ weight.data
+    """y = x @ W + b, one fused node. Weights are (in, out); x is (rows, in) or, for a
+    sequence model, (B, T, in): every leading axis counts as rows.
+    Backward: dx = g W^T, dW = x^T g, db = sum_rows g (the sums run over all B*T rows).
+    The rows are flattened to one (N, in) matrix first: one BLAS call, not one per row
+    of a stacked matmul."""
+    rows_in = x.data.reshape(-1, x.shape[-1])                    # (N, in), a view
+    out = (rows_in @ weight.data).reshape(*x.shape[:-1], weight.shape[-1])
     if bias is not None:
         out += bias.data
     parents = (x, weight) if bias is None else (x, weight, bias)
 
     def backward(g: np.ndarray) -> None:
         if x.requires_grad:
-            x.accumulate(g @ weight.data.T, fresh=True)
+            dx = g.reshape(-1, g.shape[-1]) @ weight.data.T      # (N, out) @ (out, in)
+            x.accumulate(dx.reshape(x.shape), fresh=True)
 
         def weight_grads() -> None:
-            weight.accumulate(x.data.T @ g, fresh=True)
+            rows, grad_rows = x.data.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+            weight.accumulate(rows.T @ grad_rows, fresh=True)   # (in, N) @ (N, out)
             if bias is not None:
-                bias.accumulate(g.sum(axis=0), fresh=True)
+                bias.accumulate(grad_rows.sum(axis=0), fresh=True)
         _weight_grad(weight_grads)
     return Tensor.from_op(out, parents, backward)
 
@@ -108,12 +115,15 @@ def log_softmax(a: Tensor, axis: int = -1) -> Tensor:
 
 
 def cross_entropy(logits: Tensor, labels: np.ndarray, scale: float | None = None) -> Tensor:
-    """sum_b -log softmax(logits_b)[y_b] * scale; `scale` defaults to 1/B (the mean).
-    Passing the scale lets a data-parallel rank divide by the *global* batch.
+    """sum_b -log softmax(logits_b)[y_b] * scale; `scale` defaults to 1/N (the mean).
+    logits (N, C) with labels (N,), or (B, T, C) with labels (B, T): every position is a
+    row, N = B*T. Passing the scale lets a data-parallel rank divide by the *global* batch.
     Backward: (softmax - onehot(y)) * scale."""
-    rows = np.arange(logits.shape[0])
-    scale = 1.0 / logits.shape[0] if scale is None else scale
-    shifted = logits.data - logits.data.max(axis=-1, keepdims=True)
+    flat = logits.data.reshape(-1, logits.shape[-1])         # (N, C)
+    labels = np.asarray(labels).reshape(-1)                  # (N,)
+    rows = np.arange(flat.shape[0])
+    scale = 1.0 / flat.shape[0] if scale is None else scale
+    shifted = flat - flat.max(axis=-1, keepdims=True)
     e = np.exp(shifted)
     total = e.sum(axis=-1, keepdims=True)
     picked = shifted[rows, labels] - np.log(total[:, 0])
@@ -122,5 +132,5 @@ def cross_entropy(logits: Tensor, labels: np.ndarray, scale: float | None = None
     def backward(g: np.ndarray) -> None:
         d = e / total
         d[rows, labels] -= 1.0
-        logits.accumulate(d * (g * scale), fresh=True)
+        logits.accumulate((d * (g * scale)).reshape(logits.shape), fresh=True)
     return Tensor.from_op(out, (logits,), backward)

@@ -83,17 +83,41 @@ class ModelConfig:
     expert_d_ff: int = 128
     capacity_factor: float | None = None
     aux_coef: float = 0.01
+    vocab: int = 64                   # the transformer (gpt.py): V tokens,
+    seq_len: int = 32                 # T positions per sequence,
+    heads: int = 4                    # H attention heads (H divides d)
+
+    @property
+    def is_gpt(self) -> bool:
+        """A transformer over token sequences (gpt.py), not an MLP over feature rows."""
+        return self.model in GPT_MODELS
+
+    @property
+    def is_moe(self) -> bool:
+        """Its FFNs are routed experts (`moe`, `gpt-moe`)."""
+        return self.model in ("moe", "gpt-moe")
+
+
+GPT_MODELS = ("gpt", "gpt-moe")
 
 
 def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's canonical name and full shape, in canonical order."""
     d = cfg.d_model
-    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.d_in, d), "embed.bias": (d,)}
+    if cfg.is_gpt:  # docs/design.md, "The transformer": embeddings, attention + FFN
+        shapes: dict[str, tuple[int, ...]] = {"tok_embed.weight": (cfg.vocab, d),
+                                              "pos_embed.weight": (cfg.seq_len, d)}
+    else:
+        shapes = {"embed.weight": (cfg.d_in, d), "embed.bias": (d,)}
     for i in range(cfg.layers):
         p = f"blocks.{i}"
-        shapes[f"{p}.ln.weight"] = (d,)
-        shapes[f"{p}.ln.bias"] = (d,)
-        if cfg.model == "moe":
+        if cfg.is_gpt:
+            shapes.update({f"{p}.ln1.weight": (d,), f"{p}.ln1.bias": (d,)})
+            for part in ("q", "k", "v", "proj"):
+                shapes.update({f"{p}.attn.{part}.weight": (d, d), f"{p}.attn.{part}.bias": (d,)})
+        ln = f"{p}.ln2" if cfg.is_gpt else f"{p}.ln"
+        shapes.update({f"{ln}.weight": (d,), f"{ln}.bias": (d,)})
+        if cfg.is_moe:
             shapes[f"{p}.router.weight"] = (d, cfg.experts)
             for e in range(cfg.experts):
                 q = f"{p}.experts.{e}"
@@ -103,29 +127,38 @@ def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         else:
             shapes.update({f"{p}.fc1.weight": (d, cfg.d_ff), f"{p}.fc1.bias": (cfg.d_ff,),
                            f"{p}.fc2.weight": (cfg.d_ff, d), f"{p}.fc2.bias": (d,)})
-    shapes["head.weight"] = (d, cfg.classes)
-    shapes["head.bias"] = (cfg.classes,)
+    outputs = cfg.vocab if cfg.is_gpt else cfg.classes
+    if cfg.is_gpt:
+        shapes.update({"ln_f.weight": (d,), "ln_f.bias": (d,)})
+    shapes["head.weight"] = (d, outputs)
+    shapes["head.bias"] = (outputs,)
     return shapes
+
+
+LAYER_NORMS = ("ln", "ln1", "ln2", "ln_f")
+RESIDUAL_OUTPUTS = ("fc2.weight", "attn.proj.weight")  # drawn smaller: N(0, 0.02/sqrt(2L))
 
 
 def init_params(cfg: ModelConfig, seed: int, dtype: np.dtype | str = np.float64
                 ) -> dict[str, np.ndarray]:
     """The full model, drawn from one seeded generator in canonical-name order.
 
-    Weights ~ N(0, 0.02); fc2 weights (dense and expert) ~ N(0, 0.02/sqrt(2L)), so the
-    residual stream does not grow with depth; biases 0; LayerNorm gamma 1, beta 0.
+    Weights ~ N(0, 0.02); the weights that write into the residual stream (fc2, dense and
+    expert, and the transformer's attn.proj) ~ N(0, 0.02/sqrt(2L)), so it does not grow
+    with depth; embeddings N(0, 0.02); biases 0; LayerNorm gamma 1, beta 0.
     Every rank of every mesh calls this and keeps its slice: all meshes start equal.
     """
     rng = np.random.default_rng(seed)
     small = 0.02 / np.sqrt(2 * cfg.layers)
     params = {}
     for name, shape in canonical_shapes(cfg).items():
-        if name.endswith("ln.weight"):
+        parts = name.split(".")
+        if parts[-2] in LAYER_NORMS and parts[-1] == "weight":
             value = np.ones(shape)
         elif name.endswith("bias"):
             value = np.zeros(shape)
         else:
-            value = rng.normal(0.0, small if name.endswith("fc2.weight") else 0.02, shape)
+            value = rng.normal(0.0, small if name.endswith(RESIDUAL_OUTPUTS) else 0.02, shape)
         params[name] = value.astype(dtype)
     return params
 
@@ -168,10 +201,13 @@ class Head(Linear):
 
 
 class DenseBlock(Module):
-    """h + fc2(GELU(fc1(LN(h)))): a pre-LayerNorm residual MLP block."""
+    """h + fc2(GELU(fc1(LN(h)))): a pre-LayerNorm residual MLP block.
 
-    def __init__(self, full: dict[str, np.ndarray], index: int) -> None:
-        self.ln = LayerNorm(full, f"blocks.{index}.ln")
+    h is (B, d) rows, or (B, T, d) positions: the transformer's FFN half is this block
+    with its LayerNorm named `ln2` (gpt.py)."""
+
+    def __init__(self, full: dict[str, np.ndarray], index: int, ln: str = "ln") -> None:
+        self.ln = LayerNorm(full, f"blocks.{index}.{ln}")
         self.fc1 = Linear(full, f"blocks.{index}.fc1")
         self.fc2 = Linear(full, f"blocks.{index}.fc2")
 
@@ -244,29 +280,43 @@ def aux_loss(probs: Tensor, chosen: np.ndarray, experts: int, coef: float,
     return (p_mean * (coef * experts * f)).sum()
 
 
+def as_tokens(u: Tensor) -> Tensor:
+    """(B, T, d) positions -> (B*T, d) tokens, in global token order (row, then position);
+    (B, d) rows are tokens already."""
+    return u if u.ndim == 2 else ag.reshape(u, (-1, u.shape[-1]))
+
+
 class MoEBlock(Module):
     """h + sum_e g_e Expert_e(LN(h)): the dense FFN replaced by top-k routed experts.
 
+    `ffn` is the routed FFN alone, u (N, d) tokens -> (out (N, d), aux); the block adds
+    the LayerNorm and the residual. h is (B, d) rows or (B, T, d) positions, each
+    position one token (the transformer's MoE FFN, with its LayerNorm named `ln2`).
     Vectorized by expert: for each expert, the (token, slot) assignments routed to it
     are gathered with one index array, run through the expert, weighted by their gates
     and scatter-added back (`index_add`): no Python loop over tokens.
     """
 
-    def __init__(self, full: dict[str, np.ndarray], index: int, cfg: ModelConfig) -> None:
+    def __init__(self, full: dict[str, np.ndarray], index: int, cfg: ModelConfig,
+                 ln: str = "ln") -> None:
         p = f"blocks.{index}"
         self.cfg = cfg
-        self.ln = LayerNorm(full, f"{p}.ln")
+        self.ln = LayerNorm(full, f"{p}.{ln}")
         self.router = Parameter(full[f"{p}.router.weight"], f"{p}.router.weight")
         self.experts = [ExpertFFN(full, f"{p}.experts.{e}") for e in range(cfg.experts)]
 
     def __call__(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        out, aux = self.ffn(as_tokens(self.ln(h)))             # (N, d), N = B or B*T
+        return h + (out if h.ndim == 2 else ag.reshape(out, h.shape)), aux
+
+    def ffn(self, u: Tensor) -> tuple[Tensor, Tensor]:
+        """The routed FFN on N tokens u (N, d): (sum_e g_e Expert_e(u), aux)."""
         cfg = self.cfg
-        u = self.ln(h)                                         # (B, d)
-        probs = fused.softmax(u @ self.router)                    # (B, d) @ (d, E) -> (B, E)
-        chosen, tokens, expert_of, gates = top_k_gates(probs, cfg.top_k)  # (B, k), 3 x (B k,)
+        probs = fused.softmax(u @ self.router)                 # (N, d) @ (d, E) -> (N, E)
+        chosen, tokens, expert_of, gates = top_k_gates(probs, cfg.top_k)  # (N, k), 3 x (N k,)
         limit = capacity(cfg.capacity_factor, cfg.top_k, u.shape[0], cfg.experts)
         kept = keep_within_capacity(expert_of, cfg.experts, limit)
-        out = Tensor(np.zeros_like(h.data))
+        out = Tensor(np.zeros_like(u.data))
         for e, expert in enumerate(self.experts):              # a loop over experts, not tokens
             # An expert no token chose still runs, on zero rows: its gradient is then a
             # zero array (not missing), so optimizers and gradient syncs see every weight.
@@ -274,8 +324,7 @@ class MoEBlock(Module):
             y = expert(ag.take_rows(u, tokens[mine]))          # (n_e, d) -> (n_e, d)
             weighted = y * ag.reshape(ag.take_rows(gates, mine), (-1, 1))
             out = ag.index_add(out, tokens[mine], weighted)
-        aux = aux_loss(probs, chosen, cfg.experts, cfg.aux_coef)
-        return h + out, aux
+        return out, aux_loss(probs, chosen, cfg.experts, cfg.aux_coef)
 
 
 class ExpertFFN(Module):
@@ -298,7 +347,7 @@ class Model(Module):
     (h, or logits if this piece ends with the head) and the summed aux loss.
     """
 
-    def __init__(self, embed: Embed | None, blocks: list[Module], head: Head | None,
+    def __init__(self, embed: Module | None, blocks: list[Module], head: Module | None,
                  enter: Callable[[Tensor], Tensor] | None = None,
                  leave: Callable[[Tensor], Tensor] | None = None) -> None:
         self.embed = embed
@@ -333,7 +382,8 @@ def build_reference(cfg: ModelConfig, full: dict[str, np.ndarray]) -> Model:
 
 
 def loss_fn(model: Model, x: np.ndarray, y: np.ndarray) -> Tensor:
-    """mean_b CE(logits_b, y_b) + sum_l aux_l on one (micro)batch."""
+    """mean_b CE(logits_b, y_b) + sum_l aux_l on one (micro)batch; for the transformer
+    the mean runs over all B*T positions (logits (B, T, V), y (B, T))."""
     logits, aux = model.forward(Tensor(x))
     loss = fused.cross_entropy(logits, y)
     return loss if aux is None else loss + aux

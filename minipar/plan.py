@@ -85,32 +85,42 @@ def minipar_workload(cfg: TrainConfig) -> Workload:
     exactly as its ranks hold them (fc1 and fc2's weight cut by tp, fc2's bias and the
     LayerNorm whole). Activations: its saved tensors counted by hand per row, 2d
     (h, LN(h)) whole and 2f (fc1's output, GELU's) cut by tp; per MoE assignment
-    2d + 2fe. An estimate: the test checks states and ledger, not activations."""
-    shapes = {name: math.prod(shape) for name, shape in canonical_shapes(
-        cfg.model_config()).items()}
+    2d + 2fe; the transformer adds 6d per position (h, LN1, q, k, v, o) and its
+    probabilities, H T per position. An estimate: the test checks states and ledger,
+    not activations. The transformer's rows are its B*T positions (seq_len = T)."""
+    model = cfg.model_config()
+    shapes = {name: math.prod(shape) for name, shape in canonical_shapes(model).items()}
     itemsize = np.dtype(cfg.dtype).itemsize
     cut = ("fc1.weight", "fc1.bias", "fc2.weight")
     d, f, fe = cfg.d_model, cfg.d_ff, cfg.expert_d_ff
+    attention = dict(act_scores=model.heads * model.seq_len * itemsize) if model.is_gpt else {}
+    extra = 6 * d if model.is_gpt else 0
     blocks = []
     for i in range(cfg.layers):
         mine = [n for n in shapes if n.startswith(f"blocks.{i}.") and ".experts." not in n]
         arrays = tuple((shapes[n], n.endswith(cut) and cfg.model == "mlp") for n in mine)
-        if cfg.model == "moe":
+        if model.is_moe:
             expert = tuple(shapes[n] for n in shapes if n.startswith(f"blocks.{i}.experts.0."))
             blocks.append(Block(arrays, expert, cfg.experts, cfg.top_k,
-                                act_replicated=(2 * d + cfg.experts) * itemsize,
+                                act_replicated=(2 * d + extra + cfg.experts) * itemsize,
                                 act_split=cfg.top_k * (2 * d + 2 * fe) * itemsize,
                                 act_input=d * itemsize,
-                                capacity=cfg.capacity_factor is not None))
+                                capacity=cfg.capacity_factor is not None, **attention))
         else:
-            blocks.append(Block(arrays, act_replicated=2 * d * itemsize,
-                                act_split=2 * f * itemsize, act_input=d * itemsize))
-    piece = {part: tuple((shapes[f"{part}.{kind}"], False) for kind in ("weight", "bias"))
-             for part in ("embed", "head")}
-    return Workload(f"minipar {cfg.model}", tuple(blocks), piece["embed"], piece["head"], d,
-                    cfg.batch, 1, itemsize, itemsize,
+            blocks.append(Block(arrays, act_replicated=(2 * d + extra) * itemsize,
+                                act_split=2 * f * itemsize, act_input=d * itemsize,
+                                **attention))
+    first = ("tok_embed.weight", "pos_embed.weight") if model.is_gpt else (
+        "embed.weight", "embed.bias")
+    last = ("ln_f.weight", "ln_f.bias", "head.weight", "head.bias") if model.is_gpt else (
+        "head.weight", "head.bias")
+    return Workload(f"minipar {cfg.model}", tuple(blocks),
+                    tuple((shapes[n], False) for n in first),
+                    tuple((shapes[n], False) for n in last), d,
+                    cfg.batch, model.seq_len if model.is_gpt else 1, itemsize, itemsize,
                     optimizer_bytes_per_param(cfg.optimizer, itemsize), itemsize, 8,
-                    cfg.bucket_size, split_dims=(f,) if cfg.model == "mlp" else ())
+                    cfg.bucket_size, split_dims=(f,) if cfg.model == "mlp" else (),
+                    lookup_embedding=model.is_gpt)
 
 
 def plan_of(cfg: TrainConfig) -> Plan:

@@ -277,7 +277,8 @@ def short_label(stop: dict) -> str:
     """'TP (dp2 tp4)' from a tour stop's title and config."""
     cfg = stop["cfg"]
     mesh = " ".join(f"{axis}{getattr(cfg, axis)}" for axis in ("dp", "tp", "pp", "ep")
-                    if getattr(cfg, axis) > 1 and not (axis == "ep" and cfg.model != "moe"))
+                    if getattr(cfg, axis) > 1
+                    and not (axis == "ep" and not cfg.model_config().is_moe))
     return f"{stop['title'].split('  ')[0]} ({mesh})"
 
 

@@ -36,25 +36,37 @@ def parameter_count(cfg: TrainConfig) -> int:
     """Elements of the full model (`nn.canonical_shapes`, in closed form: no loop over
     layers or experts, so --layers 10**9 costs nothing to count)."""
     d, L = cfg.d_model, cfg.layers
-    embed, head = cfg.d_in * d + d, d * cfg.classes + cfg.classes
-    if cfg.model == "moe":
+    gpt = cfg.model in ("gpt", "gpt-moe")
+    if gpt:  # token and position tables; ln_f and the head over the vocabulary
+        vocab = cfg.vocab or 0
+        embed, head = (vocab + cfg.seq_len) * d, 2 * d + d * vocab + vocab
+    else:
+        embed, head = cfg.d_in * d + d, d * cfg.classes + cfg.classes
+    if cfg.model in ("moe", "gpt-moe"):
         f = cfg.expert_d_ff
         block = 2 * d + d * cfg.experts + cfg.experts * (2 * d * f + f + d)
     else:
         f = cfg.d_ff
         block = 2 * d + 2 * d * f + f + d
-    return embed + L * block + head
+    attention = 2 * d + 4 * (d * d + d) if gpt else 0   # ln1, q, k, v, proj
+    return embed + L * (attention + block) + head
 
 
 def activation_count(cfg: TrainConfig) -> int:
     """Elements a rank keeps for backward, at most: its rows of the batch (all its
-    microbatches, as a pipeline may hold them) times what each block saves per row."""
-    rows = cfg.batch // max(1, cfg.dp)
+    microbatches, as a pipeline may hold them) times what each block saves per row.
+    The transformer's rows are its positions, each also keeping its attention
+    probabilities (H T) and q, k, v, o (4 d), and its logits (V)."""
+    gpt = cfg.model in ("gpt", "gpt-moe")
+    rows = cfg.batch // max(1, cfg.dp) * (cfg.seq_len if gpt else 1)
     d = cfg.d_model
-    if cfg.model == "moe":   # k expert copies of each row: fc1 and GELU (f each), fc2 (d)
+    if cfg.model in ("moe", "gpt-moe"):   # k expert copies of each row: fc1, GELU, fc2
         per_row = 4 * d + cfg.experts + cfg.top_k * (2 * cfg.expert_d_ff + d)
     else:                    # LayerNorm, fc1, GELU, fc2, residual
         per_row = 4 * d + 2 * cfg.d_ff
+    if gpt:
+        per_row += 2 * d + 4 * d + cfg.heads * cfg.seq_len
+        return rows * (cfg.layers * per_row + 2 * (cfg.vocab or 0))
     return rows * (cfg.layers * per_row + cfg.d_in + cfg.classes)
 
 
@@ -91,8 +103,9 @@ def memory_problems(cfg: TrainConfig, world_size: int, total: int | None = None)
 def overflow_problems(cfg: TrainConfig) -> list[str]:
     """Finite numbers whose products are not counts any more."""
     out = []
-    if cfg.model == "moe" and cfg.capacity_factor is not None:
-        slots = cfg.capacity_factor * cfg.top_k * cfg.batch / cfg.experts
+    if cfg.model in ("moe", "gpt-moe") and cfg.capacity_factor is not None:
+        tokens = cfg.batch * (cfg.seq_len if cfg.model == "gpt-moe" else 1)
+        slots = cfg.capacity_factor * cfg.top_k * tokens / cfg.experts
         if not math.isfinite(slots) or slots > EXACT:
             out.append(f"--capacity-factor {cfg.capacity_factor:g} makes an expert capacity of "
                        f"{slots:g} tokens (not a count); any factor from --experts / --top-k "

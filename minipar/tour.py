@@ -34,8 +34,19 @@ STOPS: list[tuple[str, dict]] = [
     ("3-D  dp x tp x pp = 2 x 2 x 2", dict(dp=2, tp=2, pp=2, microbatches=2)),
     ("ZeRO-3  parameters, gradients, optimizer state sharded", dict(dp=8, zero=3,
                                                                    optimizer="adam", lr=0.003)),
+    # the same strategies on a transformer (gpt.py): the rows are now B*T positions
+    ("GPT-DP  a transformer: 8 replicas, the same Allreduce", dict(model="gpt", dp=8)),
+    ("GPT-PP  (B/M dp, T, d) between stages, interleaved", dict(
+        model="gpt", dp=2, pp=4, microbatches=4, schedule="interleaved", virtual=2)),
+    ("GPT-EP  every position a token, Alltoall to its expert", dict(
+        model="gpt-moe", dp=8, ep=8, experts=8, capacity_factor=1.25)),
+    ("GPT-ZeRO-3  a transformer's states sharded", dict(model="gpt", dp=8, zero=3,
+                                                       optimizer="adam", lr=0.003)),
+    ("GPT-3-D  dp x ep x pp = 4 x 2 x 2 on gpt-moe", dict(
+        model="gpt-moe", dp=4, ep=2, pp=2, microbatches=2)),
 ]
 SMALL = dict(layers=8, d_in=16, d_model=32, batch=64, steps=3)
+GPT_SMALL = dict(layers=8, d_model=32, heads=4, seq_len=16, batch=16, steps=3)
 
 
 def moved(ledger: list[dict]) -> str:
@@ -71,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     stops: list[dict] = []  # what the figures need, kept on rank 0 (with --plot)
     for title, flags in STOPS:
-        cfg = TrainConfig(**{**SMALL, **flags}).resolved(size)
+        base = GPT_SMALL if flags.get("model", "").startswith("gpt") else SMALL
+        cfg = TrainConfig(**{**base, **flags}).resolved(size)
         errors = problems(cfg, size)
         if errors:  # the same verdict on every rank: skip together
             if rank == 0:

@@ -30,9 +30,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import bugs, checkpoint, config, fused, nn, preflight, watchdog
+from minipar import bugs, checkpoint, config, fused, gpt, nn, preflight, watchdog
 from minipar.config import TrainConfig
-from minipar.data import make_batch, microbatch_rows, shard_rows
+from minipar.data import (
+    make_batch,
+    make_sequences,
+    make_text_windows,
+    microbatch_rows,
+    shard_rows,
+)
 from minipar.mesh import Mesh
 from minipar.optim import Optimizer, make_optimizer
 from minipar.parallel import pipeline_parallel, pipeline_schedules
@@ -106,8 +112,19 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
 
 
 def step_batch(cfg: TrainConfig, step: int) -> tuple[np.ndarray, np.ndarray]:
-    """The global batch of `step`: the same on every rank, from (seed, step) alone."""
+    """The global batch of `step`: the same on every rank, from (seed, step) alone.
+    MLP models: x (B, d_in), y (B,); the transformer: token ids x, y (B, T)."""
+    if cfg.data is not None:
+        return make_text_windows(cfg.data, cfg.seed, step, cfg.batch, cfg.seq_len)
+    if cfg.model_config().is_gpt:
+        return make_sequences(cfg.seed, step, cfg.batch, cfg.seq_len, cfg.vocab)
     return make_batch(cfg.seed, step, cfg.batch, cfg.d_in, cfg.classes, cfg.dtype)
+
+
+def build_reference(cfg: TrainConfig, full: dict[str, np.ndarray]) -> nn.Model:
+    """The single-process model: the MLP models of nn.py or the transformer of gpt.py."""
+    model_cfg = cfg.model_config()
+    return (gpt.build_reference if model_cfg.is_gpt else nn.build_reference)(model_cfg, full)
 
 
 # ------------------------------------------------------------ the reference
@@ -120,7 +137,7 @@ def train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | No
     """
     full = nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
     init = {k: v.copy() for k, v in full.items()}
-    model = nn.build_reference(cfg.model_config(), full)
+    model = build_reference(cfg, full)
     params = model.parameters()
     optimizer = make_optimizer(cfg.optimizer, cfg.lr)
     losses = []
@@ -154,6 +171,10 @@ def parallelize(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray],
     4. data parallelism: the gradients synchronized over `mesh.dp` after backward,
        plainly or with ZeRO 1/2/3, then the optimizer step (`make_updater`).
 
+    The transformer (gpt.py) goes through the same steps: each of its blocks is
+    attention (replicated, synced over dp like any weight) followed by the FFN block
+    that 2 and 3 split, and its pipeline stages pass (B/(M dp), T, d).
+
     Each strategy is handed what it needs (its groups, sizes, the optimizer); returns
     the model chunks and the updater that turns their gradients into a step.
     """
@@ -185,12 +206,13 @@ def build_rank_model(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray]
         from minipar.parallel import tensor_parallel  # here: it loads mpi4py.MPI
 
         enter, leave = tensor_parallel.sequence_parallel_hooks(mesh.tp)
+    embed, head = (gpt.Embedding, gpt.Head) if model_cfg.is_gpt else (nn.Embed, nn.Head)
     for chunk in range(chunks_here):
         v = pipeline_schedules.virtual_stage(cfg.pp, mesh.coords["pp"], chunk, v_shape)
         blocks = [make_block(cfg, model_cfg, mesh, full, i)
                   for i in range(v * per_stage, (v + 1) * per_stage)]
-        chunks.append(nn.Model(nn.Embed(full) if v == 0 else None, blocks,
-                               nn.Head(full) if v == stages - 1 else None,
+        chunks.append(nn.Model(embed(full) if v == 0 else None, blocks,
+                               head(full) if v == stages - 1 else None,
                                enter=enter, leave=leave))
     return chunks
 
@@ -198,20 +220,30 @@ def build_rank_model(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray]
 def make_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
                full: dict[str, np.ndarray], index: int) -> nn.Module:
     """Block `index` as this mesh needs it (reference, tensor- or expert-parallel).
+    A transformer block is attention followed by that same FFN block (LayerNorm `ln2`)."""
+    if model_cfg.is_gpt:
+        return gpt.Block(full, index, model_cfg.heads,
+                         make_ffn_block(cfg, model_cfg, mesh, full, index, ln="ln2"))
+    return make_ffn_block(cfg, model_cfg, mesh, full, index)
+
+
+def make_ffn_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
+                   full: dict[str, np.ndarray], index: int, ln: str = "ln") -> nn.Module:
+    """The FFN block h + FFN(LN(h)) of block `index`, split as the mesh asks.
     The classes are looked up in their modules at call time, so `--inject-bug` can
     swap what they use."""
     # here: both load mpi4py.MPI, which the one-process reference never needs
     from minipar.parallel import expert_parallel, tensor_parallel
 
-    if cfg.model == "moe" and (cfg.dp > 1 or cfg.ep > 1):
+    if model_cfg.is_moe and (cfg.dp > 1 or cfg.ep > 1):
         # tokens split over dp, experts over ep: the Alltoall dispatch (expert_parallel.py)
-        return expert_parallel.ExpertParallelBlock(full, index, model_cfg, mesh)
-    if cfg.model == "moe":
-        return nn.MoEBlock(full, index, model_cfg)
+        return expert_parallel.ExpertParallelBlock(full, index, model_cfg, mesh, ln=ln)
+    if model_cfg.is_moe:
+        return nn.MoEBlock(full, index, model_cfg, ln=ln)
     if cfg.tp > 1:
         return tensor_parallel.TensorParallelBlock(full, index, mesh.tp,
                                                    sequence_parallel=cfg.sp)
-    return nn.DenseBlock(full, index)
+    return nn.DenseBlock(full, index, ln=ln)
 
 
 def make_updater(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
@@ -232,10 +264,13 @@ def microbatch_loss(chunk: nn.Model, x: np.ndarray, y: np.ndarray, scale: float)
     return nn.loss_fn(chunk, x, y) * scale
 
 
-def boundary_shape(cfg: TrainConfig) -> tuple[int, int]:
+def boundary_shape(cfg: TrainConfig) -> tuple[int, ...]:
     """What crosses a stage boundary per microbatch: (B/(M dp), d) rows of the residual
-    stream, or (B/(M dp tp), d) with sequence parallelism (the stream is row-split)."""
+    stream, or (B/(M dp tp), d) with sequence parallelism (the stream is row-split);
+    for the transformer (B/(M dp), T, d), every position of those sequences."""
     rows = cfg.batch // cfg.microbatches // cfg.dp
+    if cfg.model_config().is_gpt:
+        return (rows, cfg.seq_len, cfg.d_model)
     return (rows // cfg.tp if cfg.sp else rows, cfg.d_model)
 
 
@@ -258,7 +293,7 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
         worker = pipeline_parallel.StageWorker(
             mesh.pp, chunks, x, y, slices, last_stage_loss, scale, boundary_shape(cfg),
             len(chunks), split_backward=cfg.schedule in pipeline_schedules.SPLIT_BACKWARD,
-            rank=mesh.rank, v_shape=cfg.schedule in pipeline_schedules.V_SHAPED)
+            rank=mesh.rank, dtype=cfg.dtype, v_shape=cfg.schedule in pipeline_schedules.V_SHAPED)
         return pipeline_parallel.forward_backward(worker, cfg.schedule, cfg.microbatches,
                                                   timeline)
     total = 0.0

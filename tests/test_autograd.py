@@ -16,8 +16,8 @@ import inspect
 import numpy as np
 import pytest
 
+from minipar import attention, fused, nn
 from minipar import autograd as ag
-from minipar import fused, nn
 from minipar.autograd import Tensor
 
 RNG = np.random.default_rng(1234)
@@ -63,6 +63,7 @@ def gradcheck(fn, *inputs: np.ndarray, eps: float = 1e-6, rtol: float = 1e-6,
 
 ROWS = np.array([2, 0, 2, 3, 2])        # repeated indices: their gradients must add up
 LABELS = np.array([1, 0, 3, 3])
+IDS = np.array([[2, 0, 2], [3, 2, 3]])   # token ids (B, T), repeated: gradients add up
 
 # (op under test, id, fn, inputs)
 CASES = [
@@ -105,7 +106,12 @@ CASES = [
     ("split", "equal", lambda a: ag.split(a, 3), [normal(6, 2)]),
     ("split", "at-indices-axis1", lambda a: ag.split(a, [1, 4], axis=1), [normal(2, 5)]),
     ("matmul", "", lambda a, b: a @ b, [normal(3, 4), normal(4, 5)]),
+    ("matmul", "3d@weight", lambda a, b: a @ b, [normal(2, 3, 4), normal(4, 5)]),
+    ("matmul", "batched", lambda a, b: a @ b, [normal(2, 3, 4), normal(2, 4, 5)]),
+    ("matmul", "broadcast-batch", lambda a, b: ag.matmul(a, b),
+     [normal(2, 1, 3, 4), normal(3, 4, 2)]),
     ("linear", "bias", fused.linear, [normal(3, 4), normal(4, 5), normal(5)]),
+    ("linear", "sequence", fused.linear, [normal(2, 3, 4), normal(4, 5), normal(5)]),
     ("linear", "no-bias", fused.linear, [normal(3, 4), normal(4, 5)]),
     ("layer_norm", "2d", fused.layer_norm, [normal(3, 6), positive(6), normal(6)]),
     ("layer_norm", "3d", fused.layer_norm, [normal(2, 3, 5), positive(5), normal(5)]),
@@ -116,6 +122,31 @@ CASES = [
     ("cross_entropy", "mean", lambda z: fused.cross_entropy(z, LABELS), [normal(4, 5)]),
     ("cross_entropy", "scale", lambda z: fused.cross_entropy(z, LABELS, scale=0.37),
      [normal(4, 5)]),
+    ("cross_entropy", "sequence", lambda z: fused.cross_entropy(z, LABELS.reshape(2, 2)),
+     [normal(2, 2, 5)]),
+    ("embedding", "repeated-ids", lambda w: attention.embedding(w, IDS), [normal(4, 3)]),
+    ("embedding", "positions", lambda w: attention.embedding(w, np.array([3, 1, 2])),
+     [normal(5, 2)]),
+    ("causal_mask", "through-softmax", lambda s: fused.softmax(
+        attention.causal_mask(s, np.arange(4), np.arange(4))), [normal(2, 4, 4)]),
+    ("causal_mask", "later-queries", lambda s: fused.softmax(
+        attention.causal_mask(s, np.array([4, 5]), np.arange(2, 7))), [normal(2, 5)]),
+    ("attention", "2-heads", lambda q, k, v: attention.attention(q, k, v, 2),
+     [normal(2, 5, 6), normal(2, 5, 6), normal(2, 5, 6)]),
+    ("attention", "positions", lambda q, k, v: attention.attention(
+        q, k, v, 3, np.array([3, 4]), np.arange(5)),
+     [normal(1, 2, 6), normal(1, 5, 6), normal(1, 5, 6)]),
+    ("attention", "a-row-sees-nothing", lambda q, k, v: attention.attention(
+        q, k, v, 1, np.array([0, 2]), np.array([1, 2])),
+     [normal(2, 2, 3), normal(2, 2, 3), normal(2, 2, 3)]),
+    ("attention", "key-bias", lambda q, k, v, b: attention.attention(q, k, v, 2, key_bias=b),
+     [normal(2, 4, 6), normal(2, 4, 6), normal(2, 4, 6), normal(6)]),
+    ("attention_lse", "", lambda q, k: attention.attention_lse(q, k, 2),
+     [normal(2, 4, 6), normal(2, 4, 6)]),
+    ("attention_lse", "key-bias", lambda q, k, b: attention.attention_lse(
+        q, k, 2, key_bias=b), [normal(2, 4, 6), normal(2, 4, 6), normal(6)]),
+    ("attention_lse", "positions", lambda q, k: attention.attention_lse(
+        q, k, 1, np.array([2, 3]), np.arange(4)), [normal(1, 2, 3), normal(1, 4, 3)]),
     ("sugar", "neg-rsub-rdiv", lambda a: 2.0 - (-a) / 3.0 + 1.0 / (a * a + 1.0), [normal(3)]),
     ("sugar", "ndarray-left", lambda a: np.arange(3.0) * a + np.ones(3), [normal(3)]),
 ]
@@ -128,9 +159,11 @@ def test_op_gradient(op, label, fn, inputs):
 
 
 def test_every_op_has_a_gradient_check():
-    """A new op in autograd.py or fused.py must come with its finite-difference case above."""
-    tape_machinery = {"no_grad", "defer_weight_grads", "backward_from", "as_tensor"}
-    ops = {name for module in (ag, fused) for name, f in vars(module).items()
+    """A new op in autograd.py, fused.py or attention.py must come with its
+    finite-difference case above."""
+    tape_machinery = {"no_grad", "defer_weight_grads", "backward_from", "as_tensor",
+                      "allowed"}
+    ops = {name for module in (ag, fused, attention) for name, f in vars(module).items()
            if inspect.isfunction(f) and f.__module__ == module.__name__
            and not name.startswith("_")}
     missing = ops - tape_machinery - {op for op, *_ in CASES}
@@ -272,3 +305,78 @@ def test_model_loss_gradient(model, sizes):
             assert abs(p.grad[index] - numeric) <= 1e-6 * max(1.0, abs(numeric)), name
             checked += p.grad[index] != 0
     assert checked >= len(PICKS[model])          # most picks carry a real gradient
+
+
+# ------------------------------------------------------------ attention
+def test_attention_equals_the_per_head_formula():
+    """The batched node against docs/design.md's formula written head by head, in plain NumPy:
+    S_h = q_h k_h^T / sqrt(dh), -inf above the diagonal, o_h = softmax(S_h) v_h."""
+    q, k, v = normal(2, 5, 6), normal(2, 5, 6), normal(2, 5, 6)
+    heads, dh = 3, 2
+    expected = []
+    for h in range(heads):
+        cols = slice(h * dh, (h + 1) * dh)
+        s = q[..., cols] @ k[..., cols].transpose(0, 2, 1) / np.sqrt(dh)
+        s = np.where(np.tril(np.ones((5, 5), dtype=bool)), s, -np.inf)
+        p = np.exp(s - s.max(axis=-1, keepdims=True))
+        expected.append(p / p.sum(axis=-1, keepdims=True) @ v[..., cols])
+    got = attention.attention(Tensor(q), Tensor(k), Tensor(v), heads).data
+    np.testing.assert_allclose(got, np.concatenate(expected, axis=-1), rtol=1e-13, atol=1e-15)
+
+
+def test_attention_lse_merges_two_blocks_of_keys():
+    """Online softmax: attention over keys [0, 6) equals the lse-weighted merge of the
+    attention over keys [0, 3) and over keys [3, 6), for queries at positions 4, 5 -- and
+    a query that sees no key of a block (position 1 vs keys 3..5) gets 0 and -inf there."""
+    q, k, v = (Tensor(normal(2, 3, 4)), Tensor(normal(2, 6, 4)), Tensor(normal(2, 6, 4)))
+    q_pos = np.array([1, 4, 5])
+    parts = []
+    for keys in (slice(0, 3), slice(3, 6)):
+        kb, vb = Tensor(k.data[:, keys]), Tensor(v.data[:, keys])
+        pos = np.arange(6)[keys]
+        parts.append((attention.attention(q, kb, vb, 2, q_pos, pos).data,
+                      attention.attention_lse(q, kb, 2, q_pos, pos).data))
+    (o_a, lse_a), (o_b, lse_b) = parts
+    assert np.isneginf(lse_b[:, :, 0]).all() and np.all(o_b[:, 0] == 0.0)
+    lse = np.logaddexp(lse_a, lse_b)                              # (B, H, Tq)
+
+    def weight(part: np.ndarray) -> np.ndarray:                   # (B, H, Tq) -> (B, Tq, H*dh)
+        return np.repeat(np.exp(part - lse).transpose(0, 2, 1), 2, axis=-1)
+    merged = weight(lse_a) * o_a + weight(lse_b) * o_b
+    whole = attention.attention(q, k, v, 2, q_pos, np.arange(6)).data
+    np.testing.assert_allclose(merged, whole, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(lse, attention.attention_lse(q, k, 2, q_pos, np.arange(6)).data,
+                               rtol=1e-13)
+
+
+@pytest.mark.parametrize("model,sizes", [
+    ("gpt", {}),
+    ("gpt-moe", {"top_k": 2, "aux_coef": 0.5, "capacity_factor": 0.75}),
+], ids=["gpt", "gpt-moe-top2-capacity"])
+def test_transformer_loss_gradient(model, sizes):
+    """The transformer's loss: d loss / d (entries of every kind of weight) against central
+    differences, with O(1) random weights so attention is far from uniform."""
+    from minipar import gpt
+
+    cfg = nn.ModelConfig(model=model, layers=2, d_model=8, d_ff=12, vocab=7, seq_len=5,
+                         heads=2, experts=4, expert_d_ff=6, **sizes)
+    rng = np.random.default_rng(5)
+    full = {name: rng.normal(1.0 if name.split(".")[-2] in nn.LAYER_NORMS
+                             and name.endswith("weight") else 0.0, 0.5, value.shape)
+            for name, value in nn.init_params(cfg, 0).items()}
+    net = gpt.build_reference(cfg, full)
+    x, y = rng.integers(0, cfg.vocab, (3, cfg.seq_len)), rng.integers(0, cfg.vocab, (3, 5))
+    params = {p.name: p for p in net.parameters()}
+    nn.loss_fn(net, x, y).backward()
+    picks = [name for name in params if ".experts." not in name or ".experts.1." in name]
+    for name in picks:
+        p = params[name]
+        index = tuple(int(rng.integers(n)) for n in p.shape)
+        keep = p.data[index]
+        p.data[index] = keep + 1e-6
+        up = nn.loss_fn(net, x, y).item()
+        p.data[index] = keep - 1e-6
+        down = nn.loss_fn(net, x, y).item()
+        p.data[index] = keep
+        numeric = (up - down) / 2e-6
+        assert abs(p.grad[index] - numeric) <= 1e-6 * max(1.0, abs(numeric)), name

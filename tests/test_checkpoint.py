@@ -35,6 +35,11 @@ MODELS = {
     # splits over dp = 2, 3, 4; with tp=2 the dp=2 slices meet inside a row of fc1
     "odd": {"layers": 4, "d_model": 16, "d_in": 8, "batch": 12, "classes": 13,
             "optimizer": "adam", "lr": 0.01, "seed": 3},
+    "gpt": {"model": "gpt", "layers": 2, "d_model": 16, "heads": 2, "seq_len": 8,
+            "vocab": 16, "batch": 8, "optimizer": "adam", "lr": 0.01, "seed": 3},
+    "gpt-moe": {"model": "gpt-moe", "layers": 2, "d_model": 16, "heads": 2, "seq_len": 8,
+                "vocab": 16, "batch": 8, "experts": 4, "expert_d_ff": 16,
+                "capacity_factor": 1.0, "optimizer": "adam", "lr": 0.01, "seed": 3},
 }
 # (model, first mesh, its ranks, second mesh, its ranks): 2 steps on the first, 2 on the
 # second.
@@ -61,6 +66,12 @@ PAIRS = [
     ("mlp", {"dp": 2, "zero": 3}, 2, {}, 1),
     ("odd", {}, 1, {"dp": 3, "zero": 2}, 3),
     ("odd", {"dp": 2, "tp": 2, "zero": 1}, 4, {"dp": 4}, 4),
+    # the transformer: ZeRO slices to a pipeline, one process to ZeRO-2 over 4 ranks,
+    # experts over ep to experts over ep in a pipeline (M = 1 on both: the MoE statistics
+    # are per microbatch, so M is part of its math)
+    ("gpt", {"dp": 2, "zero": 1}, 2, {"pp": 2, "microbatches": 2}, 2),
+    ("gpt", {}, 1, {"dp": 4, "zero": 2}, 4),
+    ("gpt-moe", {"dp": 2, "ep": 2}, 2, {"dp": 2, "ep": 2, "pp": 2}, 4),
 ]
 RUNNABLE = PAIRS
 

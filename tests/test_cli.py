@@ -26,11 +26,16 @@ from tests.mpi import ROOT, minipar, read_dump
 FLAG_NAMES = ["model", "layers", "d_in", "d_model", "d_ff", "classes", "experts", "top_k",
               "expert_d_ff", "capacity_factor", "aux_coef", "batch", "microbatches", "steps",
               "lr", "optimizer", "seed", "dtype", "dp", "tp", "pp", "ep", "schedule",
-              "virtual", "zero"]
+              "virtual", "zero", "vocab", "seq_len", "heads", "data"]
 
 RUNS = {
     "mlp": {"layers": 2, "d_in": 6, "d_model": 16, "batch": 8, "steps": 3, "lr": 0.02,
             "optimizer": "adam", "microbatches": 2, "seed": 4},
+    "gpt": {"model": "gpt", "layers": 2, "d_model": 16, "heads": 2, "seq_len": 6, "vocab": 12,
+            "batch": 4, "steps": 3, "optimizer": "adam", "lr": 0.01, "microbatches": 2},
+    "gpt-text": {"model": "gpt-moe", "layers": 2, "d_model": 16, "heads": 4, "seq_len": 10,
+                 "data": str(ROOT / "README.md"), "experts": 4, "top_k": 1,
+                 "capacity_factor": 1.0, "batch": 4, "steps": 2},
     "moe": {"model": "moe", "layers": 2, "d_in": 6, "d_model": 16, "experts": 4, "top_k": 2,
             "capacity_factor": 0.75, "aux_coef": 0.05, "batch": 8, "steps": 3},
 }
@@ -70,7 +75,11 @@ def test_dump_equals_the_reference(dumped):
     assert_equivalent(run, ref, label="--dump")
     with np.load(folder / "data.npz") as data:
         x, y = data["x"], data["y"]
-    assert x.shape == (cfg.steps, cfg.batch, cfg.d_in) and y.shape == (cfg.steps, cfg.batch)
+    if cfg.model.startswith("gpt"):     # token ids, x and y both (S, B, T)
+        assert x.shape == y.shape == (cfg.steps, cfg.batch, cfg.seq_len)
+        assert x.dtype.kind == y.dtype.kind == "i" and x.max() < cfg.vocab
+    else:
+        assert x.shape == (cfg.steps, cfg.batch, cfg.d_in) and y.shape == (cfg.steps, cfg.batch)
     for step in range(cfg.steps):
         expect_x, expect_y = step_batch(cfg, step)
         assert np.array_equal(x[step], expect_x) and np.array_equal(y[step], expect_y)
@@ -109,6 +118,7 @@ BAD = [
     (["--model", "moe", "--experts", "2", "--top-k", "3"], "--top-k"),
     (["--no-such-flag", "3"], "--no-such-flag"),
     (["--layers", "2.5"], "--layers"),
+    (["--model", "gpt", "--data", "no/such/file.txt"], "--data"),
 ]
 
 

@@ -28,7 +28,7 @@ from minipar import checkpoint
 from tests.mpi import launch, minipar
 
 WORLD = 4
-SMALL = ["--layers", "2", "--d-model", "16", "--d-in", "8", "--batch", "16", "--steps", "1"]
+SMALL = ["--layers", "2", "--d-model", "16", "--batch", "16", "--steps", "1"]
 # (flags after SMALL, the flag the error line must name). Paths in braces come from the
 # `folders` fixture: a good checkpoint saved at step 2 with Adam, and damaged copies.
 CASES = [
@@ -91,6 +91,22 @@ CASES = [
     (["--d-model", "1000000000"], "--d-model"),
     (["--layers", "1000000000"], "--layers"),
     (["--model", "moe", "--experts", "4", "--capacity-factor", "1e308"], "--capacity-factor"),
+    (["--model", "gpt", "--heads", "3"], "--heads"),                 # 3 does not divide d = 16
+    (["--model", "gpt", "--heads", "0"], "--heads"),
+    (["--model", "gpt", "--seq-len", "1"], "--seq-len"),             # nothing to predict
+    (["--model", "gpt", "--vocab", "1"], "--vocab"),
+    (["--model", "gpt", "--data", "{missing}"], "--data"),
+    (["--model", "gpt", "--data", "{empty}"], "--data"),
+    (["--model", "gpt", "--data", "{short}"], "--data"),             # fewer than T+1 bytes
+    (["--model", "gpt", "--data", "{good}"], "--data"),              # a folder
+    (["--model", "gpt", "--data", "{text}", "--vocab", "64"], "--vocab"),  # bytes: V = 256
+    (["--model", "gpt", "--d-in", "8"], "--d-in"),                   # reads token ids
+    (["--model", "gpt", "--classes", "5"], "--classes"),
+    (["--model", "gpt", "--tp", "2"], "--tp"),                       # heads over tp: not yet
+    (["--model", "gpt", "--ep", "2"], "--ep"),                       # no experts
+    (["--model", "gpt-moe", "--zero", "1"], "--zero"),
+    (["--heads", "2"], "--heads"),                                   # the MLP has no heads
+    (["--data", "{text}"], "--data"),
     # the V schedules (zb-v, dualpipev): a pipeline, two chunks per rank, M >= 2 pp
     (["--schedule", "zb-v"], "--pp"),                                # a V needs a pipeline
     (["--dp", "2", "--pp", "2", "--schedule", "zb-v"], "--layers"),  # 2 layers, 4 chunks
@@ -98,7 +114,7 @@ CASES = [
       "--microbatches", "2"], "--microbatches"),                     # needs M >= 2 pp
 ]
 # Through the real launcher, at several world sizes: (ranks, case index).
-END_TO_END = [(4, 0), (2, 11), (1, 15), (2, 27), (2, 42), (2, 50), (2, 52)]
+END_TO_END = [(4, 0), (2, 11), (1, 15), (2, 27), (2, 42), (2, 50), (2, 52), (2, 58)]
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +126,12 @@ def folders(tmp_path_factory):
                       "--save", str(good)], 60)
     assert job.returncode == 0 and not job.timed_out, job.explain()
     paths = {"good": good, "missing": root / "missing", "new": root / "new",
-             "a_file": root / "a_file"}
+             "a_file": root / "a_file", "empty": root / "empty.txt",
+             "short": root / "short.txt", "text": root / "text.txt"}
     paths["a_file"].write_text("not a folder")
+    paths["empty"].write_text("")
+    paths["short"].write_text("ten bytes!")                   # T + 1 = 33 are needed
+    paths["text"].write_text("a text long enough for windows of 33 bytes. " * 4)
     for name in ("unfinished", "truncated", "tampered", "garbled"):
         paths[name] = root / name
         shutil.copytree(good, paths[name])

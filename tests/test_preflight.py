@@ -21,7 +21,9 @@ from minipar.config import TrainConfig
 
 
 @pytest.mark.parametrize("fields", [{}, {"layers": 3, "d_ff": 10, "classes": 7},
-                                    {"model": "moe", "experts": 3, "expert_d_ff": 5}])
+                                    {"model": "moe", "experts": 3, "expert_d_ff": 5},
+                                    {"model": "gpt", "layers": 3, "seq_len": 7, "vocab": 11},
+                                    {"model": "gpt-moe", "experts": 3, "expert_d_ff": 5}])
 def test_the_closed_form_count_is_the_models(fields):
     cfg = TrainConfig(**fields).resolved(1)
     shapes = nn.canonical_shapes(cfg.model_config())

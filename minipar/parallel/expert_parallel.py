@@ -211,11 +211,11 @@ class ExpertParallelBlock(nn.Module):
     """
 
     def __init__(self, full: dict[str, np.ndarray], index: int, cfg: nn.ModelConfig,
-                 mesh: Mesh) -> None:
+                 mesh: Mesh, ln: str = "ln") -> None:
         p = f"blocks.{index}"
         self.cfg = cfg
         self.dp_group, self.ep_group = mesh.dp, mesh.ep
-        self.ln = nn.LayerNorm(full, f"{p}.ln")
+        self.ln = nn.LayerNorm(full, f"{p}.{ln}")
         self.router = nn.Parameter(full[f"{p}.router.weight"], f"{p}.router.weight", sync="dp")
         per_rank = cfg.experts // mesh.ep.size
         self.first_expert = mesh.coords["ep"] * per_rank
@@ -224,10 +224,16 @@ class ExpertParallelBlock(nn.Module):
         self.last_stats: dict = {}
 
     def __call__(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        out, aux = self.ffn(nn.as_tokens(self.ln(h)))             # (b, d) tokens
+        return h + (out if h.ndim == 2 else ag.reshape(out, h.shape)), aux
+
+    def ffn(self, u: Tensor) -> tuple[Tensor, Tensor]:
+        """The routed FFN on this rank's b tokens u (b, d): b = B/(M dp) rows, or for the
+        transformer b = B/(M dp) * T positions (row, then position: dp rank r's tokens
+        come after rank r-1's in the global token order, as capacity needs)."""
         cfg, experts = self.cfg, self.cfg.experts
-        u = self.ln(h)                                            # (b, d), b = B/(M dp)
         routing = route(u, self.router, cfg.top_k)
-        tokens = u.shape[0] * self.dp_group.size                  # B/M: the global microbatch
+        tokens = u.shape[0] * self.dp_group.size                  # the global microbatch
         limit = nn.capacity(cfg.capacity_factor, cfg.top_k, tokens, experts)
         kept = within_capacity(routing.expert_of, experts, limit, self.dp_group)
         # (E,) assignments per expert, every dp rank -> their sum (f; counts, no grad)
@@ -236,10 +242,10 @@ class ExpertParallelBlock(nn.Module):
         recv = exchange_counts(send, self.ep_group)
         received = dispatch(u, routing.token_of[order], send, recv, self.ep_group)
         y = run_local_experts(received, recv, self.experts)
-        out = combine(y, routing, order, send, recv, self.ep_group, like=h)
+        out = combine(y, routing, order, send, recv, self.ep_group, like=u)
         aux = global_aux(routing.probs, counts, tokens, cfg, self.dp_group)
         self.last_stats = load_stats(counts, limit, kept, send, recv)
-        return h + out, aux
+        return out, aux
 
     def assignment_counts(self, routing: Routing, kept: np.ndarray) -> np.ndarray:
         """This rank's (token, slot) assignments per expert, for the aux loss's f: every

@@ -98,20 +98,23 @@ class StageWorker:
     this stage), the model `chunks` this rank holds (`virtual` of them), the step's
     batch `x, y` with this rank's `rows` of each microbatch, the last stage's `loss`
     function, `aux_weight` (what a block's aux loss counts for in the step's loss:
-    1/M), the `boundary` shape of an activation, whether the backward is split
-    (ZB-H1, ZB-V, DualPipeV: B now, W later) and whether the chunks sit in a V
-    (`v_shape`: ZB-V, DualPipeV). `rank` only labels the timeline.
+    1/M), the `boundary` shape of an activation and its `dtype` (the model's; by
+    default x's, which for the transformer holds integer token ids instead),
+    whether the backward is split (ZB-H1, ZB-V, DualPipeV: B now, W later) and
+    whether the chunks sit in a V (`v_shape`: ZB-V, DualPipeV). `rank` only labels
+    the timeline.
     """
 
     def __init__(self, pp_group: Group, chunks: list[Model], x: np.ndarray, y: np.ndarray,
                  rows: list[slice], loss: LossFunction, aux_weight: float,
-                 boundary: tuple[int, int], virtual: int = 1, split_backward: bool = False,
-                 rank: int = 0, v_shape: bool = False) -> None:
+                 boundary: tuple[int, ...], virtual: int = 1, split_backward: bool = False,
+                 rank: int = 0, dtype: np.dtype | str | None = None,
+                 v_shape: bool = False) -> None:
         self.group, self.rank, self.v_shape = pp_group, rank, v_shape
         self.stage, self.pp, self.virtual = pp_group.rank, pp_group.size, virtual
         self.chunks = chunks
         self.loss_function, self.aux_weight = loss, aux_weight
-        self.shape, self.dtype = boundary, x.dtype
+        self.shape, self.dtype = boundary, np.dtype(x.dtype if dtype is None else dtype)
         self.rows = rows
         self.x, self.y = x, y
         self.split_backward = split_backward

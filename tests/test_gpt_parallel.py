@@ -1,0 +1,131 @@
+"""The transformer on every strategy: each mesh trains `gpt` / `gpt-moe` like one process.
+
+Equivalence (float64, rel 1e-9, losses and final parameters): data parallelism with
+each gradient sync (naive, bucketed, overlapped) on 2 and 4 ranks, ZeRO 1/2/3, the
+pipeline on 2 and 4 stages under every schedule (GPipe, 1F1B, interleaved, ZB-H1; what
+crosses a boundary is (B/(M dp), T, d)), expert parallelism for gpt-moe on 2 and 4 ranks
+(the B*T positions are the tokens; capacity over the global microbatch), dp x pp and
+dp x ep x pp. SGD and Adam take turns; tiny shapes (L=2, d=16, H=2, T=8, V=16, B=8).
+
+Ledger and memory: every rank's ledger entries and its parameter, gradient and optimizer
+bytes are what the planner's formulas predict for the transformer (plan.minipar_workload;
+Alltoallv rows follow the router, so their sum over an ep group is checked, without
+capacity drops).
+
+Every bug of bugs.py that applies to these meshes, injected: the check catches each.
+
+One `sweep` launch per rank count (tests/mpi.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from minipar import bugs
+from minipar.config import TrainConfig
+from minipar.costmodel import model_states, rank_shape
+from minipar.plan import minipar_workload, plan_of
+from minipar.timemodel import ledger_of, traffic
+from tests.conftest import assert_equivalent, reference
+from tests.mpi import sweep
+
+GPT = dict(model="gpt", layers=2, d_model=16, heads=2, seq_len=8, vocab=16, batch=8,
+           steps=2, d_ff=32)
+MOE = dict(GPT, model="gpt-moe", experts=4, expert_d_ff=16, aux_coef=0.1)
+ADAM = dict(optimizer="adam", lr=0.01)
+
+RUNS = {
+    2: [dict(GPT, dp=2, grad_sync="naive"),
+        dict(GPT, **ADAM, dp=2, bucket_size=300),              # several buckets
+        dict(GPT, dp=2, grad_sync="overlapped", microbatches=2),
+        dict(GPT, **ADAM, dp=2, zero=1),
+        dict(GPT, dp=2, zero=2, microbatches=2),
+        dict(GPT, **ADAM, dp=2, zero=3),
+        dict(GPT, pp=2, schedule="gpipe", microbatches=2),
+        dict(GPT, **ADAM, pp=2, schedule="1f1b", microbatches=4),
+        dict(GPT, pp=2, layers=4, schedule="interleaved", virtual=2, microbatches=2),
+        dict(GPT, **ADAM, pp=2, schedule="zb-h1", microbatches=2),
+        dict(MOE, dp=2, ep=2, top_k=1, capacity_factor=1.0),
+        dict(MOE, **ADAM, dp=2, ep=2, top_k=2, microbatches=2),
+        dict(MOE, dp=2, top_k=2, capacity_factor=0.75),         # tokens over dp, ep = 1
+        dict(MOE, **ADAM, pp=2, microbatches=2, capacity_factor=0.75)],
+    4: [dict(GPT, dp=4, microbatches=2),
+        dict(GPT, **ADAM, dp=4, zero=3),
+        dict(GPT, pp=4, layers=4, schedule="gpipe", microbatches=4),
+        dict(GPT, **ADAM, pp=4, layers=4, schedule="1f1b", microbatches=4),
+        dict(GPT, pp=4, layers=8, schedule="interleaved", virtual=2, microbatches=4),
+        dict(GPT, **ADAM, pp=4, layers=4, schedule="zb-h1", microbatches=4),
+        dict(GPT, **ADAM, dp=2, pp=2, microbatches=2),
+        dict(GPT, dp=2, pp=2, zero=1, schedule="interleaved", virtual=2, layers=4,
+             microbatches=2),
+        dict(MOE, dp=4, ep=4, capacity_factor=1.0),
+        dict(MOE, **ADAM, dp=4, ep=2, top_k=1, microbatches=2),
+        dict(MOE, dp=2, ep=2, pp=2, microbatches=2, capacity_factor=1.0),
+        dict(MOE, **ADAM, dp=2, ep=2, pp=2, microbatches=2, schedule="zb-h1")],
+}
+# Every bug of bugs.py that the transformer's meshes can show, each on 4 ranks: the
+# equivalence check must catch it (tp's bugs need --tp, refused for the transformer).
+BUGGED = [dict(GPT, dp=2, pp=2, microbatches=2, schedule="gpipe",
+               inject_bug="pp-one-input-buffer"),
+          dict(GPT, dp=2, pp=2, microbatches=2, inject_bug="dp-stage-not-synced"),
+          dict(GPT, dp=4, inject_bug="dp-sum-not-mean"),
+          dict(GPT, dp=4, zero=1, inject_bug="zero-no-allgather"),
+          dict(MOE, dp=4, ep=2, inject_bug="moe-aux-first-choice"),
+          dict(MOE, dp=4, ep=2, capacity_factor=0.75, inject_bug="moe-aux-after-capacity"),
+          dict(MOE, dp=4, ep=2, inject_bug="moe-aux-per-rank")]
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def swept(request, tmp_path_factory):
+    """Every config of one rank count, trained in one mpiexec job."""
+    world = request.param
+    configs = RUNS[world] + (BUGGED if world == 4 else [])
+    runs = sweep(world, configs, tmp_path_factory.mktemp(f"gpt{world}"), timeout=420)
+    return world, runs
+
+
+def test_every_mesh_equals_one_process(swept):
+    world, runs = swept
+    for fields, run in zip(RUNS[world], runs):
+        assert_equivalent(run, reference(**fields), label=f"{world} ranks {fields}")
+
+
+@pytest.mark.parametrize("swept", [4], indirect=True)      # the bugs run in the 4-rank job
+def test_every_injected_bug_is_caught(swept):
+    world, runs = swept
+    assert {bug["inject_bug"] for bug in BUGGED} == {
+        name for name, bug in bugs.BUGS.items() if bug.strategy != "tp"}
+    for fields, run in zip(BUGGED, runs[len(RUNS[world]):]):
+        clean = {k: v for k, v in fields.items() if k != "inject_bug"}
+        with pytest.raises(AssertionError):
+            assert_equivalent(run, reference(**clean), label=fields["inject_bug"])
+
+
+def test_ledger_and_memory_are_the_formulas(swept):
+    world, runs = swept
+    for fields, run in zip(RUNS[world], runs):
+        cfg = TrainConfig(**fields).resolved(world)
+        w, plan, mesh = minipar_workload(cfg), plan_of(cfg), cfg.mesh_shape()
+        memory = json.loads((run["job_folder"] / "memory.json").read_text())
+        predicted = {}
+        for rank in range(world):
+            where = mesh.coords(rank)
+            shape = rank_shape(w, plan, where["pp"])
+            assert vars(model_states(w, plan, shape, where["dp"])) == memory[rank], \
+                f"{fields} rank {rank}"
+            predicted[rank] = ledger_of(traffic(w, plan, shape))
+            measured = {(r["group"], r["op"]): (r["calls"], r["elements"])
+                        for r in run["ledger"] if r["rank"] == rank}
+            assert measured.keys() == predicted[rank].keys(), f"{fields} rank {rank}"
+            for key, (calls, elements) in measured.items():
+                assert calls == predicted[rank][key][0], f"{fields} rank {rank} {key}"
+                if key != ("ep", "Alltoallv"):
+                    assert elements == predicted[rank][key][1], f"{fields} rank {rank} {key}"
+        balanced = cfg.ep > 1 and cfg.capacity_factor is None  # drops: fewer rows than b k
+        for group in mesh.groups("ep") if balanced else []:
+            measured = sum(r["elements"] for r in run["ledger"]
+                           if r["rank"] in group and r["op"] == "Alltoallv")
+            assert measured == sum(predicted[r][("ep", "Alltoallv")][1] for r in group), \
+                f"{fields} ep group {group}"
