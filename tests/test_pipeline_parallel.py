@@ -7,6 +7,7 @@ this process (tests/conftest.py).
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 
@@ -20,6 +21,9 @@ from tests.mpi import launch, sweep
 
 SMALL = dict(layers=8, d_in=8, d_model=16, d_ff=32, batch=16, steps=2)
 MOE = dict(model="moe", experts=4, top_k=2, expert_d_ff=16)
+# the transformer (tests/test_gpt_parallel.py runs it under the other schedules)
+GPT = dict(model="gpt", d_model=16, heads=2, seq_len=8, vocab=16, batch=8, steps=2, d_ff=32)
+GPT_MOE = dict(GPT, model="gpt-moe", experts=4, expert_d_ff=16, aux_coef=0.1)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 V_SHAPED = ("zb-v", "dualpipev")
 
@@ -49,6 +53,11 @@ CONFIGS = {
         dict(SMALL, **MOE, pp=2, dp=1, schedule="interleaved", virtual=2, microbatches=2),
         dict(SMALL, **MOE, pp=2, dp=1, schedule="zb-v", microbatches=4, optimizer="adam"),
         dict(SMALL, **MOE, pp=2, dp=1, schedule="dualpipev", microbatches=4),
+        dict(GPT, layers=4, pp=2, dp=1, schedule="zb-v", microbatches=2, optimizer="adam",
+             lr=0.01),
+        dict(GPT, layers=4, pp=2, dp=1, schedule="dualpipev", microbatches=4),
+        dict(GPT_MOE, layers=4, pp=2, dp=1, schedule="dualpipev", microbatches=4,
+             optimizer="adam", lr=0.01),
     ],
     4: pipeline_configs(4) + [
         dict(SMALL, pp=2, dp=2, schedule="1f1b", microbatches=4),
@@ -67,6 +76,11 @@ CONFIGS = {
         dict(SMALL, **MOE, pp=2, dp=2, ep=2, schedule="dualpipev", microbatches=4),
         dict(SMALL, **MOE, pp=2, dp=2, ep=2, schedule="zb-v", microbatches=2,
              optimizer="adam"),
+        dict(GPT, layers=8, pp=4, dp=1, schedule="zb-v", microbatches=4),
+        dict(GPT, layers=8, pp=4, dp=1, schedule="dualpipev", microbatches=8,
+             optimizer="adam", lr=0.01),
+        dict(GPT, layers=4, pp=2, dp=2, schedule="zb-v", microbatches=2),
+        dict(GPT_MOE, layers=4, pp=2, dp=2, ep=2, schedule="dualpipev", microbatches=4),
     ],
 }
 CASES = [(n, i) for n in CONFIGS for i in range(len(CONFIGS[n]))]
@@ -112,7 +126,7 @@ def expected_messages(cfg: TrainConfig, stage: int) -> dict[str, int]:
 @pytest.mark.parametrize("n,index", CASES, ids=[label(CONFIGS[n][i]) for n, i in CASES])
 def test_ledger_one_activation_and_one_gradient_per_boundary(runs, n, index):
     cfg = TrainConfig(**CONFIGS[n][index]).resolved(n)
-    rows, d = boundary_shape(cfg)
+    size = math.prod(boundary_shape(cfg))  # elements of one message
     ledger = runs[n][index]["ledger"]
     per_rank: dict[int, dict[str, dict]] = defaultdict(dict)
     for record in ledger:
@@ -125,8 +139,8 @@ def test_ledger_one_activation_and_one_gradient_per_boundary(runs, n, index):
         assert set(got) == {"Isend", "Recv"}, (rank, got)
         for op, calls in expected.items():
             assert got[op]["calls"] == calls, (rank, op, got[op])
-            assert got[op]["elements"] == calls * rows * d, (rank, op, got[op])
-            assert got[op]["bytes"] == calls * rows * d * 8, (rank, op, got[op])
+            assert got[op]["elements"] == calls * size, (rank, op, got[op])
+            assert got[op]["bytes"] == calls * size * 8, (rank, op, got[op])
     # across the pipeline: pp V - 1 boundaries, each one activation + one gradient per
     # microbatch, on every (dp, tp) replica of the pipeline
     total = sum(r["calls"] for r in ledger if r["group"] == "pp" and r["op"] == "Isend")
