@@ -43,15 +43,24 @@ The schedules, each from its paper:
   activation memory are DualPipeV's.
 
 Bubble, as measured here: run the instruction lists with F = 1 time unit and
-B = 2 (B = W = 1 for the split schedules), communication free (`Costs` weighs
-F, B, W and the F&B pair otherwise). With T the time from the
-start to the moment the last stage finishes, the bubble fraction is
+B = 2 for a stage's share of the model (B = W = 1 for the split schedules; a
+chunk of the interleaved schedule holds 1/V of a stage's layers, so it costs
+F = 1/V, B = 2/V), communication free (`Costs` weighs F, B, W and the F&B pair
+otherwise). With T the time from the start to the moment the last stage
+finishes, the bubble fraction is
 
     bubble = (pp * T - total busy time of all stages) / (pp * T),
 
 the share of stage-time spent idle. It comes out exactly (pp-1)/(M+pp-1) for
 GPipe and 1F1B, (pp-1)/(V M+pp-1) for interleaved, and (pp-1)/(3M+pp-1) for
 ZB-H1 when M >= pp: its idle time is pp-1 units against 1F1B's 3(pp-1), a third.
+Interleaving does the same work in 3M + 3(pp-1)/V units where 1F1B needs
+3M + 3(pp-1): the warm-up and cool-down are made of chunks V times smaller.
+
+The simulator also replays a real run (`replay`): each instruction takes the
+compute time it was measured to take, and the dependencies of the schedule do
+the rest. That is what a pipeline would do on one core per rank, even when the
+run was timed with more ranks than cores.
 
 The papers' tables count the bubble per rank instead: the time a rank idles
 between its own first and its own last instruction (`Simulation.idle`; with
@@ -522,11 +531,15 @@ class Costs:
                 OVERLAPPED: pair if self.overlapped is None else self.overlapped}
 
 
-def costs(schedule: str, weights: Costs = Costs()) -> dict[str, float]:
-    """Logical durations: F = 1, B = 2 (a backward is two matmuls per forward one);
-    the split schedules (ZB-H1, ZB-V, DualPipeV) cut the backward into B = 1 (input
-    gradient) and W = 1 (weights). `weights` sets other durations."""
-    return weights.durations(schedule in SPLIT_BACKWARD)
+def costs(schedule: str, virtual: int = 1, weights: Costs = Costs()) -> dict[str, float]:
+    """Logical durations of one stage's share of the layers: F = 1, B = 2 (a backward
+    is two matmuls per forward one); the split schedules (ZB-H1, ZB-V, DualPipeV) cut
+    the backward into B = 1 (input gradient) and W = 1 (weights). An interleaved chunk
+    holds 1/V of a stage's layers, so it is charged 1/V of each: the same work per step
+    as 1F1B, in smaller pieces. `weights` sets other durations."""
+    durations = weights.durations(schedule in SPLIT_BACKWARD)
+    share = 1.0 / virtual if schedule == "interleaved" else 1.0
+    return {kind: share * d for kind, d in durations.items()}
 
 
 def message(ins: Instruction, pp: int, stage: int, v_shape: bool = False
@@ -604,8 +617,9 @@ class _Player:
     def compute(self, s: int, ins: Instruction) -> None:
         for part in ins.parts():
             self.check(s, part)
-        start = self.clock[s]
-        self.clock[s] = start + self.cost[ins.kind]
+        start = self.clock[s]  # a measured duration of this very instruction, else its kind's
+        self.clock[s] = start + self.cost.get((s, ins.kind, ins.chunk, ins.microbatch),
+                                              self.cost.get(ins.kind, 0.0))
         self.timeline.append(Slot(s, ins.kind, ins.microbatch, ins.chunk, start,
                                   self.clock[s], ins.back_microbatch, ins.back_chunk))
 
@@ -647,7 +661,8 @@ def simulate(progs: list[list[Instruction]], cost: dict[str, float],
     """Play every stage's program in logical time, honoring every dependency.
 
     Each stage runs its instructions in order on its own clock: a compute
-    instruction takes `cost[kind]`, communication takes no time, and a receive
+    instruction takes `cost[(stage, kind, chunk, microbatch)]` if given (a measured
+    duration, see `replay`), else `cost[kind]`; communication takes no time, and a receive
     waits until its message was sent. With `synchronous_sends` a send also waits
     until the receiver reaches the matching receive (MPI's rendezvous protocol,
     what a blocking `Send` of a large message does); otherwise sends never block
@@ -680,8 +695,26 @@ def simulate_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
                       synchronous_sends: bool = False, weights: Costs = Costs()
                       ) -> Simulation:
     """`simulate` the programs of schedule `name` with its logical costs (or `weights`)."""
-    return simulate(programs(name, pp, microbatches, virtual), costs(name, weights),
+    return simulate(programs(name, pp, microbatches, virtual), costs(name, virtual, weights),
                     synchronous_sends, name in V_SHAPED)
+
+
+def replay(name: str, pp: int, microbatches: int, virtual: int,
+           timeline: list[dict]) -> Simulation:
+    """Play schedule `name` with each compute instruction taking the time it took in a
+    real run (`timeline`: the records of `RunResult.extras["timeline"]`, seconds),
+    communication free: the pipeline the measured compute times would make on one
+    core per rank. A record's "cpu" (the CPU time of the instruction, which a rank
+    waiting for a shared core does not accumulate) is used where present, else its
+    wall-clock end - start; with several replicas of a stage (dp > 1) the slowest one's,
+    as a step waits for its slowest replica. Times come out in seconds."""
+    measured: dict[tuple, float] = {}
+    for r in timeline:
+        if r["kind"] in COMPUTE:
+            key = (r["stage"], r["kind"], r["chunk"], r["microbatch"])
+            measured[key] = max(measured.get(key, 0.0), r.get("cpu", r["end"] - r["start"]))
+    return simulate(programs(name, pp, microbatches, virtual), measured,
+                    v_shape=name in V_SHAPED)
 
 
 def bubble_fraction(intervals: list[tuple[int, float, float]], stages: int) -> float:
@@ -720,11 +753,12 @@ def in_flight_peak(kinds: list[str]) -> int:
 
 # ------------------------------------------------------- a text Gantt chart
 def gantt(sim: Simulation, pp: int) -> list[str]:
-    """One line per stage, one cell per time unit: `F3` forward of microbatch 3,
-    `B3` backward (two cells when B = 2), `W3` weight gradient, `.` idle. With
-    model chunks, a letter names the chunk (`F3a`, `F3b`); `F3a&B1b` an F&B step.
-    A cell is one unit: durations are rounded to whole units."""
+    """One line per stage, one cell per forward (a time unit; 1/V of one with V
+    chunks): `F3` forward of microbatch 3, `B3` backward (two cells when B = 2),
+    `W3` weight gradient, `.` idle. With model chunks, a letter names the chunk
+    (`F3a`, `F3b`); `F3a&B1b` an F&B step."""
     chunks = max(slot.chunk for slot in sim.timeline) + 1
+    cell = min(slot.end - slot.start for slot in sim.timeline)  # 1, or 1/V interleaved
 
     def label(slot: Slot) -> str:
         def one(kind: str, microbatch: int, chunk: int) -> str:
@@ -736,10 +770,10 @@ def gantt(sim: Simulation, pp: int) -> list[str]:
         return one(slot.kind, slot.microbatch, slot.chunk)
 
     width = max(len(label(slot)) for slot in sim.timeline)
-    units = int(round(sim.makespan))
+    units = int(round(sim.makespan / cell))
     rows = [["." for _ in range(units)] for _ in range(pp)]
     for slot in sim.timeline:
-        for t in range(int(round(slot.start)), int(round(slot.end))):
+        for t in range(int(round(slot.start / cell)), int(round(slot.end / cell))):
             rows[slot.stage][t] = label(slot)
     return [f"stage {s}: " + " ".join(cell.ljust(width) for cell in row).rstrip()
             for s, row in enumerate(rows)]
