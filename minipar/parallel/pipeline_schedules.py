@@ -136,6 +136,7 @@ def one_f_one_b_order(pp: int, microbatches: int, stage: int) -> list[Instructio
     gradient comes back, the pipe behind it is full. From then on every forward
     is followed by the oldest backward, so at most pp - s microbatches are alive.
     """
+    # exercise: one-f-one-b
     warmup = min(pp - stage - 1, microbatches)
     steady = microbatches - warmup
     order = [Instruction(FORWARD, m) for m in range(warmup)]          # warm-up
@@ -143,6 +144,7 @@ def one_f_one_b_order(pp: int, microbatches: int, stage: int) -> list[Instructio
         order += [Instruction(FORWARD, warmup + i), Instruction(BACKWARD, i)]
     order += [Instruction(BACKWARD, m) for m in range(steady, microbatches)]  # cool-down
     return order
+    # end exercise
 
 
 def interleaved_order(pp: int, microbatches: int, stage: int, virtual: int
