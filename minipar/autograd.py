@@ -334,24 +334,28 @@ def div(a: TensorLike, b: TensorLike) -> Tensor:
 def exp(a: Tensor) -> Tensor:
     """e^a. Backward: g * e^a."""
     out = np.exp(a.data)
-    return _nonlinear("exp", a, Tensor.from_op(out, (a,), lambda g: a.accumulate(g * out, fresh=True)))
+    return _nonlinear("exp", a, Tensor.from_op(
+        out, (a,), lambda g: a.accumulate(g * out, fresh=True)))
 
 
 def log(a: Tensor) -> Tensor:
     """ln a. Backward: g / a."""
-    return _nonlinear("log", a, Tensor.from_op(np.log(a.data), (a,), lambda g: a.accumulate(g / a.data, fresh=True)))
+    return _nonlinear("log", a, Tensor.from_op(
+        np.log(a.data), (a,), lambda g: a.accumulate(g / a.data, fresh=True)))
 
 
 def tanh(a: Tensor) -> Tensor:
     """tanh a. Backward: g (1 - tanh^2 a)."""
     out = np.tanh(a.data)
-    return _nonlinear("tanh", a, Tensor.from_op(out, (a,), lambda g: a.accumulate(g * (1.0 - out * out), fresh=True)))
+    return _nonlinear("tanh", a, Tensor.from_op(
+        out, (a,), lambda g: a.accumulate(g * (1.0 - out * out), fresh=True)))
 
 
 def sqrt(a: Tensor) -> Tensor:
     """sqrt a. Backward: g / (2 sqrt a)."""
     out = np.sqrt(a.data)
-    return _nonlinear("sqrt", a, Tensor.from_op(out, (a,), lambda g: a.accumulate(g * 0.5 / out, fresh=True)))
+    return _nonlinear("sqrt", a, Tensor.from_op(
+        out, (a,), lambda g: a.accumulate(g * 0.5 / out, fresh=True)))
 
 
 def _nonlinear(op: str, a: Tensor, out: Tensor) -> Tensor:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from minipar import nn
+from minipar import nn, placement
 from minipar.autograd import Tensor
 from minipar.parallel import pipeline_parallel as pipeline
 
@@ -156,6 +156,7 @@ def sum_not_mean() -> list[Swap]:
             group = dp._group(bucket[0], mesh)
             if group.size > 1:
                 group.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)  # a bucket of g_i -> its sum
+                placement.summed(bucket, group)                 # Partial -> Replicate
             dp.unpack(bucket, flat, 1.0)  # BUG: sum_i g_i, never divided by dp
 
     return [(dp, "bucketed_allreduce", bucketed_allreduce_sum)]

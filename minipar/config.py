@@ -64,6 +64,7 @@ class TrainConfig:
     keep: int = 2                     # --save keeps this many step folders (checkpoint.py)
     timeout: float = 300.0            # seconds a rank may wait in one call (watchdog.py)
     inject_bug: str | None = None     # lesson 08: run with one deliberate bug (bugs.py)
+    check_placements: bool = False    # every op checks replicated/sharded/partial (placement.py)
     vocab: int | None = None          # the transformer's V: default 64, or 256 with --data
     seq_len: int = 32                 # T positions per sequence
     heads: int = 4                    # H attention heads, dividing d_model
@@ -315,6 +316,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
              "(byte-level, V = 256) instead of the synthetic copy task")
     add("--inject-bug", metavar="NAME", default=None,
         help="break one thing on purpose (lesson 08); `python -m minipar bugs` lists them")
+    add("--check-placements", action="store_true",
+        help="every op and collective checks whether its tensors are replicated, sharded "
+             "or partial sums over each mesh axis; a violation stops the run with one line")
 
 
 def make_parser(prog: str = "python -m minipar train") -> argparse.ArgumentParser:

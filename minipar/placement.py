@@ -252,9 +252,10 @@ def add(op: str, a: HasPlacement, b: HasPlacement) -> Placements:
                     break
                 raise refuse(f"{op} with {y.name or 'a whole tensor'} (whole along "
                              f"dim {px.dim})", x, axis, px, REPLICATED)
-        else:
-            raise refuse(f"{op} with {b.name or 'a tensor'} ({pb} over {axis})", a, axis,
-                         pa, pb)
+        else:  # blame a partial sum first: it is the tensor missing its Allreduce
+            x, px, y, py = (b, pb, a, pa) if pb == Partial() else (a, pa, b, pb)
+            raise refuse(f"{op} with {y.name or 'a tensor'} ({py} over {axis})", x, axis,
+                         px, REPLICATED if px == Partial() else py)
     return out
 
 
@@ -537,6 +538,10 @@ def summed(params: Iterable[object], group: AxisGroup) -> None:
     (Partial -> Replicate over its axis, before the optimizer step)."""
     if ON and group.size > 1:
         for p in params:
+            if not isinstance(get(p, group.name), Replicate):
+                raise refuse(f"the gradient sum over {group.name}", p, group.name,
+                             get(p, group.name), REPLICATED, " (summing gradients of "
+                             "different pieces would mix them)")
             _SUMMED.setdefault(id(p), set()).add(group.name)
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import comm, fused, nn
+from minipar import comm, fused, nn, placement
 from minipar.autograd import Tensor
 from minipar.comm import Group
 from minipar.mesh import Mesh
@@ -213,7 +213,7 @@ class ExpertParallelBlock(nn.Module):
     def __init__(self, full: dict[str, np.ndarray], index: int, cfg: nn.ModelConfig,
                  mesh: Mesh, ln: str = "ln") -> None:
         p = f"blocks.{index}"
-        self.cfg = cfg
+        self.cfg, self.prefix = cfg, p
         self.dp_group, self.ep_group = mesh.dp, mesh.ep
         self.ln = nn.LayerNorm(full, f"{p}.{ln}")
         self.router = nn.Parameter(full[f"{p}.router.weight"], f"{p}.router.weight", sync="dp")
@@ -244,6 +244,8 @@ class ExpertParallelBlock(nn.Module):
         y = run_local_experts(received, recv, self.experts)
         out = combine(y, routing, order, send, recv, self.ep_group, like=u)
         aux = global_aux(routing.probs, counts, tokens, cfg, self.dp_group)
+        if placement.ON:
+            aux.name = f"{self.prefix} aux loss"  # named in placement messages
         self.last_stats = load_stats(counts, limit, kept, send, recv)
         return out, aux
 

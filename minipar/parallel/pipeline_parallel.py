@@ -41,13 +41,13 @@ or the lesson `mpiexec -n 4 python lessons/04_pipeline_parallel.py`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import watchdog
+from minipar import placement, watchdog
 from minipar.autograd import Tensor
 from minipar.nn import Model
 from minipar.parallel.pipeline_schedules import (
@@ -63,6 +63,7 @@ from minipar.parallel.pipeline_schedules import (
     schedule,
     virtual_stage,
 )
+from minipar.placement import Shard
 
 if TYPE_CHECKING:
     from minipar.comm import Group
@@ -73,6 +74,13 @@ ACT_TAG, GRAD_TAG = 0, 1
 # The last stage's loss of one microbatch from (logits, the chunk's aux loss or None,
 # labels): the caller's to define (train.py: CE/M + aux/M); the pipeline only runs it.
 LossFunction = Callable[[Tensor, "Tensor | None", np.ndarray], Tensor]
+
+
+def rows_of(t: Tensor, groups: Sequence[Group]) -> Tensor:
+    """`t` declared Shard(0) over each group: its rows are one piece of the batch."""
+    for group in groups:
+        placement.place(t, group, Shard(0))
+    return t
 
 
 class StageWorker:
@@ -96,7 +104,9 @@ class StageWorker:
     def __init__(self, pp_group: Group, chunks: list[Model], x: np.ndarray, y: np.ndarray,
                  rows: list[slice], loss: LossFunction, aux_weight: float,
                  boundary: tuple[int, ...], virtual: int = 1, split_backward: bool = False,
-                 rank: int = 0, dtype: np.dtype | str | None = None) -> None:
+                 rank: int = 0, dtype: np.dtype | str | None = None,
+                 rows_over: Sequence[Group] = (), boundary_rows_over: Sequence[Group] = ()
+                 ) -> None:
         self.group, self.rank = pp_group, rank
         self.stage, self.pp, self.virtual = pp_group.rank, pp_group.size, virtual
         self.chunks = chunks
@@ -105,6 +115,9 @@ class StageWorker:
         self.rows = rows
         self.x, self.y = x, y
         self.split_backward = split_backward
+        # the groups whose ranks hold other rows of the data / of a boundary activation
+        # (placement.py: Shard(0) over each; dp, and tp under sequence parallelism)
+        self.rows_over, self.boundary_rows_over = rows_over, boundary_rows_over
         self.inputs: dict[tuple[int, int], Tensor] = {}
         self.outputs: dict[tuple[int, int], tuple[Tensor, Tensor | None]] = {}
         self.grads: dict[tuple[int, int], np.ndarray] = {}
@@ -144,7 +157,8 @@ class StageWorker:
         buf = np.empty(self.shape, dtype=self.dtype)
         # activation (B/(M dp), d) of this microbatch <- the previous stage
         self.group.Recv(buf, source=peer(ins.kind, self.pp, self.stage), tag=ACT_TAG)
-        self.inputs[(ins.chunk, ins.microbatch)] = Tensor(buf, requires_grad=True)
+        self.inputs[(ins.chunk, ins.microbatch)] = rows_of(
+            Tensor(buf, requires_grad=True), self.boundary_rows_over)
 
     def send_act(self, ins: Instruction) -> None:
         out = np.ascontiguousarray(self.outputs[(ins.chunk, ins.microbatch)][0].data)
@@ -169,7 +183,8 @@ class StageWorker:
     def forward(self, ins: Instruction) -> None:
         key = (ins.chunk, ins.microbatch)
         rows = self.rows[ins.microbatch]
-        h = Tensor(self.x[rows]) if self.is_first(ins.chunk) else self.inputs[key]
+        h = rows_of(Tensor(self.x[rows]), self.rows_over) if self.is_first(ins.chunk) \
+            else self.inputs[key]
         out, aux = self.chunks[ins.chunk].forward(h)
         if self.is_last(ins.chunk):                      # out is the logits
             loss = self.loss_function(out, aux, self.y[rows])   # e.g. CE/M + aux/M

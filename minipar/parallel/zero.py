@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 from mpi4py import MPI
 
+from minipar import placement
 from minipar.memory import FlatLayout, ModelStates, displacements, measure
 from minipar.mesh import Mesh
 from minipar.nn import Module, Parameter
@@ -75,6 +76,7 @@ class Zero1:
     def step(self) -> None:
         grads = np.concatenate([grad_or_zeros(p).ravel() for p in self.params])  # (Psi,)
         mine = self.reduce_scatter(grads, 0, self.layout.total)
+        placement.summed(self.params, self.group)  # Partial -> my slice of the sum
         self.update(mine)
         self.allgather_params()
 
@@ -191,6 +193,7 @@ class Zero2(Zero1, Hooks):
             if p.grad is not None:
                 view[...] = p.grad
         self.grad_shard[self.layout.mine(a, b)] += self.reduce_scatter(grads, a, b)
+        placement.summed(params, self.group)       # Partial -> my slice of the sum
         for p in params:
             p.grad = None  # the full gradient is dropped: my slice of the sum stays
 
