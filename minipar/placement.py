@@ -56,6 +56,7 @@ known count the sync divides by; a wrong factor is a value, not a placement.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -126,11 +127,13 @@ def checking(enabled: bool = True) -> Iterator[None]:
     global ON
     previous, ON = ON, enabled
     _SUMMED.clear()
+    _PARTIAL_GRADS.clear()
     try:
         yield
     finally:
         ON = previous
         _SUMMED.clear()
+        _PARTIAL_GRADS.clear()
 
 
 def of(t: object) -> Placements:
@@ -164,13 +167,15 @@ def follow(out: object, placements: Placements, name: str = "") -> object:
 
 # --------------------------------------------------------------- messages
 _INTERNAL = ("placement.py", "autograd.py", "fused.py", "comm.py", "attention.py")
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _caller() -> str:
     """file:line of the model code that called the op (the first frame outside the
     files that implement ops and collectives)."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.endswith(_INTERNAL):
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == _HERE \
+            and os.path.basename(frame.f_code.co_filename) in _INTERNAL:
         frame = frame.f_back
     if frame is None:
         return "?"
