@@ -551,20 +551,29 @@ def summed(params: Iterable[object], group: AxisGroup) -> None:
 
 
 def check_gradients(sizes: dict[str, int]) -> None:
+    """Raise the `unsummed_gradient` line, if any (one process; on a mesh, train.py
+    agrees on it over every rank first, so all of them stop at the same step)."""
+    problem = unsummed_gradient(sizes)
+    if problem:
+        raise PlacementError(problem)
+
+
+def unsummed_gradient(sizes: dict[str, int]) -> str | None:
     """After the sync: every parameter whose gradient the forward made a partial sum
     over some axis (a replicated weight used on sharded rows) must have been summed
     over it. Over dp, a parameter is summed on its replicas' group (`p.sync`: "dp",
     or "edp" for an expert weight, whose other dp ranks hold other experts); `sizes`
-    gives each group's size (nothing to sum on a group of one). Clears the record."""
+    gives each group's size (nothing to sum on a group of one). Returns the line
+    naming the first such gradient left partial, or None; clears the record."""
     try:
         for key, (p, axes) in sorted(_PARTIAL_GRADS.items(), key=lambda kv: kv[1][0].name):
             for axis in sorted(axes):
                 group = (p.sync or axis) if axis == "dp" else axis
                 if sizes.get(group, 1) > 1 and group not in _SUMMED.get(key, set()):
-                    raise PlacementError(
-                        f"{p.name}'s gradient is a partial sum over {group} (it was used on "
-                        f"rows sharded over {axis}); the optimizer step needs it summed "
-                        f"(an Allreduce over {group} is missing)")
+                    return (f"{p.name}'s gradient is a partial sum over {group} (it was used "
+                            f"on rows sharded over {axis}); the optimizer step needs it "
+                            f"summed (an Allreduce over {group} is missing)")
+        return None
     finally:
         _PARTIAL_GRADS.clear()
         _SUMMED.clear()

@@ -378,10 +378,14 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
     # data parallelism: sum each weight's gradient over its replicas, divide by dp;
     # then the optimizer updates what this rank holds (ZeRO: its slice)
     updater.step()
-    if placement.ON:  # no gradient left a partial sum by the syncs above (placement.py)
-        placement.check_gradients({axis: getattr(mesh, axis).size
-                                   for axis in ("dp", "tp", "ep", "edp")})
     ledger.enabled = False  # reporting the loss is not part of training's traffic
+    if placement.ON:  # no gradient left a partial sum by the syncs above (placement.py);
+        # every rank learns of any rank's finding, so all stop at this same step
+        problem = placement.unsummed_gradient({axis: getattr(mesh, axis).size
+                                               for axis in ("dp", "tp", "ep", "edp")})
+        found = [line for line in mesh.world.allgather(problem) if line]
+        if found:
+            raise placement.PlacementError(found[0])
     loss = report_loss(mesh, local)
     if not math.isfinite(loss):  # the same number on every rank: all stop here
         raise DivergedError(step + 1, cfg.steps, f"the loss is {loss}", blame(cfg, step == 0))

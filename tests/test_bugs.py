@@ -115,8 +115,11 @@ def sweep_configs() -> list[tuple[str, dict]]:
     """(label, fields): each bug's run, its one-step run, and the correct run of each mesh."""
     out, clean = [], {}
     for name, bug in bugs.BUGS.items():
-        out.append((name, fields(bug, inject_bug=name)))
-        out.append((f"{name} one step", fields(bug, inject_bug=name, steps=1)))
+        # the numbers of a broken run, so its placements go unchecked here (a placement
+        # bug would stop it): tests/test_bugs_placement.py checks those
+        out.append((name, fields(bug, inject_bug=name, check_placements=False)))
+        out.append((f"{name} one step", fields(bug, inject_bug=name, steps=1,
+                                               check_placements=False)))
         clean.setdefault(json.dumps(fields(bug), sort_keys=True), fields(bug))
     return out + [(f"correct {i}", c) for i, c in enumerate(clean.values())]
 
