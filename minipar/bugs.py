@@ -53,7 +53,10 @@ class Bug:
 
     `requires` names the flags the bug needs to exist at all and `fits(cfg)`
     checks them; `detour()` builds the swaps; `flags` is a small setting of the
-    strategy that shows it (dp left to fill the world)."""
+    strategy that shows it (dp left to fill the world). `unseen` says why placement
+    checking (`--check-placements`, placement.py) cannot see the bug -- it is about
+    values, not placements; empty for a placement error, which that check stops at
+    the line where it is made."""
 
     name: str
     strategy: str
@@ -63,6 +66,7 @@ class Bug:
     fits: Callable[[TrainConfig], bool]
     detour: Callable[[], list[Swap]]
     flags: dict
+    unseen: str = ""
 
 
 # ----------------------------------------------------- pipeline parallelism
@@ -95,7 +99,8 @@ def one_input_buffer() -> list[Swap]:
             source = pipeline.peer(ins.kind, self.pp, self.stage)
             # activation (B/(M dp), d) <- the previous stage. BUG: into the stage's one buffer
             self.group.Recv(self.buffer, source=source, tag=pipeline.ACT_TAG)
-            self.inputs[(ins.chunk, ins.microbatch)] = Tensor(self.buffer, requires_grad=True)
+            self.inputs[(ins.chunk, ins.microbatch)] = pipeline.rows_of(
+                Tensor(self.buffer, requires_grad=True), self.boundary_rows_over)
 
     return [(pipeline, "StageWorker", OneInputBufferWorker)]
 
@@ -256,7 +261,9 @@ _LIST = [
         "The later stages reuse their buffer too, harmlessly here: a block starts with "
         "LayerNorm, which keeps its own normalized copy of its input",
         PIPELINE, _pipeline, one_input_buffer,
-        {"pp": 2, "microbatches": 4, "schedule": "gpipe"}),
+        {"pp": 2, "microbatches": 4, "schedule": "gpipe"},
+        unseen="the buffer holds the right kind of tensor (rows sharded over dp), just the "
+               "wrong microbatch's values: placements are the same for every microbatch"),
     Bug("tp-copy-to-no-allreduce", "tp",
         "Megatron's f (copy_to, before fc1) without its backward Allreduce",
         "after one step the last block's fc1 and fc2 are still right (their own gradients "
@@ -270,7 +277,9 @@ _LIST = [
         "every number is right -- each tp rank computes the whole layer -- so the equivalence "
         "check passes; the ledger shows the missing tp Allreduces and each rank holds the "
         "full fc weights: tensor parallelism silently never happened",
-        TP, _tp, plain_linears, {"tp": 2}),
+        TP, _tp, plain_linears, {"tp": 2},
+        unseen="every tensor really is replicated over tp and every number is right: "
+               "nothing is misplaced, the split itself is missing (ledger, memory)"),
     Bug("dp-stage-not-synced", "dp",
         "one pipeline stage (the last) never Allreduces its gradients over dp",
         "each dp replica of the last stage steps with its own g_i instead of the mean: after "
@@ -284,21 +293,26 @@ _LIST = [
         "every replica agrees with every other (the same wrong sum everywhere), so only the "
         "comparison with one process sees it: the step is dp times too long, the same as "
         "lr x dp, and the loss even falls faster",
-        DP_SYNC, _dp_sync, sum_not_mean, {}),
+        DP_SYNC, _dp_sync, sum_not_mean, {},
+        unseen="the Allreduce is there (Partial -> Replicate over dp); the missing 1/dp is "
+               "a scalar factor, a value: a sum and a mean have the same placement"),
     Bug("moe-aux-first-choice", "ep",
         "the load-balancing f counts each token's first choice only",
         "f sums to 1/k instead of 1 and leaves out the second choices, so the aux loss is "
         "wrong from the very first step; its gradient reaches every router and, through them, "
         "every LayerNorm and block below: after one step only the last block's experts are "
         "still right. The same collectives move the same sizes: the ledger cannot see it",
-        MOE, _moe, first_choice_only, {"model": "moe", "ep": 2}),
+        MOE, _moe, first_choice_only, {"model": "moe", "ep": 2},
+        unseen="f is a count (a NumPy array, no tensor) summed over dp as it should be; "
+               "which assignments it counts is a value"),
     Bug("moe-aux-after-capacity", "ep",
         "the load-balancing f counts the assignments left after capacity drops",
         "an overloaded expert looks less loaded than it is (its dropped tokens vanish from "
         "f), so the aux pushes the router away from it too little, exactly where balance "
         "matters; the loss differs from step 1 on, the ledger not at all",
         "--capacity-factor and " + MOE, lambda cfg: cfg.capacity_factor is not None
-        and _moe(cfg), after_capacity, {"model": "moe", "ep": 2, "capacity_factor": 0.75}),
+        and _moe(cfg), after_capacity, {"model": "moe", "ep": 2, "capacity_factor": 0.75},
+        unseen="as moe-aux-first-choice: the same placements, other counts in f"),
     Bug("moe-aux-per-rank", "ep",
         "the aux loss computed from each rank's own tokens (f and P not summed over dp)",
         "the mean over ranks of f_r P_r is not f P of the whole microbatch: the loss and the "
@@ -313,7 +327,10 @@ _LIST = [
         "flat vector: the embedding onward), every other rank's copy disagrees with it, and "
         "the ledger is missing the Allgatherv",
         "--zero 1 or 2 with --dp 2 or more (stage 3 gathers in the forward instead)",
-        _zero, no_allgather, {"zero": 1}),
+        _zero, no_allgather, {"zero": 1},
+        unseen="the parameters live in ZeRO's flat NumPy buffer, outside the tape, whose "
+               "slices the checks do not follow: the stale slices are old values in the "
+               "right place (the replica check sees them)"),
 ]
 BUGS: dict[str, Bug] = {bug.name: bug for bug in _LIST}
 

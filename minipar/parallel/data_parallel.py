@@ -166,7 +166,8 @@ def _marker(x: Tensor, hook: Callable[[], None], after_weight_grads: bool = Fals
         else:
             hook()
         x.accumulate(g)
-    return Tensor.from_op(x.data, (x, _ALWAYS), backward)
+    out = Tensor.from_op(x.data, (x, _ALWAYS), backward)
+    return placement.follow(out, placement.of(x), x.name) if placement.ON else out
 
 
 class Piece(Module):
