@@ -10,7 +10,7 @@ import json
 import pytest
 
 from minipar.bugs import BUGS
-from tests.mpi import launch
+from tests.mpi import launch, minipar
 
 WORLD = 4
 PLACEMENT_BUGS = [name for name, bug in BUGS.items() if not bug.unseen]
@@ -49,3 +49,14 @@ def test_the_lines_name_where_each_bug_is_made(stopped):
 @pytest.mark.parametrize("name", [n for n in BUGS if n not in PLACEMENT_BUGS])
 def test_a_bug_about_values_runs_through(stopped, name):
     assert stopped[name] is None, stopped[name]
+
+
+def test_the_command_stops_with_one_line_and_exit_1():
+    job = minipar(2, ["train", "--tp", "2", "--layers", "2", "--d-model", "16", "--batch", "8",
+                      "--steps", "2", "--check-placements",
+                      "--inject-bug", "tp-copy-to-no-allreduce"], timeout=90)
+    assert job.returncode == 1 and not job.timed_out, job.explain()
+    lines = [line for line in job.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, job.stderr
+    assert lines[0].startswith("minipar: error: blocks.0.ln output is replicated over tp")
+    assert "step" not in job.stdout  # stopped in the first forward, before any loss
