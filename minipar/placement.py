@@ -151,15 +151,19 @@ def place(t: object, group: AxisGroup, p: Placement) -> object:
     rows). Nothing is recorded on a group of one (every tensor is whole there) or
     while checking is off. Returns `t`."""
     if ON and group.size > 1:
-        follow(t, {**of(t), group.name: p})
+        follow(t, {**of(t), group.name: p}, summed=True)
     return t
 
 
-def follow(out: object, placements: Placements, name: str = "") -> object:
+def follow(out: object, placements: Placements, name: str = "", summed: bool = False
+           ) -> object:
     """Give an op's output its placements (and a name, for the messages). Shard dims
-    are stored counted from the front of the output."""
+    are stored counted from the front of the output. `Replicate(grad_summed=True)`
+    belongs to the output of the operator that sums the gradient (`summed=True`): an
+    op's output is plainly replicated (its other inputs' gradients are not summed)."""
     out.placement = {a: Shard(p.dim % out.ndim) if isinstance(p, Shard) else p
-                     for a, p in placements.items() if p != REPLICATED}
+                     for a, p in placements.items()
+                     if not isinstance(p, Replicate) or (summed and p.grad_summed)}
     if name and not out.name:
         out.name = name
     return out
@@ -223,10 +227,22 @@ def _broadcasts(t: HasPlacement, dim_from_end: int) -> bool:
 
 def _grad_partial(t: object, axis: str) -> None:
     """A replicated operand meets rows sharded over `axis`: its gradient is a partial
-    sum over `axis`. Recorded for parameters (leaves); the sync must sum it."""
-    t = getattr(t, "t", t)  # through an `_Only` view
-    if getattr(t, "sync", False) is not False and getattr(t, "requires_grad", False):
-        _PARTIAL_GRADS.setdefault(id(t), (t, set()))[1].add(axis)
+    sum over `axis`, and so is that of every replicated tensor it was computed from, up
+    to the parameters (recorded: the sync must sum them) or to an operator whose
+    backward sums it (`grad_summed`)."""
+    stack, seen = [getattr(t, "t", t)], set()  # through an `_Only` view
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or not getattr(node, "requires_grad", False):
+            continue
+        seen.add(id(node))
+        p = get(node, axis)
+        if not isinstance(p, Replicate) or p.grad_summed:
+            continue
+        if hasattr(node, "sync"):  # a Parameter
+            _PARTIAL_GRADS.setdefault(id(node), (node, set()))[1].add(axis)
+        else:
+            stack.extend(getattr(node, "parents", ()))
 
 
 def add(op: str, a: HasPlacement, b: HasPlacement) -> Placements:
@@ -530,7 +546,7 @@ def transition(op: str, x: HasPlacement, group: AxisGroup, needed: type | Placem
         shown = {Replicate: REPLICATED, Partial: Partial(), Shard: "sharded"}.get(
             needed, needed)
         raise refuse(op, x, group.name, found, shown)
-    return follow(out, {**of(x), group.name: result}, x.name)
+    return follow(out, {**of(x), group.name: result}, x.name, summed=True)
 
 
 # --------------------------------------------------------- gradient sync

@@ -293,3 +293,17 @@ def test_a_gradient_used_on_sharded_rows_must_be_summed():
 def test_the_sync_refuses_to_sum_a_sharded_parameter():
     w = param((3, 6), "fc1.weight", tp=Shard(1))
     refused(lambda: placement.summed([w], TP), "fc1.weight is sharded along dim 1 over tp")
+
+
+def test_a_partial_gradient_flows_up_to_the_parameter_it_came_from():
+    pos = param((8, 3), "pos_embed.weight")
+    rows = t((2, 4, 3), dp=Shard(0))
+    rows + pos[0:4]                                      # (B, T, d) + (T, d): pos broadcast
+    refused(lambda: placement.check_gradients({"dp": 2}), "pos_embed.weight's gradient")
+
+
+def test_a_partial_gradient_stops_where_a_backward_sums_it():
+    w = param((3, 3), "w")
+    summed = placement.place(ag.mul(w, 1.0), DP, Replicate(grad_summed=True))
+    t((4, 3), dp=Shard(0)) + summed.sum(axis=0)
+    placement.check_gradients({"dp": 2})                 # nothing left partial
