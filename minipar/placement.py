@@ -462,7 +462,7 @@ def reshape(op: str, x: HasPlacement, shape: tuple[int, ...]) -> Placements:
         if not new or new[0] >= len(shape):
             raise refuse(f"{op} to {shape}", x, axis, p, "sharded along a dim the "
                          "reshape keeps outermost")
-        out[axis] = Shard(new[-1] if new[-1] < len(shape) else new[0])
+        out[axis] = Shard(new[0])   # the outermost: size-1 dims before it stay whole
     return out
 
 

@@ -307,3 +307,8 @@ def test_a_partial_gradient_stops_where_a_backward_sums_it():
     summed = placement.place(ag.mul(w, 1.0), DP, Replicate(grad_summed=True))
     t((4, 3), dp=Shard(0)) + summed.sum(axis=0)
     placement.check_gradients({"dp": 2})                 # nothing left partial
+
+
+def test_a_reshape_of_rows_into_one_sequence_keeps_the_rows_dim():
+    tokens = t((4, 3), dp=Shard(0))                      # B/dp = 1 sequence of T = 4
+    assert placement.of(ag.reshape(tokens, (1, 4, 3))) == {"dp": Shard(0)}
