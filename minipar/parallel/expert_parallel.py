@@ -29,6 +29,14 @@ every rank see global counts: a count Allreduce (f), an Exscan (how many earlier
 assignments each expert already took) and the probability sums (P). The result equals
 one process to rounding.
 
+Placements (placement.py, `--check-placements`): the tokens u are Shard(0) over dp;
+the dispatch and combine Alltoallv move whole rows (refusing a partial sum) and keep
+them a row shard; the router and LayerNorm are Replicate over dp, so their gradients
+are Partial over dp (summed by the dp sync), and an expert's weights, used on the
+rows of its ep group, get gradients Partial over edp (summed by the edp sync). The
+router's column sums P are Partial over dp until `sum_replicated` makes them whole,
+so the aux loss added to every rank's loss is Replicate.
+
 Run it: `mpiexec -n 8 python lessons/03_expert_parallel.py`, or
 `mpiexec -n 8 python -m minipar train --model moe --dp 8 --ep 8 --experts 64 --check`.
 """

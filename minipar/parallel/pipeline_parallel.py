@@ -34,6 +34,10 @@ Messages carry tag 0 (activation) or 1 (gradient); in each direction they are
 sent and received in the same order, which is how each Recv gets the right
 microbatch (MPI never lets two messages with the same tag overtake each other).
 
+Placements (placement.py): what crosses a stage boundary keeps the placement it had
+(rows Shard(0) over dp; under sequence parallelism over tp too), declared again on
+the receiving side (`rows_of`); Send/Recv move it whole, so it is never a partial sum.
+
 Run it: `mpiexec -n 4 python -m minipar train --pp 4 --microbatches 8 --schedule 1f1b --check`,
 or the lesson `mpiexec -n 4 python lessons/04_pipeline_parallel.py`.
 """

@@ -23,6 +23,12 @@ Allreduce = Reduce_scatter + Allgather, so stages 1 and 2 move what DP moves
 (2 Psi per step on the wire, ring algorithms); stage 3 adds one Allgather (3 Psi).
 The hooks around each piece are the marker nodes of data_parallel.py (`Piece`).
 
+Placements (placement.py): every parameter is Replicate over dp as in plain data
+parallelism and its gradient Partial over dp; the Reduce_scatter turns the flat
+gradient into Shard(0) of its sum (each rank its slice), and the Allgather turns the
+updated slices back into Replicate parameters. `placement.summed` states the first
+transition for the parameters; the flat buffers themselves carry no placement.
+
 Checkpoints (checkpoint.py) speak of parameters, not flat slices: each rank
 saves its slice as boxes of the full arrays it covers (`checkpoint_pieces`), and
 on resume cuts its slice of Adam's m and v out of the full ones (`slice_state`),
