@@ -36,7 +36,7 @@ microbatch (MPI never lets two messages with the same tag overtake each other).
 
 Placements (placement.py): what crosses a stage boundary keeps the placement it had
 (rows Shard(0) over dp; under sequence parallelism over tp too), declared again on
-the receiving side (`rows_of`); Send/Recv move it whole, so it is never a partial sum.
+the receiving side (`rows_of`); Send/Recv move it whole, so a partial sum is refused before it is sent.
 
 Run it: `mpiexec -n 4 python -m minipar train --pp 4 --microbatches 8 --schedule 1f1b --check`,
 or the lesson `mpiexec -n 4 python lessons/04_pipeline_parallel.py`.
@@ -165,7 +165,10 @@ class StageWorker:
             Tensor(buf, requires_grad=True), self.boundary_rows_over)
 
     def send_act(self, ins: Instruction) -> None:
-        out = np.ascontiguousarray(self.outputs[(ins.chunk, ins.microbatch)][0].data)
+        sent = self.outputs[(ins.chunk, ins.microbatch)][0]
+        if placement.ON:  # the next stage takes it as whole rows: no partial sum may go
+            placement.rows_exchanged("Send to the next stage", sent, self.group)
+        out = np.ascontiguousarray(sent.data)
         # activation (B/(M dp), d) of this microbatch -> the next stage
         request = self.group.Isend(out, dest=peer(ins.kind, self.pp, self.stage), tag=ACT_TAG)
         self.sending[(ACT_TAG, ins.chunk, ins.microbatch)] = (request, out)
