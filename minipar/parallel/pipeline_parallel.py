@@ -36,7 +36,8 @@ microbatch (MPI never lets two messages with the same tag overtake each other).
 
 Placements (placement.py): what crosses a stage boundary keeps the placement it had
 (rows Shard(0) over dp; under sequence parallelism over tp too), declared again on
-the receiving side (`rows_of`); Send/Recv move it whole, so a partial sum is refused before it is sent.
+the receiving side (`rows_of`); Send/Recv move it whole, so a partial sum is
+refused before it is sent.
 
 Run it: `mpiexec -n 4 python -m minipar train --pp 4 --microbatches 8 --schedule 1f1b --check`,
 or the lesson `mpiexec -n 4 python lessons/04_pipeline_parallel.py`.
