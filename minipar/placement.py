@@ -255,8 +255,11 @@ def add(op: str, a: HasPlacement, b: HasPlacement) -> Placements:
         pa, pb = get(a, axis), get(b, axis)
         if isinstance(pa, Replicate) and isinstance(pb, Replicate):
             continue
-        if pa == pb or (isinstance(pa, Shard) and isinstance(pb, Shard)
-                        and _dim(pa, a.ndim) == _dim(pb, b.ndim)):
+        if isinstance(pa, Shard) and isinstance(pb, Shard) \
+                and _dim(pa, a.ndim) == _dim(pb, b.ndim):   # dims aligned from the end
+            out[axis] = Shard(_dim(pa, a.ndim))
+            continue
+        if pa == pb and not isinstance(pa, Shard):
             out[axis] = pa
             continue
         for (x, px), (y, py) in (((a, pa), (b, pb)), ((b, pb), (a, pa))):

@@ -312,3 +312,10 @@ def test_a_partial_gradient_stops_where_a_backward_sums_it():
 def test_a_reshape_of_rows_into_one_sequence_keeps_the_rows_dim():
     tokens = t((4, 3), dp=Shard(0))                      # B/dp = 1 sequence of T = 4
     assert placement.of(ag.reshape(tokens, (1, 4, 3))) == {"dp": Shard(0)}
+
+
+def test_shards_match_by_their_dims_aligned_from_the_end():
+    columns = t((4, 6), tp=Shard(1))
+    assert placement.of(columns + t((6,), tp=Shard(0))) == {"tp": Shard(1)}  # a column bias
+    refused(lambda: t((4, 6), "rows", tp=Shard(0)) + t((6,), "b", tp=Shard(0)),
+            "rows is sharded along dim 0 over tp")
