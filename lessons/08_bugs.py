@@ -279,9 +279,9 @@ def summary(results: dict[str, dict]) -> None:
             continue
         worst = next(iter(found["final"].values()), 0.0)
         where = re.search(r"\[at (.*)\]", found["placement"] or "")
-        seen = (where.group(1).split("/")[-1] if where else "grad sync") \
+        stop = (where.group(1).split("/")[-1] if where else "grad sync") \
             if found["placement"] else "unseen"
-        say(f"{name:<24} {found['loss_rel']:>9.1e} {worst:>9.1e}  {seen:<22}  "
+        say(f"{name:<24} {found['loss_rel']:>9.1e} {worst:>9.1e}  {stop:<22}  "
             f"{', '.join(found['caught_by']) or 'NOTHING'}")
     unseen = [n for n, f in results.items() if "skipped" not in f
               and not {"losses", "parameters"} & set(f["caught_by"])]

@@ -210,6 +210,8 @@ def test_lesson_08_catches_every_bug_and_passes_every_correct_run(tmp_path):
         assert result["correct_loss_rel"] <= 1e-9 and result["correct_param_rel"] <= 1e-9
         assert result["correct_replicas"] == [], name
         assert f"{name} [" in job.stdout and name in job.stdout
+        # the placements column: a placement error is stopped, a bug about values is not
+        assert ("placements" in result["caught_by"]) == (not bugs.BUGS[name].unseen), name
     assert found["tp-plain-linear"]["caught_by"] == ["ledger", "memory"]
     assert "caught by: NOTHING" not in job.stdout
 
