@@ -319,3 +319,15 @@ def test_shards_match_by_their_dims_aligned_from_the_end():
     assert placement.of(columns + t((6,), tp=Shard(0))) == {"tp": Shard(1)}  # a column bias
     refused(lambda: t((4, 6), "rows", tp=Shard(0)) + t((6,), "b", tp=Shard(0)),
             "rows is sharded along dim 0 over tp")
+
+
+def test_what_placement_checking_does_not_cover_is_refused_with_one_line():
+    from minipar.config import TrainConfig, placement_problems
+
+    cfg = TrainConfig(model="gpt", tp=2, check_placements=True)
+    assert placement_problems(cfg) == [
+        "--check-placements does not cover the transformer's tensor parallelism yet "
+        "(--model gpt/gpt-moe with --tp 2 or more)"]
+    assert placement_problems(TrainConfig(recompute="full", check_placements=True))
+    assert placement_problems(TrainConfig(model="gpt", tp=2)) == []   # off: nothing to say
+    assert placement_problems(TrainConfig(tp=2, check_placements=True)) == []
