@@ -120,6 +120,16 @@ class AxisGroup(Protocol):
     size: int
 
 
+# The communicators that span dp and cp together are the dp axis while cp = 1 (the only
+# case checked: config.placement_problems refuses --cp with --check-placements).
+_SAME_AXIS = {"dp_cp": "dp", "edp_cp": "edp"}
+
+
+def axis_of(group: AxisGroup) -> str:
+    """The mesh axis a group spans, by which placements are recorded."""
+    return _SAME_AXIS.get(group.name, group.name)
+
+
 # ------------------------------------------------------------------ switch
 @contextlib.contextmanager
 def checking(enabled: bool = True) -> Iterator[None]:
@@ -151,7 +161,7 @@ def place(t: object, group: AxisGroup, p: Placement) -> object:
     rows). Nothing is recorded on a group of one (every tensor is whole there) or
     while checking is off. Returns `t`."""
     if ON and group.size > 1:
-        follow(t, {**of(t), group.name: p}, summed=True)
+        follow(t, {**of(t), axis_of(group): p}, summed=True)
     return t
 
 
@@ -445,9 +455,9 @@ def loss(op: str, t: HasPlacement, dp: AxisGroup) -> None:
     the ranks' losses (the sync averages the gradients); over any other axis it must
     be whole: a rank would otherwise seed only its share of the gradient."""
     for axis, p in of(t).items():
-        if axis == dp.name and p == Partial("avg"):
+        if axis == axis_of(dp) and p == Partial("avg"):
             continue
-        raise refuse(op, t, axis, p, REPLICATED if axis != dp.name else Partial("avg"))
+        raise refuse(op, t, axis, p, REPLICATED if axis != axis_of(dp) else Partial("avg"))
 
 
 # ----------------------------------------------------------------- shapes
@@ -531,7 +541,7 @@ def rows_exchanged(op: str, x: HasPlacement, group: AxisGroup) -> Placements:
     (regrouped by destination), so every placement is kept."""
     for axis, p in of(x).items():
         if isinstance(p, Partial):
-            raise refuse(f"{op} over {group.name}", x, axis, p, REPLICATED)
+            raise refuse(f"{op} over {axis_of(group)}", x, axis, p, REPLICATED)
     return dict(of(x))
 
 
@@ -541,15 +551,15 @@ def transition(op: str, x: HasPlacement, group: AxisGroup, needed: type | Placem
     """A collective's rule: `x` must be `needed` over the group's axis (a class: any
     placement of that kind; an instance: exactly it), and `out` becomes `result`
     there, keeping its other axes (copied unchanged)."""
-    found = get(x, group.name)
+    found = get(x, axis_of(group))
     ok = isinstance(found, needed) if isinstance(needed, type) else \
         (found == needed or (isinstance(found, Shard) and isinstance(needed, Shard)
                              and _dim(found, x.ndim) == _dim(needed, x.ndim)))
     if not ok and group.size > 1:
         shown = {Replicate: REPLICATED, Partial: Partial(), Shard: "sharded"}.get(
             needed, needed)
-        raise refuse(op, x, group.name, found, shown)
-    return follow(out, {**of(x), group.name: result}, x.name, summed=True)
+        raise refuse(op, x, axis_of(group), found, shown)
+    return follow(out, {**of(x), axis_of(group): result}, x.name, summed=True)
 
 
 # --------------------------------------------------------- gradient sync
@@ -562,11 +572,11 @@ def summed(params: Iterable[object], group: AxisGroup) -> None:
     (Partial -> Replicate over its axis, before the optimizer step)."""
     if ON and group.size > 1:
         for p in params:
-            if not isinstance(get(p, group.name), Replicate):
-                raise refuse(f"the gradient sum over {group.name}", p, group.name,
-                             get(p, group.name), REPLICATED, " (summing gradients of "
+            if not isinstance(get(p, axis_of(group)), Replicate):
+                raise refuse(f"the gradient sum over {axis_of(group)}", p, axis_of(group),
+                             get(p, axis_of(group)), REPLICATED, " (summing gradients of "
                              "different pieces would mix them)")
-            _SUMMED.setdefault(id(p), set()).add(group.name)
+            _SUMMED.setdefault(id(p), set()).add(axis_of(group))
 
 
 def check_gradients(sizes: dict[str, int]) -> None:
