@@ -33,11 +33,12 @@ from minipar import autograd as ag
 from minipar import bugs, checkpoint, config, fused, gpt, nn, preflight, watchdog
 from minipar.config import TrainConfig
 from minipar.data import (
+    local_rows,
     make_batch,
     make_sequences,
     make_text_windows,
     microbatch_rows,
-    shard_rows,
+    rank_rows,
 )
 from minipar.mesh import Mesh
 from minipar.optim import Optimizer, make_optimizer
@@ -111,14 +112,16 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
     return out
 
 
-def step_batch(cfg: TrainConfig, step: int) -> tuple[np.ndarray, np.ndarray]:
+def step_batch(cfg: TrainConfig, step: int, rows: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
     """The global batch of `step`: the same on every rank, from (seed, step) alone.
-    MLP models: x (B, d_in), y (B,); the transformer: token ids x, y (B, T)."""
+    MLP models: x (B, d_in), y (B,); the transformer: token ids x, y (B, T). With
+    `rows`, only those rows of it (data.rank_rows: a rank's own), drawn without the rest."""
     if cfg.data is not None:
-        return make_text_windows(cfg.data, cfg.seed, step, cfg.batch, cfg.seq_len)
+        return make_text_windows(cfg.data, cfg.seed, step, cfg.batch, cfg.seq_len, rows)
     if cfg.model_config().is_gpt:
-        return make_sequences(cfg.seed, step, cfg.batch, cfg.seq_len, cfg.vocab)
-    return make_batch(cfg.seed, step, cfg.batch, cfg.d_in, cfg.classes, cfg.dtype)
+        return make_sequences(cfg.seed, step, cfg.batch, cfg.seq_len, cfg.vocab, rows)
+    return make_batch(cfg.seed, step, cfg.batch, cfg.d_in, cfg.classes, cfg.dtype, rows)
 
 
 def build_reference(cfg: TrainConfig, full: dict[str, np.ndarray]) -> nn.Model:
@@ -272,12 +275,13 @@ def boundary_shape(cfg: TrainConfig) -> tuple[int, ...]:
 
 def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
                      x: np.ndarray, y: np.ndarray, timeline: list[dict] | None = None) -> float:
-    """Forward and backward of every microbatch of this rank's rows; returns this
+    """Forward and backward of every microbatch of this rank's rows `x, y` (its rows of
+    the global batch, `data.rank_rows`: microbatch after microbatch); returns this
     rank's share of the step loss (sum over microbatches of loss/M). With pp > 1
     the pipeline schedule decides the order (pipeline_parallel.py) and appends the
     wall-clock start/end of each of its instructions to `timeline`."""
     scale = 1.0 / cfg.microbatches
-    slices = [shard_rows(cfg.batch, cfg.microbatches, cfg.dp, m, mesh.coords["dp"])
+    slices = [local_rows(cfg.batch, cfg.microbatches, cfg.dp, m)  # of this rank's rows
               for m in range(cfg.microbatches)]
     if cfg.pp > 1:
         def last_stage_loss(logits: ag.Tensor, aux: ag.Tensor | None,
@@ -354,7 +358,9 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
 
     ledger = mesh.ledger
     ledger.reset()
-    x, y = step_batch(cfg, step)
+    # this rank's rows only (B/dp of them), each drawn from its own stream (data.py)
+    x, y = step_batch(cfg, step, rank_rows(cfg.batch, cfg.microbatches, cfg.dp,
+                                           mesh.coords["dp"]))
     for chunk in chunks:
         for p in chunk.parameters():
             p.grad = None
