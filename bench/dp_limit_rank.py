@@ -104,7 +104,8 @@ def main() -> None:
         per_rank = np.array([ranks[name] for ranks in everyone])   # (dp, repeats, 3)
         compute, sync, optimizer = per_rank[0].T
         waiting = per_rank[:, :, 0].max(axis=0) - per_rank[0, :, 0]
-        results[name] = {"step": stats(list(per_rank.sum(axis=2).max(axis=0))),
+        steps = per_rank.sum(axis=2).max(axis=0)   # the slowest rank, repetition by repetition
+        results[name] = {"steps": steps.tolist(), "step": stats(list(steps)),
                          "compute": stats(list(compute)), "sync": stats(list(sync)),
                          "waiting": stats(list(waiting)), "optimizer": stats(list(optimizer))}
     results["buckets"] = {f"overlapped {size}": len(setups[f"overlapped {size}"][3].buckets)

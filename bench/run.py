@@ -129,6 +129,24 @@ def dp_scaling(ranks: list[int], steps: int) -> dict:
     return out
 
 
+def dp_limit(repeats: int) -> dict:
+    """2-rank data parallelism against its limit, one rank's share (B/2) alone, measured
+    side by side in one job (bench/dp_limit_rank.py). Per repetition the ratio of the
+    slowest rank's step to the share's; its median and range over the repetitions."""
+    r = _mpi_json(2, "bench.dp_limit_rank", [str(repeats)])
+    share = np.array(r["share"]["steps"])
+    for name, v in r.items():
+        if isinstance(v, dict) and "steps" in v and name != "share":
+            per_rep = np.array(v["steps"]) / share
+            v["vs_share"] = {"median": float(np.median(per_rep)), "min": float(per_rep.min()),
+                             "max": float(per_rep.max())}
+    bucketed = r["bucketed"]["sync"]["median"]
+    for name in [n for n in r if n.startswith("overlapped")]:
+        r[name]["hidden_fraction"] = 1.0 - r[name]["sync"]["median"] / bucketed
+        r[name]["vs_bucketed"] = r[name]["step"]["median"] / r["bucketed"]["step"]["median"]
+    return r
+
+
 def _has_torch() -> bool:
     try:
         import torch  # noqa: F401
@@ -187,6 +205,21 @@ def main() -> None:
         if "ddp/minipar" in r:
             lines.append(f"{'  PyTorch DDP (gloo) step / minipar DP step, ' + n + ' ranks':<58} "
                          f"{r['ddp/minipar']:>8.3f}  {r['ddp']['median'] * 1e3:>9.2f} ms/step")
+    results["dp_limit"] = limit = dp_limit(repeats=4 if quick else 12)
+    ms = lambda v: f"{v['median'] * 1e3:.0f}"  # noqa: E731
+    for name in ["naive", "bucketed"] + [n for n in limit if n.startswith("overlapped")]:
+        v = limit[name]
+        q = v["vs_share"]
+        lines.append(f"{'DP 2 ranks, ' + name + ' step / one rank share (goal <= 1.10)':<58} "
+                     f"{q['median']:>8.3f}  [{q['min']:.2f}-{q['max']:.2f}] compute "
+                     f"{ms(v['compute'])} sync {ms(v['sync'])} (waiting {ms(v['waiting'])}) "
+                     f"opt {ms(v['optimizer'])} ms")
+        if "hidden_fraction" in v:
+            lines.append(f"{'  overlapped / bucketed step; sync hidden (1 - sync/bucketed)':<58} "
+                         f"{v['vs_bucketed']:>8.3f}  hidden {v['hidden_fraction']:.2f}, "
+                         f"{limit['buckets'][name]} buckets")
+    lines.append(f"{'  one rank share step (B/2, no sync), ms':<58} "
+                 f"{limit['share']['step']['median'] * 1e3:>8.1f}")
     results["ring"] = {n: _mpi_json(n, "bench.ring_rank", []) for n in ranks if n > 1}
     for n, r in results["ring"].items():
         for label in ("8 KB", "1 MB", "16 MB"):

@@ -246,6 +246,9 @@ class OverlappedAllreduce(Hooks):
         self.waiting = [len(bucket) for bucket in self.buckets]  # params not final yet
         self.in_flight: list[tuple[int, np.ndarray, MPI.Request | None]] = []
 
+    def before_backward(self, piece: Piece) -> None:
+        self._progress()
+
     def after_backward(self, piece: Piece) -> None:
         self.passes[id(piece)] = self.passes.get(id(piece), 0) + 1
         if self.passes[id(piece)] < self.microbatches:
@@ -256,6 +259,16 @@ class OverlappedAllreduce(Hooks):
                 self.waiting[i] -= 1
                 if self.waiting[i] == 0:
                     self._launch(i)
+        self._progress()
+
+    def _progress(self) -> None:
+        """Let the buckets in flight move on. An MPI library without a progress thread
+        (MPICH's default) advances a nonblocking collective only inside MPI calls: a
+        Test at each piece's edges hands it the wire between the pieces' backwards,
+        instead of leaving all of it to the final Waitall. Changes no number."""
+        for _, _, request in self.in_flight:
+            if request is not None:
+                request.Test()  # done: the request becomes MPI.REQUEST_NULL
 
     def _launch(self, i: int) -> None:
         flat = pack(self.buckets[i], self.flats[i])
