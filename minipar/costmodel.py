@@ -23,10 +23,11 @@ Tested by `python -m pytest tests/test_plan.py`; used by `python -m minipar plan
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from minipar.memory import ModelStates, shard_counts
+from minipar.memory import ModelStates
 from minipar.parallel.pipeline_schedules import compute_order, in_flight_peak
 
 Array = tuple[int, bool]  # (elements, split over tp?) of one parameter array
@@ -52,6 +53,10 @@ class Block:
     act_scores: float = 0.0      # bytes/token of attention scores, 5as (selective drops it)
     act_input: float = 0.0       # bytes/token of the layer input (all full recompute keeps)
     capacity: bool = False       # MoE with an expert capacity: an Exscan of counts over dp
+    kv_width: int = 0            # numbers per token of K and V together (CP gathers them)
+    cheap_replicated: float = 0.0  # bytes/token selective recomputation also drops: norms'
+    cheap_split: float = 0.0       # outputs (whole) and the FFN's activation (cut by tp)
+    attn_flops: float = 0.0      # forward FLOPs per token of QK^T and AV (no parameters)
 
     @property
     def moe(self) -> bool:
@@ -78,6 +83,8 @@ class Workload:
     bucket_size: int = 12_500_000  # gradient bucket, elements (25 MB of 16-bit numbers)
     split_dims: tuple[int, ...] = ()  # sizes tp must divide (d_ff, the attention heads)
     lookup_embedding: bool = False  # a token embedding is a table lookup: no FLOPs
+    tied_head: bool = False     # the head's first array is the embedding's (counted once)
+    logit_bytes: float = 0.0    # bytes/token the loss keeps of the logits (fp32: 4 V)
 
     @property
     def layers(self) -> int:
@@ -87,7 +94,8 @@ class Workload:
     def params(self) -> int:
         per_block = sum(sum(s for s, _ in b.arrays) + b.experts * sum(b.expert)
                         for b in self.blocks)
-        return per_block + sum(s for s, _ in self.embed + self.head)
+        head = self.head[1:] if self.tied_head else self.head  # tied: its matrix is embed's
+        return per_block + sum(s for s, _ in self.embed + head)
 
     @property
     def active_params(self) -> int:
@@ -97,8 +105,9 @@ class Workload:
     @property
     def flop_params(self) -> int:
         """Parameters one token multiplies by: the active ones but a looked-up embedding."""
-        return self.active_params - (sum(s for s, _ in self.embed) if self.lookup_embedding
-                                     else 0)
+        return (self.active_params - (sum(s for s, _ in self.embed) if self.lookup_embedding
+                                      else 0)
+                + (sum(s for s, _ in self.head[:1]) if self.tied_head else 0))
 
 
 @dataclass(frozen=True)
@@ -116,14 +125,20 @@ class Plan:
     virtual: int = 1
     recompute: str = "none"     # "none", "selective" (drop attention scores), "full"
     grad_sync: str = "bucketed"
+    cp: int = 1                 # context parallelism: each sequence cut in cp pieces
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights: dp x cp (CP ranks share them, like DP)."""
+        return self.dp * self.cp
 
     def label(self) -> str:
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} ep={self.ep} "
-                f"zero={self.zero} M={self.microbatches}")
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} " + (f"cp={self.cp} " * (self.cp > 1))
+                + f"ep={self.ep} zero={self.zero} M={self.microbatches}")
 
 
 # ------------------------------------------------------------ who holds what
@@ -180,12 +195,14 @@ def model_states(w: Workload, plan: Plan, shape: RankShape, dp_rank: int = 0) ->
     """Bytes of parameters, gradients and optimizer state on one rank (ZeRO section 5):
     stage >= 1 keeps only my slice of the optimizer state, >= 2 of the gradients,
     3 of the parameters; slices as memory.shard_counts cuts them (the first ranks one
-    larger). Expert arrays are sliced over their own group of dp/ep ranks (DeepSpeed-MoE's
-    way; minipar itself does not build ZeRO with experts)."""
+    larger). Expert arrays are sliced over their own group of tp dp cp / ep ranks
+    (DeepSpeed-MoE's way; minipar itself does not build ZeRO with experts). With context
+    parallelism the weights' replicas are dp x cp, and so are the slices."""
     dense, experts = sum(shape.dp_arrays), sum(shape.edp_arrays)
     psi = dense + experts
-    mine = (shard_counts(dense, plan.dp)[dp_rank]
-            + shard_counts(experts, plan.dp // plan.ep)[dp_rank // plan.ep])
+    edp = plan.tp * plan.replicas // plan.ep
+    mine = shard_of(dense, plan.replicas, dp_rank) + shard_of(experts, edp,
+                                                              dp_rank // plan.ep % edp)
 
     def held(bytes_per: int, sharded: bool) -> int:
         return bytes_per * (mine if sharded else psi)
@@ -194,9 +211,16 @@ def model_states(w: Workload, plan: Plan, shape: RankShape, dp_rank: int = 0) ->
                        optimizer=held(w.optimizer_bytes, plan.zero >= 1))
 
 
+def shard_of(total: int, ranks: int, rank: int) -> int:
+    """memory.shard_counts(total, ranks)[rank], without building the list."""
+    base, extra = divmod(total, ranks)
+    return base + (1 if rank < extra else 0)
+
+
 def tokens_per_microbatch(w: Workload, plan: Plan) -> int:
-    """Tokens of one microbatch on one data-parallel rank: B s / (dp M)."""
-    return w.batch * w.seq_len // (plan.dp * plan.microbatches)
+    """Tokens of one microbatch on one data-parallel rank: B s / (dp M), of which a
+    context-parallel rank holds 1/cp."""
+    return w.batch * w.seq_len // (plan.dp * plan.microbatches * plan.cp)
 
 
 @lru_cache(maxsize=4096)
@@ -215,21 +239,34 @@ def in_flight(schedule: str, pp: int, microbatches: int, stage: int, virtual: in
 def activation_bytes(block: Block, tokens: int, plan: Plan) -> float:
     """Bytes one block keeps from its forward to its backward for `tokens` tokens:
     Megatron's sbh(10 + 24/t + 5as/(ht)) split as replicated + split/t + scores/t;
-    SP cuts the replicated part too; selective recomputation drops the scores; full
+    SP cuts the replicated part too; selective recomputation drops the scores (and the
+    block's cheap_* bytes: what is cheap to recompute, if the block names any); full
     recomputation keeps only the block input (Megatron: 2sbh)."""
-    if plan.recompute == "full":
-        return tokens * block.act_input
-    scores = 0.0 if plan.recompute == "selective" else block.act_scores
-    replicated = block.act_replicated / (plan.tp if plan.sp else 1)
-    return tokens * (replicated + (block.act_split + scores) / plan.tp)
+    if plan.recompute == "full":  # the layer's input: the residual stream, cut by SP
+        return tokens * block.act_input / (plan.tp if plan.sp else 1)
+    selective = plan.recompute == "selective"
+    scores = 0.0 if selective else block.act_scores
+    replicated = (block.act_replicated - selective * block.cheap_replicated) / (
+        plan.tp if plan.sp else 1)
+    split = block.act_split - selective * block.cheap_split
+    return tokens * (replicated + (split + scores) / plan.tp)
 
 
 def stage_activations(w: Workload, plan: Plan, shape: RankShape) -> float:
     """Peak activation bytes of a pipeline rank: microbatches in flight times what one
-    microbatch leaves in its blocks (a chunk's worth with interleaving)."""
+    microbatch leaves in its blocks (a chunk's worth with interleaving). With full
+    recomputation, add the one block being recomputed (all it keeps, for one microbatch);
+    on the last stage add the loss's logits of one microbatch (Korthikanti et al. 2022:
+    4sbv bytes in fp32, cut by tp)."""
     if not shape.blocks:
         return 0.0
-    per_microbatch = sum(activation_bytes(b, tokens_per_microbatch(w, plan), plan)
-                         for b in shape.blocks) / plan.virtual
+    tokens = tokens_per_microbatch(w, plan)
+    kinds = Counter(shape.blocks)  # most layers are one Block, repeated
+    per_microbatch = sum(n * activation_bytes(b, tokens, plan)
+                         for b, n in kinds.items()) / plan.virtual
     alive = in_flight(plan.schedule, plan.pp, plan.microbatches, shape.stage, plan.virtual)
-    return alive * per_microbatch
+    peak = alive * per_microbatch
+    if plan.recompute == "full":
+        whole = replace(plan, recompute="none")
+        peak += max(activation_bytes(b, tokens, whole) for b in kinds)
+    return peak + (tokens * w.logit_bytes / plan.tp if shape.last else 0.0)

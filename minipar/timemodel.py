@@ -24,6 +24,7 @@ Tested by `python -m pytest tests/test_plan.py`; used by `python -m minipar plan
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from minipar.costmodel import (
@@ -49,6 +50,7 @@ class Hardware:
     inter_bw: float
     node_size: int
     latency: float
+    headroom: float = 0.0  # bytes of each GPU left to the framework (CUDA, NCCL, allocator)
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ def bucket_count(arrays: list[int], bucket_size: int) -> int:
 
 def traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     """Every ledger entry one rank of pipeline rank `shape.stage` writes in one step."""
-    return (tp_traffic(w, plan, shape) + pp_traffic(w, plan, shape)
+    return (tp_traffic(w, plan, shape) + cp_traffic(w, plan, shape) + pp_traffic(w, plan, shape)
             + moe_traffic(w, plan, shape) + dp_traffic(w, plan, shape))
 
 
@@ -88,8 +90,10 @@ def tp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     and one backward (f); with SP each becomes an Allgather on the way into the split
     region and a Reduce_scatter on the way out, in both directions, plus the residual
     stream's split after the embedding and gather before the head, and one Allreduce
-    per step of the gradients SP leaves partial (the blocks' replicated arrays)."""
-    dense = [block for block in shape.blocks if not block.moe]
+    per step of the gradients SP leaves partial (the blocks' replicated arrays). An MoE
+    block under tp splits its attention (and shared experts) only: its routed experts
+    take each rank's SP share of the tokens whole (expert_parallel's Alltoall)."""
+    dense = shape.blocks
     if plan.tp == 1 or not dense:
         return []
     stream = tokens_per_microbatch(w, plan) * w.d_model       # (b, d)
@@ -128,9 +132,9 @@ def moe_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     over dp three Allreduce of E numbers (counts f, probability sums P both ways), and
     with a capacity one Exscan of E counts (how many earlier tokens took each expert)."""
     moe = [block for block in shape.blocks if block.moe]
-    if not moe or plan.dp == 1:
+    if not moe or plan.replicas * plan.tp == 1:
         return []
-    m, tokens = plan.microbatches, tokens_per_microbatch(w, plan)
+    m, tokens = plan.microbatches, tokens_per_microbatch(w, plan) // plan.tp
     experts = sum(block.experts for block in moe) * m
     out = []
     if plan.ep > 1:
@@ -138,6 +142,8 @@ def moe_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
         out += [Traffic("ep", "Alltoall", len(moe) * m, experts, experts * w.count_bytes),
                 Traffic("ep", "Alltoallv", 4 * len(moe) * m, rows * w.d_model,
                         rows * w.d_model * w.act_bytes)]
+    if plan.replicas == 1:
+        return out
     stats = 3 * experts
     out.append(Traffic("dp", "Allreduce", 3 * len(moe) * m, stats,
                        experts * w.count_bytes + 2 * experts * w.act_bytes))
@@ -155,9 +161,10 @@ def dp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     Reduce_scatter, stage 3's both; stage 3 gathers twice: forward and backward)."""
     out = []
     moe_pieces = sum(1 for block in shape.blocks if block.moe)
-    for group, size, arrays, pieces in (("dp", plan.dp, shape.dp_arrays, len(shape.pieces)),
-                                        ("edp", plan.dp // plan.ep, shape.edp_arrays,
-                                         moe_pieces)):
+    for group, size, arrays, pieces in (("dp", plan.replicas, shape.dp_arrays,
+                                         len(shape.pieces)),
+                                        ("edp", plan.tp * plan.replicas // plan.ep,
+                                         shape.edp_arrays, moe_pieces)):
         psi = sum(arrays)
         if size == 1 or psi == 0:
             continue
@@ -188,10 +195,14 @@ def ledger_of(items: list[Traffic]) -> dict[tuple[str, str], tuple[int, int]]:
 
 # ------------------------------------------------------------ what it costs
 def group_layout(plan: Plan, group: str) -> tuple[int, int]:
-    """(ranks, stride between them) of a group, with tp fastest, then dp, then pp; an
-    ep group is ep consecutive dp ranks, an edp group every ep-th dp rank."""
-    return {"tp": (plan.tp, 1), "dp": (plan.dp, plan.tp), "pp": (plan.pp, plan.tp * plan.dp),
-            "ep": (plan.ep, plan.tp), "edp": (plan.dp // plan.ep, plan.tp * plan.ep)}[group]
+    """(ranks, stride between them) of a group, with tp fastest, then cp, then dp, then
+    pp (Megatron's order); "dp" is every replica of a weight (dp x cp ranks); an ep group
+    is ep consecutive ranks (of a tp group, then of the replicas: TP for attention, EP
+    for experts), an edp group every ep-th one."""
+    ranks = plan.tp * plan.replicas
+    return {"tp": (plan.tp, 1), "cp": (plan.cp, plan.tp), "dp": (plan.replicas, plan.tp),
+            "pp": (plan.pp, ranks), "ep": (plan.ep, 1),
+            "edp": (ranks // plan.ep, plan.ep)}[group]
 
 
 def members_per_node(size: int, stride: int, node: int) -> int:
@@ -225,17 +236,24 @@ def seconds(t: Traffic, plan: Plan, hw: Hardware) -> float:
 
 
 def compute_seconds(w: Workload, plan: Plan, shape: RankShape, hw: Hardware) -> float:
-    """6 FLOPs per parameter and token (forward 2, backward 4; 8 with full recomputation)
-    over this rank's tokens of the step and the parameters they pass through here."""
+    """A block's forward costs 2 FLOPs per parameter and token plus its attention's
+    QK^T and AV (cut by tp); the backward twice the forward; full recomputation runs
+    the forward again, selective only the attention part. The routed experts of one token
+    cost 2 top_k x an expert, on the tp rank that holds the token (SP). The head's
+    3 passes are never recomputed. Over this rank's tokens: B s / (dp cp)."""
     def cut(arrays: tuple[Array, ...]) -> int:
         return sum(size // plan.tp if split else size for size, split in arrays)
 
-    per_token = sum(cut(b.arrays) + b.top_k * sum(b.expert) for b in shape.blocks)
-    per_token += cut(w.embed) if shape.first and not w.lookup_embedding else 0
-    per_token += cut(w.head) if shape.last else 0
-    tokens = w.batch * w.seq_len / plan.dp
-    flops = (8 if plan.recompute == "full" else 6) * tokens * per_token
-    return flops / (hw.flops * hw.efficiency)
+    passes = 4 if plan.recompute == "full" else 3
+    again = 1 if plan.recompute == "selective" else 0
+    blocks = sum(n * (passes * (2 * cut(b.arrays) + b.attn_flops / plan.tp)
+                      + again * b.attn_flops / plan.tp
+                      + passes * 2 * b.top_k * sum(b.expert) / plan.tp)
+                 for b, n in Counter(shape.blocks).items())  # most layers: one Block, repeated
+    ends = cut(w.embed) if shape.first and not w.lookup_embedding else 0
+    ends += cut(w.head) if shape.last else 0
+    tokens = w.batch * w.seq_len / plan.replicas
+    return tokens * (blocks + 6 * ends) / (hw.flops * hw.efficiency)
 
 
 @dataclass(frozen=True)
@@ -279,3 +297,21 @@ def step_timing(w: Workload, plan: Plan, hw: Hardware, shapes: list[RankShape],
     beta = bubble_formula(plan.schedule, plan.pp, plan.microbatches, plan.virtual)
     makespan = busy / (1.0 - beta)
     return Timing(compute, inside, after, makespan - busy, makespan + sum(after.values()))
+
+
+def cp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
+    """Context parallelism as Llama 3 runs it: a rank holds s/cp of each sequence and,
+    per block and microbatch, Allgathers the K and V of the whole sequence before its
+    attention (again in the backward, and a third time with full recomputation), then
+    Reduce_scatters their gradients back to the rank that owns each piece."""
+    if plan.cp == 1:
+        return []
+    width = sum(block.kv_width for block in shape.blocks) // plan.tp
+    if not width:
+        return []
+    whole = tokens_per_microbatch(w, plan) * plan.cp * width * plan.microbatches
+    layers = len(shape.blocks) * plan.microbatches
+    gathers = 3 if plan.recompute == "full" else 2
+    return [Traffic("cp", "Allgather", gathers * layers, gathers * whole,
+                    gathers * whole * w.act_bytes),
+            Traffic("cp", "Reduce_scatter", layers, whole, whole * w.grad_bytes)]

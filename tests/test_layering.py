@@ -35,7 +35,7 @@ LAYERS: list[set[str]] = [
     {"checkpoint", "checkpoint_folder", "preflight", "bugs"},
     {"train"},                                                              # composition
     {"results", "reshard"},
-    {"costmodel", "timemodel", "plan", "plots_load", "plots", "report", "tour",
+    {"costmodel", "timemodel", "plan", "presets", "plots_load", "plots", "report", "tour",
      "classroom", "__main__", ""},                                          # on top
 ]
 

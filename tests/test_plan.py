@@ -3,13 +3,20 @@
 - ZeRO's worked example (7.5 B parameters on 64 GPUs: 120 / 31.4 / 16.6 / 1.9 GB)
   through the planner's own memory path;
 - Megatron's bubble (p-1)/(m+p-1), interleaved (p-1)/(vm+p-1), and the step time it
-  implies; the in-flight microbatches against the schedule simulator;
+  implies; Zero Bubble's table (bubble rate (p-1)/m for 1F1B, (p-1)/3m for ZB-H1, at the
+  same activation memory); the in-flight microbatches against the schedule simulator;
 - Megatron's activation count sbh(34 + 5as/h), with TP and TP+SP, and the paper's
   savings of selective recomputation (GPT-3 70%, MT-NLG 65%);
-- DeepSeek-V3's 37 B active parameters of 671 B from its published sizes;
+- the presets' parameter counts against their papers (Megatron's formula, GPT-3, Llama 3,
+  Mixtral's 46.7 / 12.9 B, DeepSeek-V3's 671 / 37 B);
+- Megatron-LM's Table 1 (Narayanan et al. 2021): the published (t, p, d) among the
+  planner's fastest meshes, its throughput within the error the planner states;
+- Llama 3 405B's published mesh (TP 8, PP 16, DP 64 on 8192 H100s) fits and ranks near
+  the top; DeepSeek-V3's (PP 16 x EP 64 x ZeRO-1 DP on 2048 H800s) fits;
 - minipar's own 8-rank runs: every rank's parameter / gradient / optimizer bytes and
   every ledger entry (calls and elements) predicted exactly, in one mpiexec job;
-- the command line: a good run, and one error line with exit 2 for bad flags.
+- the command line: presets, a named plan, --json, and one error line with exit 2 for
+  every bad flag.
 """
 
 from __future__ import annotations
@@ -35,12 +42,26 @@ from minipar.costmodel import (
 from minipar.memory import zero_formula
 from minipar.mesh import MeshShape
 from minipar.parallel.pipeline_schedules import simulate_schedule
-from minipar.plan import evaluate, minipar_workload, plan_of, search, transformer
+from minipar.plan import (
+    STEP_TIME_ERROR,
+    distinct_meshes,
+    evaluate,
+    minipar_workload,
+    plan_of,
+    search,
+    transformer,
+)
+from minipar.presets import MEGATRON_TABLE_1, MODELS, Model
 from minipar.timemodel import Hardware, ledger_of, traffic
 from tests.mpi import ROOT, sweep
 
 GB = 1e9
 H100 = Hardware(80 * GB, 989e12, 0.5, 450 * GB, 50 * GB, 8, 5e-6)
+A100 = Hardware(80 * GB, 312e12, 0.5, 300 * GB, 25 * GB, 8, 5e-6, 8 * GB)
+
+
+def gpt(layers: int, d: int, heads: int, s: int = 512) -> Model:
+    return Model("gpt", layers, d, heads, 4 * d, 51200, s, 2, "gpt")
 
 
 def test_zero_paper_example_through_the_planner():
@@ -55,13 +76,15 @@ def test_zero_paper_example_through_the_planner():
     assert totals == [120.0, 31.4, 16.6, 1.9]
 
 
+FREE = replace(H100, intra_bw=1e30, inter_bw=1e30, latency=0.0)
+
+
 @pytest.mark.parametrize("pp, m", [(2, 1), (4, 4), (4, 8), (8, 16), (8, 64)])
 def test_bubble_is_megatrons_and_the_step_pays_it(pp, m):
     """(p-1)/(m+p-1), as the simulator measures it; with free communication the step
     lasts (m + p - 1) microbatch slots of the busiest stage."""
-    w = transformer("dense", 1e9, 8 * pp, 1024, 64 * m, 512, heads=8, ffn_matrices=2)
-    free = replace(H100, intra_bw=1e30, inter_bw=1e30, latency=0.0)
-    estimate = evaluate(w, free, Plan(dp=1, pp=pp, microbatches=m, recompute="selective"))
+    w = transformer(gpt(8 * pp, 1024, 8), 64 * m)
+    estimate = evaluate(w, FREE, Plan(dp=1, pp=pp, microbatches=m, recompute="selective"))
     assert estimate.bubble == pytest.approx((pp - 1) / (m + pp - 1), rel=1e-12)
     assert estimate.bubble == pytest.approx(simulate_schedule("1f1b", pp, m).bubble, rel=1e-12)
     slot = estimate.timing.compute / m
@@ -70,11 +93,29 @@ def test_bubble_is_megatrons_and_the_step_pays_it(pp, m):
 
 @pytest.mark.parametrize("pp, m, v", [(2, 4, 2), (4, 8, 2), (4, 8, 3)])
 def test_interleaved_bubble_is_megatrons(pp, m, v):
-    w = transformer("dense", 1e9, pp * v * 2, 1024, 64 * m, 512, heads=8)
+    w = transformer(gpt(pp * v * 2, 1024, 8), 64 * m)
     plan = Plan(dp=1, pp=pp, microbatches=m, schedule="interleaved", virtual=v)
     expected = (pp - 1) / (v * m + pp - 1)
     assert evaluate(w, H100, plan).bubble == pytest.approx(expected, rel=1e-12)
     assert simulate_schedule("interleaved", pp, m, v).bubble == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("pp, m", [(4, 8), (4, 12), (8, 24), (8, 32)])
+def test_zero_bubble_table(pp, m):
+    """Qi et al. 2024 (Zero Bubble Pipeline Parallelism), with T_F = T_B = T_W: bubble rate
+    (bubble over compute) (p-1)/m for 1F1B and (p-1)/3m for ZB-H1, whose activation
+    memory peak is 1F1B's, p M_B (p microbatches in flight: on the first stage for 1F1B,
+    on every stage for ZB-H1)."""
+    w = transformer(gpt(2 * pp, 1024, 8), 16 * m)
+    rates = {}
+    for schedule in ("1f1b", "zb-h1"):
+        e = evaluate(w, FREE, Plan(dp=1, pp=pp, microbatches=m, schedule=schedule))
+        rates[schedule] = e.timing.bubble / (e.timing.total - e.timing.bubble)
+    assert rates["1f1b"] == pytest.approx((pp - 1) / m, rel=1e-9)
+    assert rates["zb-h1"] == pytest.approx((pp - 1) / (3 * m), rel=1e-9)
+    peaks = {schedule: [in_flight(schedule, pp, m, s) for s in range(pp)]
+             for schedule in ("1f1b", "zb-h1")}
+    assert max(peaks["zb-h1"]) == max(peaks["1f1b"]) == peaks["1f1b"][0] == pp
 
 
 @pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
@@ -85,15 +126,15 @@ def test_microbatches_in_flight_are_the_simulators(schedule, v):
         assert [in_flight(schedule, pp, m, s, v) for s in range(pp)] == peaks, (pp, m)
 
 
-def gpt_layer(params: float, layers: int, h: int, heads: int, s: int = 2048) -> Block:
-    return transformer("gpt", params, layers, h, 1, s, heads=heads, ffn_matrices=2).blocks[0]
+def gpt_layer(layers: int, h: int, heads: int, s: int = 2048) -> Block:
+    return transformer(gpt(layers, h, heads, s), 1).blocks[0]
 
 
 def test_megatron_activation_formula():
     """Korthikanti et al. 2022, Table 2 on GPT-3 175B (a=96, s=2048, h=12288, b=1):
     5as/h = 80, so sbh(34 + 80) per layer; TP t=8: sbh(10 + 24/8 + 80/8); TP+SP: /8."""
     s, h, a, t = 2048, 12288, 96, 8
-    layer, sbh = gpt_layer(175e9, 96, h, a, s), s * h
+    layer, sbh = gpt_layer(96, h, a, s), s * h
     assert 5 * a * s / h == 80
     assert activation_bytes(layer, s, Plan(1)) == sbh * (34 + 80)
     assert activation_bytes(layer, s, Plan(1, tp=t)) == pytest.approx(
@@ -105,32 +146,89 @@ def test_megatron_activation_formula():
     assert activation_bytes(layer, s, Plan(1, recompute="full")) == 2 * sbh
 
 
-@pytest.mark.parametrize("name, params, layers, h, heads, saved", [
-    ("GPT-3", 175e9, 96, 12288, 96, 0.70), ("MT-NLG", 530e9, 105, 20480, 128, 0.65)])
-def test_selective_recomputation_saves_what_the_paper_says(name, params, layers, h, heads,
-                                                            saved):
-    layer = gpt_layer(params, layers, h, heads)
+@pytest.mark.parametrize("name, layers, h, heads, saved", [
+    ("GPT-3", 96, 12288, 96, 0.70), ("MT-NLG", 105, 20480, 128, 0.65)])
+def test_selective_recomputation_saves_what_the_paper_says(name, layers, h, heads, saved):
+    layer = gpt_layer(layers, h, heads)
     full = activation_bytes(layer, 2048, Plan(1))
     selective = activation_bytes(layer, 2048, Plan(1, recompute="selective"))
     assert round(1 - selective / full, 2) == saved, name
 
 
+def test_flash_attention_layers_keep_no_scores():
+    """Llama style: no s x s scores (4a bytes of softmax statistics per token), and grouped
+    K, V: Llama 3 70B keeps 8d + 4q + 2kv + 6 d_ff + 4a bytes a token; selective
+    recomputation drops the norms' outputs (4d), SwiGLU's product (2 d_ff) and, with the
+    attention recomputed, its statistics."""
+    m = MODELS["llama3-70b"]
+    layer = transformer(m, 1).blocks[0]
+    d, f, kv = m.d_model, m.d_ff, 2 * 8 * 128
+    assert activation_bytes(layer, 1, Plan(1)) == 8 * d + 4 * d + 2 * kv + 6 * f + 4 * m.heads
+    assert activation_bytes(layer, 1, Plan(1, recompute="selective")) == \
+        4 * d + 4 * d + 2 * kv + 4 * f
+
+
+@pytest.mark.parametrize("row", MEGATRON_TABLE_1, ids=[row[0] for row in MEGATRON_TABLE_1])
+def test_megatron_parameter_counts(row):
+    """Narayanan et al. 2021: P = 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)), the
+    and the table's sizes (the 1T row is 1008 B)."""
+    name, _, h, layers = row[:4]
+    w = transformer(MODELS[f"megatron-{name.lower()}"], 1)
+    final_norm = 2 * h  # the paper's formula leaves out the final LayerNorm
+    assert w.params == 12 * layers * h * h + 13 * layers * h + (51200 + 2048) * h + final_norm
+    size = float(name[:-1]) * (1000 if name.endswith("T") else 1)
+    assert w.params / 1e9 == pytest.approx(size, rel=0.03)
+
+
+@pytest.mark.parametrize("preset, total, active", [
+    ("gpt3-175b", 175, 175), ("llama3-8b", 8.0, 8.0), ("llama3-70b", 70.6, 70.6),
+    ("llama3-405b", 405, 405), ("mixtral-8x7b", 46.7, 12.9), ("deepseek-v3", 671, 37.5)])
+def test_preset_parameter_counts_are_the_published_ones(preset, total, active):
+    """GPT-3 175B, Llama 3 8B / 70B / 405B, Mixtral's 46.7 B (12.9 B active), DeepSeek-V3's
+    671 B (37 B activated, 37.5 with the input embedding a lookup passes through)."""
+    w = transformer(MODELS[preset], 1)
+    assert w.params / 1e9 == pytest.approx(total, rel=0.01)
+    assert w.active_params / 1e9 == pytest.approx(active, rel=0.01)
+
+
+def test_megatron_table_1():
+    """Every row of Narayanan et al. 2021's Table 1 on DGX A100 80GB, searched with the
+    paper's levers (no ZeRO, no SP, no CP, full recomputation; 1F1B or interleaved): the
+    published (t, p, d) is among the 3 fastest meshes in 9 rows of 10 and everywhere within
+    5% of the fastest, and its throughput, counted with the paper's FLOP formula
+    96 B s l h^2 (1 + s/6h + V/16lh), is within the planner's stated error."""
+    in_top_3 = 0
+    for name, _, h, layers, t, p, gpus, batch, tflops in MEGATRON_TABLE_1:
+        w = transformer(MODELS[f"megatron-{name.lower()}"], batch)
+        found = search(w, A100, gpus, Plan(1), (0,), ("full",), {"cp": 1},
+                       (("1f1b", 1), ("interleaved", 2)))
+        fastest = distinct_meshes(found.feasible)
+        meshes = [(e.plan.tp, e.plan.pp, e.plan.dp) for e in fastest]
+        published = fastest[meshes.index((t, p, gpus // (t * p)))]
+        in_top_3 += meshes.index((t, p, gpus // (t * p))) < 3
+        assert published.timing.total < 1.05 * fastest[0].timing.total, (name, meshes[:5])
+        flops = 96 * batch * 2048 * layers * h * h * (1 + 2048 / (6 * h)
+                                                      + 51200 / (16 * layers * h))
+        achieved = flops / (published.timing.total * gpus) / 1e12
+        assert abs(achieved / tflops - 1) < STEP_TIME_ERROR, (name, achieved, tflops)
+    assert in_top_3 >= 9
+
+
 def test_deepseek_v3_has_37b_active_of_671b():
-    """61 layers (3 dense, d_ff 18432), d 7168, 256 routed experts top-8 + 1 shared,
-    expert d_ff 2048, SwiGLU, vocabulary 129280: DeepSeek-V3's '37 B activated' (to within
-    the 0.9 B input embedding, which a lookup passes through without multiplying)."""
-    w = transformer("V3", 671e9, 61, 7168, 1, 4096, d_ff=18432, vocab=129280, experts=256,
-                    top_k=8, expert_d_ff=2048, shared_experts=1, dense_layers=3)
-    assert w.params == pytest.approx(671e9, rel=1e-6)
+    """DeepSeek-V3's '37 B activated' (to within the 0.9 B input embedding, which a lookup
+    passes through without multiplying)."""
+    w = transformer(MODELS["deepseek-v3"], 1)
+    assert w.params == pytest.approx(671e9, rel=1e-3)
     embedding = 129280 * 7168
     assert 36.5e9 < w.active_params - embedding < 37e9 < w.active_params < 37.6e9
 
 
 def test_tp_crossing_the_node_is_slower():
-    """70B (Llama-2-70B's shape): the fastest plan keeps tp inside a node of 8; the best
-    plan with tp = 16 (two nodes per tp group) is slower than the best with tp = 8."""
-    w = transformer("70B", 70e9, 80, 8192, 256, 4096, d_ff=28672, heads=64)
-    found = search(w, H100, 256, Plan(1, recompute="selective", sp=True), (1,))
+    """Llama 3 70B's shape with 16 key/value heads (its 8 would refuse tp = 16): the
+    fastest plan keeps tp inside a node of 8; the best plan with tp = 16 (two nodes per
+    tp group) is slower than the best with tp = 8."""
+    w = transformer(replace(MODELS["llama3-70b"], kv_heads=16), 256)
+    found = search(w, H100, 256, Plan(1, sp=True), (1,), ("selective",), {"cp": 1})
     assert found.feasible[0].plan.tp <= 8
     best = {tp: min(e.timing.total for e in found.feasible if e.plan.tp == tp) for tp in (8, 16)}
     assert best[16] > 1.5 * best[8]
@@ -187,33 +285,76 @@ def check_alltoallv_sums(fields: dict, ledger: list[dict], predicted: dict,
 
 
 # ------------------------------------------------------------- the command line
-DEEPSEEK = ["--params", "671B", "--layers", "61", "--d-model", "7168", "--d-ff", "18432",
-            "--experts", "256", "--top-k", "8", "--expert-d-ff", "2048", "--shared-experts",
-            "1", "--dense-layers", "3", "--vocab", "129280", "--gpus", "2048",
-            "--gpu-memory", "80", "--flops", "989", "--intra-bw", "450", "--inter-bw",
-            "50", "--global-batch", "4096", "--recompute", "full"]
+LLAMA = ["--preset", "llama3-405b", "--cluster", "h100", "--gpus", "8192", "--global-batch",
+         "2048"]
 
 
-def test_plan_command_ranks_plans_and_counts_the_rest(capsys):
-    assert main(["plan", *DEEPSEEK, "--top", "3"]) == 0
+def test_llama3_405b_ranks_and_its_published_mesh_fits(capsys, tmp_path):
+    """The Llama 3 paper's 8192-GPU run, TP 8 x PP 16 x DP 64: it fits in 80 GB less the
+    headroom without full recomputation, and its step is within 10% of the fastest plan
+    (inside the planner's stated error)."""
+    assert main(["plan", *LLAMA, "--json", str(tmp_path / "plans.json")]) == 0
     out = capsys.readouterr().out
-    assert "37.5 B active per token" in out and "#1: dp=" in out
-    assert "tp > 1 with experts" in out and "needs more than 80 GB per GPU" in out
+    assert "405.9 B parameters" in out and "#1: dp=" in out and "plans fit on" in out
+    plans = json.loads((tmp_path / "plans.json").read_text())["plans"]
+    assert plans == sorted(plans, key=lambda p: p["step_s"])
+    published = [p for p in plans if (p["dp"], p["tp"], p["pp"], p["cp"]) == (64, 8, 16, 1)]
+    assert published and published[0]["recompute"] != "full"
+    assert published[0]["memory_gb"]["total"] <= 72
+    assert published[0]["step_s"] < 1.1 * plans[0]["step_s"]
+    assert set(plans[0]) >= {"dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "recompute",
+                             "memory_gb", "wire_gb", "bubble", "step_s", "mfu"}
+
+
+def test_a_named_plan_is_priced_and_told_why_it_does_not_fit(capsys):
+    """DeepSeek-V3's layout (PP 16 x EP 64, ZeRO-1 over DP 128 on 2048 H800s) fits; Llama 3
+    405B on 16 GPUs does not, and the planner says by how much and what is largest."""
+    v3 = ["--preset", "deepseek-v3", "--cluster", "h800", "--global-batch", "15360",
+          "--dp", "128", "--tp", "1", "--pp", "16", "--ep", "64", "--zero", "1"]
+    assert main(["plan", *v3, "--schedule", "1f1b"]) == 0
+    out = capsys.readouterr().out
+    assert "the plan you named fits" in out and "ep " in out and "bubble" in out
+    assert main(["plan", *LLAMA[:4], "--global-batch", "16", "--dp", "1", "--tp", "8",
+                 "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit" in out and "the largest part is model states" in out
+
+
+def test_the_top_list_shows_distinct_meshes(capsys):
+    assert main(["plan", "--preset", "llama3-8b", "--cluster", "h100", "--gpus", "64",
+                 "--global-batch", "256", "--top", "5"]) == 0
+    rows = [line.split("|")[0].split() for line in capsys.readouterr().out.splitlines()
+            if line.count("|") == 4 and not line.lstrip().startswith("dp")]
+    meshes = [tuple(r[:5]) for r in rows]
+    assert len(meshes) == 5 and len(set(meshes)) == 5
 
 
 @pytest.mark.parametrize("flags, named", [
-    (["--params", "70e9"], "required"),
-    (["--efficiency", "1.5"], "--efficiency"),
-    (["--top-k", "4"], "--experts"),
-    (["--params", "lots"], "--params"),
-    (["--params", "1e6"], "--params"),
     (["--d-ff", "-5"], "--d-ff"),
     (["--heads", "-8"], "--heads"),
     (["--top", "0"], "--top"),
+    (["--kv-heads", "7"], "--kv-heads"),
+    (["--ffn-matrices", "4"], "--ffn-matrices"),
+    (["--seq-len", "0"], "--seq-len"),
+    (["--efficiency", "1.5"], "--efficiency"),
+    (["--memory-headroom", "80"], "--memory-headroom"),
+    (["--gpu-memory", "nan"], "--gpu-memory"),
+    (["--top-k", "4"], "--experts"),
+    (["--params", "lots"], "--params"),
+    (["--params", "1e6"], "--params"),
+    (["--params", "175e9", "--ffn-matrices", "3"], "--params"),
+    (["--dp", "3", "--tp", "8", "--pp", "2"], "--gpus"),
+    (["--tp", "5"], "--tp"),
+    (["--virtual", "2", "--schedule", "1f1b"], "--virtual"),
+    (["--preset", "gpt5"], "--preset"),
+    (["--gpus", "1024", "--dp", "16", "--tp", "64", "--pp", "1"], "cannot run"),
+    ([], "required"),
 ])
 def test_bad_flags_are_one_error_line(flags, named, capsys):
-    good = DEEPSEEK[:DEEPSEEK.index("--experts")] + DEEPSEEK[DEEPSEEK.index("--vocab"):]
-    argv = flags if named == "required" else good + flags
+    gpt3 = ["--preset", "gpt3-175b", "--cluster", "dgx-a100-80gb", "--gpus", "1024",
+            "--global-batch", "1536"]
+    argv = (["--global-batch", "8", "--gpus", "8", "--layers", "2"] if named == "required"
+            else gpt3 + flags)
     assert main(["plan", *argv]) == 2
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if line.strip()]
