@@ -67,6 +67,11 @@ PAIRS = [
     ("gpt", {"dp": 2, "zero": 1}, 2, {"pp": 2, "microbatches": 2}, 2),
     ("gpt", {}, 1, {"dp": 4, "zero": 2}, 4),
     ("gpt-moe", {"dp": 2, "ep": 2}, 2, {"dp": 2, "ep": 2, "pp": 2}, 4),
+    # context parallelism: every weight replicated over cp (ZeRO slices over dp x cp)
+    ("gpt", {"cp": 2, "cp_mode": "ring", "zero": 1}, 2,
+     {"dp": 2, "cp": 2, "cp_mode": "ulysses"}, 4),
+    ("gpt", {"dp": 2, "cp": 2}, 4, {}, 1),
+    ("gpt-moe", {"cp": 2, "cp_mode": "allgather"}, 2, {"dp": 2, "ep": 2}, 2),
 ]
 RUNNABLE = PAIRS
 

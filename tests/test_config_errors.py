@@ -102,11 +102,27 @@ CASES = [
     (["--model", "gpt", "--data", "{text}", "--vocab", "64"], "--vocab"),  # bytes: V = 256
     (["--model", "gpt", "--d-in", "8"], "--d-in"),                   # reads token ids
     (["--model", "gpt", "--classes", "5"], "--classes"),
-    (["--model", "gpt", "--tp", "2"], "--tp"),                       # heads over tp: not yet
+    (["--model", "gpt", "--tp", "4", "--heads", "2"], "--heads"),    # whole heads per rank
     (["--model", "gpt", "--ep", "2"], "--ep"),                       # no experts
     (["--model", "gpt-moe", "--zero", "1"], "--zero"),
     (["--heads", "2"], "--heads"),                                   # the MLP has no heads
     (["--data", "{text}"], "--data"),
+    (["--model", "gpt", "--tp", "4", "--vocab", "30"], "--vocab"),  # vocab-parallel rows
+    (["--model", "gpt", "--tp", "4", "--sp", "--seq-len", "6"], "--seq-len"),  # T/tp positions
+    (["--model", "gpt", "--vocab-parallel"], "--vocab-parallel"),   # nothing to split over
+    (["--vocab-parallel"], "--vocab-parallel"),                     # the MLP has no vocabulary
+    (["--recompute", "selective"], "--recompute"),                  # the MLP has no attention
+    (["--recompute", "half"], "--recompute"),
+    (["--model", "gpt", "--cp", "4", "--cp-mode", "ring", "--seq-len", "6"], "--seq-len"),
+    (["--model", "gpt", "--cp", "2", "--seq-len", "6"], "--seq-len"),  # zigzag: 2 cp chunks
+    (["--model", "gpt", "--cp", "4", "--cp-mode", "ulysses", "--heads", "2"], "--cp"),
+    (["--model", "gpt", "--cp", "2", "--tp", "2"], "--cp"),          # cp x tp: not yet
+    (["--model", "gpt", "--cp", "3"], "--cp"),                       # does not fill 4 ranks
+    (["--model", "gpt", "--cp", "0"], "--cp"),
+    (["--model", "gpt", "--cp-mode", "star"], "--cp-mode"),
+    (["--cp", "2"], "--cp"),                                         # the MLP has no sequence
+    (["--model", "moe", "--cp-mode", "ring"], "--cp-mode"),
+    (["--model", "gpt", "--cp", "2", "--recompute", "full"], "--recompute"),  # not yet
 ]
 # Through the real launcher, at several world sizes: (ranks, case index).
 END_TO_END = [(4, 0), (2, 11), (1, 15), (2, 27), (2, 42), (2, 50), (2, 52), (2, 58)]

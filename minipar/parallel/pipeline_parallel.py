@@ -124,11 +124,12 @@ class StageWorker:
         clock, handlers = time.time, self.handlers  # wall clock: comparable between ranks
         for ins in program:
             start = clock()
+            cpu = time.thread_time()  # CPU time: what it cost, even on a shared core
             handlers[ins.kind](ins)
-            records.append((ins, start, clock()))
+            records.append((ins, start, clock(), time.thread_time() - cpu))
         self.timeline += [{"rank": self.rank, "stage": self.stage, "kind": ins.kind,
                            "microbatch": ins.microbatch, "chunk": ins.chunk, "start": start,
-                           "end": end} for ins, start, end in records]
+                           "end": end, "cpu": cpu} for ins, start, end, cpu in records]
         from mpi4py import MPI  # here: importing this file (bugs.py, the tests) needs no MPI
 
         with watchdog.waiting("Waitall of the sends over pp"):

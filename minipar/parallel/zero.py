@@ -61,9 +61,10 @@ class Zero1:
         self.params = [p for chunk in chunks for p in chunk.parameters()]
         if any(p.sync != "dp" for p in self.params):
             raise ValueError("ZeRO here shards parameters replicated over dp (sync='dp') only")
-        self.group, self.dp, self.optimizer = mesh.dp, mesh.shape.dp, optimizer
-        self.layout = FlatLayout([p.data.shape for p in self.params], mesh.dp.size,
-                                 mesh.dp.rank)
+        # the replicas: dp ranks, and with context parallelism dp x cp (mesh.dp_cp)
+        self.group, self.dp, self.optimizer = mesh.dp_cp, mesh.shape.replicas, optimizer
+        self.layout = FlatLayout([p.data.shape for p in self.params], mesh.dp_cp.size,
+                                 mesh.dp_cp.rank)
         self.flat = np.concatenate([p.data.ravel() for p in self.params])  # (Psi,)
         for p, view in zip(self.params, self.layout.views(self.flat)):
             p.data = view
