@@ -78,11 +78,13 @@ def allreduce_gradients(params: Sequence[Parameter], mesh: Mesh) -> None:
     for p in params:
         if p.sync is None:
             continue
+        # exercise: dp-naive
         grad, group = grad_or_zeros(p), _group(p, mesh)
         if group.size > 1:
             group.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)  # g_i of every replica -> sum
         if mesh.shape.replicas > 1:
             grad /= mesh.shape.replicas
+        # end exercise
 
 
 # ----------------------------------------------------------- 2. bucketed
@@ -139,6 +141,7 @@ def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: Mesh,
                        flats: Sequence[np.ndarray] | None = None) -> None:
     """Bucketed DP: one in-place Allreduce per bucket, then divide by dp. `flats`: the
     buckets' reused buffers (`flat_buffers`), or None for new ones."""
+    # exercise: dp-bucketed
     for i, bucket in enumerate(buckets):
         group = _group(bucket[0], mesh)
         if group.size == 1 and mesh.shape.replicas == 1:
@@ -147,6 +150,7 @@ def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: Mesh,
         if group.size > 1:
             group.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)  # a bucket of g_i -> its sum
         unpack(bucket, flat, 1.0 / mesh.shape.replicas)
+    # end exercise
 
 
 # ----------------------------------------------------- hooks around pieces

@@ -83,11 +83,13 @@ class Zero1:
         """Sum the gradients of flat range [a, b) over dp; return my part of the sum."""
         if self.group.size == 1:
             return grads.copy()
+        # exercise: zero1
         counts = self.layout.overlap(a, b)
         mine = np.empty(counts[self.layout.rank], dtype=grads.dtype)
         # [a, b) of every rank's g_i -> the sum, each rank receiving its slice of it
         self.group.Reduce_scatter(grads, mine, counts, op=MPI.SUM)
         return mine
+        # end exercise
 
     def update(self, grad_shard: np.ndarray) -> None:
         """g = (sum_i g_i) / dp on my slice, then the optimizer on my slice only: its
@@ -101,10 +103,12 @@ class Zero1:
             raise RuntimeError("a parameter's data was replaced after ZeRO flattened it")
         if self.group.size == 1:
             return
+        # exercise: zero1
         counts = self.layout.counts
         # my updated slice -> every rank; every other slice -> me, in place in the flat buffer
         self.group.Allgatherv(MPI.IN_PLACE, [self.flat, counts, displacements(counts),
                                              _mpi_type(self.flat)])
+        # end exercise
 
     def shard_pieces(self) -> list[tuple[Parameter, tuple[slice, ...], slice]]:
         """My slice of the flat vector in the model's words: for each parameter it
