@@ -24,7 +24,8 @@ import numpy as np
 from bench.numpy_gpt import numpy_gpt_step
 from bench.numpy_mlp import numpy_step
 from bench.timing import interleaved, ratio
-from minipar import gpt, nn
+from minipar import attention, gpt, nn
+from minipar import autograd as ag
 from minipar.data import make_batch, make_sequences
 from minipar.optim import SGD
 
@@ -69,6 +70,35 @@ def autograd_vs_numpy(shape: dict, dtype: str, repeats: int) -> dict:
     return out
 
 
+def autograd_profile(dtype: str, steps: int) -> dict[str, float]:
+    """Where a step of the reference MLP spends its time (cProfile's own time per
+    function, summed by file): the tape's bookkeeping (autograd.py), the fused nodes'
+    NumPy work (fused.py, nn.py), the optimizer, NumPy's reductions called directly."""
+    import cProfile
+    import pstats
+
+    shape = SHAPES["reference MLP (B=64, d=64, L=8)"]
+    cfg = nn.ModelConfig(**{k: v for k, v in shape.items() if k != "batch"})
+    full = nn.init_params(cfg, 0, dtype)
+    x, y = make_batch(0, 0, shape["batch"], cfg.d_in, cfg.classes, dtype)
+    model = nn.build_reference(cfg, full)
+    params, sgd = model.parameters(), SGD(1e-3)
+    profile = cProfile.Profile()
+    for _ in range(steps):
+        profile.enable()
+        for p in params:
+            p.grad = None
+        nn.loss_fn(model, x, y).backward()
+        sgd.step([p.data for p in params], [p.grad for p in params])
+        profile.disable()
+    shares: dict[str, float] = {}
+    for (path, _, _), (_, _, own, _, _) in pstats.Stats(profile).stats.items():
+        where = Path(path).name if "minipar" in path else "numpy and builtins"
+        shares[where] = shares.get(where, 0.0) + own
+    total = sum(shares.values())
+    return {k: v / total for k, v in sorted(shares.items(), key=lambda kv: -kv[1])}
+
+
 def gpt_vs_numpy(shape: dict, dtype: str, repeats: int) -> dict:
     """One SGD step of the transformer through minipar vs the same math by hand
     (bench/numpy_gpt.py, heads batched). PyTorch is not timed here."""
@@ -89,6 +119,33 @@ def gpt_vs_numpy(shape: dict, dtype: str, repeats: int) -> dict:
     times = interleaved({"minipar": minipar_step, "numpy": lambda: numpy_gpt_step(
         by_hand, x, y, cfg.layers, cfg.heads, 1e-3)}, repeats=repeats)
     return {"times": times, "minipar/numpy": ratio(times, "minipar", "numpy")}
+
+
+def attention_vs_matmuls(shape: dict, dtype: str, repeats: int) -> dict:
+    """The attention node's forward and backward (attention.attention) against its six
+    batched matmuls alone (Q K^T, P V; P^T G, G V^T, dS K, dS^T Q) on the same shapes:
+    what the softmax, the mask, the head reshapes and the tape add."""
+    rng = np.random.default_rng(0)
+    b, t, d, h = shape["batch"], shape["seq_len"], shape["d_model"], shape["heads"]
+    q, k, v = (ag.Tensor(rng.normal(size=(b, t, d)).astype(dtype), requires_grad=True)
+               for _ in range(3))
+    g = rng.normal(size=(b, t, d)).astype(dtype)
+    Q, K, V, G = (a.reshape(b, t, h, d // h).transpose(0, 2, 1, 3).copy()
+                  for a in (q.data, k.data, v.data, g))
+    P = rng.random(size=(b, h, t, t)).astype(dtype)
+
+    def node() -> None:
+        for tensor in (q, k, v):
+            tensor.grad = None
+        ag.backward_from([(attention.attention(q, k, v, h), g)])
+
+    def matmuls() -> None:
+        _ = Q @ np.swapaxes(K, -1, -2), P @ V                            # forward
+        _ = np.swapaxes(P, -1, -2) @ G, G @ np.swapaxes(V, -1, -2)       # backward
+        _ = P @ K, np.swapaxes(P, -1, -2) @ Q
+
+    times = interleaved({"attention": node, "matmuls": matmuls}, repeats=repeats)
+    return {"times": times, "attention/matmuls": ratio(times, "attention", "matmuls")}
 
 
 def _torch_step(cfg: nn.ModelConfig, full: dict, x: np.ndarray, y: np.ndarray, dtype: str):
@@ -129,6 +186,24 @@ def dp_scaling(ranks: list[int], steps: int) -> dict:
     return out
 
 
+def dp_limit(repeats: int) -> dict:
+    """2-rank data parallelism against its limit, one rank's share (B/2) alone, measured
+    side by side in one job (bench/dp_limit_rank.py). Per repetition the ratio of the
+    slowest rank's step to the share's; its median and range over the repetitions."""
+    r = _mpi_json(2, "bench.dp_limit_rank", [str(repeats)])
+    share = np.array(r["share"]["steps"])
+    for name, v in r.items():
+        if isinstance(v, dict) and "steps" in v and name != "share":
+            per_rep = np.array(v["steps"]) / share
+            v["vs_share"] = {"median": float(np.median(per_rep)), "min": float(per_rep.min()),
+                             "max": float(per_rep.max())}
+    bucketed = r["bucketed"]["sync"]["median"]
+    for name in [n for n in r if n.startswith("overlapped")]:
+        r[name]["hidden_fraction"] = 1.0 - r[name]["sync"]["median"] / bucketed
+        r[name]["vs_bucketed"] = r[name]["step"]["median"] / r["bucketed"]["step"]["median"]
+    return r
+
+
 def _has_torch() -> bool:
     try:
         import torch  # noqa: F401
@@ -165,11 +240,17 @@ def main() -> None:
             r = autograd_vs_numpy(shape, dtype, repeats=5 if quick else 20)
             results["autograd"][f"{label} {dtype}"] = r
             t = r["times"]
-            lines.append(f"{'autograd / numpy, ' + label + ' ' + dtype:<58} "
+            goal = " (goal <= 1.05)" if label.startswith("reference") else ""
+            lines.append(f"{'autograd / numpy, ' + label + ' ' + dtype + goal:<58} "
                          f"{r['minipar/numpy']:>8.3f}  {t['minipar']['median'] * 1e3:>9.2f} ms "
                          f"vs {t['numpy']['median'] * 1e3:>8.2f} ms")
             if "torch/numpy" in r:
                 lines.append(f"{'  torch / numpy':<58} {r['torch/numpy']:>8.3f}")
+    results["autograd_profile"] = {}
+    for dtype in ("float32", "float64"):
+        shares = results["autograd_profile"][dtype] = autograd_profile(dtype, 10 if quick else 50)
+        lines.append(f"{'  profile, reference MLP ' + dtype + ' (own time by file)':<58} "
+                     + ", ".join(f"{k} {v:.0%}" for k, v in list(shares.items())[:5]))
     results["gpt"] = {}
     for label, shape in GPT_SHAPES.items():
         for dtype in ("float32", "float64"):
@@ -179,6 +260,12 @@ def main() -> None:
             lines.append(f"{'gpt step / numpy, ' + label + ' ' + dtype:<58} "
                          f"{r['minipar/numpy']:>8.3f}  {t['minipar']['median'] * 1e3:>9.2f} ms "
                          f"vs {t['numpy']['median'] * 1e3:>8.2f} ms")
+            a = attention_vs_matmuls(shape, dtype, repeats=5 if quick else 20)
+            results["gpt"][f"{label} {dtype}"]["attention"] = a
+            lines.append(f"{'  attention node / its matmuls alone':<58} "
+                         f"{a['attention/matmuls']:>8.3f}  "
+                         f"{a['times']['attention']['median'] * 1e3:>9.2f} ms vs "
+                         f"{a['times']['matmuls']['median'] * 1e3:>8.2f} ms")
     ranks = [1, 2] if quick else [1, 2, 4, 8]
     results["dp"] = dp_scaling(ranks, steps=6 if quick else 12)
     for n, r in results["dp"].items():
@@ -187,6 +274,21 @@ def main() -> None:
         if "ddp/minipar" in r:
             lines.append(f"{'  PyTorch DDP (gloo) step / minipar DP step, ' + n + ' ranks':<58} "
                          f"{r['ddp/minipar']:>8.3f}  {r['ddp']['median'] * 1e3:>9.2f} ms/step")
+    results["dp_limit"] = limit = dp_limit(repeats=4 if quick else 12)
+    ms = lambda v: f"{v['median'] * 1e3:.0f}"  # noqa: E731
+    for name in ["naive", "bucketed"] + [n for n in limit if n.startswith("overlapped")]:
+        v = limit[name]
+        q = v["vs_share"]
+        lines.append(f"{'DP 2 ranks, ' + name + ' step / one rank share (goal <= 1.10)':<58} "
+                     f"{q['median']:>8.3f}  [{q['min']:.2f}-{q['max']:.2f}] compute "
+                     f"{ms(v['compute'])} sync {ms(v['sync'])} (waiting {ms(v['waiting'])}) "
+                     f"opt {ms(v['optimizer'])} ms")
+        if "hidden_fraction" in v:
+            lines.append(f"{'  overlapped / bucketed step; sync hidden (1 - sync/bucketed)':<58} "
+                         f"{v['vs_bucketed']:>8.3f}  hidden {v['hidden_fraction']:.2f}, "
+                         f"{limit['buckets'][name]} buckets")
+    lines.append(f"{'  one rank share step (B/2, no sync), ms':<58} "
+                 f"{limit['share']['step']['median'] * 1e3:>8.1f}")
     results["ring"] = {n: _mpi_json(n, "bench.ring_rank", []) for n in ranks if n > 1}
     for n, r in results["ring"].items():
         for label in ("8 KB", "1 MB", "16 MB"):
@@ -196,9 +298,13 @@ def main() -> None:
         lines.append(f"{'  (memcpy bandwidth of this machine, GB/s)':<58} {r['memcpy_GBps']:>8.2f}")
     results["pipeline"] = _mpi_json(2, "bench.pipeline_rank", [])
     for label, r in results["pipeline"].items():
-        lines.append(f"{'pipeline bubble measured / formula, pp=2 ' + label:<58} "
+        goal = " (goal <= 1.15)" if label.endswith("M=8") else ""
+        lines.append(f"{'pipeline bubble measured / formula, pp=2 ' + label + goal:<58} "
                      f"{r['measured'] / r['formula']:>8.3f}  {r['measured']:.3f} vs "
-                     f"{r['formula']:.3f}")
+                     f"{r['formula']:.3f}; per instruction: "
+                     f"{r['between_per_instruction'] * 1e6:.1f} us between, "
+                     f"{r['send_per_instruction'] * 1e6:.1f} us sending, "
+                     f"{r['recv_wait_per_instruction'] * 1e3:.2f} ms in Recv")
     results["suite_seconds"] = suite_time()
     if results["suite_seconds"] is not None:
         lines.append(f"{'make test wall time, seconds (last run)':<58} "

@@ -158,7 +158,8 @@ def sum_not_mean() -> list[Swap]:
 
     from minipar.parallel import data_parallel as dp  # here: loads mpi4py.MPI
 
-    def bucketed_allreduce_sum(buckets: list[list[nn.Parameter]], mesh: Mesh) -> None:
+    def bucketed_allreduce_sum(buckets: list[list[nn.Parameter]], mesh: Mesh,
+                               flats: list[np.ndarray] | None = None) -> None:
         for bucket in buckets:
             flat = dp.pack(bucket)
             group = dp._group(bucket[0], mesh)

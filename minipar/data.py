@@ -1,8 +1,11 @@
 """Deterministic synthetic data, and how a global batch is cut across ranks.
 
-What this file teaches: every rank can *compute* the whole global batch of a
-step from (seed, step) alone, so no data ever has to be sent; a rank then keeps
-its rows. The rule (docs/design.md, "The reference model"): the global batch of B rows is cut into M
+What this file teaches: every rank can *compute* its rows of the global batch
+of a step from (seed, step) alone, so no data ever has to be sent. Each row i of
+the global batch is drawn from its own random stream (seed, step, i): a rank
+draws only the rows it holds (`rows=`), without the rest, and gets exactly the
+numbers those rows have in the global batch (docs/design.md, "The reference
+model", Data). The rule (same section): the global batch of B rows is cut into M
 contiguous microbatches, and each microbatch into dp contiguous pieces, piece r
 to data-parallel rank r. With M = 1, rank r holds rows r*B/dp .. (r+1)*B/dp - 1,
 as in the source text's example (1024 rows on 8 ranks: 128 each).
@@ -27,6 +30,7 @@ import numpy as np
 _TEACHER_STREAM = 2**31 - 1  # a step number no run reaches: the teacher's own stream
 
 
+@functools.lru_cache(maxsize=8)
 def _teacher(seed: int, d_in: int, classes: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng([seed, _TEACHER_STREAM])
     hidden = 2 * classes
@@ -34,16 +38,26 @@ def _teacher(seed: int, d_in: int, classes: int) -> tuple[np.ndarray, np.ndarray
             rng.normal(size=(hidden, classes)) / np.sqrt(hidden))
 
 
+def _row_streams(seed: int, step: int, batch: int, rows: np.ndarray | None
+                 ) -> list[np.random.Generator]:
+    """One generator per requested row of the global batch: row i's stream is
+    (seed, step, i), whoever draws it and whatever else is drawn with it."""
+    wanted = range(batch) if rows is None else rows
+    return [np.random.default_rng([seed, step, int(i)]) for i in wanted]
+
+
 def make_batch(seed: int, step: int, batch: int, d_in: int, classes: int,
-               dtype: np.dtype | str = np.float64) -> tuple[np.ndarray, np.ndarray]:
-    """The global batch of `step` (0-based): x (B, d_in), integer labels y (B,).
+               dtype: np.dtype | str = np.float64, rows: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """The global batch of `step` (0-based): x (B, d_in), integer labels y (B,);
+    with `rows` (indices into the B rows) only those rows, in that order, bitwise
+    equal to `make_batch(...)[0][rows]` -- each row has its own stream.
 
     Depends on (seed, step) only, so a resumed run sees the same data.
     """
-    rng = np.random.default_rng([seed, step])
-    x = rng.normal(size=(batch, d_in))
+    x = np.stack([rng.normal(size=d_in) for rng in _row_streams(seed, step, batch, rows)])
     w1, w2 = _teacher(seed, d_in, classes)
-    y = np.argmax(np.tanh(x @ w1) @ w2, axis=1)
+    y = np.argmax(np.tanh(x @ w1) @ w2, axis=1)  # row by row: the teacher's label of each row
     return x.astype(dtype), y.astype(np.int64)
 
 
@@ -60,18 +74,33 @@ def shard_rows(batch: int, microbatches: int, dp: int, microbatch: int, dp_rank:
     return slice(start, start + size)
 
 
+def rank_rows(batch: int, microbatches: int, dp: int, dp_rank: int) -> np.ndarray:
+    """Every row of the global batch that data-parallel rank `dp_rank` holds, microbatch
+    after microbatch: (B/dp,) indices. Its rows of microbatch m are then the m-th run of
+    B/(M dp) of them (`local_rows`)."""
+    return np.concatenate([np.arange(batch)[shard_rows(batch, microbatches, dp, m, dp_rank)]
+                           for m in range(microbatches)])
+
+
+def local_rows(batch: int, microbatches: int, dp: int, microbatch: int) -> slice:
+    """Where microbatch `microbatch` sits in a rank's own rows (those of `rank_rows`)."""
+    size = batch // microbatches // dp
+    return slice(microbatch * size, (microbatch + 1) * size)
+
+
 # ------------------------------------------------------------- sequences
-def make_sequences(seed: int, step: int, batch: int, seq_len: int, vocab: int
-                   ) -> tuple[np.ndarray, np.ndarray]:
+def make_sequences(seed: int, step: int, batch: int, seq_len: int, vocab: int,
+                   rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The copy task: x, y (B, T) token ids; y[:, t] = x[:, t + 1], the next token.
 
     Each sequence of T+1 tokens is a random first half (H = ceil((T+1)/2) uniform tokens)
     followed by the same tokens again. The positions t >= H-1 (`repeated_positions`)
     predict a token seen H positions earlier: their loss can fall below log V only once
-    attention has learned to look back; the others stay at log V."""
-    rng = np.random.default_rng([seed, step])
+    attention has learned to look back; the others stay at log V. Each sequence has its
+    own stream (seed, step, row), so `rows` gives only those rows, as in `make_batch`."""
     half = (seq_len + 2) // 2
-    first = rng.integers(0, vocab, size=(batch, half))
+    first = np.stack([rng.integers(0, vocab, size=half)
+                      for rng in _row_streams(seed, step, batch, rows)])
     sequence = np.concatenate([first, first], axis=1)[:, :seq_len + 1]   # (B, T+1)
     return sequence[:, :-1].astype(np.int64), sequence[:, 1:].astype(np.int64)
 
@@ -102,12 +131,13 @@ def corpus_problem(path: str, seq_len: int) -> str | None:
     return None
 
 
-def make_text_windows(path: str, seed: int, step: int, batch: int, seq_len: int
-                      ) -> tuple[np.ndarray, np.ndarray]:
-    """B windows of T+1 consecutive bytes of the file, starts drawn from (seed, step):
-    x = window[:, :T], y = window[:, 1:] (B, T), byte values as token ids (V = 256)."""
+def make_text_windows(path: str, seed: int, step: int, batch: int, seq_len: int,
+                      rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """B windows of T+1 consecutive bytes of the file, starts drawn from (seed, step, row):
+    x = window[:, :T], y = window[:, 1:] (B, T), byte values as token ids (V = 256);
+    with `rows`, only those windows, as in `make_batch`."""
     corpus = read_corpus(path)
-    rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, corpus.size - seq_len, size=batch)         # window fits
+    starts = np.array([rng.integers(0, corpus.size - seq_len)            # window fits
+                       for rng in _row_streams(seed, step, batch, rows)])
     windows = corpus[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64)  # (B, T+1)
     return windows[:, :-1], windows[:, 1:]

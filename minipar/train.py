@@ -34,11 +34,12 @@ from minipar import autograd as ag
 from minipar import bugs, checkpoint, config, gpt, nn, placement, preflight, watchdog
 from minipar.config import TrainConfig
 from minipar.data import (
+    local_rows,
     make_batch,
     make_sequences,
     make_text_windows,
     microbatch_rows,
-    shard_rows,
+    rank_rows,
 )
 from minipar.mesh import Mesh
 from minipar.optim import Optimizer, make_optimizer
@@ -114,14 +115,16 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
     return out
 
 
-def step_batch(cfg: TrainConfig, step: int) -> tuple[np.ndarray, np.ndarray]:
+def step_batch(cfg: TrainConfig, step: int, rows: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
     """The global batch of `step`: the same on every rank, from (seed, step) alone.
-    MLP models: x (B, d_in), y (B,); the transformer: token ids x, y (B, T)."""
+    MLP models: x (B, d_in), y (B,); the transformer: token ids x, y (B, T). With
+    `rows`, only those rows of it (data.rank_rows: a rank's own), drawn without the rest."""
     if cfg.data is not None:
-        return make_text_windows(cfg.data, cfg.seed, step, cfg.batch, cfg.seq_len)
+        return make_text_windows(cfg.data, cfg.seed, step, cfg.batch, cfg.seq_len, rows)
     if cfg.model_config().is_gpt:
-        return make_sequences(cfg.seed, step, cfg.batch, cfg.seq_len, cfg.vocab)
-    return make_batch(cfg.seed, step, cfg.batch, cfg.d_in, cfg.classes, cfg.dtype)
+        return make_sequences(cfg.seed, step, cfg.batch, cfg.seq_len, cfg.vocab, rows)
+    return make_batch(cfg.seed, step, cfg.batch, cfg.d_in, cfg.classes, cfg.dtype, rows)
 
 
 def build_reference(cfg: TrainConfig, full: dict[str, np.ndarray]) -> nn.Model:
@@ -338,12 +341,13 @@ def boundary_shape(cfg: TrainConfig) -> tuple[int, ...]:
 
 def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
                      x: np.ndarray, y: np.ndarray, timeline: list[dict] | None = None) -> float:
-    """Forward and backward of every microbatch of this rank's rows; returns this
+    """Forward and backward of every microbatch of this rank's rows `x, y` (its rows of
+    the global batch, `data.rank_rows`: microbatch after microbatch); returns this
     rank's share of the step loss (sum over microbatches of loss/M). With pp > 1
     the pipeline schedule decides the order (pipeline_parallel.py) and appends the
     wall-clock start/end of each of its instructions to `timeline`."""
     scale = 1.0 / cfg.microbatches
-    slices = [shard_rows(cfg.batch, cfg.microbatches, cfg.dp, m, mesh.coords["dp"])
+    slices = [local_rows(cfg.batch, cfg.microbatches, cfg.dp, m)  # of this rank's rows
               for m in range(cfg.microbatches)]
     # placements (placement.py): the rows of x are Shard(0) over dp; so are those that
     # cross a stage boundary, and under sequence parallelism over tp as well
@@ -434,8 +438,10 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
 
     ledger = mesh.ledger
     ledger.reset()
-    x, y = step_batch(cfg, step)
-    if cfg.cp > 1:  # (B, T) -> (B, T/cp): the positions of every sequence I hold
+    # this rank's rows only (B/dp of them), each drawn from its own stream (data.py)
+    x, y = step_batch(cfg, step, rank_rows(cfg.batch, cfg.microbatches, cfg.dp,
+                                           mesh.coords["dp"]))
+    if cfg.cp > 1:  # (B/dp, T) -> (B/dp, T/cp): the positions of every sequence I hold
         x, y = x[:, context_positions(cfg, mesh)], y[:, context_positions(cfg, mesh)]
     for chunk in chunks:
         for p in chunk.parameters():

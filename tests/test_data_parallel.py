@@ -9,6 +9,9 @@
 - On the ranks themselves (`check_*`, run by `tests.rank_tests`): overlap starts
   every bucket during backward, and only in the last microbatch's backward.
 - A batch not divisible by dp is refused by the CLI: one line, exit 2.
+- Each rank draws only its own rows of the batch (`data.rank_rows`), bitwise equal
+  to those rows of the global batch, for the MLP data, the copy task and text windows;
+  the buckets' reused flat buffers give the same gradients as new ones, bit for bit.
 
 Rank side by hand: `mpiexec -n 4 python -m tests.rank_tests /tmp/out
 tests.test_data_parallel:check_overlap_starts_buckets_in_backward`.
@@ -105,6 +108,57 @@ def test_bucket_arithmetic_of_the_test_itself():
     assert sum(sizes) == sum(params) and len(sizes) > 1
     assert all(size <= BUCKET or size in params for size in sizes)
     assert all(a + b > BUCKET for a, b in zip(sizes, sizes[1:]))
+
+
+@pytest.mark.parametrize("batch,microbatches,dp", [(12, 1, 3), (24, 2, 3), (16, 4, 2)])
+def test_a_rank_draws_only_its_rows_bitwise_equal_to_the_global_batch(batch, microbatches,
+                                                                       dp, tmp_path):
+    from minipar import data
+
+    text = tmp_path / "text.txt"
+    text.write_bytes(bytes(range(256)) * 3)
+    draws = {"mlp": lambda rows: data.make_batch(5, 3, batch, 7, 4, "float32", rows),
+             "copy": lambda rows: data.make_sequences(5, 3, batch, 9, 11, rows),
+             "text": lambda rows: data.make_text_windows(str(text), 5, 3, batch, 9, rows)}
+    for name, draw in draws.items():
+        whole = draw(None)
+        mine = [data.rank_rows(batch, microbatches, dp, r) for r in range(dp)]
+        assert sorted(np.concatenate(mine).tolist()) == list(range(batch)), name
+        for r, rows in enumerate(mine):
+            part = draw(rows)
+            for array, full in zip(part, whole):
+                assert array.tobytes() == full[rows].tobytes(), (name, r)  # bit for bit
+            for m in range(microbatches):  # microbatch m of rank r: the same rows both ways
+                local = data.local_rows(batch, microbatches, dp, m)
+                mine_global = data.shard_rows(batch, microbatches, dp, m, r)
+                assert np.array_equal(part[0][local], whole[0][mine_global]), (name, r, m)
+    # a row's numbers do not depend on the batch it is drawn in
+    assert np.array_equal(data.make_batch(5, 3, 6, 7, 4)[0], data.make_batch(5, 3, 12, 7, 4)[0][:6])
+    assert not np.array_equal(data.make_batch(5, 3, 6, 7, 4)[0], data.make_batch(5, 4, 6, 7, 4)[0])
+
+
+def test_reused_bucket_buffers_give_the_same_bits_as_new_ones():
+    from minipar.parallel.data_parallel import flat_buffers, make_buckets, pack, unpack
+
+    rng = np.random.default_rng(0)
+    params = [nn.Parameter(rng.normal(size=shape), name=str(i))
+              for i, shape in enumerate([(3, 4), (5,), (2, 2, 2), (7,)])]
+    buckets = make_buckets(params, 16)
+    flats = flat_buffers(buckets)
+    for step in range(2):  # the second step reuses the buffers the first one filled
+        for p in params:
+            p.grad = rng.normal(size=p.data.shape)
+        expected = []
+        for bucket in buckets:
+            fresh = np.concatenate([p.grad.ravel() for p in bucket])
+            expected += [(fresh[a:a + p.grad.size] * 0.25).reshape(p.grad.shape)
+                         for a, p in zip(np.cumsum([0] + [q.grad.size for q in bucket]), bucket)]
+        for bucket, flat in zip(buckets, flats):
+            packed = pack(bucket, flat)
+            assert packed is flat and np.array_equal(packed, pack(bucket))
+            unpack(bucket, packed, 0.25)
+        got = [p.grad for bucket in buckets for p in bucket]
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(got, expected)), step
 
 
 def test_a_batch_not_divisible_by_dp_is_refused_in_one_line():

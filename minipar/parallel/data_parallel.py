@@ -112,27 +112,46 @@ def make_buckets(params: Sequence[Parameter], bucket_size: int) -> list[list[Par
     return buckets
 
 
-def pack(bucket: Sequence[Parameter]) -> np.ndarray:
-    """The bucket's gradients, copied one after another into one new flat buffer."""
-    return np.concatenate([grad_or_zeros(p).ravel() for p in bucket])
+def flat_buffers(buckets: Sequence[Sequence[Parameter]]) -> list[np.ndarray]:
+    """One flat buffer per bucket, allocated once and reused every step (no new
+    allocation per step; a bucket's buffer is in flight at most once per step)."""
+    return [np.empty(sum(p.data.size for p in bucket),
+                     dtype=np.result_type(*(p.data.dtype for p in bucket)))
+            for bucket in buckets]
+
+
+def pack(bucket: Sequence[Parameter], out: np.ndarray | None = None) -> np.ndarray:
+    """The bucket's gradients, copied one after another into one flat buffer: `out`
+    (from `flat_buffers`, reused) or a new one. One copy per gradient, no temporary."""
+    if out is None:
+        return np.concatenate([grad_or_zeros(p).ravel() for p in bucket])
+    start = 0
+    for p in bucket:
+        grad = grad_or_zeros(p)
+        out[start:start + grad.size].reshape(grad.shape)[...] = grad  # a view: one copy
+        start += grad.size
+    return out
 
 
 def unpack(bucket: Sequence[Parameter], flat: np.ndarray, scale: float) -> None:
-    """Copy `scale * flat` back into the bucket's gradients (the inverse of `pack`)."""
+    """`scale * flat` back into the bucket's gradients (the inverse of `pack`), written
+    straight into each p.grad: one pass, no temporary array."""
     start = 0
     for p in bucket:
-        p.grad[...] = flat[start:start + p.grad.size].reshape(p.grad.shape) * scale
+        np.multiply(flat[start:start + p.grad.size].reshape(p.grad.shape), scale, out=p.grad)
         start += p.grad.size
 
 
-def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: Mesh) -> None:
-    """Bucketed DP: one in-place Allreduce per bucket, then divide by dp."""
+def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: Mesh,
+                       flats: Sequence[np.ndarray] | None = None) -> None:
+    """Bucketed DP: one in-place Allreduce per bucket, then divide by dp. `flats`: the
+    buckets' reused buffers (`flat_buffers`), or None for new ones."""
     # exercise: dp-bucketed
-    for bucket in buckets:
+    for i, bucket in enumerate(buckets):
         group = _group(bucket[0], mesh)
         if group.size == 1 and mesh.shape.replicas == 1:
             continue  # one replica and nothing to average: the gradients are final
-        flat = pack(bucket)
+        flat = pack(bucket, None if flats is None else flats[i])
         if group.size > 1:
             group.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)  # a bucket of g_i -> its sum
             placement.summed(bucket, group)                 # Partial -> Replicate over dp
@@ -232,6 +251,7 @@ class OverlappedAllreduce(Hooks):
 
     def __init__(self, buckets: list[list[Parameter]], mesh: Mesh, microbatches: int) -> None:
         self.buckets, self.mesh, self.microbatches = buckets, mesh, microbatches
+        self.flats = flat_buffers(buckets)  # each bucket's buffer, reused every step
         self.bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
         self._reset()
 
@@ -239,6 +259,9 @@ class OverlappedAllreduce(Hooks):
         self.passes: dict[int, int] = {}                   # piece -> backward passes so far
         self.waiting = [len(bucket) for bucket in self.buckets]  # params not final yet
         self.in_flight: list[tuple[int, np.ndarray, MPI.Request | None]] = []
+
+    def before_backward(self, piece: Piece) -> None:
+        self._progress()
 
     def after_backward(self, piece: Piece) -> None:
         self.passes[id(piece)] = self.passes.get(id(piece), 0) + 1
@@ -250,9 +273,19 @@ class OverlappedAllreduce(Hooks):
                 self.waiting[i] -= 1
                 if self.waiting[i] == 0:
                     self._launch(i)
+        self._progress()
+
+    def _progress(self) -> None:
+        """Let the buckets in flight move on. An MPI library without a progress thread
+        (MPICH's default) advances a nonblocking collective only inside MPI calls: a
+        Test at each piece's edges hands it the wire between the pieces' backwards,
+        instead of leaving all of it to the final Waitall. Changes no number."""
+        for _, _, request in self.in_flight:
+            if request is not None:
+                request.Test()  # done: the request becomes MPI.REQUEST_NULL
 
     def _launch(self, i: int) -> None:
-        flat = pack(self.buckets[i])
+        flat = pack(self.buckets[i], self.flats[i])
         group = _group(self.buckets[i][0], self.mesh)
         request = None
         if group.size > 1:  # a bucket of g_i -> its sum, in the background
@@ -315,6 +348,7 @@ class DataParallel:
         self.params = [p for chunk in chunks for p in chunk.parameters()]
         self.mesh, self.optimizer, self.grad_sync = mesh, optimizer, grad_sync
         self.buckets = make_buckets(self.params, bucket_size)
+        self.flats = flat_buffers(self.buckets) if grad_sync == "bucketed" else None
         self.overlap = None
         self.started_in_backward = 0  # buckets the last step started during backward
         if grad_sync == "overlapped":
@@ -325,7 +359,7 @@ class DataParallel:
         if self.grad_sync == "naive":
             allreduce_gradients(self.params, self.mesh)
         elif self.grad_sync == "bucketed":
-            bucketed_allreduce(self.buckets, self.mesh)
+            bucketed_allreduce(self.buckets, self.mesh, self.flats)
         else:
             self.started_in_backward = self.overlap.finish()
         self.optimizer.step([p.data for p in self.params], [p.grad for p in self.params])

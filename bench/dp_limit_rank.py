@@ -1,0 +1,119 @@
+"""Rank side of data parallelism against its limit: the 2-rank step vs one rank's share.
+
+    mpiexec -n 2 python -m bench.dp_limit_rank REPEATS OUT.json
+
+The limit of data parallelism on dp ranks is one process doing one rank's share of
+the batch (B/dp rows) with no gradient sync at all. In one job, interleaved
+repetition by repetition (the order rotating), every rank times:
+
+    share       dp = 1 on its own (MPI.COMM_SELF), B/dp rows: the limit
+    naive       the dp-rank step, one Allreduce per parameter
+    bucketed    one Allreduce per bucket (reused flat buffers)
+    overlapped  Iallreduce per bucket during backward, several bucket sizes
+
+each step cut into compute (its rows drawn, forward, backward; with overlap also the
+launches), sync (the Allreduces, or the Waitall left after backward) and the
+optimizer. Waiting for the slower rank is inside sync; it is estimated as the other
+rank's longer compute (max over ranks of compute - this rank's). Rank 0 writes medians,
+min and max over the repetitions of the slowest rank's step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+from mpi4py import MPI
+
+from bench.dp_rank import SHAPE
+from minipar import nn
+from minipar.comm import Ledger
+from minipar.config import TrainConfig
+from minipar.data import rank_rows
+from minipar.mesh import Mesh
+from minipar.optim import make_optimizer
+from minipar.parallel.data_parallel import allreduce_gradients, bucketed_allreduce
+from minipar.train import forward_backward, parallelize, step_batch
+
+BUCKETS = (16384, 65536, 262144, 1048576)  # elements (float64: 128 KB .. 8 MB)
+
+
+def build(cfg: TrainConfig, comm: object) -> tuple:
+    """A mesh, the rank's model and its updater for `cfg` over `comm`."""
+    mesh = Mesh(cfg.mesh_shape(), comm, Ledger())
+    mesh.ledger.enabled = False
+    full = nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
+    chunks, updater = parallelize(cfg, mesh, full, make_optimizer(cfg.optimizer, cfg.lr))
+    return cfg, mesh, chunks, updater
+
+
+def timed_step(setup: tuple, step: int) -> tuple[float, float, float]:
+    """One training step; seconds of (compute, sync, optimizer)."""
+    cfg, mesh, chunks, updater = setup
+    start = time.perf_counter()
+    x, y = step_batch(cfg, step, rank_rows(cfg.batch, cfg.microbatches, cfg.dp,
+                                           mesh.coords["dp"]))
+    params = updater.params
+    for p in params:
+        p.grad = None
+    forward_backward(cfg, mesh, chunks, x, y)
+    computed = time.perf_counter()
+    if cfg.dp > 1 and cfg.grad_sync == "naive":
+        allreduce_gradients(params, mesh)
+    elif cfg.dp > 1 and cfg.grad_sync == "bucketed":
+        bucketed_allreduce(updater.buckets, mesh, updater.flats)
+    elif cfg.dp > 1:
+        updater.overlap.finish()
+    synced = time.perf_counter()
+    updater.optimizer.step([p.data for p in params], [p.grad for p in params])
+    return computed - start, synced - computed, time.perf_counter() - synced
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    return {"median": float(np.median(values)), "min": float(np.min(values)),
+            "max": float(np.max(values))}
+
+
+def main() -> None:
+    world = MPI.COMM_WORLD
+    repeats, out = int(sys.argv[1]), sys.argv[2]
+    dp = world.Get_size()
+    base = TrainConfig(**SHAPE, dtype="float64", lr=0.01)
+    setups = {"share": build(replace(base, batch=base.batch // dp).resolved(1), MPI.COMM_SELF),
+              "naive": build(replace(base, grad_sync="naive").resolved(dp), world),
+              "bucketed": build(replace(base, grad_sync="bucketed").resolved(dp), world)}
+    for size in BUCKETS:
+        setups[f"overlapped {size}"] = build(
+            replace(base, grad_sync="overlapped", bucket_size=size).resolved(dp), world)
+    names = list(setups)
+    samples: dict[str, list] = {name: [] for name in names}
+    for rep in range(repeats + 2):  # the first two: warm-up, not kept
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            world.Barrier()  # every rank starts each timed step together
+            parts = timed_step(setups[name], rep)
+            if rep >= 2:
+                samples[name].append(parts)
+    everyone = world.gather(samples)
+    if world.Get_rank() != 0:
+        return
+    results = {}
+    for name in names:
+        per_rank = np.array([ranks[name] for ranks in everyone])   # (dp, repeats, 3)
+        compute, sync, optimizer = per_rank[0].T
+        waiting = per_rank[:, :, 0].max(axis=0) - per_rank[0, :, 0]
+        steps = per_rank.sum(axis=2).max(axis=0)   # the slowest rank, repetition by repetition
+        results[name] = {"steps": steps.tolist(), "step": stats(list(steps)),
+                         "compute": stats(list(compute)), "sync": stats(list(sync)),
+                         "waiting": stats(list(waiting)), "optimizer": stats(list(optimizer))}
+    results["buckets"] = {f"overlapped {size}": len(setups[f"overlapped {size}"][3].buckets)
+                          for size in BUCKETS}
+    results["ranks"] = dp
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
