@@ -231,9 +231,6 @@ def _data_parallel_problems(cfg: TrainConfig) -> list[str]:
     if cfg.zero and cfg.grad_sync != "bucketed":
         out.append(f"--grad-sync {cfg.grad_sync} is plain data parallelism's sync: with --zero "
                    f"{cfg.zero} gradients are Reduce_scattered instead (drop --grad-sync)")
-    if cfg.zero and cfg.model in ("moe", "gpt-moe"):
-        out.append(f"--zero {cfg.zero} with --model {cfg.model} is not built: expert weights "
-                   "sync over the expert-data-parallel group, ZeRO here shards over dp only")
     hooked = None  # these take each block's gradients from inside the backward
     if cfg.grad_sync == "overlapped":
         hooked = "--grad-sync overlapped"

@@ -86,8 +86,8 @@ def nonfinite_count(mesh: Mesh, chunks: list[nn.Model], updater: Updater) -> int
     every rank (each counts what it updates: ZeRO its flat slice, others what they hold)."""
     from minipar.comm import allreduce_sum  # here: comm.py loads mpi4py.MPI
 
-    mine = getattr(updater, "my_params", None)   # ZeRO: the flat slice this rank updates
-    held = [mine()] if mine else [p.data for chunk in chunks for p in chunk.parameters()]
+    mine = getattr(updater, "my_slices", None)   # ZeRO: the flat slices this rank updates
+    held = mine() if mine else [p.data for chunk in chunks for p in chunk.parameters()]
     local = sum(int(np.count_nonzero(~np.isfinite(a))) for a in held)
     # this rank's count -> the sum on every rank, so all stop at the same step
     return int(allreduce_sum(mesh.world, np.array([local], dtype=np.int64))[0])

@@ -67,6 +67,9 @@ PAIRS = [
     ("gpt", {"dp": 2, "zero": 1}, 2, {"pp": 2, "microbatches": 2}, 2),
     ("gpt", {}, 1, {"dp": 4, "zero": 2}, 4),
     ("gpt-moe", {"dp": 2, "ep": 2}, 2, {"dp": 2, "ep": 2, "pp": 2}, 4),
+    # ZeRO with experts: expert slices over edp, dense slices over dp, Adam's m and v
+    ("moe", {"dp": 4, "ep": 2, "zero": 2}, 4, {"dp": 2, "ep": 2, "zero": 3}, 2),
+    ("gpt-moe", {"dp": 2, "zero": 3}, 2, {"dp": 4, "ep": 2, "zero": 1}, 4),
 ]
 RUNNABLE = PAIRS
 
