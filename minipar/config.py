@@ -199,8 +199,12 @@ def _divisibility(cfg: TrainConfig) -> list[str]:
     moe = cfg.model in ("moe", "gpt-moe")
     if moe and cfg.experts % cfg.ep:
         out.append(f"--ep {cfg.ep} does not divide --experts {cfg.experts}")
-    if cfg.model == "moe" and cfg.tp > 1:
-        out.append("--tp with --model moe is not built: use --ep to split the experts")
+    if cfg.model == "moe" and cfg.expert_d_ff % cfg.tp:
+        out.append(f"--tp {cfg.tp} does not divide --expert-d-ff {cfg.expert_d_ff} "
+                   "(with --model moe, --tp splits each expert: fc1 by columns, fc2 by rows)")
+    if cfg.model == "moe" and cfg.sp:
+        out.append("--sp with --model moe is not built: sequence parallelism splits the rows "
+                   "of dense blocks; the experts' rows are split by the router")
     if cfg.model in GPT_MODELS and cfg.tp > 1:
         out.append(f"--tp with --model {cfg.model} is not built yet (attention heads split "
                    "over tp): use --dp, --pp or --ep")

@@ -231,8 +231,9 @@ def make_ffn_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
     # here: both load mpi4py.MPI, which the one-process reference never needs
     from minipar.parallel import expert_parallel, tensor_parallel
 
-    if model_cfg.is_moe and (cfg.dp > 1 or cfg.ep > 1):
-        # tokens split over dp, experts over ep: the Alltoall dispatch (expert_parallel.py)
+    if model_cfg.is_moe and (cfg.dp > 1 or cfg.ep > 1 or cfg.tp > 1):
+        # tokens split over dp, experts over ep (and each expert over tp): the Alltoall
+        # dispatch (expert_parallel.py)
         return expert_parallel.ExpertParallelBlock(full, index, model_cfg, mesh, ln=ln)
     if model_cfg.is_moe:
         return nn.MoEBlock(full, index, model_cfg, ln=ln)
