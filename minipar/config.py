@@ -262,10 +262,12 @@ TRAIN_HELP = {
     "batch": "rows per step, over all data-parallel ranks",
     "microbatches": "gradient accumulation: pieces of each rank's rows",
     "steps": "total steps (also when resuming)", "seed": "seeds the model and the data",
-    "dp": "data-parallel ranks (default: world / (tp pp))", "tp": "tensor-parallel ranks",
+    "dp": "data-parallel ranks (default: world / (tp pp))",
+    "tp": "tensor-parallel ranks (with --model moe: each expert split over them)",
     "pp": "pipeline stages", "ep": "MoE: expert-parallel ranks (divides dp)",
     "virtual": "model chunks per pipeline rank (--schedule interleaved)",
-    "zero": "ZeRO stage 0-3: shard optimizer state, gradients, parameters over dp",
+    "zero": "ZeRO stage 0-3: shard optimizer state, gradients, parameters over dp "
+            "(expert weights over their edp group)",
 }
 
 

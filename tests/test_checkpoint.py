@@ -70,6 +70,8 @@ PAIRS = [
     # ZeRO with experts: expert slices over edp, dense slices over dp, Adam's m and v
     ("moe", {"dp": 4, "ep": 2, "zero": 2}, 4, {"dp": 2, "ep": 2, "zero": 3}, 2),
     ("gpt-moe", {"dp": 2, "zero": 3}, 2, {"dp": 4, "ep": 2, "zero": 1}, 4),
+    # experts split over tp (their columns and rows as boxes) to ZeRO over experts
+    ("moe", {"dp": 2, "ep": 2, "tp": 2}, 4, {"dp": 2, "zero": 2}, 2),
 ]
 RUNNABLE = PAIRS
 
