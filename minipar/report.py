@@ -59,6 +59,8 @@ def ledger_table(records: list[dict], cfg: TrainConfig) -> str:
         calls, elements = predicted[worst["rank"]].get((group, op), (None, None))
         if calls is None:
             verdict = "-"
+        elif cfg.model == "moe" and cfg.tp > 1 and group == "edp":
+            verdict = "- (experts split over tp: the planner's MoE keeps them whole)"
         elif op == "Alltoallv" or (cfg.model == "moe" and group == "tp"):
             verdict = f"{calls}, (router) {'ok' if calls == worst['calls'] else 'DIFFERS'}"
         else:
