@@ -234,7 +234,8 @@ def make_ffn_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
     if model_cfg.is_moe and (cfg.dp > 1 or cfg.ep > 1 or cfg.tp > 1):
         # tokens split over dp, experts over ep (and each expert over tp): the Alltoall
         # dispatch (expert_parallel.py)
-        return expert_parallel.ExpertParallelBlock(full, index, model_cfg, mesh, ln=ln)
+        return expert_parallel.ExpertParallelBlock(full, index, model_cfg, mesh, ln=ln,
+                                                   split_over_tp=cfg.model == "moe")
     if model_cfg.is_moe:
         return nn.MoEBlock(full, index, model_cfg, ln=ln)
     if cfg.tp > 1:

@@ -260,11 +260,14 @@ class ExpertParallelBlock(nn.Module):
     tokens) hold the same weights; summing over them covers every token, and the DP
     step's /dp turns each rank's local-mean gradient into the global mean.
 
+    With `split_over_tp` (the MLP model's `--tp`), every local expert is split over
+    `mesh.tp` (`TensorParallelExpert`); otherwise each tp rank holds its experts whole.
+
     `last_stats` holds the load of the latest call (one microbatch, see `load_stats`).
     """
 
     def __init__(self, full: dict[str, np.ndarray], index: int, cfg: nn.ModelConfig,
-                 mesh: Mesh, ln: str = "ln") -> None:
+                 mesh: Mesh, ln: str = "ln", split_over_tp: bool = False) -> None:
         p = f"blocks.{index}"
         self.cfg = cfg
         self.dp_group, self.ep_group, self.tp_group = mesh.dp, mesh.ep, mesh.tp
@@ -273,7 +276,8 @@ class ExpertParallelBlock(nn.Module):
         per_rank = cfg.experts // mesh.ep.size
         self.first_expert = mesh.coords["ep"] * per_rank
         mine = range(self.first_expert, self.first_expert + per_rank)
-        if mesh.tp.size > 1:  # expert tensor parallelism: each expert split over tp
+        self.split = split_over_tp and mesh.tp.size > 1
+        if self.split:  # expert tensor parallelism: each expert split over tp
             self.experts = [TensorParallelExpert(full, f"{p}.experts.{e}", mesh.tp)
                             for e in mine]
         else:
@@ -298,7 +302,7 @@ class ExpertParallelBlock(nn.Module):
         order, send = plan_dispatch(routing.expert_of, kept, experts, self.ep_group.size)
         recv = exchange_counts(send, self.ep_group)
         received = dispatch(u, routing.token_of[order], send, recv, self.ep_group)
-        if self.tp_group.size > 1:
+        if self.split:
             y = run_local_experts_split(received, recv, self.experts, self.tp_group)
         else:
             y = run_local_experts(received, recv, self.experts)
