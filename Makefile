@@ -56,9 +56,11 @@ lessons: install
 	  MPIEXEC_TIMEOUT=600 $$launch $(PY) $$lesson --plot $(FIGURES) || exit 1; \
 	done
 
-# Every notebook in lessons/, executed headless in a fresh kernel (nbclient, per-cell timeout).
+# Every notebook in lessons/, executed headless in a fresh kernel (nbclient, per-cell timeout);
+# the executed notebooks, outputs and figures in them, are kept in build/notebooks/.
 notebooks: install
-	$(PY) -m pytest -q tests/test_notebooks.py
+	MINIPAR_NOTEBOOKS_OUT=build/notebooks $(PY) -m pytest -q tests/test_notebooks.py
+	@echo "executed notebooks: build/notebooks/"
 
 # Speed figures, each a ratio measured side by side (writes bench/results.json).
 bench: install

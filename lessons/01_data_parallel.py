@@ -3,7 +3,8 @@
     mpiexec -n 8 python lessons/01_data_parallel.py           # batch 1024, 128 per rank
     mpiexec -n 8 python lessons/01_data_parallel.py --full    # minipar's default model size
     mpiexec -n 4 python lessons/01_data_parallel.py           # any rank count dividing 1024
-    mpiexec -n 8 python lessons/01_data_parallel.py --plot figures   # + 01_gradient_sync.png
+    mpiexec -n 8 python lessons/01_data_parallel.py --plot figures   # + 01_gradient_sync.png,
+                                                                     #   01_sync_time.png
 
 The source text's example: a global batch of 1024 on 8 GPUs, 128 each. Every
 GPU holds the whole model, computes g_i = grad L_i on its own 128 rows, and an
@@ -21,6 +22,9 @@ one process on the whole batch. Here, on minipar's residual MLP:
    as soon as backward has finished the parameters in it.
 5. The ledger: each rank Allreduced exactly the parameter count, whichever way;
    a ring puts 2(N-1)/N of it on the wire.
+6. The three ways timed: forward + backward + gradient sync, the slowest rank
+   of each step, the median of several steps, measured here on N ranks sharing
+   this machine's cores. The bytes are the same; the time is not.
 
 The code behind it: minipar/parallel/data_parallel.py.
 """
@@ -28,6 +32,7 @@ The code behind it: minipar/parallel/data_parallel.py.
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +51,7 @@ from minipar.parallel.data_parallel import (
     install_hooks,
     make_buckets,
 )
+from minipar.threads import cores
 
 BATCH = 1024
 
@@ -92,11 +98,53 @@ def ledger_line(mesh: Mesh, psi: int) -> list[dict]:
     return records
 
 
+def timed(sizes: nn.ModelConfig, x: np.ndarray, y: np.ndarray, mesh: Mesh, bucket_size: int,
+          repeats: int) -> dict[str, list[float]]:
+    """Part 6: each way's step (forward, backward, sync) timed `repeats` times in turn,
+    naive, bucketed, overlapped, so a busy moment of the machine hits all three alike.
+    A step lasts as long as its slowest rank: each time is the max over the ranks (ms)."""
+    plain = nn.build_reference(sizes, nn.init_params(sizes, seed=0))
+    hooked = nn.build_reference(sizes, nn.init_params(sizes, seed=0))
+    plain_buckets = make_buckets(plain.parameters(), bucket_size)
+    overlap = OverlappedAllreduce(make_buckets(hooked.parameters(), bucket_size), mesh, 1)
+    install_hooks([hooked], overlap)
+    ways = {"naive": lambda: allreduce_gradients(plain.parameters(), mesh),
+            "bucketed": lambda: bucketed_allreduce(plain_buckets, mesh),
+            "overlapped": overlap.finish}
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    mesh.ledger.enabled = False  # the ledger was read in part 5
+    for _ in range(repeats):
+        for way, sync in ways.items():
+            mesh.world.comm.Barrier()  # every rank starts the step together (not in the ledger)
+            start = time.perf_counter()
+            local_gradients(hooked if way == "overlapped" else plain, x, y)
+            sync()
+            mine = 1000 * (time.perf_counter() - start)
+            times[way].append(mesh.world.comm.allreduce(mine, op=MPI.MAX))  # slowest rank
+    mesh.ledger.enabled = True
+    if mesh.rank == 0:
+        n, c = mesh.shape.dp, cores()
+        waits = (len([p for p in plain.parameters() if p.sync]), len(plain_buckets))
+        print(f"\n=== 6. the three ways timed: forward + backward + sync, ms, slowest rank, "
+              f"median of {repeats} steps\n  measured on {n} ranks sharing {c} cores"
+              + (f" (oversubscribed: a blocking Allreduce ends only after all {n} ranks\n"
+                 f"  have had a turn on the {c} cores; naive blocks {waits[0]} times a step, "
+                 f"bucketed {waits[1]},\n  overlapped starts its Iallreduces during backward "
+                 "and waits once)" if n > c else ""), flush=True)
+        for way, ms in times.items():
+            print(f"  {way:>10}: {np.median(ms):8.2f} ms  (min {min(ms):.2f}, max {max(ms):.2f})",
+                  flush=True)
+        fastest = min(times, key=lambda way: np.median(times[way]))
+        print(f"  fastest here: {fastest}", flush=True)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true", help="minipar's default model size")
     parser.add_argument("--bucket-size", type=int, default=2000, help="elements per bucket")
-    parser.add_argument("--plot", metavar="DIR", type=Path, help="write the figure here (PNG)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps per way (part 6)")
+    parser.add_argument("--plot", metavar="DIR", type=Path, help="write the figures here (PNG)")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     n = world.Get_size()
@@ -144,12 +192,23 @@ def main() -> None:
         print(f"{started} of {len(buckets)} Iallreduces had started inside backward", flush=True)
     compare(mesh, model, single, "the overlapped Iallreduce")
     syncs["overlapped"] = ledger_line(mesh, psi)
+    times = timed(sizes, x[rows], y[rows], mesh, args.bucket_size, args.repeats)
     mesh.free()
     if args.plot and mesh.rank == 0:
-        from minipar.plots import ledger_figure, save
+        from minipar.plots import save
+        from minipar.plots_load import timing_figure
 
-        path = save(ledger_figure(syncs, f"three ways to sync {psi} gradients over dp = {n}: "
-                                  "the same bytes, fewer calls"),
+        path = save(timing_figure(times, f"forward + backward + gradient sync of {psi} "
+                                  f"parameters on dp = {n}, measured on {n} ranks sharing "
+                                  f"{cores()} cores (median of {args.repeats} steps)"),
+                    args.plot / "01_sync_time.png")
+        print(f"figure: {path}", flush=True)
+    if args.plot and mesh.rank == 0:
+        from minipar.plots import group_sizes, ledger_figure, save
+
+        path = save(ledger_figure(syncs, group_sizes(mesh.shape),
+                                  f"three ways to sync {psi} gradients over dp = {n}: the same "
+                                  f"wire bytes, 2(N-1)/N x {psi} x 8, in fewer calls"),
                     args.plot / "01_gradient_sync.png")
         print(f"figure: {path}", flush=True)
 

@@ -25,6 +25,7 @@ The code behind part 3: minipar/parallel/tensor_parallel.py.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +61,10 @@ def column_split(tp: Group, full: bool) -> None:
     size = 16384 // n if full else 2048 // n    # 8192 on 2 ranks, 4096 on 4 (the source)
     size -= size % n
     tokens = 64 if full else 32
-    banner(tp, f"1. Y = X W, W {size} x {size} split by columns over {n} ranks")
+    source = 16384 // n
+    scale = ("the source's size" if full else
+             f"the source's {source} x {source} scaled by 1/8; --full for its real size")
+    banner(tp, f"1. Y = X W, W {size} x {size} split by columns over {n} ranks ({scale})")
     rng = np.random.default_rng(0)
     x = rng.normal(size=(tokens, size))
     # every rank draws the full W from one seeded generator and keeps its block:
@@ -138,9 +142,9 @@ def rows_first_fails(tp: Group, x: np.ndarray, full: dict[str, np.ndarray]) -> N
 
 
 # ------------------------------------------- part 3: one step of the TP model
-def one_step(world: MPI.Comm, sp: bool) -> list[dict]:
+def one_step(world: MPI.Comm, sp: bool) -> tuple[list[dict], float]:
     """Train one step with tp = world size; print the ledger beside Megatron's count.
-    Returns the step's ledger (on rank 0; empty elsewhere)."""
+    Returns the step's ledger and rank 0's tp wire elements (on rank 0; empty elsewhere)."""
     n = world.Get_size()
     cfg = TrainConfig(layers=4, d_model=64, d_in=32, batch=32, steps=1, dp=1, tp=n,
                       sp=sp).resolved(n)
@@ -149,7 +153,7 @@ def one_step(world: MPI.Comm, sp: bool) -> list[dict]:
         raise SystemExit(f"this mesh cannot run the lesson: {errors[0]}")
     result = train(cfg, world)
     if world.Get_rank() != 0:
-        return []
+        return [], 0.0
     L, B, d = cfg.layers, cfg.batch // cfg.microbatches, cfg.d_model
     tp_ops = {r["op"]: r for r in result.ledger if r["rank"] == 0 and r["group"] == "tp"}
     expected = ({"Allreduce": (2 * L, 2 * L * B * d)} if not sp else
@@ -165,15 +169,19 @@ def one_step(world: MPI.Comm, sp: bool) -> list[dict]:
               f"expected {calls:3d}, {elements:6d} -> {verdict(ok, 'matches', 'DIFFERS')}")
     print(f"  wire per rank: {wire:.0f} elements" + (
         " (Megatron: one Allreduce of B x d forward and one backward per block)" if not sp
-        else " (Allreduce = Reduce_scatter + Allgather, the same volume; plus entering\n"
-             "  and leaving the row-split stream, and the LayerNorm / fc2-bias gradient sum)"))
+        else f" = {(2 * L + 2) * B * d * (n - 1) / n:.0f} Allgather + "
+             f"{2 * L * B * d * (n - 1) / n:.0f} Reduce_scatter + "
+             f"{3 * d * L * 2 * (n - 1) / n:.0f} Allreduce:\n"
+             f"  per block the same volume as the Allreduce it replaces (an Allreduce is a\n"
+             f"  Reduce_scatter + an Allgather), plus 2 Allgathers entering and leaving the\n"
+             f"  row-split stream and the LayerNorm / fc2-bias gradient sum"))
     ref = train_reference(cfg)
     worst = max(float(np.max(np.abs(result.final[k] - v)) / np.max(np.abs(v)))
                 for k, v in ref.final.items())
     print(f"  against one process: loss {result.losses[0]:.12f} vs {ref.losses[0]:.12f}, "
           f"params max rel diff {worst:.1e} -> {verdict(worst <= 1e-9)}",
           flush=True)
-    return result.ledger
+    return result.ledger, wire
 
 
 def memory(world: MPI.Comm) -> None:
@@ -204,18 +212,29 @@ def main() -> None:
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
+    if world.Get_size() < 2:  # every rank sees the same size: all stop here, together
+        print("lesson 2 splits W over ranks: run it on 2 or more, "
+              "mpiexec -n 2 python lessons/02_tensor_parallel.py", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     tp = Group(world, "tp", Ledger())  # the whole world is one tensor-parallel group
     column_split(tp, args.full)
     two_layers(tp)
     banner(tp, "3. one training step of minipar's model, tp = every rank")
-    ledgers = {label: one_step(world, sp) for label, sp in
-               (("tensor parallel", False), ("+ sequence parallel (--sp)", True))}
+    steps = {label: one_step(world, sp) for label, sp in
+             (("tensor parallel", False), ("+ sequence parallel (--sp)", True))}
+    ledgers = {label: ledger for label, (ledger, _) in steps.items()}
+    (_, plain), (_, with_sp) = steps.values()
+    if world.Get_rank() == 0:
+        print(f"on the wire, --sp sends {with_sp / plain:.2f} x plain TP's bytes per rank "
+              "(the figure's bars)", flush=True)
     memory(world)
     if args.plot and world.Get_rank() == 0:
-        from minipar.plots import ledger_figure, save
+        from minipar.mesh import MeshShape
+        from minipar.plots import group_sizes, ledger_figure, save
 
-        path = save(ledger_figure(ledgers, f"one step on tp = {world.Get_size()} ranks: "
-                                  "the tp traffic, without and with --sp"),
+        path = save(ledger_figure(ledgers, group_sizes(MeshShape(dp=1, tp=world.Get_size())),
+                                  f"one step on tp = {world.Get_size()} ranks: the tp wire "
+                                  "bytes, without and with --sp (ring formulas)"),
                     args.plot / "02_tp_ledger.png")
         print(f"figure: {path}", flush=True)
 

@@ -9,7 +9,15 @@ block runs on 8 ranks (dp=8: 32 tokens each; ep=8: rank j holds experts 8j..8j+7
   2. the expert load: how many assignments each expert got, as a text histogram;
   3. capacity: each expert takes at most ceil(c k B / E) assignments, the rest dropped;
   4. the same block in one process: outputs, aux loss and every gradient agree;
-  5. the ledger: the Alltoallv volume beside k x tokens x d per direction.
+  5. the ledger: the Alltoallv volume beside k x tokens x d per direction;
+  6. the aux loss at work: a short training run of the block with and without it,
+     the imbalance and the dropped share step by step.
+
+The router here is untrained: random weights, and tokens that share one direction
+(as real tokens share common features), so most of them pick the same few experts.
+That is why parts 2-3 show an imbalance near 10 and half the assignments dropped:
+an untrained router, not a property of expert parallelism. Training fixes it only
+if something asks for balance: the aux loss of part 6.
 
 Run it: `mpiexec -n 8 python lessons/03_expert_parallel.py` (add `--plot DIR` for the
 expert-load figures, 03_expert_load*.png)
@@ -19,13 +27,14 @@ expert-load figures, 03_expert_load*.png)
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
 from minipar import autograd as ag
-from minipar import nn
+from minipar import fused, nn
 from minipar.comm import Ledger
 from minipar.log import run_collectively, verdict
 from minipar.mesh import Mesh, MeshShape
@@ -35,6 +44,7 @@ from minipar.results import relative_difference
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 EXPERTS, TOP_K, D_MODEL, TOKENS, CAPACITY = 64, 2, 16, 256, 1.0
+AUX_COEFS, STEPS, LR = (0.0, 0.01, 0.1), 40, 0.5  # part 6: one run per coefficient
 
 
 def say(*lines: str) -> None:
@@ -43,9 +53,10 @@ def say(*lines: str) -> None:
         print(*lines, sep="\n", flush=True)
 
 
-def config(capacity: float | None) -> nn.ModelConfig:
+def config(capacity: float | None, aux_coef: float = 0.01) -> nn.ModelConfig:
     return nn.ModelConfig(model="moe", layers=1, d_in=8, d_model=D_MODEL, experts=EXPERTS,
-                          top_k=TOP_K, expert_d_ff=2 * D_MODEL, capacity_factor=capacity)
+                          top_k=TOP_K, expert_d_ff=2 * D_MODEL, capacity_factor=capacity,
+                          aux_coef=aux_coef)
 
 
 def inputs() -> tuple[np.ndarray, np.ndarray]:
@@ -135,6 +146,72 @@ def show_load(s: dict) -> None:
         say(f"    n = {label:>7}: {experts:>3} " + "*" * experts)
 
 
+def explain_aux(aux: float, coef: float) -> None:
+    """What the printed aux loss is, and why it is near its balanced value here."""
+    say("", f"the aux loss (Switch, Fedus et al.): coef E sum_e f_e P_e = {aux:.6f}, coef = {coef}",
+        "  f_e: the share of assignments that chose expert e (a count: no gradient),",
+        "  P_e: the mean router probability of e (the gradient flows through it).",
+        "  Both sum to 1; with every expert alike (f = P = 1/E) it equals coef, and it grows",
+        "  as the popular experts are also the probable ones. Its gradient lowers P_e in",
+        "  proportion to f_e: the crowded experts lose probability, tokens move elsewhere.",
+        f"  Here aux / coef = {aux / coef:.3f}: the untrained router's probabilities are",
+        f"  still nearly uniform (each near 1/{EXPERTS}) even though its top-{TOP_K} picks are",
+        "  not, so the loss is small while its gradient already points toward balance.")
+
+
+def balance_run(coef: float, h: np.ndarray, r: np.ndarray) -> list[dict]:
+    """STEPS of SGD on the block in one process, loss = mean(out . R) + aux, with aux
+    coefficient `coef`: per step the imbalance (max/mean routed), the share dropped at
+    capacity 1.0, and aux / coef. The router is the same on every rank, so one process
+    shows what the 8 ranks would do (part 4 checked that they compute the same)."""
+    cfg = config(CAPACITY, coef)
+    block = nn.MoEBlock(nn.init_params(cfg, seed=0), 0, cfg)
+    limit = nn.capacity(CAPACITY, TOP_K, TOKENS, EXPERTS)
+    history = []
+    for step in range(STEPS + 1):
+        probs = fused.softmax(block.ln(ag.Tensor(h)) @ block.router).data   # before the step
+        counts = np.bincount(nn.route(probs, TOP_K).ravel(), minlength=EXPERTS)
+        block.zero_grad()
+        out, aux = block(ag.Tensor(h))
+        history.append({"step": step, "imbalance": float(counts.max() / counts.mean()),
+                        "dropped": float((counts - np.minimum(counts, limit)).sum()
+                                         / (TOP_K * TOKENS)),
+                        "aux": aux.item() / coef if coef else float("nan")})
+        ((out * r).sum() * (1.0 / TOKENS) + aux).backward()
+        for p in block.parameters():
+            p.data -= LR * p.grad
+    return history
+
+
+def the_balance(h: np.ndarray, r: np.ndarray) -> dict[float, list[dict]]:
+    """Part 6: one training run per aux coefficient, on ranks 0, 1, 2; the other ranks
+    wait without spinning (Ibarrier + sleep) so the runs get the cores."""
+    mine = balance_run(AUX_COEFS[rank], h, r) if rank < len(AUX_COEFS) else None
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.01)
+    runs = comm.gather(mine)  # small lists of dicts -> rank 0
+    if rank != 0:
+        return {}
+    histories = dict(zip(AUX_COEFS, runs))
+    say("", f"=== 6. the aux loss at work: {STEPS} SGD steps (lr {LR}) of this block on "
+        f"loss = mean(out . R) + aux, capacity {CAPACITY}",
+        "  step  " + "".join(f"{f'aux coef {c}':>26}" for c in AUX_COEFS),
+        "        " + "".join(f"{'imbalance  dropped':>26}" for _ in AUX_COEFS))
+    for step in (0, 5, 10, 20, STEPS):
+        say(f"  {step:4d}  " + "".join(
+            f"{run[step]['imbalance']:>17.2f} {run[step]['dropped']:>8.0%}"
+            for run in histories.values()))
+    last = {c: run[-1] for c, run in histories.items()}
+    say(f"  after {STEPS} steps: without aux imbalance {last[0.0]['imbalance']:.2f}, "
+        f"dropped {last[0.0]['dropped']:.0%}; with coef {AUX_COEFS[-1]} "
+        f"{last[AUX_COEFS[-1]]['imbalance']:.2f}, {last[AUX_COEFS[-1]]['dropped']:.0%}.",
+        "  The task loss alone moves the router too (the imbalance falls without aux);",
+        "  the aux loss pushes it further, faster: more experts get work, fewer tokens drop.",
+        f"  (the default coef 0.01 is gentle; 0.1 shows the effect within {STEPS} steps)")
+    return histories
+
+
 def plot_load(stats: dict, capacity: float | None, folder: Path) -> None:
     """Rank 0: the load of the block per expert and per rank, as a figure."""
     from minipar.plots import save
@@ -169,6 +246,8 @@ def main() -> None:
             show_dispatch(stats, f"   (each rank sends {TOKENS // size} tokens x k={TOP_K}"
                           f" = {TOP_K * TOKENS // size} rows; the diagonal stays home)")
             show_load(stats[0])
+            say("", f"(an untrained router on tokens sharing one direction: imbalance "
+                f"{stats[0]['imbalance']:.1f}; perfect balance would be 1.0 -- part 6 trains it)")
         else:
             s = stats[0]
             say("", f"capacity factor {capacity}: each expert takes at most "
@@ -191,10 +270,21 @@ def main() -> None:
             f"  formula agrees: {moved == expected_alltoallv_elements(kept, D_MODEL)}", "",
             f"one process, same block{' with capacity' if capacity else ''}:")
         compare(cfg, full, h, r, gathered)
+        if capacity is None:
+            explain_aux(gathered[0][1], cfg.aux_coef)
         say("")
         if args.plot:
             plot_load(stats[0], capacity, args.plot)
     mesh.free()
+    histories = the_balance(h, r)
+    if args.plot and rank == 0:
+        from minipar.plots import save
+        from minipar.plots_load import balance_figure
+
+        say("figure: " + str(save(balance_figure(histories, CAPACITY, f"{EXPERTS} experts, "
+                                                 f"top-{TOP_K}, {TOKENS} tokens: training the "
+                                                 f"router with and without the aux loss"),
+                                  args.plot / "03_aux_balance.png")))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ from minipar import nn
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
 from minipar.log import run_collectively, say_in_order, verdict
-from minipar.memory import wire_elements
 from minipar.mesh import Mesh
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
@@ -49,7 +48,9 @@ from minipar.parallel.pipeline_schedules import (
     in_flight_peak,
     simulate_schedule,
 )
+from minipar.report import group_sizes, wire_bytes
 from minipar.results import max_differences
+from minipar.threads import cores
 from minipar.train import RunResult, build_rank_model, train, train_reference
 
 comm = MPI.COMM_WORLD
@@ -124,15 +125,14 @@ def traffic(result: RunResult, cfg: TrainConfig) -> list[dict]:
     """Per rank, what it sent in the last step: calls, buffer bytes, ring wire bytes
     (receives are the other end of a send and are not counted again)."""
     per_rank = [{"calls": 0, "bytes": 0, "wire": 0.0} for _ in range(size)]
-    group_size = {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp}
+    sizes = group_sizes(cfg.mesh_shape())
     for r in result.ledger:
         if r["op"] in ("Recv", "Irecv"):
             continue
         mine = per_rank[r["rank"]]
         mine["calls"] += r["calls"]
         mine["bytes"] += r["bytes"]
-        mine["wire"] += wire_elements(r["op"], r["elements"], group_size[r["group"]]) \
-            * r["bytes"] / max(r["elements"], 1)
+        mine["wire"] += wire_bytes(r, sizes)  # the same function the figure draws with
     return per_rank
 
 
@@ -201,10 +201,11 @@ def run_all(held: dict) -> dict[str, dict]:
             "wire": max(r["wire"] for r in sent), "total": sum(r["wire"] for r in sent),
             "params": max(held[name]["params"]),
             "acts": max(t * f for t, f in zip(held[name]["tape"], flight)),
+            "acts_per_rank": [t * f for t, f in zip(held[name]["tape"], flight)],
             "flight": flight, "simulated": sim,
             "formula": bubble_formula("1f1b", cfg.pp, cfg.microbatches) if cfg.pp > 1 else 0.0,
             "ms": 1000 * seconds, "check": checked(name, cfg, result, refs),
-            "ledger": result.ledger}
+            "ledger": result.ledger, "sizes": group_sizes(cfg.mesh_shape())}
     return rows
 
 
@@ -222,7 +223,7 @@ def the_table(rows: dict[str, dict]) -> None:
         ("saved activations KiB / rank, peak", "acts", "{:.1f}"),
         ("bubble, simulator", "simulated", "{:.3f}"),
         ("bubble, formula (p-1)/(M+p-1)", "formula", "{:.3f}"),
-        ("step time here, ms", "ms", "{:.1f}"),
+        (f"step time, ms ({size} ranks on {cores()} cores)", "ms", "{:.1f}"),
     ]
     for title, key, fmt in lines:
         scale = KiB if key in ("bytes", "wire", "total", "params", "acts") else 1
@@ -288,7 +289,7 @@ def conclusions(rows: dict[str, dict], bubbles: list[float]) -> None:
         "PP's bubble shrinks with more microbatches: " + ", ".join(
             f"M={m} {b:.3f}" for m, b in zip((1, 4, 8), bubbles))
         + f"; decreasing: {all(a > b for a, b in zip(bubbles, bubbles[1:]))}.",
-        f"Step time here: fastest {fastest} ("
+        f"Step time on {size} ranks sharing {cores()} cores: fastest {fastest} ("
         + ", ".join(f"{name} {row['ms']:.0f} ms" for name, row in rows.items()) + ");",
         f"  {latency}.",
         f"TP+PP (tp=2 x pp=2) sits between: {both['wire'] / KiB:.1f} KiB on the wire per rank, "
@@ -297,19 +298,27 @@ def conclusions(rows: dict[str, dict], bubbles: list[float]) -> None:
 
 
 def figures(rows: dict[str, dict], held: dict[str, dict], folder: Path) -> None:
-    """Rank 0: what each mesh sent per axis, and the parameter bytes of every rank."""
+    """Rank 0: what each mesh put on the wire per axis, and the parameter and peak
+    saved-activation bytes of every rank."""
     from minipar.memory import ModelStates
     from minipar.plots import ledger_compare_figure, memory_figure, save
 
+    tp, pp = rows["TP"]["wire"], rows["PP"]["wire"]
     say("figure: " + str(save(ledger_compare_figure(
         {name: row["ledger"] for name, row in rows.items()},
-        f"one step on {size} ranks, M = 4: what the busiest rank sent per axis"),
+        {name: row["sizes"] for name, row in rows.items()},
+        f"one step on {size} ranks, M = 4: wire bytes of the busiest rank per axis "
+        f"(ring formulas); TP puts {tp / pp:.1f} x PP's bytes on the wire"),
         folder / "05_traffic.png")))
     whole = ModelStates(params=model_bytes(), grads=0, optimizer=0)
     say("figure: " + str(save(memory_figure(
         {name: [ModelStates(params=p, grads=0, optimizer=0) for p in held[name]["params"]]
-         for name in rows}, {name: whole for name in rows}, "the whole model (one process)",
-        f"parameter bytes on each of the {size} ranks"), folder / "05_memory.png")))
+         for name in rows}, {name: whole for name in rows}, "the whole model's parameters",
+        f"parameters and peak saved activations on each of the {size} ranks (1F1B, M = 4): "
+        f"microbatches alive at once per rank, TP {rows['TP']['flight']}, "
+        f"PP {rows['PP']['flight']}",
+        activations={name: row["acts_per_rank"] for name, row in rows.items()}),
+        folder / "05_memory.png")))
 
 
 def main() -> None:

@@ -177,16 +177,21 @@ def the_check(cfg: TrainConfig, result: RunResult) -> None:
 
 def figures(cfg: TrainConfig, result: RunResult, folder: Path) -> None:
     """Rank 0: the step's ledger per axis and operation, and the pipeline's timeline."""
-    from minipar.parallel.pipeline_schedules import simulate_schedule
-    from minipar.plots import ledger_figure, save
+    from minipar.parallel.pipeline_schedules import replay, simulate_schedule
+    from minipar.plots import group_sizes, ledger_figure, save
     from minipar.plots_load import gantt_figure
+    from minipar.threads import cores
 
     mesh = f"dp = tp = pp = 2, M = {cfg.microbatches}"
-    say("figure: " + str(save(ledger_figure(result.ledger, f"one step on {mesh}: every axis"),
+    say("figure: " + str(save(ledger_figure(result.ledger, group_sizes(cfg.mesh_shape()),
+                                            f"one step on {mesh}: every axis, wire bytes"),
                               folder / "06_ledger.png")))
     sim = simulate_schedule(cfg.schedule, cfg.pp, cfg.microbatches)
-    say("figure: " + str(save(gantt_figure(sim, result.extras["timeline"],
-                                           f"{mesh}: the 1F1B pipeline of every rank"),
+    timeline = result.extras["timeline"]
+    again = replay(cfg.schedule, cfg.pp, cfg.microbatches, 1, timeline)
+    say("figure: " + str(save(gantt_figure(sim, timeline,
+                                           f"{mesh}: the 1F1B pipeline of every rank",
+                                           replayed=again, cores=cores()),
                               folder / "06_pipeline.png")))
 
 

@@ -98,7 +98,8 @@ def paper_table() -> None:
 def figures(measured: list[list[ModelStates]], ledgers: list[list[dict]], psi: int, n: int,
             optimizer: str, folder: Path) -> None:
     """Rank 0: every rank's bytes per stage beside the formula, and each stage's ledger."""
-    from minipar.plots import ledger_figure, memory_figure, save
+    from minipar.mesh import MeshShape
+    from minipar.plots import group_sizes, ledger_figure, memory_figure, save
 
     k = optimizer_bytes_per_param(optimizer, 8)
     formulas = {name: zero_formula(psi, n, stage, 8, 8, k) for stage, name in enumerate(NAMES)}
@@ -107,8 +108,11 @@ def figures(measured: list[list[ModelStates]], ledgers: list[list[dict]], psi: i
         f"Psi = {psi}, {optimizer}: measured (bars) and ZeRO's formula (lines)"),
         folder / "07_memory.png"), flush=True)
     print("figure:", save(ledger_figure(
-        dict(zip(NAMES, ledgers)), f"the dp axis in the last step, dp = {n}: DP moves 2 Psi on "
-        "the wire (Allreduce), ZeRO-3 3 Psi"), folder / "07_ledger.png"), flush=True)
+        dict(zip(NAMES, ledgers)), group_sizes(MeshShape(dp=n)),
+        f"the dp axis in the last step, dp = {n}, Psi = {psi} x 8 bytes = {8 * psi / 1024:.0f} "
+        f"KiB: DP's Allreduce puts 2(N-1)/N Psi on the wire, ZeRO-1/2 (N-1)/N Psi each way, "
+        f"ZeRO-3 (N-1)/N Psi three times (the paper's 2 Psi and 3 Psi)"),
+        folder / "07_ledger.png"), flush=True)
 
 
 def main() -> None:

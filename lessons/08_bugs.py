@@ -1,4 +1,4 @@
-"""Lesson 8: the bugs that real parallel trainers shipped, and the checks that catch them.
+"""Lesson 8: bugs of the kinds real parallel trainers shipped, and the checks that catch them.
 
     mpiexec -n 4 python lessons/08_bugs.py                         # all 9 bugs, 12 steps
     mpiexec -n 8 python lessons/08_bugs.py                         # the same, dp doubled
@@ -22,7 +22,10 @@ and the lesson shows, for each:
      ledger      what each axis moved in the last step, against the correct run
                  (whose ledger lessons 6 and 7 proved equal to the formulas);
      memory      the bytes of parameters each rank holds, against the correct run;
-3. the sentence that explains it.
+3. the sentence that explains it, and where it (or its closest relative) shipped:
+   the public issue or pull request of a real project (DeepSpeed, Megatron-LM,
+   PyTorch, nanotron, Hugging Face transformers ...), or "plausible" where no
+   shipped case was found.
 
 The code behind it: minipar/bugs.py (the detours), minipar/train.py (the hook).
 """
@@ -212,7 +215,7 @@ def show(index: int, bug: Bug, cfg: TrainConfig, found: dict) -> None:
         mark = "CAUGHT" if check in found["caught_by"] else "-"
         say(f"  {check:<11} {lines[0]}  [{mark}]", *[f"  {'':<11} {line}" for line in lines[1:]])
     caught = ", ".join(found["caught_by"]) or verdict(False, bad="NOTHING: this bug would ship")
-    say(f"caught by: {caught}", f"why: {bug.why}")
+    say(f"caught by: {caught}", f"why: {bug.why}", f"seen: {bug.seen}")
 
 
 def check_lines(cfg: TrainConfig, found: dict) -> dict[str, list[str]]:

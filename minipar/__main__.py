@@ -233,7 +233,6 @@ def run() -> None:
     """Entry point: like `python -m mpi4py`, an exception on one rank aborts every rank,
     and so does a SystemExit with a failing code on one rank of a command whose ranks
     talk (`main_leaving_together`); Ctrl-C is one line from each rank, exit 130."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     world_size = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
     if world_size > 1:
         # here, not at the top: log.py loads mpi4py.MPI, which one process never needs

@@ -1,4 +1,4 @@
-"""Bugs that real parallel trainers shipped, re-created on purpose, one flag away.
+"""Bugs of the kinds real parallel trainers shipped, re-created on purpose, one flag away.
 
 What this file teaches: a parallel run that is wrong usually still trains. Its
 loss goes down, often by the same amount per step as the correct run, because
@@ -53,7 +53,9 @@ class Bug:
 
     `requires` names the flags the bug needs to exist at all and `fits(cfg)`
     checks them; `detour()` builds the swaps; `flags` is a small setting of the
-    strategy that shows it (dp left to fill the world)."""
+    strategy that shows it (dp left to fill the world). `seen` cites the public
+    issue or pull request of a real project where this bug, or its closest
+    relative, shipped -- or says that none was found and the bug is only plausible."""
 
     name: str
     strategy: str
@@ -63,6 +65,7 @@ class Bug:
     fits: Callable[[TrainConfig], bool]
     detour: Callable[[], list[Swap]]
     flags: dict
+    seen: str = "plausible: no shipped case found"
 
 
 # ----------------------------------------------------- pipeline parallelism
@@ -255,7 +258,10 @@ _LIST = [
         "The later stages reuse their buffer too, harmlessly here: a block starts with "
         "LayerNorm, which keeps its own normalized copy of its input",
         PIPELINE, _pipeline, one_input_buffer,
-        {"pp": 2, "microbatches": 4, "schedule": "gpipe"}),
+        {"pp": 2, "microbatches": 4, "schedule": "gpipe"},
+        "a near miss: in deepspeedai/DeepSpeed#2800, taking one buffer out of the pipeline "
+        "engine made a RecvActivation overwrite tensors an earlier microbatch's backward still "
+        "held; pytorch/pytorch#139404: a pipeline stage kept only its latest backward result"),
     Bug("tp-copy-to-no-allreduce", "tp",
         "Megatron's f (copy_to, before fc1) without its backward Allreduce",
         "after one step the last block's fc1 and fc2 are still right (their own gradients "
@@ -263,13 +269,18 @@ _LIST = [
         "rank's share of it: that LayerNorm and everything below (earlier blocks, the "
         "embedding) go wrong, the tp copies of those replicated weights drift apart, and the "
         "ledger is short of the backward half of the tp Allreduces",
-        TP, _tp, f_without_allreduce, {"tp": 2}),
+        TP, _tp, f_without_allreduce, {"tp": 2},
+        "a close relative: nanotron's row-parallel linear handed every tp rank the same input "
+        "gradient in its backward, a quarter of it right (huggingface/nanotron#46, fixed by "
+        "#172); a missing backward collective in DTensor TP is reported in pytorch/pytorch#157606"),
     Bug("tp-plain-linear", "tp",
         "the column- and row-parallel linears replaced by plain ones holding the full weights",
         "every number is right -- each tp rank computes the whole layer -- so the equivalence "
         "check passes; the ledger shows the missing tp Allreduces and each rank holds the "
         "full fc weights: tensor parallelism silently never happened",
-        TP, _tp, plain_linears, {"tp": 2}),
+        TP, _tp, plain_linears, {"tp": 2},
+        "reported in huggingface/transformers#36222: tensor parallelism was no faster than "
+        "none, and the model's weight shapes stayed the same whatever the tp size"),
     Bug("dp-stage-not-synced", "dp",
         "one pipeline stage (the last) never Allreduces its gradients over dp",
         "each dp replica of the last stage steps with its own g_i instead of the mean: after "
@@ -277,34 +288,46 @@ _LIST = [
         "the stage's dp Allreduce is missing from the ledger -- while the loss falls like the "
         "correct one",
         "--pp 2 or more and " + DP_SYNC, lambda cfg: cfg.pp > 1 and _dp_sync(cfg),
-        stage_left_out, {"pp": 2, "microbatches": 2}),
+        stage_left_out, {"pp": 2, "microbatches": 2},
+        "a close relative: Megatron-LM with pp and the distributed optimizer summed partial "
+        "dp results into the shared embedding's gradient (NVIDIA/Megatron-LM#844); tied "
+        "weights on two stages left unsynchronized: uw-syfi/piper#13"),
     Bug("dp-sum-not-mean", "dp",
         "the gradient Allreduce sums over dp and never divides by dp",
         "every replica agrees with every other (the same wrong sum everywhere), so only the "
         "comparison with one process sees it: the step is dp times too long, the same as "
         "lr x dp, and the loss even falls faster",
-        DP_SYNC, _dp_sync, sum_not_mean, {}),
+        DP_SYNC, _dp_sync, sum_not_mean, {},
+        "a close relative: PyTorch DDP divided each bucket by the world size, not by the "
+        "number of replicas, wrong for a process driving several devices (pytorch/pytorch#36516)"),
     Bug("moe-aux-first-choice", "ep",
         "the load-balancing f counts each token's first choice only",
         "f sums to 1/k instead of 1 and leaves out the second choices, so the aux loss is "
         "wrong from the very first step; its gradient reaches every router and, through them, "
         "every LayerNorm and block below: after one step only the last block's experts are "
         "still right. The same collectives move the same sizes: the ledger cannot see it",
-        MOE, _moe, first_choice_only, {"model": "moe", "ep": 2}),
+        MOE, _moe, first_choice_only, {"model": "moe", "ep": 2},
+        "a close relative: Mixtral's load_balancing_loss_func in Hugging Face transformers "
+        "computed the fraction of tokens per expert, f, wrongly (huggingface/transformers"
+        "#28255, fixed by #28256; before it, #28093: the loss was a constant, fixed by #28115)"),
     Bug("moe-aux-after-capacity", "ep",
         "the load-balancing f counts the assignments left after capacity drops",
         "an overloaded expert looks less loaded than it is (its dropped tokens vanish from "
         "f), so the aux pushes the router away from it too little, exactly where balance "
         "matters; the loss differs from step 1 on, the ledger not at all",
         "--capacity-factor and " + MOE, lambda cfg: cfg.capacity_factor is not None
-        and _moe(cfg), after_capacity, {"model": "moe", "ep": 2, "capacity_factor": 0.75}),
+        and _moe(cfg), after_capacity, {"model": "moe", "ep": 2, "capacity_factor": 0.75},
+        "plausible: no shipped case found"),
     Bug("moe-aux-per-rank", "ep",
         "the aux loss computed from each rank's own tokens (f and P not summed over dp)",
         "the mean over ranks of f_r P_r is not f P of the whole microbatch: the loss and the "
         "router gradient are off by a little from step 1 on, which no single rank can notice; "
         "the ledger can: the Allreduces of P (comm.sum_replicated, forward and backward) "
         "are gone",
-        MOE, _moe, aux_per_rank, {"model": "moe", "ep": 2}),
+        MOE, _moe, aux_per_rank, {"model": "moe", "ep": 2},
+        "shipped as a design, later corrected: the balance loss of each micro-batch or rank "
+        "instead of the global batch; Megatron-LM forks added the global one "
+        "(microsoft/ltp-megatron-lm#7); torchtitan proposes it (pytorch/torchtitan#4772)"),
     Bug("zero-no-allgather", "zero",
         "ZeRO-1/2 updates this rank's slice and never Allgathers the parameters back",
         "each rank updates its own slice and keeps every other slice at its old value: the "
@@ -312,7 +335,10 @@ _LIST = [
         "flat vector: the embedding onward), every other rank's copy disagrees with it, and "
         "the ledger is missing the Allgatherv",
         "--zero 1 or 2 with --dp 2 or more (stage 3 gathers in the forward instead)",
-        _zero, no_allgather, {"zero": 1}),
+        _zero, no_allgather, {"zero": 1},
+        "a close relative: DeepSpeed ZeRO-2 with MoE copied the updated fp32 slices back with "
+        "the wrong partition ids, so only a fraction of the parameters trained "
+        "(deepspeedai/DeepSpeed#2058)"),
 ]
 BUGS: dict[str, Bug] = {bug.name: bug for bug in _LIST}
 
@@ -357,5 +383,6 @@ def listing() -> str:
              "(mpiexec -n 4 python lessons/08_bugs.py runs them all):"]
     for bug in BUGS.values():
         lines += [f"\n{bug.name}  [{bug.strategy}]", f"  broken: {bug.broken}",
-                  f"  needs:  {bug.requires}", f"  try:    {command(bug)}"]
+                  f"  needs:  {bug.requires}", f"  try:    {command(bug)}",
+                  f"  seen:   {bug.seen}"]
     return "\n".join(lines)

@@ -19,8 +19,7 @@ pyplot, so it draws headless (Agg) in a lesson and shows inline in a notebook;
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from textwrap import fill
 
@@ -31,12 +30,15 @@ from matplotlib.patches import Patch, Rectangle
 
 from minipar.memory import ModelStates, optimizer_bytes_per_param
 from minipar.nn import canonical_shapes
-from minipar.parallel.pipeline_schedules import simulate_schedule
+from minipar.parallel.pipeline_schedules import replay, simulate_schedule
 from minipar.plots_load import expert_load_figure, gantt_figure
+from minipar.report import RECEIVES, group_sizes, sent_per_axis, wire_bytes
+from minipar.threads import cores
 
 AXIS_COLORS = {"dp": "tab:blue", "tp": "tab:orange", "pp": "tab:green", "ep": "tab:red",
                "edp": "tab:purple", "world": "tab:gray"}
 STATE_COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green"}
+ACTIVATION_COLOR = "tab:red"
 
 
 def save(figure: Figure, path: Path | str) -> Path:
@@ -56,27 +58,32 @@ def byte_unit(top: float) -> tuple[float, str]:
 
 
 # ------------------------------------------------------------------- ledger
-def busiest(records: Sequence[dict]) -> dict[tuple[str, str], dict]:
-    """Per (axis, op), the record of the rank that moved the most bytes."""
+def busiest(records: Sequence[dict], sizes: Mapping[str, int]) -> dict[tuple[str, str], dict]:
+    """Per (axis, op), the record of the rank that put the most bytes on the wire, with
+    those bytes added under "wire" (a receive, which sends nothing, is left out)."""
     best: dict[tuple[str, str], dict] = {}
     for r in records:
-        key = (r["group"], r["op"])
-        if key not in best or r["bytes"] > best[key]["bytes"]:
-            best[key] = r
+        if r["op"] in RECEIVES:
+            continue
+        key, wire = (r["group"], r["op"]), wire_bytes(r, sizes)
+        if key not in best or wire > best[key]["wire"]:
+            best[key] = dict(r, wire=wire)
     return best
 
 
-def ledger_figure(runs: dict[str, Sequence[dict]] | Sequence[dict], title: str = "") -> Figure:
+def ledger_figure(runs: dict[str, Sequence[dict]] | Sequence[dict], sizes: Mapping[str, int],
+                  title: str = "") -> Figure:
     """The ledger of a step as bars: one group per (mesh axis, operation), one bar per
     run (`runs` maps a label to its records; or pass one run's records), height =
-    bytes of the buffers that operation was called on by the busiest rank
-    (docs/design.md, "Communication"), the number of calls on top."""
+    bytes the busiest rank put on the wire for it (`wire_bytes`, ring formulas; the
+    runs share the group sizes `sizes`; docs/design.md, "Communication"), the number of
+    calls on top."""
     runs = runs if isinstance(runs, dict) else {"": runs}
-    best = {label: busiest(records) for label, records in runs.items()}
+    best = {label: busiest(records, sizes) for label, records in runs.items()}
     order = list(AXIS_COLORS)  # mesh axes in mesh order, then operations by name
     keys = sorted({key for per in best.values() for key in per},
                   key=lambda k: (order.index(k[0]) if k[0] in order else len(order), k[1]))
-    top = max([r["bytes"] for per in best.values() for r in per.values()] or [1])
+    top = max([r["wire"] for per in best.values() for r in per.values()] or [1]) or 1
     factor, unit = byte_unit(top)
     width = 0.8 / len(runs)
     width_inches = min(11.0, max(6.5, 2.5 + 1.1 * len(keys) * max(1, len(runs) / 2)))
@@ -88,13 +95,13 @@ def ledger_figure(runs: dict[str, Sequence[dict]] | Sequence[dict], title: str =
             record = best[label][key]
             xi = x + width * (slot - (len(present) - 1) / 2)
             color = f"C{i}" if len(runs) > 1 else AXIS_COLORS.get(key[0], "0.5")
-            ax.bar(xi, record["bytes"] / factor, width=width * 0.95, color=color)
+            ax.bar(xi, record["wire"] / factor, width=width * 0.95, color=color)
             calls = record["calls"]
-            ax.text(xi, record["bytes"] / factor, f"{calls}\ncall{'s' * (calls != 1)}",
+            ax.text(xi, record["wire"] / factor, f"{calls}\ncall{'s' * (calls != 1)}",
                     ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(keys)), [f"{op}\n{axis} axis" for axis, op in keys], fontsize=8)
     ax.set_ylim(0, (1.5 if len(runs) > 1 else 1.2) * top / factor)  # room for the legend
-    ax.set_ylabel(f"{unit} per rank in the last step (busiest rank)")
+    ax.set_ylabel(f"{unit} on the wire per rank, last step\n(busiest rank; ring algorithms)")
     if len(runs) > 1:
         ax.legend(handles=[Patch(color=f"C{i}", label=label) for i, label in enumerate(runs)],
                   fontsize=8, loc="upper center", ncol=min(len(runs), 4))
@@ -103,22 +110,12 @@ def ledger_figure(runs: dict[str, Sequence[dict]] | Sequence[dict], title: str =
     return figure
 
 
-def sent_per_axis(records: Sequence[dict]) -> dict[str, float]:
-    """Bytes the busiest rank of each axis handed to MPI in the step (receives left
-    out: they mirror the sends), axes in mesh order: dp, tp, pp, ep, edp."""
-    per_axis: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
-    for r in records:
-        if r["op"] not in ("Recv", "Irecv"):
-            per_axis[r["group"]][r["rank"]] += r["bytes"]
-    order = list(AXIS_COLORS)
-    return {axis: max(per_axis[axis].values()) for axis in
-            sorted(per_axis, key=lambda a: order.index(a) if a in order else len(order))}
-
-
-def ledger_compare_figure(ledgers: dict[str, Sequence[dict]], title: str = "") -> Figure:
+def ledger_compare_figure(ledgers: dict[str, Sequence[dict]],
+                          sizes: dict[str, Mapping[str, int]], title: str = "") -> Figure:
     """Several runs' ledgers side by side: one horizontal bar per run, cut by mesh
-    axis, length = bytes the busiest rank of that axis sent in the last step."""
-    sent = {label: sent_per_axis(records) for label, records in ledgers.items()}
+    axis, length = bytes the busiest rank of that axis put on the wire in the last
+    step (`sent_per_axis`; `sizes[label]` are that run's group sizes)."""
+    sent = {label: sent_per_axis(records, sizes[label]) for label, records in ledgers.items()}
     factor, unit = byte_unit(max(sum(per.values()) for per in sent.values()))
     labels = list(ledgers)[::-1]
     figure = Figure(figsize=(8.5, 1.2 + 0.45 * len(labels)), layout="constrained")
@@ -131,12 +128,13 @@ def ledger_compare_figure(ledgers: dict[str, Sequence[dict]], title: str = "") -
         ax.text(left, y, f" {left:.3g} {unit}", va="center", fontsize=8)
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.set_xlim(0, 1.15 * max(sum(per.values()) for per in sent.values()) / factor)
-    ax.set_xlabel(f"{unit} sent per rank in the last step (busiest rank of each axis)")
+    ax.set_xlabel(f"{unit} on the wire per rank in the last step (busiest rank of each axis; "
+                  "ring algorithms)")
     axes_seen = {axis for per in sent.values() for axis in per}
     ax.legend(handles=[Patch(color=c, label=f"{a} axis") for a, c in AXIS_COLORS.items()
                        if a in axes_seen], fontsize=8, loc="center left",
               bbox_to_anchor=(1.01, 0.5))
-    ax.set_title(fill(title or "what moved, by mesh axis", 90), fontsize=10)
+    ax.set_title(fill(title or "what moved on the wire, by mesh axis", 90), fontsize=10)
     return figure
 
 
@@ -149,15 +147,20 @@ def as_states(value: ModelStates | dict) -> ModelStates:
 def memory_figure(runs: dict[str, Sequence[ModelStates | dict]],
                   marks: dict[str, ModelStates] | None = None,
                   mark_label: str = "formula (memory.zero_formula)", title: str = "",
-                  relative: bool = False) -> Figure:
+                  relative: bool = False,
+                  activations: dict[str, Sequence[float]] | None = None) -> Figure:
     """Bytes of model states each rank holds, one group of bars per run (a ZeRO
     stage, a mesh), one stacked bar per rank: parameters, gradients, optimizer
-    state. A black line over a group marks `marks[label].total` (a formula, or
-    what one process holds), named `mark_label`. With `relative`, every group is
-    drawn in percent of its mark, so runs of different models compare."""
+    state, and on top, if given, `activations[label][rank]`: the peak bytes of
+    saved activations. A black line over a group marks `marks[label].total` (a
+    formula, or what one process holds), named `mark_label`. With `relative`,
+    every group is drawn in percent of its mark, so runs of different models compare."""
     states = {label: [as_states(s) for s in ranks] for label, ranks in runs.items()}
+    acts = {label: np.asarray((activations or {}).get(label, np.zeros(len(ranks))), float)
+            for label, ranks in states.items()}
     scale = {label: 100 / marks[label].total if relative else 1.0 for label in states}
-    tops = [s.total * scale[k] for k, ranks in states.items() for s in ranks]
+    tops = [(s.total + a) * scale[k] for k, ranks in states.items()
+            for s, a in zip(ranks, acts[k])]
     tops += [m.total * scale[k] for k, m in (marks or {}).items()]
     factor, unit = (1.0, "%") if relative else byte_unit(max(tops))
     bars = sum(len(r) for r in states.values()) + 1.2 * len(states)
@@ -172,6 +175,9 @@ def memory_figure(runs: dict[str, Sequence[ModelStates | dict]],
             values = np.array([getattr(s, kind) for s in ranks]) * scale[label] / factor
             ax.bar(xs, values, bottom=bottom, color=color, width=0.85)
             bottom += values
+        if activations:
+            ax.bar(xs, acts[label] * scale[label] / factor, bottom=bottom,
+                   color=ACTIVATION_COLOR, width=0.85)
         if marks and label in marks:
             ax.hlines(marks[label].total * scale[label] / factor, xs[0] - 0.45, xs[-1] + 0.45,
                       color="black", lw=2)
@@ -183,6 +189,8 @@ def memory_figure(runs: dict[str, Sequence[ModelStates | dict]],
     ax.set_ylim(0, 1.2 * max(tops) / factor)
     held = {k for k in STATE_COLORS if any(getattr(s, k) for r in states.values() for s in r)}
     handles = [Patch(color=c, label=k) for k, c in STATE_COLORS.items() if k in held]
+    if activations:
+        handles.append(Patch(color=ACTIVATION_COLOR, label="saved activations, peak"))
     if marks:
         handles.append(Patch(color="black", label=mark_label))
     ax.legend(handles=handles, fontsize=8, ncol=len(handles), loc="upper center")
@@ -293,7 +301,10 @@ def tour_figures(folder: Path | str, stops: Sequence[dict]) -> Path:
     folder = Path(folder)
     labels = [short_label(stop) for stop in stops]
     save(ledger_compare_figure({k: s["ledger"] for k, s in zip(labels, stops)},
-                               "the tour: what one rank sent in the last step, per axis"),
+                               {k: group_sizes(s["cfg"].mesh_shape())
+                                for k, s in zip(labels, stops)},
+                               "the tour: bytes one rank put on the wire in the last step, "
+                               "per axis (8 ranks, the mesh in brackets)"),
          folder / "tour_ledger.png")
     names = [k.replace(" (", "\n(") for k in labels]
     save(memory_figure(dict(zip(names, (s["memory"] for s in stops))),
@@ -311,8 +322,11 @@ def tour_figures(folder: Path | str, stops: Sequence[dict]) -> Path:
     for label, stop in piped:
         cfg = stop["cfg"]
         sim = simulate_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual)
-        save(gantt_figure(sim, stop["extras"]["timeline"], f"{label}: {cfg.schedule}, "
-                          f"M = {cfg.microbatches} microbatches"), folder / "tour_pipeline.png")
+        timeline = stop["extras"]["timeline"]
+        again = replay(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual, timeline)
+        save(gantt_figure(sim, timeline, f"{label}: {cfg.schedule}, M = {cfg.microbatches} "
+                          "microbatches", replayed=again, cores=cores()),
+             folder / "tour_pipeline.png")
     routed = [(k, s) for k, s in zip(labels, stops) if s["extras"].get("expert_load")][:1]
     for label, stop in routed:  # block 1's load in the last microbatch
         save(expert_load_figure(stop["extras"]["expert_load"][0], f"{label}: block 1, "

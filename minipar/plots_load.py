@@ -5,7 +5,10 @@ shows where. A pipeline schedule is a Gantt chart (GPipe, Huang et al. 2019; 1F1
 Narayanan et al. 2021): one row per stage, and the white space is the bubble, which
 shrinks with the microbatches as (pp-1)/(M+pp-1). An MoE router (GShard, Lepikhin et
 al. 2021; Switch, Fedus et al. 2022) fills some experts more than others, and every ep
-rank waits for the busiest one.
+rank waits for the busiest one; its aux loss, trained, evens them out. Measured times
+are drawn as what they are: medians over repeats, on the cores they ran on (with more
+ranks than cores a wall clock measures the ranks taking turns; a replay of the measured
+CPU times shows the schedule instead).
 
 Every function takes plain data (the simulator's `Simulation`, the records of
 `RunResult.extras`) and returns a matplotlib `Figure` built without pyplot, as
@@ -18,6 +21,7 @@ plots.py does (its `save` writes the PNG).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from textwrap import fill
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -82,25 +86,39 @@ def gantt_legend(figure: Figure, kinds: Iterable[str], chunks: bool, waits: bool
 
 
 def gantt_figure(sim: Simulation, timeline: Sequence[dict] | None = None,
-                 title: str = "") -> Figure:
-    """The schedule as the simulator plays it (F = 1 unit, B = 2), and beside it, if
-    given, the wall-clock timeline of a real run's last step (every rank; from
-    `RunResult.extras["timeline"]`). Box numbers are microbatches."""
-    panels = 2 if timeline else 1
+                 title: str = "", replayed: Simulation | None = None,
+                 cores: int | None = None) -> Figure:
+    """The schedule as the simulator plays it (F = 1 unit, B = 2 per stage's share of
+    the layers), and beside it, if given, the wall-clock timeline of a real run's last
+    step (every rank; from `RunResult.extras["timeline"]`) and `replayed`: that run's
+    measured compute times played on the schedule's dependencies
+    (`pipeline_schedules.replay`). With `cores` fewer than the ranks, the wall-clock
+    panel says it was oversubscribed. Box numbers are microbatches."""
+    panels = 1 + bool(timeline) + (replayed is not None)
     pp = max(s.stage for s in sim.timeline) + 1
     real = timeline_bars(timeline) if timeline else []
     rows = max(pp, len({bar["row"] for bar in real}))
-    figure = Figure(figsize=(6.5 * panels, 1.2 + 0.42 * rows), layout="constrained")
+    figure = Figure(figsize=(5.6 * panels, 1.5 + 0.42 * rows), layout="constrained")
     figure.get_layout_engine().set(rect=(0, 0.08, 1, 0.92))
     axes = figure.subplots(1, panels, squeeze=False)[0]
     simulated = [dict(vars(slot), row=slot.stage) for slot in sim.timeline]
     draw_gantt(axes[0], simulated, {s: f"stage {s}" for s in range(pp)},
-               "logical units: F = 1", f"simulator: bubble {sim.bubble:.1%}")
+               "logical units: F = 1 per stage's layers", f"simulator: bubble {sim.bubble:.1%}")
     if timeline:
         stage_of = {r["rank"]: r["stage"] for r in timeline}
         measured = measured_bubble(timeline)
+        ranks = len(stage_of)
+        shared = (f"\n{ranks} ranks on {cores} cores: oversubscribed, the wall clock "
+                  "measures the sharing" if cores and ranks > cores else
+                  f"\n{ranks} ranks on {cores} cores" if cores else "")
         draw_gantt(axes[1], real, {r: f"rank {r} (stage {s})" for r, s in stage_of.items()},
-                   "ms, wall clock", f"real run, last step: bubble {measured:.1%}")
+                   "ms, wall clock", f"real run, last step: bubble {measured:.1%}{shared}")
+    if replayed is not None:
+        bars = [dict(vars(slot), row=slot.stage, start=1000 * slot.start, end=1000 * slot.end)
+                for slot in replayed.timeline]
+        draw_gantt(axes[-1], bars, {s: f"stage {s}" for s in range(pp)}, "ms of CPU time",
+                   f"replay: bubble {replayed.bubble:.1%}\nthe measured CPU times "
+                   "on the schedule's dependencies")
     kinds = {s.kind for s in sim.timeline}
     chunks = any(s.chunk for s in sim.timeline)
     gantt_legend(figure, kinds, chunks, waits=bool(timeline))
@@ -120,10 +138,14 @@ def measured_bubble(timeline: Sequence[dict]) -> float:
 def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
                   schedules: Sequence[tuple[str, int]] = (("1f1b", 1), ("interleaved", 2),
                                                           ("zb-h1", 1)),
-                  measured: dict[int, float] | None = None) -> Figure:
+                  measured: dict[int, float] | None = None,
+                  replayed: dict[int, float] | None = None,
+                  measured_label: str = "1F1B, real run (wall clock)") -> Figure:
     """Bubble fraction against the number of microbatches M: the papers' formulas as
-    lines, the simulator as dots on them, and (if given) a real 1F1B run's measured
-    bubble per M as crosses. GPipe and 1F1B share (pp-1)/(M+pp-1)."""
+    lines, the simulator as dots on them, and (if given) a real 1F1B run's bubble per
+    M: wall clock as crosses (named `measured_label`), its measured compute times
+    replayed on the schedule (`pipeline_schedules.replay`) as squares. GPipe and 1F1B
+    share (pp-1)/(M+pp-1)."""
     names = {"1f1b": "GPipe and 1F1B: (pp-1)/(M+pp-1)",
              "interleaved": "interleaved, V={v}: (pp-1)/(VM+pp-1)",
              "zb-h1": "ZB-H1: (pp-1)/(3M+pp-1), M >= pp"}
@@ -140,7 +162,11 @@ def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
                 color=color, markersize=5)
     if measured:
         ax.plot(list(measured), list(measured.values()), "x", color="black", markersize=8,
-                mew=2, label="1F1B, real run (wall clock)")
+                mew=2, label=measured_label)
+    if replayed:
+        ax.plot(list(replayed), list(replayed.values()), "s", color="tab:red", markersize=7,
+                fillstyle="none", mew=1.5,
+                label="1F1B, real run's CPU times replayed on the schedule")
     ax.plot([], [], "o", color="0.4", label="simulator")
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(microbatches), [str(m) for m in microbatches])
@@ -150,6 +176,55 @@ def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
     ax.set_title(f"the pipeline bubble, pp = {pp} stages", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return figure
+
+
+# ------------------------------------------------------------ measured times
+def timing_figure(times: dict[str, Sequence[float]], title: str = "",
+                  unit: str = "ms") -> Figure:
+    """Measured times side by side: one bar per label at the median of its samples,
+    a line from the fastest to the slowest sample, the median written beside it."""
+    figure = Figure(figsize=(6.5, 4.2), layout="constrained")
+    ax = figure.subplots()
+    for x, samples in enumerate(times.values()):
+        median = float(np.median(samples))
+        ax.bar(x, median, width=0.6, color=f"C{x}")
+        ax.vlines(x, min(samples), max(samples), color="black", lw=1.5)
+        ax.text(x + 0.05, median, f" {median:.3g} {unit}", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(times)), list(times), fontsize=9)
+    ax.set_ylim(0, 1.15 * max(max(s) for s in times.values()))
+    ax.set_ylabel(f"{unit} (bar: median; line: fastest to slowest)")
+    ax.set_title(fill(title or "measured times", 70), fontsize=10)
+    return figure
+
+
+# ------------------------------------------------------------ the aux loss
+def balance_figure(histories: dict[float, Sequence[dict]], capacity_factor: float,
+                   title: str = "") -> Figure:
+    """Training runs of one MoE block, one line per aux-loss coefficient: the router's
+    imbalance (max/mean assignments per expert) and the share of assignments dropped
+    at capacity, step by step (`histories[coef]` = records with step, imbalance,
+    dropped)."""
+    figure = Figure(figsize=(11, 3.8), layout="constrained")
+    left, right = figure.subplots(1, 2)
+    for i, (coef, history) in enumerate(histories.items()):
+        steps = [h["step"] for h in history]
+        label = "no aux loss" if coef == 0 else f"aux coef {coef:g}"
+        left.plot(steps, [h["imbalance"] for h in history], color=f"C{i}", label=label)
+        right.plot(steps, [100 * h["dropped"] for h in history], color=f"C{i}", label=label)
+    left.axhline(1.0, color="black", ls=":", lw=1, label="perfect balance")
+    left.set_ylim(0, None)
+    left.set_ylabel("imbalance: max / mean assignments")
+    right.set_ylim(0, None)
+    right.set_ylabel(f"% of assignments dropped (capacity factor {capacity_factor:g})")
+    for ax in (left, right):
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    left.set_title("the router's imbalance", fontsize=10)
+    right.set_title("tokens the full experts turn away", fontsize=10)
+    if title:
+        figure.suptitle(title, fontsize=11)
     return figure
 
 
@@ -171,9 +246,16 @@ def expert_load_figure(stats: dict, title: str = "") -> Figure:
     else:
         left.bar(experts, routed, color="tab:red", alpha=0.35, label="routed (chose it)")
         left.bar(experts, kept, color="tab:red", label="kept (computed)")
-        left.axhline(stats["limit"], color="black", ls="--", lw=1,
-                     label=f"capacity ceil(c k B/E) = {stats['limit']}")
-    left.axhline(routed.mean(), color="0.3", ls=":", lw=1, label="perfect balance")
+    mean, limit = routed.mean(), stats.get("limit")
+    if limit is not None and np.isclose(limit, mean):  # capacity factor 1: one line, both names
+        left.axhline(limit, color="black", ls="--", lw=1.2,
+                     label=f"capacity ceil(c k B/E) = {limit} = perfect balance (mean)")
+    else:
+        if limit is not None:
+            left.axhline(limit, color="black", ls="--", lw=1.2,
+                         label=f"capacity ceil(c k B/E) = {limit}")
+        left.axhline(mean, color="tab:blue", ls=":", lw=1.5,
+                     label=f"perfect balance (mean {mean:.1f})")
     left.set_xlabel(f"expert (shaded bands: {per_rank} experts of one ep rank)")
     left.set_ylabel("(token, slot) assignments")
     left.set_xlim(-0.5, len(routed) - 0.5)

@@ -9,15 +9,18 @@ rank, an Allgather or Reduce_scatter (n-1)/n N (`memory.wire_elements`).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 
 from minipar.config import TrainConfig
 from minipar.costmodel import rank_shape
 from minipar.memory import wire_elements
+from minipar.mesh import MeshShape
 from minipar.plan import minipar_workload, plan_of
 from minipar.timemodel import ledger_of, traffic
 
 # Mesh axis -> the flag that sets its size (edp is dp/ep).
 _AXIS_SIZE = {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep"}
+AXES = ["dp", "tp", "pp", "ep", "edp", "world"]  # the ledger's group names, in mesh order
 
 
 def group_size(cfg: TrainConfig, group: str) -> int:
@@ -27,6 +30,38 @@ def group_size(cfg: TrainConfig, group: str) -> int:
     if group == "world":
         return cfg.dp * cfg.tp * cfg.pp
     return getattr(cfg, _AXIS_SIZE[group])
+
+
+RECEIVES = ("Recv", "Irecv")  # the sender's record counts the message; the receiver puts none
+
+
+def group_sizes(shape: MeshShape) -> dict[str, int]:
+    """Ranks per group of each mesh axis, by the ledger's group names: dp, tp, pp, ep,
+    edp (the dp ranks that hold the same experts, dp/ep) and world."""
+    return {"dp": shape.dp, "tp": shape.tp, "pp": shape.pp, "ep": shape.ep,
+            "edp": shape.dp // shape.ep, "world": shape.world}
+
+
+def wire_bytes(record: dict, sizes: Mapping[str, int]) -> float:
+    """Bytes one ledger record's rank put on the wire, by the ring formulas
+    (`memory.wire_elements`: Allreduce 2(N-1)/N of the buffer, Allgather and
+    Reduce_scatter (N-1)/N, Alltoall(v) (N-1)/N, Send the message; a receive 0).
+    `sizes` maps the record's group to its rank count (`group_sizes`)."""
+    if record["op"] in RECEIVES or not record["elements"]:
+        return 0.0
+    itemsize = record["bytes"] / record["elements"]
+    return wire_elements(record["op"], record["elements"], sizes[record["group"]]) * itemsize
+
+
+def sent_per_axis(records: Sequence[dict], sizes: Mapping[str, int]) -> dict[str, float]:
+    """Bytes the busiest rank of each axis put on the wire in the step (`wire_bytes`,
+    summed over its operations on that axis), axes in mesh order: dp, tp, pp, ep, edp."""
+    per_axis: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for r in records:
+        if r["op"] not in RECEIVES:
+            per_axis[r["group"]][r["rank"]] += wire_bytes(r, sizes)
+    return {axis: max(per_axis[axis].values()) for axis in
+            sorted(per_axis, key=lambda a: AXES.index(a) if a in AXES else len(AXES))}
 
 
 def predicted_ledgers(cfg: TrainConfig) -> dict[int, dict[tuple[str, str], tuple[int, int]]]:
@@ -54,8 +89,7 @@ def ledger_table(records: list[dict], cfg: TrainConfig) -> str:
              f"{'bytes':>10} {'wire bytes':>11}  predicted calls, elements"]
     for (group, op), rows in sorted(per.items()):
         worst = max(rows, key=lambda r: (r["bytes"], -r["rank"]))
-        itemsize = worst["bytes"] / worst["elements"] if worst["elements"] else 0
-        wire = wire_elements(op, worst["elements"], group_size(cfg, group)) * itemsize
+        wire = wire_bytes(worst, {group: group_size(cfg, group)})  # a receive: 0
         calls, elements = predicted[worst["rank"]].get((group, op), (None, None))
         if calls is None:
             verdict = "-"

@@ -3,9 +3,12 @@
     mpiexec -n 8 python -m minipar tour [--plot DIR]
 
 For every strategy the tour trains the same small model on a mesh of the 8
-ranks, then reruns it in one process and prints one line: the mesh, what moved
-in the last step (bytes per axis, from the ledger) and the largest difference
-from the single-process run. Figures go to the folder named at the end.
+ranks, then reruns it in one process and prints one line: the mesh in brackets
+([dp2 tp4]: 2 replicas of a model split 4 ways), what the busiest rank of each
+axis put on the wire in the last step (KiB, from the ledger by the ring
+formulas: an Allreduce of N bytes over n ranks sends 2(n-1)/n N from each) and
+the largest difference from the single-process run. Figures go to the folder
+named at the end.
 """
 
 from __future__ import annotations
@@ -13,13 +16,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
 from minipar.config import TrainConfig
 from minipar.preflight import output_problems
+from minipar.report import group_sizes, sent_per_axis
 from minipar.results import TOLERANCE, max_differences, relative_difference
 from minipar.train import problems, train, train_reference
 
@@ -49,14 +52,18 @@ SMALL = dict(layers=8, d_in=16, d_model=32, batch=64, steps=3)
 GPT_SMALL = dict(layers=8, d_model=32, heads=4, seq_len=16, batch=16, steps=3)
 
 
-def moved(ledger: list[dict]) -> str:
-    """Bytes one rank sent per axis in the last step (the busiest rank of each axis)."""
-    per_axis: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
-    for r in ledger:
-        if r["op"] not in ("Recv", "Irecv"):
-            per_axis[r["group"]][r["rank"]] += r["bytes"]
-    parts = [f"{axis} {max(ranks.values()) / 1024:.0f} KiB" for axis, ranks in
-             sorted(per_axis.items())]
+def mesh_name(cfg: TrainConfig) -> str:
+    """'dp2 tp4': the mesh axes of more than one rank."""
+    axes = [f"{axis}{getattr(cfg, axis)}" for axis in ("dp", "tp", "pp", "ep")
+            if getattr(cfg, axis) > 1 and not (axis == "ep" and not cfg.model_config().is_moe)]
+    return " ".join(axes) or "one rank"
+
+
+def moved(ledger: list[dict], cfg: TrainConfig) -> str:
+    """Bytes one rank put on the wire per axis in the last step (the busiest rank of
+    each axis; ring formulas, `report.wire_bytes`), axes with nothing to send left out."""
+    sent = sent_per_axis(ledger, group_sizes(cfg.mesh_shape()))
+    parts = [f"{axis} {value / 1024:.0f} KiB" for axis, value in sent.items() if value]
     return ", ".join(parts) if parts else "nothing"
 
 
@@ -80,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     worst, skipped = 0.0, 0
     start = time.perf_counter()
+    if rank == 0:
+        print("each line: the strategy, its mesh of the 8 ranks [dp2 tp4 = 2 replicas of a "
+              "model split 4 ways],\nthe KiB the busiest rank of each axis put on the wire "
+              "in the last step (ring formulas),\nand the largest difference from one "
+              "process\n", flush=True)
     stops: list[dict] = []  # what the figures need, kept on rank 0 (with --plot)
     for title, flags in STOPS:
         base = GPT_SMALL if flags.get("model", "").startswith("gpt") else SMALL
@@ -100,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             loss_diff = float(np.max(np.abs(np.subtract(result.losses, ref.losses))))
             _, rel, _ = max_differences(result.final, ref.final)
             worst = max(worst, rel, relative_difference(result.losses, ref.losses))
-            print(f"{title:<58} moved {moved(result.ledger)}; "
+            print(f"{title:<58} [{mesh_name(cfg)}] on the wire {moved(result.ledger, cfg)}; "
                   f"vs one process: loss {loss_diff:.1e}, params rel {rel:.1e}", flush=True)
     ok = worst <= TOLERANCE["float64"] and not skipped
     if rank == 0:

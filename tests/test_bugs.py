@@ -209,3 +209,11 @@ def test_lesson_08_catches_every_bug_and_passes_every_correct_run(tmp_path):
         assert f"{name} [" in job.stdout and name in job.stdout
     assert found["tp-plain-linear"]["caught_by"] == ["ledger", "memory"]
     assert "caught by: NOTHING" not in job.stdout
+
+
+def test_every_bug_says_where_it_shipped_or_that_it_is_plausible():
+    """Each bug cites a public issue or pull request (owner/repo#N) of a real project, or
+    says plainly that no shipped case was found."""
+    for bug in bugs.BUGS.values():
+        cited = re.search(r"\b[\w.-]+/[\w.-]+#\d+", bug.seen)
+        assert cited or bug.seen.startswith("plausible"), (bug.name, bug.seen)

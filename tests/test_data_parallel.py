@@ -16,13 +16,15 @@ tests.test_data_parallel:check_overlap_starts_buckets_in_backward`.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 from minipar import nn
 from minipar.config import GRAD_SYNCS, TrainConfig
 from tests.conftest import assert_equivalent, reference
-from tests.mpi import minipar, sweep
+from tests.mpi import launch, minipar, sweep
 from tests.rank_tests import run_checks
 
 SMALL = {"layers": 4, "d_model": 16, "d_in": 8, "batch": 48, "steps": 3}
@@ -163,3 +165,12 @@ def check_overlap_starts_buckets_in_backward(comm: object) -> None:
             problems.append(f"{p.name}: overlapped sync differs from bucketed")
     mesh.free()
     agree(comm, problems)
+
+
+def test_lesson_times_the_three_syncs_and_says_where():
+    job = launch(4, ["lessons/01_data_parallel.py", "--repeats", "2"], timeout=120)
+    assert job.returncode == 0 and not job.timed_out, job.explain()
+    assert re.search(r"measured on 4 ranks sharing \d+ cores", job.stdout), job.stdout
+    timed = dict(re.findall(r"^ +(naive|bucketed|overlapped): +([\d.]+) ms", job.stdout, re.M))
+    assert set(timed) == {"naive", "bucketed", "overlapped"}, job.stdout
+    assert all(float(ms) > 0 for ms in timed.values())

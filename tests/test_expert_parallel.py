@@ -313,6 +313,14 @@ def test_lesson_runs_and_matches_one_process():
     ledger = re.search(r"Alltoallv elements \(all ranks, forward\+backward\): (\d+) = "
                        r"4 x kept (\d+) x d (\d+)", out)
     assert ledger and int(ledger[1]) == 4 * int(ledger[2]) * int(ledger[3])
+    # part 6: training with the aux loss (coef 0.1) balances the experts sooner than without
+    rows = {int(step): [float(v) for v in cells.replace("%", "").split()] for step, cells in
+            re.findall(r"^ +(\d+)((?: +[\d.]+ +\d+%){3})$", out, re.M)}
+    assert sorted(rows) == [0, 5, 10, 20, 40], out
+    assert rows[0][0] == rows[0][2] == rows[0][4] > 5  # one untrained router, imbalanced
+    none, strong = (rows[10][0], rows[10][1]), (rows[10][4], rows[10][5])
+    assert strong[0] < none[0] and strong[1] < none[1], rows[10]
+    assert rows[40][4] < rows[0][4] and rows[40][5] < rows[40][1], rows[40]
 
 
 if __name__ == "__main__":

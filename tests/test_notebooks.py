@@ -6,10 +6,15 @@ MPI ranks, as ipyparallel engines or as `mpiexec` jobs (minipar/classroom.py).
 A cell that raises fails the test with the cell and its traceback. The
 repository keeps the notebooks without outputs.
 
-The same without pytest: `make notebooks`.
+`make notebooks` runs this file with $MINIPAR_NOTEBOOKS_OUT=build/notebooks: each
+executed notebook, outputs and figures included, is written there for a teacher
+to read (a notebook that fails is written too, up to the failing cell).
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -28,7 +33,7 @@ def code_cells(notebook: nbformat.NotebookNode) -> list:
 def test_a_notebook_for_every_strategy():
     names = " ".join(path.stem for path in NOTEBOOKS)
     for word in ("collectives", "data_parallel", "tensor_parallel", "expert_parallel",
-                 "pipeline_parallel", "hybrid"):
+                 "pipeline_parallel", "tp_vs_pp", "hybrid", "zero", "bugs"):
         assert word in names, word
 
 
@@ -46,9 +51,31 @@ def test_notebook_runs_and_draws(path):
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(notebook, timeout=CELL_TIMEOUT, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
-    client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
+    out = os.environ.get("MINIPAR_NOTEBOOKS_OUT")
+    try:
+        client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
+    finally:
+        if out:  # the executed notebook, kept for a teacher (`make notebooks`)
+            folder = Path(out) if Path(out).is_absolute() else ROOT / out
+            folder.mkdir(parents=True, exist_ok=True)
+            nbformat.write(notebook, folder / path.name)
     drawing = [cell for cell in code_cells(notebook) if "display(plots" in cell.source]
     for cell in drawing:
         images = [out for out in cell.outputs if "image/png" in out.get("data", {})]
         assert len(images) >= 1, f"{path.name}: no figure from {cell.source[:80]!r}"
     assert drawing, f"{path.name} draws no figure"
+
+
+@pytest.mark.parametrize("name", ["05_tp_vs_pp", "07_zero", "08_bugs"])
+def test_lesson_notebooks_ask_what_to_notice_and_check_exercises(name):
+    """A notebook for a class: "what to notice" prompts, and exercises whose cells
+    check the answer against what the ranks measured (an assert that can fail)."""
+    notebook = nbformat.read(ROOT / "lessons" / f"{name}.ipynb", as_version=4)
+    text = [cell.source for cell in notebook.cells if cell.cell_type == "markdown"]
+    assert sum("What to notice" in t for t in text) >= 1, name
+    exercises = [i for i, cell in enumerate(notebook.cells) if cell.cell_type == "markdown"
+                 and cell.source.startswith("## Exercise")]
+    assert 2 <= len(exercises) <= 3, name
+    for i in exercises:  # the code cell after each exercise checks the answer
+        check = notebook.cells[i + 1]
+        assert check.cell_type == "code" and "assert" in check.source, (name, i)

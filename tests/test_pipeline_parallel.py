@@ -142,16 +142,17 @@ def test_lesson_shows_the_48_layer_example_bubble_memory_and_equivalence():
     assert "[rank 0] layers 1-6 + embedding, layers 25-30" in out  # --virtual 2
     # 1F1B, pp = 4, M = 4, worked by hand: warm-up F1-F3, F4, then B1 once it is back
     assert "rank 0: F1 F2 F3 F4 .  .  .  .  .  .  B1 B1 .  B2 B2 .  B3 B3 .  B4 B4" in out
-    table = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s+[\d.]+$",
-                       out, re.M)
+    table = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+"
+                       r"\s+[\d.]+$", out, re.M)
     assert [int(row[0]) for row in table] == [1, 4, 8, 16], out
-    for m, formula, simulated, measured in table:
+    for m, formula, simulated, replayed, measured in table:
         expected = f"{3 / (int(m) + 3):.3f}"
         assert formula == simulated == expected, (m, formula, simulated)
-        assert 0.0 <= float(measured) < 1.0
+        assert 0.0 <= float(measured) < 1.0 and 0.0 <= float(replayed) < 1.0
+    assert "4 ranks on" in out and "replayed CPU times" in out
     assert "gpipe: simulator [8, 8, 8, 8], real run [8, 8, 8, 8]" in out
     assert "1f1b: simulator [4, 3, 2, 1], real run [4, 3, 2, 1]" in out
-    checks = re.findall(r"(\S+): bubble measured .* in order: (\w+); max rel diff "
+    checks = re.findall(r"(\S+): bubble replayed .* in order: (\w+); max rel diff "
                         r"losses (\S+), params (\S+) -> (\w+)$", out, re.M)
     assert [c[0] for c in checks] == ["gpipe", "1f1b", "interleaved", "zb-h1"], out
     for name, in_order, losses, params, verdict in checks:

@@ -171,3 +171,36 @@ def test_gantt_chart_of_1f1b():
     lines = gantt(simulate_schedule("1f1b", 2, 3), 2)
     assert lines == ["stage 0: F1 F2 .  .  B1 B1 F3 B2 B2 .  B3 B3",
                      "stage 1: .  F1 B1 B1 F2 B2 B2 F3 B3 B3 .  ."]
+
+
+@pytest.mark.parametrize("pp,m,v", [(2, 4, 2), (4, 8, 2), (4, 8, 4), (3, 6, 3)])
+def test_interleaving_finishes_the_same_model_sooner(pp, m, v):
+    """A chunk holds 1/V of a stage's layers and is charged F = 1/V, B = 2/V: the same
+    work per stage (3M units) as 1F1B, but the warm-up and cool-down shrink by V:
+    T = 3M + 3(pp-1)/V against 1F1B's 3M + 3(pp-1)."""
+    one = simulate_schedule("1f1b", pp, m)
+    interleaved = simulate_schedule("interleaved", pp, m, v)
+    busy = defaultdict(float)
+    for slot in interleaved.timeline:
+        busy[slot.stage] += slot.end - slot.start
+    assert all(t == pytest.approx(3 * m) for t in busy.values())  # same work as 1F1B
+    assert one.makespan == pytest.approx(3 * m + 3 * (pp - 1))
+    assert interleaved.makespan == pytest.approx(3 * m + 3 * (pp - 1) / v)
+    assert interleaved.makespan < one.makespan
+
+
+def test_replay_plays_measured_durations_on_the_dependencies():
+    """Replaying a timeline whose durations are the logical costs gives back the
+    simulation; doubling one stage's forwards delays exactly what depends on them."""
+    base = simulate_schedule("1f1b", 4, 8)
+    timeline = [{"stage": s.stage, "kind": s.kind, "chunk": s.chunk,
+                 "microbatch": s.microbatch, "start": 10.0, "end": 10.0 + s.end - s.start}
+                for s in base.timeline]
+    same = simulator.replay("1f1b", 4, 8, 1, timeline)
+    assert same.makespan == pytest.approx(base.makespan)
+    assert same.bubble == pytest.approx(base.bubble)
+    slower = [dict(r, end=r["start"] + 2 * (r["end"] - r["start"]))
+              if r["stage"] == 1 and r["kind"] == FORWARD else r for r in timeline]
+    slow = simulator.replay("1f1b", 4, 8, 1, slower)
+    assert slow.makespan > base.makespan
+    assert all(s.end - s.start == 2 for s in slow.timeline if s.stage == 1 and s.kind == FORWARD)

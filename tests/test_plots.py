@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import time
 
+import matplotlib.colors
 import matplotlib.image
 import numpy as np
 import pytest
 from matplotlib.patches import Rectangle
 
-from minipar import classroom, plots, plots_load
+from minipar import classroom, nn, plots, plots_load
+from minipar.memory import wire_formula
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
     bubble_formula,
@@ -48,7 +50,8 @@ def runs() -> list[classroom.Run]:
     return classroom.train(4, [
         dict(SMALL, layers=4, dp=1, pp=4, microbatches=4, schedule="1f1b"),
         dict(SMALL, model="moe", layers=2, dp=4, ep=4, experts=8, capacity_factor=1.0),
-        dict(SMALL, layers=2, dp=4, zero=3, optimizer="adam", lr=0.01)])
+        dict(SMALL, layers=2, dp=4, zero=3, optimizer="adam", lr=0.01),
+        dict(SMALL, layers=2, dp=4, zero=0, optimizer="adam", lr=0.01)])
 
 
 @pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
@@ -93,17 +96,61 @@ def test_real_pipeline_timeline_beside_the_simulator(runs, tmp_path):
     assert_picture(plots.save(figure, tmp_path / "pipeline.png"))
 
 
-def test_ledger_bars_are_the_busiest_ranks_bytes(runs, tmp_path):
+def psi_of(run: classroom.Run) -> int:
+    return sum(int(np.prod(s)) for s in nn.canonical_shapes(run.cfg.model_config()).values())
+
+
+def test_wire_bytes_are_the_ring_formulas(runs):
+    """The bars' numbers, by hand: on dp = 4 an Allreduce puts 2 x 3/4 of its buffer on
+    the wire, an Allgatherv and a Reduce_scatter 3/4; a Recv nothing; a Send all of it."""
+    sizes = plots.group_sizes(runs[2].cfg.mesh_shape())
+    assert sizes["dp"] == 4
+    for r in runs[2].ledger + runs[3].ledger:
+        share = {"Allreduce": 1.5, "Allgatherv": 0.75, "Reduce_scatter": 0.75}.get(r["op"], 0)
+        if r["group"] == "dp" and r["elements"]:
+            assert plots.wire_bytes(r, sizes) == pytest.approx(share * r["bytes"]), r
+    pipe = plots.group_sizes(runs[0].cfg.mesh_shape())
+    for r in runs[0].ledger:
+        if r["op"] in ("Send", "Isend"):
+            assert plots.wire_bytes(r, pipe) == r["bytes"]
+        if r["op"] in ("Recv", "Irecv"):
+            assert plots.wire_bytes(r, pipe) == 0
+
+
+def test_ledger_bars_are_the_busiest_ranks_wire_bytes(runs, tmp_path):
     ledger = runs[2].ledger  # ZeRO-3 on dp = 4: Allgatherv and Reduce_scatter
-    figure = plots.ledger_figure(ledger)
+    sizes = plots.group_sizes(runs[2].cfg.mesh_shape())
+    figure = plots.ledger_figure(ledger, sizes)
     heights = sorted(b.get_height() for b in figure.axes[0].patches)
-    factor, unit = plots.byte_unit(max(r["bytes"] for r in ledger))
-    expected = sorted(r["bytes"] / factor for r in plots.busiest(ledger).values())
+    best = plots.busiest(ledger, sizes)
+    factor, unit = plots.byte_unit(max(r["wire"] for r in best.values()))
+    expected = sorted(0.75 * r["bytes"] / factor for r in best.values())  # (N-1)/N, N = 4
     assert heights == pytest.approx(expected)
-    assert unit in figure.axes[0].get_ylabel()
+    assert unit in figure.axes[0].get_ylabel() and "wire" in figure.axes[0].get_ylabel()
+    psi = psi_of(runs[2])  # ZeRO-3 moves 3 (N-1)/N Psi per rank (the paper's 3 Psi)
+    assert sum(expected) * factor == pytest.approx(wire_formula(psi, 4, 3) * 8)
     assert_picture(plots.save(figure, tmp_path / "ledger.png"))
-    both = plots.ledger_compare_figure({"pipeline": runs[0].ledger, "ZeRO-3": ledger})
-    assert_picture(plots.save(both, tmp_path / "compare.png"))
+
+
+def test_compare_bars_show_zero3_at_one_and_a_half_dp(runs, tmp_path):
+    """The tour's and lesson 5's figure: bar length = wire bytes per axis; ZeRO-3
+    puts 3 (N-1)/N Psi on the wire, DP 2 (N-1)/N Psi: 1.5 x, as lesson 7 says."""
+    ledgers = {"pipeline": runs[0].ledger, "ZeRO-3": runs[2].ledger, "DP": runs[3].ledger}
+    sizes = {k: plots.group_sizes(run.cfg.mesh_shape())
+             for k, run in zip(ledgers, (runs[0], runs[2], runs[3]))}
+    sent = {k: plots.sent_per_axis(v, sizes[k]) for k, v in ledgers.items()}
+    assert sent["ZeRO-3"]["dp"] / sent["DP"]["dp"] == pytest.approx(1.5)
+    assert sent["DP"]["dp"] == pytest.approx(wire_formula(psi_of(runs[3]), 4, 0) * 8)
+    figure = plots.ledger_compare_figure(ledgers, sizes)
+    ax = figure.axes[0]
+    factor, _ = plots.byte_unit(max(sum(per.values()) for per in sent.values()))
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    for label in ledgers:
+        y = labels.index(label)
+        drawn = sum(b.get_width() for b in ax.patches if abs(b.get_y() + b.get_height() / 2
+                                                             - y) < 1e-9)
+        assert drawn == pytest.approx(sum(sent[label].values()) / factor), label
+    assert_picture(plots.save(figure, tmp_path / "compare.png"))
 
 
 def test_expert_load_bars_are_the_routers_counts(runs, tmp_path):
@@ -155,3 +202,32 @@ def test_a_stuck_job_is_killed_after_its_timeout():
     with pytest.raises(RuntimeError, match="timed out"):
         classroom.mpirun(2, "-c", "import time; time.sleep(60)", timeout=3, echo=False)
     assert time.monotonic() - start < 30
+
+
+def test_memory_figure_stacks_saved_activations_on_top(runs, tmp_path):
+    """Lesson 5's figure: each rank's bar is its model states plus its saved activations,
+    the activations drawn in their own colour on top."""
+    zero = runs[2]
+    acts = [1000.0 * (r + 1) for r in range(len(zero.memory))]
+    figure = plots.memory_figure({"ZeRO-3": zero.memory}, activations={"ZeRO-3": acts})
+    factor, _ = plots.byte_unit(max(m.total + a for m, a in zip(zero.memory, acts)))
+    red = [b for b in figure.axes[0].patches
+           if tuple(b.get_facecolor()[:3]) == matplotlib.colors.to_rgb(plots.ACTIVATION_COLOR)]
+    assert [b.get_height() for b in red] == pytest.approx([a / factor for a in acts])
+    assert [b.get_y() for b in red] == pytest.approx([m.total / factor for m in zero.memory])
+    assert_picture(plots.save(figure, tmp_path / "memory_acts.png"))
+
+
+def test_timing_bars_are_medians_and_capacity_line_is_one_when_it_is_the_mean(tmp_path):
+    times = {"naive": [3.0, 1.0, 2.0], "bucketed": [1.0, 1.5, 0.5]}
+    figure = plots_load.timing_figure(times, "measured")
+    bars = [b.get_height() for b in figure.axes[0].patches]
+    assert bars == pytest.approx([2.0, 1.0])
+    assert_picture(plots.save(figure, tmp_path / "timing.png"))
+    # capacity factor 1 with 16 assignments on 4 experts: the limit IS the mean, one line
+    stats = dict(routed=[8, 4, 2, 2], kept=[4, 4, 2, 2], limit=4, dropped=4, imbalance=2.0,
+                 rank_load=[8, 4], rank_imbalance=4 / 3)
+    lines = plots_load.expert_load_figure(stats).axes[0].get_lines()
+    assert len(lines) == 1 and "perfect balance" in lines[0].get_label()
+    stats = dict(stats, limit=5, kept=[5, 4, 2, 2], dropped=3)
+    assert len(plots_load.expert_load_figure(stats).axes[0].get_lines()) == 2

@@ -253,6 +253,17 @@ def test_lesson_runs_and_shows_the_source_example(world, size):
     assert out.count("-> matches") == 4 and "DIFFERS" not in out, out
     assert out.count("-> OK") == 2 and "MISMATCH" not in out, out
     assert "parameters per rank:" in out, out
+    source = 8 * size
+    assert f"the source's {source} x {source} scaled by 1/8; --full" in out, out
+    ratio = re.search(r"--sp sends ([\d.]+) x plain TP's bytes", out)
+    assert ratio and 1.0 < float(ratio[1]) < 1.5, out  # same per block, + 2 Allgathers
+
+
+def test_lesson_on_one_rank_refuses_up_front_in_one_line():
+    job = launch(1, ["lessons/02_tensor_parallel.py"], timeout=60)
+    assert job.returncode == 2 and not job.timed_out, job.explain()
+    assert job.stdout == "" and job.stderr.strip().count("\n") == 0, job.explain()
+    assert "run it on 2 or more" in job.stderr, job.explain()
 
 
 # ------------------------------------------------------------ bad settings

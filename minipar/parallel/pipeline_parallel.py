@@ -122,10 +122,12 @@ class StageWorker:
         step loss (CE/M of its microbatches on the last stage, plus aux/M of its blocks)."""
         for ins in program:
             start = time.time()  # wall clock: comparable between ranks of one host
+            cpu = time.thread_time()  # CPU time: what it cost, even on a shared core
             self.handlers[ins.kind](ins)
             self.timeline.append({"rank": self.rank, "stage": self.stage,
                                   "kind": ins.kind, "microbatch": ins.microbatch,
-                                  "chunk": ins.chunk, "start": start, "end": time.time()})
+                                  "chunk": ins.chunk, "start": start, "end": time.time(),
+                                  "cpu": time.thread_time() - cpu})
         from mpi4py import MPI  # here: importing this file (bugs.py, the tests) needs no MPI
 
         with watchdog.waiting("Waitall of the sends over pp"):

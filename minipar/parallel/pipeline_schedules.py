@@ -20,14 +20,23 @@ The schedules, each from its paper:
   gradient: nobody waits for it); putting W off fills the cool-down bubble.
 
 Bubble, as measured here: run the instruction lists with F = 1 time unit and
-B = 2 (B = W = 1 for ZB-H1), communication free. With T the time from the
-start to the moment the last stage finishes, the bubble fraction is
+B = 2 for a stage's share of the model (B = W = 1 for ZB-H1; a chunk of the
+interleaved schedule holds 1/V of a stage's layers, so it costs F = 1/V,
+B = 2/V), communication free. With T the time from the start to the moment
+the last stage finishes, the bubble fraction is
 
     bubble = (pp * T - total busy time of all stages) / (pp * T),
 
 the share of stage-time spent idle. It comes out exactly (pp-1)/(M+pp-1) for
 GPipe and 1F1B, (pp-1)/(V M+pp-1) for interleaved, and (pp-1)/(3M+pp-1) for
 ZB-H1 when M >= pp: its idle time is pp-1 units against 1F1B's 3(pp-1), a third.
+Interleaving does the same work in 3M + 3(pp-1)/V units where 1F1B needs
+3M + 3(pp-1): the warm-up and cool-down are made of chunks V times smaller.
+
+The simulator also replays a real run (`replay`): each instruction takes the
+compute time it was measured to take, and the dependencies of the schedule do
+the rest. That is what a pipeline would do on one core per rank, even when the
+run was timed with more ranks than cores.
 
 Run the checks: `python -m pytest tests/test_pipeline_schedules.py`.
 """
@@ -245,12 +254,15 @@ class Simulation:
     peak_in_flight: list[int]
 
 
-def costs(schedule: str) -> dict[str, float]:
-    """Logical durations: F = 1, B = 2 (a backward is two matmuls per forward one);
-    ZB-H1 splits the backward into B = 1 (input gradient) and W = 1 (weights)."""
+def costs(schedule: str, virtual: int = 1) -> dict[str, float]:
+    """Logical durations of one stage's share of the layers: F = 1, B = 2 (a backward
+    is two matmuls per forward one); ZB-H1 splits the backward into B = 1 (input
+    gradient) and W = 1 (weights). An interleaved chunk holds 1/V of them, so it is
+    charged F = 1/V, B = 2/V: the same work per step as 1F1B, in smaller pieces."""
     if schedule == "zb-h1":
         return {FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0}
-    return {FORWARD: 1.0, BACKWARD: 2.0}
+    share = 1.0 / virtual if schedule == "interleaved" else 1.0
+    return {FORWARD: share, BACKWARD: 2.0 * share}
 
 
 def message(ins: Instruction, pp: int, stage: int) -> tuple[str, int, int]:
@@ -302,8 +314,9 @@ class _Player:
         if key in self.done:
             raise ScheduleError(f"stage {s}: {ins} runs twice")
         self.done.add(key)
-        start = self.clock[s]
-        self.clock[s] = start + self.cost[ins.kind]
+        start = self.clock[s]  # a measured duration of this very instruction, else its kind's
+        self.clock[s] = start + self.cost.get((s, ins.kind, ins.chunk, ins.microbatch),
+                                              self.cost.get(ins.kind, 0.0))
         self.timeline.append(Slot(s, ins.kind, ins.microbatch, ins.chunk, start, self.clock[s]))
         self.alive[s] += (ins.kind == FORWARD) - (ins.kind == self.release)
         self.peak[s] = max(self.peak[s], self.alive[s])
@@ -346,7 +359,8 @@ def simulate(progs: list[list[Instruction]], cost: dict[str, float],
     """Play every stage's program in logical time, honoring every dependency.
 
     Each stage runs its instructions in order on its own clock: a compute
-    instruction takes `cost[kind]`, communication takes no time, and a receive
+    instruction takes `cost[(stage, kind, chunk, microbatch)]` if given (a measured
+    duration, see `replay`), else `cost[kind]`; communication takes no time, and a receive
     waits until its message was sent. With `synchronous_sends` a send also waits
     until the receiver reaches the matching receive (MPI's rendezvous protocol,
     what a blocking `Send` of a large message does); otherwise sends never block
@@ -372,7 +386,25 @@ def simulate(progs: list[list[Instruction]], cost: dict[str, float],
 def simulate_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
                       synchronous_sends: bool = False) -> Simulation:
     """`simulate` the programs of schedule `name` with its logical costs."""
-    return simulate(programs(name, pp, microbatches, virtual), costs(name), synchronous_sends)
+    return simulate(programs(name, pp, microbatches, virtual), costs(name, virtual),
+                    synchronous_sends)
+
+
+def replay(name: str, pp: int, microbatches: int, virtual: int,
+           timeline: list[dict]) -> Simulation:
+    """Play schedule `name` with each compute instruction taking the time it took in a
+    real run (`timeline`: the records of `RunResult.extras["timeline"]`, seconds),
+    communication free: the pipeline the measured compute times would make on one
+    core per rank. A record's "cpu" (the CPU time of the instruction, which a rank
+    waiting for a shared core does not accumulate) is used where present, else its
+    wall-clock end - start; with several replicas of a stage (dp > 1) the slowest one's,
+    as a step waits for its slowest replica. Times come out in seconds."""
+    measured: dict[tuple, float] = {}
+    for r in timeline:
+        if r["kind"] in COMPUTE:
+            key = (r["stage"], r["kind"], r["chunk"], r["microbatch"])
+            measured[key] = max(measured.get(key, 0.0), r.get("cpu", r["end"] - r["start"]))
+    return simulate(programs(name, pp, microbatches, virtual), measured)
 
 
 def bubble_fraction(intervals: list[tuple[int, float, float]], stages: int) -> float:
@@ -406,20 +438,22 @@ def in_flight_peak(kinds: list[str]) -> int:
 
 # ------------------------------------------------------- a text Gantt chart
 def gantt(sim: Simulation, pp: int) -> list[str]:
-    """One line per stage, one cell per time unit: `F3` forward of microbatch 3,
-    `B3` backward (two cells when B = 2), `W3` weight gradient, `.` idle. With
-    model chunks, a letter names the chunk (`F3a`, `F3b`)."""
+    """One line per stage, one cell per forward (a time unit; 1/V of one with V
+    chunks): `F3` forward of microbatch 3, `B3` backward (two cells when B = 2),
+    `W3` weight gradient, `.` idle. With model chunks, a letter names the chunk
+    (`F3a`, `F3b`)."""
     chunks = max(slot.chunk for slot in sim.timeline) + 1
+    cell = min(slot.end - slot.start for slot in sim.timeline)  # 1, or 1/V interleaved
 
     def label(slot: Slot) -> str:
         return f"{slot.kind}{slot.microbatch + 1}" + (
             "abcdefgh"[slot.chunk] if chunks > 1 else "")
 
     width = max(len(label(slot)) for slot in sim.timeline)
-    units = int(round(sim.makespan))
+    units = int(round(sim.makespan / cell))
     rows = [["." for _ in range(units)] for _ in range(pp)]
     for slot in sim.timeline:
-        for t in range(int(round(slot.start)), int(round(slot.end))):
+        for t in range(int(round(slot.start / cell)), int(round(slot.end / cell))):
             rows[slot.stage][t] = label(slot)
     return [f"stage {s}: " + " ".join(cell.ljust(width) for cell in row).rstrip()
             for s, row in enumerate(rows)]
