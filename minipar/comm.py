@@ -243,13 +243,15 @@ def split_axis(group: Group, x: np.ndarray, axis: int) -> np.ndarray:
     return np.split(x, group.size, axis=axis)[group.rank].copy()
 
 
-def reduce_scatter_rows(group: Group, x: np.ndarray) -> np.ndarray:
-    """Sum `x` over the group and keep this rank's block of rows."""
+def reduce_scatter_rows(group: Group, x: np.ndarray, axis: int = 0) -> np.ndarray:
+    """Sum `x` over the group and keep this rank's block along `axis` (rows by default;
+    the transformer's sequence parallelism cuts positions, axis 1 of (B, T, d))."""
     if group.size == 1:
         return x
-    out = np.empty((x.shape[0] // group.size, *x.shape[1:]), dtype=x.dtype)
-    group.Reduce_scatter_block(np.ascontiguousarray(x), out, op=MPI.SUM)  # (N b, ..) -> (b, ..)
-    return out
+    front = np.ascontiguousarray(np.moveaxis(x, axis, 0))  # MPI cuts the leading axis
+    out = np.empty((front.shape[0] // group.size, *front.shape[1:]), dtype=x.dtype)
+    group.Reduce_scatter_block(front, out, op=MPI.SUM)     # (N b, ..) -> (b, ..)
+    return np.ascontiguousarray(np.moveaxis(out, 0, axis))
 
 
 # ------------------------------------------------------- autograd collectives
@@ -302,24 +304,26 @@ def gather_from(x: Tensor, group: Group, axis: int = -1) -> Tensor:
                           lambda g: x.accumulate(split_axis(group, g, axis), fresh=True))
 
 
-def reduce_scatter(x: Tensor, group: Group) -> Tensor:
-    """Forward: Reduce_scatter of rows (sum, keep my block). Backward: Allgather of rows.
+def reduce_scatter(x: Tensor, group: Group, axis: int = 0) -> Tensor:
+    """Forward: Reduce_scatter along `axis` (sum, keep my block). Backward: Allgather.
 
-    Sequence parallelism's exit from a tensor-parallel region (Korthikanti et al. 2022)."""
+    Sequence parallelism's exit from a tensor-parallel region (Korthikanti et al. 2022):
+    rows of the MLP's (B, d), positions (axis 1) of the transformer's (B, T, d)."""
     if group.size == 1:
         return x
-    return Tensor.from_op(reduce_scatter_rows(group, x.data), (x,),
-                          lambda g: x.accumulate(allgather_axis(group, g, 0), fresh=True))
+    return Tensor.from_op(reduce_scatter_rows(group, x.data, axis), (x,),
+                          lambda g: x.accumulate(allgather_axis(group, g, axis), fresh=True))
 
 
-def all_gather(x: Tensor, group: Group) -> Tensor:
-    """Forward: Allgather of rows. Backward: Reduce_scatter of rows.
+def all_gather(x: Tensor, group: Group, axis: int = 0) -> Tensor:
+    """Forward: Allgather along `axis`. Backward: Reduce_scatter along `axis`.
 
     Sequence parallelism's entry into a tensor-parallel region."""
     if group.size == 1:
         return x
-    return Tensor.from_op(allgather_axis(group, x.data, 0), (x,),
-                          lambda g: x.accumulate(reduce_scatter_rows(group, g), fresh=True))
+    return Tensor.from_op(allgather_axis(group, x.data, axis), (x,),
+                          lambda g: x.accumulate(reduce_scatter_rows(group, g, axis),
+                                                 fresh=True))
 
 
 def alltoallv_rows(group: Group, x: np.ndarray, send_counts: np.ndarray,

@@ -18,6 +18,7 @@ from minipar.nn import GPT_MODELS, ModelConfig
 from minipar.parallel.pipeline_schedules import SCHEDULES
 
 MODELS = ("mlp", "moe", *GPT_MODELS)
+RECOMPUTE = ("none", "selective", "full")
 GRAD_SYNCS = ("naive", "bucketed", "overlapped")
 
 
@@ -68,6 +69,8 @@ class TrainConfig:
     seq_len: int = 32                 # T positions per sequence
     heads: int = 4                    # H attention heads, dividing d_model
     data: str | None = None           # a text file: byte windows instead of the copy task
+    vocab_parallel: bool | None = None  # tok rows / head columns over tp (default: tp > 1)
+    recompute: str = "none"           # none, selective (the attention core), full (blocks)
 
     def resolved(self, world_size: int) -> TrainConfig:
         """Fill the defaults that depend on other flags (d_ff, expert_d_ff, dp)."""
@@ -80,6 +83,8 @@ class TrainConfig:
             values["dp"] = max(1, world_size // max(1, self.tp * self.pp))
         if self.vocab is None and self.model in GPT_MODELS:
             values["vocab"] = 256 if self.data is not None else 64
+        if self.vocab_parallel is None:  # the transformer on a tp group splits its vocabulary
+            values["vocab_parallel"] = self.model in GPT_MODELS and self.tp > 1
         return TrainConfig(**values)
 
     def model_config(self) -> ModelConfig:
@@ -149,6 +154,7 @@ def size_problems(cfg: TrainConfig, world_size: int) -> list[str]:
     if cfg.bucket_size < 1:
         out.append(f"--bucket-size must be at least 1 element (got {cfg.bucket_size})")
     out += _transformer_problems(cfg)
+    out += _recompute_problems(cfg)
     if out:
         return out  # sizes below are meaningless with non-positive numbers
     if cfg.top_k > cfg.experts:
@@ -163,7 +169,9 @@ def _transformer_problems(cfg: TrainConfig) -> list[str]:
     if cfg.model not in GPT_MODELS:
         return [f"--{name.replace('_', '-')} applies to --model gpt/gpt-moe only"
                 for name in ("vocab", "seq_len", "heads", "data")
-                if getattr(cfg, name) != getattr(defaults, name)]
+                if getattr(cfg, name) != getattr(defaults, name)] + (
+            ["--vocab-parallel applies to --model gpt/gpt-moe only"] if cfg.vocab_parallel
+            else [])
     out = [f"--{name.replace('_', '-')} does not apply to --model {cfg.model} (it reads "
            "token ids: see --vocab and --data)"
            for name in ("d_in", "classes") if getattr(cfg, name) != getattr(defaults, name)]
@@ -176,6 +184,8 @@ def _transformer_problems(cfg: TrainConfig) -> list[str]:
     elif cfg.d_model >= 1 and cfg.d_model % cfg.heads:
         out.append(f"--heads {cfg.heads} does not divide --d-model {cfg.d_model} "
                    "(each head takes d_model/heads columns of q, k and v)")
+    if cfg.vocab_parallel and cfg.tp == 1:
+        out.append("--vocab-parallel splits the vocabulary over tp: it needs --tp 2 or more")
     if cfg.data is not None:
         if cfg.vocab != 256:
             out.append(f"--vocab {cfg.vocab} with --data: a text file is read byte by byte, "
@@ -206,8 +216,7 @@ def _divisibility(cfg: TrainConfig) -> list[str]:
         out.append("--sp with --model moe is not built: sequence parallelism splits the rows "
                    "of dense blocks; the experts' rows are split by the router")
     if cfg.model in GPT_MODELS and cfg.tp > 1:
-        out.append(f"--tp with --model {cfg.model} is not built yet (attention heads split "
-                   "over tp): use --dp, --pp or --ep")
+        out += _transformer_tp_problems(cfg)
     if not moe and cfg.ep > 1:
         out.append(f"--ep needs --model moe or gpt-moe (--model {cfg.model} has no experts)")
     if cfg.virtual > 1 and cfg.schedule != "interleaved":
@@ -223,10 +232,41 @@ def _divisibility(cfg: TrainConfig) -> list[str]:
                    f"{cfg.virtual} (each pipeline stage holds an equal run of blocks)")
     if cfg.sp and cfg.tp == 1:
         out.append("--sp (sequence parallelism) needs --tp 2 or more")
+    elif cfg.sp and cfg.model in GPT_MODELS:
+        if cfg.seq_len % cfg.tp:
+            out.append(f"--sp needs --tp {cfg.tp} to divide --seq-len {cfg.seq_len} (each "
+                       "tensor-parallel rank holds T/tp positions of the residual stream)")
     elif cfg.sp and not (cfg.batch // cfg.dp // max(cfg.microbatches, 1)) % cfg.tp == 0:
         out.append(f"--sp needs --tp {cfg.tp} to divide the rows of a microbatch on a rank "
                    f"({cfg.batch // cfg.dp // cfg.microbatches})")
     return out
+
+
+def _transformer_tp_problems(cfg: TrainConfig) -> list[str]:
+    """The transformer on a tp group: whole heads, whole FFN columns and (vocab-parallel)
+    whole vocabulary rows on every rank."""
+    out = []
+    if cfg.heads % cfg.tp:
+        out.append(f"--tp {cfg.tp} does not divide --heads {cfg.heads} (each "
+                   "tensor-parallel rank holds heads/tp whole attention heads)")
+    if cfg.model == "gpt" and cfg.d_ff % cfg.tp:
+        out.append(f"--tp {cfg.tp} does not divide --d-ff {cfg.d_ff} "
+                   "(each tensor-parallel rank holds d_ff/tp columns of fc1)")
+    if cfg.vocab_parallel and cfg.vocab % cfg.tp:
+        out.append(f"--tp {cfg.tp} does not divide --vocab {cfg.vocab} (each rank holds "
+                   "vocab/tp rows of the embedding and columns of the head; or "
+                   "--no-vocab-parallel)")
+    return out
+
+
+def _recompute_problems(cfg: TrainConfig) -> list[str]:
+    """--recompute: a known mode; selective needs attention."""
+    if cfg.recompute not in RECOMPUTE:
+        return [f"--recompute must be one of {', '.join(RECOMPUTE)} (got {cfg.recompute})"]
+    if cfg.recompute == "selective" and cfg.model not in GPT_MODELS:
+        return [f"--recompute selective recomputes the attention core: --model {cfg.model} "
+                "has no attention (use --recompute full)"]
+    return []
 
 
 def _data_parallel_problems(cfg: TrainConfig) -> list[str]:
@@ -316,6 +356,13 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--data", metavar="PATH", default=None,
         help="transformer: train on windows of --seq-len + 1 bytes of this text file "
              "(byte-level, V = 256) instead of the synthetic copy task")
+    add("--vocab-parallel", action=argparse.BooleanOptionalAction, default=None,
+        help="transformer with --tp: embedding rows and head columns split over tp, "
+             "the loss by a parallel cross-entropy (default with --tp 2 or more); "
+             "--no-vocab-parallel keeps them replicated on every tp rank")
+    add("--recompute", choices=RECOMPUTE, default=d.recompute,
+        help="activation recomputation: none, selective (the attention core is "
+             "computed again in the backward) or full (every block's forward is)")
     add("--inject-bug", metavar="NAME", default=None,
         help="break one thing on purpose (lesson 08); `python -m minipar bugs` lists them")
 

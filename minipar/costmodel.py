@@ -52,7 +52,12 @@ class Block:
     act_split: float = 0.0       # bytes/token TP cuts (QKV, the FFN's wide tensors...)
     act_scores: float = 0.0      # bytes/token of attention scores, 5as (selective drops it)
     act_input: float = 0.0       # bytes/token of the layer input (all full recompute keeps)
+    act_tp_whole: float = 0.0    # bytes/token whole on every rank once tp > 1, SP or not
+    act_sp_cut: float = 0.0      # bytes/token SP adds to the cut part (minipar's tape:
+    #                              partial sums, gathered inputs; recompute.py counts them)
     capacity: bool = False       # MoE with an expert capacity: an Exscan of counts over dp
+    sp_gathers: int = 0          # SP: Allgathers per pass of a part every tp rank runs whole
+    sp_partial: int | None = None  # SP: gradient elements left partial (None: every unsplit)
     kv_width: int = 0            # numbers per token of K and V together (CP gathers them)
     cheap_replicated: float = 0.0  # bytes/token selective recomputation also drops: norms'
     cheap_split: float = 0.0       # outputs (whole) and the FFN's activation (cut by tp)
@@ -83,8 +88,13 @@ class Workload:
     bucket_size: int = 12_500_000  # gradient bucket, elements (25 MB of 16-bit numbers)
     split_dims: tuple[int, ...] = ()  # sizes tp must divide (d_ff, the attention heads)
     lookup_embedding: bool = False  # a token embedding is a table lookup: no FLOPs
+    vocab_parallel: bool = False  # embedding rows and head columns over tp: their traffic
+    sp_partial_embed: int = 0     # SP: gradient elements the first stage's embedding and
+    sp_partial_head: int = 0      # the last stage's head leave partial over tp
     tied_head: bool = False     # the head's first array is the embedding's (counted once)
     logit_bytes: float = 0.0    # bytes/token the loss keeps of the logits (fp32: 4 V)
+    experts_over_tp: bool = True  # MoE: EP spans tp x dp, each tp rank routing its SP share
+    #                               (False: minipar's, every tp rank runs the MoE FFN whole)
 
     @property
     def layers(self) -> int:
@@ -200,7 +210,7 @@ def model_states(w: Workload, plan: Plan, shape: RankShape, dp_rank: int = 0) ->
     parallelism the weights' replicas are dp x cp, and so are the slices."""
     dense, experts = sum(shape.dp_arrays), sum(shape.edp_arrays)
     psi = dense + experts
-    edp = plan.tp * plan.replicas // plan.ep
+    edp = (plan.tp if w.experts_over_tp else 1) * plan.replicas // plan.ep
     mine = shard_of(dense, plan.replicas, dp_rank) + shard_of(experts, edp,
                                                               dp_rank // plan.ep % edp)
 
@@ -241,15 +251,19 @@ def activation_bytes(block: Block, tokens: int, plan: Plan) -> float:
     Megatron's sbh(10 + 24/t + 5as/(ht)) split as replicated + split/t + scores/t;
     SP cuts the replicated part too; selective recomputation drops the scores (and the
     block's cheap_* bytes: what is cheap to recompute, if the block names any); full
-    recomputation keeps only the block input (Megatron: 2sbh)."""
+    recomputation keeps only the block input (Megatron: 2sbh), cut by SP too.
+    minipar's own tape adds what its tp layers keep besides (`act_tp_whole`,
+    `act_sp_cut`: recompute.gpt_block_activation_bytes)."""
+    cut = plan.tp if plan.sp else 1
     if plan.recompute == "full":  # the layer's input: the residual stream, cut by SP
-        return tokens * block.act_input / (plan.tp if plan.sp else 1)
+        return tokens * block.act_input / cut
     selective = plan.recompute == "selective"
     scores = 0.0 if selective else block.act_scores
-    replicated = (block.act_replicated - selective * block.cheap_replicated) / (
-        plan.tp if plan.sp else 1)
+    replicated = (block.act_replicated - selective * block.cheap_replicated
+                  + (block.act_sp_cut if plan.sp else 0.0)) / cut
+    whole = block.act_tp_whole if plan.tp > 1 else 0.0
     split = block.act_split - selective * block.cheap_split
-    return tokens * (replicated + (split + scores) / plan.tp)
+    return tokens * (replicated + whole + (split + scores) / plan.tp)
 
 
 def stage_activations(w: Workload, plan: Plan, shape: RankShape) -> float:

@@ -33,6 +33,7 @@ import numpy as np
 
 from minipar import attention, fused, nn
 from minipar.autograd import Tensor
+from minipar.recompute import recomputed
 
 
 class Embedding(nn.Module):
@@ -56,23 +57,34 @@ class Attention(nn.Module):
 
     Separate q, k, v linears (d, d), each column block h*dh..(h+1)*dh being head h;
     the H heads run as one batched node (attention.attention), then one proj. The key
-    bias is handed to that node, which knows its gradient is exactly 0."""
+    bias is handed to that node, which knows its gradient is exactly 0.
+
+    `selective=True` is Korthikanti et al.'s selective recomputation: the attention core
+    (scores, softmax: the (B, H, T, T) arrays) is not kept for the backward but computed
+    again from q, k, v there (`recomputed`). Tensor parallelism splits this block by
+    heads (tensor_parallel.TensorParallelAttention overrides `enter` and the linears)."""
 
     def __init__(self, full: dict[str, np.ndarray], index: int, heads: int,
-                 sync: str | None = "dp") -> None:
+                 sync: str | None = "dp", selective: bool = False) -> None:
         p = f"blocks.{index}"
         self.heads = heads
+        self.selective = selective
         self.ln = nn.LayerNorm(full, f"{p}.ln1")
         self.q = nn.Linear(full, f"{p}.attn.q", sync=sync)
         self.k = nn.Linear(full, f"{p}.attn.k", sync=sync)
         self.v = nn.Linear(full, f"{p}.attn.v", sync=sync)
         self.proj = nn.Linear(full, f"{p}.attn.proj", sync=sync)
 
+    def enter(self, a: Tensor) -> Tensor:
+        """Where LN1(h) enters the q, k, v linears: nothing to do on one rank."""
+        return a
+
     def __call__(self, h: Tensor) -> Tensor:
-        a = self.ln(h)                                            # (B, T, d)
+        a = self.enter(self.ln(h))                                # (B, T, d)
         q, v = self.q(a), self.v(a)                               # (B, T, d) @ (d, d) each
         k = fused.linear(a, self.k.weight)                        # bk: inside attention
-        o = attention.attention(q, k, v, self.heads, key_bias=self.k.bias)  # (B, T, H dh)
+        core = recomputed(attention.attention) if self.selective else attention.attention
+        o = core(q, k, v, self.heads, key_bias=self.k.bias)       # (B, T, H dh)
         return h + self.proj(o)                                   # (B, T, d) @ (d, d)
 
 
@@ -84,12 +96,18 @@ class Block(nn.Module):
     h' + FFN(LN2(h')) and returns its aux loss, on (B, T, d) as on (B, d)."""
 
     def __init__(self, full: dict[str, np.ndarray], index: int, heads: int,
-                 ffn: nn.Module) -> None:
-        self.attn = Attention(full, index, heads)
+                 ffn: nn.Module, attn: nn.Module | None = None) -> None:
+        self.attn = Attention(full, index, heads) if attn is None else attn
         self.ffn = ffn
 
     def __call__(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
         return self.ffn(self.attn(h))                             # (B, T, d), aux
+
+    def partial_over_tp(self) -> list[nn.Parameter]:
+        """Sequence parallelism: the replicated parameters of both halves that see only
+        this rank's positions (tensor_parallel.allreduce_sequence_parallel_grads)."""
+        return [p for part in (self.attn, self.ffn) if hasattr(part, "partial_over_tp")
+                for p in part.partial_over_tp()]
 
 
 class Head(nn.Module):

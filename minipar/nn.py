@@ -385,5 +385,13 @@ def loss_fn(model: Model, x: np.ndarray, y: np.ndarray) -> Tensor:
     """mean_b CE(logits_b, y_b) + sum_l aux_l on one (micro)batch; for the transformer
     the mean runs over all B*T positions (logits (B, T, V), y (B, T))."""
     logits, aux = model.forward(Tensor(x))
-    loss = fused.cross_entropy(logits, y)
+    loss = output_loss(model.head, logits, y)
     return loss if aux is None else loss + aux
+
+
+def output_loss(head: Module, logits: Tensor, y: np.ndarray) -> Tensor:
+    """Mean CE of the head's output: fused.cross_entropy of full logits, or the head's own
+    `loss` when it holds only some of them (vocab_parallel.VocabParallelHead)."""
+    if hasattr(head, "loss"):
+        return head.loss(logits, y)
+    return fused.cross_entropy(logits, y)

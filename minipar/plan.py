@@ -139,48 +139,73 @@ def minipar_workload(cfg: TrainConfig) -> Workload:
     exactly as its ranks hold them (fc1 and fc2's weight cut by tp, fc2's bias and the
     LayerNorm whole). Activations: its saved tensors counted by hand per row, 2d
     (h, LN(h)) whole and 2f (fc1's output, GELU's) cut by tp; per MoE assignment
-    2d + 2fe; the transformer adds 6d per position (h, LN1, q, k, v, o) and its
-    probabilities, H T per position. An estimate: the test checks states and ledger,
-    not activations. The transformer's rows are its B*T positions (seq_len = T)."""
+    2d + 2fe; gpt-moe adds 6d per position (h, LN1, q, k, v, o) and its
+    probabilities, H T per position: estimates. The dense transformer's block is
+    exact: recompute.gpt_block_activation_bytes, every layout and recompute mode
+    (tests/test_gpt_tensor_parallel.py). The transformer's rows are its B*T positions
+    (seq_len = T)."""
     model = cfg.model_config()
     shapes = {name: math.prod(shape) for name, shape in canonical_shapes(model).items()}
     itemsize = np.dtype(cfg.dtype).itemsize
     cut = ("fc1.weight", "fc1.bias", "fc2.weight")
+    if model.is_gpt:  # by heads: q, k, v columns with their biases, proj rows
+        cut += tuple(f"attn.{part}.{kind}" for part in "qkv" for kind in ("weight", "bias"))
+        cut += ("attn.proj.weight",)
     d, f, fe = cfg.d_model, cfg.d_ff, cfg.expert_d_ff
     attention = dict(act_scores=model.heads * model.seq_len * itemsize) if model.is_gpt else {}
     extra = 6 * d if model.is_gpt else 0
+    # Megatron's reduction points per direction: the MLP block's FFN 1, the transformer's
+    # attention 1 and dense FFN 1; the MoE FFN is not split over tp
+    reductions = {"mlp": 1, "moe": 0, "gpt": 2, "gpt-moe": 1}[cfg.model]
     blocks = []
     for i in range(cfg.layers):
         mine = [n for n in shapes if n.startswith(f"blocks.{i}.") and ".experts." not in n]
-        arrays = tuple((shapes[n], n.endswith(cut) and cfg.model == "mlp") for n in mine)
+        arrays = tuple((shapes[n], n.endswith(cut) and cfg.model in ("mlp", "gpt", "gpt-moe")
+                        and ".experts." not in n) for n in mine)
         if model.is_moe:
             expert = tuple(shapes[n] for n in shapes if n.startswith(f"blocks.{i}.experts.0."))
-            blocks.append(Block(arrays, expert, cfg.experts, cfg.top_k,
+            # under SP the MoE FFN gathers all positions first: only LN1 and proj's bias
+            # (3d) see my positions alone
+            blocks.append(Block(arrays, expert, cfg.experts, cfg.top_k, reductions,
                                 act_replicated=(2 * d + extra + cfg.experts) * itemsize,
                                 act_split=cfg.top_k * (2 * d + 2 * fe) * itemsize,
                                 act_input=d * itemsize,
-                                capacity=cfg.capacity_factor is not None, **attention))
+                                capacity=cfg.capacity_factor is not None,
+                                sp_gathers=int(model.is_gpt), sp_partial=3 * d, **attention))
+        elif model.is_gpt:  # exactly what its tape keeps (recompute.py counts it)
+            blocks.append(Block(arrays, tp_reductions=reductions,
+                                act_replicated=(8 * d + 2) * itemsize,
+                                act_split=(4 * d + 3 * f) * itemsize,
+                                act_scores=(d + model.heads * (model.seq_len + 1)) * itemsize,
+                                act_input=d * itemsize, act_tp_whole=4 * d * itemsize,
+                                act_sp_cut=2 * d * itemsize))
         else:
-            blocks.append(Block(arrays, act_replicated=(2 * d + extra) * itemsize,
+            blocks.append(Block(arrays, tp_reductions=reductions,
+                                act_replicated=(2 * d + extra) * itemsize,
                                 act_split=2 * f * itemsize, act_input=d * itemsize,
                                 **attention))
     first = ("tok_embed.weight", "pos_embed.weight") if model.is_gpt else (
         "embed.weight", "embed.bias")
     last = ("ln_f.weight", "ln_f.bias", "head.weight", "head.bias") if model.is_gpt else (
         "head.weight", "head.bias")
+    vocab = bool(cfg.vocab_parallel)  # tok rows and the head's columns over tp
+    split = {"tok_embed.weight", "head.weight", "head.bias"} if vocab else set()
+    sp = cfg.sp and vocab  # partial over tp: pos rows of my positions, ln_f on them
     return Workload(f"minipar {cfg.model}", tuple(blocks),
-                    tuple((shapes[n], False) for n in first),
-                    tuple((shapes[n], False) for n in last), d,
+                    tuple((shapes[n], n in split) for n in first),
+                    tuple((shapes[n], n in split) for n in last), d,
                     cfg.batch, model.seq_len if model.is_gpt else 1, itemsize, itemsize,
                     optimizer_bytes_per_param(cfg.optimizer, itemsize), itemsize, 8,
                     cfg.bucket_size, split_dims=(f,) if cfg.model == "mlp" else (),
-                    lookup_embedding=model.is_gpt)
+                    lookup_embedding=model.is_gpt, vocab_parallel=vocab,
+                    sp_partial_embed=shapes["pos_embed.weight"] if sp else 0,
+                    sp_partial_head=2 * d if sp else 0, experts_over_tp=False)
 
 
 def plan_of(cfg: TrainConfig) -> Plan:
     """The plan a resolved `python -m minipar train` config runs."""
     return Plan(cfg.dp, cfg.tp, cfg.pp, cfg.ep, cfg.zero, cfg.microbatches, cfg.sp,
-                cfg.schedule, cfg.virtual, "none", cfg.grad_sync)
+                cfg.schedule, cfg.virtual, cfg.recompute, cfg.grad_sync)
 
 
 # ------------------------------------------------------------ pricing a plan

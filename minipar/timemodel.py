@@ -91,24 +91,57 @@ def tp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     region and a Reduce_scatter on the way out, in both directions, plus the residual
     stream's split after the embedding and gather before the head, and one Allreduce
     per step of the gradients SP leaves partial (the blocks' replicated arrays). An MoE
-    block under tp splits its attention (and shared experts) only: its routed experts
-    take each rank's SP share of the tokens whole (expert_parallel's Alltoall)."""
-    dense = shape.blocks
-    if plan.tp == 1 or not dense:
+    block under tp splits its attention (and shared experts) only. Full recomputation
+    runs each block's forward collectives twice. A vocabulary-parallel embedding adds
+    its Allreduce of (b, d) (SP: a Reduce_scatter), the head its entry's (SP: an
+    Allgather and a Reduce_scatter) and the parallel cross-entropy's two: the row
+    maxima (b) and the sums of exps with the target logits (2b)."""
+    blocks = [block for block in shape.blocks if block.tp_reductions or block.sp_gathers]
+    if plan.tp == 1 or not (blocks or w.vocab_parallel):
         return []
-    stream = tokens_per_microbatch(w, plan) * w.d_model       # (b, d)
+    m = plan.microbatches
+    tokens = tokens_per_microbatch(w, plan)
+    stream = tokens * w.d_model                               # (b, d)
     passes = 3 if plan.recompute == "full" else 2             # forward, (again,) backward
-    calls = passes * sum(block.tp_reductions for block in dense) * plan.microbatches
+    calls = passes * sum(block.tp_reductions for block in blocks) * m
+    embed, head = (w.vocab_parallel and shape.first), (w.vocab_parallel and shape.last)
+    out = []
     if not plan.sp:
-        return [Traffic("tp", "Allreduce", calls, calls * stream, calls * stream * w.act_bytes)]
-    edges = plan.microbatches * (int(shape.first) + int(shape.last))
-    partial = sum(size for block in dense for size, split in block.arrays if not split)
-    gathers = calls + edges
-    out = [Traffic("tp", "Allgather", gathers, gathers * stream, gathers * stream * w.act_bytes),
-           Traffic("tp", "Reduce_scatter", calls, calls * stream, calls * stream * w.act_bytes)]
-    if partial:  # LayerNorm and row-parallel bias gradients of my rows: summed once a step
+        calls += m * (int(embed) + int(head))                 # the embedding's g, the head's f
+        if calls:
+            out.append(Traffic("tp", "Allreduce", calls, calls * stream,
+                               calls * stream * w.act_bytes))
+    else:
+        edges = m * (int(shape.first) + int(shape.last))
+        gathers = calls + edges + passes * sum(block.sp_gathers for block in blocks) * m
+        scatters = calls + m * (int(embed) + int(head))
+        out += [Traffic("tp", "Allgather", gathers, gathers * stream,
+                        gathers * stream * w.act_bytes),
+                Traffic("tp", "Reduce_scatter", scatters, scatters * stream,
+                        scatters * stream * w.act_bytes)]
+    if head:  # the parallel cross-entropy: max, then (sum of exps, target) of b rows
+        out.append(Traffic("tp", "Allreduce", 2 * m, 3 * tokens * m,
+                           3 * tokens * m * w.act_bytes))
+    partial = sum(block.sp_partial if block.sp_partial is not None
+                  else sum(size for size, split in block.arrays if not split)
+                  for block in blocks)
+    partial += (w.sp_partial_embed * int(shape.first) + w.sp_partial_head * int(shape.last))
+    if plan.sp and partial:  # LayerNorm and row-parallel bias gradients of my rows
         out.append(Traffic("tp", "Allreduce", 1, partial, partial * w.grad_bytes, "step"))
-    return out
+    return ledger_merged(out)
+
+
+def ledger_merged(items: list[Traffic]) -> list[Traffic]:
+    """Entries of one (group, op, phase) added up into one."""
+    out: dict[tuple[str, str, str], Traffic] = {}
+    for t in items:
+        key = (t.group, t.op, t.phase)
+        if key in out:
+            old = out[key]
+            t = Traffic(t.group, t.op, old.calls + t.calls, old.elements + t.elements,
+                        old.bytes + t.bytes, t.phase)
+        out[key] = t
+    return list(out.values())
 
 
 def pp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
@@ -130,27 +163,33 @@ def moe_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     counts, four Alltoallv of the b k rows of d (dispatch, combine, and their conjugates
     in the backward; balanced routing assumed: each rank receives what it sends), and
     over dp three Allreduce of E numbers (counts f, probability sums P both ways), and
-    with a capacity one Exscan of E counts (how many earlier tokens took each expert)."""
+    with a capacity one Exscan of E counts (how many earlier tokens took each expert).
+    Full recomputation runs the forward ones twice: 2 Alltoall, 6 Alltoallv, 5 Allreduce
+    (f twice, P forward twice and backward once), 2 Exscan."""
     moe = [block for block in shape.blocks if block.moe]
-    if not moe or plan.replicas * plan.tp == 1:
+    if not moe or plan.replicas * (plan.tp if w.experts_over_tp else 1) == 1:
         return []
-    m, tokens = plan.microbatches, tokens_per_microbatch(w, plan) // plan.tp
+    again = 2 if plan.recompute == "full" else 1                # forwards per backward
+    m = plan.microbatches  # experts over tp: each tp rank routes its SP share of tokens
+    tokens = tokens_per_microbatch(w, plan) // (plan.tp if w.experts_over_tp else 1)
     experts = sum(block.experts for block in moe) * m
     out = []
     if plan.ep > 1:
-        rows = 4 * tokens * sum(block.top_k for block in moe) * m
-        out += [Traffic("ep", "Alltoall", len(moe) * m, experts, experts * w.count_bytes),
-                Traffic("ep", "Alltoallv", 4 * len(moe) * m, rows * w.d_model,
+        rows = (2 * again + 2) * tokens * sum(block.top_k for block in moe) * m
+        out += [Traffic("ep", "Alltoall", again * len(moe) * m, again * experts,
+                        again * experts * w.count_bytes),
+                Traffic("ep", "Alltoallv", (2 * again + 2) * len(moe) * m, rows * w.d_model,
                         rows * w.d_model * w.act_bytes)]
     if plan.replicas == 1:
         return out
-    stats = 3 * experts
-    out.append(Traffic("dp", "Allreduce", 3 * len(moe) * m, stats,
-                       experts * w.count_bytes + 2 * experts * w.act_bytes))
+    stats = (2 * again + 1) * experts
+    out.append(Traffic("dp", "Allreduce", (2 * again + 1) * len(moe) * m, stats,
+                       again * experts * w.count_bytes + (again + 1) * experts * w.act_bytes))
     capped = [block for block in moe if block.capacity]
     if capped:
-        counts = sum(block.experts for block in capped) * m
-        out.append(Traffic("dp", "Exscan", len(capped) * m, counts, counts * w.count_bytes))
+        counts = again * sum(block.experts for block in capped) * m
+        out.append(Traffic("dp", "Exscan", again * len(capped) * m, counts,
+                           counts * w.count_bytes))
     return out
 
 
@@ -161,10 +200,10 @@ def dp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     Reduce_scatter, stage 3's both; stage 3 gathers twice: forward and backward)."""
     out = []
     moe_pieces = sum(1 for block in shape.blocks if block.moe)
+    edp = (plan.tp if w.experts_over_tp else 1) * plan.replicas // plan.ep
     for group, size, arrays, pieces in (("dp", plan.replicas, shape.dp_arrays,
                                          len(shape.pieces)),
-                                        ("edp", plan.tp * plan.replicas // plan.ep,
-                                         shape.edp_arrays, moe_pieces)):
+                                        ("edp", edp, shape.edp_arrays, moe_pieces)):
         psi = sum(arrays)
         if size == 1 or psi == 0:
             continue

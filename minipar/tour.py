@@ -39,6 +39,8 @@ STOPS: list[tuple[str, dict]] = [
                                                                    optimizer="adam", lr=0.003)),
     # the same strategies on a transformer (gpt.py): the rows are now B*T positions
     ("GPT-DP  a transformer: 8 replicas, the same Allreduce", dict(model="gpt", dp=8)),
+    ("GPT-TP  heads, vocabulary over tp; SP along T", dict(model="gpt", dp=2, tp=4,
+                                                          sp=True)),
     ("GPT-PP  (B/M dp, T, d) between stages, interleaved", dict(
         model="gpt", dp=2, pp=4, microbatches=4, schedule="interleaved", virtual=2)),
     ("GPT-EP  every position a token, Alltoall to its expert", dict(

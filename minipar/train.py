@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import bugs, checkpoint, config, fused, gpt, nn, preflight, watchdog
+from minipar import bugs, checkpoint, config, gpt, nn, preflight, watchdog
 from minipar.config import TrainConfig
 from minipar.data import (
     make_batch,
@@ -42,6 +42,7 @@ from minipar.data import (
 from minipar.mesh import Mesh
 from minipar.optim import Optimizer, make_optimizer
 from minipar.parallel import pipeline_parallel
+from minipar.recompute import Recomputed
 from minipar.shards import held_parts
 
 if TYPE_CHECKING:  # data_parallel.py loads mpi4py.MPI; train_reference needs none
@@ -197,12 +198,23 @@ def build_rank_model(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray]
     per_stage = cfg.layers // stages
     chunks = []
     enter = leave = None
-    if cfg.sp:  # the residual stream is split by rows over tp from the embedding to the
-        # head, so pipeline stages pass row shards (B/tp, d) along (tensor_parallel.py)
+    if cfg.sp:  # the residual stream is split by rows (the transformer: positions) over
+        # tp from the embedding to the head, so pipeline stages pass those shards along
         from minipar.parallel import tensor_parallel  # here: it loads mpi4py.MPI
 
-        enter, leave = tensor_parallel.sequence_parallel_hooks(mesh.tp)
+        enter, leave = tensor_parallel.sequence_parallel_hooks(
+            mesh.tp, axis=1 if model_cfg.is_gpt else 0)
     embed, head = (gpt.Embedding, gpt.Head) if model_cfg.is_gpt else (nn.Embed, nn.Head)
+    if cfg.vocab_parallel:  # rows of tok and columns of the head over tp (vocab_parallel.py)
+        from minipar.parallel import vocab_parallel  # here: it loads mpi4py.MPI
+
+        def embed(full: dict) -> nn.Module:
+            return vocab_parallel.VocabParallelEmbedding(full, mesh.tp, cfg.sp)
+
+        def head(full: dict) -> nn.Module:
+            return vocab_parallel.VocabParallelHead(full, mesh.tp, cfg.sp)
+        enter = leave = None  # under SP, the embedding's Reduce_scatter and the head's
+        # Allgather are the residual stream's way in and out of its split along T
     for chunk in range(cfg.virtual):
         v = chunk * cfg.pp + mesh.coords["pp"]
         blocks = [make_block(cfg, model_cfg, mesh, full, i)
@@ -215,32 +227,52 @@ def build_rank_model(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray]
 
 def make_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
                full: dict[str, np.ndarray], index: int) -> nn.Module:
-    """Block `index` as this mesh needs it (reference, tensor- or expert-parallel).
-    A transformer block is attention followed by that same FFN block (LayerNorm `ln2`)."""
+    """Block `index` as this mesh needs it (reference, tensor- or expert-parallel), under
+    `--recompute full` wrapped to keep only its input (recompute.py). A transformer
+    block is attention (split by heads over tp) followed by that same FFN block
+    (LayerNorm `ln2`)."""
+    block = make_ffn_block(cfg, model_cfg, mesh, full, index,
+                           ln="ln2" if model_cfg.is_gpt else "ln")
     if model_cfg.is_gpt:
-        return gpt.Block(full, index, model_cfg.heads,
-                         make_ffn_block(cfg, model_cfg, mesh, full, index, ln="ln2"))
-    return make_ffn_block(cfg, model_cfg, mesh, full, index)
+        selective = cfg.recompute == "selective"
+        if cfg.tp > 1:
+            # here: it loads mpi4py.MPI; looked up at call time for --inject-bug
+            from minipar.parallel import tensor_parallel
+
+            attn = tensor_parallel.TensorParallelAttention(full, index, model_cfg.heads,
+                                                           mesh.tp, cfg.sp,
+                                                           selective=selective)
+        else:
+            attn = gpt.Attention(full, index, model_cfg.heads, selective=selective)
+        block = gpt.Block(full, index, model_cfg.heads, block, attn=attn)
+    return Recomputed(block) if cfg.recompute == "full" else block
 
 
 def make_ffn_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
                    full: dict[str, np.ndarray], index: int, ln: str = "ln") -> nn.Module:
-    """The FFN block h + FFN(LN(h)) of block `index`, split as the mesh asks.
+    """The FFN block h + FFN(LN(h)) of block `index`, split as the mesh asks. The MoE
+    FFN is not split over tp: every tp rank runs it whole (its experts over ep).
     The classes are looked up in their modules at call time, so `--inject-bug` can
     swap what they use."""
     # here: both load mpi4py.MPI, which the one-process reference never needs
     from minipar.parallel import expert_parallel, tensor_parallel
 
-    if model_cfg.is_moe and (cfg.dp > 1 or cfg.ep > 1 or cfg.tp > 1):
-        # tokens split over dp, experts over ep (and each expert over tp): the Alltoall
-        # dispatch (expert_parallel.py)
-        return expert_parallel.ExpertParallelBlock(full, index, model_cfg, mesh, ln=ln,
-                                                   split_over_tp=cfg.model == "moe")
     if model_cfg.is_moe:
-        return nn.MoEBlock(full, index, model_cfg, ln=ln)
+        split = cfg.model == "moe" and cfg.tp > 1   # the MLP model: each expert over tp
+        if cfg.dp > 1 or cfg.ep > 1 or split:
+            # tokens split over dp, experts over ep (and with `split` each expert over tp):
+            # the Alltoall dispatch (expert_parallel.py)
+            moe: nn.Module = expert_parallel.ExpertParallelBlock(full, index, model_cfg, mesh,
+                                                                 ln=ln, split_over_tp=split)
+        else:
+            moe = nn.MoEBlock(full, index, model_cfg, ln=ln)
+        if cfg.sp:  # my positions -> all of them, and back (tensor_parallel.py)
+            return tensor_parallel.ReplicatedOverTp(moe, mesh.tp)
+        return moe
     if cfg.tp > 1:
         return tensor_parallel.TensorParallelBlock(full, index, mesh.tp,
-                                                   sequence_parallel=cfg.sp)
+                                                   sequence_parallel=cfg.sp, ln=ln,
+                                                   seq_axis=1 if model_cfg.is_gpt else 0)
     return nn.DenseBlock(full, index, ln=ln)
 
 
@@ -265,10 +297,11 @@ def microbatch_loss(chunk: nn.Model, x: np.ndarray, y: np.ndarray, scale: float)
 def boundary_shape(cfg: TrainConfig) -> tuple[int, ...]:
     """What crosses a stage boundary per microbatch: (B/(M dp), d) rows of the residual
     stream, or (B/(M dp tp), d) with sequence parallelism (the stream is row-split);
-    for the transformer (B/(M dp), T, d), every position of those sequences."""
+    for the transformer (B/(M dp), T, d), every position of those sequences (with
+    sequence parallelism (B/(M dp), T/tp, d))."""
     rows = cfg.batch // cfg.microbatches // cfg.dp
-    if cfg.model_config().is_gpt:
-        return (rows, cfg.seq_len, cfg.d_model)
+    if cfg.model_config().is_gpt:  # sequence parallelism cuts positions: (b, T/tp, d)
+        return (rows, cfg.seq_len // cfg.tp if cfg.sp else cfg.seq_len, cfg.d_model)
     return (rows // cfg.tp if cfg.sp else rows, cfg.d_model)
 
 
@@ -284,7 +317,8 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     if cfg.pp > 1:
         def last_stage_loss(logits: ag.Tensor, aux: ag.Tensor | None,
                             labels: np.ndarray) -> ag.Tensor:
-            loss = fused.cross_entropy(logits, labels) * scale      # CE / M
+            head = chunks[-1].head                                  # the last chunk's
+            loss = nn.output_loss(head, logits, labels) * scale     # CE / M
             return loss if aux is None else loss + aux * scale      # + aux / M
 
         # looked up at call time: --inject-bug swaps pipeline_parallel.StageWorker

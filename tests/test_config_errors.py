@@ -102,11 +102,17 @@ CASES = [
     (["--model", "gpt", "--data", "{text}", "--vocab", "64"], "--vocab"),  # bytes: V = 256
     (["--model", "gpt", "--d-in", "8"], "--d-in"),                   # reads token ids
     (["--model", "gpt", "--classes", "5"], "--classes"),
-    (["--model", "gpt", "--tp", "2"], "--tp"),                       # heads over tp: not yet
+    (["--model", "gpt", "--tp", "4", "--heads", "2"], "--heads"),    # whole heads per rank
     (["--model", "gpt", "--ep", "2"], "--ep"),                       # no experts
     (["--model", "moe", "--tp", "2", "--expert-d-ff", "9"], "--tp"),  # splits each expert
     (["--heads", "2"], "--heads"),                                   # the MLP has no heads
     (["--data", "{text}"], "--data"),
+    (["--model", "gpt", "--tp", "4", "--vocab", "30"], "--vocab"),  # vocab-parallel rows
+    (["--model", "gpt", "--tp", "4", "--sp", "--seq-len", "6"], "--seq-len"),  # T/tp positions
+    (["--model", "gpt", "--vocab-parallel"], "--vocab-parallel"),   # nothing to split over
+    (["--vocab-parallel"], "--vocab-parallel"),                     # the MLP has no vocabulary
+    (["--recompute", "selective"], "--recompute"),                  # the MLP has no attention
+    (["--recompute", "half"], "--recompute"),
 ]
 # Through the real launcher, at several world sizes: (ranks, case index).
 END_TO_END = [(4, 0), (2, 11), (1, 15), (2, 27), (2, 42), (2, 50), (2, 52), (2, 58)]

@@ -70,7 +70,7 @@ RUNS = {
         dict(MOE, **ADAM, dp=2, ep=2, pp=2, zero=1, microbatches=2)],
 }
 # Every bug of bugs.py that the transformer's meshes can show, each on 4 ranks: the
-# equivalence check must catch it (tp's bugs need --tp, refused for the transformer).
+# equivalence check must catch it (tp's bugs: tests/test_gpt_tensor_parallel.py).
 BUGGED = [dict(GPT, dp=2, pp=2, microbatches=2, schedule="gpipe",
                inject_bug="pp-one-input-buffer"),
           dict(GPT, dp=2, pp=2, microbatches=2, inject_bug="dp-stage-not-synced"),

@@ -25,12 +25,12 @@ PACKAGE = ROOT / "minipar"
 
 # Bottom first. A module may import from its own layer and every layer below it.
 LAYERS: list[set[str]] = [
-    {"autograd", "fused", "attention", "nn", "gpt", "optim", "data", "memory",  # core,
-     "shards", "threads"},                                                  # no MPI
+    {"autograd", "fused", "attention", "nn", "gpt", "recompute", "optim", "data",  # core,
+     "memory", "shards", "threads"},                                        # no MPI
     {"comm", "mesh", "ring", "log", "watchdog"},                            # communication
     {"parallel", "parallel.pipeline_schedules", "parallel.data_parallel",   # strategies
-     "parallel.zero", "parallel.tensor_parallel", "parallel.expert_parallel",
-     "parallel.pipeline_parallel"},
+     "parallel.zero", "parallel.tensor_parallel", "parallel.vocab_parallel",
+     "parallel.expert_parallel", "parallel.pipeline_parallel"},
     {"config"},                                                             # the flags
     {"checkpoint", "checkpoint_folder", "preflight", "bugs"},
     {"train"},                                                              # composition

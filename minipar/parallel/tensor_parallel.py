@@ -24,15 +24,18 @@ activation memory of the row-split region divided by tp. Parameters used on
 row shards (LayerNorm gamma/beta, fc2's bias) then get only this rank's rows'
 share of their gradient: `allreduce_sequence_parallel_grads` sums it over tp.
 
-The embedding and the head stay replicated here (every tp rank computes them
-on all rows). Megatron splits them too: a vocabulary-parallel embedding (each
-rank holds a range of token ids, outputs are Allreduced) and a
-vocabulary-parallel head with a parallel cross-entropy (the softmax's max and
-sum are Allreduced, so full logits are never gathered). Our inputs are dense
-vectors and C is tiny, so there is nothing worth splitting.
+The transformer (`--model gpt`, gpt.py) is split the same way block by block:
+attention by heads (`TensorParallelAttention`: the q, k, v columns and proj rows of
+H/tp whole heads, one Allreduce after it), then the FFN as above, so four Allreduces
+of (B, T, d) per block and microbatch; under SP the split region is cut along T
+(positions, axis 1), not rows. Its embedding and head are vocabulary-parallel
+(vocab_parallel.py). The MLP models' embedding and head stay replicated: their
+inputs are dense vectors and C is tiny, so there is nothing worth splitting.
 
 Run it: `mpiexec -n 4 python -m minipar train --tp 4 --check --ledger` (add `--sp`),
-or the lesson `mpiexec -n 2 python lessons/02_tensor_parallel.py`.
+`mpiexec -n 4 python -m minipar train --model gpt --tp 4 --sp --check --ledger`,
+or the lessons `mpiexec -n 2 python lessons/02_tensor_parallel.py` and
+`mpiexec -n 4 python lessons/11_transformer_tp.py`.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from minipar import fused
+from minipar import fused, gpt
 from minipar.autograd import Tensor
 from minipar.comm import (
     Group,
@@ -63,6 +66,16 @@ def shard(size: int, parts: int, rank: int) -> slice:
     return slice(rank * step, (rank + 1) * step)
 
 
+def enter_region(x: Tensor, tp: Group, sequence_parallel: bool, axis: int = 0) -> Tensor:
+    """The entry of a tensor-parallel region: Megatron's f (`copy_to`: forward identity,
+    backward Allreduce of the input gradient, each rank's being only its shard's share),
+    or with sequence parallelism an Allgather of my rows (or positions, `axis` 1 of the
+    transformer's (B, T, d)), whose backward is a Reduce_scatter."""
+    if sequence_parallel:
+        return all_gather(x, tp, axis)       # my (B/tp, d) or (B, T/tp, d) -> all of them
+    return copy_to(x, tp)                    # f: nothing moves; backward Allreduce
+
+
 # ------------------------------------------------------------- the linears
 class ColumnParallelLinear(Module):
     """y = x @ W + b with W (d, f) split by columns: rank k holds W[:, cols_k], b[cols_k].
@@ -72,11 +85,13 @@ class ColumnParallelLinear(Module):
     rank is only its shard's share). With `sequence_parallel`, x is this rank's
     block of rows and the entry is an Allgather of rows (backward Reduce_scatter).
     Output: the column shard (B, f/tp), or with `gather_output` the full (B, f)
-    by an Allgather of columns (the source's form).
+    by an Allgather of columns (the source's form). `entered`: x is inside the region
+    already (the attention's q, k and v share one entry).
     """
 
     def __init__(self, full: dict[str, np.ndarray], name: str, tp: Group,
-                 gather_output: bool = False, sequence_parallel: bool = False) -> None:
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 seq_axis: int = 0, entered: bool = False) -> None:
         weight = full[f"{name}.weight"]
         cols = shard(weight.shape[1], tp.size, tp.rank)
         self.weight = Parameter(weight[:, cols], f"{name}.weight",
@@ -86,12 +101,12 @@ class ColumnParallelLinear(Module):
         self.tp = tp
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
+        self.seq_axis = seq_axis
+        self.entered = entered
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.sequence_parallel:
-            x = all_gather(x, self.tp)         # my rows (B/tp, d) -> all rows (B, d)
-        else:
-            x = copy_to(x, self.tp)            # f: nothing moves; backward Allreduce of (B, d)
+        if not self.entered:  # else x is inside the region already (shared by q, k, v)
+            x = enter_region(x, self.tp, self.sequence_parallel, self.seq_axis)
         y = fused.linear(x, self.weight, self.bias)   # (B, d) @ (d, f/tp) -> (B, f/tp)
         if self.gather_output:
             y = gather_from(y, self.tp, axis=-1)   # (B, f/tp) of every rank -> Y (B, f)
@@ -110,7 +125,8 @@ class RowParallelLinear(Module):
     """
 
     def __init__(self, full: dict[str, np.ndarray], name: str, tp: Group,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False) -> None:
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 seq_axis: int = 0) -> None:
         weight = full[f"{name}.weight"]
         rows = shard(weight.shape[0], tp.size, tp.rank)
         self.weight = Parameter(weight[rows, :], f"{name}.weight",
@@ -119,13 +135,15 @@ class RowParallelLinear(Module):
         self.tp = tp
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
+        self.seq_axis = seq_axis
 
     def __call__(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = scatter_to(x, self.tp, axis=-1)    # keep my columns (B, f/tp); no message
         partial = fused.linear(x, self.weight)        # (B, f/tp) @ (f/tp, d) -> (B, d), a share
         if self.sequence_parallel:
-            y = reduce_scatter(partial, self.tp)   # shares (B, d) summed -> my rows (B/tp, d)
+            # shares (B, d) summed -> my rows (B/tp, d); the transformer's (B, T/tp, d)
+            y = reduce_scatter(partial, self.tp, self.seq_axis)
         else:
             y = reduce_from(partial, self.tp)      # g: shares (B, d) of every rank -> their sum
         return y + self.bias                       # the bias once, after the sum
@@ -143,11 +161,13 @@ class TensorParallelBlock(Module):
     """
 
     def __init__(self, full: dict[str, np.ndarray], index: int, tp: Group,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, ln: str = "ln", seq_axis: int = 0) -> None:
         p = f"blocks.{index}"
-        self.ln = LayerNorm(full, f"{p}.ln")       # replicated (gamma, beta of size d)
-        self.fc1 = ColumnParallelLinear(full, f"{p}.fc1", tp, sequence_parallel=sequence_parallel)
-        self.fc2 = RowParallelLinear(full, f"{p}.fc2", tp, sequence_parallel=sequence_parallel)
+        self.ln = LayerNorm(full, f"{p}.{ln}")     # replicated (gamma, beta of size d)
+        self.fc1 = ColumnParallelLinear(full, f"{p}.fc1", tp, sequence_parallel=sequence_parallel,
+                                        seq_axis=seq_axis)
+        self.fc2 = RowParallelLinear(full, f"{p}.fc2", tp, sequence_parallel=sequence_parallel,
+                                     seq_axis=seq_axis)
         self.sequence_parallel = sequence_parallel
 
     def __call__(self, h: Tensor) -> tuple[Tensor, None]:
@@ -163,9 +183,67 @@ class TensorParallelBlock(Module):
         return [self.ln.weight, self.ln.bias, self.fc2.bias]
 
 
+# ------------------------------------------------------- the transformer
+class TensorParallelAttention(gpt.Attention):
+    """h + proj(attention(LN1(h))) split by heads: rank k of tp holds heads
+    k H/tp .. (k+1) H/tp - 1.
+
+    Head h is columns h dh .. (h+1) dh of Wq, Wk, Wv and rows h dh .. (h+1) dh of Wo,
+    so a contiguous column block of q, k and v (column-parallel, with their biases) and
+    the matching row block of proj (row-parallel) are whole heads: attention runs on
+    the H/tp local heads with no communication at all (heads never mix before proj),
+    and proj's partial sums meet in ONE Allreduce of (B, T, d) (g). The three
+    projections share one entry (f, `enter`): its backward is ONE Allreduce of the
+    input gradient, the sum of the q, k and v shares of every rank. With
+    `sequence_parallel` the entry is an Allgather of positions (B, T/tp, d) -> (B, T, d)
+    and the exit a Reduce_scatter back to them: LN1 and the residual hold T/tp
+    positions per rank."""
+
+    def __init__(self, full: dict[str, np.ndarray], index: int, heads: int, tp: Group,
+                 sequence_parallel: bool = False, selective: bool = False) -> None:
+        p = f"blocks.{index}"
+        self.heads = heads // tp.size                 # this rank's heads
+        self.selective = selective
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.ln = LayerNorm(full, f"{p}.ln1")         # replicated (gamma, beta of size d)
+        # my heads' columns of q, k, v; called inside the region (`enter` was their f)
+        self.q, self.k, self.v = (ColumnParallelLinear(full, f"{p}.attn.{part}", tp,
+                                                       entered=True)
+                                  for part in ("q", "k", "v"))
+        self.proj = RowParallelLinear(full, f"{p}.attn.proj", tp,
+                                      sequence_parallel=sequence_parallel, seq_axis=1)
+
+    def enter(self, a: Tensor) -> Tensor:
+        return enter_region(a, self.tp, self.sequence_parallel, axis=1)
+
+    def partial_over_tp(self) -> list[Parameter]:
+        """Under SP: LN1's gamma and beta and proj's bias see T/tp positions here."""
+        if not self.sequence_parallel:
+            return []
+        return [self.ln.weight, self.ln.bias, self.proj.bias]
+
+
+class ReplicatedOverTp(Module):
+    """A block every tp rank runs whole on the same input (the MoE FFN: its experts
+    split over ep, not tp). Under sequence parallelism its input is my positions: an
+    Allgather of them first (backward: keep my positions' gradient, each rank's copy
+    of the block gives the full one) and a split back after (backward: Allgather)."""
+
+    def __init__(self, block: Module, tp: Group) -> None:
+        self.block, self.tp = block, tp
+
+    def __call__(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
+        out, aux = self.block(gather_from(h, self.tp, axis=1))   # (B, T/tp, d) -> (B, T, d)
+        return scatter_to(out, self.tp, axis=1), aux             # -> my (B, T/tp, d)
+
+    @property
+    def last_stats(self) -> dict:
+        return getattr(self.block, "last_stats", {})
+
+
 # ------------------------------------------------------ sequence parallelism
-def sequence_parallel_hooks(tp: Group) -> tuple[Callable[[Tensor], Tensor],
-                                                Callable[[Tensor], Tensor]]:
+def sequence_parallel_hooks(tp: Group, axis: int = 0
+                            ) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
     """`(enter, leave)` for `nn.Model`: split the residual stream by rows after the
     embedding, gather it back before the head.
 
@@ -177,10 +255,10 @@ def sequence_parallel_hooks(tp: Group) -> tuple[Callable[[Tensor], Tensor],
     sum tp identical copies and make every gradient tp times too large.
     """
     def enter(h: Tensor) -> Tensor:
-        return scatter_to(h, tp, axis=0)    # keep my rows (B/tp, d); backward Allgather of rows
+        return scatter_to(h, tp, axis=axis)   # keep my rows (B/tp, d); backward Allgather
 
     def leave(h: Tensor) -> Tensor:
-        return gather_from(h, tp, axis=0)   # my rows (B/tp, d) of every rank -> (B, d)
+        return gather_from(h, tp, axis=axis)  # my rows (B/tp, d) of every rank -> (B, d)
     return enter, leave
 
 
@@ -192,9 +270,10 @@ def allreduce_sequence_parallel_grads(chunks: Sequence[Module], tp: Group) -> No
     as Megatron does. One Allreduce, all such gradients packed in one buffer:
     3 d per block (gamma, beta, fc2 bias) of this rank's chunks.
     """
-    params = [p for chunk in chunks for block in getattr(chunk, "blocks", [])
-              if isinstance(block, TensorParallelBlock)
-              for p in block.partial_over_tp() if p.grad is not None]
+    pieces = [piece for chunk in chunks
+              for piece in (chunk.embed, *chunk.blocks, chunk.head) if piece is not None]
+    params = [p for piece in pieces if hasattr(piece, "partial_over_tp")
+              for p in piece.partial_over_tp() if p.grad is not None]
     if not params or tp.size == 1:
         return
     packed = pack(params)

@@ -1,0 +1,152 @@
+"""The vocabulary split over tp: the token embedding by rows, the head by columns, the loss.
+
+What this file teaches (Megatron-LM, Shoeybi et al. 2019, section 3). The two largest
+arrays of a language model are V x d: the token embedding and the head. Rank k of the
+tp group holds vocabulary rows `k V/tp .. (k+1) V/tp - 1` of both.
+
+Embedding: an id outside my rows looks up nothing (zeros); every id is inside exactly
+one rank's rows, so the Allreduce (`reduce_from`) of the partial embeddings (B, T, d)
+is tok[x] exactly. Under sequence parallelism that sum is a Reduce_scatter along T:
+each rank keeps its positions. The position embedding is small and replicated.
+
+Head and loss: logits = LN_f(h) Wh + bh with Wh (d, V) split by columns gives each rank
+the logits of its V/tp tokens, (B, T, V/tp). The cross-entropy of a row needs three
+numbers about the WHOLE row, and each is a reduction of the pieces:
+
+    m = max_v z_v           Allreduce(MAX) of my rows' maxima          (B T numbers)
+    s = sum_v exp(z_v - m)  Allreduce(SUM) of my sums,  together with
+    t = z_y - m             Allreduce(SUM) of the target's shifted logit (0 if y is not mine)
+    loss_row = log s - t
+
+so one Allreduce of B T and one of 2 B T replace an Allgather of B T V: the full
+logits are never formed on any rank. Backward, on my columns alone:
+d z_v = (exp(z_v - m) / s - [v == y]) / N, no communication; the head's input
+gradient is a partial sum over the vocabulary, which the region's entry f sums
+(its backward Allreduce), as for any column-parallel linear.
+
+`--no-vocab-parallel` keeps gpt.py's replicated embedding and head on every tp rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from minipar import attention, fused
+from minipar.autograd import Tensor
+from minipar.comm import Group, reduce_from, reduce_scatter
+from minipar.nn import LayerNorm, Module, Parameter
+from minipar.parallel.tensor_parallel import enter_region, shard
+
+
+def vocab_lookup(weight: Tensor, ids: Tensor | np.ndarray, first: int) -> Tensor:
+    """Rows of `weight` (V/tp, d), holding ids first .. first + V/tp - 1, for `ids` of
+    any shape; an id outside them gives a zero row. Backward: the gradients of my ids'
+    positions are summed into their rows (sorted ids, one `np.add.reduceat`, as
+    attention.embedding), the others dropped. Ids given as a Tensor get zeros, as in
+    attention.embedding (the piece hooks watch for them)."""
+    given = ids if isinstance(ids, Tensor) else None
+    ids = np.asarray(given.data if given is not None else ids)
+    local = ids - first
+    mine = (local >= 0) & (local < weight.shape[0])
+    out = weight.data[np.where(mine, local, 0)]                 # ids.shape + (d,)
+    out[~mine] = 0.0
+
+    def backward(g: np.ndarray) -> None:
+        rows, row_ids = g[mine], local[mine]                    # (n, d), (n,) my positions
+        order = np.argsort(row_ids, kind="stable")
+        sorted_ids = row_ids[order]
+        starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+        full = np.zeros_like(weight.data)
+        if row_ids.size:
+            full[sorted_ids[starts]] = np.add.reduceat(rows[order], starts, axis=0)
+        weight.accumulate(full, fresh=True)
+        if given is not None:
+            given.accumulate(np.zeros(ids.shape, dtype=given.dtype), fresh=True)
+    parents = (weight,) if given is None else (weight, given)
+    return Tensor.from_op(out, parents, backward)
+
+
+def parallel_cross_entropy(logits: Tensor, labels: np.ndarray, first: int, tp: Group,
+                           scale: float | None = None) -> Tensor:
+    """sum over rows of CE(full row, y) * scale (default 1/N), from my columns
+    `first .. first + V/tp - 1` of the logits (..., V/tp): the same number on every rank
+    of tp. Forward: Allreduce(MAX) of the row maxima, one Allreduce(SUM) of the sums of
+    exps and target logits packed together. Backward: (softmax - onehot) on my columns."""
+    flat = logits.data.reshape(-1, logits.shape[-1])           # (N, V/tp)
+    labels = np.asarray(labels).reshape(-1)
+    rows = np.arange(flat.shape[0])
+    scale = 1.0 / flat.shape[0] if scale is None else scale
+    row_max = flat.max(axis=-1)
+    tp.Allreduce(MPI.IN_PLACE, row_max, op=MPI.MAX)            # (N,) my maxima -> the max
+    shifted = flat - row_max[:, None]
+    e = np.exp(shifted)
+    local = labels - first
+    mine = (local >= 0) & (local < flat.shape[1])
+    stats = np.stack([e.sum(axis=-1),                          # (2, N): my sums of exps,
+                      np.where(mine, shifted[rows, np.where(mine, local, 0)], 0.0)])
+    tp.Allreduce(MPI.IN_PLACE, stats, op=MPI.SUM)              # and target logits -> totals
+    total, target = stats
+    out = np.asarray((np.log(total) - target).sum() * scale)
+
+    def backward(g: np.ndarray) -> None:
+        d = e / total[:, None]
+        d[rows[mine], local[mine]] -= 1.0
+        logits.accumulate((d * (g * scale)).reshape(logits.shape), fresh=True)
+    return Tensor.from_op(out, (logits,), backward)
+
+
+class VocabParallelEmbedding(Module):
+    """h0 = tok[x] + pos[positions] with my V/tp rows of tok: zeros for the other ids,
+    then the Allreduce of (B, T, d), or with `sequence_parallel` a Reduce_scatter that
+    leaves my T/tp positions (B, T/tp, d), to which their position rows are added."""
+
+    def __init__(self, full: dict[str, np.ndarray], tp: Group,
+                 sequence_parallel: bool = False) -> None:
+        rows = shard(full["tok_embed.weight"].shape[0], tp.size, tp.rank)
+        self.tok = Parameter(full["tok_embed.weight"][rows], "tok_embed.weight",
+                             full_index=(rows, slice(None)))
+        self.pos = Parameter(full["pos_embed.weight"], "pos_embed.weight")
+        self.first = rows.start
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+
+    def __call__(self, x: Tensor, positions: np.ndarray | None = None) -> Tensor:
+        positions = np.arange(x.shape[1]) if positions is None else positions
+        partial = vocab_lookup(self.tok, x, self.first)       # (B, T, d), zeros if not mine
+        if self.sequence_parallel:
+            mine = positions[shard(len(positions), self.tp.size, self.tp.rank)]
+            h = reduce_scatter(partial, self.tp, axis=1)       # sum, keep my (B, T/tp, d)
+            return h + attention.embedding(self.pos, mine)
+        return reduce_from(partial, self.tp) + attention.embedding(self.pos, positions)
+
+    def partial_over_tp(self) -> list[Parameter]:
+        """Under SP each rank adds the position rows of its T/tp positions only."""
+        return [self.pos] if self.sequence_parallel else []
+
+
+class VocabParallelHead(Module):
+    """My V/tp columns of logits = LN_f(h) Wh + bh, (B, T, V/tp); `loss` is the parallel
+    cross-entropy on them. LN_f is replicated (under SP: on my positions, then the
+    Allgather along T that enters the column-parallel head)."""
+
+    def __init__(self, full: dict[str, np.ndarray], tp: Group,
+                 sequence_parallel: bool = False) -> None:
+        self.ln_f = LayerNorm(full, "ln_f")
+        cols = shard(full["head.weight"].shape[1], tp.size, tp.rank)
+        self.weight = Parameter(full["head.weight"][:, cols], "head.weight",
+                                full_index=(slice(None), cols))
+        self.bias = Parameter(full["head.bias"][cols], "head.bias", full_index=(cols,))
+        self.first = cols.start
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+
+    def __call__(self, h: Tensor) -> Tensor:
+        u = enter_region(self.ln_f(h), self.tp, self.sequence_parallel, axis=1)  # (B, T, d)
+        return fused.linear(u, self.weight, self.bias)         # (B, T, d) @ (d, V/tp)
+
+    def loss(self, logits: Tensor, labels: np.ndarray) -> Tensor:
+        """Mean over the B*T positions of CE(logits, y), from my vocabulary columns."""
+        return parallel_cross_entropy(logits, labels, self.first, self.tp)
+
+    def partial_over_tp(self) -> list[Parameter]:
+        """Under SP, LN_f's gamma and beta see my T/tp positions only."""
+        return [self.ln_f.weight, self.ln_f.bias] if self.sequence_parallel else []
