@@ -73,11 +73,11 @@ PAIRS = [
     # experts split over tp (their columns and rows as boxes) to ZeRO over experts
     ("moe", {"dp": 2, "ep": 2, "tp": 2}, 4, {"dp": 2, "zero": 2}, 2),
     # lesson 13's recipes: the Llama-like mesh (tp x pp x dp, ZeRO-1) to the DeepSeek-like
-    # one (pp x dp with ep over all dp ranks, ZeRO-1, no tp) and back
-    ("gpt-moe", {"tp": 2, "pp": 2, "dp": 2, "zero": 1, "microbatches": 2}, 8,
-     {"pp": 2, "dp": 4, "ep": 4, "zero": 1, "microbatches": 2}, 8),
-    ("gpt-moe", {"pp": 2, "dp": 4, "ep": 4, "zero": 1, "microbatches": 2}, 8,
-     {"tp": 2, "pp": 2, "dp": 2, "zero": 1, "microbatches": 2}, 8),
+    # one (pp x dp with ep over all dp ranks, ZeRO-1, no tp) and back (M = 1, as above)
+    ("gpt-moe", {"tp": 2, "pp": 2, "dp": 2, "zero": 1}, 8,
+     {"pp": 2, "dp": 4, "ep": 4, "zero": 1}, 8),
+    ("gpt-moe", {"pp": 2, "dp": 4, "ep": 4, "zero": 1}, 8,
+     {"tp": 2, "pp": 2, "dp": 2, "zero": 1}, 8),
 ]
 RUNNABLE = PAIRS
 
