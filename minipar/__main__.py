@@ -95,6 +95,7 @@ def train_command(argv: list[str]) -> int:
     if rank == 0:
         print(f"done: {cfg.steps} steps on dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}"
               + (f" ep={cfg.ep}" if cfg.model_config().is_moe else "")
+              + (f" cp={cfg.cp} ({cfg.cp_mode})" if cfg.cp > 1 else "")
               + f", final loss {result.losses[-1]:.6f}"
               + (f" (with the bug {cfg.inject_bug} injected)" if cfg.inject_bug else ""),
               flush=True)
@@ -108,12 +109,12 @@ MESH_TABLE_LIMIT = 4096
 def mesh_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m minipar mesh",
                                      description="Print which rank is in which group.")
-    for axis in ("dp", "tp", "pp", "ep"):
+    for axis in ("dp", "tp", "pp", "ep", "cp"):
         parser.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} degree")
     parser.add_argument("--world", type=int, default=None,
-                        help="ranks the mesh must fill (default: dp*tp*pp)")
+                        help="ranks the mesh must fill (default: dp*cp*tp*pp)")
     args = parser.parse_args(argv)
-    shape = MeshShape(args.dp, args.tp, args.pp, args.ep)
+    shape = MeshShape(args.dp, args.tp, args.pp, args.ep, args.cp)
     errors = shape.problems(shape.world if args.world is None else args.world)
     if not errors and shape.world > MESH_TABLE_LIMIT:   # one row per rank: keep it readable
         errors = [f"the mesh dp*tp*pp = {shape.world} ranks is more rows than a table can "
@@ -130,7 +131,7 @@ def tour_command(argv: list[str]) -> int:
 
 
 def reshard_command(argv: list[str]) -> int:
-    """`python -m minipar reshard SRC DST [--dp --tp --pp --ep --virtual]`: rewrite a
+    """`python -m minipar reshard SRC DST [--dp --tp --pp --ep --virtual --cp]`: rewrite a
     checkpoint for another mesh without training (one rank, no flags: the full state)."""
     from minipar.reshard import reshard  # here: loads mpi4py.MPI, which `plan`/`bugs` never need
 
@@ -138,7 +139,8 @@ def reshard_command(argv: list[str]) -> int:
     rank, size = world.Get_rank(), world.Get_size()
     parser = _Parser(prog="python -m minipar reshard",
                     description="Rewrite a checkpoint for the mesh of this job.")
-    for axis, default in (("dp", None), ("tp", 1), ("pp", 1), ("ep", 1), ("virtual", 1)):
+    for axis, default in (("dp", None), ("tp", 1), ("pp", 1), ("ep", 1), ("virtual", 1),
+                          ("cp", 1)):
         parser.add_argument(f"--{axis}", type=int, default=default,
                             help=f"the new mesh's {axis} (default: dp fills the job)"
                             if axis == "dp" else f"the new mesh's {axis}")
@@ -150,7 +152,7 @@ def reshard_command(argv: list[str]) -> int:
         return fail(rank, str(error))
     errors = [f"SRC {message}" for message in checkpoint.verify(args.source)]
     if not errors:
-        mesh = {axis: getattr(args, axis) for axis in ("dp", "tp", "pp", "ep", "virtual")}
+        mesh = {axis: getattr(args, axis) for axis in ("dp", "tp", "pp", "ep", "virtual", "cp")}
         manifest = checkpoint.read_manifest(Path(args.source))
         cfg = checkpoint.config_for(manifest, **mesh).resolved(size)
         errors = problems(cfg, size) + [f"DST {message}" for message in
@@ -161,7 +163,8 @@ def reshard_command(argv: list[str]) -> int:
     if rank == 0:
         print(f"resharded {args.source} (step {manifest['step']}, saved on "
               f"{manifest['mesh']['world']} ranks) -> {args.destination} for dp={cfg.dp} "
-              f"tp={cfg.tp} pp={cfg.pp} ep={cfg.ep} ({size} shard files)", flush=True)
+              f"tp={cfg.tp} pp={cfg.pp} ep={cfg.ep}" + (f" cp={cfg.cp}" if cfg.cp > 1 else "")
+              + f" ({size} shard files)", flush=True)
     return 0
 
 

@@ -153,7 +153,7 @@ def write_manifest(folder: Path, cfg: TrainConfig, step: int, optimizer_t: int,
         "format": FORMAT, "step": step, "optimizer_t": optimizer_t,
         "losses": list(losses),  # steps 1..step: a resumed run reports all S of them
         "mesh": {"world": len(entries), "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
-                 "ep": cfg.ep, "virtual": cfg.virtual},
+                 "ep": cfg.ep, "virtual": cfg.virtual, "cp": cfg.cp},
         "config": saved_config,
         "shapes": {k: list(v) for k, v in nn.canonical_shapes(cfg.model_config()).items()},
         "files": {e["file"]: {k: e[k] for k in ("rank", "bytes", "sha256")} for e in entries},
@@ -204,7 +204,7 @@ def save(folder: str | Path, cfg: TrainConfig, mesh: Mesh, updater: Updater,
     mine = pieces_to_write(world, params)
     state = {slot: [values[i] for i in mine] for slot, values in held.items()}
     meta = {"step": step, "coords": mesh.coords,
-            "mesh": {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "ep": cfg.ep}}
+            "mesh": {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "ep": cfg.ep, "cp": cfg.cp}}
     try:
         entry, error = write_shard(Path(staging), world.rank, world.size,
                                    [params[i] for i in mine], state, meta), None

@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 
 from minipar.data import corpus_problem
-from minipar.mesh import MeshShape
+from minipar.mesh import CP_MODES, MeshShape
 from minipar.nn import GPT_MODELS, ModelConfig
 from minipar.parallel.pipeline_schedules import SCHEDULES
 
@@ -71,6 +71,8 @@ class TrainConfig:
     data: str | None = None           # a text file: byte windows instead of the copy task
     vocab_parallel: bool | None = None  # tok rows / head columns over tp (default: tp > 1)
     recompute: str = "none"           # none, selective (the attention core), full (blocks)
+    cp: int = 1                       # context parallelism: each sequence over cp ranks
+    cp_mode: str = "zigzag"           # allgather, ring, zigzag or ulysses
 
     def resolved(self, world_size: int) -> TrainConfig:
         """Fill the defaults that depend on other flags (d_ff, expert_d_ff, dp)."""
@@ -80,7 +82,7 @@ class TrainConfig:
         if self.expert_d_ff is None:
             values["expert_d_ff"] = 2 * self.d_model
         if self.dp is None:
-            values["dp"] = max(1, world_size // max(1, self.tp * self.pp))
+            values["dp"] = max(1, world_size // max(1, self.tp * self.pp * self.cp))
         if self.vocab is None and self.model in GPT_MODELS:
             values["vocab"] = 256 if self.data is not None else 64
         if self.vocab_parallel is None:  # the transformer on a tp group splits its vocabulary
@@ -96,7 +98,7 @@ class TrainConfig:
                            seq_len=self.seq_len, heads=self.heads)
 
     def mesh_shape(self) -> MeshShape:
-        return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep)
+        return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp)
 
     def as_json(self) -> dict:
         """`config.json` of `--dump`: every flag under its long name."""
@@ -168,7 +170,7 @@ def _transformer_problems(cfg: TrainConfig) -> list[str]:
     defaults = TrainConfig()
     if cfg.model not in GPT_MODELS:
         return [f"--{name.replace('_', '-')} applies to --model gpt/gpt-moe only"
-                for name in ("vocab", "seq_len", "heads", "data")
+                for name in ("vocab", "seq_len", "heads", "data", "cp", "cp_mode")
                 if getattr(cfg, name) != getattr(defaults, name)] + (
             ["--vocab-parallel applies to --model gpt/gpt-moe only"] if cfg.vocab_parallel
             else [])
@@ -186,12 +188,40 @@ def _transformer_problems(cfg: TrainConfig) -> list[str]:
                    "(each head takes d_model/heads columns of q, k and v)")
     if cfg.vocab_parallel and cfg.tp == 1:
         out.append("--vocab-parallel splits the vocabulary over tp: it needs --tp 2 or more")
+    out += _context_parallel_problems(cfg)
     if cfg.data is not None:
         if cfg.vocab != 256:
             out.append(f"--vocab {cfg.vocab} with --data: a text file is read byte by byte, "
                        "so the vocabulary is 256 (drop --vocab)")
         problem = corpus_problem(cfg.data, max(cfg.seq_len, 1))
         out += [problem] if problem else []
+    return out
+
+
+def _context_parallel_problems(cfg: TrainConfig) -> list[str]:
+    """--cp N --cp-mode: the sequence must cut into equal pieces (2 cp for zigzag), and
+    Ulysses hands every rank whole heads."""
+    if cfg.cp_mode not in CP_MODES:
+        return [f"--cp-mode must be one of {', '.join(CP_MODES)} (got {cfg.cp_mode})"]
+    if cfg.cp <= 1 or cfg.seq_len < 2 or cfg.heads < 1:
+        return []
+    out = []
+    pieces = 2 * cfg.cp if cfg.cp_mode == "zigzag" else cfg.cp
+    if cfg.seq_len % pieces:
+        why = (f"2 x --cp = {pieces} chunks, rank r holding chunks r and 2cp-1-r"
+               if cfg.cp_mode == "zigzag" else "every cp rank holds T/cp positions")
+        out.append(f"--seq-len {cfg.seq_len} is not divisible by {pieces} for --cp {cfg.cp} "
+                   f"--cp-mode {cfg.cp_mode} ({why})")
+    local_heads = cfg.heads // max(cfg.tp, 1)
+    if cfg.cp_mode == "ulysses" and local_heads % cfg.cp:
+        out.append(f"--cp {cfg.cp} does not divide the {local_heads} heads (--heads / --tp) "
+                   "for --cp-mode ulysses (each rank attends with heads/cp whole heads)")
+    if cfg.tp > 1:
+        out.append("--cp with --tp 2 or more is not built yet (heads split over tp inside "
+                   "the cp group): use --cp with --dp, --pp or --ep")
+    if cfg.recompute != "none":
+        out.append(f"--recompute {cfg.recompute} with --cp is not built yet (recomputing "
+                   "would repeat the cp exchanges of attention): use --recompute none")
     return out
 
 
@@ -302,12 +332,14 @@ TRAIN_HELP = {
     "batch": "rows per step, over all data-parallel ranks",
     "microbatches": "gradient accumulation: pieces of each rank's rows",
     "steps": "total steps (also when resuming)", "seed": "seeds the model and the data",
-    "dp": "data-parallel ranks (default: world / (tp pp))",
+    "dp": "data-parallel ranks (default: world / (tp pp cp))",
     "tp": "tensor-parallel ranks (with --model moe: each expert split over them)",
     "pp": "pipeline stages", "ep": "MoE: expert-parallel ranks (divides dp)",
     "virtual": "model chunks per pipeline rank (--schedule interleaved)",
     "zero": "ZeRO stage 0-3: shard optimizer state, gradients, parameters over dp "
             "(expert weights over their edp group)",
+    "cp": "transformer: context-parallel ranks, each holding T/cp positions of every "
+          "sequence",
 }
 
 
@@ -321,7 +353,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
              "on token sequences (its FFN dense or MoE)")
     for name in ("layers", "d_in", "d_model", "d_ff", "classes", "experts", "top_k",
                  "expert_d_ff", "batch", "microbatches", "steps", "seed",
-                 "dp", "tp", "pp", "ep", "virtual", "zero"):
+                 "dp", "tp", "pp", "ep", "virtual", "zero", "cp"):
         add(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name),
             help=TRAIN_HELP[name])
     add("--capacity-factor", type=float, default=None,
@@ -363,6 +395,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--recompute", choices=RECOMPUTE, default=d.recompute,
         help="activation recomputation: none, selective (the attention core is "
              "computed again in the backward) or full (every block's forward is)")
+    add("--cp-mode", choices=CP_MODES, default=d.cp_mode,
+        help="transformer with --cp N: how attention sees the other ranks' positions "
+             "(allgather K/V, ring, zigzag ring, ulysses Alltoall)")
     add("--inject-bug", metavar="NAME", default=None,
         help="break one thing on purpose (lesson 08); `python -m minipar bugs` lists them")
 

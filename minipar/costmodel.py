@@ -136,6 +136,9 @@ class Plan:
     recompute: str = "none"     # "none", "selective" (drop attention scores), "full"
     grad_sync: str = "bucketed"
     cp: int = 1                 # context parallelism: each sequence cut in cp pieces
+    # how attention reaches the other pieces: "llama3" (the planner's: K, V Allgathered
+    # again in the backward) or minipar's --cp-mode (allgather, ring, zigzag, ulysses)
+    cp_mode: str = "llama3"
 
     @property
     def world(self) -> int:

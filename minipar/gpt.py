@@ -42,11 +42,14 @@ class Embedding(nn.Module):
     `positions` are the global positions of the T columns this rank holds (0..T-1 when
     it holds the whole sequence)."""
 
-    def __init__(self, full: dict[str, np.ndarray]) -> None:
+    def __init__(self, full: dict[str, np.ndarray], positions: np.ndarray | None = None
+                 ) -> None:
         self.tok = nn.Parameter(full["tok_embed.weight"], "tok_embed.weight")
         self.pos = nn.Parameter(full["pos_embed.weight"], "pos_embed.weight")
+        self.positions = positions  # context parallelism: the positions this rank holds
 
     def __call__(self, x: Tensor, positions: np.ndarray | None = None) -> Tensor:
+        positions = self.positions if positions is None else positions
         positions = np.arange(x.shape[1]) if positions is None else positions
         # x (B, T) integer ids; (B, T, d) + (T, d): every sequence gets the same position rows
         return attention.embedding(self.tok, x) + attention.embedding(self.pos, positions)
@@ -57,7 +60,9 @@ class Attention(nn.Module):
 
     Separate q, k, v linears (d, d), each column block h*dh..(h+1)*dh being head h;
     the H heads run as one batched node (attention.attention), then one proj. The key
-    bias is handed to that node, which knows its gradient is exactly 0.
+    bias is handed to that node, which knows its gradient is exactly 0. `core` replaces
+    that node: context parallelism passes its strategy (context_parallel.py), called
+    the same way on the positions this rank holds.
 
     `selective=True` is Korthikanti et al.'s selective recomputation: the attention core
     (scores, softmax: the (B, H, T, T) arrays) is not kept for the backward but computed
@@ -65,10 +70,12 @@ class Attention(nn.Module):
     heads (tensor_parallel.TensorParallelAttention overrides `enter` and the linears)."""
 
     def __init__(self, full: dict[str, np.ndarray], index: int, heads: int,
-                 sync: str | None = "dp", selective: bool = False) -> None:
+                 sync: str | None = "dp", selective: bool = False,
+                 core: Callable[..., Tensor] | None = None) -> None:
         p = f"blocks.{index}"
         self.heads = heads
         self.selective = selective
+        self.core = attention.attention if core is None else core
         self.ln = nn.LayerNorm(full, f"{p}.ln1")
         self.q = nn.Linear(full, f"{p}.attn.q", sync=sync)
         self.k = nn.Linear(full, f"{p}.attn.k", sync=sync)
@@ -83,7 +90,7 @@ class Attention(nn.Module):
         a = self.enter(self.ln(h))                                # (B, T, d)
         q, v = self.q(a), self.v(a)                               # (B, T, d) @ (d, d) each
         k = fused.linear(a, self.k.weight)                        # bk: inside attention
-        core = recomputed(attention.attention) if self.selective else attention.attention
+        core = recomputed(self.core) if self.selective else self.core
         o = core(q, k, v, self.heads, key_bias=self.k.bias)       # (B, T, H dh)
         return h + self.proj(o)                                   # (B, T, d) @ (d, d)
 

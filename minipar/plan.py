@@ -205,7 +205,8 @@ def minipar_workload(cfg: TrainConfig) -> Workload:
 def plan_of(cfg: TrainConfig) -> Plan:
     """The plan a resolved `python -m minipar train` config runs."""
     return Plan(cfg.dp, cfg.tp, cfg.pp, cfg.ep, cfg.zero, cfg.microbatches, cfg.sp,
-                cfg.schedule, cfg.virtual, cfg.recompute, cfg.grad_sync)
+                cfg.schedule, cfg.virtual, cfg.recompute, cfg.grad_sync, cfg.cp,
+                cfg.cp_mode)
 
 
 # ------------------------------------------------------------ pricing a plan

@@ -36,7 +36,7 @@ from minipar.report import RECEIVES, group_sizes, sent_per_axis, wire_bytes
 from minipar.threads import cores
 
 AXIS_COLORS = {"dp": "tab:blue", "tp": "tab:orange", "pp": "tab:green", "ep": "tab:red",
-               "edp": "tab:purple", "world": "tab:gray"}
+               "edp": "tab:purple", "cp": "tab:brown", "world": "tab:gray"}
 STATE_COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green"}
 ACTIVATION_COLOR = "tab:red"
 

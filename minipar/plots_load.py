@@ -8,7 +8,9 @@ al. 2021; Switch, Fedus et al. 2022) fills some experts more than others, and ev
 rank waits for the busiest one; its aux loss, trained, evens them out. Measured times
 are drawn as what they are: medians over repeats, on the cores they ran on (with more
 ranks than cores a wall clock measures the ranks taking turns; a replay of the measured
-CPU times shows the schedule instead).
+CPU times shows the schedule instead). Ring attention (Liu et al. 2023) with a causal
+mask gives rank r of cp contiguous pieces r + 1 blocks of scores to compute and rank 0
+one; the zig-zag layout gives every rank the same.
 
 Every function takes plain data (the simulator's `Simulation`, the records of
 `RunResult.extras`) and returns a matplotlib `Figure` built without pyplot, as
@@ -26,7 +28,7 @@ from textwrap import fill
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch
+from matplotlib.patches import Patch, Polygon, Rectangle
 
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
@@ -274,4 +276,53 @@ def expert_load_figure(stats: dict, title: str = "") -> Figure:
     right.legend(fontsize=8, loc="upper right")
     if title:
         figure.suptitle(title, fontsize=11)
+    return figure
+
+
+# ------------------------------------------------------ ring attention's blocks
+def ring_blocks_figure(modes: dict[str, list[list[list[tuple[int, int, int, int, bool]]]]],
+                       seq_len: int, title: str = "") -> Figure:
+    """Which (query, key) blocks each rank computes at each ring step: one panel per
+    (mode, rank), the T x T plane of scores with queries down and keys across. A block
+    is coloured by the ring step that computes it (its number written in it); a block
+    on the diagonal is a triangle, its upper half masked; grey is never computed. Each
+    title counts the rank's work in blocks of (T/cp)^2 scores.
+
+    `modes[name][rank][step]` lists the blocks as (q_start, q_stop, k_start, k_stop,
+    on_diagonal) in positions (context_parallel.visible_blocks, mapped to positions)."""
+    names = list(modes)
+    cp = len(next(iter(modes.values())))
+    figure = Figure(figsize=(2.4 * cp + 0.6, 2.5 * len(names) + 0.8), layout="constrained")
+    axes = np.atleast_2d(figure.subplots(len(names), cp))
+    for row, name in enumerate(names):
+        for rank in range(cp):
+            ax = axes[row, rank]
+            ax.add_patch(Rectangle((0, 0), seq_len, seq_len, color="0.92"))
+            count = 0
+            for step, blocks in enumerate(modes[name][rank]):
+                for q0, q1, k0, k1, diagonal in blocks:
+                    corners = ([(k0, q0), (k0, q1), (k1, q1)] if diagonal else
+                               [(k0, q0), (k0, q1), (k1, q1), (k1, q0)])
+                    ax.add_patch(Polygon(corners, closed=True, color=f"C{step % 10}",
+                                         ec="white", lw=0.8))
+                    ax.text((k0 + k1) / 2 - (k1 - k0) * 0.15 * diagonal,
+                            (q0 + q1) / 2 + (q1 - q0) * 0.15 * diagonal, str(step),
+                            ha="center", va="center", fontsize=7, color="white")
+                    count += (q1 - q0) * (k1 - k0)      # computed whole, then masked
+            ax.set_xlim(0, seq_len)
+            ax.set_ylim(seq_len, 0)
+            ax.set_aspect("equal")
+            ax.set_xticks([0, seq_len], ["0", str(seq_len)], fontsize=7)
+            ax.set_yticks([0, seq_len], ["0", str(seq_len)], fontsize=7)
+            blocks = count / (seq_len / cp) ** 2
+            ax.set_title(f"{name}, rank {rank}: {blocks:g} blocks", fontsize=8)
+            if rank == 0:
+                ax.set_ylabel("query position", fontsize=8)
+            if row == len(names) - 1:
+                ax.set_xlabel("key position", fontsize=8)
+    figure.legend(handles=[Patch(color=f"C{s}", label=f"ring step {s}") for s in range(cp)]
+                  + [Patch(color="0.92", label="not computed")],
+                  loc="outside lower center", ncol=cp + 1, fontsize=8)
+    if title:
+        figure.suptitle(title, fontsize=10)
     return figure

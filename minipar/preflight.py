@@ -55,10 +55,11 @@ def parameter_count(cfg: TrainConfig) -> int:
 def activation_count(cfg: TrainConfig) -> int:
     """Elements a rank keeps for backward, at most: its rows of the batch (all its
     microbatches, as a pipeline may hold them) times what each block saves per row.
-    The transformer's rows are its positions, each also keeping its attention
-    probabilities (H T) and q, k, v, o (4 d), and its logits (V)."""
+    The transformer's rows are its positions (T/cp of each sequence with context
+    parallelism), each also keeping its attention probabilities (H T, an upper bound
+    for the ring's blocks) and q, k, v, o (4 d), and its logits (V)."""
     gpt = cfg.model in ("gpt", "gpt-moe")
-    rows = cfg.batch // max(1, cfg.dp) * (cfg.seq_len if gpt else 1)
+    rows = cfg.batch // max(1, cfg.dp) * (cfg.seq_len // max(1, cfg.cp) if gpt else 1)
     d = cfg.d_model
     if cfg.model in ("moe", "gpt-moe"):   # k expert copies of each row: fc1, GELU, fc2
         per_row = 4 * d + cfg.experts + cfg.top_k * (2 * cfg.expert_d_ff + d)

@@ -19,16 +19,18 @@ from minipar.plan import minipar_workload, plan_of
 from minipar.timemodel import ledger_of, traffic
 
 # Mesh axis -> the flag that sets its size (edp is dp/ep).
-_AXIS_SIZE = {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep"}
-AXES = ["dp", "tp", "pp", "ep", "edp", "world"]  # the ledger's group names, in mesh order
+_AXIS_SIZE = {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "cp": "cp"}
+AXES = ["dp", "tp", "pp", "ep", "edp", "cp", "world"]  # the ledger's group names, mesh order
 
 
 def group_size(cfg: TrainConfig, group: str) -> int:
     """How many ranks a group of this axis has under `cfg`."""
-    if group == "edp":
-        return cfg.dp // cfg.ep
+    if group == "edp":  # with context parallelism: every cp coordinate's too
+        return cfg.dp // cfg.ep * cfg.cp
+    if group == "dp":   # the replicas of a weight: dp x cp ranks (mesh.py)
+        return cfg.dp * cfg.cp
     if group == "world":
-        return cfg.dp * cfg.tp * cfg.pp
+        return cfg.dp * cfg.cp * cfg.tp * cfg.pp
     return getattr(cfg, _AXIS_SIZE[group])
 
 

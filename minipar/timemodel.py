@@ -16,7 +16,7 @@ this project checks against real runs:
                  bandwidth if the group fits in a node, else the network's (a ring goes
                  at its slowest link). Nothing overlaps.
 
-Ranks are placed as mesh.py places them: tp fastest, then dp, then pp.
+Ranks are placed as mesh.py places them: tp fastest, then cp, then dp, then pp.
 Tested by `python -m pytest tests/test_plan.py`; used by `python -m minipar plan` and by
 `python -m minipar train --ledger` (each ledger line beside its prediction).
 """
@@ -172,6 +172,7 @@ def moe_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     again = 2 if plan.recompute == "full" else 1                # forwards per backward
     m = plan.microbatches  # experts over tp: each tp rank routes its SP share of tokens
     tokens = tokens_per_microbatch(w, plan) // (plan.tp if w.experts_over_tp else 1)
+    dp = "dp"   # every replica: dp x cp ranks (mesh.py's dp_cp, named dp in the ledger)
     experts = sum(block.experts for block in moe) * m
     out = []
     if plan.ep > 1:
@@ -183,13 +184,17 @@ def moe_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     if plan.replicas == 1:
         return out
     stats = (2 * again + 1) * experts
-    out.append(Traffic("dp", "Allreduce", (2 * again + 1) * len(moe) * m, stats,
+    out.append(Traffic(dp, "Allreduce", (2 * again + 1) * len(moe) * m, stats,
                        again * experts * w.count_bytes + (again + 1) * experts * w.act_bytes))
     capped = [block for block in moe if block.capacity]
-    if capped:
+    if capped and plan.cp == 1:
         counts = again * sum(block.experts for block in capped) * m
-        out.append(Traffic("dp", "Exscan", again * len(capped) * m, counts,
+        out.append(Traffic(dp, "Exscan", again * len(capped) * m, counts,
                            counts * w.count_bytes))
+    elif capped:  # under cp: everyone's expert ids, the global order rebuilt (k per token)
+        ids = again * sum(block.top_k for block in capped) * tokens * m * plan.dp * plan.cp
+        out.append(Traffic(dp, "Allgather", again * len(capped) * m, ids,
+                           ids * w.count_bytes))
     return out
 
 
@@ -343,8 +348,10 @@ def cp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     per block and microbatch, Allgathers the K and V of the whole sequence before its
     attention (again in the backward, and a third time with full recomputation), then
     Reduce_scatters their gradients back to the rank that owns each piece."""
-    if plan.cp == 1:
+    if plan.cp == 1 or not shape.blocks:
         return []
+    if plan.cp_mode != "llama3":  # a minipar run: its own modes, exactly
+        return minipar_cp_traffic(w, plan, shape)
     width = sum(block.kv_width for block in shape.blocks) // plan.tp
     if not width:
         return []
@@ -354,3 +361,21 @@ def cp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     return [Traffic("cp", "Allgather", gathers * layers, gathers * whole,
                     gathers * whole * w.act_bytes),
             Traffic("cp", "Reduce_scatter", layers, whole, whole * w.grad_bytes)]
+
+
+def minipar_cp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
+    """Context parallelism as minipar runs it (--cp-mode; context_parallel.py), per
+    transformer layer and microbatch, a block of K or V being the rank's (b, s/cp, d):
+    allgather 2 Allgathers of (b, s, d) forward and 2 Reduce_scatters backward; ring and
+    zigzag 2 (cp-1) Sendrecv of a block forward, 4 (cp-1) backward (K, V, dK, dV travel)
+    and 2 more (dK, dV home); Ulysses 4 Alltoalls of a block forward (q, k, v, the
+    output) and 4 backward."""
+    times = len(shape.blocks) * plan.microbatches
+    block = tokens_per_microbatch(w, plan) * w.d_model            # (b, s/cp, d)
+    if plan.cp_mode == "allgather":
+        size = 2 * times * plan.cp * block
+        return [Traffic("cp", op, 2 * times, size, size * w.act_bytes)
+                for op in ("Allgather", "Reduce_scatter")]
+    calls = times * (8 if plan.cp_mode == "ulysses" else 6 * (plan.cp - 1) + 2)
+    op = "Alltoall" if plan.cp_mode == "ulysses" else "Sendrecv"
+    return [Traffic("cp", op, calls, calls * block, calls * block * w.act_bytes)]

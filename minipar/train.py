@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -169,8 +170,13 @@ def parallelize(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray],
        columns, fc2 by rows over `mesh.tp` (`make_block`);
     3. expert parallelism: each MoE block's experts split over `mesh.ep`, tokens sent
        to their experts by Alltoall (`make_block`);
-    4. data parallelism: the gradients synchronized over `mesh.dp` after backward,
-       plainly or with ZeRO 1/2/3, then the optimizer step (`make_updater`).
+    4. context parallelism (the transformer): each sequence's positions split over
+       `mesh.cp`, the embedding adding the rows of the positions held and attention
+       reaching the others' keys by Allgather, ring or Alltoall (`make_block`; the
+       step keeps the rank's positions of the batch, `context_positions`);
+    5. data parallelism: the gradients synchronized over `mesh.dp` (over dp x cp,
+       `mesh.dp_cp`, with context parallelism) after backward, plainly or with
+       ZeRO 1/2/3, then the optimizer step (`make_updater`).
 
     The transformer (gpt.py) goes through the same steps: each of its blocks is
     attention (replicated, synced over dp like any weight) followed by the FFN block
@@ -179,8 +185,8 @@ def parallelize(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray],
     Each strategy is handed what it needs (its groups, sizes, the optimizer); returns
     the model chunks and the updater that turns their gradients into a step.
     """
-    chunks = build_rank_model(cfg, mesh, full)           # 1, 2, 3
-    updater = make_updater(cfg, mesh, chunks, optimizer)  # 4: may wrap the chunks' pieces
+    chunks = build_rank_model(cfg, mesh, full)           # 1, 2, 3, 4
+    updater = make_updater(cfg, mesh, chunks, optimizer)  # 5: may wrap the chunks' pieces
     return chunks, updater
 
 
@@ -215,6 +221,8 @@ def build_rank_model(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray]
             return vocab_parallel.VocabParallelHead(full, mesh.tp, cfg.sp)
         enter = leave = None  # under SP, the embedding's Reduce_scatter and the head's
         # Allgather are the residual stream's way in and out of its split along T
+    if cfg.cp > 1:  # the embedding adds the rows of the positions this rank holds
+        embed = partial(gpt.Embedding, positions=context_positions(cfg, mesh))
     for chunk in range(cfg.virtual):
         v = chunk * cfg.pp + mesh.coords["pp"]
         blocks = [make_block(cfg, model_cfg, mesh, full, i)
@@ -235,6 +243,12 @@ def make_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
                            ln="ln2" if model_cfg.is_gpt else "ln")
     if model_cfg.is_gpt:
         selective = cfg.recompute == "selective"
+        core = None
+        if cfg.cp > 1:  # attention over the sequence split on cp (context_parallel.py)
+            from minipar.parallel import context_parallel  # here: it loads mpi4py.MPI
+
+            core = context_parallel.ContextParallelAttention(mesh.cp, cfg.cp_mode,
+                                                              cfg.seq_len)
         if cfg.tp > 1:
             # here: it loads mpi4py.MPI; looked up at call time for --inject-bug
             from minipar.parallel import tensor_parallel
@@ -243,7 +257,8 @@ def make_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
                                                            mesh.tp, cfg.sp,
                                                            selective=selective)
         else:
-            attn = gpt.Attention(full, index, model_cfg.heads, selective=selective)
+            attn = gpt.Attention(full, index, model_cfg.heads, selective=selective,
+                                 core=core)
         block = gpt.Block(full, index, model_cfg.heads, block, attn=attn)
     return Recomputed(block) if cfg.recompute == "full" else block
 
@@ -254,16 +269,21 @@ def make_ffn_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
     FFN is not split over tp: every tp rank runs it whole (its experts over ep).
     The classes are looked up in their modules at call time, so `--inject-bug` can
     swap what they use."""
-    # here: both load mpi4py.MPI, which the one-process reference never needs
-    from minipar.parallel import expert_parallel, tensor_parallel
+    # here: these load mpi4py.MPI, which the one-process reference never needs
+    from minipar.parallel import context_parallel, expert_parallel, tensor_parallel
 
     if model_cfg.is_moe:
         split = cfg.model == "moe" and cfg.tp > 1   # the MLP model: each expert over tp
-        if cfg.dp > 1 or cfg.ep > 1 or split:
-            # tokens split over dp, experts over ep (and with `split` each expert over tp):
-            # the Alltoall dispatch (expert_parallel.py)
+        if cfg.dp > 1 or cfg.ep > 1 or cfg.cp > 1 or split:
+            # tokens split over dp (and cp), experts over ep (and with `split` each expert
+            # over tp): the Alltoall dispatch (expert_parallel.py); under cp, capacity
+            # needs where each token sits
+            layout = None if cfg.cp == 1 else context_parallel.TokenLayout(
+                cfg.seq_len, cfg.cp, cfg.cp_mode, cfg.dp, mesh.coords["dp"],
+                mesh.coords["cp"])
             moe: nn.Module = expert_parallel.ExpertParallelBlock(full, index, model_cfg, mesh,
-                                                                 ln=ln, split_over_tp=split)
+                                                                 ln=ln, layout=layout,
+                                                                 split_over_tp=split)
         else:
             moe = nn.MoEBlock(full, index, model_cfg, ln=ln)
         if cfg.sp:  # my positions -> all of them, and back (tensor_parallel.py)
@@ -274,6 +294,13 @@ def make_ffn_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
                                                    sequence_parallel=cfg.sp, ln=ln,
                                                    seq_axis=1 if model_cfg.is_gpt else 0)
     return nn.DenseBlock(full, index, ln=ln)
+
+
+def context_positions(cfg: TrainConfig, mesh: Mesh) -> np.ndarray:
+    """The global positions of every sequence this cp rank holds (context_parallel.py)."""
+    from minipar.parallel import context_parallel  # here: it loads mpi4py.MPI
+
+    return context_parallel.positions(cfg.seq_len, cfg.cp, mesh.coords["cp"], cfg.cp_mode)
 
 
 def make_updater(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
@@ -297,11 +324,12 @@ def microbatch_loss(chunk: nn.Model, x: np.ndarray, y: np.ndarray, scale: float)
 def boundary_shape(cfg: TrainConfig) -> tuple[int, ...]:
     """What crosses a stage boundary per microbatch: (B/(M dp), d) rows of the residual
     stream, or (B/(M dp tp), d) with sequence parallelism (the stream is row-split);
-    for the transformer (B/(M dp), T, d), every position of those sequences (with
-    sequence parallelism (B/(M dp), T/tp, d))."""
+    for the transformer (B/(M dp), T/cp, d), the positions of those sequences it holds
+    (with sequence parallelism T/(cp tp) of them)."""
     rows = cfg.batch // cfg.microbatches // cfg.dp
-    if cfg.model_config().is_gpt:  # sequence parallelism cuts positions: (b, T/tp, d)
-        return (rows, cfg.seq_len // cfg.tp if cfg.sp else cfg.seq_len, cfg.d_model)
+    if cfg.model_config().is_gpt:  # cp and sequence parallelism cut positions
+        positions = cfg.seq_len // cfg.cp
+        return (rows, positions // cfg.tp if cfg.sp else positions, cfg.d_model)
     return (rows // cfg.tp if cfg.sp else rows, cfg.d_model)
 
 
@@ -391,6 +419,8 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
     ledger = mesh.ledger
     ledger.reset()
     x, y = step_batch(cfg, step)
+    if cfg.cp > 1:  # (B, T) -> (B, T/cp): the positions of every sequence I hold
+        x, y = x[:, context_positions(cfg, mesh)], y[:, context_positions(cfg, mesh)]
     for chunk in chunks:
         for p in chunk.parameters():
             p.grad = None
@@ -439,15 +469,21 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
                       # MoE load of the last microbatch, per expert-parallel block of this
                       # rank (expert_parallel.load_stats): tokens per expert, drops, ...
                       "expert_load": [block.last_stats for chunk in chunks
-                                      for block in chunk.blocks if hasattr(block, "last_stats")]})
+                                      for block in chunk.blocks if hasattr(block, "last_stats")],
+                      # context parallelism: score entries of each attention's latest
+                      # forward on this rank (the work a ring step does or skips)
+                      "attention_scores": [getattr(block.attn.core, "last_scores", None)
+                                           for chunk in chunks for block in chunk.blocks
+                                           if hasattr(block, "attn")]})
 
 
 def report_loss(mesh: Mesh, local: float) -> float:
-    """The step loss on every rank: stage shares summed over pp, averaged over dp."""
+    """The step loss on every rank: stage shares summed over pp, averaged over dp (and cp:
+    each cp rank's share is the mean over its positions, the same number of them)."""
     from minipar.comm import allreduce_sum  # here: comm.py loads mpi4py.MPI
 
     value = allreduce_sum(mesh.pp, np.array([local]))
-    return float(allreduce_sum(mesh.dp, value)[0] / mesh.shape.dp)
+    return float(allreduce_sum(mesh.dp_cp, value)[0] / mesh.shape.replicas)
 
 
 def gather_full_params(mesh: Mesh, params: list[nn.Parameter], cfg: TrainConfig,

@@ -20,8 +20,8 @@ def _reference(items: tuple) -> RunResult:
 
 def reference(**fields: object) -> RunResult:
     """The single-process run of a config (cached: many meshes share one reference)."""
-    fields = {k: v for k, v in fields.items() if k not in ("dp", "tp", "pp", "ep", "schedule",
-                                                            "virtual", "zero", "sp")}
+    mesh = ("dp", "tp", "pp", "ep", "schedule", "virtual", "zero", "sp", "cp", "cp_mode")
+    fields = {k: v for k, v in fields.items() if k not in mesh}
     return _reference(tuple(sorted(fields.items())))
 
 

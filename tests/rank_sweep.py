@@ -4,8 +4,10 @@
 
 Rank 0 writes each run's dump to OUTDIR/<i>/, plus `memory.json`: every rank's
 measured bytes of parameters, gradients and optimizer state (a list by world
-rank; `RunResult.extras["memory"]`). An exception on any rank aborts
-the job (as `python -m mpi4py` does) with that rank's traceback.
+rank; `RunResult.extras["memory"]`), and `scores.json`: every rank's attention
+score entries per block in the last forward (`extras["attention_scores"]`).
+An exception on any rank aborts the job (as `python -m mpi4py` does) with that
+rank's traceback.
 """
 
 from __future__ import annotations
@@ -34,9 +36,12 @@ def main() -> None:
         result = train(cfg, world)
         # every rank's measured model-state bytes -> rank 0, for memory.json
         memory = world.gather(vars(result.extras["memory"]))
+        # every rank's attention score entries per block (context parallelism's work)
+        scores = world.gather(result.extras["attention_scores"])
         if world.Get_rank() == 0:
             dump(out / str(i), cfg, result)
             (out / str(i) / "memory.json").write_text(json.dumps(memory))
+            (out / str(i) / "scores.json").write_text(json.dumps(scores))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ SUITE = [
     "tests.test_ring:check_ring_allgather",
     "tests.test_ring:check_pairwise_alltoall",
     "tests.test_ring:check_pairwise_alltoallv",
+    "tests.test_context_parallel:check_context_parallel_attention",
 ]
 RANK_COUNTS = (1, 2, 3, 4, 8)
 

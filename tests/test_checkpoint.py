@@ -78,6 +78,11 @@ PAIRS = [
      {"pp": 2, "dp": 4, "ep": 4, "zero": 1}, 8),
     ("gpt-moe", {"pp": 2, "dp": 4, "ep": 4, "zero": 1}, 8,
      {"tp": 2, "pp": 2, "dp": 2, "zero": 1}, 8),
+    # context parallelism: every weight replicated over cp (ZeRO slices over dp x cp)
+    ("gpt", {"cp": 2, "cp_mode": "ring", "zero": 1}, 2,
+     {"dp": 2, "cp": 2, "cp_mode": "ulysses"}, 4),
+    ("gpt", {"dp": 2, "cp": 2}, 4, {}, 1),
+    ("gpt-moe", {"cp": 2, "cp_mode": "allgather"}, 2, {"dp": 2, "ep": 2}, 2),
 ]
 RUNNABLE = PAIRS
 

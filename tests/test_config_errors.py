@@ -113,6 +113,16 @@ CASES = [
     (["--vocab-parallel"], "--vocab-parallel"),                     # the MLP has no vocabulary
     (["--recompute", "selective"], "--recompute"),                  # the MLP has no attention
     (["--recompute", "half"], "--recompute"),
+    (["--model", "gpt", "--cp", "4", "--cp-mode", "ring", "--seq-len", "6"], "--seq-len"),
+    (["--model", "gpt", "--cp", "2", "--seq-len", "6"], "--seq-len"),  # zigzag: 2 cp chunks
+    (["--model", "gpt", "--cp", "4", "--cp-mode", "ulysses", "--heads", "2"], "--cp"),
+    (["--model", "gpt", "--cp", "2", "--tp", "2"], "--cp"),          # cp x tp: not yet
+    (["--model", "gpt", "--cp", "3"], "--cp"),                       # does not fill 4 ranks
+    (["--model", "gpt", "--cp", "0"], "--cp"),
+    (["--model", "gpt", "--cp-mode", "star"], "--cp-mode"),
+    (["--cp", "2"], "--cp"),                                         # the MLP has no sequence
+    (["--model", "moe", "--cp-mode", "ring"], "--cp-mode"),
+    (["--model", "gpt", "--cp", "2", "--recompute", "full"], "--recompute"),  # not yet
 ]
 # Through the real launcher, at several world sizes: (ranks, case index).
 END_TO_END = [(4, 0), (2, 11), (1, 15), (2, 27), (2, 42), (2, 50), (2, 52), (2, 58)]

@@ -30,7 +30,7 @@ LAYERS: list[set[str]] = [
     {"comm", "mesh", "ring", "log", "watchdog"},                            # communication
     {"parallel", "parallel.pipeline_schedules", "parallel.data_parallel",   # strategies
      "parallel.zero", "parallel.tensor_parallel", "parallel.vocab_parallel",
-     "parallel.expert_parallel", "parallel.pipeline_parallel"},
+     "parallel.expert_parallel", "parallel.pipeline_parallel", "parallel.context_parallel"},
     {"config"},                                                             # the flags
     {"checkpoint", "checkpoint_folder", "preflight", "bugs"},
     {"train"},                                                              # composition

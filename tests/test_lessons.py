@@ -32,7 +32,7 @@ def ranks(lesson: Path) -> int:
 def test_there_is_a_lesson_for_every_strategy():
     names = " ".join(lesson.stem for lesson in LESSONS)
     for word in ("collectives", "data_parallel", "tensor_parallel", "expert_parallel",
-                 "pipeline_parallel", "hybrid", "zero"):
+                 "pipeline_parallel", "hybrid", "zero", "context_parallel"):
         assert word in names, word
 
 

@@ -2,8 +2,9 @@
 the communicators `Mesh` builds from it under MPI.
 
 The expected groups are written out here from the layout rule alone (tp fastest,
-then dp, then pp; ep groups are runs of ep consecutive dp ranks, edp groups the dp
-ranks with the same position inside their run), never from `group_key`.
+then cp, then dp, then pp; ep groups are runs of ep consecutive dp ranks, edp groups
+the dp ranks with the same position inside their run; dp_cp and edp_cp the same over
+every cp coordinate), never from `group_key`.
 """
 
 from __future__ import annotations
@@ -31,22 +32,36 @@ def meshes(world: int) -> list[MeshShape]:
             for ep in range(1, dp + 1) if dp % ep == 0]
 
 
-def expected_groups(shape: MeshShape) -> dict[str, list[list[int]]]:
-    """The groups of every axis, from the layout rule rank = t + tp (d + dp p)."""
-    dp, tp, pp, ep = shape.dp, shape.tp, shape.pp, shape.ep
+def cp_meshes(world: int) -> list[MeshShape]:
+    """Meshes with context parallelism: every cp > 1 with dp, tp, pp of world / cp."""
+    return [MeshShape(dp, tp, pp, ep, cp) for cp in range(2, world + 1) if world % cp == 0
+            for dp, tp, pp in factorizations(world // cp) for ep in (1, 2) if dp % ep == 0]
 
-    def at(d: int, t: int, p: int) -> int:
-        return t + tp * (d + dp * p)
+
+def expected_groups(shape: MeshShape) -> dict[str, list[list[int]]]:
+    """The groups of every axis, from the layout rule rank = t + tp (c + cp (d + dp p))."""
+    dp, tp, pp, ep, cp = shape.dp, shape.tp, shape.pp, shape.ep, shape.cp
+
+    def at(d: int, t: int, p: int, c: int = 0) -> int:
+        return t + tp * (c + cp * (d + dp * p))
 
     runs = [range(b * ep, (b + 1) * ep) for b in range(dp // ep)]
     same_slot = [range(e, dp, ep) for e in range(ep)]
+    everywhere = [(t, p, c) for t in range(tp) for p in range(pp) for c in range(cp)]
     groups = {
-        "tp": [[at(d, t, p) for t in range(tp)] for d in range(dp) for p in range(pp)],
-        "dp": [[at(d, t, p) for d in range(dp)] for t in range(tp) for p in range(pp)],
-        "pp": [[at(d, t, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "ep": [[at(d, t, p) for d in run] for run in runs for t in range(tp) for p in range(pp)],
-        "edp": [[at(d, t, p) for d in slot] for slot in same_slot
-                for t in range(tp) for p in range(pp)],
+        "tp": [[at(d, t, p, c) for t in range(tp)] for d in range(dp) for p in range(pp)
+               for c in range(cp)],
+        "dp": [[at(d, t, p, c) for d in range(dp)] for t, p, c in everywhere],
+        "pp": [[at(d, t, p, c) for p in range(pp)] for d in range(dp) for t in range(tp)
+               for c in range(cp)],
+        "cp": [[at(d, t, p, c) for c in range(cp)] for d in range(dp) for t in range(tp)
+               for p in range(pp)],
+        "ep": [[at(d, t, p, c) for d in run] for run in runs for t, p, c in everywhere],
+        "edp": [[at(d, t, p, c) for d in slot] for slot in same_slot for t, p, c in everywhere],
+        "dp_cp": [[at(d, t, p, c) for d in range(dp) for c in range(cp)]
+                  for t in range(tp) for p in range(pp)],
+        "edp_cp": [[at(d, t, p, c) for d in slot for c in range(cp)] for slot in same_slot
+                   for t in range(tp) for p in range(pp)],
     }
     return {axis: sorted(g) for axis, g in groups.items()}
 
@@ -57,12 +72,13 @@ def test_factorizations_are_all_there():
     assert len(meshes(8)) == 20  # dp=1: 4 meshes x 1 ep; dp=2: 3 x 2; dp=4: 2 x 3; dp=8: 1 x 4
 
 
-@pytest.mark.parametrize("shape", meshes(8) + meshes(4), ids=str)
+@pytest.mark.parametrize("shape", meshes(8) + meshes(4) + cp_meshes(8) + cp_meshes(4), ids=str)
 def test_mesh_table(shape):
     world = shape.world
     assert shape.problems(world) == []
     sizes = {"dp": shape.dp, "tp": shape.tp, "pp": shape.pp, "ep": shape.ep,
-             "edp": shape.dp // shape.ep}
+             "edp": shape.dp // shape.ep, "cp": shape.cp, "dp_cp": shape.dp * shape.cp,
+             "edp_cp": shape.dp // shape.ep * shape.cp}
     wanted = expected_groups(shape)
     for axis in AXES:
         groups = shape.groups(axis)
@@ -74,7 +90,7 @@ def test_mesh_table(shape):
         assert group == list(range(group[0], group[0] + shape.tp))
     for rank in range(world):
         c = shape.coords(rank)
-        assert shape.rank(c["dp"], c["tp"], c["pp"]) == rank
+        assert shape.rank(c["dp"], c["tp"], c["pp"], c["cp"]) == rank
         assert (c["ep"], c["edp"]) == (c["dp"] % shape.ep, c["dp"] // shape.ep)
         for axis in AXES:  # my coordinate on an axis is my place in that axis's group
             mine = next(g for g in wanted[axis] if rank in g)
@@ -86,6 +102,15 @@ def test_megatron_example_dp2_tp2_pp2():
     assert shape.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert shape.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert shape.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_megatron_order_with_cp_dp2_cp2_tp2():
+    """tp fastest, then cp, then dp: a cp group is tp apart, a dp group tp x cp apart."""
+    shape = MeshShape(dp=2, tp=2, cp=2)
+    assert shape.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert shape.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert shape.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert shape.groups("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
 
 
 def mesh_cli(*args: str) -> subprocess.CompletedProcess:
@@ -110,6 +135,15 @@ def test_mesh_command_prints_the_table():
         for axis, cell in zip(("dp", "tp", "pp"), members):
             group = next(g for g in expected_groups(shape)[axis] if rank in g)
             assert cell == ",".join(map(str, group))
+
+
+def test_mesh_command_shows_cp():
+    done = mesh_cli("--dp", "2", "--cp", "2", "--pp", "2")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "mesh dp=2 tp=1 pp=2 cp=2: 8 ranks, tp fastest, then cp"
+    rows = {int(r.split()[0]): r.split() for r in lines[2:]}
+    assert rows[5][4] == "1" and rows[5][-1] == "4,5"  # rank 5: cp rank 1, cp group {4,5}
 
 
 def test_mesh_command_shows_ep_and_edp_for_moe():
@@ -158,7 +192,7 @@ def check_mesh_communicators(comm):
 
     world = Group(comm, "world", Ledger())
     problems = []
-    for shape in meshes(world.size):
+    for shape in meshes(world.size) + cp_meshes(world.size):
         mesh = Mesh(shape, comm, Ledger())
         for axis in AXES:
             group = getattr(mesh, axis)

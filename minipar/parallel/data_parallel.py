@@ -58,8 +58,9 @@ def grad_or_zeros(p: Parameter) -> np.ndarray:
 
 
 def _group(p: Parameter, mesh: Mesh) -> Group:
-    """The replicas of p: all dp ranks, or for an expert weight the ranks with its expert."""
-    return mesh.dp if p.sync == "dp" else mesh.edp
+    """The replicas of p: all dp ranks, or for an expert weight the ranks with its expert;
+    with context parallelism, those of every cp coordinate too (mesh.py: dp_cp, edp_cp)."""
+    return mesh.dp_cp if p.sync == "dp" else mesh.edp_cp
 
 
 # ------------------------------------------------------------- 1. naive
@@ -71,6 +72,8 @@ def allreduce_gradients(params: Sequence[Parameter], mesh: Mesh) -> None:
     expert-parallel group and sums over the ranks holding the same experts; it
     is still divided by dp, because each of its contributions was the gradient of
     one rank's *local mean* loss, of which there are dp in the global mean.
+    With context parallelism every rank's loss is the mean over its positions, so
+    the sum runs over the dp x cp ranks and is divided by dp cp (`mesh.shape.replicas`).
     """
     for p in params:
         if p.sync is None:
@@ -78,8 +81,8 @@ def allreduce_gradients(params: Sequence[Parameter], mesh: Mesh) -> None:
         grad, group = grad_or_zeros(p), _group(p, mesh)
         if group.size > 1:
             group.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)  # g_i of every replica -> sum
-        if mesh.shape.dp > 1:
-            grad /= mesh.shape.dp
+        if mesh.shape.replicas > 1:
+            grad /= mesh.shape.replicas
 
 
 # ----------------------------------------------------------- 2. bucketed
@@ -119,12 +122,12 @@ def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: Mesh) -> No
     """Bucketed DP: one in-place Allreduce per bucket, then divide by dp."""
     for bucket in buckets:
         group = _group(bucket[0], mesh)
-        if group.size == 1 and mesh.shape.dp == 1:
+        if group.size == 1 and mesh.shape.replicas == 1:
             continue  # one replica and nothing to average: the gradients are final
         flat = pack(bucket)
         if group.size > 1:
             group.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)  # a bucket of g_i -> its sum
-        unpack(bucket, flat, 1.0 / mesh.shape.dp)
+        unpack(bucket, flat, 1.0 / mesh.shape.replicas)
 
 
 # ----------------------------------------------------- hooks around pieces
@@ -256,7 +259,7 @@ class OverlappedAllreduce(Hooks):
         with watchdog.waiting("Waitall of the gradient buckets over dp"):
             MPI.Request.Waitall([r for _, _, r in self.in_flight if r is not None])
         for i, flat, _ in self.in_flight:
-            unpack(self.buckets[i], flat, 1.0 / self.mesh.shape.dp)
+            unpack(self.buckets[i], flat, 1.0 / self.mesh.shape.replicas)
         self._reset()
         return early
 

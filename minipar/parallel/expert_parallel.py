@@ -53,6 +53,7 @@ from minipar import comm, fused, nn
 from minipar.autograd import Tensor
 from minipar.comm import Group
 from minipar.mesh import Mesh
+from minipar.parallel import context_parallel
 
 
 # ------------------------------------------------------------------ 1. route
@@ -267,10 +268,14 @@ class ExpertParallelBlock(nn.Module):
     """
 
     def __init__(self, full: dict[str, np.ndarray], index: int, cfg: nn.ModelConfig,
-                 mesh: Mesh, ln: str = "ln", split_over_tp: bool = False) -> None:
+                 mesh: Mesh, ln: str = "ln", split_over_tp: bool = False,
+                 layout: context_parallel.TokenLayout | None = None) -> None:
         p = f"blocks.{index}"
         self.cfg = cfg
-        self.dp_group, self.ep_group, self.tp_group = mesh.dp, mesh.ep, mesh.tp
+        # tokens live on the dp ranks, and with context parallelism on dp x cp (mesh.dp_cp);
+        # `layout` (context_parallel.TokenLayout) then says which tokens of the global order
+        self.dp_group, self.ep_group, self.layout = mesh.dp_cp, mesh.ep, layout
+        self.tp_group = mesh.tp
         self.ln = nn.LayerNorm(full, f"{p}.{ln}")
         self.router = nn.Parameter(full[f"{p}.router.weight"], f"{p}.router.weight", sync="dp")
         per_rank = cfg.experts // mesh.ep.size
@@ -296,7 +301,12 @@ class ExpertParallelBlock(nn.Module):
         routing = route(u, self.router, cfg.top_k)
         tokens = u.shape[0] * self.dp_group.size                  # the global microbatch
         limit = nn.capacity(cfg.capacity_factor, cfg.top_k, tokens, experts)
-        kept = within_capacity(routing.expert_of, experts, limit, self.dp_group)
+        if self.layout is None:
+            kept = within_capacity(routing.expert_of, experts, limit, self.dp_group)
+        else:  # positions spread over cp: the global order from everyone's routing
+            mine, every = self.layout.tokens(u.shape[0])
+            kept = context_parallel.within_capacity(routing.expert_of, experts, limit,
+                                                    self.dp_group, mine, every)
         # (E,) assignments per expert, every dp rank -> their sum (f; counts, no grad)
         counts = comm.allreduce_sum(self.dp_group, self.assignment_counts(routing, kept))
         order, send = plan_dispatch(routing.expert_of, kept, experts, self.ep_group.size)

@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from minipar import fused, gpt
+from minipar import attention, fused, gpt
 from minipar.autograd import Tensor
 from minipar.comm import (
     Group,
@@ -204,6 +204,7 @@ class TensorParallelAttention(gpt.Attention):
         p = f"blocks.{index}"
         self.heads = heads // tp.size                 # this rank's heads
         self.selective = selective
+        self.core = attention.attention               # local heads: the plain node
         self.tp, self.sequence_parallel = tp, sequence_parallel
         self.ln = LayerNorm(full, f"{p}.ln1")         # replicated (gamma, beta of size d)
         # my heads' columns of q, k, v; called inside the region (`enter` was their f)

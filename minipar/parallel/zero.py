@@ -98,8 +98,9 @@ class Space:
 
 
 def spaces_of(params: list[Parameter], mesh: Mesh) -> list[Space]:
-    """The flat vectors: dense weights over dp, expert weights (if any) over edp."""
-    groups = {"dp": mesh.dp, "edp": mesh.edp}
+    """The flat vectors: dense weights over dp, expert weights (if any) over edp (with
+    context parallelism over dp x cp and edp x cp: mesh.dp_cp, mesh.edp_cp)."""
+    groups = {"dp": mesh.dp_cp, "edp": mesh.edp_cp}  # with cp, every cp coordinate too
     if any(p.sync not in groups for p in params):
         raise ValueError("ZeRO here shards parameters replicated over dp or edp only")
     return [Space([p for p in params if p.sync == sync], group)
@@ -114,7 +115,8 @@ class Zero1:
 
     def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer) -> None:
         self.params = [p for chunk in chunks for p in chunk.parameters()]
-        self.dp, self.optimizer = mesh.shape.dp, optimizer
+        # the replicas: dp ranks, and with context parallelism dp x cp (mesh.dp_cp)
+        self.dp, self.optimizer = mesh.shape.replicas, optimizer
         self.spaces = spaces_of(self.params, mesh)
 
     def my_slices(self) -> list[np.ndarray]:

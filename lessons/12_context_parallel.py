@@ -1,0 +1,217 @@
+"""Lesson 12: context parallelism, one sequence split over ranks, four ways.
+
+    mpiexec -n 4 python lessons/12_context_parallel.py
+    mpiexec -n 2 python lessons/12_context_parallel.py --quick
+    mpiexec -n 4 python lessons/12_context_parallel.py --plot figures   # + 12_ring_blocks.png
+
+A long sequence does not fit one rank; every layer but attention works position by
+position, so cp ranks can each hold T/cp positions of every sequence. Attention needs
+the keys and values of every earlier position, and there are four ways to bring them
+(minipar/parallel/context_parallel.py; docs/design.md, "Context parallelism"):
+
+  allgather  Allgather K and V (Llama 3): two collectives, but K, V of all T positions;
+  ring       K, V blocks go round the ring (Ring Attention), cp - 1 neighbour steps,
+             partial results merged by log-sum-exp; masked blocks skipped;
+  zigzag     the ring with rank r holding chunks r and 2cp-1-r: the same causal work
+             on every rank;
+  ulysses    an Alltoall from (B, T/cp, H) to (B, T, H/cp) (DeepSpeed-Ulysses): whole
+             sequences of fewer heads, then back; needs cp to divide H.
+
+The lesson trains the same transformer on the same sequences in each mode and prints:
+
+1. what each rank holds (its global positions; Ulysses' heads inside attention);
+2. per mode: bytes moved per layer on the cp axis (ledger, with the formula's
+   prediction), score blocks computed per rank (measured), peak memory of one
+   forward + backward (tracemalloc) and its time (wall clock, slowest rank: on a
+   shared laptop a noisy number, and NumPy's small matmuls favour few big calls),
+   and the check against one process;
+3. when each one wins, read off those numbers;
+4. with --plot, which (query, key) blocks each rank computes at each ring step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from minipar import nn
+from minipar.comm import Ledger
+from minipar.config import TrainConfig
+from minipar.costmodel import rank_shape
+from minipar.log import run_collectively, verdict
+from minipar.mesh import Mesh, MeshShape
+from minipar.parallel import context_parallel as cpar
+from minipar.plan import minipar_workload, plan_of
+from minipar.timemodel import cp_traffic
+from minipar.train import (
+    build_rank_model,
+    context_positions,
+    forward_backward,
+    step_batch,
+    train,
+    train_reference,
+)
+
+MODES = ("allgather", "ring", "zigzag", "ulysses")
+KB = 1e3
+
+
+def holdings(cfg: TrainConfig, cp: int) -> None:
+    """Section 1: the global positions (and Ulysses' heads) of every rank."""
+    t, h = cfg.seq_len, cfg.heads
+    print(f"\n=== 1. what each of the {cp} ranks holds of a sequence of T = {t} positions, "
+          f"H = {h} heads", flush=True)
+    for r in range(cp):
+        runs = {m: cpar.chunks(t, cp, r, m) for m in ("ring", "zigzag")}
+        text = {m: " + ".join(f"{c[0]}..{c[-1]}" for c in runs[m]) for m in runs}
+        first, last = r * h // cp, (r + 1) * h // cp - 1
+        mine = f"head {first}" if first == last else f"heads {first}..{last}"
+        print(f"rank {r}: allgather, ring, ulysses positions {text['ring']:>10}   zigzag "
+              f"{text['zigzag']:>14}   inside Ulysses' attention: all {t} positions of "
+              f"{mine}", flush=True)
+
+
+def measure_step(cfg: TrainConfig, comm: MPI.Comm) -> tuple[float, float]:
+    """(peak bytes allocated, seconds) of one forward + backward of step 0 on this rank:
+    NumPy reports its allocations to tracemalloc, so the peak is what attention and the
+    rest of the model keep alive at once (activations, their gradients, weight grads)."""
+    mesh = Mesh(cfg.mesh_shape(), comm, Ledger())
+    chunks = build_rank_model(cfg, mesh, nn.init_params(cfg.model_config(), cfg.seed))
+    x, y = step_batch(cfg, 0)
+    if cfg.cp > 1:  # (B, T) -> (B, T/cp), as train does
+        x, y = x[:, context_positions(cfg, mesh)], y[:, context_positions(cfg, mesh)]
+    forward_backward(cfg, mesh, chunks, x, y)             # warm up
+    comm.Barrier()
+    start = time.perf_counter()
+    forward_backward(cfg, mesh, chunks, x, y)
+    seconds = time.perf_counter() - start
+    tracemalloc.start()
+    forward_backward(cfg, mesh, chunks, x, y)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    mesh.free()
+    return float(peak), seconds
+
+
+def run_mode(base: dict, mode: str, world: MPI.Comm) -> dict:
+    """Train `base` with --cp world --cp-mode mode; every rank's measurements on rank 0."""
+    cp = world.Get_size()
+    cfg = TrainConfig(**base, cp=cp, cp_mode=mode).resolved(cp)
+    result = train(cfg, world)
+    scores = world.gather(result.extras["attention_scores"][0])   # layer 0, every rank
+    peak, seconds = measure_step(cfg, world)
+    peaks, times = world.gather(peak), world.gather(seconds)
+    return {"cfg": cfg, "result": result, "scores": scores, "peaks": peaks, "times": times}
+
+
+def predicted_bytes_per_layer(cfg: TrainConfig) -> float:
+    """The formula's cp bytes of one layer and microbatch (timemodel.cp_traffic)."""
+    w, plan = minipar_workload(cfg), plan_of(cfg)
+    return sum(t.bytes for t in cp_traffic(w, plan, rank_shape(w, plan, 0))) / cfg.layers
+
+
+def table(runs: dict[str, dict], one: dict, alone: tuple[float, float], cp: int) -> None:
+    """Section 2: one line per mode, measured beside predicted."""
+    cfg = next(iter(runs.values()))["cfg"]
+    block = cfg.batch * cfg.heads * (cfg.seq_len // cp) ** 2     # scores of one block
+    print(f"\n=== 2. the four modes on the same sequences (cp = {cp}, B = {cfg.batch}, "
+          f"d = {cfg.d_model}, L = {cfg.layers}; a score block is (T/cp)^2 per row and head)",
+          flush=True)
+    print(f"{'mode':>10} {'cp KB/layer':>12} {'formula':>8} {'score blocks per rank':>24} "
+          f"{'peak KB':>8} {'step ms':>8}  equal to one process", flush=True)
+    for mode, run in runs.items():
+        mine = [r for r in run["result"].ledger if r["rank"] == 0 and r["group"] == "cp"]
+        moved = sum(r["bytes"] for r in mine) / cfg.layers
+        predicted = predicted_bytes_per_layer(run["cfg"])
+        blocks = " ".join(f"{s / block:g}" for s in run["scores"])
+        worst = max(float(np.max(np.abs(run["result"].final[k] - v))
+                          / max(float(np.max(np.abs(v))), 1e-12)) for k, v in one.items())
+        print(f"{mode:>10} {moved / KB:>12.1f} {verdict(moved == predicted, '= ok', 'DIFF'):>8} "
+              f"{blocks:>24} {max(run['peaks']) / KB:>8.0f} {max(run['times']) * 1e3:>8.1f}"
+              f"  {worst:.1e} {verdict(worst <= 1e-9)}", flush=True)
+    print(f"{'one rank':>10} {'-':>12} {'':>8} {cp * cp:>24g} {alone[0] / KB:>8.0f} "
+          f"{alone[1] * 1e3:>8.1f}  (the whole sequence: {cp * cp} blocks of which the mask "
+          f"keeps {cp * (cp + 1) // 2})", flush=True)
+
+
+def when_each_wins(runs: dict[str, dict], cp: int) -> None:
+    """Section 3: the trade-offs, each read off the numbers above."""
+    cfg = runs["ring"]["cfg"]
+    ring = np.array(runs["ring"]["scores"], dtype=float)
+    zig = np.array(runs["zigzag"]["scores"], dtype=float)
+    peak = {m: max(r["peaks"]) for m, r in runs.items()}
+    print("\n=== 3. when each wins", flush=True)
+    print(f"ring: rank {cp - 1} computes {ring.max() / ring.min():g}x the scores of rank 0 "
+          f"(the causal mask leaves rank 0 one block): the step waits for the busiest; "
+          f"zigzag evens it to {zig.max() / zig.min():g}x {verdict(zig.max() == zig.min())}",
+          flush=True)
+    print(f"ring and zigzag: {6 * (cp - 1) + 2} Sendrecv per layer and microbatch, cp - 1 = "
+          f"{cp - 1} steps one after the other: latency grows with cp, memory does not "
+          f"(peak {peak['zigzag'] / KB:.0f} KB)", flush=True)
+    print(f"allgather: 2 collectives forward, 2 backward, but K and V of all {cfg.seq_len} "
+          f"positions on every rank, and all T keys scored (peak {peak['allgather'] / KB:.0f}"
+          f" KB): fine while T fits, the first to run out of memory as T grows", flush=True)
+    print(f"ulysses: 8 Alltoalls per layer whatever cp, each of 1/cp of the data, and plain "
+          f"attention inside; but cp must divide the H = {cfg.heads} heads (cp <= H), and "
+          f"each rank scores whole T x T sequences of its heads (peak "
+          f"{peak['ulysses'] / KB:.0f} KB)", flush=True)
+
+
+def ring_pictures(cfg: TrainConfig, cp: int) -> dict[str, list]:
+    """modes -> rank -> ring step -> the blocks it computes, in positions: what
+    context_parallel.visible_blocks decides, the function ring_attention calls."""
+    out = {}
+    for mode in ("ring", "zigzag"):
+        held = [cpar.chunks(cfg.seq_len, cp, r, mode) for r in range(cp)]
+        where = [np.concatenate(h) for h in held]
+        out[mode] = [[[(int(where[me][a][0]), int(where[me][a][-1]) + 1,
+                        int(where[(me - s) % cp][b][0]), int(where[(me - s) % cp][b][-1]) + 1,
+                        not keep.all())
+                       for a, b, keep in cpar.visible_blocks(held, me, (me - s) % cp)]
+                      for s in range(cp)] for me in range(cp)]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter sequences")
+    parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
+    args = parser.parse_args()
+    world = MPI.COMM_WORLD
+    cp = world.Get_size()
+    if cp < 2:
+        raise SystemExit("run it on 2 or more ranks: mpiexec -n 4 python "
+                         "lessons/12_context_parallel.py")
+    heads = max(4, cp)  # Ulysses: cp divides H
+    base = dict(model="gpt", layers=2, d_model=8 * heads, heads=heads,
+                seq_len=(8 if args.quick else 16) * cp, vocab=32, batch=2, steps=2,
+                d_ff=32)
+    runs = {mode: run_mode(base, mode, world) for mode in MODES}
+    alone = measure_step(TrainConfig(**base).resolved(1), MPI.COMM_SELF) if \
+        world.Get_rank() == 0 else (0.0, 0.0)
+    if world.Get_rank() != 0:
+        return
+    cfg = runs["ring"]["cfg"]
+    holdings(cfg, cp)
+    one = train_reference(TrainConfig(**base).resolved(1)).final
+    table(runs, one, alone, cp)
+    when_each_wins(runs, cp)
+    print("\nthe mesh: " + MeshShape(cp=cp).table().splitlines()[0], flush=True)
+    if args.plot:
+        from minipar.plots import save
+        from minipar.plots_load import ring_blocks_figure
+
+        print("figure:", save(ring_blocks_figure(
+            ring_pictures(cfg, cp), cfg.seq_len,
+            f"ring attention, T = {cfg.seq_len} on {cp} ranks: which (query, key) blocks "
+            "each rank computes at each ring step"), args.plot / "12_ring_blocks.png"),
+            flush=True)
+
+
+if __name__ == "__main__":
+    run_collectively(main)

@@ -1,0 +1,215 @@
+"""Context parallelism: the sequence split over cp ranks trains `gpt` like one process.
+
+Equivalence (float64, rel 1e-9, losses and final parameters): every --cp-mode
+(allgather, ring, zigzag, ulysses) on cp = 2 and cp = 4; cp x dp (with microbatches and
+each gradient sync), ZeRO 1/2/3 over the dp x cp ranks, cp x pp under every schedule,
+gpt-moe under cp (the rank's positions are its tokens; capacity and aux over the global
+microbatch in global token order) and cp x dp x ep. SGD and Adam take turns; tiny shapes
+(L=2, d=16, H=4, T=16, V=16).
+
+Work: the score entries each rank computes in its latest forward (`scores.json`): the
+ring's rank r does r+1 blocks of (T/cp)^2 (its causal imbalance), zigzag's ranks all do
+the same (2cp+1 quarter blocks), allgather and Ulysses the whole (masked) T x T.
+
+Each mode's attention on its own: outputs and the gradients of q, k, v and the key bias
+equal attention.attention on the whole sequence (rel 1e-12), with the collectives the
+formulas count per call, on 2, 3, 4 and 8 ranks (`check_context_parallel_attention`, in
+the MPI unit suite of tests/rank_tests.py).
+
+Ledger: each rank's entries are the formulas of timemodel.traffic (cp_traffic per mode:
+ring 2 (cp-1) K and V blocks forward per layer, Ulysses 4 Alltoalls forward and 4
+backward, allgather 2 Allgathers forward), and the gradient sync over dp x cp.
+
+One `sweep` launch per rank count (tests/mpi.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from minipar.config import TrainConfig
+from minipar.costmodel import model_states, rank_shape
+from minipar.plan import minipar_workload, plan_of
+from minipar.timemodel import cp_traffic, ledger_of, traffic
+from tests.conftest import assert_equivalent, reference
+from tests.mpi import sweep
+from tests.rank_tests import RANK_COUNTS, agree, suite_report
+
+GPT = dict(model="gpt", layers=2, d_model=16, heads=4, seq_len=16, vocab=16, batch=4,
+           steps=2, d_ff=32)
+MOE = dict(GPT, model="gpt-moe", experts=4, expert_d_ff=16, aux_coef=0.1)
+ADAM = dict(optimizer="adam", lr=0.01)
+MODES = ("allgather", "ring", "zigzag", "ulysses")
+
+RUNS = {
+    2: [dict(GPT, cp=2, cp_mode="allgather"),
+        dict(GPT, **ADAM, cp=2, cp_mode="ring"),
+        dict(GPT, cp=2, cp_mode="zigzag", microbatches=2),
+        dict(GPT, **ADAM, cp=2, cp_mode="ulysses"),
+        dict(GPT, **ADAM, cp=2, zero=1, cp_mode="ring"),
+        dict(GPT, cp=2, zero=2, microbatches=2),
+        dict(GPT, **ADAM, cp=2, zero=3, cp_mode="ulysses"),
+        dict(GPT, cp=2, grad_sync="overlapped", cp_mode="allgather"),
+        dict(MOE, cp=2, top_k=1, capacity_factor=1.0),              # tokens over cp, ep 1
+        dict(MOE, **ADAM, cp=2, cp_mode="ring", capacity_factor=0.75)],
+    4: [*(dict(GPT, cp=4, cp_mode=mode, **(ADAM if i % 2 else {}))
+          for i, mode in enumerate(MODES)),
+        dict(GPT, dp=2, cp=2, cp_mode="ring", microbatches=2),
+        dict(GPT, **ADAM, dp=2, cp=2, cp_mode="zigzag", grad_sync="naive"),
+        dict(GPT, dp=2, cp=2, cp_mode="ulysses", zero=3),
+        dict(GPT, **ADAM, dp=2, cp=2, cp_mode="allgather", zero=1),
+        dict(GPT, pp=2, cp=2, schedule="gpipe", microbatches=2),
+        dict(GPT, **ADAM, pp=2, cp=2, cp_mode="ring", schedule="1f1b", microbatches=4),
+        dict(GPT, pp=2, cp=2, cp_mode="ulysses", layers=4, schedule="interleaved",
+             virtual=2, microbatches=2),
+        dict(GPT, **ADAM, pp=2, cp=2, cp_mode="allgather", schedule="zb-h1",
+             microbatches=2),
+        dict(MOE, dp=2, cp=2, capacity_factor=0.75, microbatches=2),
+        dict(MOE, **ADAM, cp=4, cp_mode="ring", top_k=1, capacity_factor=1.0),
+        dict(MOE, dp=2, ep=2, cp=2, capacity_factor=0.75),
+        dict(MOE, **ADAM, dp=2, ep=2, cp=2, cp_mode="ulysses", top_k=1, microbatches=2,
+             capacity_factor=1.0),
+        dict(MOE, dp=2, ep=2, cp=2, cp_mode="ring", batch=8, microbatches=2)],
+    8: [dict(GPT, dp=2, cp=2, pp=2, cp_mode="zigzag", microbatches=2, schedule="1f1b"),
+        dict(MOE, **ADAM, dp=2, ep=2, cp=2, pp=2, cp_mode="ring", microbatches=2,
+             capacity_factor=1.0, schedule="zb-h1"),
+        dict(MOE, dp=4, ep=2, cp=2, cp_mode="allgather", capacity_factor=0.75)],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def swept(request, tmp_path_factory):
+    """Every config of one rank count, trained in one mpiexec job."""
+    world = request.param
+    runs = sweep(world, RUNS[world], tmp_path_factory.mktemp(f"cp{world}"), timeout=480)
+    return world, runs
+
+
+def test_every_mode_and_mesh_equals_one_process(swept):
+    world, runs = swept
+    for fields, run in zip(RUNS[world], runs):
+        assert_equivalent(run, reference(**fields), label=f"{world} ranks {fields}")
+
+
+def test_score_work_per_rank_shows_ring_imbalance_and_zigzag_balance(swept):
+    """Measured score entries per rank and block: ring rank r computes r+1 of the cp
+    (T/cp)^2 blocks, zigzag every rank 2cp+1 blocks of (T/2cp)^2, the others all cp."""
+    world, runs = swept
+    for fields, run in zip(RUNS[world], runs):
+        cfg = TrainConfig(**fields).resolved(world)
+        if cfg.pp > 1:
+            continue
+        scores = json.loads((run["job_folder"] / "scores.json").read_text())
+        b = cfg.batch // cfg.microbatches // cfg.dp
+        block = b * cfg.heads * (cfg.seq_len // cfg.cp) ** 2     # one (T/cp)^2 block
+        for rank, per_layer in enumerate(scores):
+            r = cfg.mesh_shape().coords(rank)["cp"]
+            expected = {"ring": (r + 1) * block, "zigzag": (2 * cfg.cp + 1) * block // 4,
+                        "allgather": cfg.cp * block, "ulysses": cfg.cp * block}[cfg.cp_mode]
+            assert per_layer == [expected] * cfg.layers, f"{fields} rank {rank}"
+        if cfg.cp_mode in ("ring", "zigzag"):
+            work = np.array([s[0] for s in scores])
+            spread = work.max() / work.min()
+            assert (spread == 1.0) == (cfg.cp_mode == "zigzag"), (fields, work)
+
+
+def test_ledger_and_memory_are_the_formulas(swept):
+    """Every rank's ledger entries (calls and elements) are timemodel.traffic's, cp's own
+    per mode (2 Allgathers / 2 (cp-1) Sendrecv / 4 Alltoalls forward per layer) and the
+    gradient sync over dp x cp; its model-state bytes are costmodel.model_states'."""
+    world, runs = swept
+    for fields, run in zip(RUNS[world], runs):
+        cfg = TrainConfig(**fields).resolved(world)
+        w, plan, mesh = minipar_workload(cfg), plan_of(cfg), cfg.mesh_shape()
+        memory = json.loads((run["job_folder"] / "memory.json").read_text())
+        for rank in range(world):
+            where = mesh.coords(rank)
+            shape = rank_shape(w, plan, where["pp"])
+            replica = where["dp"] * cfg.cp + where["cp"]
+            assert vars(model_states(w, plan, shape, replica)) == memory[rank], \
+                f"{fields} rank {rank}"
+            predicted = ledger_of(traffic(w, plan, shape))
+            measured = {(r["group"], r["op"]): (r["calls"], r["elements"])
+                        for r in run["ledger"] if r["rank"] == rank}
+            assert measured.keys() == predicted.keys(), f"{fields} rank {rank}"
+            for key, (calls, elements) in measured.items():
+                assert calls == predicted[key][0], f"{fields} rank {rank} {key}"
+                if key != ("ep", "Alltoallv"):
+                    assert elements == predicted[key][1], f"{fields} rank {rank} {key}"
+
+
+def test_the_cp_formulas_per_layer():
+    """The per-layer counts the issue names, read off the formulas for one microbatch."""
+    cfg = TrainConfig(**GPT, cp=4).resolved(4)
+    for mode, expected in {"ring": {("cp", "Sendrecv"): 6 * 3 + 2},
+                           "zigzag": {("cp", "Sendrecv"): 6 * 3 + 2},
+                           "ulysses": {("cp", "Alltoall"): 4 + 4},
+                           "allgather": {("cp", "Allgather"): 2, ("cp", "Reduce_scatter"): 2}
+                           }.items():
+        c = TrainConfig(**dict(GPT, cp=4, cp_mode=mode, layers=1)).resolved(4)
+        w, plan = minipar_workload(c), plan_of(c)
+        found = {k: v[0] for k, v in ledger_of(cp_traffic(w, plan, rank_shape(w, plan, 0)))
+                 .items()}
+        assert found == expected, mode
+    assert cfg.mesh_shape().groups("cp") == [[0, 1, 2, 3]]
+
+
+# ------------------------------------------------- each mode's attention alone
+@pytest.mark.parametrize("n", RANK_COUNTS)
+def test_each_mode_is_attention_on_the_whole_sequence(n):
+    suite_report(n).assert_passed("tests.test_context_parallel:check_context_parallel_attention")
+
+
+# the collectives of one call: forward, backward (cp ranks)
+CALLS = {"allgather": lambda cp: ({"Allgather": 2}, {"Reduce_scatter": 2}),
+         "ring": lambda cp: ({"Sendrecv": 2 * (cp - 1)}, {"Sendrecv": 4 * (cp - 1) + 2}),
+         "zigzag": lambda cp: ({"Sendrecv": 2 * (cp - 1)}, {"Sendrecv": 4 * (cp - 1) + 2}),
+         "ulysses": lambda cp: ({"Alltoall": 4}, {"Alltoall": 4})}
+
+
+def check_context_parallel_attention(comm):
+    """Rank side: random q, k, v, key bias and output gradient of a whole sequence (the
+    same on every rank); each rank keeps its positions, runs one mode, and compares its
+    output and gradients with attention.attention on the whole sequence."""
+    from minipar import attention
+    from minipar.autograd import Tensor
+    from minipar.comm import Group, Ledger
+    from minipar.parallel.context_parallel import ContextParallelAttention, positions
+
+    cp = comm.Get_size()
+    if cp == 1:
+        return
+    heads, dh, b = 2 * cp, 3, 2
+    t = 4 * cp
+    rng = np.random.default_rng(7)
+    q, k, v, g = (rng.normal(size=(b, t, heads * dh)) for _ in range(4))
+    bias = rng.normal(size=heads * dh)
+    whole = [Tensor(a.copy(), requires_grad=True) for a in (q, k, v, bias)]
+    attention.attention(*whole[:3], heads, key_bias=whole[3]).backward(g)
+    expected_out = attention.attention(*(Tensor(a) for a in (q, k, v)), heads,
+                                       key_bias=Tensor(bias)).data
+    problems = []
+    for mode in CALLS:
+        ledger = Ledger()
+        cpa = ContextParallelAttention(Group(comm, "cp", ledger), mode, t)
+        mine = positions(t, cp, comm.Get_rank(), mode)
+        local = [Tensor(a[:, mine].copy(), requires_grad=True) for a in (q, k, v)]
+        local_bias = Tensor(bias.copy(), requires_grad=True)
+        out = cpa(*local, heads, key_bias=local_bias)
+        forward = {op: e.calls for (op, _), e in ledger.entries.items()}
+        ledger.reset()
+        out.backward(g[:, mine])
+        backward = {op: e.calls for (op, _), e in ledger.entries.items()}
+        pairs = [("output", out.data, expected_out[:, mine])] + [
+            (f"d{name}", got.grad, want.grad[:, mine])
+            for name, got, want in zip("qkv", local, whole)]
+        pairs.append(("d key_bias", local_bias.grad, np.zeros_like(bias)))
+        for name, got, want in pairs:
+            if np.max(np.abs(got - want)) > 1e-12 * max(np.max(np.abs(want)), 1.0):
+                problems.append(f"{mode} {name}: off by {np.max(np.abs(got - want)):.2e}")
+        if (forward, backward) != CALLS[mode](cp):
+            problems.append(f"{mode}: calls {forward}, {backward} != {CALLS[mode](cp)}")
+    agree(comm, problems)
