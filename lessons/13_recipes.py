@@ -20,7 +20,8 @@ data-parallel ranks, as EP 64 spans 8 nodes of 8):
                                     no tp
 
 (Llama's FSDP shards more than the optimizer state; here ZeRO-1 stands for it. The
-long-context phase, CP 16, needs context parallelism on the same mesh.) For
+long-context phase, TP x CP x PP with CP 16, needs --cp beside --tp, which minipar
+refuses so far.) For
 each: the run against one process (float64, relative 1e-9), its ledger per mesh axis
 (bytes one rank hands to MPI in a step), the model-state bytes per rank, the pipeline
 bubble (the formula beside the measured idle share), and next to it what the planner
