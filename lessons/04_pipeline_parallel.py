@@ -11,8 +11,9 @@ GPU; the forward flows through them like a pipeline, and the price is the
 
   1. the split: which layers each rank holds (and with --virtual 2, two chunks each);
   2. the schedules as data (GPipe, Huang et al. 2019; 1F1B, PipeDream-flush,
-     Narayanan et al. 2021; interleaved 1F1B, Megatron-LM; ZB-H1, Qi et al. 2023):
-     each rank's program played by the simulator, printed as a text Gantt chart;
+     Narayanan et al. 2021; interleaved 1F1B, Megatron-LM; ZB-H1, Qi et al. 2023;
+     ZB-V, Qi et al. 2024; DualPipeV, DeepSeek-V3 2024): each rank's program
+     played by the simulator, printed as a text Gantt chart;
   3. the bubble for M = 1, 4, 8, 16 microbatches: the formula, the simulator,
      a real run's measured compute times replayed on the schedule's dependencies,
      and its wall-clock timeline. The wall clock can only agree with the formula
@@ -20,7 +21,7 @@ GPU; the forward flows through them like a pipeline, and the price is the
      measures the ranks taking turns, and the replay shows what the same compute
      would give with a core each (the CPU time of each instruction, which a rank
      does not accumulate while it waits for a core);
-  4. activation memory: how many microbatches a stage holds at once, GPipe vs 1F1B;
+  4. activation memory: how many microbatches a stage holds at once, every schedule;
   5. every schedule against one process: the largest relative difference.
 
 The code behind it: minipar/parallel/pipeline_schedules.py (schedules, simulator)
@@ -60,7 +61,9 @@ LAYERS = 48
 SMALL = dict(layers=LAYERS, d_in=16, d_model=64, d_ff=128, batch=256, steps=2)
 if "--quick" in sys.argv[1:]:  # the same lesson on narrower layers: timings mean less
     SMALL.update(d_model=32, d_ff=64, batch=64)
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 1),
+             ("dualpipev", 1))
+CHUNKS = {"interleaved": 2, "zb-v": 2, "dualpipev": 2}  # model chunks per rank
 
 
 def say(*lines: str) -> None:
@@ -100,19 +103,26 @@ def the_split() -> None:
     say(f"with --virtual 2 (interleaved), each rank holds two chunks of "
         f"{LAYERS // (2 * size)} layers:")
     say_in_order(comm, layer_runs(config("interleaved", 8, 2)))
+    say("in a V (ZB-V, DualPipeV), rank s holds chunks s and 2pp-1-s: rank 0 holds the "
+        "first and the last")
+    say_in_order(comm, layer_runs(config("zb-v", 8)))
 
 
 # ------------------------------------------------------- part 2: the schedules
 def the_schedules(microbatches: int = 4) -> None:
     say(f"\n=== 2. the schedules as data: each rank's program, simulated (pp={size}, "
-        f"M={microbatches}; F = 1 time unit, B = 2 for a rank's layers, ZB-H1 B = W = 1; "
-        "'.' = idle)")
+        f"M={microbatches}; F = 1 time unit, B = 2 for a rank's layers, split B = W = 1, "
+        "F&B = 3; '.' = idle)")
     for name, virtual in SCHEDULES:
-        sim = simulate_schedule(name, size, microbatches, virtual)
+        m = max(microbatches, 2 * size) if name == "dualpipev" else microbatches
+        sim = simulate_schedule(name, size, m, virtual)
         title = f"{name}" + (f" --virtual {virtual} (chunks a, b: each holds 1/{virtual} of "
                              f"the rank's layers, F = {1 / virtual:g}, B = {2 / virtual:g}; "
-                             f"one cell = {1 / virtual:g} unit)" if virtual > 1 else "")
-        say(f"{title}: T = {sim.makespan:g} units, bubble {sim.bubble:.3f}",
+                             f"one cell = {1 / virtual:g} unit)" if virtual > 1 else "") \
+            + (" (chunks a, b in a V)" if name in ("zb-v", "dualpipev") else "") \
+            + (f", M = {m}" if m != microbatches else "")
+        say(f"{title}: T = {sim.makespan:g} units, bubble {sim.bubble:.3f}, each rank "
+            f"idle between its first and last instruction {[int(t) for t in sim.idle]}",
             *[line.replace("stage", "rank") for line in gantt(sim, size)])
     one = simulate_schedule("1f1b", size, microbatches).makespan
     two = simulate_schedule("interleaved", size, microbatches, 2).makespan
@@ -169,16 +179,24 @@ def the_bubble(runs: dict) -> None:
 # ----------------------------------------------------------- part 4: memory
 def the_memory(runs: dict, microbatches: int = 8) -> None:
     say(f"\n=== 4. activation memory: microbatches a stage holds at once (M = {microbatches})")
-    for name in ("gpipe", "1f1b"):
-        sim = simulate_schedule(name, size, microbatches).peak_in_flight
+    for name, virtual in SCHEDULES:
+        sim = simulate_schedule(name, size, microbatches, virtual).peak_in_flight
+        key = (name, microbatches)
+        runs[key] = runs.get(key) or train(config(name, microbatches, virtual), comm)
         if rank == 0:
-            timeline = runs[(name, microbatches)].extras["timeline"]
+            timeline = runs[key].extras["timeline"]
             real = [in_flight_peak([r["kind"] for r in timeline
                                     if r["stage"] == s and r["kind"] in COMPUTE])
                     for s in range(size)]
-            print(f"  {name:>5}: simulator {sim}, real run {real}", flush=True)
+            chunks = CHUNKS.get(name, 1)
+            whole = "" if chunks == 1 else (
+                f" chunk-activations of 1/{chunks} stage = "
+                f"{[round(p / chunks, 1) for p in sim]} stages' worth")
+            print(f"  {name:>11}: simulator {sim}, real run {real}{whole}", flush=True)
     say(f"  GPipe keeps all M = {microbatches} microbatches' activations until the "
-        f"backwards start; 1F1B at most pp - stage (<= {size}), whatever M is.")
+        f"backwards start; 1F1B at most pp - stage (<= {size}), whatever M is;",
+        f"  ZB-V at most 2pp chunks (1F1B's {size} stages' worth) on every rank, DualPipeV one "
+        "chunk more (DeepSeek-V3's PP + 1).")
 
 
 # ----------------------------------------------------------- part 5: the check
@@ -198,9 +216,12 @@ def the_check(runs: dict, microbatches: int = 8) -> None:
         ref = train_reference(cfg)
         loss_rel = max(abs(a - b) / abs(b) for a, b in zip(result.losses, ref.losses))
         _, param_rel, _ = max_differences(result.final, ref.final)
+        formula = "" if name in CHUNKS and name != "interleaved" else \
+            f"formula {bubble_formula(name, size, microbatches, virtual):.3f}, "
         print(f"  {name:>11}: bubble replayed {replayed(name, result, microbatches, virtual):.3f}"
-              f", wall clock {measured(result):.3f} (formula "
-              f"{bubble_formula(name, size, microbatches, virtual):.3f}); rank 0 ran its "
+              f", wall clock {measured(result):.3f} ({formula}"
+              f"simulator {simulate_schedule(name, size, microbatches, virtual).bubble:.3f}); "
+              f"rank 0 ran its "
               f"program in order: {verdict(ran == planned, 'yes', 'NO')}; max rel diff "
               f"losses {loss_rel:.1e}, params {param_rel:.1e} "
               f"-> {verdict(max(loss_rel, param_rel) <= 1e-9)}", flush=True)
@@ -215,7 +236,7 @@ def figures(runs: dict, folder: Path, microbatches: int = 8) -> None:
     """Rank 0: each schedule simulated beside its real run (Gantt charts), and the bubble
     against M: formulas, simulator, and the measured 1F1B runs of part 3."""
     from minipar.plots import save
-    from minipar.plots_load import bubble_figure, gantt_figure
+    from minipar.plots_load import bubble_figure, gantt_figure, memory_figure
 
     for name, virtual in SCHEDULES:
         sim = simulate_schedule(name, size, microbatches, virtual)
@@ -229,9 +250,12 @@ def figures(runs: dict, folder: Path, microbatches: int = 8) -> None:
     again = {m: replayed("1f1b", runs[("1f1b", m)], m) for m in (1, 4, 8, 16)}
     label = (f"1F1B, real run, wall clock ({size} ranks on {CORES} cores"
              + (": oversubscribed)" if SHARED else ")"))
-    print("figure:", save(bubble_figure(size, measured=wall, replayed=again,
+    every = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 1), ("dualpipev", 1))
+    print("figure:", save(bubble_figure(size, schedules=every, measured=wall, replayed=again,
                                         measured_label=label), folder / "04_bubble.png"),
           flush=True)
+    print("figure:", save(memory_figure(size, microbatches, SCHEDULES, CHUNKS),
+                          folder / "04_memory.png"), flush=True)
 
 
 def main() -> None:

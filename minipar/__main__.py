@@ -3,6 +3,7 @@
     mpiexec -n 8 python -m minipar train --dp 2 --tp 2 --pp 2 --check
     python -m minipar mesh --dp 2 --tp 2 --pp 2
     python -m minipar bugs             (the bugs --inject-bug NAME breaks a run with)
+    python -m minipar exercise list    (self-grading exercises: start, hint, check)
     mpiexec -n 2 python -m minipar reshard CHECKPOINT NEW --tp 2   (one rank: the full state)
 
 Failures are collective. A bad setting is found by every rank alone (a pure
@@ -181,8 +182,16 @@ def plan_command(argv: list[str]) -> int:
     return plan(argv)
 
 
+def exercise_command(argv: list[str]) -> int:
+    """`exercise list | start NAME DIR | hint NAME | solution NAME | check NAME [DIR]`."""
+    from minipar.exercises.command import main as exercise  # MPI-free; only its job talks
+
+    return exercise(argv)
+
+
 COMMANDS = {"train": train_command, "mesh": mesh_command, "tour": tour_command,
-            "reshard": reshard_command, "bugs": bugs_command, "plan": plan_command}
+            "reshard": reshard_command, "bugs": bugs_command, "plan": plan_command,
+            "exercise": exercise_command}
 
 
 def launcher_rank() -> str:

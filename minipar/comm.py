@@ -262,8 +262,10 @@ def copy_to(x: Tensor, group: Group) -> Tensor:
     uses the same x, so x's gradient is the sum of every rank's contribution."""
     if group.size == 1:
         return x
+    # exercise: conjugate-f-g
     return Tensor.from_op(x.data, (x,),
                           lambda g: x.accumulate(allreduce_sum(group, g), fresh=True))
+    # end exercise
 
 
 def reduce_from(x: Tensor, group: Group) -> Tensor:
@@ -273,7 +275,9 @@ def reduce_from(x: Tensor, group: Group) -> Tensor:
     become the full result; each rank's copy of the result gets the same gradient."""
     if group.size == 1:
         return x
+    # exercise: conjugate-f-g
     return Tensor.from_op(allreduce_sum(group, x.data), (x,), lambda g: x.accumulate(g))
+    # end exercise
 
 
 def sum_replicated(x: Tensor, group: Group) -> Tensor:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from minipar.data import corpus_problem
 from minipar.mesh import CP_MODES, MeshShape
 from minipar.nn import GPT_MODELS, ModelConfig
-from minipar.parallel.pipeline_schedules import SCHEDULES
+from minipar.parallel.pipeline_schedules import SCHEDULES, V_SHAPED
 
 MODELS = ("mlp", "moe", *GPT_MODELS)
 RECOMPUTE = ("none", "selective", "full")
@@ -257,6 +257,15 @@ def _divisibility(cfg: TrainConfig) -> list[str]:
         out.append(f"--schedule interleaved --virtual {cfg.virtual} needs --microbatches "
                    f"divisible by --pp {cfg.pp} (got {cfg.microbatches}): each chunk takes "
                    "the microbatches in groups of pp")
+    if cfg.schedule in V_SHAPED and cfg.pp == 1:
+        out.append(f"--schedule {cfg.schedule} needs --pp 2 or more (its two chunks per "
+                   "rank sit in a V across the pipeline)")
+    elif cfg.schedule in V_SHAPED and cfg.layers % (2 * cfg.pp):
+        out.append(f"--schedule {cfg.schedule} needs --layers divisible by 2 x --pp "
+                   f"{cfg.pp} (got {cfg.layers}): each rank holds two equal chunks")
+    if cfg.schedule == "dualpipev" and cfg.pp > 1 and cfg.microbatches < 2 * cfg.pp:
+        out.append(f"--schedule dualpipev needs --microbatches at least 2 x --pp = "
+                   f"{2 * cfg.pp} (got {cfg.microbatches}): its steady state needs them")
     if cfg.layers % (cfg.pp * cfg.virtual):
         out.append(f"--layers {cfg.layers} is not divisible by --pp {cfg.pp} x --virtual "
                    f"{cfg.virtual} (each pipeline stage holds an equal run of blocks)")

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from minipar.memory import ModelStates
+from minipar.parallel import pipeline_schedules
 from minipar.parallel.pipeline_schedules import compute_order, in_flight_peak
 
 Array = tuple[int, bool]  # (elements, split over tp?) of one parameter array
@@ -163,9 +164,18 @@ def stage_blocks(layers: int, stages: int, v: int) -> range:
     return range(start, start + base + (1 if v < extra else 0))
 
 
+def chunks_per_rank(plan: Plan) -> int:
+    """Model chunks a pipeline rank holds: V interleaved, 2 in a V (ZB-V, DualPipeV)."""
+    return pipeline_schedules.chunks_per_rank(plan.schedule, plan.virtual) \
+        if plan.pp > 1 else 1
+
+
 def virtual_stages(plan: Plan, stage: int) -> list[int]:
-    """The virtual stages pipeline rank `stage` runs: stage, stage + pp, ..."""
-    return [chunk * plan.pp + stage for chunk in range(plan.virtual)]
+    """The virtual stages pipeline rank `stage` runs: stage, stage + pp, ...; in a V
+    (ZB-V, DualPipeV) stage and 2pp-1-stage."""
+    v_shape = plan.schedule in pipeline_schedules.V_SHAPED and plan.pp > 1
+    return [pipeline_schedules.virtual_stage(plan.pp, stage, chunk, v_shape)
+            for chunk in range(chunks_per_rank(plan))]
 
 
 @dataclass
@@ -187,7 +197,7 @@ def rank_shape(w: Workload, plan: Plan, stage: int) -> RankShape:
     def cut(arrays: tuple[Array, ...]) -> list[int]:
         return [size // plan.tp if split else size for size, split in arrays]
 
-    stages = plan.pp * plan.virtual
+    stages = plan.pp * chunks_per_rank(plan)
     shape = RankShape(stage, [], [], False, False, [], [])
     for v in virtual_stages(plan, stage):
         parts = [(w.blocks[i].arrays, w.blocks[i]) for i in stage_blocks(w.layers, stages, v)]
@@ -280,7 +290,7 @@ def stage_activations(w: Workload, plan: Plan, shape: RankShape) -> float:
     tokens = tokens_per_microbatch(w, plan)
     kinds = Counter(shape.blocks)  # most layers are one Block, repeated
     per_microbatch = sum(n * activation_bytes(b, tokens, plan)
-                         for b, n in kinds.items()) / plan.virtual
+                         for b, n in kinds.items()) / chunks_per_rank(plan)
     alive = in_flight(plan.schedule, plan.pp, plan.microbatches, shape.stage, plan.virtual)
     peak = alive * per_microbatch
     if plan.recompute == "full":

@@ -32,14 +32,16 @@ from matplotlib.patches import Patch, Polygon, Rectangle
 
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
+    V_SHAPED,
     Simulation,
     bubble_formula,
     bubble_fraction,
     simulate_schedule,
 )
 
-KIND_COLORS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
-KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient (ZB-H1)"}
+KIND_COLORS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green", "F&B": "tab:purple"}
+KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient (ZB schedules)",
+              "F&B": "F&B: a forward and a full backward in one step"}
 
 
 # ------------------------------------------------------------ pipeline Gantt
@@ -77,7 +79,8 @@ def draw_gantt(ax: Axes, bars: Sequence[dict], row_names: dict[int, str], unit: 
 
 def gantt_legend(figure: Figure, kinds: Iterable[str], chunks: bool, waits: bool) -> None:
     names = dict(KIND_NAMES, B="backward: input gradient") if "W" in kinds else KIND_NAMES
-    handles = [Patch(color=KIND_COLORS[k], label=names[k]) for k in "FBW" if k in kinds]
+    handles = [Patch(color=KIND_COLORS[k], label=names[k]) for k in ("F", "B", "W", "F&B")
+               if k in kinds]
     if chunks:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
                              label="second model chunk"))
@@ -147,21 +150,31 @@ def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
     lines, the simulator as dots on them, and (if given) a real 1F1B run's bubble per
     M: wall clock as crosses (named `measured_label`), its measured compute times
     replayed on the schedule (`pipeline_schedules.replay`) as squares. GPipe and 1F1B
-    share (pp-1)/(M+pp-1)."""
+    share (pp-1)/(M+pp-1). ZB-V and DualPipeV have no closed form on this measure:
+    their simulated dots are joined by a dashed line."""
     names = {"1f1b": "GPipe and 1F1B: (pp-1)/(M+pp-1)",
              "interleaved": "interleaved, V={v}: (pp-1)/(VM+pp-1)",
-             "zb-h1": "ZB-H1: (pp-1)/(3M+pp-1), M >= pp"}
+             "zb-h1": "ZB-H1: (pp-1)/(3M+pp-1), M >= pp",
+             "zb-v": "ZB-V (simulator), 2 chunks in a V",
+             "dualpipev": "DualPipeV (simulator), M >= 2pp"}
+    colors = {"1f1b": "tab:blue", "interleaved": "tab:purple", "zb-h1": "tab:green",
+              "zb-v": "tab:red", "dualpipev": "tab:brown"}
     figure = Figure(figsize=(7, 4.2), layout="constrained")
     ax = figure.subplots()
     grid = np.geomspace(min(microbatches), max(microbatches), 200)
-    for (name, virtual), color in zip(schedules, ("tab:blue", "tab:purple", "tab:green")):
-        lo = pp if name == "zb-h1" else min(microbatches)
+    for name, virtual in schedules:
+        color = colors.get(name, "0.3")
+        lo = {"zb-h1": pp, "dualpipev": 2 * pp}.get(name, min(microbatches))
+        sims = [m for m in microbatches if m >= lo and (name != "interleaved" or m % pp == 0)]
+        dots = [simulate_schedule(name, pp, m, virtual).bubble for m in sims]
+        label = names.get(name, name).format(v=virtual)
+        if name in V_SHAPED:  # simulated only
+            ax.plot(sims, dots, "o--", color=color, markersize=5, label=label)
+            continue
         line = grid[grid >= lo]
         ax.plot(line, [bubble_formula(name, pp, m, virtual) for m in line], color=color,
-                label=names.get(name, name).format(v=virtual))
-        sims = [m for m in microbatches if m >= lo and (name != "interleaved" or m % pp == 0)]
-        ax.plot(sims, [simulate_schedule(name, pp, m, virtual).bubble for m in sims], "o",
-                color=color, markersize=5)
+                label=label)
+        ax.plot(sims, dots, "o", color=color, markersize=5)
     if measured:
         ax.plot(list(measured), list(measured.values()), "x", color="black", markersize=8,
                 mew=2, label=measured_label)
@@ -178,6 +191,31 @@ def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
     ax.set_title(f"the pipeline bubble, pp = {pp} stages", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return figure
+
+
+# ------------------------------------------------------------------- memory
+def memory_figure(pp: int, microbatches: int, schedules: Sequence[tuple[str, int]],
+                  chunks: dict[str, int]) -> Figure:
+    """Activation memory per stage, as the simulator counts it: the peak number of
+    (chunk, microbatch) activations a rank holds, in whole stages' worth (a chunk of
+    V per rank is 1/V of a stage), one group of bars per schedule."""
+    figure = Figure(figsize=(7, 3.8), layout="constrained")
+    ax = figure.subplots()
+    width = 0.8 / pp
+    for s in range(pp):
+        heights = []
+        for name, virtual in schedules:
+            m = max(microbatches, 2 * pp) if name == "dualpipev" else microbatches
+            peak = simulate_schedule(name, pp, m, virtual).peak_in_flight[s]
+            heights.append(peak / chunks.get(name, 1))
+        ax.bar(np.arange(len(schedules)) + (s - (pp - 1) / 2) * width, heights, width,
+               label=f"stage {s}", color=str(0.15 + 0.6 * s / max(pp - 1, 1)))
+    ax.set_xticks(range(len(schedules)), [name for name, _ in schedules])
+    ax.axhline(pp, color="tab:red", linewidth=1, linestyle="--", label=f"pp = {pp}")
+    ax.set_ylabel("peak activations held\n(microbatches x whole stages)")
+    ax.set_title(f"activation memory per stage, pp = {pp}, M = {microbatches}", fontsize=10)
+    ax.legend(fontsize=8, ncol=pp + 1)
     return figure
 
 

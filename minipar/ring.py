@@ -56,6 +56,7 @@ def reduce_scatter_in_ring(group: Group, flat: np.ndarray, offsets: np.ndarray) 
     the left neighbour's running sum of chunk r-s-2 into its own. A chunk starts
     on rank r+1 and, N-1 hops later, arrives complete at rank r."""
     n_ranks, me = group.size, group.rank
+    # exercise: ring-allreduce
     right, left = (me + 1) % n_ranks, (me - 1) % n_ranks
     scratch = np.empty(int(np.max(np.diff(offsets))), dtype=flat.dtype)
     for step in range(n_ranks - 1):
@@ -64,6 +65,7 @@ def reduce_scatter_in_ring(group: Group, flat: np.ndarray, offsets: np.ndarray) 
         # partial sum of chunk `send` -> right neighbour; partial sum of chunk `recv` <- left
         group.Sendrecv(flat[offsets[send]:offsets[send + 1]], right, incoming, left)
         flat[offsets[recv]:offsets[recv + 1]] += incoming
+    # end exercise
 
 
 def allgather_in_ring(group: Group, flat: np.ndarray, offsets: np.ndarray) -> None:
@@ -72,12 +74,14 @@ def allgather_in_ring(group: Group, flat: np.ndarray, offsets: np.ndarray) -> No
     In step s rank r passes chunk r-s (finished) to the right and receives chunk
     r-s-1 from the left, straight into its place."""
     n_ranks, me = group.size, group.rank
+    # exercise: ring-allreduce
     right, left = (me + 1) % n_ranks, (me - 1) % n_ranks
     for step in range(n_ranks - 1):
         send, recv = (me - step) % n_ranks, (me - step - 1) % n_ranks
         # finished chunk `send` -> right neighbour; finished chunk `recv` <- left
         group.Sendrecv(flat[offsets[send]:offsets[send + 1]], right,
                        flat[offsets[recv]:offsets[recv + 1]], left)
+    # end exercise
 
 
 # ------------------------------------------------------------- the collectives

@@ -32,11 +32,12 @@ from minipar.costmodel import (
     Plan,
     RankShape,
     Workload,
+    chunks_per_rank,
     tokens_per_microbatch,
     virtual_stages,
 )
 from minipar.memory import ledger_formula, wire_elements
-from minipar.parallel.pipeline_schedules import bubble_formula
+from minipar.parallel.pipeline_schedules import V_SHAPED, bubble_formula
 
 
 @dataclass(frozen=True)
@@ -151,8 +152,11 @@ def pp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     if plan.pp == 1:
         return []
     rows = tokens_per_microbatch(w, plan) // (plan.tp if plan.sp else 1)
-    last = plan.pp * plan.virtual - 1
-    boundaries = sum(int(v > 0) + int(v < last) for v in virtual_stages(plan, shape.stage))
+    last = plan.pp * chunks_per_rank(plan) - 1
+    crossing = [b for b in range(last)  # the V's bottom (pp-1 | pp) stays inside a rank
+                if not (plan.schedule in V_SHAPED and b == plan.pp - 1)]
+    boundaries = sum(int(v - 1 in crossing) + int(v in crossing)
+                     for v in virtual_stages(plan, shape.stage))
     calls = boundaries * plan.microbatches
     size = calls * rows * w.d_model
     return [Traffic("pp", op, calls, size, size * w.act_bytes) for op in ("Isend", "Recv")]

@@ -42,7 +42,7 @@ from minipar.data import (
 )
 from minipar.mesh import Mesh
 from minipar.optim import Optimizer, make_optimizer
-from minipar.parallel import pipeline_parallel
+from minipar.parallel import pipeline_parallel, pipeline_schedules
 from minipar.recompute import Recomputed
 from minipar.shards import held_parts
 
@@ -194,13 +194,17 @@ def build_rank_model(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray]
                      ) -> list[nn.Model]:
     """The model pieces this rank holds: one `Model` per pipeline chunk it runs.
 
-    Pipeline rank s with V virtual chunks holds virtual stages s, s+pp, ...;
+    Pipeline rank s with V virtual chunks holds virtual stages s, s+pp, ...; in a
+    V (ZB-V, DualPipeV: two chunks) stages s and 2pp-1-s;
     virtual stage v holds blocks [v L/(pp V), (v+1) L/(pp V)); the embedding
     sits on virtual stage 0 and the head on the last. Blocks are the reference
     blocks, or their tensor-/expert-parallel versions when the mesh asks.
     """
     model_cfg = cfg.model_config()
-    stages = cfg.pp * cfg.virtual
+    chunks_here = pipeline_schedules.chunks_per_rank(cfg.schedule, cfg.virtual) \
+        if cfg.pp > 1 else 1
+    v_shape = cfg.schedule in pipeline_schedules.V_SHAPED
+    stages = cfg.pp * chunks_here
     per_stage = cfg.layers // stages
     chunks = []
     enter = leave = None
@@ -223,8 +227,8 @@ def build_rank_model(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray]
         # Allgather are the residual stream's way in and out of its split along T
     if cfg.cp > 1:  # the embedding adds the rows of the positions this rank holds
         embed = partial(gpt.Embedding, positions=context_positions(cfg, mesh))
-    for chunk in range(cfg.virtual):
-        v = chunk * cfg.pp + mesh.coords["pp"]
+    for chunk in range(chunks_here):
+        v = pipeline_schedules.virtual_stage(cfg.pp, mesh.coords["pp"], chunk, v_shape)
         blocks = [make_block(cfg, model_cfg, mesh, full, i)
                   for i in range(v * per_stage, (v + 1) * per_stage)]
         chunks.append(nn.Model(embed(full) if v == 0 else None, blocks,
@@ -352,8 +356,8 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
         # looked up at call time: --inject-bug swaps pipeline_parallel.StageWorker
         worker = pipeline_parallel.StageWorker(
             mesh.pp, chunks, x, y, slices, last_stage_loss, scale, boundary_shape(cfg),
-            cfg.virtual, split_backward=cfg.schedule == "zb-h1", rank=mesh.rank,
-            dtype=cfg.dtype)
+            len(chunks), split_backward=cfg.schedule in pipeline_schedules.SPLIT_BACKWARD,
+            rank=mesh.rank, dtype=cfg.dtype, v_shape=cfg.schedule in pipeline_schedules.V_SHAPED)
         return pipeline_parallel.forward_backward(worker, cfg.schedule, cfg.microbatches,
                                                   timeline)
     total = 0.0

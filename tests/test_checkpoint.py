@@ -55,6 +55,11 @@ PAIRS = [
     ("mlp", {"pp": 2, "virtual": 2, "schedule": "interleaved", "microbatches": 2}, 2,
      {"dp": 2}, 2),
     ("moe", {"dp": 2, "ep": 2, "pp": 2}, 4, {"dp": 2}, 2),
+    # the V placement: rank s saves chunks s and 2pp-1-s, a loop of chunks resumes them
+    ("mlp", {"pp": 2, "schedule": "zb-v", "microbatches": 2}, 2,
+     {"pp": 2, "virtual": 2, "schedule": "interleaved", "microbatches": 2}, 2),
+    ("mlp", {"dp": 2, "pp": 2, "schedule": "dualpipev", "microbatches": 4}, 4,
+     {"pp": 2, "schedule": "zb-v", "microbatches": 4}, 2),
     # ZeRO keeps flat slices of the optimizer state (slices cut rows; with tp, of the
     # rank's local columns): saved as boxes of the full arrays, cut again on resume
     ("mlp", {"dp": 4, "zero": 1}, 4, {"dp": 2, "zero": 3}, 2),

@@ -123,6 +123,11 @@ CASES = [
     (["--cp", "2"], "--cp"),                                         # the MLP has no sequence
     (["--model", "moe", "--cp-mode", "ring"], "--cp-mode"),
     (["--model", "gpt", "--cp", "2", "--recompute", "full"], "--recompute"),  # not yet
+    # the V schedules (zb-v, dualpipev): a pipeline, two chunks per rank, M >= 2 pp
+    (["--schedule", "zb-v"], "--pp"),                                # a V needs a pipeline
+    (["--dp", "2", "--pp", "2", "--schedule", "zb-v"], "--layers"),  # 2 layers, 4 chunks
+    (["--dp", "2", "--pp", "2", "--layers", "4", "--schedule", "dualpipev",
+      "--microbatches", "2"], "--microbatches"),                     # needs M >= 2 pp
 ]
 # Through the real launcher, at several world sizes: (ranks, case index).
 END_TO_END = [(4, 0), (2, 11), (1, 15), (2, 27), (2, 42), (2, 50), (2, 52), (2, 58)]

@@ -7,6 +7,7 @@ this process (tests/conftest.py).
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 
@@ -20,12 +21,16 @@ from tests.mpi import launch, sweep
 
 SMALL = dict(layers=8, d_in=8, d_model=16, d_ff=32, batch=16, steps=2)
 MOE = dict(model="moe", experts=4, top_k=2, expert_d_ff=16)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+# the transformer (tests/test_gpt_parallel.py runs it under the other schedules)
+GPT = dict(model="gpt", d_model=16, heads=2, seq_len=8, vocab=16, batch=8, steps=2, d_ff=32)
+GPT_MOE = dict(GPT, model="gpt-moe", experts=4, expert_d_ff=16, aux_coef=0.1)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+V_SHAPED = ("zb-v", "dualpipev")
 
 
 def pipeline_configs(pp: int) -> list[dict]:
     """Every schedule with M = 1, 2, 4, 8 on pp stages (interleaved also with V = 2
-    where pp divides M), SGD and Adam taking turns."""
+    where pp divides M; dualpipev with M = 2pp and 8), SGD and Adam taking turns."""
     out = []
     for i, (schedule, m) in enumerate((s, m) for s in SCHEDULES for m in (1, 2, 4, 8)):
         out.append(dict(SMALL, pp=pp, dp=1, schedule=schedule, microbatches=m,
@@ -34,6 +39,9 @@ def pipeline_configs(pp: int) -> list[dict]:
         if m % pp == 0:
             out.append(dict(SMALL, pp=pp, dp=1, schedule="interleaved", virtual=2,
                             microbatches=m, optimizer="adam" if m == 4 else "sgd"))
+    for m in sorted({2 * pp, 8, 16}):
+        out.append(dict(SMALL, pp=pp, dp=1, schedule="dualpipev", microbatches=m,
+                        optimizer="adam" if m == 8 else "sgd"))
     return out
 
 
@@ -43,6 +51,13 @@ CONFIGS = {
         dict(SMALL, **MOE, pp=2, dp=1, schedule="1f1b", microbatches=4),
         dict(SMALL, **MOE, pp=2, dp=1, schedule="zb-h1", microbatches=2, optimizer="adam"),
         dict(SMALL, **MOE, pp=2, dp=1, schedule="interleaved", virtual=2, microbatches=2),
+        dict(SMALL, **MOE, pp=2, dp=1, schedule="zb-v", microbatches=4, optimizer="adam"),
+        dict(SMALL, **MOE, pp=2, dp=1, schedule="dualpipev", microbatches=4),
+        dict(GPT, layers=4, pp=2, dp=1, schedule="zb-v", microbatches=2, optimizer="adam",
+             lr=0.01),
+        dict(GPT, layers=4, pp=2, dp=1, schedule="dualpipev", microbatches=4),
+        dict(GPT_MOE, layers=4, pp=2, dp=1, schedule="dualpipev", microbatches=4,
+             optimizer="adam", lr=0.01),
     ],
     4: pipeline_configs(4) + [
         dict(SMALL, pp=2, dp=2, schedule="1f1b", microbatches=4),
@@ -50,13 +65,30 @@ CONFIGS = {
         dict(SMALL, pp=2, dp=2, schedule="zb-h1", microbatches=2),
         dict(SMALL, pp=2, dp=2, schedule="interleaved", virtual=2, microbatches=4,
              optimizer="adam"),
+        # the V schedules with the other axes: dp (plain and ZeRO), tp (+ sp), MoE's ep
+        dict(SMALL, pp=2, dp=2, schedule="zb-v", microbatches=2),
+        dict(SMALL, pp=2, dp=2, schedule="dualpipev", microbatches=4, optimizer="adam",
+             grad_sync="overlapped"),
+        dict(SMALL, pp=2, dp=2, schedule="zb-v", microbatches=4, zero=2, optimizer="adam"),
+        dict(SMALL, pp=2, dp=2, schedule="dualpipev", microbatches=4, zero=3),
+        dict(SMALL, pp=2, dp=1, tp=2, schedule="zb-v", microbatches=4),
+        dict(SMALL, pp=2, dp=1, tp=2, sp=True, schedule="dualpipev", microbatches=4),
+        dict(SMALL, **MOE, pp=2, dp=2, ep=2, schedule="dualpipev", microbatches=4),
+        dict(SMALL, **MOE, pp=2, dp=2, ep=2, schedule="zb-v", microbatches=2,
+             optimizer="adam"),
+        dict(GPT, layers=8, pp=4, dp=1, schedule="zb-v", microbatches=4),
+        dict(GPT, layers=8, pp=4, dp=1, schedule="dualpipev", microbatches=8,
+             optimizer="adam", lr=0.01),
+        dict(GPT, layers=4, pp=2, dp=2, schedule="zb-v", microbatches=2),
+        dict(GPT_MOE, layers=4, pp=2, dp=2, ep=2, schedule="dualpipev", microbatches=4),
     ],
 }
 CASES = [(n, i) for n in CONFIGS for i in range(len(CONFIGS[n]))]
 
 
 def label(fields: dict) -> str:
-    keys = ("model", "dp", "pp", "schedule", "virtual", "microbatches", "optimizer")
+    keys = ("model", "dp", "tp", "sp", "ep", "pp", "schedule", "virtual", "microbatches",
+            "optimizer", "zero", "grad_sync")
     return " ".join(f"{k}={fields[k]}" for k in keys if k in fields)
 
 
@@ -76,19 +108,25 @@ def expected_messages(cfg: TrainConfig, stage: int) -> dict[str, int]:
     """Messages one rank of pipeline stage `stage` sends and receives in a step: for each
     of its chunks (virtual stage v of pp V), M activations out unless v is last, M
     gradients back unless v is first; receives mirror that."""
-    last = cfg.pp * cfg.virtual - 1
+    if cfg.schedule in V_SHAPED:  # chunks s and 2pp-1-s; the V's bottom needs no message
+        last = 2 * cfg.pp - 1
+        places = [stage, last - stage]
+        crossing = [b for b in range(last) if b != cfg.pp - 1]
+    else:
+        last = cfg.pp * cfg.virtual - 1
+        places = [chunk * cfg.pp + stage for chunk in range(cfg.virtual)]
+        crossing = list(range(last))
     sends = recvs = 0
-    for chunk in range(cfg.virtual):
-        v = chunk * cfg.pp + stage
-        sends += cfg.microbatches * ((v < last) + (v > 0))
-        recvs += cfg.microbatches * ((v > 0) + (v < last))
+    for v in places:
+        sends += cfg.microbatches * ((v in crossing) + (v - 1 in crossing))
+        recvs += cfg.microbatches * ((v - 1 in crossing) + (v in crossing))
     return {"Isend": sends, "Recv": recvs}
 
 
 @pytest.mark.parametrize("n,index", CASES, ids=[label(CONFIGS[n][i]) for n, i in CASES])
 def test_ledger_one_activation_and_one_gradient_per_boundary(runs, n, index):
     cfg = TrainConfig(**CONFIGS[n][index]).resolved(n)
-    rows, d = boundary_shape(cfg)
+    size = math.prod(boundary_shape(cfg))  # elements of one message
     ledger = runs[n][index]["ledger"]
     per_rank: dict[int, dict[str, dict]] = defaultdict(dict)
     for record in ledger:
@@ -101,12 +139,13 @@ def test_ledger_one_activation_and_one_gradient_per_boundary(runs, n, index):
         assert set(got) == {"Isend", "Recv"}, (rank, got)
         for op, calls in expected.items():
             assert got[op]["calls"] == calls, (rank, op, got[op])
-            assert got[op]["elements"] == calls * rows * d, (rank, op, got[op])
-            assert got[op]["bytes"] == calls * rows * d * 8, (rank, op, got[op])
+            assert got[op]["elements"] == calls * size, (rank, op, got[op])
+            assert got[op]["bytes"] == calls * size * 8, (rank, op, got[op])
     # across the pipeline: pp V - 1 boundaries, each one activation + one gradient per
     # microbatch, on every (dp, tp) replica of the pipeline
     total = sum(r["calls"] for r in ledger if r["group"] == "pp" and r["op"] == "Isend")
-    assert total == 2 * cfg.microbatches * (cfg.pp * cfg.virtual - 1) * cfg.dp * cfg.tp
+    boundaries = 2 * cfg.pp - 2 if cfg.schedule in V_SHAPED else cfg.pp * cfg.virtual - 1
+    assert total == 2 * cfg.microbatches * boundaries * cfg.dp * cfg.tp
 
 
 def test_pipeline_flags_are_checked_before_any_communication():
@@ -123,6 +162,14 @@ def test_pipeline_flags_are_checked_before_any_communication():
     assert bad and "--virtual 2 needs --pp 2" in bad[0]
     bad = first_problem(pp=4, virtual=2, microbatches=4)
     assert bad and "needs --schedule interleaved" in bad[0]
+    assert first_problem(pp=4, schedule="zb-v", microbatches=1, layers=8) == []
+    assert first_problem(pp=2, schedule="dualpipev", microbatches=4, layers=4) == []
+    bad = first_problem(pp=4, schedule="dualpipev", microbatches=4, layers=8)
+    assert bad and "at least 2 x --pp = 8 (got 4)" in bad[0]
+    bad = first_problem(pp=4, schedule="zb-v", microbatches=4, layers=4)
+    assert bad and "--layers divisible by 2 x --pp 4" in bad[0]
+    bad = problems(TrainConfig(schedule="zb-v").resolved(1), 1)
+    assert bad and "needs --pp 2 or more" in bad[0]
 
 
 def test_boundary_shape_is_a_microbatch_of_rows_by_d():
@@ -140,6 +187,8 @@ def test_lesson_shows_the_48_layer_example_bubble_memory_and_equivalence():
     for rank, (first, last) in enumerate([(1, 12), (13, 24), (25, 36), (37, 48)]):
         assert re.search(rf"\[rank {rank}\] layers {first}-{last}\b", out), out
     assert "[rank 0] layers 1-6 + embedding, layers 25-30" in out  # --virtual 2
+    assert "[rank 0] layers 1-6 + embedding, layers 43-48 + head" in out  # the V
+    assert "[rank 3] layers 19-24, layers 25-30 (" in out
     # 1F1B, pp = 4, M = 4, worked by hand: warm-up F1-F3, F4, then B1 once it is back
     assert "rank 0: F1 F2 F3 F4 .  .  .  .  .  .  B1 B1 .  B2 B2 .  B3 B3 .  B4 B4" in out
     table = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+"
@@ -152,9 +201,12 @@ def test_lesson_shows_the_48_layer_example_bubble_memory_and_equivalence():
     assert "4 ranks on" in out and "replayed CPU times" in out
     assert "gpipe: simulator [8, 8, 8, 8], real run [8, 8, 8, 8]" in out
     assert "1f1b: simulator [4, 3, 2, 1], real run [4, 3, 2, 1]" in out
+    assert "zb-v: simulator [8, 8, 8, 8], real run [8, 8, 8, 8]" in out
+    assert "dualpipev: simulator [9, 9, 9, 9], real run [9, 9, 9, 9]" in out
     checks = re.findall(r"(\S+): bubble replayed .* in order: (\w+); max rel diff "
                         r"losses (\S+), params (\S+) -> (\w+)$", out, re.M)
-    assert [c[0] for c in checks] == ["gpipe", "1f1b", "interleaved", "zb-h1"], out
+    assert [c[0] for c in checks] == ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v",
+                                      "dualpipev"], out
     for name, in_order, losses, params, verdict in checks:
         assert in_order == "yes" and float(losses) <= 1e-9 and float(params) <= 1e-9, name
         assert verdict == "OK", name

@@ -19,7 +19,9 @@ from minipar.parallel.pipeline_schedules import (
     BACKWARD,
     COMPUTE,
     FORWARD,
+    V_SHAPED,
     WEIGHT,
+    Costs,
     DeadlockError,
     Instruction,
     ScheduleError,
@@ -30,6 +32,7 @@ from minipar.parallel.pipeline_schedules import (
     virtual_stage,
 )
 
+LOGICAL = Costs()  # F = B = W = 1, F&B = 3
 PIPELINES = [(pp, m) for pp in range(2, 9) for m in range(1, 17)]
 
 
@@ -42,13 +45,17 @@ def cases() -> list[tuple[str, int, int, int]]:
                 ("interleaved", pp, m, 1)]
         if m % pp == 0:
             out += [("interleaved", pp, m, 2), ("interleaved", pp, m, 3)]
+        out += [("zb-v", pp, m, 1)]
+        if m >= 2 * pp:  # dualpipev's rule
+            out += [("dualpipev", pp, m, 1)]
     return out
 
 
 @functools.cache
-def simulate_schedule(name: str, pp: int, m: int, v: int = 1, synchronous_sends: bool = False):
+def simulate_schedule(name: str, pp: int, m: int, v: int = 1, synchronous_sends: bool = False,
+                      weights: Costs = LOGICAL):
     """The simulator, each case played once for all the tests below."""
-    return simulator.simulate_schedule(name, pp, m, v, synchronous_sends)
+    return simulator.simulate_schedule(name, pp, m, v, synchronous_sends, weights)
 
 
 def exact(value: float) -> Fraction:
@@ -56,24 +63,40 @@ def exact(value: float) -> Fraction:
     return Fraction(value).limit_denominator(10_000)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "interleaved"])
+def parts(sim, pp: int, v_shape: bool) -> list[tuple[int, str, int, object]]:
+    """(virtual stage, kind, microbatch, slot) of every F, B, W played, an F&B step
+    counted as its F, B and W (all three spanning the step)."""
+    out = []
+    for slot in sim.timeline:
+        ins = Instruction(slot.kind, slot.microbatch, slot.chunk, slot.back_microbatch,
+                          slot.back_chunk)
+        for part in ins.parts():
+            out.append((virtual_stage(pp, slot.stage, part.chunk, v_shape), part.kind,
+                        part.microbatch, slot))
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "interleaved", "zb-v",
+                                  "dualpipev"])
 def test_every_compute_runs_once_in_dependency_order(name):
     for _, pp, m, v in [c for c in cases() if c[0] == name]:
         sim = simulate_schedule(name, pp, m, v)
-        kinds = (FORWARD, BACKWARD, WEIGHT) if name == "zb-h1" else (FORWARD, BACKWARD)
-        seen = Counter((virtual_stage(pp, s.stage, s.chunk), s.kind, s.microbatch)
-                       for s in sim.timeline)
+        split = name in ("zb-h1", "zb-v", "dualpipev")
+        kinds = (FORWARD, BACKWARD, WEIGHT) if split else (FORWARD, BACKWARD)
+        v_shape = name in V_SHAPED
+        v = 2 if v_shape else v
+        played = parts(sim, pp, v_shape)
+        seen = Counter((vs, kind, mb) for vs, kind, mb, _ in played)
         expected = {(vs, k, mb) for vs in range(pp * v) for k in kinds for mb in range(m)}
         assert set(seen) == expected and set(seen.values()) == {1}, (name, pp, m, v)
-        at = {(virtual_stage(pp, s.stage, s.chunk), s.kind, s.microbatch): s
-              for s in sim.timeline}
+        at = {(vs, kind, mb): slot for vs, kind, mb, slot in played}
         for vs in range(pp * v):
             for mb in range(m):
                 assert at[vs, FORWARD, mb].end <= at[vs, BACKWARD, mb].start
                 if vs + 1 < pp * v:  # forward flows down, backward flows up
                     assert at[vs, FORWARD, mb].end <= at[vs + 1, FORWARD, mb].start
                     assert at[vs + 1, BACKWARD, mb].end <= at[vs, BACKWARD, mb].start
-                if name == "zb-h1":
+                if split and at[vs, BACKWARD, mb] is not at[vs, WEIGHT, mb]:
                     assert at[vs, BACKWARD, mb].end <= at[vs, WEIGHT, mb].start
 
 
@@ -83,15 +106,19 @@ def test_sends_and_receives_match_pairwise_in_order():
     tag in order, so each Recv gets its own microbatch's tensor."""
     for name, pp, m, v in cases():
         sent, received = defaultdict(list), defaultdict(list)
-        for stage, other, (is_send, what) in iter_messages(programs(name, pp, m, v)):
+        v_shape = name in V_SHAPED
+        for stage, other, (is_send, what) in iter_messages(programs(name, pp, m, v),
+                                                           v_shape):
             if is_send:
                 sent[(stage, other, what[0])].append(what)
             else:
                 received[(other, stage, what[0])].append(what)
             assert abs(stage - other) in (1, pp - 1), "neighbours only"
         assert sent == received, (name, pp, m, v)
-        # every boundary carries one activation and one gradient per microbatch
-        assert sum(len(x) for x in sent.values()) == 2 * m * (pp * v - 1)
+        # every boundary carries one activation and one gradient per microbatch; in a
+        # V the boundary at the bottom (pp - 1 | pp) stays inside rank pp - 1
+        boundaries = 2 * pp - 2 if v_shape else pp * v - 1
+        assert sum(len(x) for x in sent.values()) == 2 * m * boundaries
 
 
 def test_no_deadlock_with_isend_for_pp_2_to_8_and_m_1_to_16():
@@ -101,6 +128,8 @@ def test_no_deadlock_with_isend_for_pp_2_to_8_and_m_1_to_16():
         sim = simulate_schedule(name, pp, m, v)
         assert len(sim.timeline) == sum(1 for p in programs(name, pp, m, v)
                                         for i in p if i.kind in COMPUTE)
+    with pytest.raises(ValueError, match="at least 2 pp"):
+        programs("dualpipev", 4, 7)
 
 
 def test_blocking_sends_would_deadlock_1f1b():
@@ -171,6 +200,83 @@ def test_gantt_chart_of_1f1b():
     lines = gantt(simulate_schedule("1f1b", 2, 3), 2)
     assert lines == ["stage 0: F1 F2 .  .  B1 B1 F3 B2 B2 .  B3 B3",
                      "stage 1: .  F1 B1 B1 F2 B2 B2 F3 B3 B3 .  ."]
+
+
+# ------------------------------------------------- the papers' tables, per rank
+WEIGHTS = [Costs(), Costs(1, 1, 1), Costs(2, 2, 1), Costs(1, 2, 1), Costs(2, 1, 1),
+           Costs(3, 2, 2)]
+
+
+def test_1f1b_and_zb_h1_idle_per_rank_is_deepseek_v3_table_2_for_any_weights():
+    """DeepSeek-V3 Table 2 (B there is the full backward, our B + W): 1F1B idles
+    (PP-1)(F+B) and ZB1P (PP-1)(F+B-2W) on its worst rank, for any durations, and
+    hold PP microbatches on their first rank."""
+    for weights in WEIGHTS:
+        f, b, w = weights.forward, weights.backward + weights.weight, weights.weight
+        for pp in range(2, 7):
+            for m in (pp, 2 * pp, 3 * pp + 1):
+                one = simulate_schedule("1f1b", pp, m, weights=weights)
+                zb = simulate_schedule("zb-h1", pp, m, weights=weights)
+                assert max(one.idle) == one.idle[0] == (pp - 1) * (f + b), (weights, pp, m)
+                assert max(zb.idle) == zb.idle[0] == (pp - 1) * (f + b - 2 * w), (weights, pp, m)
+                assert one.peak_in_flight[0] == zb.peak_in_flight[0] == pp
+
+
+def test_zero_bubble_table_bubble_rates_for_equal_f_b_w():
+    """Qi et al.'s table (T_F = T_B = T_W): 1F1B's idle is (p-1)(F+B+W) = 3(p-1), ZB-H1's a
+    third of it, (p-1)."""
+    for pp in range(2, 9):
+        for m in range(pp, 17):
+            one = simulate_schedule("1f1b", pp, m)
+            zb = simulate_schedule("zb-h1", pp, m)
+            assert max(one.idle) == 3 * (pp - 1) and max(zb.idle) == pp - 1, (pp, m)
+
+
+def test_dualpipev_idle_is_deepseek_v3_table_2_and_holds_pp_plus_1():
+    """DualPipeV on pp ranks is DualPipe on PP = 2pp ranks folded in half: its worst rank
+    idles (PP/2-1)(F&B+B-3W), B the full backward, in logical time (F = B = W = 1, F&B =
+    F + B + W: nothing overlaps here); each rank holds at most PP + 1 = 2pp + 1
+    chunk-activations, and 1x the parameters (2 chunks of L/(2pp) blocks: L/pp)."""
+    for pp in range(2, 9):
+        for m in range(2 * pp, 2 * pp + 9):
+            sim = simulate_schedule("dualpipev", pp, m)
+            big_pp, f_and_b, b, w = 2 * pp, 3, 2, 1
+            assert max(sim.idle) == (big_pp // 2 - 1) * (f_and_b + b - 3 * w), (pp, m)
+            assert max(sim.peak_in_flight) == big_pp + 1, (pp, m)
+            assert sim.peak_in_flight[0] == big_pp + 1
+
+
+def test_zb_v_keeps_1f1b_memory_and_beats_zb_h1():
+    """ZB-V's greedy list (see `zb_v_orders`): at most 2 pp chunk-activations per rank (pp
+    microbatches of a whole stage, 1F1B's memory); with M >= 2 pp a smaller bubble
+    fraction than ZB-H1, and each rank idling fewer chunk-units (F = B = W = 1) than ZB-H1's
+    pp - 1 stage-units, 2(pp - 1) chunk-units. Not the paper's zero: see `zb_v_orders`."""
+    for pp in range(2, 9):
+        for m in range(1, 17):
+            zv = simulate_schedule("zb-v", pp, m)
+            assert max(zv.peak_in_flight) <= 2 * pp, (pp, m)
+            if m >= 2 * pp:
+                assert zv.bubble < simulate_schedule("zb-h1", pp, m).bubble, (pp, m)
+                assert max(zv.idle) < 2 * (pp - 1), (pp, m, zv.idle)
+
+
+def test_v_placement_puts_the_first_and_last_chunks_on_rank_0():
+    from minipar.parallel.pipeline_schedules import placement
+
+    pp = 4
+    assert [virtual_stage(pp, s, c, True) for s in range(pp) for c in (0, 1)] == \
+        [0, 7, 1, 6, 2, 5, 3, 4]
+    assert all(placement(pp, virtual_stage(pp, s, c, True), True) == (s, c)
+               for s in range(pp) for c in (0, 1))
+
+
+def test_overlapped_step_stands_for_f_then_full_backward():
+    step = Instruction("F&B", 4, 0, 1, 1)
+    assert [str(p) for p in step.parts()] == ["F5", "B2/1", "W2/1"]
+    assert str(step) == "F5/0&B2/1"
+    lines = gantt(simulate_schedule("dualpipev", 2, 4), 2)
+    assert lines[0].startswith("stage 0: F1a     F2a     F3a     F1b     B1b     W1b     F2b     "
+                               "F4a&B2b F4a&B2b F4a&B2b .")
 
 
 @pytest.mark.parametrize("pp,m,v", [(2, 4, 2), (4, 8, 2), (4, 8, 4), (3, 6, 3)])

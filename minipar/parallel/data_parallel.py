@@ -78,11 +78,13 @@ def allreduce_gradients(params: Sequence[Parameter], mesh: Mesh) -> None:
     for p in params:
         if p.sync is None:
             continue
+        # exercise: dp-naive
         grad, group = grad_or_zeros(p), _group(p, mesh)
         if group.size > 1:
             group.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)  # g_i of every replica -> sum
         if mesh.shape.replicas > 1:
             grad /= mesh.shape.replicas
+        # end exercise
 
 
 # ----------------------------------------------------------- 2. bucketed
@@ -120,6 +122,7 @@ def unpack(bucket: Sequence[Parameter], flat: np.ndarray, scale: float) -> None:
 
 def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: Mesh) -> None:
     """Bucketed DP: one in-place Allreduce per bucket, then divide by dp."""
+    # exercise: dp-bucketed
     for bucket in buckets:
         group = _group(bucket[0], mesh)
         if group.size == 1 and mesh.shape.replicas == 1:
@@ -128,6 +131,7 @@ def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: Mesh) -> No
         if group.size > 1:
             group.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)  # a bucket of g_i -> its sum
         unpack(bucket, flat, 1.0 / mesh.shape.replicas)
+    # end exercise
 
 
 # ----------------------------------------------------- hooks around pieces

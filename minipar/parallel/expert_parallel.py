@@ -120,9 +120,11 @@ def exchange_counts(send: np.ndarray, ep_group: Group) -> np.ndarray:
     """recv[i, l] = rows ep rank i will send me for my local expert l (one Alltoall)."""
     if ep_group.size == 1:
         return send.copy()
+    # exercise: alltoall-dispatch
     recv = np.empty_like(send)
     # row j of my counts (E/ep per rank) -> ep rank j; row i of recv <- ep rank i
     ep_group.Alltoall(np.ascontiguousarray(send), recv)
+    # end exercise
     return recv
 
 
@@ -130,9 +132,11 @@ def dispatch(u: Tensor, token_rows: np.ndarray, send: np.ndarray, recv: np.ndarr
              ep_group: Group) -> Tensor:
     """The token rows, in sending order, to the ranks owning their experts.
     Returns (R, d): from source rank 0 first, each source's rows grouped by local expert."""
+    # exercise: alltoall-dispatch
     rows = ag.take_rows(u, token_rows)                        # (S, d), one per assignment
     # tokens (S, d) -> the rank that owns their expert; (R, d) <- every rank of my ep group
     return comm.alltoallv(rows, ep_group, send.sum(axis=1), recv.sum(axis=1))
+    # end exercise
 
 
 # ---------------------------------------------------------- 3. local experts

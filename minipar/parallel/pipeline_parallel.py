@@ -23,7 +23,16 @@ that runs a list (ShallowSpeed's design):
     B          backward: from the loss (last stage) or from (output, received gradient)
                plus (aux, 1/M) for a stage with MoE blocks
     send_grad  Isend the gradient of the input back to the previous rank
-    W          ZB-H1 only: the weight-gradient matmuls B put off (autograd.defer_weight_grads)
+    W          the split schedules (ZB-H1, ZB-V, DualPipeV): the weight-gradient matmuls
+               B put off (autograd.defer_weight_grads)
+    F&B        DualPipeV: the forward of one (chunk, microbatch), then the backward and W
+               of another, in one step (on GPUs one's compute hides the other's traffic;
+               here they run one after the other)
+
+In a V (ZB-V, DualPipeV) rank s holds virtual stages s and 2pp-1-s; at the
+bottom of the V rank pp-1 hands its chunk 0's output to its chunk 1 (and
+chunk 1's input gradient back to chunk 0) itself, with no message: a copy into
+a fresh leaf, exactly what a Send/Recv would deliver.
 
 Why Isend and a blocking Recv: the simulator shows that with blocking sends
 (MPI's rendezvous protocol for large messages) 1F1B deadlocks -- stage 0 sends
@@ -53,12 +62,14 @@ from minipar.nn import Model
 from minipar.parallel.pipeline_schedules import (
     BACKWARD,
     FORWARD,
+    OVERLAPPED,
     RECV_ACT,
     RECV_GRAD,
     SEND_ACT,
     SEND_GRAD,
     WEIGHT,
     Instruction,
+    local_boundary,
     peer,
     schedule,
     virtual_stage,
@@ -88,16 +99,18 @@ class StageWorker:
     batch `x, y` with this rank's `rows` of each microbatch, the last stage's `loss`
     function, `aux_weight` (what a block's aux loss counts for in the step's loss:
     1/M), the `boundary` shape of an activation and its `dtype` (the model's; by
-    default x's, which for the transformer holds integer token ids instead), and
-    whether the backward is split (ZB-H1: B now, W later). `rank` only labels the
-    timeline.
+    default x's, which for the transformer holds integer token ids instead),
+    whether the backward is split (ZB-H1, ZB-V, DualPipeV: B now, W later) and
+    whether the chunks sit in a V (`v_shape`: ZB-V, DualPipeV). `rank` only labels
+    the timeline.
     """
 
     def __init__(self, pp_group: Group, chunks: list[Model], x: np.ndarray, y: np.ndarray,
                  rows: list[slice], loss: LossFunction, aux_weight: float,
                  boundary: tuple[int, ...], virtual: int = 1, split_backward: bool = False,
-                 rank: int = 0, dtype: np.dtype | str | None = None) -> None:
-        self.group, self.rank = pp_group, rank
+                 rank: int = 0, dtype: np.dtype | str | None = None,
+                 v_shape: bool = False) -> None:
+        self.group, self.rank, self.v_shape = pp_group, rank, v_shape
         self.stage, self.pp, self.virtual = pp_group.rank, pp_group.size, virtual
         self.chunks = chunks
         self.loss_function, self.aux_weight = loss, aux_weight
@@ -115,7 +128,7 @@ class StageWorker:
         self.handlers = {RECV_ACT: self.recv_act, FORWARD: self.forward,
                          SEND_ACT: self.send_act, RECV_GRAD: self.recv_grad,
                          BACKWARD: self.backward, SEND_GRAD: self.send_grad,
-                         WEIGHT: self.weight}
+                         WEIGHT: self.weight, OVERLAPPED: self.overlapped}
 
     def run(self, program: list[Instruction]) -> float:
         """Run every instruction in order, timing each; returns this rank's share of the
@@ -135,35 +148,53 @@ class StageWorker:
         self.sending.clear()
         return self.loss
 
+    def where(self, chunk: int) -> int:
+        """The virtual stage (position in the model) of this rank's chunk `chunk`."""
+        return virtual_stage(self.pp, self.stage, chunk, self.v_shape)
+
     def is_first(self, chunk: int) -> bool:
-        return virtual_stage(self.pp, self.stage, chunk) == 0
+        return self.where(chunk) == 0
 
     def is_last(self, chunk: int) -> bool:
-        return virtual_stage(self.pp, self.stage, chunk) == self.pp * self.virtual - 1
+        return self.where(chunk) == self.pp * self.virtual - 1
+
+    def fed_locally(self, chunk: int) -> bool:
+        """Whether this chunk's input comes from this rank's other chunk (the V's bottom)."""
+        v = self.where(chunk)
+        return self.v_shape and v > 0 and local_boundary(self.pp, self.stage, v - 1, True)
+
+    def feeds_locally(self, chunk: int) -> bool:
+        """Whether this chunk's output goes to this rank's other chunk (the V's bottom)."""
+        v = self.where(chunk)
+        return self.v_shape and not self.is_last(chunk) and local_boundary(
+            self.pp, self.stage, v, True)
+
+    def peer(self, ins: Instruction) -> int:
+        return peer(ins.kind, self.pp, self.stage, ins.chunk, self.v_shape)
 
     # ------------------------------------------------------------ messages
     def recv_act(self, ins: Instruction) -> None:
         buf = np.empty(self.shape, dtype=self.dtype)
         # activation (B/(M dp), d) of this microbatch <- the previous stage
-        self.group.Recv(buf, source=peer(ins.kind, self.pp, self.stage), tag=ACT_TAG)
+        self.group.Recv(buf, source=self.peer(ins), tag=ACT_TAG)
         self.inputs[(ins.chunk, ins.microbatch)] = Tensor(buf, requires_grad=True)
 
     def send_act(self, ins: Instruction) -> None:
         out = np.ascontiguousarray(self.outputs[(ins.chunk, ins.microbatch)][0].data)
         # activation (B/(M dp), d) of this microbatch -> the next stage
-        request = self.group.Isend(out, dest=peer(ins.kind, self.pp, self.stage), tag=ACT_TAG)
+        request = self.group.Isend(out, dest=self.peer(ins), tag=ACT_TAG)
         self.sending[(ACT_TAG, ins.chunk, ins.microbatch)] = (request, out)
 
     def recv_grad(self, ins: Instruction) -> None:
         buf = np.empty(self.shape, dtype=self.dtype)
         # gradient (B/(M dp), d) of our output <- the next stage
-        self.group.Recv(buf, source=peer(ins.kind, self.pp, self.stage), tag=GRAD_TAG)
+        self.group.Recv(buf, source=self.peer(ins), tag=GRAD_TAG)
         self.grads[(ins.chunk, ins.microbatch)] = buf
 
     def send_grad(self, ins: Instruction) -> None:
         grad = np.ascontiguousarray(self.inputs.pop((ins.chunk, ins.microbatch)).grad)
         # gradient (B/(M dp), d) of our input -> the previous stage
-        request = self.group.Isend(grad, dest=peer(ins.kind, self.pp, self.stage),
+        request = self.group.Isend(grad, dest=self.peer(ins),
                                    tag=GRAD_TAG)
         self.sending[(GRAD_TAG, ins.chunk, ins.microbatch)] = (request, grad)
 
@@ -171,6 +202,9 @@ class StageWorker:
     def forward(self, ins: Instruction) -> None:
         key = (ins.chunk, ins.microbatch)
         rows = self.rows[ins.microbatch]
+        if self.fed_locally(ins.chunk):  # the V's bottom: this rank's chunk 0's output
+            previous = self.outputs[(ins.chunk - 1, ins.microbatch)][0].data
+            self.inputs[key] = Tensor(previous.copy(), requires_grad=True)
         h = Tensor(self.x[rows]) if self.is_first(ins.chunk) else self.inputs[key]
         out, aux = self.chunks[ins.chunk].forward(h)
         if self.is_last(ins.chunk):                      # out is the logits
@@ -186,6 +220,9 @@ class StageWorker:
         out, aux = self.outputs.pop(key)
         if self.is_last(ins.chunk):
             roots = [(out, 1.0)]                         # out is the loss
+        elif self.feeds_locally(ins.chunk):  # the V's bottom: chunk 1's input gradient
+            grad = self.inputs.pop((ins.chunk + 1, ins.microbatch)).grad
+            roots = [(out, grad)] + ([(aux, self.aux_weight)] if aux is not None else [])
         else:
             roots = [(out, self.grads.pop(key))]        # (output, gradient received)
             roots += [(aux, self.aux_weight)] if aux is not None else []  # (aux, 1/M)
@@ -201,6 +238,14 @@ class StageWorker:
     def weight(self, ins: Instruction) -> None:
         for work in self.deferred.pop((ins.chunk, ins.microbatch)):
             work()
+
+    def overlapped(self, ins: Instruction) -> None:
+        """F&B: the forward of one microbatch, then the full backward (B, W) of another.
+        The receives of both ran before this step, the sends of both run after it."""
+        forward, backward, weight = ins.parts()
+        self.forward(forward)
+        self.backward(backward)
+        self.weight(weight)
 
 
 def forward_backward(worker: StageWorker, schedule_name: str, microbatches: int,

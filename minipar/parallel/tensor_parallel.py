@@ -71,9 +71,11 @@ def enter_region(x: Tensor, tp: Group, sequence_parallel: bool, axis: int = 0) -
     backward Allreduce of the input gradient, each rank's being only its shard's share),
     or with sequence parallelism an Allgather of my rows (or positions, `axis` 1 of the
     transformer's (B, T, d)), whose backward is a Reduce_scatter."""
+    # exercise: column-parallel
     if sequence_parallel:
         return all_gather(x, tp, axis)       # my (B/tp, d) or (B, T/tp, d) -> all of them
     return copy_to(x, tp)                    # f: nothing moves; backward Allreduce
+    # end exercise
 
 
 # ------------------------------------------------------------- the linears
@@ -105,12 +107,14 @@ class ColumnParallelLinear(Module):
         self.entered = entered
 
     def __call__(self, x: Tensor) -> Tensor:
+        # exercise: column-parallel
         if not self.entered:  # else x is inside the region already (shared by q, k, v)
             x = enter_region(x, self.tp, self.sequence_parallel, self.seq_axis)
         y = fused.linear(x, self.weight, self.bias)   # (B, d) @ (d, f/tp) -> (B, f/tp)
         if self.gather_output:
             y = gather_from(y, self.tp, axis=-1)   # (B, f/tp) of every rank -> Y (B, f)
         return y
+        # end exercise
 
 
 class RowParallelLinear(Module):
@@ -138,6 +142,7 @@ class RowParallelLinear(Module):
         self.seq_axis = seq_axis
 
     def __call__(self, x: Tensor) -> Tensor:
+        # exercise: row-parallel
         if not self.input_is_parallel:
             x = scatter_to(x, self.tp, axis=-1)    # keep my columns (B, f/tp); no message
         partial = fused.linear(x, self.weight)        # (B, f/tp) @ (f/tp, d) -> (B, d), a share
@@ -147,6 +152,7 @@ class RowParallelLinear(Module):
         else:
             y = reduce_from(partial, self.tp)      # g: shares (B, d) of every rank -> their sum
         return y + self.bias                       # the bias once, after the sum
+        # end exercise
 
 
 # ---------------------------------------------------------------- the block

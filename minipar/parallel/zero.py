@@ -86,11 +86,13 @@ class Space:
         """Sum the gradients of flat range [a, b) over the group; return my part of it."""
         if self.group.size == 1:
             return grads.copy()
+        # exercise: zero1
         counts = self.layout.overlap(a, b)
         mine = np.empty(counts[self.layout.rank], dtype=grads.dtype)
         # [a, b) of every replica's g_i -> the sum, each rank receiving its slice of it
         self.group.Reduce_scatter(grads, mine, counts, op=MPI.SUM)
         return mine
+        # end exercise
 
     def flat_range(self, piece: Piece) -> tuple[int, int]:
         """The piece's parameters of this space as a range [a, b) of the flat vector."""
@@ -146,10 +148,12 @@ class Zero1:
                 raise RuntimeError("a parameter's data was replaced after ZeRO flattened it")
             if space.group.size == 1:
                 continue
+            # exercise: zero1
             counts = space.layout.counts
             # my updated slice -> every replica; every other slice -> me, in place
             space.group.Allgatherv(MPI.IN_PLACE, [space.flat, counts, displacements(counts),
                                                   _mpi_type(space.flat)])
+            # end exercise
 
     @staticmethod
     def shard_pieces(space: Space) -> list[tuple[Parameter, tuple[slice, ...], slice]]:

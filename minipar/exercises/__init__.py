@@ -1,0 +1,152 @@
+"""Exercises that grade themselves: rewrite one piece of a strategy, the equivalence
+suite says whether it is right.
+
+What this package teaches a class: every strategy here is checked against one
+process, so the same checks can grade a student's version of it. An exercise
+names a few regions of the library's own source, marked in place by two
+comments that leave the code readable: `# exercise: NAME` on the line before the
+real code (the reference solution) and `# end exercise` on the line after it.
+`python -m minipar exercise start NAME DIR` copies the package to DIR with those
+regions replaced by a stub that raises `NotImplementedError` with the exercise's
+instructions (regions.py); the stubs are cut from the real code each time, so an
+exercise never drifts from it. `python -m minipar exercise check NAME DIR` runs the
+exercise's checks on the student's copy in one MPI job (grade.py): equivalence with
+one process (float64, relative 1e-9), the ledger against the formulas, the
+gradient checks; and prints passed, or the first mismatch in words a student can
+act on. Each exercise has a hint file in hints/, named after it. docs/design.md, "Exercises".
+
+    python -m minipar exercise list
+    python -m minipar exercise start dp-naive ~/work && cd ~/work
+    python -m minipar exercise check dp-naive .
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HINTS = Path(__file__).resolve().parent / "hints"
+RANKS = 4  # every check runs on this many ranks: small, yet a ring of 4 and a 2 x 2 mesh
+
+# Tiny shapes for every training check: a few milliseconds a step.
+SMALL = {"layers": 4, "d_in": 8, "d_model": 8, "classes": 4, "batch": 16, "steps": 2,
+         "experts": 4}
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One exercise: the marked regions it stubs, what the stub tells the student, and
+    the checks that grade it. A check is ("train", TrainConfig fields) for a run compared
+    with one process and with the ledger formulas, or ("ring" | "schedule" |
+    "conjugate", {}) for the unit checks of grade.py."""
+
+    name: str
+    title: str
+    instructions: str
+    checks: list[tuple[str, dict]] = field(default_factory=list)
+
+    @property
+    def hint_file(self) -> Path:
+        return HINTS / f"{self.name}.md"
+
+
+def _train(**fields: object) -> tuple[str, dict]:
+    return ("train", {**SMALL, **fields})
+
+
+EXERCISES = [
+    Exercise(
+        "dp-naive", "Data parallelism: one Allreduce per parameter",
+        "In data_parallel.allreduce_gradients, make every replica's gradient the average "
+        "over dp: for each parameter p, Allreduce(SUM) its gradient grad_or_zeros(p) in "
+        "place over its replica group _group(p, mesh) (the dp group, or edp for an expert "
+        "weight), then divide by mesh.shape.replicas (dp, times cp under context "
+        "parallelism). Shapes: p.grad has p.data's shape; one "
+        "Allreduce per parameter.",
+        [_train(dp=4, grad_sync="naive"),
+         _train(model="moe", dp=4, ep=2, grad_sync="naive")]),
+    Exercise(
+        "dp-bucketed", "Data parallelism: one Allreduce per bucket",
+        "In data_parallel.bucketed_allreduce, for each bucket (a list of parameters of "
+        "one sync group): pack its gradients into one flat buffer (pack), Allreduce(SUM) "
+        "the buffer in place over the bucket's group (_group(bucket[0], mesh)), and unpack "
+        "it back scaled by 1/dp. Shapes: the flat buffer has sum(p.size) elements; one "
+        "Allreduce per bucket, none on a group of one rank.",
+        [_train(dp=4, grad_sync="bucketed", bucket_size=100),
+         _train(model="moe", dp=4, ep=2, grad_sync="bucketed", bucket_size=100)]),
+    Exercise(
+        "conjugate-f-g", "Tensor parallelism: the conjugate pair f and g",
+        "In comm.py write Megatron's f and g as autograd nodes (Tensor.from_op(data, "
+        "parents, backward)). copy_to (f): forward identity, backward Allreduce(SUM) over "
+        "the group of the output gradient (allreduce_sum), accumulated into x with "
+        "fresh=True. reduce_from (g): forward Allreduce(SUM) of x.data over the group, "
+        "backward identity (x.accumulate(g)). Shapes: (B, d) in, (B, d) out.",
+        [("conjugate", {}), _train(tp=2, dp=2), _train(tp=4)]),
+    Exercise(
+        "column-parallel", "Tensor parallelism: the column-parallel linear",
+        "Write enter_region(x, tp, sequence_parallel, axis), the entry of a tensor-parallel "
+        "region: copy_to(x, tp) (f: forward identity, backward Allreduce), or with "
+        "sequence_parallel all_gather(x, tp, axis): my rows (B/tp, d) -> (B, d). Then "
+        "ColumnParallelLinear.__call__: this rank holds W[:, cols] (d, f/tp) and b[cols]; "
+        "enter the region (unless self.entered), compute fused.linear(x, self.weight, "
+        "self.bias): (B, d) @ (d, f/tp) -> (B, f/tp), and with gather_output Allgather the "
+        "columns (gather_from(y, self.tp, axis=-1)) into (B, f).",
+        [("linears", {}), _train(tp=2, dp=2), _train(tp=2, dp=2, sp=True)]),
+    Exercise(
+        "row-parallel", "Tensor parallelism: the row-parallel linear",
+        "Write RowParallelLinear.__call__: this rank holds W[rows, :] (f/tp, d) and all "
+        "of b. If not input_is_parallel, keep my columns (scatter_to(x, self.tp, "
+        "axis=-1)). Compute the partial sum fused.linear(x, self.weight): (B, f/tp) @ "
+        "(f/tp, d) -> (B, d), add the partial sums of all tp ranks with reduce_from (g, "
+        "an Allreduce; with sequence_parallel reduce_scatter: my rows (B/tp, d)), and "
+        "only then add the bias, once.",
+        [("linears", {}), _train(tp=2, dp=2), _train(tp=2, dp=2, sp=True)]),
+    Exercise(
+        "alltoall-dispatch", "Expert parallelism: the Alltoall dispatch and its counts",
+        "In expert_parallel.py: exchange_counts must tell every rank how many rows it "
+        "will receive: send[j, l] rows go to local expert l of ep rank j, so one "
+        "Alltoall over ep_group of send (ep, E/ep) gives recv (ep, E/ep), recv[i, l] "
+        "from rank i. dispatch must take the rows of u for the assignments "
+        "(ag.take_rows(u, token_rows): (S, d)) and move them with "
+        "comm.alltoallv(rows, ep_group, send counts per rank, recv counts per rank) -> "
+        "(R, d).",
+        [_train(model="moe", dp=4, ep=4),
+         _train(model="moe", dp=4, ep=2, capacity_factor=1.0)]),
+    Exercise(
+        "one-f-one-b", "Pipeline parallelism: the 1F1B order",
+        "Write pipeline_schedules.one_f_one_b_order(pp, microbatches, stage): the list "
+        "of Instruction(FORWARD, m) / Instruction(BACKWARD, m) stage `stage` computes. "
+        "Warm-up: min(pp - stage - 1, M) forwards; steady state: one forward, then the "
+        "oldest backward; cool-down: the remaining backwards. Every microbatch 0..M-1 "
+        "forward once, backward once, in order; at most pp - stage alive at once.",
+        [("schedule", {}), _train(pp=4, microbatches=8), _train(pp=2, dp=2, microbatches=4)]),
+    Exercise(
+        "zero1", "ZeRO-1: Reduce_scatter the gradients, Allgather the parameters",
+        "In zero.Space: reduce_scatter(grads, a, b) sums the flat gradients' range "
+        "[a, b) over the space's replicas and returns only my part: counts = "
+        "self.layout.overlap(a, b) (elements per rank), mine = an empty array of "
+        "counts[self.layout.rank], then self.group.Reduce_scatter(grads, mine, counts, "
+        "op=MPI.SUM). Zero1.allgather_params sends my updated slice of each space.flat "
+        "(Psi,) to every replica, in place: space.group.Allgatherv(MPI.IN_PLACE, "
+        "[space.flat, counts, displacements(counts), type]) with counts = "
+        "space.layout.counts.",
+        [_train(dp=4, zero=1, optimizer="adam"), _train(dp=2, tp=2, zero=1)]),
+    Exercise(
+        "ring-allreduce", "Collectives by hand: the ring Allreduce",
+        "In ring.py write the two phases on group.Sendrecv (rank r sends right to r+1, "
+        "receives from the left, r-1). reduce_scatter_in_ring: in N-1 steps, send the "
+        "running sum of chunk r-s-1, receive chunk r-s-2 and add it in; afterwards chunk "
+        "r of flat holds the full sum. allgather_in_ring: in N-1 steps, send finished "
+        "chunk r-s, receive chunk r-s-1 into its place. Chunk i is "
+        "flat[offsets[i]:offsets[i+1]]; each rank sends 2n - c_r - c_(r+1) elements.",
+        [("ring", {})]),
+]
+
+BY_NAME = {exercise.name: exercise for exercise in EXERCISES}
+
+
+def get(name: str) -> Exercise:
+    """The exercise called `name`, or a ValueError listing the names there are."""
+    if name not in BY_NAME:
+        raise ValueError(f"no exercise {name!r}; there are: {', '.join(BY_NAME)}")
+    return BY_NAME[name]

@@ -1,0 +1,116 @@
+"""The marked regions of the source, and the stubs cut from them.
+
+A region is the lines between `# exercise: NAME` and `# end exercise`, both at the
+indentation of the code they hold. Its stub keeps the two markers and puts, in
+place of the code, the instructions as a comment and one `raise
+NotImplementedError(...)` carrying them, so a student sees the task both where
+they write and in the traceback. Markers are plain comments: the library runs
+unchanged with them in.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+from minipar.exercises import BY_NAME, HINTS, get
+
+PACKAGE = Path(__file__).resolve().parent.parent   # the minipar package folder
+START = re.compile(r"^(\s*)# exercise: ([\w-]+)\s*$")
+END = re.compile(r"^(\s*)# end exercise\s*$")
+
+
+@dataclass(frozen=True)
+class Region:
+    """Lines [first, last) of `path` (relative to the package) hold the code of `name`."""
+
+    name: str
+    path: str
+    first: int
+    last: int
+    indent: str
+
+
+def find_regions(package: Path = PACKAGE) -> list[Region]:
+    """Every marked region of the package's .py files, in file and line order. Raises
+    ValueError on a marker that does not close, nests, names no exercise, or whose end
+    sits at another indentation than its start."""
+    regions: list[Region] = []
+    for path in sorted(package.rglob("*.py")):
+        relative = str(path.relative_to(package))
+        open_at: tuple[int, str, str] | None = None
+        for number, line in enumerate(path.read_text().splitlines()):
+            where = f"{relative}:{number + 1}"
+            if (start := START.match(line)) is not None:
+                if open_at is not None:
+                    raise ValueError(f"{where}: an exercise region opens inside another")
+                if start.group(2) not in BY_NAME:
+                    raise ValueError(f"{where}: no exercise called {start.group(2)!r}")
+                open_at = (number, start.group(1), start.group(2))
+            elif (end := END.match(line)) is not None:
+                if open_at is None:
+                    raise ValueError(f"{where}: '# end exercise' without its start")
+                if end.group(1) != open_at[1]:
+                    raise ValueError(f"{where}: '# end exercise' indented unlike its start")
+                regions.append(Region(open_at[2], relative, open_at[0] + 1, number, open_at[1]))
+                open_at = None
+        if open_at is not None:
+            raise ValueError(f"{relative}:{open_at[0] + 1}: exercise {open_at[2]!r} never ends")
+    return regions
+
+
+def regions_of(name: str, package: Path = PACKAGE) -> list[Region]:
+    """The regions of one exercise; a ValueError if it has none (its markers were lost)."""
+    get(name)
+    found = [region for region in find_regions(package) if region.name == name]
+    if not found:
+        raise ValueError(f"exercise {name!r} has no marked region in {package}")
+    return found
+
+
+def stub_lines(region: Region) -> list[str]:
+    """What replaces the region's code: the instructions, then the raise."""
+    text = f"exercise {region.name}: {get(region.name).instructions}"
+    width = max(40, 96 - len(region.indent))
+    comment = [f"{region.indent}# {line}" for line in textwrap.wrap(text, width - 2)]
+    return [*comment, f"{region.indent}raise NotImplementedError({text!r})"]
+
+
+def solution(name: str, package: Path = PACKAGE) -> str:
+    """The reference solution: the project's own code of every region, with where it is."""
+    parts = []
+    for region in regions_of(name, package):
+        lines = (package / region.path).read_text().splitlines()[region.first:region.last]
+        parts.append(f"# minipar/{region.path}, lines {region.first + 1}-{region.last}\n"
+                     + textwrap.dedent("\n".join(lines)))
+    return "\n\n".join(parts)
+
+
+def start(names: list[str], folder: Path, package: Path = PACKAGE) -> list[Path]:
+    """Copy the package into folder/minipar with the regions of `names` stubbed; write
+    folder/EXERCISE.txt (instructions and hints). Returns the files that hold a stub."""
+    target = folder / "minipar"
+    if target.exists():
+        raise ValueError(f"{target} exists already: start an exercise in a new folder")
+    regions = [region for name in names for region in regions_of(name, package)]
+    shutil.copytree(package, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    by_file: dict[str, list[Region]] = {}
+    for region in regions:
+        by_file.setdefault(region.path, []).append(region)
+    for path, in_file in by_file.items():
+        lines = (package / path).read_text().splitlines()
+        for region in sorted(in_file, key=lambda r: r.first, reverse=True):  # from the end
+            lines[region.first:region.last] = stub_lines(region)
+        (target / path).write_text("\n".join(lines) + "\n")
+    sheet = []
+    for name in names:
+        exercise = get(name)
+        where = ", ".join(sorted({f"minipar/{r.path}" for r in regions if r.name == name}))
+        sheet.append(f"# {exercise.title} (`{name}`)\n\n{exercise.instructions}\n\n"
+                     f"Where: {where}\n\nCheck: `python -m minipar exercise check {name} .`\n\n"
+                     f"## Hint\n\n{(HINTS / f'{name}.md').read_text().strip()}\n")
+    (folder / "EXERCISE.txt").write_text("\n".join(sheet))
+    return [target / path for path in by_file]

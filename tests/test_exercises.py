@@ -1,0 +1,165 @@
+"""The self-grading exercises (minipar/exercises): stubs fail their check, the real code passes.
+
+MPI-free: every marked region closes and names an exercise, every exercise has
+regions, a hint and instructions that say which collective and which shapes;
+a stub is cut from the real code and the solution is that code. With MPI, three
+jobs of 4 ranks for all of it: (1) one copy with eight exercises stubbed, each
+check failing with its own instructions; (2) a copy with row-parallel stubbed
+and two wrong answers (a missing division, one Allreduce per parameter instead
+of per bucket), each failing with the sentence a student acts on; (3) the first
+copy with the real code put back, where all nine pass.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from minipar import exercises
+from minipar.exercises import regions
+from minipar.exercises.command import check
+from tests.mpi import ROOT
+
+NAMES = [exercise.name for exercise in exercises.EXERCISES]
+ALONE = "row-parallel"  # its check runs through column-parallel's code: a copy of its own
+
+
+def test_every_region_closes_and_every_exercise_has_regions_and_a_hint():
+    found = regions.find_regions()
+    assert {region.name for region in found} == set(NAMES)
+    assert len(NAMES) >= 8
+    for exercise in exercises.EXERCISES:
+        assert exercise.hint_file.read_text().strip(), exercise.name
+        assert exercise.checks, exercise.name
+        text = exercise.instructions
+        assert any(op in text for op in ("Allreduce", "Alltoall", "Reduce_scatter",
+                                         "Sendrecv", "Instruction")), exercise.name
+        assert "(" in text and "," in text, f"{exercise.name}: no shapes in the instructions"
+
+
+def test_broken_markers_are_refused(tmp_path):
+    for body, message in (("# exercise: dp-naive\nx = 1\n", "never ends"),
+                          ("x = 1\n# end exercise\n", "without its start"),
+                          ("# exercise: nobody\nx = 1\n# end exercise\n", "no exercise"),
+                          ("def f():\n    # exercise: dp-naive\n    x = 1\n# end exercise\n",
+                           "indented unlike")):
+        (tmp_path / "m.py").write_text(body)
+        with pytest.raises(ValueError, match=message):
+            regions.find_regions(tmp_path)
+
+
+def test_a_stub_carries_the_instructions_and_the_solution_is_the_real_code(tmp_path):
+    stubbed = regions.start(["dp-naive"], tmp_path)
+    assert [p.name for p in stubbed] == ["data_parallel.py"]
+    text = stubbed[0].read_text()
+    assert "raise NotImplementedError" in text and "grad, op=MPI.SUM)  # g_i of every" not in text
+    assert "flat, op=MPI.SUM)  # a bucket of g_i" in text  # the other exercise untouched
+    assert exercises.get("dp-naive").instructions in text
+    assert "## Hint" in (tmp_path / "EXERCISE.txt").read_text()
+    source = (regions.PACKAGE / "parallel" / "data_parallel.py").read_text()
+    for line in regions.solution("dp-naive").splitlines()[1:]:
+        assert line.strip() in source
+    # everything else is a copy of the package as it is
+    ring = "ring.py"
+    assert (tmp_path / "minipar" / ring).read_text() == (regions.PACKAGE / ring).read_text()
+    with pytest.raises(ValueError, match="exists already"):
+        regions.start(["dp-naive"], tmp_path)
+
+
+def test_the_command_line_lists_and_refuses():
+    run = [sys.executable, "-m", "minipar", "exercise"]
+    listed = subprocess.run([*run, "list"], capture_output=True, text=True, cwd=ROOT)
+    assert listed.returncode == 0 and all(name in listed.stdout for name in NAMES)
+    bad = subprocess.run([*run, "check", "no-such-exercise"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "dp-naive" in bad.stderr
+
+
+def replace_stub(path, name: str, code: str) -> None:
+    """Put `code` (indented like the stub) where exercise `name`'s raise stands."""
+    lines = path.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines)
+              if line.lstrip().startswith("raise NotImplementedError(")
+              and f"exercise {name}:" in line)
+    indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
+    lines[at:at + 1] = [indent + line for line in code.strip("\n").splitlines()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+NO_DIVISION = """
+grad, group = grad_or_zeros(p), _group(p, mesh)
+if group.size > 1:
+    group.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)
+"""
+PER_PARAMETER = """
+for bucket in buckets:
+    for p in bucket:
+        group = _group(p, mesh)
+        if group.size > 1:
+            group.Allreduce(MPI.IN_PLACE, grad_or_zeros(p), op=MPI.SUM)
+        p.grad /= mesh.shape.replicas
+"""
+
+
+def reports(text: str) -> dict[str, str]:
+    """The grader's report, per exercise."""
+    out: dict[str, str] = {}
+    for block in ("\n" + text).split("\nexercise ")[1:]:
+        name, _, rest = block.partition(":")
+        out[name] = rest
+    return out
+
+
+def test_stubs_fail_with_their_instructions_and_the_real_code_passes(tmp_path):
+    first, second = tmp_path / "class", tmp_path / "wrong"
+    regions.start([name for name in NAMES if name != ALONE], first)
+    regions.start([ALONE, "dp-naive", "dp-bucketed"], second)
+    data_parallel = second / "minipar" / "parallel" / "data_parallel.py"
+    replace_stub(data_parallel, "dp-naive", NO_DIVISION)
+    replace_stub(data_parallel, "dp-bucketed", PER_PARAMETER)
+
+    code, text = check([name for name in NAMES if name != ALONE], first)
+    assert code == 1, text
+    got = reports(text)
+    for name in NAMES:
+        if name != ALONE:
+            assert got[name].startswith(" FAILED"), text
+            assert "NotImplementedError" in got[name], got[name]
+            assert exercises.get(name).instructions in got[name], got[name]
+
+    code, text = check([ALONE, "dp-naive", "dp-bucketed"], second)
+    got = reports(text)
+    assert code == 1 and exercises.get(ALONE).instructions in got[ALONE], text
+    assert "differs from one process" in got["dp-naive"], text
+    assert "on rank" in got["dp-naive"] and "loss of step 1 agrees" in got["dp-naive"], text
+    assert "the ledger of the last step differs" in got["dp-bucketed"], text
+    assert "Allreduce call(s) over dp" in got["dp-bucketed"], text
+
+    # the real code back: every stubbed file copied over from the package
+    for stubbed in first.joinpath("minipar").rglob("*.py"):
+        shutil.copyfile(regions.PACKAGE / stubbed.relative_to(first / "minipar"), stubbed)
+    code, text = check(NAMES, first)
+    assert code == 0, text
+    assert all(got.startswith(" passed") for got in reports(text).values()), text
+    assert set(reports(text)) == set(NAMES)
+
+
+ONE_RANK_MORE = """
+grad, group = grad_or_zeros(p), _group(p, mesh)
+if group.size > 1 and group.rank > 0:
+    group.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)
+grad /= mesh.shape.replicas
+"""
+
+
+def test_calls_that_do_not_match_across_ranks_end_the_job_with_a_sentence(tmp_path):
+    regions.start(["dp-naive"], tmp_path)
+    replace_stub(tmp_path / "minipar" / "parallel" / "data_parallel.py", "dp-naive",
+                 ONE_RANK_MORE)
+    code, text = check(["dp-naive", "dp-bucketed"], tmp_path, timeout=120)
+    assert code == 1, text
+    assert text.startswith("exercise dp-naive: FAILED"), text
+    assert "the ranks' calls did not match" in text or "watchdog" in text, text
+    assert "exercise dp-bucketed: not checked" in text, text
