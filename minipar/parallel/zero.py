@@ -30,6 +30,12 @@ over dp, the expert weights over edp (DeepSpeed-MoE's way). An MoE block's
 backward Reduce_scatters its router and LayerNorm over dp and its experts over
 edp; one optimizer step updates both slices.
 
+Placements (placement.py): every parameter is Replicate over dp as in plain data
+parallelism and its gradient Partial over dp; the Reduce_scatter turns the flat
+gradient into Shard(0) of its sum (each rank its slice), and the Allgather turns the
+updated slices back into Replicate parameters. `placement.summed` states the first
+transition for the parameters; the flat buffers themselves carry no placement.
+
 Checkpoints (checkpoint.py) speak of parameters, not flat slices: each rank
 saves its slice as boxes of the full arrays it covers (`checkpoint_pieces`), and
 on resume cuts its slice of Adam's m and v out of the full ones (`slice_state`),
@@ -46,6 +52,7 @@ from collections.abc import Sequence
 import numpy as np
 from mpi4py import MPI
 
+from minipar import placement
 from minipar.comm import Group
 from minipar.memory import FlatLayout, ModelStates, displacements, measure
 from minipar.mesh import Mesh
@@ -130,6 +137,7 @@ class Zero1:
         for space in self.spaces:
             grads = np.concatenate([grad_or_zeros(p).ravel() for p in space.params])  # (Psi,)
             shards.append(space.reduce_scatter(grads, 0, space.layout.total))
+            placement.summed(space.params, space.group)  # Partial -> my slice of the sum
         self.update(shards)
         self.allgather_params()
 
@@ -249,6 +257,7 @@ class Zero2(Zero1, Hooks):
                 if p.grad is not None:
                     view[...] = p.grad
             space.grad_shard[space.layout.mine(a, b)] += space.reduce_scatter(grads, a, b)
+            placement.summed(space.params[first:last + 1], space.group)  # Partial -> my slice
         for p in piece.parameters():
             p.grad = None  # the full gradient is dropped: my slice of the sum stays
 
