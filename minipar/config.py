@@ -122,12 +122,16 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
 def placement_problems(cfg: TrainConfig) -> list[str]:
     """What `--check-placements` (placement.py) does not cover yet: the transformer's
     tensor parallelism (heads, the vocabulary-parallel loss, sequence parallelism along
-    T), context parallelism and activation recomputation have no placement rules."""
+    T), the MLP model's experts split over tp, context parallelism and activation
+    recomputation have no placement rules."""
     if not cfg.check_placements:
         return []
     if cfg.model in GPT_MODELS and cfg.tp > 1:
         return ["--check-placements does not cover the transformer's tensor parallelism "
                 "yet (--model gpt/gpt-moe with --tp 2 or more)"]
+    if cfg.model == "moe" and cfg.tp > 1:
+        return ["--check-placements does not cover experts split over tp yet (--model moe "
+                "with --tp 2 or more)"]
     if cfg.cp > 1:
         return ["--check-placements does not cover context parallelism yet (--cp 2 or more)"]
     if cfg.recompute != "none":
@@ -237,6 +241,9 @@ def _context_parallel_problems(cfg: TrainConfig) -> list[str]:
     if cfg.tp > 1:
         out.append("--cp with --tp 2 or more is not built yet (heads split over tp inside "
                    "the cp group): use --cp with --dp, --pp or --ep")
+    if cfg.model == "moe" and cfg.tp > 1:
+        return ["--check-placements does not cover experts split over tp yet (--model moe "
+                "with --tp 2 or more)"]
     if cfg.cp > 1:
         return ["--check-placements does not cover context parallelism yet (--cp 2 or more)"]
     if cfg.recompute != "none":

@@ -62,6 +62,7 @@ from minipar.autograd import Tensor
 from minipar.comm import Group
 from minipar.mesh import Mesh
 from minipar.parallel import context_parallel
+from minipar.placement import Shard
 
 
 # ------------------------------------------------------------------ 1. route
@@ -184,6 +185,9 @@ class TensorParallelExpert(nn.Module):
         self.fc2_weight = nn.Parameter(full[f"{name}.fc2.weight"][part], f"{name}.fc2.weight",
                                        full_index=(part, slice(None)), sync="edp")
         self.fc2_bias = nn.Parameter(full[f"{name}.fc2.bias"], f"{name}.fc2.bias", sync="edp")
+        placement.place(self.fc1_weight, tp, Shard(1))   # my columns of W1 (d, f_e)
+        placement.place(self.fc1_bias, tp, Shard(0))     # and of b1 (f_e,)
+        placement.place(self.fc2_weight, tp, Shard(0))   # my rows of W2 (f_e, d); b2 whole
 
     def partial(self, u: Tensor) -> Tensor:
         """(n, d) rows -> (n, d), this rank's share of the output (b2 not added)."""
