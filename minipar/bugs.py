@@ -233,7 +233,7 @@ def _pipeline(cfg: TrainConfig) -> bool:
 
 
 def _tp(cfg: TrainConfig) -> bool:
-    return cfg.tp > 1 and not cfg.sp
+    return cfg.tp > 1 and not cfg.sp and cfg.model != "moe"  # moe: its experts are split
 
 
 def _dp_sync(cfg: TrainConfig) -> bool:
@@ -249,7 +249,7 @@ def _zero(cfg: TrainConfig) -> bool:
 
 
 PIPELINE = "--pp 2 or more and --microbatches 2 or more (a stage with several inputs)"
-TP = "--tp 2 or more without --sp"
+TP = "--tp 2 or more without --sp, and not --model moe"
 DP_SYNC = "--dp 2 or more with --zero 0 and --grad-sync bucketed (plain DP's sync)"
 MOE = "--model moe or gpt-moe with --dp 2 or more (the expert-parallel block)"
 

@@ -122,12 +122,16 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
 def placement_problems(cfg: TrainConfig) -> list[str]:
     """What `--check-placements` (placement.py) does not cover yet: the transformer's
     tensor parallelism (heads, the vocabulary-parallel loss, sequence parallelism along
-    T), context parallelism and activation recomputation have no placement rules."""
+    T), the MLP model's experts split over tp, context parallelism and activation
+    recomputation have no placement rules."""
     if not cfg.check_placements:
         return []
     if cfg.model in GPT_MODELS and cfg.tp > 1:
         return ["--check-placements does not cover the transformer's tensor parallelism "
                 "yet (--model gpt/gpt-moe with --tp 2 or more)"]
+    if cfg.model == "moe" and cfg.tp > 1:
+        return ["--check-placements does not cover experts split over tp yet (--model moe "
+                "with --tp 2 or more)"]
     if cfg.cp > 1:
         return ["--check-placements does not cover context parallelism yet (--cp 2 or more)"]
     if cfg.recompute != "none":
@@ -257,8 +261,12 @@ def _divisibility(cfg: TrainConfig) -> list[str]:
     moe = cfg.model in ("moe", "gpt-moe")
     if moe and cfg.experts % cfg.ep:
         out.append(f"--ep {cfg.ep} does not divide --experts {cfg.experts}")
-    if cfg.model == "moe" and cfg.tp > 1:
-        out.append("--tp with --model moe is not built: use --ep to split the experts")
+    if cfg.model == "moe" and cfg.expert_d_ff % cfg.tp:
+        out.append(f"--tp {cfg.tp} does not divide --expert-d-ff {cfg.expert_d_ff} "
+                   "(with --model moe, --tp splits each expert: fc1 by columns, fc2 by rows)")
+    if cfg.model == "moe" and cfg.sp:
+        out.append("--sp with --model moe is not built: sequence parallelism splits the rows "
+                   "of dense blocks; the experts' rows are split by the router")
     if cfg.model in GPT_MODELS and cfg.tp > 1:
         out += _transformer_tp_problems(cfg)
     if not moe and cfg.ep > 1:
@@ -328,9 +336,6 @@ def _data_parallel_problems(cfg: TrainConfig) -> list[str]:
     if cfg.zero and cfg.grad_sync != "bucketed":
         out.append(f"--grad-sync {cfg.grad_sync} is plain data parallelism's sync: with --zero "
                    f"{cfg.zero} gradients are Reduce_scattered instead (drop --grad-sync)")
-    if cfg.zero and cfg.model in ("moe", "gpt-moe"):
-        out.append(f"--zero {cfg.zero} with --model {cfg.model} is not built: expert weights "
-                   "sync over the expert-data-parallel group, ZeRO here shards over dp only")
     hooked = None  # these take each block's gradients from inside the backward
     if cfg.grad_sync == "overlapped":
         hooked = "--grad-sync overlapped"
@@ -358,10 +363,12 @@ TRAIN_HELP = {
     "batch": "rows per step, over all data-parallel ranks",
     "microbatches": "gradient accumulation: pieces of each rank's rows",
     "steps": "total steps (also when resuming)", "seed": "seeds the model and the data",
-    "dp": "data-parallel ranks (default: world / (tp pp cp))", "tp": "tensor-parallel ranks",
+    "dp": "data-parallel ranks (default: world / (tp pp cp))",
+    "tp": "tensor-parallel ranks (with --model moe: each expert split over them)",
     "pp": "pipeline stages", "ep": "MoE: expert-parallel ranks (divides dp)",
     "virtual": "model chunks per pipeline rank (--schedule interleaved)",
-    "zero": "ZeRO stage 0-3: shard optimizer state, gradients, parameters over dp",
+    "zero": "ZeRO stage 0-3: shard optimizer state, gradients, parameters over dp "
+            "(expert weights over their edp group)",
     "cp": "transformer: context-parallel ranks, each holding T/cp positions of every "
           "sequence",
 }

@@ -219,7 +219,7 @@ def model_states(w: Workload, plan: Plan, shape: RankShape, dp_rank: int = 0) ->
     stage >= 1 keeps only my slice of the optimizer state, >= 2 of the gradients,
     3 of the parameters; slices as memory.shard_counts cuts them (the first ranks one
     larger). Expert arrays are sliced over their own group of tp dp cp / ep ranks
-    (DeepSpeed-MoE's way; minipar itself does not build ZeRO with experts). With context
+    (DeepSpeed-MoE's way, as parallel/zero.py builds it: one flat vector per group). With context
     parallelism the weights' replicas are dp x cp, and so are the slices."""
     dense, experts = sum(shape.dp_arrays), sum(shape.edp_arrays)
     psi = dense + experts

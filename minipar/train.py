@@ -90,8 +90,8 @@ def nonfinite_count(mesh: Mesh, chunks: list[nn.Model], updater: Updater) -> int
     every rank (each counts what it updates: ZeRO its flat slice, others what they hold)."""
     from minipar.comm import allreduce_sum  # here: comm.py loads mpi4py.MPI
 
-    mine = getattr(updater, "my_params", None)   # ZeRO: the flat slice this rank updates
-    held = [mine()] if mine else [p.data for chunk in chunks for p in chunk.parameters()]
+    mine = getattr(updater, "my_slices", None)   # ZeRO: the flat slices this rank updates
+    held = mine() if mine else [p.data for chunk in chunks for p in chunk.parameters()]
     local = sum(int(np.count_nonzero(~np.isfinite(a))) for a in held)
     # this rank's count -> the sum on every rank, so all stop at the same step
     return int(allreduce_sum(mesh.world, np.array([local], dtype=np.int64))[0])
@@ -281,14 +281,17 @@ def make_ffn_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
     from minipar.parallel import context_parallel, expert_parallel, tensor_parallel
 
     if model_cfg.is_moe:
-        if cfg.dp > 1 or cfg.ep > 1 or cfg.cp > 1:
-            # tokens split over dp (and cp), experts over ep: the Alltoall dispatch
-            # (expert_parallel.py); under cp, capacity needs where each token sits
+        split = cfg.model == "moe" and cfg.tp > 1   # the MLP model: each expert over tp
+        if cfg.dp > 1 or cfg.ep > 1 or cfg.cp > 1 or split:
+            # tokens split over dp (and cp), experts over ep (and with `split` each expert
+            # over tp): the Alltoall dispatch (expert_parallel.py); under cp, capacity
+            # needs where each token sits
             layout = None if cfg.cp == 1 else context_parallel.TokenLayout(
                 cfg.seq_len, cfg.cp, cfg.cp_mode, cfg.dp, mesh.coords["dp"],
                 mesh.coords["cp"])
             moe: nn.Module = expert_parallel.ExpertParallelBlock(full, index, model_cfg, mesh,
-                                                                 ln=ln, layout=layout)
+                                                                 ln=ln, layout=layout,
+                                                                 split_over_tp=split)
         else:
             moe = nn.MoEBlock(full, index, model_cfg, ln=ln)
         if cfg.sp:  # my positions -> all of them, and back (tensor_parallel.py)

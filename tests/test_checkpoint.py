@@ -72,6 +72,17 @@ PAIRS = [
     ("gpt", {"dp": 2, "zero": 1}, 2, {"pp": 2, "microbatches": 2}, 2),
     ("gpt", {}, 1, {"dp": 4, "zero": 2}, 4),
     ("gpt-moe", {"dp": 2, "ep": 2}, 2, {"dp": 2, "ep": 2, "pp": 2}, 4),
+    # ZeRO with experts: expert slices over edp, dense slices over dp, Adam's m and v
+    ("moe", {"dp": 4, "ep": 2, "zero": 2}, 4, {"dp": 2, "ep": 2, "zero": 3}, 2),
+    ("gpt-moe", {"dp": 2, "zero": 3}, 2, {"dp": 4, "ep": 2, "zero": 1}, 4),
+    # experts split over tp (their columns and rows as boxes) to ZeRO over experts
+    ("moe", {"dp": 2, "ep": 2, "tp": 2}, 4, {"dp": 2, "zero": 2}, 2),
+    # lesson 13's recipes: the Llama-like mesh (tp x pp x dp, ZeRO-1) to the DeepSeek-like
+    # one (pp x dp with ep over all dp ranks, ZeRO-1, no tp) and back (M = 1, as above)
+    ("gpt-moe", {"tp": 2, "pp": 2, "dp": 2, "zero": 1}, 8,
+     {"pp": 2, "dp": 4, "ep": 4, "zero": 1}, 8),
+    ("gpt-moe", {"pp": 2, "dp": 4, "ep": 4, "zero": 1}, 8,
+     {"tp": 2, "pp": 2, "dp": 2, "zero": 1}, 8),
     # context parallelism: every weight replicated over cp (ZeRO slices over dp x cp)
     ("gpt", {"cp": 2, "cp_mode": "ring", "zero": 1}, 2,
      {"dp": 2, "cp": 2, "cp_mode": "ulysses"}, 4),

@@ -67,7 +67,7 @@ CASES = [
     (["--resume", "{good}", "--steps", "4", "--optimizer", "sgd"], "--optimizer"),
     (["--resume", "{good}", "--steps", "2", "--optimizer", "adam"], "--steps"),  # no step left
     (["--save", "{a_file}"], "--save"),
-    (["--zero", "1", "--model", "moe"], "--zero"),                  # ZeRO shards dense only
+    (["--model", "moe", "--tp", "2", "--sp"], "--sp"),              # SP splits dense rows
     # resuming on another data stream or model: the flag that differs is named
     (["--resume", "{good}", "--steps", "4", "--optimizer", "adam", "--seed", "5"], "--seed"),
     (["--resume", "{good}", "--steps", "4", "--optimizer", "adam", "--batch", "32"], "--batch"),
@@ -104,7 +104,7 @@ CASES = [
     (["--model", "gpt", "--classes", "5"], "--classes"),
     (["--model", "gpt", "--tp", "4", "--heads", "2"], "--heads"),    # whole heads per rank
     (["--model", "gpt", "--ep", "2"], "--ep"),                       # no experts
-    (["--model", "gpt-moe", "--zero", "1"], "--zero"),
+    (["--model", "moe", "--tp", "2", "--expert-d-ff", "9"], "--tp"),  # splits each expert
     (["--heads", "2"], "--heads"),                                   # the MLP has no heads
     (["--data", "{text}"], "--data"),
     (["--model", "gpt", "--tp", "4", "--vocab", "30"], "--vocab"),  # vocab-parallel rows

@@ -259,6 +259,46 @@ def test_ep_problems_are_refused():
     assert first(model="mlp", dp=4, ep=2).startswith("--ep needs --model moe")
 
 
+# expert tensor parallelism: every expert's fc1 split by columns, fc2 by rows over tp
+SPLIT = [dict(SMALL, tp=2, dp=2, ep=2, optimizer="adam", steps=2),
+         dict(SMALL, tp=4, steps=2),
+         dict(SMALL, tp=2, dp=2, top_k=1, microbatches=2, capacity_factor=1.0, steps=2),
+         dict(SMALL, tp=2, pp=2, microbatches=2, optimizer="adam", steps=2),
+         dict(SMALL, tp=2, dp=2, ep=2, zero=3, optimizer="adam", steps=2)]
+
+
+def test_experts_split_over_tp_equal_one_process_with_two_allreduces_per_block(tmp_path):
+    """Equal to one process; per block and microbatch two tp Allreduces (the shares
+    forward, the input gradient backward), of the rows an expert rank received: the same
+    on every rank of a tp group, and over all ranks tp x 2 x (k B) x L rows of d without
+    capacity (every assignment is received by one rank of each tp coordinate)."""
+    runs = sweep(4, SPLIT, tmp_path, timeout=180)
+    run_equivalence(runs, SPLIT)
+    for fields, run in zip(SPLIT, runs):
+        cfg = TrainConfig(**fields).resolved(4)
+        mesh = cfg.mesh_shape()
+        per_rank = [ledger_of(run, rank, "Allreduce", "tp") for rank in range(4)]
+        blocks_here = cfg.layers // cfg.pp
+        assert all(calls == 2 * blocks_here * cfg.microbatches for calls, _ in per_rank), \
+            (fields, per_rank)
+        for group in mesh.groups("tp"):
+            assert len({per_rank[r][1] for r in group}) == 1, (fields, per_rank)
+        if cfg.capacity_factor is None:
+            rows = cfg.tp * 2 * cfg.top_k * cfg.batch * cfg.layers
+            assert sum(elements for _, elements in per_rank) == rows * cfg.d_model, fields
+        others = [r for r in run["ledger"] if r["group"] == "tp" and r["op"] != "Allreduce"]
+        assert others == [], others
+
+
+def test_expert_tp_refusals():
+    def first(**fields):
+        found = problems(TrainConfig(**dict(SMALL, **fields)).resolved(4), 4)
+        return found[0] if found else ""
+    assert first(tp=4, dp=1) == ""
+    assert first(tp=4, dp=1, expert_d_ff=18).startswith("--tp 4 does not divide --expert-d-ff")
+    assert first(tp=2, dp=2, sp=True).startswith("--sp with --model moe is not built")
+
+
 def test_lesson_runs_and_matches_one_process():
     job = launch(8, ["lessons/03_expert_parallel.py"], timeout=120)
     assert job.returncode == 0 and not job.timed_out, job.explain()

@@ -5,7 +5,9 @@ each gradient sync (naive, bucketed, overlapped) on 2 and 4 ranks, ZeRO 1/2/3, t
 pipeline on 2 and 4 stages under every schedule (GPipe, 1F1B, interleaved, ZB-H1; what
 crosses a boundary is (B/(M dp), T, d)), expert parallelism for gpt-moe on 2 and 4 ranks
 (the B*T positions are the tokens; capacity over the global microbatch), dp x pp and
-dp x ep x pp. SGD and Adam take turns; tiny shapes (L=2, d=16, H=2, T=8, V=16, B=8).
+dp x ep x pp, ZeRO 1/2/3 beside experts (dense weights sliced over dp, expert
+weights over their edp group; edp of 1, 2 and all dp ranks). SGD and Adam take turns;
+tiny shapes (L=2, d=16, H=2, T=8, V=16, B=8).
 
 Ledger and memory: every rank's ledger entries and its parameter, gradient and optimizer
 bytes are what the planner's formulas predict for the transformer (plan.minipar_workload;
@@ -19,16 +21,11 @@ One `sweep` launch per rank count (tests/mpi.py).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from minipar import bugs
-from minipar.config import TrainConfig
-from minipar.costmodel import model_states, rank_shape
-from minipar.plan import minipar_workload, plan_of
-from minipar.timemodel import ledger_of, traffic
 from tests.conftest import assert_equivalent, reference
+from tests.formulas import assert_ledger_and_memory_are_the_formulas
 from tests.mpi import sweep
 
 GPT = dict(model="gpt", layers=2, d_model=16, heads=2, seq_len=8, vocab=16, batch=8,
@@ -50,7 +47,8 @@ RUNS = {
         dict(MOE, dp=2, ep=2, top_k=1, capacity_factor=1.0),
         dict(MOE, **ADAM, dp=2, ep=2, top_k=2, microbatches=2),
         dict(MOE, dp=2, top_k=2, capacity_factor=0.75),         # tokens over dp, ep = 1
-        dict(MOE, **ADAM, pp=2, microbatches=2, capacity_factor=0.75)],
+        dict(MOE, **ADAM, pp=2, microbatches=2, capacity_factor=0.75),
+        dict(MOE, **ADAM, dp=2, zero=2, microbatches=2)],           # experts' edp = dp
     4: [dict(GPT, dp=4, microbatches=2),
         dict(GPT, **ADAM, dp=4, zero=3),
         dict(GPT, pp=4, layers=4, schedule="gpipe", microbatches=4),
@@ -63,7 +61,13 @@ RUNS = {
         dict(MOE, dp=4, ep=4, capacity_factor=1.0),
         dict(MOE, **ADAM, dp=4, ep=2, top_k=1, microbatches=2),
         dict(MOE, dp=2, ep=2, pp=2, microbatches=2, capacity_factor=1.0),
-        dict(MOE, **ADAM, dp=2, ep=2, pp=2, microbatches=2, schedule="zb-h1")],
+        dict(MOE, **ADAM, dp=2, ep=2, pp=2, microbatches=2, schedule="zb-h1"),
+        # ZeRO with experts: dense weights sliced over dp, expert weights over edp
+        dict(MOE, **ADAM, dp=4, ep=2, zero=1, microbatches=2),
+        dict(MOE, dp=4, ep=2, zero=2, capacity_factor=1.0),
+        dict(MOE, **ADAM, dp=4, ep=2, zero=3, microbatches=2),
+        dict(MOE, **ADAM, dp=4, ep=4, zero=3),                    # edp of one rank
+        dict(MOE, **ADAM, dp=2, ep=2, pp=2, zero=1, microbatches=2)],
 }
 # Every bug of bugs.py that the transformer's meshes can show, each on 4 ranks: the
 # equivalence check must catch it (tp's bugs: tests/test_gpt_tensor_parallel.py).
@@ -109,26 +113,4 @@ def test_every_injected_bug_is_caught(swept):
 def test_ledger_and_memory_are_the_formulas(swept):
     world, runs = swept
     for fields, run in zip(RUNS[world], runs):
-        cfg = TrainConfig(**fields).resolved(world)
-        w, plan, mesh = minipar_workload(cfg), plan_of(cfg), cfg.mesh_shape()
-        memory = json.loads((run["job_folder"] / "memory.json").read_text())
-        predicted = {}
-        for rank in range(world):
-            where = mesh.coords(rank)
-            shape = rank_shape(w, plan, where["pp"])
-            assert vars(model_states(w, plan, shape, where["dp"])) == memory[rank], \
-                f"{fields} rank {rank}"
-            predicted[rank] = ledger_of(traffic(w, plan, shape))
-            measured = {(r["group"], r["op"]): (r["calls"], r["elements"])
-                        for r in run["ledger"] if r["rank"] == rank}
-            assert measured.keys() == predicted[rank].keys(), f"{fields} rank {rank}"
-            for key, (calls, elements) in measured.items():
-                assert calls == predicted[rank][key][0], f"{fields} rank {rank} {key}"
-                if key != ("ep", "Alltoallv"):
-                    assert elements == predicted[rank][key][1], f"{fields} rank {rank} {key}"
-        balanced = cfg.ep > 1 and cfg.capacity_factor is None  # drops: fewer rows than b k
-        for group in mesh.groups("ep") if balanced else []:
-            measured = sum(r["elements"] for r in run["ledger"]
-                           if r["rank"] in group and r["op"] == "Alltoallv")
-            assert measured == sum(predicted[r][("ep", "Alltoallv")][1] for r in group), \
-                f"{fields} ep group {group}"
+        assert_ledger_and_memory_are_the_formulas(world, fields, run)

@@ -34,6 +34,7 @@ from minipar.memory import (
     zero_formula,
 )
 from tests.conftest import assert_equivalent, reference
+from tests.formulas import assert_ledger_and_memory_are_the_formulas
 from tests.mpi import sweep
 from tests.rank_tests import run_checks
 
@@ -91,7 +92,6 @@ def test_ledger_formula_gives_the_papers_wire_volume(ranks):
 
 @pytest.mark.parametrize("fields, flag", [
     ({"zero": 1, "grad_sync": "overlapped"}, "--grad-sync overlapped"),
-    ({"zero": 2, "model": "moe", "ep": 2}, "--zero 2 with --model moe"),
     ({"zero": 3, "tp": 2, "dp": 2, "sp": True}, "--zero 3 takes"),
     ({"grad_sync": "overlapped", "tp": 2, "dp": 2, "sp": True}, "--grad-sync overlapped takes"),
     ({"bucket_size": 0}, "--bucket-size"),
@@ -103,11 +103,14 @@ def test_settings_that_cannot_run_are_refused_naming_the_flag(fields, flag):
     assert any(line.startswith(flag) for line in found), found
 
 
-def test_dense_zero_beside_tp_and_pp_is_allowed():
-    for fields in ({"zero": 3, "dp": 2, "tp": 2, "pp": 2, "microbatches": 2},
+def test_zero_beside_tp_pp_and_experts_is_allowed():
+    for fields in ({"zero": 2, "model": "moe", "dp": 4, "ep": 2},
+                   {"zero": 3, "model": "moe", "dp": 2, "pp": 2, "microbatches": 2},
+                   {"zero": 3, "dp": 2, "tp": 2, "pp": 2, "microbatches": 2},
                    {"zero": 2, "dp": 2, "pp": 2, "microbatches": 4, "schedule": "zb-h1"},
                    {"zero": 1, "dp": 2, "tp": 2, "sp": True}):
         world = fields["dp"] * fields.get("tp", 1) * fields.get("pp", 1)
+        fields = dict(fields, layers=4)
         assert problems(TrainConfig(**dict(SMALL, **fields)).resolved(world), world) == []
 
 
@@ -163,6 +166,26 @@ def test_zero_equals_one_process_with_zeros_ledger(world, tmp_path):
                 wire = sum(ring(op, world) * n for op, (_, n) in mine.items())
                 assert wire == pytest.approx(wire_formula(psi(cfg), world, cfg["zero"]))
             assert {r["group"] for r in run["ledger"] if r["rank"] == rank} == {"dp"}
+
+
+# ZeRO beside experts: the router and LayerNorms sliced over dp, each expert's weights
+# over its edp group (dp / ep ranks; 1 when ep = dp, all dp ranks when ep = 1)
+MOE = dict(SMALL, model="moe", experts=4, expert_d_ff=16, aux_coef=0.1, batch=16)
+MOE_RUNS = [dict(MOE, dp=4, ep=2, zero=1, optimizer="adam", microbatches=2),
+            dict(MOE, dp=4, ep=2, zero=2, capacity_factor=1.0),
+            dict(MOE, dp=4, ep=2, zero=3, optimizer="adam", microbatches=2),
+            dict(MOE, dp=4, ep=4, zero=2, optimizer="adam"),
+            dict(MOE, dp=4, zero=3, optimizer="adam", top_k=1),
+            dict(MOE, dp=2, ep=2, pp=2, zero=1, optimizer="adam", microbatches=2)]
+
+
+def test_zero_with_experts_equals_one_process_ledger_and_memory_formulas(tmp_path):
+    runs = sweep(4, MOE_RUNS, tmp_path / "sweep", timeout=240)
+    for cfg, run in zip(MOE_RUNS, runs):
+        assert_equivalent(run, reference(**cfg), label=f"n=4 {cfg}")
+        assert_ledger_and_memory_are_the_formulas(4, cfg, run)
+        assert {r["group"] for r in run["ledger"] if r["op"] == "Reduce_scatter"} == (
+            {"dp", "edp"} if cfg.get("ep", 1) < cfg["dp"] else {"dp"}), cfg
 
 
 def test_each_rank_holds_what_the_formulas_say(tmp_path):

@@ -122,13 +122,14 @@ EXERCISES = [
         [("schedule", {}), _train(pp=4, microbatches=8), _train(pp=2, dp=2, microbatches=4)]),
     Exercise(
         "zero1", "ZeRO-1: Reduce_scatter the gradients, Allgather the parameters",
-        "In zero.Zero1: reduce_scatter(grads, a, b) sums the flat gradients' range "
-        "[a, b) over dp and returns only my part: counts = self.layout.overlap(a, b) "
-        "(elements per rank), mine = an empty array of counts[self.layout.rank], then "
-        "self.group.Reduce_scatter(grads, mine, counts, op=MPI.SUM). allgather_params "
-        "sends my updated slice of self.flat (Psi,) to every rank, in place: "
-        "Allgatherv(MPI.IN_PLACE, [self.flat, counts, displacements(counts), type]) with "
-        "counts = self.layout.counts.",
+        "In zero.Space: reduce_scatter(grads, a, b) sums the flat gradients' range "
+        "[a, b) over the space's replicas and returns only my part: counts = "
+        "self.layout.overlap(a, b) (elements per rank), mine = an empty array of "
+        "counts[self.layout.rank], then self.group.Reduce_scatter(grads, mine, counts, "
+        "op=MPI.SUM). Zero1.allgather_params sends my updated slice of each space.flat "
+        "(Psi,) to every replica, in place: space.group.Allgatherv(MPI.IN_PLACE, "
+        "[space.flat, counts, displacements(counts), type]) with counts = "
+        "space.layout.counts.",
         [_train(dp=4, zero=1, optimizer="adam"), _train(dp=2, tp=2, zero=1)]),
     Exercise(
         "ring-allreduce", "Collectives by hand: the ring Allreduce",

@@ -29,6 +29,15 @@ every rank see global counts: a count Allreduce (f), an Exscan (how many earlier
 assignments each expert already took) and the probability sums (P). The result equals
 one process to rounding.
 
+Expert tensor parallelism (`--tp` with `--model moe`): each expert is itself split
+Megatron's way over the tp group, fc1 by columns and fc2 by rows (`TensorParallelExpert`).
+The ranks of a tp group hold the same tokens, route them alike, and each is in its own
+ep group (one per tp coordinate), so every tp rank receives the same rows for the same
+local experts. Each runs its column shard of every local expert on them; one Allreduce
+over tp of the (R, d) partial outputs (`reduce_from`) sums the shares before the biases
+of fc2 are added and the results go back; in the backward one Allreduce of (R, d) sums the
+input gradients (`copy_to`). Everything outside the experts is replicated over tp.
+
 Placements (placement.py, `--check-placements`): the tokens u are Shard(0) over dp;
 the dispatch and combine Alltoallv move whole rows (refusing a partial sum) and keep
 them a row shard; the router and LayerNorm are Replicate over dp, so their gradients
@@ -53,6 +62,7 @@ from minipar.autograd import Tensor
 from minipar.comm import Group
 from minipar.mesh import Mesh
 from minipar.parallel import context_parallel
+from minipar.placement import Shard
 
 
 # ------------------------------------------------------------------ 1. route
@@ -157,6 +167,53 @@ def run_local_experts(received: Tensor, recv: np.ndarray, experts: list[nn.Exper
     return ag.take_rows(stacked, back)                        # (R, d) in received order
 
 
+class TensorParallelExpert(nn.Module):
+    """Expert e split over tp: rank t holds fc1's W1[:, cols_t], b1[cols_t] and fc2's
+    W2[rows_t, :] (the same f_e/tp slice), and all of fc2's bias b2. `partial` gives this
+    rank's share GELU(u W1[:, cols_t] + b1[cols_t]) W2[rows_t, :] of the expert's output
+    before b2: the shares of the tp ranks sum to Expert_e(u) - b2 (GELU is elementwise,
+    so it runs on the column shard as it stands)."""
+
+    def __init__(self, full: dict[str, np.ndarray], name: str, tp: Group) -> None:
+        width = full[f"{name}.fc1.weight"].shape[1]
+        part = slice(tp.rank * width // tp.size, (tp.rank + 1) * width // tp.size)
+        self.fc1_weight = nn.Parameter(full[f"{name}.fc1.weight"][:, part],
+                                       f"{name}.fc1.weight",
+                                       full_index=(slice(None), part), sync="edp")
+        self.fc1_bias = nn.Parameter(full[f"{name}.fc1.bias"][part], f"{name}.fc1.bias",
+                                     full_index=(part,), sync="edp")
+        self.fc2_weight = nn.Parameter(full[f"{name}.fc2.weight"][part], f"{name}.fc2.weight",
+                                       full_index=(part, slice(None)), sync="edp")
+        self.fc2_bias = nn.Parameter(full[f"{name}.fc2.bias"], f"{name}.fc2.bias", sync="edp")
+        placement.place(self.fc1_weight, tp, Shard(1))   # my columns of W1 (d, f_e)
+        placement.place(self.fc1_bias, tp, Shard(0))     # and of b1 (f_e,)
+        placement.place(self.fc2_weight, tp, Shard(0))   # my rows of W2 (f_e, d); b2 whole
+
+    def partial(self, u: Tensor) -> Tensor:
+        """(n, d) rows -> (n, d), this rank's share of the output (b2 not added)."""
+        z = fused.gelu(fused.linear(u, self.fc1_weight, self.fc1_bias))  # (n, f_e/tp)
+        return fused.linear(z, self.fc2_weight)                           # (n, d), a share
+
+
+def run_local_experts_split(received: Tensor, recv: np.ndarray,
+                            experts: list[TensorParallelExpert], tp: Group) -> Tensor:
+    """`run_local_experts` with every expert split over tp: the same rows on every tp rank,
+    each rank's share of every expert, one Allreduce of the shares, then each row's b2."""
+    local = len(experts)
+    expert_of_row = np.repeat(np.tile(np.arange(local), recv.shape[0]), recv.ravel())  # (R,)
+    by_expert = np.argsort(expert_of_row, kind="stable")      # rows grouped per expert
+    bounds = np.cumsum(recv.sum(axis=0))[:-1]
+    x = comm.copy_to(received, tp)     # f: nothing moves; backward Allreduce of (R, d)
+    shares = ag.concat([expert.partial(ag.take_rows(x, rows))
+                        for expert, rows in zip(experts, np.split(by_expert, bounds))])
+    summed = comm.reduce_from(shares, tp)   # g: (R, d) shares of every tp rank -> their sum
+    biases = ag.concat([ag.reshape(expert.fc2_bias, (1, -1)) for expert in experts])  # (l, d)
+    stacked = summed + ag.take_rows(biases, expert_of_row[by_expert])   # each row's own b2
+    back = np.empty_like(by_expert)
+    back[by_expert] = np.arange(by_expert.size)               # inverse permutation
+    return ag.take_rows(stacked, back)                        # (R, d) in received order
+
+
 # ---------------------------------------------------------------- 4. combine
 def combine(y: Tensor, routing: Routing, order: np.ndarray, send: np.ndarray,
             recv: np.ndarray, ep_group: Group, like: Tensor) -> Tensor:
@@ -220,23 +277,32 @@ class ExpertParallelBlock(nn.Module):
     tokens) hold the same weights; summing over them covers every token, and the DP
     step's /dp turns each rank's local-mean gradient into the global mean.
 
+    With `split_over_tp` (the MLP model's `--tp`), every local expert is split over
+    `mesh.tp` (`TensorParallelExpert`); otherwise each tp rank holds its experts whole.
+
     `last_stats` holds the load of the latest call (one microbatch, see `load_stats`).
     """
 
     def __init__(self, full: dict[str, np.ndarray], index: int, cfg: nn.ModelConfig,
-                 mesh: Mesh, ln: str = "ln",
+                 mesh: Mesh, ln: str = "ln", split_over_tp: bool = False,
                  layout: context_parallel.TokenLayout | None = None) -> None:
         p = f"blocks.{index}"
         self.cfg, self.prefix = cfg, p
         # tokens live on the dp ranks, and with context parallelism on dp x cp (mesh.dp_cp);
         # `layout` (context_parallel.TokenLayout) then says which tokens of the global order
         self.dp_group, self.ep_group, self.layout = mesh.dp_cp, mesh.ep, layout
+        self.tp_group = mesh.tp
         self.ln = nn.LayerNorm(full, f"{p}.{ln}")
         self.router = nn.Parameter(full[f"{p}.router.weight"], f"{p}.router.weight", sync="dp")
         per_rank = cfg.experts // mesh.ep.size
         self.first_expert = mesh.coords["ep"] * per_rank
-        self.experts = [nn.ExpertFFN(full, f"{p}.experts.{e}", sync="edp")
-                        for e in range(self.first_expert, self.first_expert + per_rank)]
+        mine = range(self.first_expert, self.first_expert + per_rank)
+        self.split = split_over_tp and mesh.tp.size > 1
+        if self.split:  # expert tensor parallelism: each expert split over tp
+            self.experts = [TensorParallelExpert(full, f"{p}.experts.{e}", mesh.tp)
+                            for e in mine]
+        else:
+            self.experts = [nn.ExpertFFN(full, f"{p}.experts.{e}", sync="edp") for e in mine]
         self.last_stats: dict = {}
 
     def __call__(self, h: Tensor) -> tuple[Tensor, Tensor]:
@@ -262,7 +328,10 @@ class ExpertParallelBlock(nn.Module):
         order, send = plan_dispatch(routing.expert_of, kept, experts, self.ep_group.size)
         recv = exchange_counts(send, self.ep_group)
         received = dispatch(u, routing.token_of[order], send, recv, self.ep_group)
-        y = run_local_experts(received, recv, self.experts)
+        if self.split:
+            y = run_local_experts_split(received, recv, self.experts, self.tp_group)
+        else:
+            y = run_local_experts(received, recv, self.experts)
         out = combine(y, routing, order, send, recv, self.ep_group, like=u)
         aux = global_aux(routing.probs, counts, tokens, cfg, self.dp_group)
         if placement.ON:

@@ -23,6 +23,13 @@ Allreduce = Reduce_scatter + Allgather, so stages 1 and 2 move what DP moves
 (2 Psi per step on the wire, ring algorithms); stage 3 adds one Allgather (3 Psi).
 The hooks around each piece are the marker nodes of data_parallel.py (`Piece`).
 
+With MoE, the expert weights are not replicated over dp but over the
+expert-data-parallel group (edp: the dp ranks holding the same experts). So ZeRO
+keeps one flat vector per group of replicas (`Space`): the dense weights sliced
+over dp, the expert weights over edp (DeepSpeed-MoE's way). An MoE block's
+backward Reduce_scatters its router and LayerNorm over dp and its experts over
+edp; one optimizer step updates both slices.
+
 Placements (placement.py): every parameter is Replicate over dp as in plain data
 parallelism and its gradient Partial over dp; the Reduce_scatter turns the flat
 gradient into Shard(0) of its sum (each rank its slice), and the Allgather turns the
@@ -46,6 +53,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import placement
+from minipar.comm import Group
 from minipar.memory import FlatLayout, ModelStates, displacements, measure
 from minipar.mesh import Mesh
 from minipar.nn import Module, Parameter
@@ -58,73 +66,111 @@ def _mpi_type(array: np.ndarray) -> MPI.Datatype:
     return MPI._typedict[array.dtype.char]
 
 
-class Zero1:
-    """Stage 1: shard the optimizer state. Parameters live in one flat buffer (each
-    `p.data` is a view into it), so the Allgather lands in them directly."""
+class Space:
+    """One flat vector of ZeRO: the parameters of this rank that share one group of
+    replicas, sliced over that group. Dense weights (sync="dp") are replicated over the
+    dp ranks; with MoE, expert weights (sync="edp") over the expert-data-parallel group
+    only (the dp ranks holding the same experts), so they get a flat vector of their own,
+    sliced over edp (DeepSpeed-MoE's way). Each parameter's `data` is a view into `flat`."""
 
-    stage = 1
-
-    def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer) -> None:
-        self.params = [p for chunk in chunks for p in chunk.parameters()]
-        if any(p.sync != "dp" for p in self.params):
-            raise ValueError("ZeRO here shards parameters replicated over dp (sync='dp') only")
-        # the replicas: dp ranks, and with context parallelism dp x cp (mesh.dp_cp)
-        self.group, self.dp, self.optimizer = mesh.dp_cp, mesh.shape.replicas, optimizer
-        self.layout = FlatLayout([p.data.shape for p in self.params], mesh.dp_cp.size,
-                                 mesh.dp_cp.rank)
-        self.flat = np.concatenate([p.data.ravel() for p in self.params])  # (Psi,)
-        for p, view in zip(self.params, self.layout.views(self.flat)):
+    def __init__(self, params: list[Parameter], group: Group) -> None:
+        self.params, self.group = params, group
+        self.layout = FlatLayout([p.data.shape for p in params], group.size, group.rank)
+        self.flat: np.ndarray | None = np.concatenate([p.data.ravel() for p in params])
+        for p, view in zip(params, self.layout.views(self.flat)):
             p.data = view
+        self.shard: np.ndarray | None = None   # ZeRO-3: my slice, once `flat` is dropped
+        self.grad_shard: np.ndarray | None = None  # ZeRO-2/3: my slice of the summed grads
+        self.span: dict[int, tuple[int, int]] = {}  # piece -> (first, last) array index
 
-    def my_params(self) -> np.ndarray:
+    def mine(self) -> np.ndarray:
         """My slice of the flat parameters: the only numbers this rank updates."""
+        if self.flat is None:
+            return self.shard
         return self.flat[self.layout.start:self.layout.stop]
 
-    def step(self) -> None:
-        grads = np.concatenate([grad_or_zeros(p).ravel() for p in self.params])  # (Psi,)
-        mine = self.reduce_scatter(grads, 0, self.layout.total)
-        placement.summed(self.params, self.group)  # Partial -> my slice of the sum
-        self.update(mine)
-        self.allgather_params()
-
     def reduce_scatter(self, grads: np.ndarray, a: int, b: int) -> np.ndarray:
-        """Sum the gradients of flat range [a, b) over dp; return my part of the sum."""
+        """Sum the gradients of flat range [a, b) over the group; return my part of it."""
         if self.group.size == 1:
             return grads.copy()
         # exercise: zero1
         counts = self.layout.overlap(a, b)
         mine = np.empty(counts[self.layout.rank], dtype=grads.dtype)
-        # [a, b) of every rank's g_i -> the sum, each rank receiving its slice of it
+        # [a, b) of every replica's g_i -> the sum, each rank receiving its slice of it
         self.group.Reduce_scatter(grads, mine, counts, op=MPI.SUM)
         return mine
         # end exercise
 
-    def update(self, grad_shard: np.ndarray) -> None:
-        """g = (sum_i g_i) / dp on my slice, then the optimizer on my slice only: its
-        state (Adam's m and v) is created with my slice's shape."""
-        grad_shard /= self.dp
-        self.optimizer.step([self.my_params()], [grad_shard])
+    def flat_range(self, piece: Piece) -> tuple[int, int]:
+        """The piece's parameters of this space as a range [a, b) of the flat vector."""
+        return self.layout.span(*self.span[id(piece)])
+
+
+def spaces_of(params: list[Parameter], mesh: Mesh) -> list[Space]:
+    """The flat vectors: dense weights over dp, expert weights (if any) over edp (with
+    context parallelism over dp x cp and edp x cp: mesh.dp_cp, mesh.edp_cp)."""
+    groups = {"dp": mesh.dp_cp, "edp": mesh.edp_cp}  # with cp, every cp coordinate too
+    if any(p.sync not in groups for p in params):
+        raise ValueError("ZeRO here shards parameters replicated over dp or edp only")
+    return [Space([p for p in params if p.sync == sync], group)
+            for sync, group in groups.items() if any(p.sync == sync for p in params)]
+
+
+class Zero1:
+    """Stage 1: shard the optimizer state. Parameters live in flat buffers (each `p.data`
+    is a view into its space's buffer), so the Allgather lands in them directly."""
+
+    stage = 1
+
+    def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer) -> None:
+        self.params = [p for chunk in chunks for p in chunk.parameters()]
+        # the replicas: dp ranks, and with context parallelism dp x cp (mesh.dp_cp)
+        self.dp, self.optimizer = mesh.shape.replicas, optimizer
+        self.spaces = spaces_of(self.params, mesh)
+
+    def my_slices(self) -> list[np.ndarray]:
+        """My slice of each flat vector: the only numbers this rank updates."""
+        return [space.mine() for space in self.spaces]
+
+    def step(self) -> None:
+        shards = []
+        for space in self.spaces:
+            grads = np.concatenate([grad_or_zeros(p).ravel() for p in space.params])  # (Psi,)
+            shards.append(space.reduce_scatter(grads, 0, space.layout.total))
+            placement.summed(space.params, space.group)  # Partial -> my slice of the sum
+        self.update(shards)
+        self.allgather_params()
+
+    def update(self, grad_shards: list[np.ndarray]) -> None:
+        """g = (sum_i g_i) / dp on my slices, then the optimizer on my slices only: its
+        state (Adam's m and v) is created with their shapes. Expert gradients, summed
+        over edp, are divided by dp too (data_parallel.allreduce_gradients says why)."""
+        for grad_shard in grad_shards:
+            grad_shard /= self.dp
+        self.optimizer.step(self.my_slices(), grad_shards)
 
     def allgather_params(self) -> None:
-        """Every rank's updated slice to every rank, into the flat buffer behind `p.data`."""
-        if not all(np.may_share_memory(p.data, self.flat) for p in self.params):
-            raise RuntimeError("a parameter's data was replaced after ZeRO flattened it")
-        if self.group.size == 1:
-            return
-        # exercise: zero1
-        counts = self.layout.counts
-        # my updated slice -> every rank; every other slice -> me, in place in the flat buffer
-        self.group.Allgatherv(MPI.IN_PLACE, [self.flat, counts, displacements(counts),
-                                             _mpi_type(self.flat)])
-        # end exercise
+        """Every rank's updated slice to every rank, into the flat buffers behind `p.data`."""
+        for space in self.spaces:
+            if not all(np.may_share_memory(p.data, space.flat) for p in space.params):
+                raise RuntimeError("a parameter's data was replaced after ZeRO flattened it")
+            if space.group.size == 1:
+                continue
+            # exercise: zero1
+            counts = space.layout.counts
+            # my updated slice -> every replica; every other slice -> me, in place
+            space.group.Allgatherv(MPI.IN_PLACE, [space.flat, counts, displacements(counts),
+                                                  _mpi_type(space.flat)])
+            # end exercise
 
-    def shard_pieces(self) -> list[tuple[Parameter, tuple[slice, ...], slice]]:
-        """My slice of the flat vector in the model's words: for each parameter it
-        touches, each box of it (flat_boxes) as (the parameter, the box of its LOCAL
-        array, where the box's elements sit in my slice). In order, they tile my slice."""
+    @staticmethod
+    def shard_pieces(space: Space) -> list[tuple[Parameter, tuple[slice, ...], slice]]:
+        """My slice of a flat vector in the model's words: for each parameter it touches,
+        each box of it (flat_boxes) as (the parameter, the box of its LOCAL array, where
+        the box's elements sit in my slice). In order, they tile my slice."""
         out = []
-        layout = self.layout  # shapes of the local arrays (ZeRO-3 may have dropped p.data)
-        for p, shape, offset, size in zip(self.params, layout.shapes, layout.offsets,
+        layout = space.layout  # shapes of the local arrays (ZeRO-3 may have dropped p.data)
+        for p, shape, offset, size in zip(space.params, layout.shapes, layout.offsets,
                                           layout.sizes):
             lo, hi = max(offset, layout.start), min(offset + size, layout.stop)
             at = lo - layout.start  # where this parameter's run starts in my slice
@@ -135,89 +181,98 @@ class Zero1:
         return out
 
     def checkpoint_pieces(self) -> tuple[list[Parameter], dict[str, list[np.ndarray]]]:
-        """What this rank saves: one piece per box of my slice, named and indexed in the
+        """What this rank saves: one piece per box of my slices, named and indexed in the
         full canonical array (`full_index` = the box shifted by the parameter's own), with
         the parameters and the optimizer state (Adam's m, v) of those elements. Read from
-        my slice, so ZeRO-3 needs no gather; the dp ranks' pieces tile the full state."""
-        values = self.my_params()
-        slots = {slot: arrays[0] for slot, arrays in self.optimizer.state_arrays().items()}
+        my slices, so ZeRO-3 needs no gather; the replicas' pieces tile the full state."""
+        slots = self.optimizer.state_arrays()  # slot -> one flat array per space
         pieces, state = [], {slot: [] for slot in slots}
-        for p, box, where in self.shard_pieces():
-            shape = tuple(part.stop - part.start for part in box)
-            pieces.append(Parameter(values[where].reshape(shape), p.name,
-                                    full_index=in_full_array(box, p.full_index)))
-            for slot, flat in slots.items():
-                state[slot].append(flat[where].reshape(shape))
+        for i, space in enumerate(self.spaces):
+            values = space.mine()
+            for p, box, where in self.shard_pieces(space):
+                shape = tuple(part.stop - part.start for part in box)
+                pieces.append(Parameter(values[where].reshape(shape), p.name,
+                                        full_index=in_full_array(box, p.full_index)))
+                for slot, arrays in slots.items():
+                    state[slot].append(arrays[i][where].reshape(shape))
         return pieces, state
 
     def slice_state(self, full: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """My slice of one optimizer slot (Adam's m or v), cut from its full canonical
-        arrays (name -> array): the inverse of `checkpoint_pieces`. A list of one flat
-        array, as `update` hands the optimizer [my slice of the parameters]."""
-        mine = np.empty(self.layout.counts[self.layout.rank], dtype=self.my_params().dtype)
-        for p, box, where in self.shard_pieces():
-            mine[where] = full[p.name][in_full_array(box, p.full_index)].ravel()
-        return [mine]
+        """My slices of one optimizer slot (Adam's m or v), cut from its full canonical
+        arrays (name -> array): the inverse of `checkpoint_pieces`. One flat array per
+        space, as `update` hands the optimizer my slice of each."""
+        out = []
+        for space in self.spaces:
+            mine = np.empty(space.layout.counts[space.layout.rank], dtype=space.mine().dtype)
+            for p, box, where in self.shard_pieces(space):
+                mine[where] = full[p.name][in_full_array(box, p.full_index)].ravel()
+            out.append(mine)
+        return out
 
     def materialize(self) -> None:
         """Every parameter is whole in `p.data` after each step (stage 3 overrides)."""
 
     def memory(self) -> ModelStates:
         """Bytes this rank holds: the flat parameters, full gradients, my optimizer state."""
-        return measure([self.flat], [p.grad for p in self.params],
+        return measure([space.flat for space in self.spaces], [p.grad for p in self.params],
                        self.optimizer.state_arrays())
 
 
 class Zero2(Zero1, Hooks):
     """Stage 2: also shard the gradients. After each piece's backward (every microbatch)
-    its gradients are Reduce_scattered into `grad_shard` and the full ones dropped."""
+    its gradients are Reduce_scattered into `grad_shard` and the full ones dropped: an
+    MoE block's dense part over dp, its experts' over edp."""
 
     stage = 2
 
     def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer) -> None:
         super().__init__(chunks, mesh, optimizer)
-        self.grad_shard = np.zeros(self.layout.counts[self.layout.rank], dtype=self.flat.dtype)
         self.pieces = install_hooks(chunks, self)
-        index = {id(p): j for j, p in enumerate(self.params)}
-        self.span: dict[int, tuple[int, int]] = {}  # piece -> (first, last) array index
-        covered = []
-        for piece in self.pieces:
-            where = [index[id(p)] for p in piece.parameters()]
-            self.span[id(piece)] = (where[0], where[-1])
-            covered += where
-        if covered != list(range(len(self.params))):
-            raise ValueError("ZeRO-2/3 needs every parameter in a piece of the model, in order")
-
-    def flat_range(self, piece: Piece) -> tuple[int, int]:
-        """The piece's parameters as a range [a, b) of the flat vector."""
-        return self.layout.span(*self.span[id(piece)])
+        for space in self.spaces:
+            space.grad_shard = np.zeros(space.layout.counts[space.layout.rank],
+                                        dtype=space.flat.dtype)
+            index = {id(p): j for j, p in enumerate(space.params)}
+            covered = []
+            for piece in self.pieces:
+                where = [index[id(p)] for p in piece.parameters() if id(p) in index]
+                if where:
+                    space.span[id(piece)] = (where[0], where[-1])
+                    covered += where
+            if covered != list(range(len(space.params))):
+                raise ValueError("ZeRO-2/3 needs every parameter in a piece of the model, "
+                                 "in order")
 
     def after_backward(self, piece: Piece) -> None:
         """The piece's gradients of this microbatch are complete: Reduce_scatter, drop.
         (Under a zero-bubble schedule this runs after the piece's deferred weight
         gradients; a gradient another microbatch already added is simply sent now.)"""
-        a, b = self.flat_range(piece)
-        first, last = self.span[id(piece)]
-        params = piece.parameters()
-        grads = np.zeros(b - a, dtype=self.grad_shard.dtype)  # (b - a,); absent = zero
-        for p, view in zip(params, self.layout.views(grads, first, last)):
-            if p.grad is not None:
-                view[...] = p.grad
-        self.grad_shard[self.layout.mine(a, b)] += self.reduce_scatter(grads, a, b)
-        placement.summed(params, self.group)       # Partial -> my slice of the sum
-        for p in params:
+        for space in self.spaces:
+            if id(piece) not in space.span:
+                continue
+            a, b = space.flat_range(piece)
+            first, last = space.span[id(piece)]
+            grads = np.zeros(b - a, dtype=space.grad_shard.dtype)  # (b - a,); absent = zero
+            for p, view in zip(space.params[first:last + 1],
+                               space.layout.views(grads, first, last)):
+                if p.grad is not None:
+                    view[...] = p.grad
+            space.grad_shard[space.layout.mine(a, b)] += space.reduce_scatter(grads, a, b)
+            placement.summed(space.params[first:last + 1], space.group)  # Partial -> my slice
+        for p in piece.parameters():
             p.grad = None  # the full gradient is dropped: my slice of the sum stays
 
     def step(self) -> None:
-        self.update(self.grad_shard)
+        self.update([space.grad_shard for space in self.spaces])
         self.allgather_params()
-        self.grad_shard[...] = 0.0  # the next step accumulates afresh
+        for space in self.spaces:
+            space.grad_shard[...] = 0.0  # the next step accumulates afresh
 
     def memory(self) -> ModelStates:
         """The flat parameters, my slice of the gradient (and any not yet dropped), my
         optimizer state."""
-        return measure([self.flat], [self.grad_shard] + [p.grad for p in self.params],
-                       self.optimizer.state_arrays())
+        return measure([space.flat for space in self.spaces],
+                       [space.grad_shard for space in self.spaces]
+                       + [p.grad for p in self.params], self.optimizer.state_arrays())
 
 
 class Zero3(Zero2):
@@ -228,33 +283,36 @@ class Zero3(Zero2):
 
     def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer) -> None:
         super().__init__(chunks, mesh, optimizer)
-        self.shard = self.my_params().copy()  # (Psi/N,): my slice, the only copy I keep
-        self.flat = None
+        for space in self.spaces:
+            space.shard = space.mine().copy()  # (Psi/N,): my slice, the only copy I keep
+            space.flat = None
         self.gathered: set[int] = set()
         for p in self.params:
-            p.data = np.empty(0, dtype=self.shard.dtype)  # dropped until gathered
-
-    def my_params(self) -> np.ndarray:
-        return self.shard if self.flat is None else super().my_params()
+            p.data = np.empty(0, dtype=self.spaces[0].shard.dtype)  # dropped until gathered
 
     def gather(self, piece: Piece) -> None:
-        """Allgather the piece's parameters: every rank sends its part of them."""
-        a, b = self.flat_range(piece)
-        whole = np.empty(b - a, dtype=self.shard.dtype)
-        counts = self.layout.overlap(a, b)
-        if self.group.size == 1:
-            whole[...] = self.shard[a:b]
-        else:  # my part of the piece -> every rank; the other parts -> me
-            self.group.Allgatherv(self.shard[self.layout.mine(a, b)],
-                                  [whole, counts, displacements(counts), _mpi_type(whole)])
-        first, last = self.span[id(piece)]
-        for p, view in zip(piece.parameters(), self.layout.views(whole, first, last)):
-            p.data = view
+        """Allgather the piece's parameters: every replica sends its part of them."""
+        for space in self.spaces:
+            if id(piece) not in space.span:
+                continue
+            a, b = space.flat_range(piece)
+            whole = np.empty(b - a, dtype=space.shard.dtype)
+            counts = space.layout.overlap(a, b)
+            if space.group.size == 1:
+                whole[...] = space.shard[a:b]
+            else:  # my part of the piece -> every replica; the other parts -> me
+                space.group.Allgatherv(space.shard[space.layout.mine(a, b)],
+                                       [whole, counts, displacements(counts),
+                                        _mpi_type(whole)])
+            first, last = space.span[id(piece)]
+            for p, view in zip(space.params[first:last + 1],
+                               space.layout.views(whole, first, last)):
+                p.data = view
         self.gathered.add(id(piece))
 
     def drop(self, piece: Piece) -> None:
         for p in piece.parameters():
-            p.data = np.empty(0, dtype=self.shard.dtype)
+            p.data = np.empty(0, dtype=self.spaces[0].shard.dtype)
         self.gathered.discard(id(piece))
 
     def before_forward(self, piece: Piece) -> None:
@@ -272,8 +330,10 @@ class Zero3(Zero2):
         self.drop(piece)
 
     def step(self) -> None:
-        self.update(self.grad_shard)  # no Allgather: the next forward gathers piece by piece
-        self.grad_shard[...] = 0.0
+        # no Allgather: the next forward gathers piece by piece
+        self.update([space.grad_shard for space in self.spaces])
+        for space in self.spaces:
+            space.grad_shard[...] = 0.0
 
     def materialize(self) -> None:
         """Gather every piece, so `p.data` is whole (for --dump/--check and checkpoints)."""
@@ -282,9 +342,9 @@ class Zero3(Zero2):
 
     def memory(self) -> ModelStates:
         """My slice of everything (and whatever piece is gathered at the moment)."""
-        return measure([self.shard] + [p.data for p in self.params],
-                       [self.grad_shard] + [p.grad for p in self.params],
-                       self.optimizer.state_arrays())
+        return measure([space.shard for space in self.spaces] + [p.data for p in self.params],
+                       [space.grad_shard for space in self.spaces]
+                       + [p.grad for p in self.params], self.optimizer.state_arrays())
 
 
 def make_zero(stage: int, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer) -> Zero1:

@@ -1,0 +1,152 @@
+"""Lesson 13: the big recipes at toy scale -- Llama 3's layout and DeepSeek-V3's, on 8 ranks.
+
+    mpiexec -n 8 python lessons/13_recipes.py
+    mpiexec -n 8 python lessons/13_recipes.py --plot figures   # + 13_recipes.png
+
+The published deployments combine every axis of the earlier lessons. Llama 3 405B
+(Llama Team 2024, section 3.3.2) trains on 16384 GPUs as TP 8 x CP x PP 16 x DP, with
+CP 1 and DP 128 for its 8K-token pre-training sequences. DeepSeek-V3 (DeepSeek-AI 2024,
+section 3.2) trains on 2048 GPUs as PP 16 x EP 64 x ZeRO-1 DP, and no TP at all:
+experts split by EP, attention replicated.
+
+Scaled to 8 ranks, each axis keeps its place in the mesh (tp fastest, then dp, then
+pp) and its role, every axis of size 2 but DeepSeek's DP and EP of 4 (its EP spans its
+data-parallel ranks, as EP 64 spans 8 nodes of 8):
+
+    Llama-like     --model gpt      tp 2 x pp 2 x dp 2 (cp 1), ZeRO-1, heads and
+                                    vocabulary over tp
+    DeepSeek-like  --model gpt-moe  pp 2 x dp 4, ep 4 (2 of 8 experts per rank, top 2),
+                                    ZeRO-1 (dense weights over dp, experts over edp),
+                                    no tp
+
+(Llama's FSDP shards more than the optimizer state; here ZeRO-1 stands for it. The
+long-context phase, TP x CP x PP with CP 16, needs --cp beside --tp, which minipar
+refuses so far.) For
+each: the run against one process (float64, relative 1e-9), its ledger per mesh axis
+(bytes one rank hands to MPI in a step), the model-state bytes per rank, the pipeline
+bubble (the formula beside the measured idle share), and next to it what the planner
+(`python -m minipar plan`) predicts for the real model on the real cluster and mesh.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from minipar import plan, presets
+from minipar.config import TrainConfig
+from minipar.costmodel import Plan
+from minipar.log import run_collectively, verdict
+from minipar.parallel.pipeline_schedules import bubble_formula
+from minipar.plots_load import measured_bubble
+from minipar.results import max_differences
+from minipar.train import train, train_reference
+
+TINY = dict(layers=4, d_model=16, heads=4, seq_len=16, vocab=16, batch=16, d_ff=32,
+            steps=3, optimizer="adam", lr=0.01, microbatches=4, schedule="1f1b")
+# (name, minipar's run, the real model, its sequence length, cluster, global batch in
+# sequences, the real plan). Llama 3: 16M tokens a step, 2048 x 8K or 128 x 128K, 16
+# sequences per replica; DeepSeek-V3: 15360 x 4K, 120 per replica, and a zero-bubble
+# schedule standing for its DualPipe.
+RECIPES = [
+    ("Llama 3 405B, 8K phase", dict(TINY, model="gpt", tp=2, pp=2, dp=2, zero=1),
+     "llama3-405b", 8192, "h100", 2048, Plan(dp=128, tp=8, pp=16, zero=1, microbatches=16,
+                                       sp=True, schedule="interleaved", virtual=2,
+                                       recompute="selective")),
+    ("DeepSeek-V3", dict(TINY, model="gpt-moe", pp=2, dp=4, ep=4, zero=1, experts=8,
+                         top_k=2, expert_d_ff=16, aux_coef=0.01),
+     "deepseek-v3", 4096, "h800", 15360, Plan(dp=128, pp=16, ep=64, zero=1,
+                                              microbatches=120, schedule="zb-h1",
+                                              recompute="full")),
+]
+
+
+def ledger_per_axis(records: list[dict], rank: int) -> dict[str, int]:
+    """Bytes this rank handed to MPI in the last step, per mesh axis."""
+    out: dict[str, int] = defaultdict(int)
+    for r in records:
+        if r["rank"] == rank:
+            out[r["group"]] += r["bytes"]
+    return dict(out)
+
+
+def predicted(model: str, seq_len: int, cluster: str, batch: int, real: Plan) -> list[str]:
+    """The planner's estimate of the real run: memory per GPU, wire volume, step time."""
+    w = plan.transformer(replace(presets.MODELS[model], seq_len=seq_len), batch)
+    hw = plan.hardware(presets.CLUSTERS[cluster])
+    estimate = plan.evaluate(w, hw, real)
+    return [f"  planner, {presets.MODELS[model].name} on {real.world} x "
+            f"{presets.CLUSTERS[cluster].name}, sequences of {seq_len}:"] + [
+        "  " + line for line in plan.explain(estimate, w, hw)]
+
+
+def figure(rows: list[tuple[str, dict[str, int]]], folder: Path) -> None:
+    from matplotlib.figure import Figure
+
+    from minipar.plots import save
+
+    fig = Figure(figsize=(9, 3.5), layout="constrained")
+    ax = fig.subplots()
+    axes = sorted({axis for _, per in rows for axis in per})
+    width = 0.8 / len(rows)
+    for i, (name, per) in enumerate(rows):
+        ax.bar([j + i * width for j in range(len(axes))], [per.get(a, 0) / 1e3 for a in axes],
+               width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(axes))], axes)
+    ax.set(ylabel="kB handed to MPI by rank 0, one step",
+           title="the recipes at toy scale: communication per mesh axis")
+    ax.legend(fontsize=8)
+    print("figure:", save(fig, folder / "13_recipes.png"), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
+    args = parser.parse_args()
+    world = MPI.COMM_WORLD
+    n, rank = world.Get_size(), world.Get_rank()
+    if n != 8:
+        if rank == 0:
+            print("lesson 13 runs on 8 ranks: mpiexec -n 8 python lessons/13_recipes.py")
+        raise SystemExit(2)
+    rows = []
+    for name, fields, model, seq_len, cluster, batch, real in RECIPES:
+        cfg = TrainConfig(**fields).resolved(n)
+        result = train(cfg, world)
+        memory = world.gather(vars(result.extras["memory"]))
+        if rank != 0:
+            continue
+        mesh = " x ".join(f"{axis} {getattr(cfg, axis)}" for axis in ("tp", "cp", "pp", "dp")
+                          if getattr(cfg, axis, 1) > 1)
+        print(f"\n=== {name}: --model {cfg.model}, {mesh}"
+              + (f", ep {cfg.ep}" if cfg.ep > 1 else "") + f", ZeRO-{cfg.zero}", flush=True)
+        one = train_reference(cfg)
+        _, losses, _ = max_differences({"losses": np.array(result.losses)},
+                                       {"losses": np.array(one.losses)})
+        _, params, where = max_differences(result.final, one.final)
+        print(f"  against one process, {cfg.steps} steps: losses rel {losses:.1e}, params "
+              f"rel {params:.1e} ({where}) -> {verdict(max(losses, params) <= 1e-9)}")
+        per = ledger_per_axis(result.ledger, 0)
+        print("  rank 0's ledger per axis (bytes, one step): "
+              + ", ".join(f"{axis} {b}" for axis, b in sorted(per.items())))
+        totals = [sum(m.values()) for m in memory]
+        print("  model states per rank (params + grads + optimizer, bytes): "
+              + " ".join(str(t) for t in totals))
+        formula = bubble_formula(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual)
+        timeline = result.extras.get("timeline") or []
+        seen = f", measured {measured_bubble(timeline):.2f}" if timeline else ""
+        print(f"  bubble: formula {formula:.2f} ({cfg.schedule}, pp {cfg.pp}, M "
+              f"{cfg.microbatches}){seen}")
+        print("\n".join(predicted(model, seq_len, cluster, batch, real)), flush=True)
+        rows.append((name, per))
+    if rank == 0 and args.plot:
+        figure(rows, args.plot)
+
+
+if __name__ == "__main__":
+    run_collectively(main)
