@@ -22,6 +22,12 @@ and the lesson shows, for each:
      ledger      what each axis moved in the last step, against the correct run
                  (whose ledger lessons 6 and 7 proved equal to the formulas);
      memory      the bytes of parameters each rank holds, against the correct run;
+     placements  one step with `--check-placements` (minipar/placement.py): every
+                 op checks whether its tensors are replicated, sharded or partial
+                 sums over each mesh axis, and a placement error stops the run at
+                 the line where it is made -- before any loss is compared. A bug
+                 about values (a factor, a count, a stale buffer) it cannot see:
+                 the lesson says why, for each;
 3. the sentence that explains it, and where it (or its closest relative) shipped:
    the public issue or pull request of a real project (DeepSpeed, Megatron-LM,
    PyTorch, nanotron, Hugging Face transformers ...), or "plausible" where no
@@ -46,6 +52,7 @@ from minipar import nn
 from minipar.bugs import BUGS, Bug
 from minipar.config import TrainConfig
 from minipar.log import run_collectively, verdict
+from minipar.placement import PlacementError
 from minipar.results import relative_difference
 from minipar.train import RunResult, problems, train, train_reference
 
@@ -56,7 +63,7 @@ MLP = dict(layers=4, d_in=16, d_model=32, batch=32)
 MOE = dict(MLP, experts=4, top_k=2, expert_d_ff=32)
 QUICK = dict(layers=4, d_in=8, d_model=16, batch=16)
 QUICK_MOE = dict(QUICK, experts=4, top_k=2, expert_d_ff=16)
-CHECKS = ("losses", "parameters", "replicas", "ledger", "memory")
+CHECKS = ("losses", "parameters", "replicas", "ledger", "memory", "placements")
 ROUTED = ("Alltoallv",)  # MoE: how many rows go where depends on the router's choices
 
 
@@ -157,15 +164,27 @@ def run_bug(bug: Bug, steps: int, quick: bool) -> dict | None:
     clean = train(cfg, comm)
     buggy = train(replace(cfg, inject_bug=bug.name), comm)
     first = train(replace(cfg, steps=1, inject_bug=bug.name), comm)
+    stopped = placement_line(replace(cfg, steps=1, inject_bug=bug.name))
     # (parameter bytes of the correct run, of the run with the bug) of every rank -> rank 0
     held = comm.gather((clean.extras["memory"].params, buggy.extras["memory"].params))
     if rank != 0:
         return None
-    return findings(cfg, clean, buggy, first, held)
+    return {**findings(cfg, clean, buggy, first, held, stopped), "unseen": bug.unseen}
+
+
+def placement_line(cfg: TrainConfig) -> str | None:
+    """Run `cfg` with placement checking on: the line that stopped it, or None. (Every
+    rank raises together: without a pipeline all ranks run the same ops, and the
+    gradient check is agreed over every rank.)"""
+    try:
+        train(replace(cfg, check_placements=True), comm)
+    except PlacementError as error:
+        return str(error)
+    return None
 
 
 def findings(cfg: TrainConfig, clean: RunResult, buggy: RunResult, first: RunResult,
-             held: list[tuple[float, float]]) -> dict:
+             held: list[tuple[float, float]], stopped: str | None = None) -> dict:
     """Every check of the run with the bug (and of the correct run), as plain numbers."""
     ref = train_reference(cfg)
     ref_first = train_reference(replace(cfg, steps=1))
@@ -182,9 +201,10 @@ def findings(cfg: TrainConfig, clean: RunResult, buggy: RunResult, first: RunRes
         "correct_loss_rel": max(abs(a - b) / abs(b) for a, b in zip(clean.losses, ref.losses)),
         "correct_param_rel": max(relative(clean.final[n], v) for n, v in ref.final.items()),
         "correct_replicas": clean.extras["replica_disagreements"],
+        "placement": stopped,
     }
     hits = (found["loss_rel"] > TOLERANCE, found["final"], found["replicas"],
-            found["ledger"], found["memory"])
+            found["ledger"], found["memory"], stopped)
     found["caught_by"] = [check for check, hit in zip(CHECKS, hits) if hit]
     return found
 
@@ -244,25 +264,32 @@ def check_lines(cfg: TrainConfig, found: dict) -> dict[str, list[str]]:
         moved[(a, b)].append(r)
     out["memory"] = [f"{ranks_text(r)}: {a} -> {b} bytes of parameters"
                      for (a, b), r in moved.items()] or ["the same parameter bytes on every rank"]
+    out["placements"] = [f"stopped in step 1: {found['placement']}"] if found["placement"] \
+        else [f"no violation: {found.get('unseen') or 'none found'}"]
     return out
 
 
 # ------------------------------------------------------------ the lesson
 def summary(results: dict[str, dict]) -> None:
     say("\n=== every bug, and what caught it",
-        f"{'bug':<24} {'loss rel':>9} {'param rel':>9}  caught by")
+        f"{'bug':<24} {'loss rel':>9} {'param rel':>9}  {'placements':<22}  caught by")
     for name, found in results.items():
         if "skipped" in found:
             say(f"{name:<24} {'skipped':>9}")
             continue
         worst = next(iter(found["final"].values()), 0.0)
-        say(f"{name:<24} {found['loss_rel']:>9.1e} {worst:>9.1e}  "
+        where = re.search(r"\[at (.*)\]", found["placement"] or "")
+        stop = (where.group(1).split("/")[-1] if where else "grad sync") \
+            if found["placement"] else "unseen"
+        say(f"{name:<24} {found['loss_rel']:>9.1e} {worst:>9.1e}  {stop:<22}  "
             f"{', '.join(found['caught_by']) or 'NOTHING'}")
     unseen = [n for n, f in results.items() if "skipped" not in f
               and not {"losses", "parameters"} & set(f["caught_by"])]
     say("every run with a bug still trained: its loss curve alone proves nothing. One process",
         "is the referee; the replica check says which ranks went astray; the ledger and the",
-        "bytes held catch what the numbers cannot: " + (", ".join(unseen) or "none here") + ".")
+        "bytes held catch what the numbers cannot: " + (", ".join(unseen) or "none here") + ".",
+        "Placement checking stops the placement errors at their line, in step 1, before any",
+        "number is compared; the rest are about values, which no placement can show.")
 
 
 def plot(folder: Path, results: dict[str, dict]) -> None:

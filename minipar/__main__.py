@@ -26,6 +26,7 @@ from minipar.bugs import listing
 from minipar.checkpoint import CheckpointError, FolderInUseError, holding
 from minipar.config import ConfigError, _Parser, config_from_args, make_parser
 from minipar.mesh import MeshShape
+from minipar.placement import PlacementError
 from minipar.plan import plan_command as plan
 from minipar.report import ledger_table
 from minipar.results import check, dump
@@ -83,6 +84,15 @@ def train_command(argv: list[str]) -> int:
         # step, exit 2), or a save failed (the previous checkpoint kept, exit 1)
     except DivergedError as error:  # raised on every rank at the same step: no abort needed
         return fail(rank, str(error), code=1)
+    except PlacementError as error:  # --check-placements: every rank of a stage runs the
+        # same ops, so without a pipeline every rank raises it at the same op; a pipeline's
+        # other stages may be waiting for this one: one line from its first rank, then abort
+        if cfg.pp == 1:
+            return fail(rank, str(error), code=1)
+        coords = cfg.mesh_shape().coords(rank)
+        from minipar.log import abort_all  # here: log.py loads mpi4py.MPI
+
+        abort_all(f"minipar: error: {error}\n" if coords["dp"] == coords["tp"] == 0 else "")
     finally:
         watchdog.stop()
     if args.ledger and rank == 0:

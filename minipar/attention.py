@@ -39,6 +39,7 @@ import math
 
 import numpy as np
 
+from minipar import placement as _pl
 from minipar.autograd import Tensor
 
 
@@ -68,7 +69,11 @@ def embedding(weight: Tensor, ids: Tensor | np.ndarray) -> Tensor:
         if given is not None:
             given.accumulate(np.zeros(ids.shape, dtype=given.dtype), fresh=True)
     parents = (weight,) if given is None else (weight, given)
-    return Tensor.from_op(out, parents, backward)
+    result = Tensor.from_op(out, parents, backward)
+    if _pl.ON and given is not None:  # rows picked by ids sharded over dp stay sharded
+        _pl.follow(result, _pl.embedding(f"the lookup in {weight.name}", weight, given),
+                   f"{weight.name.removesuffix('.weight')} output")
+    return result
 
 
 # ------------------------------------------------------------ the mask
@@ -158,7 +163,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, heads: int,
         dP = G @ np.swapaxes(c["V"], -1, -2)                   # (B, H, Tq, Tk)
         dS = P * (dP - (dP * P).sum(axis=-1, keepdims=True))
         _accumulate_qk(q, k, c, dS, key_bias)
-    return Tensor.from_op(_merge_heads(P @ c["V"]), _parents(q, k, v, key_bias), backward)
+    out = Tensor.from_op(_merge_heads(P @ c["V"]), _parents(q, k, v, key_bias), backward)
+    return _pl.follow(out, _pl.attention("attention", q, k, v), q.name) if _pl.ON else out
 
 
 def attention_lse(q: Tensor, k: Tensor, heads: int, q_positions: np.ndarray | None = None,
@@ -177,4 +183,6 @@ def attention_lse(q: Tensor, k: Tensor, heads: int, q_positions: np.ndarray | No
         if key_bias is not None:  # lse_i = ... + q_i . bk / sqrt(dh), per head
             dq = (g[..., None] * c["Q"] * c["scale"]).sum(axis=(0, 2))   # (H, dh)
             key_bias.accumulate(dq.reshape(-1), fresh=True)
-    return Tensor.from_op(c["lse"], _parents(q, k, None, key_bias), backward)
+    out = Tensor.from_op(c["lse"], _parents(q, k, None, key_bias), backward)
+    return _pl.follow(out, _pl.attention("attention (lse)", q, k, k), q.name) \
+        if _pl.ON else out

@@ -19,6 +19,9 @@ Design choices a reader should notice:
   small next to the matmuls.
 - Parallel code adds its own ops with `Tensor.from_op` (see `comm.py`): a
   collective is just another node whose backward is another collective.
+- With placement checking on (placement.py), each op also gives its output the
+  placement its rule derives from the inputs' (`if _pl.ON:` below): replicated,
+  sharded or partial over each mesh axis. Off, that is one flag test per op.
 
 Run the gradient checks: `python -m pytest tests/test_autograd.py`.
 """
@@ -29,6 +32,8 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
+
+from minipar import placement as _pl
 
 _GRAD_ENABLED = True
 _DEFERRED: list[Callable[[], None]] | None = None  # weight-gradient work put off (zero bubble)
@@ -78,7 +83,8 @@ class Tensor:
     `_backward` the closure that moves `self.grad` into the parents' grads.
     """
 
-    __slots__ = ("_backward", "data", "grad", "name", "parents", "requires_grad")
+    # `placement` (placement.py) is set only while placement checking is on
+    __slots__ = ("_backward", "data", "grad", "name", "parents", "placement", "requires_grad")
     __array_priority__ = 100  # so ndarray + Tensor calls Tensor.__radd__
 
     def __init__(self, data: np.ndarray | float, requires_grad: bool = False,
@@ -286,7 +292,8 @@ def add(a: TensorLike, b: TensorLike) -> Tensor:
     def backward(g: np.ndarray) -> None:
         a.accumulate(_unbroadcast(g, a.shape))
         b.accumulate(_unbroadcast(g, b.shape))
-    return Tensor.from_op(a.data + b.data, (a, b), backward)
+    out = Tensor.from_op(a.data + b.data, (a, b), backward)
+    return _pl.follow(out, _pl.add("add", a, b), _pl._pname(a, b)) if _pl.ON else out
 
 
 def sub(a: TensorLike, b: TensorLike) -> Tensor:
@@ -296,7 +303,8 @@ def sub(a: TensorLike, b: TensorLike) -> Tensor:
     def backward(g: np.ndarray) -> None:
         a.accumulate(_unbroadcast(g, a.shape))
         b.accumulate(_unbroadcast(-g, b.shape), fresh=True)
-    return Tensor.from_op(a.data - b.data, (a, b), backward)
+    out = Tensor.from_op(a.data - b.data, (a, b), backward)
+    return _pl.follow(out, _pl.add("subtract", a, b), _pl._pname(a, b)) if _pl.ON else out
 
 
 def mul(a: TensorLike, b: TensorLike) -> Tensor:
@@ -306,7 +314,8 @@ def mul(a: TensorLike, b: TensorLike) -> Tensor:
     def backward(g: np.ndarray) -> None:
         a.accumulate(_unbroadcast(g * b.data, a.shape), fresh=True)
         b.accumulate(_unbroadcast(g * a.data, b.shape), fresh=True)
-    return Tensor.from_op(a.data * b.data, (a, b), backward)
+    out = Tensor.from_op(a.data * b.data, (a, b), backward)
+    return _pl.follow(out, _pl.mul("multiply", a, b), _pl._pname(a, b)) if _pl.ON else out
 
 
 def div(a: TensorLike, b: TensorLike) -> Tensor:
@@ -317,30 +326,41 @@ def div(a: TensorLike, b: TensorLike) -> Tensor:
     def backward(g: np.ndarray) -> None:
         a.accumulate(_unbroadcast(g / b.data, a.shape), fresh=True)
         b.accumulate(_unbroadcast(-g * out / b.data, b.shape), fresh=True)
-    return Tensor.from_op(out, (a, b), backward)
+    result = Tensor.from_op(out, (a, b), backward)
+    return _pl.follow(result, _pl.mul("divide", a, b, divide=True), _pl._pname(a, b)) \
+        if _pl.ON else result
 
 
 def exp(a: Tensor) -> Tensor:
     """e^a. Backward: g * e^a."""
     out = np.exp(a.data)
-    return Tensor.from_op(out, (a,), lambda g: a.accumulate(g * out, fresh=True))
+    return _nonlinear("exp", a, Tensor.from_op(
+        out, (a,), lambda g: a.accumulate(g * out, fresh=True)))
 
 
 def log(a: Tensor) -> Tensor:
     """ln a. Backward: g / a."""
-    return Tensor.from_op(np.log(a.data), (a,), lambda g: a.accumulate(g / a.data, fresh=True))
+    return _nonlinear("log", a, Tensor.from_op(
+        np.log(a.data), (a,), lambda g: a.accumulate(g / a.data, fresh=True)))
 
 
 def tanh(a: Tensor) -> Tensor:
     """tanh a. Backward: g (1 - tanh^2 a)."""
     out = np.tanh(a.data)
-    return Tensor.from_op(out, (a,), lambda g: a.accumulate(g * (1.0 - out * out), fresh=True))
+    return _nonlinear("tanh", a, Tensor.from_op(
+        out, (a,), lambda g: a.accumulate(g * (1.0 - out * out), fresh=True)))
 
 
 def sqrt(a: Tensor) -> Tensor:
     """sqrt a. Backward: g / (2 sqrt a)."""
     out = np.sqrt(a.data)
-    return Tensor.from_op(out, (a,), lambda g: a.accumulate(g * 0.5 / out, fresh=True))
+    return _nonlinear("sqrt", a, Tensor.from_op(
+        out, (a,), lambda g: a.accumulate(g * 0.5 / out, fresh=True)))
+
+
+def _nonlinear(op: str, a: Tensor, out: Tensor) -> Tensor:
+    """`out` of a nonlinear elementwise op on `a`, with its placement when checking."""
+    return _pl.follow(out, _pl.nonlinear(op, a), a.name) if _pl.ON else out
 
 
 # ------------------------------------------------------------- reductions
@@ -352,26 +372,32 @@ def sum_(a: Tensor, axis: int | tuple[int, ...] | None = None, keepdims: bool = 
         if axis is not None and not keepdims:
             g = np.expand_dims(g, axis)
         a.accumulate(np.broadcast_to(g, a.shape))
-    return Tensor.from_op(out, (a,), backward)
+    result = Tensor.from_op(out, (a,), backward)
+    return _pl.follow(result, _pl.reduce("sum", a, axis, keepdims), a.name) if _pl.ON \
+        else result
 
 
 def mean(a: Tensor, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
     """Mean over axes: a sum divided by the count."""
     count = a.data.size if axis is None else int(np.prod([a.shape[i] for i in np.atleast_1d(axis)]))
-    return mul(sum_(a, axis, keepdims), 1.0 / count)
+    out = mul(sum_(a, axis, keepdims), 1.0 / count)
+    return _pl.follow(out, _pl.reduce("mean", a, axis, keepdims, mean=True), a.name) \
+        if _pl.ON else out
 
 
 # ----------------------------------------------------------------- shapes
 def reshape(a: Tensor, shape: tuple[int, ...]) -> Tensor:
     """Same values, new shape. Backward: reshape the gradient back."""
-    return Tensor.from_op(a.data.reshape(shape), (a,), lambda g: a.accumulate(g.reshape(a.shape)))
+    out = Tensor.from_op(a.data.reshape(shape), (a,), lambda g: a.accumulate(g.reshape(a.shape)))
+    return _pl.follow(out, _pl.reshape("reshape", a, out.shape), a.name) if _pl.ON else out
 
 
 def transpose(a: Tensor, axes: tuple[int, ...] | None = None) -> Tensor:
     """Permute axes. Backward: the inverse permutation."""
     inverse = None if axes is None else tuple(np.argsort(axes))
-    return Tensor.from_op(np.transpose(a.data, axes), (a,),
-                          lambda g: a.accumulate(np.transpose(g, inverse)))
+    out = Tensor.from_op(np.transpose(a.data, axes), (a,),
+                         lambda g: a.accumulate(np.transpose(g, inverse)))
+    return _pl.follow(out, _pl.transpose(a, axes), a.name) if _pl.ON else out
 
 
 def getitem(a: Tensor, index: object) -> Tensor:
@@ -381,7 +407,9 @@ def getitem(a: Tensor, index: object) -> Tensor:
         full = np.zeros_like(a.data)
         np.add.at(full, index, g)
         a.accumulate(full, fresh=True)
-    return Tensor.from_op(a.data[index], (a,), backward)
+    out = Tensor.from_op(a.data[index], (a,), backward)
+    # picking within this rank's piece keeps its placement (a row shard stays one)
+    return _pl.follow(out, _pl.of(a), a.name) if _pl.ON else out
 
 
 def take_rows(a: Tensor, rows: np.ndarray) -> Tensor:
@@ -390,7 +418,8 @@ def take_rows(a: Tensor, rows: np.ndarray) -> Tensor:
         full = np.zeros_like(a.data)
         np.add.at(full, rows, g)
         a.accumulate(full, fresh=True)
-    return Tensor.from_op(a.data[rows], (a,), backward)
+    out = Tensor.from_op(a.data[rows], (a,), backward)
+    return _pl.follow(out, _pl.of(a), a.name) if _pl.ON else out
 
 
 def index_add(base: Tensor, rows: np.ndarray, values: Tensor) -> Tensor:
@@ -402,7 +431,9 @@ def index_add(base: Tensor, rows: np.ndarray, values: Tensor) -> Tensor:
     def backward(g: np.ndarray) -> None:
         base.accumulate(g)
         values.accumulate(g[rows], fresh=True)
-    return Tensor.from_op(out, (base, values), backward)
+    result = Tensor.from_op(out, (base, values), backward)
+    return _pl.follow(result, _pl.same(base, values, op="index_add"), values.name) \
+        if _pl.ON else result
 
 
 def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
@@ -413,8 +444,9 @@ def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
     def backward(g: np.ndarray) -> None:
         for t, piece in zip(tensors, np.split(g, bounds, axis=axis)):
             t.accumulate(piece)
-    return Tensor.from_op(np.concatenate([t.data for t in tensors], axis=axis),
-                          tuple(tensors), backward)
+    out = Tensor.from_op(np.concatenate([t.data for t in tensors], axis=axis),
+                         tuple(tensors), backward)
+    return _pl.follow(out, _pl.same(*tensors), _pl._pname(*tensors)) if _pl.ON else out
 
 
 def split(a: Tensor, sections: int | Sequence[int], axis: int = 0) -> list[Tensor]:
@@ -441,7 +473,8 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         if b.requires_grad:
             _weight_grad(lambda: b.accumulate(_matmul_weight_grad(a.data, g, b.shape),
                                               fresh=True))
-    return Tensor.from_op(a.data @ b.data, (a, b), backward)
+    out = Tensor.from_op(a.data @ b.data, (a, b), backward)
+    return _pl.follow(out, _pl.matmul("matmul", a, b), _pl._pname(a, b)) if _pl.ON else out
 
 
 def _matmul_weight_grad(a: np.ndarray, g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from minipar import nn
+from minipar import nn, placement
 from minipar.autograd import Tensor
 from minipar.parallel import pipeline_parallel as pipeline
 
@@ -55,7 +55,10 @@ class Bug:
     checks them; `detour()` builds the swaps; `flags` is a small setting of the
     strategy that shows it (dp left to fill the world). `seen` cites the public
     issue or pull request of a real project where this bug, or its closest
-    relative, shipped -- or says that none was found and the bug is only plausible."""
+    relative, shipped -- or says that none was found and the bug is only plausible.
+    `unseen` says why placement checking (`--check-placements`, placement.py) cannot
+    see the bug -- it is about values, not placements; empty for a placement error,
+    which that check stops at the line where it is made."""
 
     name: str
     strategy: str
@@ -66,6 +69,7 @@ class Bug:
     detour: Callable[[], list[Swap]]
     flags: dict
     seen: str = "plausible: no shipped case found"
+    unseen: str = ""
 
 
 # ----------------------------------------------------- pipeline parallelism
@@ -98,7 +102,8 @@ def one_input_buffer() -> list[Swap]:
             source = pipeline.peer(ins.kind, self.pp, self.stage)
             # activation (B/(M dp), d) <- the previous stage. BUG: into the stage's one buffer
             self.group.Recv(self.buffer, source=source, tag=pipeline.ACT_TAG)
-            self.inputs[(ins.chunk, ins.microbatch)] = Tensor(self.buffer, requires_grad=True)
+            self.inputs[(ins.chunk, ins.microbatch)] = pipeline.rows_of(
+                Tensor(self.buffer, requires_grad=True), self.boundary_rows_over)
 
     return [(pipeline, "StageWorker", OneInputBufferWorker)]
 
@@ -159,6 +164,7 @@ def sum_not_mean() -> list[Swap]:
             group = dp._group(bucket[0], mesh)
             if group.size > 1:
                 group.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)  # a bucket of g_i -> its sum
+                placement.summed(bucket, group)                 # Partial -> Replicate
             dp.unpack(bucket, flat, 1.0)  # BUG: sum_i g_i, never divided by dp
 
     return [(dp, "bucketed_allreduce", bucketed_allreduce_sum)]
@@ -261,7 +267,9 @@ _LIST = [
         {"pp": 2, "microbatches": 4, "schedule": "gpipe"},
         "a near miss: in deepspeedai/DeepSpeed#2800, taking one buffer out of the pipeline "
         "engine made a RecvActivation overwrite tensors an earlier microbatch's backward still "
-        "held; pytorch/pytorch#139404: a pipeline stage kept only its latest backward result"),
+        "held; pytorch/pytorch#139404: a pipeline stage kept only its latest backward result",
+        unseen="the buffer holds the right kind of tensor (rows sharded over dp), just the "
+               "wrong microbatch's values: placements are the same for every microbatch"),
     Bug("tp-copy-to-no-allreduce", "tp",
         "Megatron's f (copy_to, before fc1) without its backward Allreduce",
         "after one step the last block's fc1 and fc2 are still right (their own gradients "
@@ -281,7 +289,9 @@ _LIST = [
         TP + " on --model mlp (the transformer's heads would not be whole)",
         lambda cfg: _tp(cfg) and cfg.model == "mlp", plain_linears, {"tp": 2},
         "reported in huggingface/transformers#36222: tensor parallelism was no faster than "
-        "none, and the model's weight shapes stayed the same whatever the tp size"),
+        "none, and the model's weight shapes stayed the same whatever the tp size",
+        unseen="every tensor really is replicated over tp and every number is right: "
+               "nothing is misplaced, the split itself is missing (ledger, memory)"),
     Bug("dp-stage-not-synced", "dp",
         "one pipeline stage (the last) never Allreduces its gradients over dp",
         "each dp replica of the last stage steps with its own g_i instead of the mean: after "
@@ -300,7 +310,9 @@ _LIST = [
         "lr x dp, and the loss even falls faster",
         DP_SYNC, _dp_sync, sum_not_mean, {},
         "a close relative: PyTorch DDP divided each bucket by the world size, not by the "
-        "number of replicas, wrong for a process driving several devices (pytorch/pytorch#36516)"),
+        "number of replicas, wrong for a process driving several devices (pytorch/pytorch#36516)",
+        unseen="the Allreduce is there (Partial -> Replicate over dp); the missing 1/dp is "
+               "a scalar factor, a value: a sum and a mean have the same placement"),
     Bug("moe-aux-first-choice", "ep",
         "the load-balancing f counts each token's first choice only",
         "f sums to 1/k instead of 1 and leaves out the second choices, so the aux loss is "
@@ -310,7 +322,9 @@ _LIST = [
         MOE, _moe, first_choice_only, {"model": "moe", "ep": 2},
         "a close relative: Mixtral's load_balancing_loss_func in Hugging Face transformers "
         "computed the fraction of tokens per expert, f, wrongly (huggingface/transformers"
-        "#28255, fixed by #28256; before it, #28093: the loss was a constant, fixed by #28115)"),
+        "#28255, fixed by #28256; before it, #28093: the loss was a constant, fixed by #28115)",
+        unseen="f is a count (a NumPy array, no tensor) summed over dp as it should be; "
+               "which assignments it counts is a value"),
     Bug("moe-aux-after-capacity", "ep",
         "the load-balancing f counts the assignments left after capacity drops",
         "an overloaded expert looks less loaded than it is (its dropped tokens vanish from "
@@ -318,7 +332,8 @@ _LIST = [
         "matters; the loss differs from step 1 on, the ledger not at all",
         "--capacity-factor and " + MOE, lambda cfg: cfg.capacity_factor is not None
         and _moe(cfg), after_capacity, {"model": "moe", "ep": 2, "capacity_factor": 0.75},
-        "plausible: no shipped case found"),
+        "plausible: no shipped case found",
+        unseen="as moe-aux-first-choice: the same placements, other counts in f"),
     Bug("moe-aux-per-rank", "ep",
         "the aux loss computed from each rank's own tokens (f and P not summed over dp)",
         "the mean over ranks of f_r P_r is not f P of the whole microbatch: the loss and the "
@@ -339,7 +354,10 @@ _LIST = [
         _zero, no_allgather, {"zero": 1},
         "a close relative: DeepSpeed ZeRO-2 with MoE copied the updated fp32 slices back with "
         "the wrong partition ids, so only a fraction of the parameters trained "
-        "(deepspeedai/DeepSpeed#2058)"),
+        "(deepspeedai/DeepSpeed#2058)",
+        unseen="the parameters live in ZeRO's flat NumPy buffer, outside the tape, whose "
+               "slices the checks do not follow: the stale slices are old values in the "
+               "right place (the replica check sees them)"),
 ]
 BUGS: dict[str, Bug] = {bug.name: bug for bug in _LIST}
 

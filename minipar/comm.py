@@ -26,6 +26,22 @@ What this file teaches, in two parts.
 
    On a group of one they communicate nothing, so a strategy with degree 1
    runs the reference math exactly.
+
+3. Placements (placement.py). Each operator is a transition of the placement of
+   its tensor over the group's axis, checked when placement checking is on (the
+   backward makes the conjugate transition, the other way round):
+
+       copy_to          Replicate -> Replicate, its gradient Partial -> Replicate
+       reduce_from      Partial -> Replicate        (its gradient stays Replicate)
+       sum_replicated   Partial -> Replicate        (its gradient Partial -> Replicate)
+       scatter_to(d)    Replicate -> Shard(d)       (its gradient Shard(d) -> Replicate)
+       gather_from(d)   Shard(d) -> Replicate       (its gradient Replicate -> Shard(d))
+       reduce_scatter   Partial -> Shard(0)         (its gradient Shard(0) -> Replicate)
+       all_gather       Shard(0) -> Replicate, its gradient Partial -> Shard(0)
+       alltoallv        Shard(0) -> Shard(0)        rows regrouped; no Partial may travel
+
+   The array helpers below carry no placement: the gradient syncs that call them
+   state theirs with `placement.summed`.
 """
 
 from __future__ import annotations
@@ -36,8 +52,9 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from minipar import watchdog
+from minipar import placement, watchdog
 from minipar.autograd import Tensor
+from minipar.placement import Partial, Replicate, Shard
 
 
 # ------------------------------------------------------------------ ledger
@@ -259,25 +276,33 @@ def copy_to(x: Tensor, group: Group) -> Tensor:
     """Forward: identity. Backward: Allreduce(SUM) over the group.
 
     Megatron's f operator, at the input of a tensor-parallel region: every rank
-    uses the same x, so x's gradient is the sum of every rank's contribution."""
+    uses the same x, so x's gradient is the sum of every rank's contribution.
+    Placement: Replicate -> Replicate whose gradient is summed (`grad_summed`)."""
     if group.size == 1:
         return x
     # exercise: conjugate-f-g
-    return Tensor.from_op(x.data, (x,),
-                          lambda g: x.accumulate(allreduce_sum(group, g), fresh=True))
+    out = Tensor.from_op(x.data, (x,),
+                         lambda g: x.accumulate(allreduce_sum(group, g), fresh=True))
     # end exercise
+    if placement.ON:
+        placement.transition("copy_to", x, group, Replicate, Replicate(grad_summed=True), out)
+    return out
 
 
 def reduce_from(x: Tensor, group: Group) -> Tensor:
     """Forward: Allreduce(SUM) over the group. Backward: identity.
 
     Megatron's g operator, at the output of a row-parallel linear: partial sums
-    become the full result; each rank's copy of the result gets the same gradient."""
+    become the full result; each rank's copy of the result gets the same gradient.
+    Placement: Partial -> Replicate (a replicated input would be added tp times)."""
     if group.size == 1:
         return x
     # exercise: conjugate-f-g
-    return Tensor.from_op(allreduce_sum(group, x.data), (x,), lambda g: x.accumulate(g))
+    out = Tensor.from_op(allreduce_sum(group, x.data), (x,), lambda g: x.accumulate(g))
     # end exercise
+    return placement.transition("reduce_from (an Allreduce)", x, group, Partial,
+                                Replicate(), out) \
+        if placement.ON else out
 
 
 def sum_replicated(x: Tensor, group: Group) -> Tensor:
@@ -285,49 +310,64 @@ def sum_replicated(x: Tensor, group: Group) -> Tensor:
 
     For a partial statistic (the MoE router's mean probability over a batch split
     across data-parallel ranks) whose sum is used by every rank, each rank seeding
-    its own share of the loss: the sum's gradient is the sum of all ranks' gradients."""
+    its own share of the loss: the sum's gradient is the sum of all ranks' gradients.
+    Placement: Partial -> Replicate."""
     if group.size == 1:
         return x
-    return Tensor.from_op(allreduce_sum(group, x.data), (x,),
-                          lambda g: x.accumulate(allreduce_sum(group, g), fresh=True))
+    out = Tensor.from_op(allreduce_sum(group, x.data), (x,),
+                         lambda g: x.accumulate(allreduce_sum(group, g), fresh=True))
+    return placement.transition("sum_replicated (an Allreduce)", x, group, Partial,
+                                Replicate(grad_summed=True), out) if placement.ON else out
 
 
 def scatter_to(x: Tensor, group: Group, axis: int = -1) -> Tensor:
-    """Forward: split along `axis`, keep this rank's piece. Backward: Allgather."""
+    """Forward: split along `axis`, keep this rank's piece. Backward: Allgather.
+    Placement: Replicate -> Shard(axis)."""
     if group.size == 1:
         return x
-    return Tensor.from_op(split_axis(group, x.data, axis), (x,),
-                          lambda g: x.accumulate(allgather_axis(group, g, axis), fresh=True))
+    out = Tensor.from_op(split_axis(group, x.data, axis), (x,),
+                         lambda g: x.accumulate(allgather_axis(group, g, axis), fresh=True))
+    return placement.transition("scatter_to (a split)", x, group, Replicate,
+                                Shard(axis % x.ndim), out) if placement.ON else out
 
 
 def gather_from(x: Tensor, group: Group, axis: int = -1) -> Tensor:
-    """Forward: Allgather along `axis`. Backward: split, keep this rank's piece."""
+    """Forward: Allgather along `axis`. Backward: split, keep this rank's piece.
+    Placement: Shard(axis) -> Replicate."""
     if group.size == 1:
         return x
-    return Tensor.from_op(allgather_axis(group, x.data, axis), (x,),
-                          lambda g: x.accumulate(split_axis(group, g, axis), fresh=True))
+    out = Tensor.from_op(allgather_axis(group, x.data, axis), (x,),
+                         lambda g: x.accumulate(split_axis(group, g, axis), fresh=True))
+    return placement.transition("gather_from (an Allgather)", x, group, Shard(axis % x.ndim),
+                                Replicate(), out) if placement.ON else out
 
 
 def reduce_scatter(x: Tensor, group: Group, axis: int = 0) -> Tensor:
     """Forward: Reduce_scatter along `axis` (sum, keep my block). Backward: Allgather.
 
     Sequence parallelism's exit from a tensor-parallel region (Korthikanti et al. 2022):
-    rows of the MLP's (B, d), positions (axis 1) of the transformer's (B, T, d)."""
+    rows of the MLP's (B, d), positions (axis 1) of the transformer's (B, T, d).
+    Placement: Partial -> Shard(axis)."""
     if group.size == 1:
         return x
-    return Tensor.from_op(reduce_scatter_rows(group, x.data, axis), (x,),
-                          lambda g: x.accumulate(allgather_axis(group, g, axis), fresh=True))
+    out = Tensor.from_op(reduce_scatter_rows(group, x.data, axis), (x,),
+                         lambda g: x.accumulate(allgather_axis(group, g, axis), fresh=True))
+    return placement.transition("reduce_scatter (a Reduce_scatter)", x, group, Partial,
+                                Shard(axis % x.ndim), out) if placement.ON else out
 
 
 def all_gather(x: Tensor, group: Group, axis: int = 0) -> Tensor:
     """Forward: Allgather along `axis`. Backward: Reduce_scatter along `axis`.
 
-    Sequence parallelism's entry into a tensor-parallel region."""
+    Sequence parallelism's entry into a tensor-parallel region.
+    Placement: Shard(axis) -> Replicate whose gradient (a partial sum) is Reduce_scattered."""
     if group.size == 1:
         return x
-    return Tensor.from_op(allgather_axis(group, x.data, axis), (x,),
-                          lambda g: x.accumulate(reduce_scatter_rows(group, g, axis),
-                                                 fresh=True))
+    out = Tensor.from_op(allgather_axis(group, x.data, axis), (x,),
+                         lambda g: x.accumulate(reduce_scatter_rows(group, g, axis),
+                                                fresh=True))
+    return placement.transition("all_gather (an Allgather)", x, group, Shard(axis % x.ndim),
+                                Replicate(grad_summed=True), out) if placement.ON else out
 
 
 def alltoallv_rows(group: Group, x: np.ndarray, send_counts: np.ndarray,
@@ -351,9 +391,12 @@ def alltoallv(x: Tensor, group: Group, send_counts: np.ndarray,
     """Forward: Alltoallv of rows. Backward: Alltoallv with the counts swapped.
 
     The MoE dispatch (tokens to the rank owning their expert) and combine (results
-    back); the backward of sending rows is receiving their gradients back."""
+    back); the backward of sending rows is receiving their gradients back.
+    Placement: rows stay a shard of the tokens' rows; no partial sum may travel."""
     if group.size == 1:
         return x
     out = alltoallv_rows(group, x.data, send_counts, recv_counts)
-    return Tensor.from_op(out, (x,), lambda g: x.accumulate(
+    result = Tensor.from_op(out, (x,), lambda g: x.accumulate(
         alltoallv_rows(group, g, recv_counts, send_counts), fresh=True))
+    return placement.follow(result, placement.rows_exchanged("alltoallv", x, group), x.name) \
+        if placement.ON else result

@@ -65,6 +65,7 @@ class TrainConfig:
     keep: int = 2                     # --save keeps this many step folders (checkpoint.py)
     timeout: float = 300.0            # seconds a rank may wait in one call (watchdog.py)
     inject_bug: str | None = None     # lesson 08: run with one deliberate bug (bugs.py)
+    check_placements: bool = False    # every op checks replicated/sharded/partial (placement.py)
     vocab: int | None = None          # the transformer's V: default 64, or 256 with --data
     seq_len: int = 32                 # T positions per sequence
     heads: int = 4                    # H attention heads, dividing d_model
@@ -114,7 +115,24 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
         return out  # the divisibility below is meaningless with such sizes
     out += _divisibility(cfg)
     out += _data_parallel_problems(cfg)
+    out += placement_problems(cfg)
     return out
+
+
+def placement_problems(cfg: TrainConfig) -> list[str]:
+    """What `--check-placements` (placement.py) does not cover yet: the transformer's
+    tensor parallelism (heads, the vocabulary-parallel loss, sequence parallelism along
+    T), context parallelism and activation recomputation have no placement rules."""
+    if not cfg.check_placements:
+        return []
+    if cfg.model in GPT_MODELS and cfg.tp > 1:
+        return ["--check-placements does not cover the transformer's tensor parallelism "
+                "yet (--model gpt/gpt-moe with --tp 2 or more)"]
+    if cfg.cp > 1:
+        return ["--check-placements does not cover context parallelism yet (--cp 2 or more)"]
+    if cfg.recompute != "none":
+        return ["--check-placements does not cover --recompute yet (use --recompute none)"]
+    return []
 
 
 def size_problems(cfg: TrainConfig, world_size: int) -> list[str]:
@@ -219,6 +237,8 @@ def _context_parallel_problems(cfg: TrainConfig) -> list[str]:
     if cfg.tp > 1:
         out.append("--cp with --tp 2 or more is not built yet (heads split over tp inside "
                    "the cp group): use --cp with --dp, --pp or --ep")
+    if cfg.cp > 1:
+        return ["--check-placements does not cover context parallelism yet (--cp 2 or more)"]
     if cfg.recompute != "none":
         out.append(f"--recompute {cfg.recompute} with --cp is not built yet (recomputing "
                    "would repeat the cp exchanges of attention): use --recompute none")
@@ -406,6 +426,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
              "(allgather K/V, ring, zigzag ring, ulysses Alltoall)")
     add("--inject-bug", metavar="NAME", default=None,
         help="break one thing on purpose (lesson 08); `python -m minipar bugs` lists them")
+    add("--check-placements", action="store_true",
+        help="every op and collective checks whether its tensors are replicated, sharded "
+             "or partial sums over each mesh axis; a violation stops the run with one line")
 
 
 def make_parser(prog: str = "python -m minipar train") -> argparse.ArgumentParser:

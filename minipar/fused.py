@@ -26,6 +26,7 @@ import math
 
 import numpy as np
 
+from minipar import placement as _pl
 from minipar.autograd import Tensor, _weight_grad
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -54,7 +55,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             if bias is not None:
                 bias.accumulate(grad_rows.sum(axis=0), fresh=True)
         _weight_grad(weight_grads)
-    return Tensor.from_op(out, parents, backward)
+    result = Tensor.from_op(out, parents, backward)
+    if _pl.ON:  # placement.py: data, column and row parallelism's rules, then the bias
+        layer = weight.name.removesuffix(".weight")
+        _pl.follow(result, _pl.linear(f"{layer} linear", x, weight, bias), f"{layer} output")
+    return result
 
 
 def gelu(a: Tensor) -> Tensor:
@@ -67,7 +72,8 @@ def gelu(a: Tensor) -> Tensor:
     def backward(g: np.ndarray) -> None:
         dinner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * z * z)
         a.accumulate(g * (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * dinner), fresh=True)
-    return Tensor.from_op(out, (a,), backward)
+    result = Tensor.from_op(out, (a,), backward)
+    return _pl.follow(result, _pl.nonlinear("GELU", a), a.name) if _pl.ON else result
 
 
 def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-5) -> Tensor:
@@ -89,7 +95,12 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-5) -> Ten
             dx = g_hat - g_hat.mean(axis=-1, keepdims=True) \
                 - x_hat * (g_hat * x_hat).mean(axis=-1, keepdims=True)
             x.accumulate(dx * inv_sigma, fresh=True)
-    return Tensor.from_op(out, (x, gamma, beta), backward)
+    result = Tensor.from_op(out, (x, gamma, beta), backward)
+    if _pl.ON:
+        layer = gamma.name.removesuffix(".weight")
+        _pl.follow(result, _pl.layer_norm(f"LayerNorm {layer}", x, gamma, beta),
+                   f"{layer} output")
+    return result
 
 
 # ------------------------------------------------------ softmax and losses
@@ -101,7 +112,8 @@ def softmax(a: Tensor, axis: int = -1) -> Tensor:
 
     def backward(g: np.ndarray) -> None:
         a.accumulate(s * (g - (g * s).sum(axis=axis, keepdims=True)), fresh=True)
-    return Tensor.from_op(s, (a,), backward)
+    out = Tensor.from_op(s, (a,), backward)
+    return _pl.follow(out, _pl.nonlinear("softmax", a, over=axis), a.name) if _pl.ON else out
 
 
 def log_softmax(a: Tensor, axis: int = -1) -> Tensor:
@@ -111,7 +123,9 @@ def log_softmax(a: Tensor, axis: int = -1) -> Tensor:
 
     def backward(g: np.ndarray) -> None:
         a.accumulate(g - np.exp(out) * g.sum(axis=axis, keepdims=True), fresh=True)
-    return Tensor.from_op(out, (a,), backward)
+    result = Tensor.from_op(out, (a,), backward)
+    return _pl.follow(result, _pl.nonlinear("log_softmax", a, over=axis), a.name) \
+        if _pl.ON else result
 
 
 def cross_entropy(logits: Tensor, labels: np.ndarray, scale: float | None = None) -> Tensor:
@@ -133,4 +147,6 @@ def cross_entropy(logits: Tensor, labels: np.ndarray, scale: float | None = None
         d = e / total
         d[rows, labels] -= 1.0
         logits.accumulate((d * (g * scale)).reshape(logits.shape), fresh=True)
-    return Tensor.from_op(out, (logits,), backward)
+    result = Tensor.from_op(out, (logits,), backward)
+    return _pl.follow(result, _pl.cross_entropy("cross-entropy", logits), "the loss") \
+        if _pl.ON else result

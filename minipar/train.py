@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import bugs, checkpoint, config, gpt, nn, preflight, watchdog
+from minipar import bugs, checkpoint, config, gpt, nn, placement, preflight, watchdog
 from minipar.config import TrainConfig
 from minipar.data import (
     make_batch,
@@ -43,6 +43,7 @@ from minipar.data import (
 from minipar.mesh import Mesh
 from minipar.optim import Optimizer, make_optimizer
 from minipar.parallel import pipeline_parallel, pipeline_schedules
+from minipar.placement import Shard
 from minipar.recompute import Recomputed
 from minipar.shards import held_parts
 
@@ -317,7 +318,8 @@ def make_updater(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     return zero.make_zero(cfg.zero, chunks, mesh, optimizer)
 
 
-def microbatch_loss(chunk: nn.Model, x: np.ndarray, y: np.ndarray, scale: float) -> ag.Tensor:
+def microbatch_loss(chunk: nn.Model, x: np.ndarray | ag.Tensor, y: np.ndarray, scale: float
+                    ) -> ag.Tensor:
     """scale * (local mean CE + aux) for a chunk that holds the whole model."""
     return nn.loss_fn(chunk, x, y) * scale
 
@@ -343,23 +345,35 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     scale = 1.0 / cfg.microbatches
     slices = [shard_rows(cfg.batch, cfg.microbatches, cfg.dp, m, mesh.coords["dp"])
               for m in range(cfg.microbatches)]
+    # placements (placement.py): the rows of x are Shard(0) over dp; so are those that
+    # cross a stage boundary, and under sequence parallelism over tp as well
+    rows_over = (mesh.dp,)
+    boundary_rows_over = (mesh.dp, mesh.tp) if cfg.sp and not cfg.model_config().is_gpt \
+        else rows_over
     if cfg.pp > 1:
         def last_stage_loss(logits: ag.Tensor, aux: ag.Tensor | None,
                             labels: np.ndarray) -> ag.Tensor:
             head = chunks[-1].head                                  # the last chunk's
             loss = nn.output_loss(head, logits, labels) * scale     # CE / M
-            return loss if aux is None else loss + aux * scale      # + aux / M
+            loss = loss if aux is None else loss + aux * scale      # + aux / M
+            if placement.ON:  # what the gradient sync expects: at most a mean over dp
+                placement.loss("the gradient sync", loss, mesh.dp)
+            return loss
 
         # looked up at call time: --inject-bug swaps pipeline_parallel.StageWorker
         worker = pipeline_parallel.StageWorker(
             mesh.pp, chunks, x, y, slices, last_stage_loss, scale, boundary_shape(cfg),
             len(chunks), split_backward=cfg.schedule in pipeline_schedules.SPLIT_BACKWARD,
-            rank=mesh.rank, dtype=cfg.dtype, v_shape=cfg.schedule in pipeline_schedules.V_SHAPED)
+            rank=mesh.rank, dtype=cfg.dtype, v_shape=cfg.schedule in pipeline_schedules.V_SHAPED,
+            rows_over=rows_over, boundary_rows_over=boundary_rows_over)
         return pipeline_parallel.forward_backward(worker, cfg.schedule, cfg.microbatches,
                                                   timeline)
     total = 0.0
     for rows in slices:  # gradient accumulation: grads add up in .grad
-        loss = microbatch_loss(chunks[0], x[rows], y[rows], scale)
+        loss = microbatch_loss(chunks[0], placement.place(ag.Tensor(x[rows]), mesh.dp,
+                                                          Shard(0)), y[rows], scale)
+        if placement.ON:  # what the gradient sync expects: at most a mean over dp
+            placement.loss("the gradient sync", loss, mesh.dp)
         loss.backward()
         total += loss.item()
     return total
@@ -380,7 +394,8 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
 
     mesh = Mesh(cfg.mesh_shape(), world, Ledger())
     try:  # overflow shows up as a DivergedError line, not as NumPy warnings burying it
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"), \
+                placement.checking(cfg.check_placements):   # placement.py: on or off
             return train_on_mesh(cfg, mesh, on_step)
     finally:  # also when a step diverges: a sweep or a notebook builds many meshes
         mesh.free()
@@ -432,6 +447,13 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
     # then the optimizer updates what this rank holds (ZeRO: its slice)
     updater.step()
     ledger.enabled = False  # reporting the loss is not part of training's traffic
+    if placement.ON:  # no gradient left a partial sum by the syncs above (placement.py);
+        # every rank learns of any rank's finding, so all stop at this same step
+        problem = placement.unsummed_gradient({axis: getattr(mesh, axis).size
+                                               for axis in ("dp", "tp", "ep", "edp")})
+        found = [line for line in mesh.world.allgather(problem) if line]
+        if found:
+            raise placement.PlacementError(found[0])
     loss = report_loss(mesh, local)
     if not math.isfinite(loss):  # the same number on every rank: all stop here
         raise DivergedError(step + 1, cfg.steps, f"the loss is {loss}", blame(cfg, step == 0))

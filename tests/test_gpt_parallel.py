@@ -81,7 +81,10 @@ BUGGED = [dict(GPT, dp=2, pp=2, microbatches=2, schedule="gpipe",
 def swept(request, tmp_path_factory):
     """Every config of one rank count, trained in one mpiexec job."""
     world = request.param
-    configs = RUNS[world] + (BUGGED if world == 4 else [])
+    # the broken runs are judged by their numbers: placement checking would stop some
+    # (tests/test_bugs_placement.py checks those)
+    configs = RUNS[world] + ([{**c, "check_placements": False} for c in BUGGED]
+                             if world == 4 else [])
     runs = sweep(world, configs, tmp_path_factory.mktemp(f"gpt{world}"), timeout=420)
     return world, runs
 

@@ -6,7 +6,11 @@ slice's mean loss, and the full-batch gradient is their average,
 
     g = 1/dp * sum_i g_i          (batch 1024 on 8 ranks: 128 each, 1/8 sum)
 
-computed with Allreduce(SUM) and a division. Three ways to call it, side by
+computed with Allreduce(SUM) and a division. In placements (placement.py): every
+parameter is Replicate over dp, the batch rows Shard(0), so each g_i is a Partial
+over dp; the sync turns it into Replicate before the optimizer step, and says so
+(`placement.summed`: `train --check-placements` then checks no gradient was left
+partial). Three ways to call it, side by
 side, each equal to one process (`--grad-sync`):
 
 1. naive: one Allreduce per parameter after backward. Simple, but a model of
@@ -39,7 +43,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import autograd as ag
-from minipar import watchdog
+from minipar import placement, watchdog
 from minipar.autograd import Tensor
 from minipar.comm import Group
 from minipar.memory import ModelStates, measure
@@ -82,6 +86,7 @@ def allreduce_gradients(params: Sequence[Parameter], mesh: Mesh) -> None:
         grad, group = grad_or_zeros(p), _group(p, mesh)
         if group.size > 1:
             group.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)  # g_i of every replica -> sum
+            placement.summed([p], group)                    # Partial -> Replicate over dp
         if mesh.shape.replicas > 1:
             grad /= mesh.shape.replicas
         # end exercise
@@ -130,6 +135,7 @@ def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: Mesh) -> No
         flat = pack(bucket)
         if group.size > 1:
             group.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)  # a bucket of g_i -> its sum
+            placement.summed(bucket, group)                 # Partial -> Replicate over dp
         unpack(bucket, flat, 1.0 / mesh.shape.replicas)
     # end exercise
 
@@ -167,7 +173,8 @@ def _marker(x: Tensor, hook: Callable[[], None], after_weight_grads: bool = Fals
         else:
             hook()
         x.accumulate(g)
-    return Tensor.from_op(x.data, (x, _ALWAYS), backward)
+    out = Tensor.from_op(x.data, (x, _ALWAYS), backward)
+    return placement.follow(out, placement.of(x), x.name) if placement.ON else out
 
 
 class Piece(Module):
@@ -250,6 +257,7 @@ class OverlappedAllreduce(Hooks):
         request = None
         if group.size > 1:  # a bucket of g_i -> its sum, in the background
             request = group.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+            placement.summed(self.buckets[i], group)       # Partial -> Replicate over dp
         self.in_flight.append((i, flat, request))
 
     def finish(self) -> int:

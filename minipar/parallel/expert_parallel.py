@@ -29,6 +29,14 @@ every rank see global counts: a count Allreduce (f), an Exscan (how many earlier
 assignments each expert already took) and the probability sums (P). The result equals
 one process to rounding.
 
+Placements (placement.py, `--check-placements`): the tokens u are Shard(0) over dp;
+the dispatch and combine Alltoallv move whole rows (refusing a partial sum) and keep
+them a row shard; the router and LayerNorm are Replicate over dp, so their gradients
+are Partial over dp (summed by the dp sync), and an expert's weights, used on the
+rows of its ep group, get gradients Partial over edp (summed by the edp sync). The
+router's column sums P are Partial over dp until `sum_replicated` makes them whole,
+so the aux loss added to every rank's loss is Replicate.
+
 Run it: `mpiexec -n 8 python lessons/03_expert_parallel.py`, or
 `mpiexec -n 8 python -m minipar train --model moe --dp 8 --ep 8 --experts 64 --check`.
 """
@@ -40,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import comm, fused, nn
+from minipar import comm, fused, nn, placement
 from minipar.autograd import Tensor
 from minipar.comm import Group
 from minipar.mesh import Mesh
@@ -219,7 +227,7 @@ class ExpertParallelBlock(nn.Module):
                  mesh: Mesh, ln: str = "ln",
                  layout: context_parallel.TokenLayout | None = None) -> None:
         p = f"blocks.{index}"
-        self.cfg = cfg
+        self.cfg, self.prefix = cfg, p
         # tokens live on the dp ranks, and with context parallelism on dp x cp (mesh.dp_cp);
         # `layout` (context_parallel.TokenLayout) then says which tokens of the global order
         self.dp_group, self.ep_group, self.layout = mesh.dp_cp, mesh.ep, layout
@@ -257,6 +265,8 @@ class ExpertParallelBlock(nn.Module):
         y = run_local_experts(received, recv, self.experts)
         out = combine(y, routing, order, send, recv, self.ep_group, like=u)
         aux = global_aux(routing.probs, counts, tokens, cfg, self.dp_group)
+        if placement.ON:
+            aux.name = f"{self.prefix} aux loss"  # named in placement messages
         self.last_stats = load_stats(counts, limit, kept, send, recv)
         return out, aux
 

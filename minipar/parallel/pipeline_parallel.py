@@ -43,6 +43,11 @@ Messages carry tag 0 (activation) or 1 (gradient); in each direction they are
 sent and received in the same order, which is how each Recv gets the right
 microbatch (MPI never lets two messages with the same tag overtake each other).
 
+Placements (placement.py): what crosses a stage boundary keeps the placement it had
+(rows Shard(0) over dp; under sequence parallelism over tp too), declared again on
+the receiving side (`rows_of`); Send/Recv move it whole, so a partial sum is
+refused before it is sent.
+
 Run it: `mpiexec -n 4 python -m minipar train --pp 4 --microbatches 8 --schedule 1f1b --check`,
 or the lesson `mpiexec -n 4 python lessons/04_pipeline_parallel.py`.
 """
@@ -50,13 +55,13 @@ or the lesson `mpiexec -n 4 python lessons/04_pipeline_parallel.py`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import watchdog
+from minipar import placement, watchdog
 from minipar.autograd import Tensor
 from minipar.nn import Model
 from minipar.parallel.pipeline_schedules import (
@@ -74,6 +79,7 @@ from minipar.parallel.pipeline_schedules import (
     schedule,
     virtual_stage,
 )
+from minipar.placement import Shard
 
 if TYPE_CHECKING:
     from minipar.comm import Group
@@ -84,6 +90,13 @@ ACT_TAG, GRAD_TAG = 0, 1
 # The last stage's loss of one microbatch from (logits, the chunk's aux loss or None,
 # labels): the caller's to define (train.py: CE/M + aux/M); the pipeline only runs it.
 LossFunction = Callable[[Tensor, "Tensor | None", np.ndarray], Tensor]
+
+
+def rows_of(t: Tensor, groups: Sequence[Group]) -> Tensor:
+    """`t` declared Shard(0) over each group: its rows are one piece of the batch."""
+    for group in groups:
+        placement.place(t, group, Shard(0))
+    return t
 
 
 class StageWorker:
@@ -109,7 +122,8 @@ class StageWorker:
                  rows: list[slice], loss: LossFunction, aux_weight: float,
                  boundary: tuple[int, ...], virtual: int = 1, split_backward: bool = False,
                  rank: int = 0, dtype: np.dtype | str | None = None,
-                 v_shape: bool = False) -> None:
+                 v_shape: bool = False, rows_over: Sequence[Group] = (),
+                 boundary_rows_over: Sequence[Group] = ()) -> None:
         self.group, self.rank, self.v_shape = pp_group, rank, v_shape
         self.stage, self.pp, self.virtual = pp_group.rank, pp_group.size, virtual
         self.chunks = chunks
@@ -118,6 +132,9 @@ class StageWorker:
         self.rows = rows
         self.x, self.y = x, y
         self.split_backward = split_backward
+        # the groups whose ranks hold other rows of the data / of a boundary activation
+        # (placement.py: Shard(0) over each; dp, and tp under sequence parallelism)
+        self.rows_over, self.boundary_rows_over = rows_over, boundary_rows_over
         self.inputs: dict[tuple[int, int], Tensor] = {}
         self.outputs: dict[tuple[int, int], tuple[Tensor, Tensor | None]] = {}
         self.grads: dict[tuple[int, int], np.ndarray] = {}
@@ -177,10 +194,14 @@ class StageWorker:
         buf = np.empty(self.shape, dtype=self.dtype)
         # activation (B/(M dp), d) of this microbatch <- the previous stage
         self.group.Recv(buf, source=self.peer(ins), tag=ACT_TAG)
-        self.inputs[(ins.chunk, ins.microbatch)] = Tensor(buf, requires_grad=True)
+        self.inputs[(ins.chunk, ins.microbatch)] = rows_of(
+            Tensor(buf, requires_grad=True), self.boundary_rows_over)
 
     def send_act(self, ins: Instruction) -> None:
-        out = np.ascontiguousarray(self.outputs[(ins.chunk, ins.microbatch)][0].data)
+        sent = self.outputs[(ins.chunk, ins.microbatch)][0]
+        if placement.ON:  # the next stage takes it as whole rows: no partial sum may go
+            placement.rows_exchanged("Send to the next stage", sent, self.group)
+        out = np.ascontiguousarray(sent.data)
         # activation (B/(M dp), d) of this microbatch -> the next stage
         request = self.group.Isend(out, dest=self.peer(ins), tag=ACT_TAG)
         self.sending[(ACT_TAG, ins.chunk, ins.microbatch)] = (request, out)
@@ -204,8 +225,10 @@ class StageWorker:
         rows = self.rows[ins.microbatch]
         if self.fed_locally(ins.chunk):  # the V's bottom: this rank's chunk 0's output
             previous = self.outputs[(ins.chunk - 1, ins.microbatch)][0].data
-            self.inputs[key] = Tensor(previous.copy(), requires_grad=True)
-        h = Tensor(self.x[rows]) if self.is_first(ins.chunk) else self.inputs[key]
+            self.inputs[key] = rows_of(Tensor(previous.copy(), requires_grad=True),
+                                       self.boundary_rows_over)
+        h = rows_of(Tensor(self.x[rows]), self.rows_over) if self.is_first(ins.chunk) \
+            else self.inputs[key]
         out, aux = self.chunks[ins.chunk].forward(h)
         if self.is_last(ins.chunk):                      # out is the logits
             loss = self.loss_function(out, aux, self.y[rows])   # e.g. CE/M + aux/M

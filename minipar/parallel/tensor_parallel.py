@@ -32,6 +32,14 @@ of (B, T, d) per block and microbatch; under SP the split region is cut along T
 (vocab_parallel.py). The MLP models' embedding and head stay replicated: their
 inputs are dense vectors and C is tiny, so there is nothing worth splitting.
 
+Placements over tp (placement.py), what `--check-placements` verifies: fc1's W and
+b are Shard(1) and Shard(0), fc2's W Shard(0), every other parameter Replicate. The
+LayerNorm output is Replicate, `copy_to` makes it Replicate with its gradient summed,
+fc1's output and GELU are Shard(1), fc2's product is a Partial sum, `reduce_from`
+makes it Replicate, and only then may the replicated bias and residual be added.
+Under SP the residual stream is Shard(0) over tp, and the parameters used on it
+(LayerNorm, fc2's bias) get a Partial gradient over tp, summed before the dp sync.
+
 Run it: `mpiexec -n 4 python -m minipar train --tp 4 --check --ledger` (add `--sp`),
 `mpiexec -n 4 python -m minipar train --model gpt --tp 4 --sp --check --ledger`,
 or the lessons `mpiexec -n 2 python lessons/02_tensor_parallel.py` and
@@ -45,7 +53,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from minipar import attention, fused, gpt
+from minipar import attention, fused, gpt, placement
 from minipar.autograd import Tensor
 from minipar.comm import (
     Group,
@@ -58,6 +66,7 @@ from minipar.comm import (
 )
 from minipar.nn import LayerNorm, Module, Parameter
 from minipar.parallel.data_parallel import pack, unpack
+from minipar.placement import Shard
 
 
 def shard(size: int, parts: int, rank: int) -> slice:
@@ -100,6 +109,8 @@ class ColumnParallelLinear(Module):
                                 full_index=(slice(None), cols), sync="dp")
         self.bias = Parameter(full[f"{name}.bias"][cols], f"{name}.bias",
                               full_index=(cols,), sync="dp")
+        placement.place(self.weight, tp, Shard(1))   # my columns of W (d, f)
+        placement.place(self.bias, tp, Shard(0))     # and of b (f,)
         self.tp = tp
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
@@ -136,6 +147,7 @@ class RowParallelLinear(Module):
         self.weight = Parameter(weight[rows, :], f"{name}.weight",
                                 full_index=(rows, slice(None)), sync="dp")
         self.bias = Parameter(full[f"{name}.bias"], f"{name}.bias", sync="dp")
+        placement.place(self.weight, tp, Shard(0))   # my rows of W (f, d); b replicated
         self.tp = tp
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
@@ -285,6 +297,7 @@ def allreduce_sequence_parallel_grads(chunks: Sequence[Module], tp: Group) -> No
         return
     packed = pack(params)
     tp.Allreduce(MPI.IN_PLACE, packed, op=MPI.SUM)  # my rows' share (3 d per block) -> the sum
+    placement.summed(params, tp)                    # Partial -> Replicate over tp
     unpack(params, packed, 1.0)
 
 

@@ -23,6 +23,12 @@ Allreduce = Reduce_scatter + Allgather, so stages 1 and 2 move what DP moves
 (2 Psi per step on the wire, ring algorithms); stage 3 adds one Allgather (3 Psi).
 The hooks around each piece are the marker nodes of data_parallel.py (`Piece`).
 
+Placements (placement.py): every parameter is Replicate over dp as in plain data
+parallelism and its gradient Partial over dp; the Reduce_scatter turns the flat
+gradient into Shard(0) of its sum (each rank its slice), and the Allgather turns the
+updated slices back into Replicate parameters. `placement.summed` states the first
+transition for the parameters; the flat buffers themselves carry no placement.
+
 Checkpoints (checkpoint.py) speak of parameters, not flat slices: each rank
 saves its slice as boxes of the full arrays it covers (`checkpoint_pieces`), and
 on resume cuts its slice of Adam's m and v out of the full ones (`slice_state`),
@@ -39,6 +45,7 @@ from collections.abc import Sequence
 import numpy as np
 from mpi4py import MPI
 
+from minipar import placement
 from minipar.memory import FlatLayout, ModelStates, displacements, measure
 from minipar.mesh import Mesh
 from minipar.nn import Module, Parameter
@@ -76,6 +83,7 @@ class Zero1:
     def step(self) -> None:
         grads = np.concatenate([grad_or_zeros(p).ravel() for p in self.params])  # (Psi,)
         mine = self.reduce_scatter(grads, 0, self.layout.total)
+        placement.summed(self.params, self.group)  # Partial -> my slice of the sum
         self.update(mine)
         self.allgather_params()
 
@@ -196,6 +204,7 @@ class Zero2(Zero1, Hooks):
             if p.grad is not None:
                 view[...] = p.grad
         self.grad_shard[self.layout.mine(a, b)] += self.reduce_scatter(grads, a, b)
+        placement.summed(params, self.group)       # Partial -> my slice of the sum
         for p in params:
             p.grad = None  # the full gradient is dropped: my slice of the sum stays
 
