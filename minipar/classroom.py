@@ -90,7 +90,8 @@ class Run:
     reference: list[float]                 # the same steps in one process
     ledger: list[dict]                     # last step, every rank (RunResult.ledger)
     memory: list[ModelStates]              # bytes of model states, one per world rank
-    extras: dict = field(default_factory=dict)  # "timeline", "expert_load" of rank 0
+    extras: dict = field(default_factory=dict)  # "timeline", "expert_load",
+    #                                             "attention_scores" of rank 0
 
 
 def train(n: int, configs: list[dict], timeout: float = 240) -> list[Run]:
@@ -158,7 +159,8 @@ def run_configs(configs: list[dict], out: Path) -> None:
         # each rank's bytes of params, grads and optimizer state -> rank 0 (small objects)
         memory = world.gather(asdict(result.extras["memory"]), root=0)
         if world.Get_rank() == 0:
-            extras = {k: result.extras[k] for k in ("timeline", "expert_load")}
+            extras = {k: result.extras.get(k) for k in ("timeline", "expert_load",
+                                                         "attention_scores")}
             results.append(dict(cfg=cfg.as_json(), losses=result.losses, memory=memory,
                                 reference=train_reference(cfg).losses, ledger=result.ledger,
                                 extras=extras))

@@ -33,7 +33,8 @@ def code_cells(notebook: nbformat.NotebookNode) -> list:
 def test_a_notebook_for_every_strategy():
     names = " ".join(path.stem for path in NOTEBOOKS)
     for word in ("collectives", "data_parallel", "tensor_parallel", "expert_parallel",
-                 "pipeline_parallel", "tp_vs_pp", "hybrid", "zero", "bugs"):
+                 "pipeline_parallel", "tp_vs_pp", "hybrid", "zero", "bugs", "transformer",
+                 "transformer_tp", "context_parallel"):
         assert word in names, word
 
 
@@ -66,7 +67,8 @@ def test_notebook_runs_and_draws(path):
     assert drawing, f"{path.name} draws no figure"
 
 
-@pytest.mark.parametrize("name", ["05_tp_vs_pp", "07_zero", "08_bugs"])
+@pytest.mark.parametrize("name", ["05_tp_vs_pp", "07_zero", "08_bugs", "10_transformer",
+                                  "11_transformer_tp", "12_context_parallel"])
 def test_lesson_notebooks_ask_what_to_notice_and_check_exercises(name):
     """A notebook for a class: "what to notice" prompts, and exercises whose cells
     check the answer against what the ranks measured (an assert that can fail)."""
