@@ -38,10 +38,12 @@ RECEIVES = ("Recv", "Irecv")  # the sender's record counts the message; the rece
 
 
 def group_sizes(shape: MeshShape) -> dict[str, int]:
-    """Ranks per group of each mesh axis, by the ledger's group names: dp, tp, pp, ep,
-    edp (the dp ranks that hold the same experts, dp/ep) and world."""
-    return {"dp": shape.dp, "tp": shape.tp, "pp": shape.pp, "ep": shape.ep,
-            "edp": shape.dp // shape.ep, "world": shape.world}
+    """Ranks per group of each mesh axis, by the ledger's group names: dp, cp, tp, pp,
+    ep, edp (the dp ranks that hold the same experts, dp/ep) and world. With context
+    parallelism the gradient sync runs over the dp x cp replicas, which the ledger
+    names `dp` (and `edp`): those groups count their cp ranks too."""
+    return {"dp": shape.dp * shape.cp, "cp": shape.cp, "tp": shape.tp, "pp": shape.pp,
+            "ep": shape.ep, "edp": shape.dp // shape.ep * shape.cp, "world": shape.world}
 
 
 def wire_bytes(record: dict, sizes: Mapping[str, int]) -> float:

@@ -231,3 +231,16 @@ def test_timing_bars_are_medians_and_capacity_line_is_one_when_it_is_the_mean(tm
     assert len(lines) == 1 and "perfect balance" in lines[0].get_label()
     stats = dict(stats, limit=5, kept=[5, 4, 2, 2], dropped=3)
     assert len(plots_load.expert_load_figure(stats).axes[0].get_lines()) == 2
+
+
+def test_context_parallel_groups_count_their_cp_ranks():
+    """Under cp the gradient Allreduce the ledger names `dp` runs over the dp x cp
+    replicas: on dp 2 x cp 2 it puts 2 x 3/4 of its buffer on the wire, not 2 x 1/2."""
+    from minipar.mesh import MeshShape
+
+    sizes = plots.group_sizes(MeshShape(dp=2, tp=1, pp=1, ep=2, cp=2))
+    assert (sizes["dp"], sizes["cp"], sizes["edp"]) == (4, 2, 2)
+    record = {"op": "Allreduce", "group": "dp", "elements": 100, "bytes": 800}
+    assert plots.wire_bytes(record, sizes) == pytest.approx(1200)
+    ring = {"op": "Sendrecv", "group": "cp", "elements": 10, "bytes": 80}
+    assert plots.wire_bytes(ring, sizes) == 80
