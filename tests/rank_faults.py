@@ -80,10 +80,10 @@ def inject(spec: str) -> None:
         return
     original = training.step_batch
 
-    def step_batch(cfg: object, index: int) -> object:
+    def step_batch(cfg: object, index: int, *rows: object) -> object:
         if index + 1 == int(step[0]):
             die(mode, int(rank), f"at step {index + 1}", *(float(s) for s in step[1:]))
-        return original(cfg, index)
+        return original(cfg, index, *rows)
     training.step_batch = step_batch
 
 
