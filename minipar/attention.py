@@ -44,6 +44,19 @@ from minipar.autograd import Tensor
 
 
 # ------------------------------------------------------------- embedding
+def rows_summed_by_id(rows: np.ndarray, ids: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """dW of a lookup: an array shaped like `like` (V, d) whose row v is the sum of the
+    `rows` (N, d) whose `ids` (N,) equal v. Vectorized: sort by id, then one
+    `np.add.reduceat` sums each run of equal ids (no loop over tokens)."""
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    full = np.zeros_like(like)
+    if ids.size:
+        full[sorted_ids[starts]] = np.add.reduceat(rows[order], starts, axis=0)
+    return full
+
+
 def embedding(weight: Tensor, ids: Tensor | np.ndarray) -> Tensor:
     """weight[ids]: one row of `weight` (V, d) per id; ids of any shape -> ids.shape + (d,).
 
@@ -58,14 +71,8 @@ def embedding(weight: Tensor, ids: Tensor | np.ndarray) -> Tensor:
 
     def backward(g: np.ndarray) -> None:
         flat_ids = ids.reshape(-1)
-        rows = g.reshape(flat_ids.size, -1)                    # (N, d)
-        order = np.argsort(flat_ids, kind="stable")
-        sorted_ids = flat_ids[order]
-        starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
-        full = np.zeros_like(weight.data)
-        if flat_ids.size:
-            full[sorted_ids[starts]] = np.add.reduceat(rows[order], starts, axis=0)
-        weight.accumulate(full, fresh=True)
+        weight.accumulate(rows_summed_by_id(g.reshape(flat_ids.size, -1), flat_ids,
+                                            weight.data), fresh=True)
         if given is not None:
             given.accumulate(np.zeros(ids.shape, dtype=given.dtype), fresh=True)
     parents = (weight,) if given is None else (weight, given)

@@ -53,14 +53,9 @@ def vocab_lookup(weight: Tensor, ids: Tensor | np.ndarray, first: int) -> Tensor
     out[~mine] = 0.0
 
     def backward(g: np.ndarray) -> None:
-        rows, row_ids = g[mine], local[mine]                    # (n, d), (n,) my positions
-        order = np.argsort(row_ids, kind="stable")
-        sorted_ids = row_ids[order]
-        starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
-        full = np.zeros_like(weight.data)
-        if row_ids.size:
-            full[sorted_ids[starts]] = np.add.reduceat(rows[order], starts, axis=0)
-        weight.accumulate(full, fresh=True)
+        # my positions' gradients (n, d) summed into their rows (n,)
+        weight.accumulate(attention.rows_summed_by_id(g[mine], local[mine], weight.data),
+                          fresh=True)
         if given is not None:
             given.accumulate(np.zeros(ids.shape, dtype=given.dtype), fresh=True)
     parents = (weight,) if given is None else (weight, given)
