@@ -310,7 +310,7 @@ def gather_timeline(world: Group, timeline: list[dict]) -> list[dict] | None:
 
 
 def sum_the_two_copies(chunks: list[Model], pp_group: Group) -> None:
-    """DualPipe: add the gradients of the two copies of each stage, in place.
+    """DualPipe: each stage's gradient becomes the sum of its two copies' gradients.
 
     Rank r holds stage r of one copy (chunk 0) and stage pp-1-r of the other (chunk 1);
     rank pp-1-r holds the same two stages the other way round. Each stage's gradient
@@ -328,5 +328,5 @@ def sum_the_two_copies(chunks: list[Model], pp_group: Group) -> None:
     pp_group.Sendrecv(flat, dest=partner, recvbuf=received, source=partner)
     offset = 0  # the partner's chunk 0 is our chunk 1's stage, its chunk 1 our chunk 0's
     for p in [p for chunk in reversed(chunks) for p in chunk.parameters()]:
-        p.grad += received[offset:offset + p.grad.size].reshape(p.grad.shape)
+        p.grad = p.grad + received[offset:offset + p.grad.size].reshape(p.grad.shape)
         offset += p.grad.size
