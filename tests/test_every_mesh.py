@@ -10,6 +10,8 @@ sweep the other choices take turns, so that each is met on many meshes: the cp m
 by 2 cp, Ulysses cp dividing the H/tp local heads), sequence parallelism where tp > 1
 (T/(cp tp) positions per rank), --recompute none/selective/full, SGD and Adam.
 
+Ledger: every rank's entries are timemodel.traffic's, on every mesh.
+
 Tiny on purpose: d = 16, H = 8, T = 8, V = 16, one step. ONE `sweep` launch per world
 size (tests/mpi.py): 70 configs on 8 ranks, 30 on 4.
 """
@@ -19,8 +21,11 @@ from __future__ import annotations
 import pytest
 
 from minipar.config import TrainConfig, problems
+from minipar.costmodel import rank_shape
 from minipar.mesh import CP_MODES
 from minipar.parallel.pipeline_schedules import SCHEDULES, V_SHAPED
+from minipar.plan import minipar_workload, plan_of
+from minipar.timemodel import ledger_of, traffic
 from tests.conftest import assert_equivalent, reference
 from tests.mpi import sweep
 
@@ -84,8 +89,30 @@ def test_the_sweep_covers_every_mesh_and_schedule():
         assert {c.cp_mode for c in resolved if c.cp > 1} == set(CP_MODES), n
 
 
-@pytest.mark.parametrize("world", sorted(CONFIGS))
-def test_every_4d_mesh_equals_one_process(world, tmp_path):
-    runs = sweep(world, CONFIGS[world], tmp_path / "sweep", timeout=300)
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def swept(request, tmp_path_factory):
+    """Every config of one world size, trained in one mpiexec job."""
+    world = request.param
+    return world, sweep(world, CONFIGS[world], tmp_path_factory.mktemp(f"mesh{world}"),
+                        timeout=300)
+
+
+def test_every_4d_mesh_equals_one_process(swept):
+    world, runs = swept
     for fields, run in zip(CONFIGS[world], runs):
         assert_equivalent(run, reference(**fields), label=f"{world} ranks {label(fields)}")
+
+
+def test_every_4d_mesh_ledger_is_the_formulas(swept):
+    """Every rank's ledger entries (calls and elements per (group, op)) are those
+    timemodel.traffic predicts: tp's, cp's per mode, pp's per schedule, dp x cp's."""
+    world, runs = swept
+    for fields, run in zip(CONFIGS[world], runs):
+        cfg = TrainConfig(**fields).resolved(world)
+        w, plan, mesh = minipar_workload(cfg), plan_of(cfg), cfg.mesh_shape()
+        for rank in range(world):
+            predicted = ledger_of(traffic(w, plan, rank_shape(w, plan,
+                                                              mesh.coords(rank)["pp"])))
+            measured = {(r["group"], r["op"]): (r["calls"], r["elements"])
+                        for r in run["ledger"] if r["rank"] == rank}
+            assert measured == predicted, f"{world} ranks {label(fields)} rank {rank}"
