@@ -177,7 +177,8 @@ def parallelize(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray],
     4. context parallelism (the transformer): each sequence's positions split over
        `mesh.cp`, the embedding adding the rows of the positions held and attention
        reaching the others' keys by Allgather, ring or Alltoall (`make_block`; the
-       step keeps the rank's positions of the batch, `context_positions`);
+       step keeps the rank's positions of the batch, `context_positions`); with tp,
+       the attention of this tp rank's heads does so;
     5. data parallelism: the gradients synchronized over `mesh.dp` (over dp x cp,
        `mesh.dp_cp`, with context parallelism) after backward, plainly or with
        ZeRO 1/2/3, then the optimizer step (`make_updater`).

@@ -4,8 +4,12 @@ Equivalence (float64, rel 1e-9, losses and final parameters): every --cp-mode
 (allgather, ring, zigzag, ulysses) on cp = 2 and cp = 4; cp x dp (with microbatches and
 each gradient sync), ZeRO 1/2/3 over the dp x cp ranks, cp x pp under every schedule,
 gpt-moe under cp (the rank's positions are its tokens; capacity and aux over the global
-microbatch in global token order) and cp x dp x ep. SGD and Adam take turns; tiny shapes
-(L=2, d=16, H=4, T=16, V=16).
+microbatch in global token order) and cp x dp x ep; --recompute selective and full in
+every mode (the exchange run again in the backward); cp 2 x tp 2 in every mode (each
+rank's T/cp positions of its H/tp heads), with --sp (T/(cp tp) positions between the
+blocks), with and without the vocabulary split, under recomputation, gpt-moe; and on 8
+ranks cp x tp x dp (ZeRO-1 too), cp x tp x pp (1f1b, interleaved), cp x tp x dp x ep.
+SGD and Adam take turns; tiny shapes (L=2, d=16, H=4, T=16, V=16).
 
 Work: the score entries each rank computes in its latest forward (`scores.json`): the
 ring's rank r does r+1 blocks of (T/cp)^2 (its causal imbalance), zigzag's ranks all do
@@ -18,7 +22,9 @@ the MPI unit suite of tests/rank_tests.py).
 
 Ledger: each rank's entries are the formulas of timemodel.traffic (cp_traffic per mode:
 ring 2 (cp-1) K and V blocks forward per layer, Ulysses 4 Alltoalls forward and 4
-backward, allgather 2 Allgathers forward), and the gradient sync over dp x cp.
+backward, allgather 2 Allgathers forward; blocks of (b, T/cp, d/tp); recomputation one
+forward exchange more), tp's collectives on the rank's T/cp positions, and the gradient
+sync over dp x cp.
 
 One `sweep` launch per rank count (tests/mpi.py).
 """
