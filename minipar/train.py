@@ -366,7 +366,7 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     if cfg.pp > 1:
         def last_stage_loss(logits: ag.Tensor, aux: ag.Tensor | None,
                             labels: np.ndarray) -> ag.Tensor:
-            head = chunks[-1].head                                  # the last chunk's
+            head = next(c.head for c in chunks if c.head is not None)  # the chunk with it
             loss = nn.output_loss(head, logits, labels) * scale     # CE / M
             loss = loss if aux is None else loss + aux * scale      # + aux / M
             if placement.ON:  # what the gradient sync expects: at most a mean over dp

@@ -96,6 +96,8 @@ CONFIGS = {
              optimizer="adam", lr=0.01),
         dict(DUALPIPE, pp=2, dp=2, microbatches=4, optimizer="adam"),
         dict(DUALPIPE, pp=2, tp=2, sp=True, microbatches=4),
+        dict(GPT, layers=2, pp=2, tp=2, schedule="dualpipe", microbatches=4),  # vocab over tp:
+        # rank pp-1's head is on its chunk 0 (stage pp-1 of the copy fed from rank 0)
         dict(DUALPIPE, **MOE, pp=2, dp=2, ep=2, microbatches=4),
     ],
 }
