@@ -240,12 +240,12 @@ def test_rows_taken_and_concatenated_keep_their_placement():
             "other is a partial sum over dp")
 
 
-def test_attention_takes_sharded_rows_or_heads_not_positions():
+def test_attention_takes_sharded_rows_or_heads_not_positions_of_keys():
     q = t((2, 4, 8), dp=Shard(0))
     assert placement.of(attention.attention(q, q, q, heads=2)) == {"dp": Shard(0)}
-    k = t((2, 4, 8), "k", tp=Shard(1))
-    refused(lambda: attention.attention(k, k, k, heads=2), "k is sharded along dim 1 over tp",
-            "not positions")
+    k = t((2, 4, 8), "k", cp=Shard(1))
+    refused(lambda: attention.attention(k, k, k, heads=2), "k is sharded along dim 1 over cp",
+            "every query needs every earlier key", "an Allgather of K and V along T")
 
 
 def test_an_embedding_of_sharded_ids_is_sharded_and_its_table_partial():
@@ -319,15 +319,3 @@ def test_shards_match_by_their_dims_aligned_from_the_end():
     assert placement.of(columns + t((6,), tp=Shard(0))) == {"tp": Shard(1)}  # a column bias
     refused(lambda: t((4, 6), "rows", tp=Shard(0)) + t((6,), "b", tp=Shard(0)),
             "rows is sharded along dim 0 over tp")
-
-
-def test_what_placement_checking_does_not_cover_is_refused_with_one_line():
-    from minipar.config import TrainConfig, placement_problems
-
-    cfg = TrainConfig(model="gpt", tp=2, check_placements=True)
-    assert placement_problems(cfg) == [
-        "--check-placements does not cover the transformer's tensor parallelism yet "
-        "(--model gpt/gpt-moe with --tp 2 or more)"]
-    assert placement_problems(TrainConfig(recompute="full", check_placements=True))
-    assert placement_problems(TrainConfig(model="gpt", tp=2)) == []   # off: nothing to say
-    assert placement_problems(TrainConfig(tp=2, check_placements=True)) == []
