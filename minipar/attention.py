@@ -77,9 +77,9 @@ def embedding(weight: Tensor, ids: Tensor | np.ndarray) -> Tensor:
             given.accumulate(np.zeros(ids.shape, dtype=given.dtype), fresh=True)
     parents = (weight,) if given is None else (weight, given)
     result = Tensor.from_op(out, parents, backward)
-    if _pl.ON and given is not None:  # rows picked by ids sharded over dp stay sharded
-        _pl.follow(result, _pl.embedding(f"the lookup in {weight.name}", weight, given),
-                   f"{weight.name.removesuffix('.weight')} output")
+    if _pl.ON:  # rows picked by ids sharded over dp stay sharded
+        _pl.follow(result, _pl.embedding(f"the lookup in {weight.name}", weight, given)
+                   if given is not None else {}, f"{weight.name.removesuffix('.weight')} output")
     return result
 
 
