@@ -27,6 +27,11 @@ ep, ...) a tensor on a rank is one of
                           x Shard(cols) @ W Replicate, x Replicate @ W Shard(rows): refused
     sum over dim d        Shard(d) -> Partial(sum); mean over Shard(d) -> Partial(avg)
     cross-entropy         logits Shard(rows) -> a loss that is Partial(avg) over that axis
+    attention (one node)  q, k, v Shard(rows) or Shard(heads) alike -> the same; q
+                          Shard(positions) needs k, v whole, gathered (context parallel)
+    vocabulary-parallel   lookup in my rows of the table -> Partial(sum); the loss from my
+                          columns of logits needs its row max (Partial("max")) and sums
+                          Allreduced -> Replicate
 
 and every collective is a *transition* (comm.py checks each one):
 
@@ -35,6 +40,9 @@ and every collective is a *transition* (comm.py checks each one):
     split(dim)       Replicate -> Shard(dim)     (scatter_to: no message)
     Reduce_scatter   Partial -> Shard(0)         (reduce_scatter)
     Alltoallv        Shard(0) -> Shard(0)        (rows regrouped by destination)
+    Allgather(T)     Shard(1) -> Replicate       (context parallelism's K and V)
+    Alltoall         Shard(1) -> Shard(2)        (Ulysses: positions -> heads, and back)
+    Sendrecv ring    Shard(1) stays Shard(1)     (the ring node: blocks change owner)
 
 Conjugates: the backward of an op moves placements the other way. A replicated x
 entering a column-parallel matmul gets from it a gradient that is only this rank's
@@ -51,6 +59,7 @@ A violation raises `PlacementError` with one line naming the tensor, the axis,
 the placement found, the one needed, the op and the model line that called it.
 Scalar factors are not tracked: Partial(avg) and Partial(sum) differ by the
 known count the sync divides by; a wrong factor is a value, not a placement.
+docs/design.md, "Placements", states every rule, the transformer's included.
 """
 
 from __future__ import annotations
