@@ -1,7 +1,8 @@
 """Rank side of tests/test_placement_mesh.py: the transformer's placement bugs on a mesh.
 
 Each case trains one step of a small transformer on 2 ranks with placement checking on,
-with one piece swapped for a broken one (a bug a learner could write), and rank 0 writes
+with one piece swapped for a broken one (lesson 8's bugs of the transformer, minipar/bugs.py,
+and the vocabulary-parallel embedding without its Allreduce), and rank 0 writes
 {case: {"stopped": the line that stopped it, or null, "loss": the step loss or null}}
 to the JSON file given. "correct-*" cases run the same meshes unbroken.
 
@@ -12,16 +13,13 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 from mpi4py import MPI
 
-from minipar import attention
 from minipar.config import TrainConfig
 from minipar.log import abort_on_exception
-from minipar.parallel import context_parallel, vocab_parallel
+from minipar.parallel import vocab_parallel
 from minipar.placement import PlacementError
 from minipar.train import problems, train
 
@@ -35,43 +33,18 @@ def embedding_without_allreduce(x: object, group: object) -> object:
     return x
 
 
-def loss_without_max(original: Callable) -> Callable:
-    """The vocabulary-parallel loss without its Allreduce(MAX): BUG: each rank shifts
-    its logits by the max of its own columns."""
-    def allreduce_statistic(stat: object, tp: object, op: MPI.Op) -> object:
-        return stat if op == MPI.MAX else original(stat, tp, op)
-    return allreduce_statistic
-
-
-def attention_without_allgather(cpa: object, q: object, k: object, v: object, heads: int,
-                                key_bias: object) -> object:
-    """Context parallelism's Allgather of K and V forgotten: BUG: each rank attends to
-    the keys of its own positions only."""
-    return attention.attention(q, k, v, heads, q_positions=cpa.positions,
-                               k_positions=cpa.positions, key_bias=key_bias)
-
-
-def merge_without_lse(Out: np.ndarray, L: np.ndarray, o: np.ndarray, lse: np.ndarray) -> None:
-    """The ring's online softmax without its log-sum-exp weights: BUG: the blocks'
-    results are added up as they come."""
-    Out[...] = Out + o
-    L[...] = np.logaddexp(L, lse)
-
-
 CASES = {  # name: (flags, [(module, attribute, replacement)])
     "correct-tp": (dict(tp=2), []),
     "tp-copy-to-no-allreduce": (dict(tp=2, inject_bug="tp-copy-to-no-allreduce"), []),
     "vocab-embedding-no-allreduce": (dict(tp=2), [
         (vocab_parallel, "reduce_from", embedding_without_allreduce)]),
-    "vocab-loss-no-max": (dict(tp=2, sp=True), [
-        (vocab_parallel, "allreduce_statistic",
-         loss_without_max(vocab_parallel.allreduce_statistic))]),
+    "vocab-loss-no-max": (dict(tp=2, sp=True, inject_bug="tp-vocab-loss-no-max"), []),
     "correct-cp-allgather": (dict(cp=2, cp_mode="allgather"), []),
-    "cp-no-allgather": (dict(cp=2, cp_mode="allgather"), [
-        (context_parallel, "allgather_attention", attention_without_allgather)]),
+    "cp-no-allgather": (dict(cp=2, cp_mode="allgather", inject_bug="cp-no-allgather"), []),
     "correct-cp-ring": (dict(cp=2, cp_mode="ring"), []),
-    "ring-no-lse-merge": (dict(cp=2, cp_mode="ring"), [
-        (context_parallel, "_merge", merge_without_lse)]),
+    "ring-no-lse-merge": (dict(cp=2, cp_mode="ring", inject_bug="cp-ring-no-lse-merge"), []),
+    "zigzag-no-lse-merge": (dict(cp=2, cp_mode="zigzag", inject_bug="cp-ring-no-lse-merge"),
+                            []),
 }
 
 

@@ -1,8 +1,8 @@
 """Placement checking on a mesh, against the transformer's bugs (tests/rank_placement_mesh.py,
 one 2-rank job): each placement bug is stopped in its first forward with one line naming
 the tensor, the axis, the placement found, the one needed and the line of the model; a
-bug about values (the ring's merge without its log-sum-exp weights) runs through the
-check, and only its numbers tell (`--check`)."""
+bug about values (the ring's merge without its log-sum-exp weights, ring and zigzag) runs
+through the check, and only its numbers tell (`--check`)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ PLACEMENT_BUGS = {
     "cp-no-allgather": ("blocks.0.attn.k output is sharded along dim 1 over cp",
                         "every query needs every earlier key",
                         "an Allgather of K and V along T is missing",
-                        "rank_placement_mesh.py:"),
+                        "bugs.py:"),
 }
 
 
@@ -53,6 +53,8 @@ def test_a_placement_bug_is_stopped_with_one_line_naming_it(found, name):
 def test_a_ring_without_its_log_sum_exp_merge_is_a_value_bug(found):
     # the same placements (the node's inputs and output are my positions either way):
     # the check cannot see it, and the loss is no longer the one-process loss
-    broken, correct = found["ring-no-lse-merge"], found["correct-cp-ring"]
-    assert broken["stopped"] is None, broken["stopped"]
-    assert abs(broken["loss"] - correct["loss"]) > 1e-6 * abs(correct["loss"])
+    correct = found["correct-cp-ring"]
+    for name in ("ring-no-lse-merge", "zigzag-no-lse-merge"):
+        broken = found[name]
+        assert broken["stopped"] is None, broken["stopped"]
+        assert abs(broken["loss"] - correct["loss"]) > 1e-6 * abs(correct["loss"]), name
