@@ -24,6 +24,11 @@ d z_v = (exp(z_v - m) / s - [v == y]) / N, no communication; the head's input
 gradient is a partial sum over the vocabulary, which the region's entry f sums
 (its backward Allreduce), as for any column-parallel linear.
 
+Placements over tp (placement.py, `--check-placements`): tok is Shard(0), the lookup
+a Partial sum until its Allreduce (or Reduce_scatter along T); Wh and bh are Shard(1)
+and Shard(0), the logits Shard(2); the row max is a Partial("max") and the sums a
+Partial sum until `allreduce_statistic`, and the loss is Replicate over tp.
+
 `--no-vocab-parallel` keeps gpt.py's replicated embedding and head on every tp rank.
 """
 
