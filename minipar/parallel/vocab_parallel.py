@@ -129,10 +129,16 @@ def parallel_cross_entropy(logits: Tensor, labels: np.ndarray, first: int, tp: G
 class VocabParallelEmbedding(Module):
     """h0 = tok[x] + pos[positions] with my V/tp rows of tok: zeros for the other ids,
     then the Allreduce of (B, T, d), or with `sequence_parallel` a Reduce_scatter that
-    leaves my T/tp positions (B, T/tp, d), to which their position rows are added."""
+    leaves my T/tp positions (B, T/tp, d), to which their position rows are added.
+
+    `positions` are the global positions of the T columns this rank holds (context
+    parallelism: its T/cp of every sequence; under SP each tp rank then keeps T/(cp tp)
+    of those, a contiguous run of them in the order they are stored); `positions_over`
+    the group they are one shard of (cp: placement checking needs to know)."""
 
     def __init__(self, full: dict[str, np.ndarray], tp: Group,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, positions: np.ndarray | None = None,
+                 positions_over: Group | None = None) -> None:
         rows = shard(full["tok_embed.weight"].shape[0], tp.size, tp.rank)
         self.tok = Parameter(full["tok_embed.weight"][rows], "tok_embed.weight",
                              full_index=(rows, slice(None)))
@@ -140,17 +146,28 @@ class VocabParallelEmbedding(Module):
         self.pos = Parameter(full["pos_embed.weight"], "pos_embed.weight")
         self.first = rows.start
         self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.positions, self.positions_over = positions, positions_over
 
     def __call__(self, x: Tensor, positions: np.ndarray | None = None) -> Tensor:
+        positions = self.positions if positions is None else positions
         positions = np.arange(x.shape[1]) if positions is None else positions
         partial = vocab_lookup(self.tok, x, self.first, self.tp)  # (B, T, d), 0 if not mine
         if self.sequence_parallel:
             mine = positions[shard(len(positions), self.tp.size, self.tp.rank)]
-            if placement.ON:  # my T/tp positions' ids
-                mine = placement.place(Tensor(mine), self.tp, Shard(0))
             h = reduce_scatter(partial, self.tp, axis=1)       # sum, keep my (B, T/tp, d)
-            return h + attention.embedding(self.pos, mine)
-        return reduce_from(partial, self.tp) + attention.embedding(self.pos, positions)
+            return h + attention.embedding(self.pos, self._placed(mine))
+        return reduce_from(partial, self.tp) + attention.embedding(self.pos,
+                                                                   self._placed(positions))
+
+    def _placed(self, ids: np.ndarray) -> np.ndarray | Tensor:
+        """Position ids as placement checking sees them: one shard over cp, and under SP
+        over tp (a Tensor with those placements; the array itself when checking is off)."""
+        if not placement.ON:
+            return ids
+        out = Tensor(ids)
+        if self.positions_over is not None:
+            placement.place(out, self.positions_over, Shard(0))
+        return placement.place(out, self.tp, Shard(0)) if self.sequence_parallel else out
 
     def partial_over_tp(self) -> list[Parameter]:
         """Under SP each rank adds the position rows of its T/tp positions only."""
