@@ -36,8 +36,9 @@ LAYERS: list[set[str]] = [
     {"train"},                                                              # composition
     {"results", "reshard"},
     {"costmodel", "timemodel", "plan", "presets", "plots_load", "plots", "report", "tour",
-     "classroom", "exercises", "exercises.regions", "exercises.units", "exercises.grade",
-     "exercises.command", "__main__", ""},                                  # on top
+     "classroom", "exercises", "exercises.regions", "exercises.units",
+     "exercises.units_attention", "exercises.grade", "exercises.command", "__main__",
+     ""},                                                                    # on top
 ]
 
 
