@@ -45,36 +45,26 @@ from minipar.parallel.pipeline_schedules import SCHEDULES, V_SHAPED
 # the planner's parts, under the names its callers use (lessons 09, 13, tests, report.py)
 from minipar.plan_report import (  # noqa: F401
     STEP_TIME_ERROR,
-    WIRE_AXES,
-    describe,
     explain,
-    header,
     mfu,
-    model_flops,
     named_report,
     plan_record,
     report,
-    row,
 )
 from minipar.plan_search import (  # noqa: F401
     GB,
     MESH,
     RECOMPUTE,
     Estimate,
-    Search,
     best_by,
     distinct_meshes,
     divisors,
     evaluate,
     hardware,
     mesh_problem,
-    meshes,
     search,
-    usable,
 )
 from minipar.plan_workloads import (  # noqa: F401
-    ffn_params,
-    layer_sizes,
     minipar_workload,
     plan_of,
     transformer,
