@@ -4,9 +4,11 @@
 
 Sections: the autograd against hand-written NumPy (bench/numpy_mlp.py) and,
 when installed, PyTorch; the transformer's step against hand-written NumPy
-(bench/numpy_gpt.py); data-parallel speed-up at a fixed global batch; the
-hand-written ring collectives against MPI's own; the pipeline's measured bubble
-against the formula; the test suite's last wall time. Prints one table and
+(bench/numpy_gpt.py) and PyTorch eager (bench/torch_gpt.py); data-parallel speed-up
+at a fixed global batch and against its limit; the hand-written ring collectives
+against MPI's own; the pipeline's measured bubble against the formula; context
+parallelism's four modes against one rank on the same sequences (bench/cp_rank.py);
+the test suite's last wall time. Prints one table and
 writes bench/results.json.
 """
 
@@ -24,6 +26,7 @@ import numpy as np
 from bench.numpy_gpt import numpy_gpt_step
 from bench.numpy_mlp import numpy_step
 from bench.timing import interleaved, ratio
+from bench.torch_gpt import torch_gpt_step
 from minipar import attention, gpt, nn
 from minipar import autograd as ag
 from minipar.data import make_batch, make_sequences
@@ -101,7 +104,8 @@ def autograd_profile(dtype: str, steps: int) -> dict[str, float]:
 
 def gpt_vs_numpy(shape: dict, dtype: str, repeats: int) -> dict:
     """One SGD step of the transformer through minipar vs the same math by hand
-    (bench/numpy_gpt.py, heads batched). PyTorch is not timed here."""
+    (bench/numpy_gpt.py, heads batched) and, when installed, PyTorch eager
+    (bench/torch_gpt.py), whose first loss must equal minipar's (the same model)."""
     cfg = nn.ModelConfig(model="gpt", **{k: v for k, v in shape.items() if k != "batch"})
     full = nn.init_params(cfg, 0, dtype)
     x, y = make_sequences(0, 0, shape["batch"], cfg.seq_len, cfg.vocab)
@@ -109,16 +113,32 @@ def gpt_vs_numpy(shape: dict, dtype: str, repeats: int) -> dict:
     params = model.parameters()
     sgd = SGD(1e-3)
     by_hand = {k: v.copy() for k, v in full.items()}
+    torch_step = torch_gpt_step({k: v.copy() for k, v in full.items()}, x, y, cfg.layers,
+                                cfg.heads, 1e-3)
 
-    def minipar_step() -> None:
+    def minipar_step() -> float:
         for p in params:
             p.grad = None
-        nn.loss_fn(model, x, y).backward()
+        loss = nn.loss_fn(model, x, y)
+        loss.backward()
         sgd.step([p.data for p in params], [p.grad for p in params])
+        return float(loss.data)
 
-    times = interleaved({"minipar": minipar_step, "numpy": lambda: numpy_gpt_step(
-        by_hand, x, y, cfg.layers, cfg.heads, 1e-3)}, repeats=repeats)
-    return {"times": times, "minipar/numpy": ratio(times, "minipar", "numpy")}
+    candidates = {"minipar": minipar_step, "numpy": lambda: numpy_gpt_step(
+        by_hand, x, y, cfg.layers, cfg.heads, 1e-3)}
+    out: dict = {}
+    if torch_step is not None:
+        first = (minipar_step(), torch_step())   # the same weights: the same first loss
+        out["first_loss_rel_diff"] = abs(first[0] - first[1]) / abs(first[0])
+        if out["first_loss_rel_diff"] > (1e-4 if dtype == "float32" else 1e-9):
+            raise AssertionError(f"PyTorch's gpt is not minipar's: losses {first}")
+        candidates["torch"] = torch_step
+    times = interleaved(candidates, repeats=repeats)
+    out.update(times=times, **{"minipar/numpy": ratio(times, "minipar", "numpy")})
+    if "torch" in times:
+        out["minipar/torch"] = ratio(times, "minipar", "torch")
+        out["torch/numpy"] = ratio(times, "torch", "numpy")
+    return out
 
 
 def attention_vs_matmuls(shape: dict, dtype: str, repeats: int) -> dict:
@@ -204,6 +224,20 @@ def dp_limit(repeats: int) -> dict:
     return r
 
 
+def cp_vs_one(repeats: int) -> dict:
+    """Context parallelism on 2 ranks against one rank alone on the same sequences, in one
+    job (bench/cp_rank.py): per repetition the slowest rank's cp step over the `one` step;
+    1/cp would be perfect (each rank holds T/cp positions), above it the exchanges."""
+    r = _mpi_json(2, "bench.cp_rank", [str(repeats)])
+    one = np.array(r["one"]["steps"])
+    for name, v in r.items():
+        if isinstance(v, dict) and name != "one":
+            per_rep = np.array(v["steps"]) / one
+            v["vs_one"] = {"median": float(np.median(per_rep)), "min": float(per_rep.min()),
+                           "max": float(per_rep.max())}
+    return r
+
+
 def _has_torch() -> bool:
     try:
         import torch  # noqa: F401
@@ -260,6 +294,10 @@ def main() -> None:
             lines.append(f"{'gpt step / numpy, ' + label + ' ' + dtype:<58} "
                          f"{r['minipar/numpy']:>8.3f}  {t['minipar']['median'] * 1e3:>9.2f} ms "
                          f"vs {t['numpy']['median'] * 1e3:>8.2f} ms")
+            if "minipar/torch" in r:
+                lines.append(f"{'  gpt step / PyTorch eager (same weights, same 1st loss)':<58} "
+                             f"{r['minipar/torch']:>8.3f}  {t['torch']['median'] * 1e3:>9.2f} ms"
+                             f" torch; torch / numpy {r['torch/numpy']:.3f}")
             a = attention_vs_matmuls(shape, dtype, repeats=5 if quick else 20)
             results["gpt"][f"{label} {dtype}"]["attention"] = a
             lines.append(f"{'  attention node / its matmuls alone':<58} "
@@ -305,6 +343,13 @@ def main() -> None:
                      f"{r['between_per_instruction'] * 1e6:.1f} us between, "
                      f"{r['send_per_instruction'] * 1e6:.1f} us sending, "
                      f"{r['recv_wait_per_instruction'] * 1e3:.2f} ms in Recv")
+    results["cp"] = cp = cp_vs_one(repeats=3 if quick else 8)
+    for mode in ("allgather", "ring", "zigzag", "ulysses"):
+        q = cp[mode]["vs_one"]
+        lines.append(f"{'gpt cp=2 ' + mode + ' step / one rank, same sequences (1/cp = 0.5)':<58} "
+                     f"{q['median']:>8.3f}  [{q['min']:.2f}-{q['max']:.2f}] "
+                     f"{cp[mode]['step']['median'] * 1e3:.0f} vs "
+                     f"{cp['one']['step']['median'] * 1e3:.0f} ms")
     results["suite_seconds"] = suite_time()
     if results["suite_seconds"] is not None:
         lines.append(f"{'make test wall time, seconds (last run)':<58} "

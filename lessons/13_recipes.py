@@ -4,24 +4,34 @@
     mpiexec -n 8 python lessons/13_recipes.py --plot figures   # + 13_recipes.png
 
 The published deployments combine every axis of the earlier lessons. Llama 3 405B
-(Llama Team 2024, section 3.3.2) trains on 16384 GPUs as TP 8 x CP x PP 16 x DP, with
-CP 1 and DP 128 for its 8K-token pre-training sequences. DeepSeek-V3 (DeepSeek-AI 2024,
-section 3.2) trains on 2048 GPUs as PP 16 x EP 64 x ZeRO-1 DP, and no TP at all:
-experts split by EP, attention replicated.
+(Llama Team 2024, section 3.3.2) trains on 16384 GPUs as TP 8 x CP x PP 16 x DP: for
+its 8K-token pre-training sequences CP 1 and DP 128, for the long-context phase
+(sequences of 128K tokens) CP 16 and DP 8 -- the context-parallel axis takes the
+data-parallel ranks (16 x 8 = 128), so a step still holds 16M tokens. DeepSeek-V3
+(DeepSeek-AI 2024, section 3.2) trains on 2048 GPUs as PP 16 x EP 64 x ZeRO-1 DP, and
+no TP at all: experts split by EP, attention replicated.
 
-Scaled to 8 ranks, each axis keeps its place in the mesh (tp fastest, then dp, then
-pp) and its role, every axis of size 2 but DeepSeek's DP and EP of 4 (its EP spans its
-data-parallel ranks, as EP 64 spans 8 nodes of 8):
+Scaled to 8 ranks, each axis keeps its place in the mesh (tp fastest, then cp, then
+dp, then pp) and its role. 8 = 2 x 2 x 2 holds three axes of size 2, not four; so the
+two Llama phases keep what the real ones keep -- tp and pp -- and trade dp for cp as
+the real long-context phase does (DP 128 -> 8 while CP 1 -> 16 becomes dp 2 -> 1 while
+cp 1 -> 2); DeepSeek's DP and EP are 4 (its EP spans its data-parallel ranks, as EP 64
+spans 8 nodes of 8):
 
-    Llama-like     --model gpt      tp 2 x pp 2 x dp 2 (cp 1), ZeRO-1, heads and
-                                    vocabulary over tp
-    DeepSeek-like  --model gpt-moe  pp 2 x dp 4, ep 4 (2 of 8 experts per rank, top 2),
-                                    ZeRO-1 (dense weights over dp, experts over edp),
-                                    no tp
+    Llama-like, 8K     --model gpt      tp 2 x pp 2 x dp 2 (cp 1), ZeRO-1, heads and
+                                        vocabulary over tp
+    Llama-like, 128K   --model gpt      tp 2 x cp 2 x pp 2 (dp 1), ZeRO-1 over the
+                                        dp x cp ranks, --cp-mode allgather (Llama 3's
+                                        own: K and V Allgathered over cp), heads and
+                                        vocabulary over tp, each cp rank's T/cp
+                                        positions of its tp rank's heads
+    DeepSeek-like      --model gpt-moe  pp 2 x dp 4, ep 4 (2 of 8 experts per rank, top 2),
+                                        ZeRO-1 (dense weights over dp, experts over edp),
+                                        no tp
 
-(Llama's FSDP shards more than the optimizer state; here ZeRO-1 stands for it. The
-long-context phase, TP x CP x PP with CP 16, needs --cp beside --tp, which minipar
-refuses so far.) For
+(Llama's FSDP shards more than the optimizer state; here ZeRO-1 stands for it. The toy
+sequence is 16 positions in both Llama phases: what scales at 128K is T itself, which
+the toy keeps small, and the sequence split, which it keeps.) For
 each: the run against one process (float64, relative 1e-9), its ledger per mesh axis
 (bytes one rank hands to MPI in a step), the model-state bytes per rank, the pipeline
 bubble (the formula beside the measured idle share), and next to it what the planner
@@ -58,6 +68,11 @@ RECIPES = [
      "llama3-405b", 8192, "h100", 2048, Plan(dp=128, tp=8, pp=16, zero=1, microbatches=16,
                                        sp=True, schedule="interleaved", virtual=2,
                                        recompute="selective")),
+    ("Llama 3 405B, 128K phase", dict(TINY, model="gpt", tp=2, cp=2, pp=2, dp=1, zero=1,
+                                      cp_mode="allgather"),
+     "llama3-405b", 131072, "h100", 128, Plan(dp=8, tp=8, pp=16, cp=16, zero=1,
+                                         microbatches=16, sp=True, schedule="interleaved",
+                                         virtual=2, recompute="selective")),
     ("DeepSeek-V3", dict(TINY, model="gpt-moe", pp=2, dp=4, ep=4, zero=1, experts=8,
                          top_k=2, expert_d_ff=16, aux_coef=0.01),
      "deepseek-v3", 4096, "h800", 15360, Plan(dp=128, pp=16, ep=64, zero=1,
@@ -124,7 +139,9 @@ def main() -> None:
         mesh = " x ".join(f"{axis} {getattr(cfg, axis)}" for axis in ("tp", "cp", "pp", "dp")
                           if getattr(cfg, axis, 1) > 1)
         print(f"\n=== {name}: --model {cfg.model}, {mesh}"
-              + (f", ep {cfg.ep}" if cfg.ep > 1 else "") + f", ZeRO-{cfg.zero}", flush=True)
+              + (f", ep {cfg.ep}" if cfg.ep > 1 else "")
+              + (f", --cp-mode {cfg.cp_mode}" if cfg.cp > 1 else "")
+              + f", ZeRO-{cfg.zero}", flush=True)
         one = train_reference(cfg)
         _, losses, _ = max_differences({"losses": np.array(result.losses)},
                                        {"losses": np.array(one.losses)})

@@ -256,6 +256,7 @@ def backward_from(pairs: Sequence[tuple[Tensor, np.ndarray | float]]) -> None:
     for node in reversed(order):
         if node._backward is not None and node.grad is not None:
             node._backward(node.grad)
+            node.grad = None  # read by its own backward only: free it now (peak memory)
 
 
 def as_tensor(x: TensorLike) -> Tensor:
@@ -291,7 +292,8 @@ def add(a: TensorLike, b: TensorLike) -> Tensor:
 
     def backward(g: np.ndarray) -> None:
         a.accumulate(_unbroadcast(g, a.shape))
-        b.accumulate(_unbroadcast(g, b.shape))
+        # b is the last to read g, which the walk frees after this closure: b may keep it
+        b.accumulate(_unbroadcast(g, b.shape), fresh=a is not b)
     out = Tensor.from_op(a.data + b.data, (a, b), backward)
     return _pl.follow(out, _pl.add("add", a, b), _pl._pname(a, b)) if _pl.ON else out
 

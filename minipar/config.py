@@ -238,12 +238,6 @@ def _context_parallel_problems(cfg: TrainConfig) -> list[str]:
     if cfg.cp_mode == "ulysses" and local_heads % cfg.cp:
         out.append(f"--cp {cfg.cp} does not divide the {local_heads} heads (--heads / --tp) "
                    "for --cp-mode ulysses (each rank attends with heads/cp whole heads)")
-    if cfg.tp > 1:
-        out.append("--cp with --tp 2 or more is not built yet (heads split over tp inside "
-                   "the cp group): use --cp with --dp, --pp or --ep")
-    if cfg.recompute != "none":
-        out.append(f"--recompute {cfg.recompute} with --cp is not built yet (recomputing "
-                   "would repeat the cp exchanges of attention): use --recompute none")
     return out
 
 
@@ -294,9 +288,13 @@ def _divisibility(cfg: TrainConfig) -> list[str]:
     if cfg.sp and cfg.tp == 1:
         out.append("--sp (sequence parallelism) needs --tp 2 or more")
     elif cfg.sp and cfg.model in GPT_MODELS:
-        if cfg.seq_len % cfg.tp:
+        if cfg.cp == 1 and cfg.seq_len % cfg.tp:
             out.append(f"--sp needs --tp {cfg.tp} to divide --seq-len {cfg.seq_len} (each "
                        "tensor-parallel rank holds T/tp positions of the residual stream)")
+        elif cfg.cp > 1 and not cfg.seq_len % cfg.cp and (cfg.seq_len // cfg.cp) % cfg.tp:
+            out.append(f"--sp needs --tp {cfg.tp} to divide the {cfg.seq_len // cfg.cp} "
+                       f"positions (--seq-len / --cp {cfg.cp}) of a context-parallel rank "
+                       "(each tensor-parallel rank holds T/(cp tp) of the residual stream)")
     elif cfg.sp and not (cfg.batch // cfg.dp // max(cfg.microbatches, 1)) % cfg.tp == 0:
         out.append(f"--sp needs --tp {cfg.tp} to divide the rows of a microbatch on a rank "
                    f"({cfg.batch // cfg.dp // cfg.microbatches})")

@@ -38,19 +38,22 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     Backward: dx = g W^T, dW = x^T g, db = sum_rows g (the sums run over all B*T rows).
     The rows are flattened to one (N, in) matrix first: one BLAS call, not one per row
     of a stacked matmul."""
-    rows_in = x.data.reshape(-1, x.shape[-1])                    # (N, in), a view
-    out = (rows_in @ weight.data).reshape(*x.shape[:-1], weight.shape[-1])
+    xd, wd = x.data, weight.data
+    flat = xd.ndim == 2                                          # (rows, in): no reshapes
+    rows_in = xd if flat else xd.reshape(-1, xd.shape[-1])      # (N, in), a view
+    out = rows_in @ wd if flat else (rows_in @ wd).reshape(*xd.shape[:-1], wd.shape[-1])
     if bias is not None:
         out += bias.data
     parents = (x, weight) if bias is None else (x, weight, bias)
 
     def backward(g: np.ndarray) -> None:
+        grad_rows = g if flat else g.reshape(-1, g.shape[-1])   # (N, out)
         if x.requires_grad:
-            dx = g.reshape(-1, g.shape[-1]) @ weight.data.T      # (N, out) @ (out, in)
-            x.accumulate(dx.reshape(x.shape), fresh=True)
+            dx = grad_rows @ weight.data.T                       # (N, out) @ (out, in)
+            x.accumulate(dx if flat else dx.reshape(x.data.shape), fresh=True)
 
-        def weight_grads() -> None:
-            rows, grad_rows = x.data.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+        def weight_grads() -> None:  # x.data and weight.data as they are now (ZeRO-3 regathers)
+            rows = x.data if flat else x.data.reshape(-1, x.data.shape[-1])
             weight.accumulate(rows.T @ grad_rows, fresh=True)   # (in, N) @ (N, out)
             if bias is not None:
                 bias.accumulate(grad_rows.sum(axis=0), fresh=True)

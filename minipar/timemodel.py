@@ -369,17 +369,23 @@ def cp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
 
 def minipar_cp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     """Context parallelism as minipar runs it (--cp-mode; context_parallel.py), per
-    transformer layer and microbatch, a block of K or V being the rank's (b, s/cp, d):
-    allgather 2 Allgathers of (b, s, d) forward and 2 Reduce_scatters backward; ring and
+    transformer layer and microbatch, a block of K or V being the rank's (b, s/cp, d/tp)
+    (its positions of its tp rank's heads):
+    allgather 2 Allgathers of (b, s, d/tp) forward and 2 Reduce_scatters backward; ring and
     zigzag 2 (cp-1) Sendrecv of a block forward, 4 (cp-1) backward (K, V, dK, dV travel)
     and 2 more (dK, dV home); Ulysses 4 Alltoalls of a block forward (q, k, v, the
-    output) and 4 backward."""
+    output) and 4 backward. --recompute selective or full runs the forward exchange
+    once more in the backward (the gathered keys are not kept: docs/design.md)."""
     times = len(shape.blocks) * plan.microbatches
-    block = tokens_per_microbatch(w, plan) * w.d_model            # (b, s/cp, d)
+    block = tokens_per_microbatch(w, plan) * w.d_model // plan.tp   # (b, s/cp, d/tp)
+    forwards = 1 if plan.recompute == "none" else 2
     if plan.cp_mode == "allgather":
-        size = 2 * times * plan.cp * block
-        return [Traffic("cp", op, 2 * times, size, size * w.act_bytes)
-                for op in ("Allgather", "Reduce_scatter")]
-    calls = times * (8 if plan.cp_mode == "ulysses" else 6 * (plan.cp - 1) + 2)
+        return [Traffic("cp", op, 2 * n * times, 2 * n * times * plan.cp * block,
+                        2 * n * times * plan.cp * block * w.act_bytes)
+                for op, n in (("Allgather", forwards), ("Reduce_scatter", 1))]
+    if plan.cp_mode == "ulysses":
+        calls = times * (4 * forwards + 4)
+    else:
+        calls = times * (2 * (plan.cp - 1) * forwards + 4 * (plan.cp - 1) + 2)
     op = "Alltoall" if plan.cp_mode == "ulysses" else "Sendrecv"
     return [Traffic("cp", op, calls, calls * block, calls * block * w.act_bytes)]

@@ -177,7 +177,8 @@ def parallelize(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray],
     4. context parallelism (the transformer): each sequence's positions split over
        `mesh.cp`, the embedding adding the rows of the positions held and attention
        reaching the others' keys by Allgather, ring or Alltoall (`make_block`; the
-       step keeps the rank's positions of the batch, `context_positions`);
+       step keeps the rank's positions of the batch, `context_positions`); with tp,
+       the attention of this tp rank's heads does so;
     5. data parallelism: the gradients synchronized over `mesh.dp` (over dp x cp,
        `mesh.dp_cp`, with context parallelism) after backward, plainly or with
        ZeRO 1/2/3, then the optimizer step (`make_updater`).
@@ -219,18 +220,20 @@ def build_rank_model(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray]
         enter, leave = tensor_parallel.sequence_parallel_hooks(
             mesh.tp, axis=1 if model_cfg.is_gpt else 0)
     embed, head = (gpt.Embedding, gpt.Head) if model_cfg.is_gpt else (nn.Embed, nn.Head)
+    # context parallelism: the embedding adds the rows of the positions this rank holds
+    held = context_positions(cfg, mesh) if cfg.cp > 1 else None
+    if cfg.cp > 1:
+        embed = partial(gpt.Embedding, positions=held)
     if cfg.vocab_parallel:  # rows of tok and columns of the head over tp (vocab_parallel.py)
         from minipar.parallel import vocab_parallel  # here: it loads mpi4py.MPI
 
         def embed(full: dict) -> nn.Module:
-            return vocab_parallel.VocabParallelEmbedding(full, mesh.tp, cfg.sp)
+            return vocab_parallel.VocabParallelEmbedding(full, mesh.tp, cfg.sp, held)
 
         def head(full: dict) -> nn.Module:
             return vocab_parallel.VocabParallelHead(full, mesh.tp, cfg.sp)
         enter = leave = None  # under SP, the embedding's Reduce_scatter and the head's
         # Allgather are the residual stream's way in and out of its split along T
-    if cfg.cp > 1:  # the embedding adds the rows of the positions this rank holds
-        embed = partial(gpt.Embedding, positions=context_positions(cfg, mesh))
     for chunk in range(chunks_here):
         v = pipeline_schedules.virtual_stage(cfg.pp, mesh.coords["pp"], chunk, v_shape)
         blocks = [make_block(cfg, model_cfg, mesh, full, i)
@@ -263,7 +266,7 @@ def make_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
 
             attn = tensor_parallel.TensorParallelAttention(full, index, model_cfg.heads,
                                                            mesh.tp, cfg.sp,
-                                                           selective=selective)
+                                                           selective=selective, core=core)
         else:
             attn = gpt.Attention(full, index, model_cfg.heads, selective=selective,
                                  core=core)

@@ -88,6 +88,12 @@ PAIRS = [
      {"dp": 2, "cp": 2, "cp_mode": "ulysses"}, 4),
     ("gpt", {"dp": 2, "cp": 2}, 4, {}, 1),
     ("gpt-moe", {"cp": 2, "cp_mode": "allgather"}, 2, {"dp": 2, "ep": 2}, 2),
+    # lesson 13's long-context Llama-like mesh (tp x cp x pp, ZeRO-1 over dp x cp) to the
+    # DeepSeek-like one and back
+    ("gpt-moe", {"tp": 2, "cp": 2, "pp": 2, "zero": 1, "cp_mode": "allgather"}, 8,
+     {"pp": 2, "dp": 4, "ep": 4, "zero": 1}, 8),
+    ("gpt-moe", {"pp": 2, "dp": 4, "ep": 4, "zero": 1}, 8,
+     {"tp": 2, "cp": 2, "pp": 2, "zero": 1, "cp_mode": "ring"}, 8),
 ]
 RUNNABLE = PAIRS
 

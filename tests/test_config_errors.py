@@ -116,13 +116,15 @@ CASES = [
     (["--model", "gpt", "--cp", "4", "--cp-mode", "ring", "--seq-len", "6"], "--seq-len"),
     (["--model", "gpt", "--cp", "2", "--seq-len", "6"], "--seq-len"),  # zigzag: 2 cp chunks
     (["--model", "gpt", "--cp", "4", "--cp-mode", "ulysses", "--heads", "2"], "--cp"),
-    (["--model", "gpt", "--cp", "2", "--tp", "2"], "--cp"),          # cp x tp: not yet
+    (["--model", "gpt", "--cp", "2", "--tp", "2", "--sp", "--cp-mode", "ring",  # T/cp = 3
+      "--seq-len", "6"], "--sp"),                                    # is not split over tp 2
     (["--model", "gpt", "--cp", "3"], "--cp"),                       # does not fill 4 ranks
     (["--model", "gpt", "--cp", "0"], "--cp"),
     (["--model", "gpt", "--cp-mode", "star"], "--cp-mode"),
     (["--cp", "2"], "--cp"),                                         # the MLP has no sequence
     (["--model", "moe", "--cp-mode", "ring"], "--cp-mode"),
-    (["--model", "gpt", "--cp", "2", "--recompute", "full"], "--recompute"),  # not yet
+    (["--model", "gpt", "--cp", "2", "--tp", "2", "--cp-mode", "ulysses",  # 2 heads / tp 2:
+      "--heads", "2"], "--cp"),                                      # 1 head for cp 2
     # the V schedules (zb-v, dualpipev): a pipeline, two chunks per rank, M >= 2 pp
     (["--schedule", "zb-v"], "--pp"),                                # a V needs a pipeline
     (["--dp", "2", "--pp", "2", "--schedule", "zb-v"], "--layers"),  # 2 layers, 4 chunks

@@ -4,8 +4,12 @@ Equivalence (float64, rel 1e-9, losses and final parameters): every --cp-mode
 (allgather, ring, zigzag, ulysses) on cp = 2 and cp = 4; cp x dp (with microbatches and
 each gradient sync), ZeRO 1/2/3 over the dp x cp ranks, cp x pp under every schedule,
 gpt-moe under cp (the rank's positions are its tokens; capacity and aux over the global
-microbatch in global token order) and cp x dp x ep. SGD and Adam take turns; tiny shapes
-(L=2, d=16, H=4, T=16, V=16).
+microbatch in global token order) and cp x dp x ep; --recompute selective and full in
+every mode (the exchange run again in the backward); cp 2 x tp 2 in every mode (each
+rank's T/cp positions of its H/tp heads), with --sp (T/(cp tp) positions between the
+blocks), with and without the vocabulary split, under recomputation, gpt-moe; and on 8
+ranks cp x tp x dp (ZeRO-1 too), cp x tp x pp (1f1b, interleaved), cp x tp x dp x ep.
+SGD and Adam take turns; tiny shapes (L=2, d=16, H=4, T=16, V=16).
 
 Work: the score entries each rank computes in its latest forward (`scores.json`): the
 ring's rank r does r+1 blocks of (T/cp)^2 (its causal imbalance), zigzag's ranks all do
@@ -18,7 +22,9 @@ the MPI unit suite of tests/rank_tests.py).
 
 Ledger: each rank's entries are the formulas of timemodel.traffic (cp_traffic per mode:
 ring 2 (cp-1) K and V blocks forward per layer, Ulysses 4 Alltoalls forward and 4
-backward, allgather 2 Allgathers forward), and the gradient sync over dp x cp.
+backward, allgather 2 Allgathers forward; blocks of (b, T/cp, d/tp); recomputation one
+forward exchange more), tp's collectives on the rank's T/cp positions, and the gradient
+sync over dp x cp.
 
 One `sweep` launch per rank count (tests/mpi.py).
 """
@@ -54,7 +60,12 @@ RUNS = {
         dict(GPT, **ADAM, cp=2, zero=3, cp_mode="ulysses"),
         dict(GPT, cp=2, grad_sync="overlapped", cp_mode="allgather"),
         dict(MOE, cp=2, top_k=1, capacity_factor=1.0),              # tokens over cp, ep 1
-        dict(MOE, **ADAM, cp=2, cp_mode="ring", capacity_factor=0.75)],
+        dict(MOE, **ADAM, cp=2, cp_mode="ring", capacity_factor=0.75),
+        # recomputation repeats the cp exchange of the forward in the backward
+        dict(GPT, cp=2, cp_mode="allgather", recompute="selective"),
+        dict(GPT, **ADAM, cp=2, cp_mode="ring", recompute="full", microbatches=2),
+        dict(GPT, cp=2, cp_mode="zigzag", recompute="selective"),
+        dict(GPT, **ADAM, cp=2, cp_mode="ulysses", recompute="full")],
     4: [*(dict(GPT, cp=4, cp_mode=mode, **(ADAM if i % 2 else {}))
           for i, mode in enumerate(MODES)),
         dict(GPT, dp=2, cp=2, cp_mode="ring", microbatches=2),
@@ -75,11 +86,31 @@ RUNS = {
         dict(MOE, dp=2, ep=2, cp=2, capacity_factor=0.75),
         dict(MOE, **ADAM, dp=2, ep=2, cp=2, cp_mode="ulysses", top_k=1, microbatches=2,
              capacity_factor=1.0),
-        dict(MOE, dp=2, ep=2, cp=2, cp_mode="ring", batch=8, microbatches=2)],
+        dict(MOE, dp=2, ep=2, cp=2, cp_mode="ring", batch=8, microbatches=2),
+        # cp x tp: my T/cp positions of my H/tp heads; the vocabulary over tp
+        *(dict(GPT, cp=2, tp=2, cp_mode=mode, **(ADAM if i % 2 else {}))
+          for i, mode in enumerate(MODES)),
+        dict(GPT, cp=2, tp=2, cp_mode="zigzag", sp=True),           # T/(cp tp) per rank
+        dict(GPT, **ADAM, cp=2, tp=2, cp_mode="ulysses", sp=True, vocab_parallel=False),
+        dict(GPT, cp=2, tp=2, cp_mode="ring", vocab_parallel=False, microbatches=2),
+        dict(GPT, **ADAM, cp=2, tp=2, cp_mode="allgather", sp=True, recompute="full"),
+        dict(GPT, cp=2, tp=2, cp_mode="ulysses", recompute="selective"),
+        dict(GPT, **ADAM, cp=2, tp=2, cp_mode="ring", recompute="selective", sp=True),
+        dict(GPT, cp=2, tp=2, cp_mode="zigzag", recompute="full"),
+        dict(MOE, cp=2, tp=2, cp_mode="ring", capacity_factor=1.0),
+        dict(MOE, **ADAM, cp=2, tp=2, cp_mode="zigzag", sp=True, top_k=1,
+             capacity_factor=0.75)],
     8: [dict(GPT, dp=2, cp=2, pp=2, cp_mode="zigzag", microbatches=2, schedule="1f1b"),
         dict(MOE, **ADAM, dp=2, ep=2, cp=2, pp=2, cp_mode="ring", microbatches=2,
              capacity_factor=1.0, schedule="zb-h1"),
-        dict(MOE, dp=4, ep=2, cp=2, cp_mode="allgather", capacity_factor=0.75)],
+        dict(MOE, dp=4, ep=2, cp=2, cp_mode="allgather", capacity_factor=0.75),
+        dict(GPT, dp=2, tp=2, cp=2, cp_mode="zigzag", microbatches=2),
+        dict(GPT, **ADAM, dp=2, tp=2, cp=2, cp_mode="ulysses", sp=True, zero=1),
+        dict(GPT, pp=2, tp=2, cp=2, cp_mode="ring", schedule="1f1b", microbatches=2,
+             recompute="selective"),
+        dict(GPT, **ADAM, pp=2, tp=2, cp=2, cp_mode="allgather", layers=4,
+             schedule="interleaved", virtual=2, microbatches=2, sp=True),
+        dict(MOE, dp=2, ep=2, tp=2, cp=2, cp_mode="ring", capacity_factor=1.0)],
 }
 
 
@@ -107,7 +138,8 @@ def test_score_work_per_rank_shows_ring_imbalance_and_zigzag_balance(swept):
             continue
         scores = json.loads((run["job_folder"] / "scores.json").read_text())
         b = cfg.batch // cfg.microbatches // cfg.dp
-        block = b * cfg.heads * (cfg.seq_len // cfg.cp) ** 2     # one (T/cp)^2 block
+        # one (T/cp)^2 block of this tp rank's heads
+        block = b * (cfg.heads // cfg.tp) * (cfg.seq_len // cfg.cp) ** 2
         for rank, per_layer in enumerate(scores):
             r = cfg.mesh_shape().coords(rank)["cp"]
             expected = {"ring": (r + 1) * block, "zigzag": (2 * cfg.cp + 1) * block // 4,

@@ -21,6 +21,11 @@ the keys and values of every earlier position; four ways to bring them (docs/des
 Positions (the embedding's rows, the causal mask) are the global positions a rank holds
 (`positions`); the mask compares positions, never array indices (attention.py).
 
+With tensor parallelism the heads are split over tp first: each call sees this tp
+rank's H/tp heads, so every exchange above moves (B, T/cp, H/tp dh) blocks inside the cp
+group of its tp coordinate. Under recomputation (recompute.py) the forward runs again
+in the backward, exchange included: nothing gathered is kept (docs/design.md).
+
 Run it: `mpiexec -n 4 python -m minipar train --model gpt --cp 4 --cp-mode ring --check`,
 or the lesson `mpiexec -n 4 python lessons/12_context_parallel.py`.
 """

@@ -112,17 +112,23 @@ def make_buckets(params: Sequence[Parameter], bucket_size: int) -> list[list[Par
     return buckets
 
 
-def flat_buffers(buckets: Sequence[Sequence[Parameter]]) -> list[np.ndarray]:
+def flat_buffers(buckets: Sequence[Sequence[Parameter]]) -> list[np.ndarray | None]:
     """One flat buffer per bucket, allocated once and reused every step (no new
-    allocation per step; a bucket's buffer is in flight at most once per step)."""
-    return [np.empty(sum(p.data.size for p in bucket),
+    allocation per step; a bucket's buffer is in flight at most once per step). A bucket
+    of one parameter needs none: its gradient is already one contiguous array (`pack`)."""
+    return [None if len(bucket) == 1 else
+            np.empty(sum(p.data.size for p in bucket),
                      dtype=np.result_type(*(p.data.dtype for p in bucket)))
             for bucket in buckets]
 
 
 def pack(bucket: Sequence[Parameter], out: np.ndarray | None = None) -> np.ndarray:
     """The bucket's gradients, copied one after another into one flat buffer: `out`
-    (from `flat_buffers`, reused) or a new one. One copy per gradient, no temporary."""
+    (from `flat_buffers`, reused) or a new one. One copy per gradient, no temporary.
+    A bucket of one parameter is its gradient itself, seen flat: no copy at all (the
+    large weights, a bucket each, cost the Allreduce alone)."""
+    if len(bucket) == 1 and grad_or_zeros(bucket[0]).flags.c_contiguous:
+        return bucket[0].grad.reshape(-1)                   # a view of p.grad
     if out is None:
         return np.concatenate([grad_or_zeros(p).ravel() for p in bucket])
     start = 0
@@ -135,7 +141,12 @@ def pack(bucket: Sequence[Parameter], out: np.ndarray | None = None) -> np.ndarr
 
 def unpack(bucket: Sequence[Parameter], flat: np.ndarray, scale: float) -> None:
     """`scale * flat` back into the bucket's gradients (the inverse of `pack`), written
-    straight into each p.grad: one pass, no temporary array."""
+    straight into each p.grad: one pass, no temporary array (in place when `flat` is a
+    view of the one gradient)."""
+    if len(bucket) == 1 and np.shares_memory(flat, bucket[0].grad):
+        if scale != 1.0:
+            bucket[0].grad *= scale
+        return
     start = 0
     for p in bucket:
         np.multiply(flat[start:start + p.grad.size].reshape(p.grad.shape), scale, out=p.grad)

@@ -215,16 +215,21 @@ class TensorParallelAttention(gpt.Attention):
     input gradient, the sum of the q, k and v shares of every rank. With
     `sequence_parallel` the entry is an Allgather of positions (B, T/tp, d) -> (B, T, d)
     and the exit a Reduce_scatter back to them: LN1 and the residual hold T/tp
-    positions per rank."""
+    positions per rank. Under context parallelism `core` is the cp strategy, run on
+    this rank's H/tp heads of its T/cp positions (docs/design.md, "Context
+    parallelism"): the sequence is split over cp, the heads over tp, independently."""
 
     def __init__(self, full: dict[str, np.ndarray], index: int, heads: int, tp: Group,
-                 sequence_parallel: bool = False, selective: bool = False) -> None:
+                 sequence_parallel: bool = False, selective: bool = False,
+                 core: Callable[..., Tensor] | None = None) -> None:
         p = f"blocks.{index}"
         # exercise: attention-heads
         self.heads = heads // tp.size                 # this rank's heads
         # end exercise
         self.selective = selective
-        self.core = attention.attention               # local heads: the plain node
+        # local heads: the plain node, or context parallelism's exchange of my heads'
+        # keys and values inside my cp group (context_parallel.py)
+        self.core = attention.attention if core is None else core
         self.tp, self.sequence_parallel = tp, sequence_parallel
         self.ln = LayerNorm(full, f"{p}.ln1")         # replicated (gamma, beta of size d)
         # exercise: attention-heads

@@ -94,18 +94,25 @@ def parallel_cross_entropy(logits: Tensor, labels: np.ndarray, first: int, tp: G
 class VocabParallelEmbedding(Module):
     """h0 = tok[x] + pos[positions] with my V/tp rows of tok: zeros for the other ids,
     then the Allreduce of (B, T, d), or with `sequence_parallel` a Reduce_scatter that
-    leaves my T/tp positions (B, T/tp, d), to which their position rows are added."""
+    leaves my T/tp positions (B, T/tp, d), to which their position rows are added.
+
+    `positions` are the global positions of the T columns this rank holds (context
+    parallelism: its T/cp of every sequence; under SP each tp rank then keeps T/(cp tp)
+    of those, a contiguous run of them in the order they are stored)."""
 
     def __init__(self, full: dict[str, np.ndarray], tp: Group,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, positions: np.ndarray | None = None
+                 ) -> None:
         rows = shard(full["tok_embed.weight"].shape[0], tp.size, tp.rank)
         self.tok = Parameter(full["tok_embed.weight"][rows], "tok_embed.weight",
                              full_index=(rows, slice(None)))
         self.pos = Parameter(full["pos_embed.weight"], "pos_embed.weight")
         self.first = rows.start
         self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.positions = positions
 
     def __call__(self, x: Tensor, positions: np.ndarray | None = None) -> Tensor:
+        positions = self.positions if positions is None else positions
         positions = np.arange(x.shape[1]) if positions is None else positions
         partial = vocab_lookup(self.tok, x, self.first)       # (B, T, d), zeros if not mine
         if self.sequence_parallel:

@@ -1,0 +1,118 @@
+"""Every 4-D mesh: each factorization of 8 ranks and of 4 into dp x cp x tp x pp trains
+`gpt` like one process (float64, rel 1e-9, losses and final parameters).
+
+Where the mesh has a pipeline (pp > 1), once under every schedule (gpipe, 1f1b,
+interleaved with V = 2, zb-h1, zb-v, dualpipev), each given what it needs: pp x V
+layers (2 pp for the two-chunk schedules), M = pp microbatches (2 pp for dualpipev),
+one sequence per microbatch and data-parallel rank. Without a pipeline, once. Along the
+sweep the other choices take turns, so that each is met on many meshes: the cp mode
+(allgather, ring, zigzag, ulysses, where the sizes allow it: zigzag needs T divisible
+by 2 cp, Ulysses cp dividing the H/tp local heads), sequence parallelism where tp > 1
+(T/(cp tp) positions per rank), --recompute none/selective/full, SGD and Adam.
+
+Ledger: every rank's entries are timemodel.traffic's, on every mesh.
+
+Tiny on purpose: d = 16, H = 8, T = 8, V = 16, one step. ONE `sweep` launch per world
+size (tests/mpi.py): 70 configs on 8 ranks, 30 on 4.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from minipar.config import TrainConfig, problems
+from minipar.costmodel import rank_shape
+from minipar.mesh import CP_MODES
+from minipar.parallel.pipeline_schedules import SCHEDULES, V_SHAPED
+from minipar.plan import minipar_workload, plan_of
+from minipar.timemodel import ledger_of, traffic
+from tests.conftest import assert_equivalent, reference
+from tests.mpi import sweep
+
+TINY = dict(model="gpt", d_model=16, heads=8, seq_len=8, vocab=16, d_ff=32, steps=1)
+RECOMPUTE = ("none", "selective", "full")
+
+
+def factorizations(world: int) -> list[tuple[int, int, int, int]]:
+    """Every (dp, cp, tp, pp) with dp cp tp pp = world."""
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    return [(dp, cp, tp, world // (dp * cp * tp)) for dp in divisors for cp in divisors
+            for tp in divisors if world % (dp * cp * tp) == 0]
+
+
+def cp_mode(cp: int, tp: int, turn: int) -> str:
+    """The turn-th mode (cyclically) among those these sizes allow."""
+    allowed = [mode for mode in CP_MODES
+               if not (mode == "zigzag" and TINY["seq_len"] % (2 * cp))
+               and not (mode == "ulysses" and (TINY["heads"] // tp) % cp)]
+    return allowed[turn % len(allowed)]
+
+
+def configs(world: int) -> list[dict]:
+    """One config per mesh without a pipeline, one per mesh and schedule with one."""
+    out = []
+    for dp, cp, tp, pp in factorizations(world):
+        for schedule in SCHEDULES if pp > 1 else ("1f1b",):
+            turn = len(out)
+            virtual = 2 if schedule == "interleaved" else 1
+            two = schedule in V_SHAPED
+            m = 2 * pp if schedule == "dualpipev" else pp
+            out.append(dict(
+                TINY, dp=dp, cp=cp, tp=tp, pp=pp, schedule=schedule, virtual=virtual,
+                layers=pp * (2 if two else virtual), microbatches=m, batch=dp * m,
+                cp_mode=cp_mode(cp, tp, turn),
+                sp=tp > 1 and (TINY["seq_len"] // cp) % tp == 0 and turn % 2 == 0,
+                recompute=RECOMPUTE[turn % 3],
+                **(dict(optimizer="adam", lr=0.01) if turn % 2 else {})))
+    return out
+
+
+CONFIGS = {n: configs(n) for n in (8, 4)}
+
+
+def label(fields: dict) -> str:
+    keys = ("dp", "cp", "tp", "pp", "schedule", "cp_mode", "sp", "recompute", "optimizer")
+    return " ".join(f"{k}={fields[k]}" for k in keys if k in fields)
+
+
+def test_the_sweep_covers_every_mesh_and_schedule():
+    """Each world's configs are every (dp, cp, tp, pp) once, and with pp > 1 once per
+    schedule; all of them are settings the train command accepts."""
+    for n, runs in CONFIGS.items():
+        resolved = [TrainConfig(**c).resolved(n) for c in runs]
+        assert all(problems(cfg, n) == [] for cfg in resolved), n
+        meshes = sorted((c.dp, c.cp, c.tp, c.pp, c.schedule) for c in resolved)
+        expected = sorted((*mesh, s) for mesh in factorizations(n)
+                          for s in (SCHEDULES if mesh[3] > 1 else ("1f1b",)))
+        assert meshes == expected, n
+        assert len(factorizations(n)) == {8: 20, 4: 10}[n]
+        assert {c.cp_mode for c in resolved if c.cp > 1} == set(CP_MODES), n
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def swept(request, tmp_path_factory):
+    """Every config of one world size, trained in one mpiexec job."""
+    world = request.param
+    return world, sweep(world, CONFIGS[world], tmp_path_factory.mktemp(f"mesh{world}"),
+                        timeout=300)
+
+
+def test_every_4d_mesh_equals_one_process(swept):
+    world, runs = swept
+    for fields, run in zip(CONFIGS[world], runs):
+        assert_equivalent(run, reference(**fields), label=f"{world} ranks {label(fields)}")
+
+
+def test_every_4d_mesh_ledger_is_the_formulas(swept):
+    """Every rank's ledger entries (calls and elements per (group, op)) are those
+    timemodel.traffic predicts: tp's, cp's per mode, pp's per schedule, dp x cp's."""
+    world, runs = swept
+    for fields, run in zip(CONFIGS[world], runs):
+        cfg = TrainConfig(**fields).resolved(world)
+        w, plan, mesh = minipar_workload(cfg), plan_of(cfg), cfg.mesh_shape()
+        for rank in range(world):
+            predicted = ledger_of(traffic(w, plan, rank_shape(w, plan,
+                                                              mesh.coords(rank)["pp"])))
+            measured = {(r["group"], r["op"]): (r["calls"], r["elements"])
+                        for r in run["ledger"] if r["rank"] == rank}
+            assert measured == predicted, f"{world} ranks {label(fields)} rank {rank}"
