@@ -162,7 +162,8 @@ EXERCISES = [
         "the one f shared by q, k and v: enter_region(a, self.tp, self.sequence_parallel, "
         "axis=1) (forward identity, backward one Allreduce; with sequence parallelism an "
         "Allgather of positions (B, T/tp, d) -> (B, T, d)).",
-        [("heads", {}), _train_gpt(tp=2, dp=2), _train_gpt(tp=4, sp=True)]),
+        [("heads", {}), _train_gpt(tp=2, dp=2), _train_gpt(tp=4, sp=True),
+         _train_gpt(tp=2, cp=2, cp_mode="ring")]),
     Exercise(
         "ring-attention", "Context parallelism: ring attention",
         "In context_parallel.py, three pieces of the ring. pass_along(group, block): one "
