@@ -32,11 +32,12 @@ LAYERS: list[set[str]] = [
      "parallel.zero", "parallel.tensor_parallel", "parallel.vocab_parallel",
      "parallel.expert_parallel", "parallel.pipeline_parallel", "parallel.context_parallel"},
     {"config"},                                                             # the flags
-    {"checkpoint", "checkpoint_folder", "preflight", "bugs"},
+    {"checkpoint_format", "checkpoint", "checkpoint_folder", "preflight", "bugs"},
     {"train"},                                                              # composition
     {"results", "reshard"},
-    {"costmodel", "timemodel", "plan", "presets", "plots_load", "plots", "report", "tour",
-     "classroom", "exercises", "exercises.regions", "exercises.units", "exercises.grade",
+    {"costmodel", "timemodel", "presets", "plan_workloads", "plan_search", "plan_report",
+     "plan", "plots_load", "plots", "report", "tour", "classroom", "exercises",
+     "exercises.regions", "exercises.units", "exercises.units_attention", "exercises.grade",
      "exercises.command", "__main__", ""},                                  # on top
 ]
 

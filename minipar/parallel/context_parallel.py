@@ -175,11 +175,13 @@ def _merge_heads(x: np.ndarray) -> np.ndarray:
 
 def pass_along(group: Group, block: np.ndarray) -> np.ndarray:
     """One ring step: send my block to the next rank, receive the previous rank's."""
+    # exercise: ring-attention
     received = np.empty(block.shape, dtype=block.dtype)
     nxt, prev = (group.rank + 1) % group.size, (group.rank - 1) % group.size
     # (B, H, T/cp, dh) block -> rank r+1; the block of rank r-1 -> me
     group.Sendrecv(np.ascontiguousarray(block), nxt, received, prev)
     return received
+    # end exercise
 
 
 def _block_forward(Q: np.ndarray, K: np.ndarray, V: np.ndarray, keep: np.ndarray,
@@ -198,10 +200,12 @@ def _block_forward(Q: np.ndarray, K: np.ndarray, V: np.ndarray, keep: np.ndarray
 def _merge(Out: np.ndarray, L: np.ndarray, o: np.ndarray, lse: np.ndarray) -> None:
     """Online softmax, in place: Out, L (all keys so far) absorb o, lse (one more block).
     L' = logaddexp(L, lse); Out' = Out exp(L - L') + o exp(lse - L')."""
+    # exercise: ring-attention
     new = np.logaddexp(L, lse)
     safe = np.where(np.isfinite(new), new, 0.0)
     Out[...] = Out * np.exp(L - safe)[..., None] + o * np.exp(lse - safe)[..., None]
     L[...] = new
+    # end exercise
 
 
 def ring_attention(cpa: ContextParallelAttention, q: Tensor, k: Tensor, v: Tensor,
@@ -261,10 +265,12 @@ def visible_blocks(held: list[list[np.ndarray]], me: int, source: int
     out = []
     for i, qpos in enumerate(held[me]):
         for j, kpos in enumerate(held[source]):
+            # exercise: ring-attention
             keep = attention.allowed(qpos, kpos)
             if keep.any():
                 out.append((slice(i * qpos.size, (i + 1) * qpos.size),
                             slice(j * kpos.size, (j + 1) * kpos.size), keep))
+            # end exercise
     return out
 
 
