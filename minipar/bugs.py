@@ -211,6 +211,48 @@ def aux_per_rank() -> list[Swap]:
     return [(ep, "global_aux", local_aux)]
 
 
+# ------------------------------------------- the transformer: vocabulary and cp
+def vocab_loss_without_max() -> list[Swap]:
+    """The vocabulary-parallel cross-entropy without its Allreduce(MAX) of the row maxima."""
+    from mpi4py import MPI  # here, as every detour's import (module docstring)
+
+    from minipar.parallel import vocab_parallel  # here: loads mpi4py.MPI
+
+    original = vocab_parallel.allreduce_statistic
+
+    def allreduce_statistic(stat: Tensor, tp: Group, op: MPI.Op) -> Tensor:
+        if op == MPI.MAX:
+            return stat  # BUG: each rank shifts its logits by the max of its own columns
+        return original(stat, tp, op)
+
+    return [(vocab_parallel, "allreduce_statistic", allreduce_statistic)]
+
+
+def keys_not_gathered() -> list[Swap]:
+    """Context parallelism's allgather mode with its Allgather of K and V forgotten."""
+    from minipar import attention
+    from minipar.parallel import context_parallel as cp  # here: loads mpi4py.MPI
+
+    def local_attention(cpa: cp.ContextParallelAttention, q: Tensor, k: Tensor, v: Tensor,
+                        heads: int, key_bias: Tensor | None) -> Tensor:
+        # BUG: my positions' queries against my positions' keys and values only
+        return attention.attention(q, k, v, heads, q_positions=cpa.positions,
+                                   k_positions=cpa.positions, key_bias=key_bias)
+
+    return [(cp, "allgather_attention", local_attention)]
+
+
+def merge_without_lse() -> list[Swap]:
+    """Ring attention whose online softmax adds the blocks' results without weights."""
+    from minipar.parallel import context_parallel as cp  # here: loads mpi4py.MPI
+
+    def plain_sum(Out: np.ndarray, L: np.ndarray, o: np.ndarray, lse: np.ndarray) -> None:
+        Out[...] = Out + o  # BUG: no exp(L - L'), exp(lse - L') weights
+        L[...] = np.logaddexp(L, lse)
+
+    return [(cp, "_merge", plain_sum)]
+
+
 # ------------------------------------------------------------------- ZeRO
 def no_allgather() -> list[Swap]:
     """ZeRO-1/2 that updates its slice and never Allgathers the parameters back."""
@@ -246,6 +288,14 @@ def _moe(cfg: TrainConfig) -> bool:
 
 def _zero(cfg: TrainConfig) -> bool:
     return cfg.zero in (1, 2) and cfg.dp > 1
+
+
+def _vocab(cfg: TrainConfig) -> bool:
+    return cfg.model in ("gpt", "gpt-moe") and cfg.tp > 1 and bool(cfg.vocab_parallel)
+
+
+def _cp(*modes: str) -> Callable[[TrainConfig], bool]:
+    return lambda cfg: cfg.cp > 1 and cfg.cp_mode in modes
 
 
 PIPELINE = "--pp 2 or more and --microbatches 2 or more (a stage with several inputs)"
@@ -345,6 +395,35 @@ _LIST = [
         "shipped as a design, later corrected: the balance loss of each micro-batch or rank "
         "instead of the global batch; Megatron-LM forks added the global one "
         "(microsoft/ltp-megatron-lm#7); torchtitan proposes it (pytorch/torchtitan#4772)"),
+    Bug("tp-vocab-loss-no-max", "tp",
+        "the vocabulary-parallel cross-entropy skips the Allreduce(MAX) of each row's "
+        "largest logit",
+        "each tp rank shifts its own columns by their own maximum, so the sums of exps "
+        "added up over tp mix terms shifted differently: the loss and every gradient are "
+        "wrong from step 1, yet the model trains; the ledger is one Allreduce of B T "
+        "numbers per microbatch short",
+        "--model gpt or gpt-moe with --tp 2 or more and the vocabulary split over tp "
+        "(--vocab-parallel, the default)", _vocab, vocab_loss_without_max,
+        {"model": "gpt", "tp": 2}),
+    Bug("cp-no-allgather", "cp",
+        "context parallelism's allgather mode attends to the keys and values of its own "
+        "positions only (their Allgather forgotten)",
+        "each cp rank's queries see only the earlier positions of their own chunk: a causal "
+        "attention over shorter sequences, so the model trains; the loss is wrong from step "
+        "1, and the ledger is missing the 2 Allgathers per layer and their Reduce_scatters",
+        "--cp 2 or more with --cp-mode allgather", _cp("allgather"), keys_not_gathered,
+        {"model": "gpt", "cp": 2, "cp_mode": "allgather"}),
+    Bug("cp-ring-no-lse-merge", "cp",
+        "ring attention adds up the blocks' partial results as they arrive instead of "
+        "merging them with their log-sum-exp weights",
+        "every block was normalized by its own softmax, so a query that sees two blocks gets "
+        "the sum of two averages instead of one: its output is too large and the loss is "
+        "wrong from step 1; the same blocks travel the ring, so the ledger cannot see it",
+        "--cp 2 or more with --cp-mode ring or zigzag", _cp("ring", "zigzag"),
+        merge_without_lse, {"model": "gpt", "cp": 2, "cp_mode": "ring"},
+        unseen="the right blocks meet in the right place (my positions' queries, every "
+               "rank's keys: Shard(1) into and out of the ring node); how their results "
+               "are weighted in the merge is a value"),
     Bug("zero-no-allgather", "zero",
         "ZeRO-1/2 updates this rank's slice and never Allgathers the parameters back",
         "each rank updates its own slice and keeps every other slice at its old value: the "

@@ -27,6 +27,11 @@ ep, ...) a tensor on a rank is one of
                           x Shard(cols) @ W Replicate, x Replicate @ W Shard(rows): refused
     sum over dim d        Shard(d) -> Partial(sum); mean over Shard(d) -> Partial(avg)
     cross-entropy         logits Shard(rows) -> a loss that is Partial(avg) over that axis
+    attention (one node)  q, k, v Shard(rows) or Shard(heads) alike -> the same; q
+                          Shard(positions) needs k, v whole, gathered (context parallel)
+    vocabulary-parallel   lookup in my rows of the table -> Partial(sum); the loss from my
+                          columns of logits needs its row max (Partial("max")) and sums
+                          Allreduced -> Replicate
 
 and every collective is a *transition* (comm.py checks each one):
 
@@ -35,6 +40,9 @@ and every collective is a *transition* (comm.py checks each one):
     split(dim)       Replicate -> Shard(dim)     (scatter_to: no message)
     Reduce_scatter   Partial -> Shard(0)         (reduce_scatter)
     Alltoallv        Shard(0) -> Shard(0)        (rows regrouped by destination)
+    Allgather(T)     Shard(1) -> Replicate       (context parallelism's K and V)
+    Alltoall         Shard(1) -> Shard(2)        (Ulysses: positions -> heads, and back)
+    Sendrecv ring    Shard(1) stays Shard(1)     (the ring node: blocks change owner)
 
 Conjugates: the backward of an op moves placements the other way. A replicated x
 entering a column-parallel matmul gets from it a gradient that is only this rank's
@@ -51,6 +59,7 @@ A violation raises `PlacementError` with one line naming the tensor, the axis,
 the placement found, the one needed, the op and the model line that called it.
 Scalar factors are not tracked: Partial(avg) and Partial(sum) differ by the
 known count the sync divides by; a wrong factor is a value, not a placement.
+docs/design.md, "Placements", states every rule, the transformer's included.
 """
 
 from __future__ import annotations
@@ -88,12 +97,14 @@ class Shard:
 
 @dataclass(frozen=True)
 class Partial:
-    """The true tensor is the sum (or mean, `op="avg"`) of every rank's tensor."""
+    """The true tensor is the sum (or mean, `op="avg"`; or max, `op="max"`: a row
+    statistic) of every rank's tensor."""
 
     op: str = "sum"
 
     def __str__(self) -> str:
-        return "a partial sum" if self.op == "sum" else "a partial average"
+        return {"sum": "a partial sum", "avg": "a partial average"}.get(self.op,
+                                                                        f"a partial {self.op}")
 
 
 Placement = Replicate | Shard | Partial
@@ -120,30 +131,64 @@ class AxisGroup(Protocol):
     size: int
 
 
-# The communicators that span dp and cp together are the dp axis while cp = 1 (the only
-# case checked: config.placement_problems refuses --cp with --check-placements).
-_SAME_AXIS = {"dp_cp": "dp", "edp_cp": "edp"}
+# The communicators that span two mesh axes at once: the gradient sync of context
+# parallelism sums over dp x cp (mesh.py's dp_cp and edp_cp, which the ledger names "dp"
+# and "edp": they are told from the plain groups by their size, dp cp). With cp = 1
+# the mesh hands out the dp group itself, and an axis of size 1 records nothing.
+_COMPOUND = {"dp_cp": ("dp", "cp"), "edp_cp": ("edp", "cp")}
+_SIZES: dict[str, int] = {}   # axis -> size, set by `checking` (unknown: taken as > 1)
+
+
+def axes_of(group: AxisGroup) -> tuple[str, ...]:
+    """The mesh axes a group spans (one, or dp and cp for dp_cp) of size > 1."""
+    cp = _SIZES.get("cp", 1)
+    if group.name in ("dp", "edp") and cp > 1 and group.size == _SIZES.get(group.name, 1) * cp:
+        return tuple(a for a in (group.name, "cp") if _SIZES.get(a, 1) > 1)
+    if group.name not in _COMPOUND:
+        return (group.name,) if group.size > 1 else ()
+    return tuple(a for a in _COMPOUND[group.name] if _SIZES.get(a, 2) > 1)
 
 
 def axis_of(group: AxisGroup) -> str:
-    """The mesh axis a group spans, by which placements are recorded."""
-    return _SAME_AXIS.get(group.name, group.name)
+    """The mesh axis a group spans, by which placements are recorded (the first one of
+    a group spanning two)."""
+    axes = axes_of(group)
+    return axes[0] if axes else _COMPOUND.get(group.name, (group.name,))[0]
 
 
 # ------------------------------------------------------------------ switch
 @contextlib.contextmanager
-def checking(enabled: bool = True) -> Iterator[None]:
-    """Inside this block (if `enabled`) every op propagates and checks placements."""
+def checking(enabled: bool = True, sizes: dict[str, int] | None = None) -> Iterator[None]:
+    """Inside this block (if `enabled`) every op propagates and checks placements.
+    `sizes`: each mesh axis's size (what a group spanning two axes needs to know)."""
     global ON
     previous, ON = ON, enabled
+    previous_sizes = dict(_SIZES)
+    _SIZES.clear()
+    _SIZES.update(sizes or {})
     _SUMMED.clear()
     _PARTIAL_GRADS.clear()
     try:
         yield
     finally:
         ON = previous
+        _SIZES.clear()
+        _SIZES.update(previous_sizes)
         _SUMMED.clear()
         _PARTIAL_GRADS.clear()
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Inside this block nothing is checked nor recorded, and what was recorded stays:
+    the replay of a recomputed forward (recompute.py), whose placements are those the
+    forward already derived and checked -- the same ops on the same placements."""
+    global ON
+    previous, ON = ON, False
+    try:
+        yield
+    finally:
+        ON = previous
 
 
 def of(t: object) -> Placements:
@@ -160,8 +205,8 @@ def place(t: object, group: AxisGroup, p: Placement) -> object:
     """Declare `t`'s placement over `group`'s axis (a parameter's shard, the data's
     rows). Nothing is recorded on a group of one (every tensor is whole there) or
     while checking is off. Returns `t`."""
-    if ON and group.size > 1:
-        follow(t, {**of(t), axis_of(group): p}, summed=True)
+    if ON:
+        follow(t, {**of(t), **{axis: p for axis in axes_of(group)}}, summed=True)
     return t
 
 
@@ -241,16 +286,17 @@ def _grad_partial(t: object, axis: str) -> None:
     to the parameters (recorded: the sync must sum them) or to an operator whose
     backward sums it (`grad_summed`)."""
     stack, seen = [getattr(t, "t", t)], set()  # through an `_Only` view
-    while stack:
-        node = stack.pop()
-        if id(node) in seen or not getattr(node, "requires_grad", False):
+    while stack:  # (a node has parents only if it needs a gradient, or under no_grad in
+        node = stack.pop()   # the forward of a recomputed block: the replay will need it)
+        if id(node) in seen:
             continue
         seen.add(id(node))
         p = get(node, axis)
         if not isinstance(p, Replicate) or p.grad_summed:
             continue
         if hasattr(node, "sync"):  # a Parameter
-            _PARTIAL_GRADS.setdefault(id(node), (node, set()))[1].add(axis)
+            if getattr(node, "requires_grad", False):
+                _PARTIAL_GRADS.setdefault(id(node), (node, set()))[1].add(axis)
         else:
             stack.extend(getattr(node, "parents", ()))
 
@@ -451,27 +497,43 @@ def cross_entropy(op: str, logits: HasPlacement) -> Placements:
 
 
 def loss(op: str, t: HasPlacement, dp: AxisGroup) -> None:
-    """The step's loss: what the gradient sync expects. Over dp it may be the mean of
-    the ranks' losses (the sync averages the gradients); over any other axis it must
-    be whole: a rank would otherwise seed only its share of the gradient."""
+    """The step's loss: what the gradient sync expects. Over dp (and cp: the sync runs
+    over dp x cp, `dp` is then that group) it may be the mean of the ranks' losses
+    (the sync averages the gradients); over any other axis it must be whole: a rank
+    would otherwise seed only its share of the gradient."""
+    averaged = axes_of(dp) or (axis_of(dp),)
     for axis, p in of(t).items():
-        if axis == axis_of(dp) and p == Partial("avg"):
+        if axis in averaged and p == Partial("avg"):
             continue
-        raise refuse(op, t, axis, p, REPLICATED if axis != axis_of(dp) else Partial("avg"))
+        raise refuse(op, t, axis, p, REPLICATED if axis not in averaged else Partial("avg"))
 
 
 # ----------------------------------------------------------------- shapes
-def reshape(op: str, x: HasPlacement, shape: tuple[int, ...]) -> Placements:
+def reshape(op: str, x: HasPlacement, shape: tuple[int, ...],
+            tokens: bool = False, like: HasPlacement | None = None) -> Placements:
     """A Shard follows its dim through a reshape when that dim stays the outermost of
-    the dims it is merged with (B, T) -> (B T), or is kept; otherwise refused."""
+    the dims it is merged with (B, T) -> (B T), or is kept; otherwise refused.
+
+    Two exceptions name what the caller means. `tokens=True`: rows and positions (B, T)
+    become tokens (B T) for a position-wise op (the MoE FFN), so a shard of positions
+    (context parallelism) becomes a shard of tokens in a strided layout, which no
+    collective gathers back (capacity orders them by `context_parallel.TokenLayout`).
+    `like`: the reshape back to `like`'s shape, tokens -> (B, T): each shard of the
+    tokens is `like`'s shard again."""
     out: Placements = {}
     for axis, p in of(x).items():
         if not isinstance(p, Shard):
             out[axis] = p
             continue
         d = p.dim % x.ndim
+        if like is not None and isinstance(get(like, axis), Shard) and d == 0 \
+                and tuple(shape) == tuple(like.shape):
+            out[axis] = Shard(get(like, axis).dim % like.ndim)
+            continue
         before = _prod(x.shape[:d])
         new = [j for j in range(len(shape) + 1) if _prod(shape[:j]) == before]
+        if tokens and (not new or new[0] >= len(shape)) and len(shape) < x.ndim:
+            new = [0]                # positions merged into the token dim
         if not new or new[0] >= len(shape):
             raise refuse(f"{op} to {shape}", x, axis, p, "sharded along a dim the "
                          "reshape keeps outermost")
@@ -510,16 +572,77 @@ def same(*tensors: HasPlacement, op: str = "concat") -> Placements:
     return dict(of(first))
 
 
-def attention(op: str, q: HasPlacement, k: HasPlacement, v: HasPlacement) -> Placements:
-    """softmax(q k^T) v over (B, T, d): rows of sequences may be sharded (dim 0), heads
-    too (dim -1, all three alike); positions (dim 1) may not: every query needs every
-    earlier key (context parallelism passes keys around instead); Partial is refused."""
-    out = same(q, k, v, op=op)
-    for axis, p in out.items():
-        if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim % q.ndim == 1):
-            raise refuse(op, q, axis, p, REPLICATED if isinstance(p, Partial)
-                         else "sharded along rows or heads, not positions")
+def attention(op: str, q: HasPlacement, k: HasPlacement, v: HasPlacement,
+              key_bias: HasPlacement | None = None) -> Placements:
+    """softmax(q k^T) v over (B, T, H dh), one node, axis by axis:
+
+        rows (dim 0)       q, k, v sharded alike: my sequences       -> rows
+        heads (dim -1)     q, k, v column-sharded alike, the key bias
+                           its matching Shard(0): my whole heads     -> heads (tensor
+                           parallelism; Ulysses after its Alltoall)
+        positions (dim 1)  q only: every query needs every earlier key, so k and v
+                           must be whole along T, out of an Allgather whose backward
+                           sums their gradient (context parallelism) -> positions
+        Partial            refused: softmax is not linear."""
+    out: Placements = {}
+    for axis in _axes(q, k, v, *([key_bias] if key_bias is not None else [])):
+        pq, pk, pv = get(q, axis), get(k, axis), get(v, axis)
+        for x, p in ((q, pq), (k, pk), (v, pv)):
+            if isinstance(p, Partial):
+                raise refuse(op, x, axis, p, REPLICATED, " (softmax is not linear: an "
+                             "Allreduce is missing)")
+        dq = _dim(pq, q.ndim)
+        if dq == -2:                                          # my positions' queries
+            for x, p in ((k, pk), (v, pv)):
+                if not (isinstance(p, Replicate) and p.grad_summed):
+                    raise refuse(f"{op} (queries split along positions: every query "
+                                 "needs every earlier key)", x, axis, p,
+                                 "replicated with its gradient summed over the axis",
+                                 " (an Allgather of K and V along T is missing)"
+                                 if isinstance(p, Shard) else " (an Allgather is missing)")
+            out[axis] = Shard(1)
+            continue
+        for x, p in ((k, pk), (v, pv)):
+            if _dim(p, x.ndim) != dq or (dq is None and p != pq):
+                raise refuse(f"{op} with {q.name or 'q'} ({pq} over {axis})", x, axis, p,
+                             pq if not isinstance(pq, Replicate) else REPLICATED,
+                             " (q, k and v must be split alike)")
+        if key_bias is not None:
+            needed = Shard(0) if dq == -1 else REPLICATED
+            if get(key_bias, axis) != needed:
+                raise refuse(f"{op} (the key bias of {'my heads' if dq == -1 else 'q'})",
+                             key_bias, axis, get(key_bias, axis), needed)
+        if dq is not None:
+            out[axis] = Shard(dq % q.ndim)
     return out
+
+
+def ring_attention(op: str, q: HasPlacement, k: HasPlacement, v: HasPlacement,
+                   group: AxisGroup) -> Placements:
+    """Ring attention over `group` (cp), one node: q, k and v all sharded along
+    positions (dim 1) over the ring's axis. Inside the node the K, V block a rank holds
+    at step s is the shard of rank r - s: still "sharded along T over cp", its owner
+    rotating, and every block visits every rank once; the node's output is my
+    positions' rows, Shard(1). Which rank's block is held when, and the log-sum-exp
+    merge of the partial results, are values inside the node, not placements.
+    Over the other axes, the rule of `attention`."""
+    axis = axis_of(group)
+    for x in (q, k, v):
+        if _dim(get(x, axis), x.ndim) != -2:
+            raise refuse(f"{op} over {axis}", x, axis, get(x, axis), Shard(1),
+                         " (a ring passes blocks of positions)")
+    others = {a: p for a, p in (("q", q), ("k", k), ("v", v))}
+    out = attention(op, *(_Without(t, axis) for t in others.values()))
+    out[axis] = Shard(1)
+    return out
+
+
+class _Without:
+    """A view of a tensor's placement with one axis left out."""
+
+    def __init__(self, t: HasPlacement, axis: str) -> None:
+        self.name, self.ndim, self.shape = getattr(t, "name", ""), t.ndim, t.shape
+        self.placement = {a: p for a, p in of(t).items() if a != axis}
 
 
 def embedding(op: str, weight: HasPlacement, ids: HasPlacement) -> Placements:
@@ -533,6 +656,50 @@ def embedding(op: str, weight: HasPlacement, ids: HasPlacement) -> Placements:
         out[axis] = p
         _grad_partial(weight, axis)
     return out
+
+
+def vocab_lookup(op: str, weight: HasPlacement, ids: HasPlacement, tp: AxisGroup
+                 ) -> Placements:
+    """Rows of a table split by rows over tp (the vocabulary-parallel embedding): each
+    rank looks up the ids inside its rows and gives zeros for the others, so the output
+    is a Partial sum over tp (every id inside exactly one rank's rows); the ids are
+    whole over tp, and over the other axes the rule of `embedding`."""
+    if get(weight, axis_of(tp)) != Shard(0) and tp.size > 1:
+        raise refuse(op, weight, axis_of(tp), get(weight, axis_of(tp)), Shard(0),
+                     " (each rank holds its rows of the vocabulary)")
+    if axis_of(tp) in of(ids):
+        raise refuse(op, ids, axis_of(tp), get(ids, axis_of(tp)), REPLICATED,
+                     " (every rank looks up every id in its rows)")
+    out = embedding(op, weight, ids)
+    if tp.size > 1:
+        out[axis_of(tp)] = Partial()
+    return out
+
+
+def vocab_cross_entropy(op: str, logits: HasPlacement, statistics: Iterable[HasPlacement],
+                        tp: AxisGroup) -> Placements:
+    """The cross-entropy from logits split by columns (the vocabulary) over tp: each row
+    needs three numbers about its WHOLE row (the max, the sum of exps, the target's
+    logit), each a Partial (max or sum) of the ranks' pieces until an Allreduce makes
+    it whole; with them the loss is the same on every rank of tp (Replicate). Over the
+    other axes, the rule of `cross_entropy` (rows sharded: a Partial(avg))."""
+    axis = axis_of(tp)
+    if tp.size > 1 and _dim(get(logits, axis), logits.ndim) != -1:
+        raise refuse(op, logits, axis, get(logits, axis), Shard(-1 % logits.ndim),
+                     " (my columns of the vocabulary)")
+    for stat in statistics:
+        if not isinstance(get(stat, axis), Replicate):
+            raise refuse(op, stat, axis, get(stat, axis), REPLICATED,
+                         " (an Allreduce is missing)")
+    return cross_entropy(op, _Without(logits, axis))
+
+
+def picked_for(op: str, table: HasPlacement, rows: HasPlacement) -> Placements:
+    """Rows of a replicated table picked by one id per row of `rows` (each MoE row's
+    own b2): placed as `rows` are, and the table's gradient is partial wherever they
+    are sharded (the rule of `embedding`, with ids placed as the rows they label)."""
+    return embedding(op, table, _Shaped(dict(of(rows)), getattr(rows, "name", ""),
+                                        rows.ndim, rows.shape))
 
 
 def rows_exchanged(op: str, x: HasPlacement, group: AxisGroup) -> Placements:
@@ -551,15 +718,17 @@ def transition(op: str, x: HasPlacement, group: AxisGroup, needed: type | Placem
     """A collective's rule: `x` must be `needed` over the group's axis (a class: any
     placement of that kind; an instance: exactly it), and `out` becomes `result`
     there, keeping its other axes (copied unchanged)."""
-    found = get(x, axis_of(group))
-    ok = isinstance(found, needed) if isinstance(needed, type) else \
-        (found == needed or (isinstance(found, Shard) and isinstance(needed, Shard)
-                             and _dim(found, x.ndim) == _dim(needed, x.ndim)))
-    if not ok and group.size > 1:
-        shown = {Replicate: REPLICATED, Partial: Partial(), Shard: "sharded"}.get(
-            needed, needed)
-        raise refuse(op, x, axis_of(group), found, shown)
-    return follow(out, {**of(x), axis_of(group): result}, x.name, summed=True)
+    for axis in axes_of(group):   # one axis, or dp and cp for the dp_cp group
+        found = get(x, axis)
+        ok = isinstance(found, needed) if isinstance(needed, type) else \
+            (found == needed or (isinstance(found, Shard) and isinstance(needed, Shard)
+                                 and _dim(found, x.ndim) == _dim(needed, x.ndim)))
+        if not ok:
+            shown = {Replicate: REPLICATED, Partial: Partial(), Shard: "sharded"}.get(
+                needed, needed)
+            raise refuse(op, x, axis, found, shown)
+    return follow(out, {**of(x), **{axis: result for axis in axes_of(group)}}, x.name,
+                  summed=True)
 
 
 # --------------------------------------------------------- gradient sync
@@ -570,13 +739,14 @@ _SUMMED: dict[int, set[str]] = {}                          # param id -> axes su
 def summed(params: Iterable[object], group: AxisGroup) -> None:
     """The gradient sync states what it did: these gradients were summed over `group`
     (Partial -> Replicate over its axis, before the optimizer step)."""
-    if ON and group.size > 1:
+    if ON:
         for p in params:
-            if not isinstance(get(p, axis_of(group)), Replicate):
-                raise refuse(f"the gradient sum over {axis_of(group)}", p, axis_of(group),
-                             get(p, axis_of(group)), REPLICATED, " (summing gradients of "
-                             "different pieces would mix them)")
-            _SUMMED.setdefault(id(p), set()).add(axis_of(group))
+            for axis in axes_of(group):   # dp_cp: both dp and cp
+                if not isinstance(get(p, axis), Replicate):
+                    raise refuse(f"the gradient sum over {axis}", p, axis, get(p, axis),
+                                 REPLICATED, " (summing gradients of different pieces "
+                                 "would mix them)")
+                _SUMMED.setdefault(id(p), set()).add(axis)
 
 
 def check_gradients(sizes: dict[str, int]) -> None:
