@@ -26,7 +26,8 @@ PACKAGE = ROOT / "minipar"
 # Bottom first. A module may import from its own layer and every layer below it.
 LAYERS: list[set[str]] = [
     {"autograd", "fused", "attention", "nn", "gpt", "recompute", "optim", "data",  # core,
-     "memory", "shards", "threads", "placement"},                           # no MPI
+     "memory", "shards", "threads", "placement_types", "placement_rules",   # no MPI
+     "placement_transformer", "placement"},
     {"comm", "mesh", "ring", "log", "watchdog"},                            # communication
     {"parallel", "parallel.pipeline_schedules", "parallel.data_parallel",   # strategies
      "parallel.zero", "parallel.tensor_parallel", "parallel.vocab_parallel",
