@@ -33,7 +33,8 @@ LAYERS: list[set[str]] = [
      "parallel.zero", "parallel.tensor_parallel", "parallel.vocab_parallel",
      "parallel.expert_parallel", "parallel.pipeline_parallel", "parallel.context_parallel"},
     {"config"},                                                             # the flags
-    {"checkpoint_format", "checkpoint", "checkpoint_folder", "preflight", "bugs"},
+    {"checkpoint_format", "checkpoint", "checkpoint_folder", "preflight", "bugs_detours",
+     "bugs"},
     {"train"},                                                              # composition
     {"results", "reshard"},
     {"costmodel", "timemodel", "presets", "plan_workloads", "plan_search", "plan_report",
