@@ -24,7 +24,7 @@ PLACEMENT_BUGS = {
     "cp-no-allgather": ("blocks.0.attn.k output is sharded along dim 1 over cp",
                         "every query needs every earlier key",
                         "an Allgather of K and V along T is missing",
-                        "bugs.py:"),
+                        "bugs_detours.py:"),
 }
 
 
