@@ -33,7 +33,8 @@ and the lesson shows, for each:
    PyTorch, nanotron, Hugging Face transformers ...), or "plausible" where no
    shipped case was found.
 
-The code behind it: minipar/bugs.py (the registry), minipar/bugs_detours.py (the detours), minipar/train.py (the hook).
+The code behind it: minipar/bugs.py (the registry), minipar/bugs_detours.py (the
+detours), minipar/train.py (the hook).
 """
 
 from __future__ import annotations
