@@ -3,11 +3,13 @@
 MPI-free: every marked region closes and names an exercise, every exercise has
 regions, a hint and instructions that say which collective and which shapes;
 a stub is cut from the real code and the solution is that code. With MPI, three
-jobs of 4 ranks for all of it: (1) one copy with eight exercises stubbed, each
-check failing with its own instructions; (2) a copy with row-parallel stubbed
-and two wrong answers (a missing division, one Allreduce per parameter instead
-of per bucket), each failing with the sentence a student acts on; (3) the first
-copy with the real code put back, where all nine pass.
+jobs of 4 ranks for all of it: (1) one copy with every exercise but row-parallel
+stubbed, each check failing with its own instructions; (2) a copy with
+row-parallel stubbed and two wrong answers (a missing division, one Allreduce per
+parameter instead of per bucket), each failing with the sentence a student acts
+on; (3) the first copy with the real code put back, where all pass. A fourth job
+grades two wrong answers of the transformer's exercises (attention by heads
+without its f, a ring that does not skip the blocks the causal mask hides).
 """
 
 from __future__ import annotations
@@ -103,6 +105,35 @@ for bucket in buckets:
 """
 
 
+HEADS_WITHOUT_F = [  # the three regions of attention-heads, the entry left out
+    "self.heads = heads // tp.size",
+    """
+self.q, self.k, self.v = (ColumnParallelLinear(full, f"{p}.attn.{part}", tp, entered=True)
+                          for part in ("q", "k", "v"))
+self.proj = RowParallelLinear(full, f"{p}.attn.proj", tp,
+                              sequence_parallel=sequence_parallel, seq_axis=1)
+""",
+    "return a"]
+RING_WITHOUT_SKIP = [  # the three regions of ring-attention, every block computed
+    """
+received = np.empty(block.shape, dtype=block.dtype)
+nxt, prev = (group.rank + 1) % group.size, (group.rank - 1) % group.size
+group.Sendrecv(np.ascontiguousarray(block), nxt, received, prev)
+return received
+""",
+    """
+new = np.logaddexp(L, lse)
+safe = np.where(np.isfinite(new), new, 0.0)
+Out[...] = Out * np.exp(L - safe)[..., None] + o * np.exp(lse - safe)[..., None]
+L[...] = new
+""",
+    """
+keep = attention.allowed(qpos, kpos)
+out.append((slice(i * qpos.size, (i + 1) * qpos.size),
+            slice(j * kpos.size, (j + 1) * kpos.size), keep))
+"""]
+
+
 def reports(text: str) -> dict[str, str]:
     """The grader's report, per exercise."""
     out: dict[str, str] = {}
@@ -115,7 +146,8 @@ def reports(text: str) -> dict[str, str]:
 def test_stubs_fail_with_their_instructions_and_the_real_code_passes(tmp_path):
     first, second = tmp_path / "class", tmp_path / "wrong"
     regions.start([name for name in NAMES if name != ALONE], first)
-    regions.start([ALONE, "dp-naive", "dp-bucketed"], second)
+    wrong = [ALONE, "dp-naive", "dp-bucketed"]
+    regions.start(wrong, second)
     data_parallel = second / "minipar" / "parallel" / "data_parallel.py"
     replace_stub(data_parallel, "dp-naive", NO_DIVISION)
     replace_stub(data_parallel, "dp-bucketed", PER_PARAMETER)
@@ -129,7 +161,7 @@ def test_stubs_fail_with_their_instructions_and_the_real_code_passes(tmp_path):
             assert "NotImplementedError" in got[name], got[name]
             assert exercises.get(name).instructions in got[name], got[name]
 
-    code, text = check([ALONE, "dp-naive", "dp-bucketed"], second)
+    code, text = check(wrong, second)
     got = reports(text)
     assert code == 1 and exercises.get(ALONE).instructions in got[ALONE], text
     assert "differs from one process" in got["dp-naive"], text
@@ -144,6 +176,22 @@ def test_stubs_fail_with_their_instructions_and_the_real_code_passes(tmp_path):
     assert code == 0, text
     assert all(got.startswith(" passed") for got in reports(text).values()), text
     assert set(reports(text)) == set(NAMES)
+
+
+def test_wrong_transformer_answers_fail_with_a_sentence(tmp_path):
+    names = ["attention-heads", "ring-attention"]
+    regions.start(names, tmp_path)
+    for name, file, answers in (("attention-heads", "tensor_parallel.py", HEADS_WITHOUT_F),
+                                ("ring-attention", "context_parallel.py", RING_WITHOUT_SKIP)):
+        for code in answers:  # one region after the other, in file order
+            replace_stub(tmp_path / "minipar" / "parallel" / file, name, code)
+    code, text = check(names, tmp_path)
+    got = reports(text)
+    assert code == 1 and set(got) == set(names), text
+    assert "the input gradient dL/dh" in got["attention-heads"], text
+    assert "on rank" in got["attention-heads"] and "the one f" in got["attention-heads"], text
+    assert "the causal skip leaves" in got["ring-attention"], text
+    assert "score entries" in got["ring-attention"], text
 
 
 ONE_RANK_MORE = """

@@ -26,18 +26,21 @@ PACKAGE = ROOT / "minipar"
 # Bottom first. A module may import from its own layer and every layer below it.
 LAYERS: list[set[str]] = [
     {"autograd", "fused", "attention", "nn", "gpt", "recompute", "optim", "data",  # core,
-     "memory", "shards", "threads", "placement"},                           # no MPI
+     "memory", "shards", "threads", "placement_types", "placement_rules",   # no MPI
+     "placement_transformer", "placement"},
     {"comm", "mesh", "ring", "log", "watchdog"},                            # communication
     {"parallel", "parallel.pipeline_instructions", "parallel.pipeline_v",    # strategies
      "parallel.pipeline_schedules", "parallel.data_parallel",
      "parallel.zero", "parallel.tensor_parallel", "parallel.vocab_parallel",
      "parallel.expert_parallel", "parallel.pipeline_parallel", "parallel.context_parallel"},
     {"config"},                                                             # the flags
-    {"checkpoint", "checkpoint_folder", "preflight", "bugs"},
+    {"checkpoint_format", "checkpoint", "checkpoint_folder", "preflight", "bugs_detours",
+     "bugs"},
     {"train"},                                                              # composition
     {"results", "reshard"},
-    {"costmodel", "timemodel", "plan", "presets", "plots_load", "plots", "report", "tour",
-     "classroom", "exercises", "exercises.regions", "exercises.units", "exercises.grade",
+    {"costmodel", "timemodel", "presets", "plan_workloads", "plan_search", "plan_report",
+     "plan", "plots_load", "plots", "report", "tour", "classroom", "exercises",
+     "exercises.regions", "exercises.units", "exercises.units_attention", "exercises.grade",
      "exercises.command", "__main__", ""},                                  # on top
 ]
 

@@ -38,7 +38,8 @@ class Exercise:
     """One exercise: the marked regions it stubs, what the stub tells the student, and
     the checks that grade it. A check is ("train", TrainConfig fields) for a run compared
     with one process and with the ledger formulas, or ("ring" | "schedule" |
-    "conjugate", {}) for the unit checks of grade.py."""
+    "conjugate" | "linears" | "heads" | "ring-attention", {}) for the unit checks of
+    units.py and units_attention.py."""
 
     name: str
     title: str
@@ -50,8 +51,17 @@ class Exercise:
         return HINTS / f"{self.name}.md"
 
 
+# The transformer's tiny shapes: 8 positions of a 16-token vocabulary, 4 heads of width 2.
+SMALL_GPT = {"model": "gpt", "layers": 2, "d_model": 8, "heads": 4, "seq_len": 8,
+             "vocab": 16, "batch": 4, "steps": 2}
+
+
 def _train(**fields: object) -> tuple[str, dict]:
     return ("train", {**SMALL, **fields})
+
+
+def _train_gpt(**fields: object) -> tuple[str, dict]:
+    return ("train", {**SMALL_GPT, **fields})
 
 
 EXERCISES = [
@@ -140,6 +150,35 @@ EXERCISES = [
         "chunk r-s, receive chunk r-s-1 into its place. Chunk i is "
         "flat[offsets[i]:offsets[i+1]]; each rank sends 2n - c_r - c_(r+1) elements.",
         [("ring", {})]),
+    Exercise(
+        "attention-heads", "Tensor parallelism: attention split by heads",
+        "In tensor_parallel.TensorParallelAttention, split the H heads over the tp group. "
+        "__init__: self.heads is this rank's number of heads, H/tp; self.q, self.k, self.v "
+        "are ColumnParallelLinear(full, f\"{p}.attn.q\", tp, entered=True) (and .k, .v): "
+        "my heads' columns of Wq, Wk, Wv (d, d/tp), no entry of their own; self.proj is "
+        "RowParallelLinear(full, f\"{p}.attn.proj\", tp, sequence_parallel=..., seq_axis=1): "
+        "my heads' rows of Wo (d/tp, d), its partial sums added by g (one Allreduce of (B, "
+        "T, d); with sequence parallelism a Reduce_scatter to (B, T/tp, d)). enter(a): "
+        "the one f shared by q, k and v: enter_region(a, self.tp, self.sequence_parallel, "
+        "axis=1) (forward identity, backward one Allreduce; with sequence parallelism an "
+        "Allgather of positions (B, T/tp, d) -> (B, T, d)).",
+        [("heads", {}), _train_gpt(tp=2, dp=2), _train_gpt(tp=4, sp=True),
+         _train_gpt(tp=2, cp=2, cp_mode="ring")]),
+    Exercise(
+        "ring-attention", "Context parallelism: ring attention",
+        "In context_parallel.py, three pieces of the ring. pass_along(group, block): one "
+        "ring step, group.Sendrecv(block, rank r+1, received, rank r-1) -> the previous "
+        "rank's block, same shape (B, H, T/cp, dh). _merge(Out, L, o, lse): online "
+        "softmax, in place: Out (B, H, Tq, dh) and its row log-sum-exp L (B, H, Tq) over "
+        "the keys so far absorb o, lse of one more block of keys: L' = logaddexp(L, lse), "
+        "Out' = Out exp(L - L') + o exp(lse - L'); a row that has seen no key yet has L = "
+        "-inf and must stay finite (take L' as 0 where it is -inf). visible_blocks: for my "
+        "run of query positions qpos and the source's run of key positions kpos, keep = "
+        "attention.allowed(qpos, kpos) (Tq, Tk); skip the pair if keep hides every key, "
+        "else append (slice of qpos in my local array, slice of kpos in the source's, "
+        "keep): run i covers local rows i*len .. (i+1)*len - 1.",
+        [("ring-attention", {}), _train_gpt(cp=4, cp_mode="ring"),
+         _train_gpt(cp=2, dp=2, cp_mode="zigzag")]),
 ]
 
 BY_NAME = {exercise.name: exercise for exercise in EXERCISES}

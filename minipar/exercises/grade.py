@@ -28,7 +28,7 @@ import minipar
 from minipar import exercises, watchdog
 from minipar import train as training
 from minipar.config import TrainConfig
-from minipar.exercises.units import UNITS
+from minipar.exercises import units, units_attention
 from minipar.log import abort_all
 from minipar.report import predicted_ledgers
 from minipar.results import TOLERANCE, relative_difference
@@ -36,11 +36,13 @@ from minipar.results import TOLERANCE, relative_difference
 AGREE_SECONDS = 20.0
 STUCK_SECONDS = 30.0
 VERDICT = "minipar: exercise verdict: "  # how command.py finds a verdict in an ended job
+UNITS = {**units.UNITS, **units_attention.UNITS}   # unit check kind -> check(world)
 
 
 def flags(fields: dict) -> str:
     """The `train` command line of a check's config (for the report)."""
-    shown = {k: v for k, v in fields.items() if k not in exercises.SMALL}
+    small = {**exercises.SMALL, **exercises.SMALL_GPT}
+    shown = {k: v for k, v in fields.items() if k == "model" or k not in small}
     return "train " + " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
                                for k, v in shown.items())
 

@@ -223,22 +223,28 @@ class TensorParallelAttention(gpt.Attention):
                  sequence_parallel: bool = False, selective: bool = False,
                  core: Callable[..., Tensor] | None = None) -> None:
         p = f"blocks.{index}"
+        # exercise: attention-heads
         self.heads = heads // tp.size                 # this rank's heads
+        # end exercise
         self.selective = selective
         # local heads: the plain node, or context parallelism's exchange of my heads'
         # keys and values inside my cp group (context_parallel.py)
         self.core = attention.attention if core is None else core
         self.tp, self.sequence_parallel = tp, sequence_parallel
         self.ln = LayerNorm(full, f"{p}.ln1")         # replicated (gamma, beta of size d)
+        # exercise: attention-heads
         # my heads' columns of q, k, v; called inside the region (`enter` was their f)
         self.q, self.k, self.v = (ColumnParallelLinear(full, f"{p}.attn.{part}", tp,
                                                        entered=True)
                                   for part in ("q", "k", "v"))
         self.proj = RowParallelLinear(full, f"{p}.attn.proj", tp,
                                       sequence_parallel=sequence_parallel, seq_axis=1)
+        # end exercise
 
     def enter(self, a: Tensor) -> Tensor:
+        # exercise: attention-heads
         return enter_region(a, self.tp, self.sequence_parallel, axis=1)
+        # end exercise
 
     def partial_over_tp(self) -> list[Parameter]:
         """Under SP: LN1's gamma and beta and proj's bias see T/tp positions here."""

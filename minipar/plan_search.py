@@ -1,0 +1,231 @@
+"""Pricing one plan, and searching every plan that fills the GPUs.
+
+What this file teaches: a plan (dp, tp, pp, cp, ep, the ZeRO stage, the microbatches,
+the recomputation, the pipeline schedule) is priced on its busiest ranks: memory
+first (costmodel.py: ZeRO's model states, Megatron's activations; a plan that does
+not fit is not timed), then the ledger of every collective and the step time
+(timemodel.py: an alpha-beta network, the bubble formula). `search` prices every
+mesh whose degrees multiply to the GPUs, every ZeRO stage, microbatch count,
+recomputation and schedule, ranks the plans that fit by step time, and counts the
+others by the reason they cannot run (`mesh_problem`, or the memory they need).
+The workload comes from plan_workloads.py; plan_report.py prints the result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from itertools import product
+
+from minipar.costmodel import (
+    Plan,
+    RankShape,
+    Workload,
+    model_states,
+    rank_shape,
+    stage_activations,
+)
+from minipar.memory import ModelStates, wire_elements
+from minipar.parallel.pipeline_schedules import bubble_formula
+from minipar.presets import Cluster
+from minipar.timemodel import Hardware, Timing, group_layout, step_timing, traffic
+
+GB = 1e9
+
+
+# ------------------------------------------------------------ pricing a plan
+@dataclass
+class Estimate:
+    """A plan priced on its busiest ranks: memory per GPU (model states + activations),
+    bytes each GPU puts on the wire per step by axis, the bubble, the step time (only
+    for plans that fit)."""
+
+    plan: Plan
+    states: ModelStates
+    activations: float
+    gathered: float  # ZeRO-2/3: one piece's full gradient (and parameters) for a moment
+    bubble: float
+    wire: dict[str, float] = field(default_factory=dict)
+    timing: Timing | None = None
+
+    @property
+    def memory(self) -> float:
+        return self.states.total + self.activations + self.gathered
+
+
+def representative_stages(w: Workload, plan: Plan) -> list[int]:
+    """Pipeline ranks whose load can differ: the first (embedding, most microbatches in
+    flight), the second, the first with one block fewer, the last two (the head)."""
+    extra = w.layers % (plan.pp * plan.virtual)
+    return sorted({s for s in (0, 1, extra, plan.pp - 2, plan.pp - 1) if 0 <= s < plan.pp})
+
+
+@lru_cache(maxsize=65536)
+def shape_of(w: Workload, tp: int, pp: int, ep: int, virtual: int, stage: int) -> RankShape:
+    """rank_shape, which depends on these fields of a plan only, once per search."""
+    return rank_shape(w, Plan(1, tp=tp, pp=pp, ep=ep, virtual=virtual), stage)
+
+
+def evaluate(w: Workload, hw: Hardware, plan: Plan) -> Estimate:
+    """Memory first (a plan that does not fit is not timed), then the ledger of each
+    representative rank, its wire bytes, and the step time."""
+    shapes = [shape_of(w, plan.tp, plan.pp, plan.ep, plan.virtual, s)
+              for s in representative_stages(w, plan)]
+    whole = w.param_bytes * (plan.zero >= 3) + w.grad_bytes * (plan.zero >= 2)
+    states, activations, gathered = max(
+        ((model_states(w, plan, shape), stage_activations(w, plan, shape),
+          whole * max(shape.pieces)) for shape in shapes),
+        key=lambda need: need[0].total + need[1] + need[2])
+    bubble = bubble_formula(plan.schedule, plan.pp, plan.microbatches, plan.virtual)
+    estimate = Estimate(plan, states, activations, gathered, bubble)
+    if estimate.memory > hw.gpu_memory - hw.headroom:
+        return estimate
+    items = [traffic(w, plan, shape) for shape in shapes]
+    for entries in items:
+        sent: dict[str, float] = {}
+        for t in entries:
+            if t.op != "Recv" and t.elements:  # a message counts once, at its sender
+                n, _ = group_layout(plan, t.group)
+                sent[t.group] = sent.get(t.group, 0.0) + wire_elements(
+                    t.op, t.elements, n) * t.bytes / t.elements
+        for axis, value in sent.items():
+            estimate.wire[axis] = max(estimate.wire.get(axis, 0.0), value)
+    estimate.timing = step_timing(w, plan, hw, shapes, items)
+    return estimate
+
+
+# ------------------------------------------------------------ the search
+MESH = ("dp", "tp", "pp", "cp", "ep")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass
+class Search:
+    """Every plan considered: the ones that fit (fastest first), the ones that do not
+    fit in memory, and the count of the others by the reason they cannot run."""
+
+    feasible: list[Estimate]
+    too_big: list[Estimate]
+    rejected: Counter
+
+
+def best_by(found: Search, axis: str) -> dict[int, Estimate]:
+    """For each value of a plan field ("tp", "pp", "ep", "dp", "cp", "microbatches",
+    "zero"): the fastest plan that fits, or if none fits, the one needing least memory."""
+    out: dict[int, Estimate] = {}
+    for estimate in found.feasible + found.too_big:  # fastest first, then smallest
+        out.setdefault(getattr(estimate.plan, axis), estimate)
+    return dict(sorted(out.items()))
+
+
+def distinct_meshes(estimates: list[Estimate]) -> list[Estimate]:
+    """The first (fastest) plan of each mesh (dp, tp, pp, cp, ep), in order: the other
+    ZeRO stages, microbatch counts and recomputations of a mesh are its variants."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for e in estimates:
+        mesh = tuple(getattr(e.plan, axis) for axis in MESH)
+        if mesh not in seen:
+            seen.add(mesh)
+            out.append(e)
+    return out
+
+
+def divisors(n: int) -> list[int]:
+    """Every k that divides n, smallest first."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return sorted(set(small + [n // k for k in small]))
+
+
+def mesh_problem(w: Workload, plan: Plan) -> str | None:
+    """Why a mesh cannot run this workload at all (None if it can)."""
+    moe = [b for b in w.blocks if b.moe]
+    if w.batch % plan.dp:
+        return "dp does not divide the global batch"
+    if w.seq_len % plan.cp:
+        return "cp does not divide the sequence length"
+    if any(dim % plan.tp for dim in w.split_dims):
+        return "tp does not divide d_ff or the attention (or key/value) heads"
+    if plan.tp > 1 and moe and not plan.sp:
+        return "tp > 1 with experts needs sequence parallelism (each tp rank routes its share)"
+    if any(b.experts % plan.ep for b in moe):
+        return "ep does not divide the experts"
+    if (plan.tp * plan.replicas) % plan.ep:
+        return "ep does not divide tp x cp x dp (the ranks that share a stage's experts)"
+    if plan.pp * plan.virtual > w.layers:
+        return "more pipeline stages than layers"
+    if plan.schedule == "interleaved" and (plan.pp == 1 or plan.microbatches % plan.pp):
+        return "interleaving needs pp > 1 and M divisible by pp"
+    return None
+
+
+def meshes(w: Workload, world: int, fixed: dict[str, int]) -> list[tuple[int, ...]]:
+    """Every (dp, tp, pp, cp, ep) with dp tp pp cp = world, ep | tp cp dp (1 for a dense
+    model), that agrees with the `fixed` ones."""
+    moe = any(b.moe for b in w.blocks)
+    out = []
+    for tp in divisors(world):
+        for cp in divisors(world // tp):
+            for pp in divisors(world // (tp * cp)):
+                dp = world // (tp * cp * pp)
+                for ep in divisors(tp * cp * dp) if moe else [1]:
+                    mesh = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+                    if all(mesh[k] == v for k, v in fixed.items() if k in mesh):
+                        out.append((dp, tp, pp, cp, ep))
+    return out
+
+
+def search(w: Workload, hw: Hardware, world: int, template: Plan | None = None,
+           zero_stages: tuple[int, ...] = (0, 1, 2, 3),
+           recomputes: tuple[str, ...] = ("selective",),
+           fixed: dict[str, int] | None = None,
+           schedules: tuple[tuple[str, int], ...] | None = None) -> Search:
+    """Price every (dp, tp, pp, cp, ep, zero, M, recompute, schedule) with dp tp pp cp =
+    world and M | B/dp, that agrees with `fixed` (any of dp, tp, pp, cp, ep,
+    microbatches). `schedules` lists (schedule, virtual) pairs (default: the template's);
+    `template` carries the options every plan shares (`sp=True` turns sequence
+    parallelism on whenever tp > 1)."""
+    template, fixed = template or Plan(1), fixed or {}
+    schedules = schedules or ((template.schedule, template.virtual),)
+    found = Search([], [], Counter())
+    for (dp, tp, pp, cp, ep), (schedule, virtual) in product(meshes(w, world, fixed),
+                                                              schedules):
+        counts = divisors(w.batch // dp) if w.batch % dp == 0 else [1]
+        if "microbatches" in fixed:
+            counts = [m for m in counts if m == fixed["microbatches"]] or [fixed["microbatches"]]
+        for m in counts:
+            mesh = replace(template, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=m,
+                           sp=template.sp and tp > 1, schedule=schedule, virtual=virtual)
+            problem = mesh_problem(w, mesh)
+            if problem:
+                found.rejected[problem] += len(zero_stages) * len(recomputes)
+                continue
+            for zero in zero_stages:
+                for recompute in recomputes:
+                    estimate = evaluate(w, hw, replace(mesh, zero=zero, recompute=recompute))
+                    if estimate.timing is None:
+                        found.rejected[f"needs more than {usable(hw) / GB:g} GB per GPU"] += 1
+                        found.too_big.append(estimate)
+                    else:
+                        found.feasible.append(estimate)
+    found.feasible.sort(key=lambda e: (e.timing.total, e.memory))
+    found.too_big.sort(key=lambda e: e.memory)
+    return found
+
+
+def hardware(cluster: Cluster, efficiency: float = 0.5, headroom: float | None = None
+             ) -> Hardware:
+    """A cluster preset as the cost model's Hardware: bytes, FLOP/s, bytes/s, seconds;
+    `headroom` GB per GPU left to the framework (default 10% of its memory)."""
+    headroom = 0.1 * cluster.gpu_memory if headroom is None else headroom
+    return Hardware(cluster.gpu_memory * GB, cluster.flops * 1e12, efficiency,
+                    cluster.intra_bw * GB, cluster.inter_bw * GB, cluster.node_size,
+                    cluster.latency_us * 1e-6, headroom * GB)
+
+
+def usable(hw: Hardware) -> float:
+    """Bytes a plan may use on one GPU: its memory less the framework's headroom."""
+    return hw.gpu_memory - hw.headroom
+
