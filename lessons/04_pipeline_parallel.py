@@ -12,8 +12,9 @@ GPU; the forward flows through them like a pipeline, and the price is the
   1. the split: which layers each rank holds (and with --virtual 2, two chunks each);
   2. the schedules as data (GPipe, Huang et al. 2019; 1F1B, PipeDream-flush,
      Narayanan et al. 2021; interleaved 1F1B, Megatron-LM; ZB-H1, Qi et al. 2023;
-     ZB-V, Qi et al. 2024; DualPipeV, DeepSeek-V3 2024): each rank's program
-     played by the simulator, printed as a text Gantt chart;
+     ZB-V, Qi et al. 2024; DualPipeV and DualPipe, DeepSeek-V3 2024): each rank's
+     program played by the simulator, printed as a text Gantt chart, and the
+     papers' per-rank bubbles (ZB-V's zero, DeepSeek-V3's table);
   3. the bubble for M = 1, 4, 8, 16 microbatches: the formula, the simulator,
      a real run's measured compute times replayed on the schedule's dependencies,
      and its wall-clock timeline. The wall clock can only agree with the formula
@@ -24,8 +25,9 @@ GPU; the forward flows through them like a pipeline, and the price is the
   4. activation memory: how many microbatches a stage holds at once, every schedule;
   5. every schedule against one process: the largest relative difference.
 
-The code behind it: minipar/parallel/pipeline_schedules.py (schedules, simulator)
-and minipar/parallel/pipeline_parallel.py (the Send/Recv executor).
+The code behind it: minipar/parallel/pipeline_schedules.py (schedules, simulator),
+minipar/parallel/pipeline_v.py (ZB-V, DualPipeV, DualPipe) and
+minipar/parallel/pipeline_parallel.py (the Send/Recv executor).
 """
 
 import argparse
@@ -41,6 +43,7 @@ from minipar.log import run_collectively, say_in_order, verdict
 from minipar.mesh import Mesh
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
+    SIMULATED_ONLY,
     bubble_formula,
     bubble_fraction,
     compute_order,
@@ -62,8 +65,9 @@ SMALL = dict(layers=LAYERS, d_in=16, d_model=64, d_ff=128, batch=256, steps=2)
 if "--quick" in sys.argv[1:]:  # the same lesson on narrower layers: timings mean less
     SMALL.update(d_model=32, d_ff=64, batch=64)
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 1),
-             ("dualpipev", 1))
-CHUNKS = {"interleaved": 2, "zb-v": 2, "dualpipev": 2}  # model chunks per rank
+             ("dualpipev", 1), ("dualpipe", 1))
+CHUNKS = {"interleaved": 2, "zb-v": 2, "dualpipev": 2}  # chunks per rank, each 1/C stage
+# (DualPipe's two chunks are whole stages, of two copies of the model)
 
 
 def say(*lines: str) -> None:
@@ -106,6 +110,9 @@ def the_split() -> None:
     say("in a V (ZB-V, DualPipeV), rank s holds chunks s and 2pp-1-s: rank 0 holds the "
         "first and the last")
     say_in_order(comm, layer_runs(config("zb-v", 8)))
+    say("DualPipe feeds microbatches from both ends: rank r holds stage r of one copy and "
+        "stage pp-1-r of another, twice the parameters (the copies' gradients are summed)")
+    say_in_order(comm, layer_runs(config("dualpipe", 8)))
 
 
 # ------------------------------------------------------- part 2: the schedules
@@ -114,12 +121,14 @@ def the_schedules(microbatches: int = 4) -> None:
         f"M={microbatches}; F = 1 time unit, B = 2 for a rank's layers, split B = W = 1, "
         "F&B = 3; '.' = idle)")
     for name, virtual in SCHEDULES:
-        m = max(microbatches, 2 * size) if name == "dualpipev" else microbatches
+        m = max(microbatches, 2 * size) if name in ("dualpipev", "dualpipe") else microbatches
         sim = simulate_schedule(name, size, m, virtual)
         title = f"{name}" + (f" --virtual {virtual} (chunks a, b: each holds 1/{virtual} of "
                              f"the rank's layers, F = {1 / virtual:g}, B = {2 / virtual:g}; "
                              f"one cell = {1 / virtual:g} unit)" if virtual > 1 else "") \
             + (" (chunks a, b in a V)" if name in ("zb-v", "dualpipev") else "") \
+            + (f" (a: microbatches 1-{m // 2} enter at rank 0, b: {m // 2 + 1}-{m} at rank "
+               f"{size - 1})" if name == "dualpipe" else "") \
             + (f", M = {m}" if m != microbatches else "")
         say(f"{title}: T = {sim.makespan:g} units, bubble {sim.bubble:.3f}, each rank "
             f"idle between its first and last instruction {[int(t) for t in sim.idle]}",
@@ -129,6 +138,31 @@ def the_schedules(microbatches: int = 4) -> None:
     say(f"the same model, the same work per rank (3M = {3 * microbatches} units): 1F1B takes "
         f"T = {one:g}, interleaved {two:g}: its warm-up and cool-down are made of half-size "
         f"chunks, 3(pp-1)/V = {3 * (size - 1) / 2:g} units of fill instead of {3 * (size - 1)}.")
+    the_papers_bubbles()
+
+
+def the_papers_bubbles() -> None:
+    """The papers count the bubble per rank: idle time between a rank's own first and last
+    instruction, the worst rank's, in units of F = B = W = 1 (F&B = 3)."""
+    say(f"the papers' bubble: the worst rank's idle time between its own first and last "
+        f"instruction (pp = {size}; F = B = W = 1, F&B = 3), for M microbatches:",
+        "     M   1f1b   zb-h1   zb-v   dualpipev   dualpipe")
+    for m in (2 * size - 2, 2 * size - 1, 2 * size, 4 * size):
+        idle = {name: max(simulate_schedule(name, size, m).idle)
+                for name in ("1f1b", "zb-h1", "zb-v")}
+        for name in ("dualpipev", "dualpipe"):
+            fits = m >= 2 * size and (name == "dualpipev" or m % 2 == 0)
+            idle[name] = max(simulate_schedule(name, size, m).idle) if fits else None
+        cells = [f"{idle[n]:g}" if idle[n] is not None else "-"
+                 for n in ("1f1b", "zb-h1", "zb-v", "dualpipev", "dualpipe")]
+        say(f"  {m:4d}   {cells[0]:>4}   {cells[1]:>5}   {cells[2]:>4}   {cells[3]:>9}   "
+            f"{cells[4]:>8}")
+    say(f"  1F1B (pp-1)(F+B+W) = {3 * (size - 1)}, ZB-H1 (pp-1)(F+B-W) = {size - 1}; ZB-V 0 "
+        f"once M >= 2pp-1 = {2 * size - 1}; DualPipeV, DeepSeek-V3 Table 2 with PP = 2pp: "
+        f"(PP/2-1)(F&B+B-3W) = {2 * (size - 1)}; DualPipe on PP = pp = {size} ranks: "
+        f"(PP/2-1)(F&B+B-3W) = {2 * (size // 2 - 1)}, for 2x the parameters.",
+        "  (a unit is one chunk's F: a V's chunk holds half a stage's layers, DualPipe's a "
+        "whole stage, so its units weigh twice theirs)")
 
 
 # ---------------------------------------------------------- part 3: the bubble
@@ -192,11 +226,13 @@ def the_memory(runs: dict, microbatches: int = 8) -> None:
             whole = "" if chunks == 1 else (
                 f" chunk-activations of 1/{chunks} stage = "
                 f"{[round(p / chunks, 1) for p in sim]} stages' worth")
+            whole += " whole stages of two model copies" if name == "dualpipe" else ""
             print(f"  {name:>11}: simulator {sim}, real run {real}{whole}", flush=True)
     say(f"  GPipe keeps all M = {microbatches} microbatches' activations until the "
         f"backwards start; 1F1B at most pp - stage (<= {size}), whatever M is;",
         f"  ZB-V at most 2pp chunks (1F1B's {size} stages' worth) on every rank, DualPipeV one "
-        "chunk more (DeepSeek-V3's PP + 1).")
+        "chunk more (DeepSeek-V3's PP + 1);",
+        f"  DualPipe PP + 1 = {size + 1} whole stages, and twice the parameters of the others.")
 
 
 # ----------------------------------------------------------- part 5: the check
@@ -216,7 +252,7 @@ def the_check(runs: dict, microbatches: int = 8) -> None:
         ref = train_reference(cfg)
         loss_rel = max(abs(a - b) / abs(b) for a, b in zip(result.losses, ref.losses))
         _, param_rel, _ = max_differences(result.final, ref.final)
-        formula = "" if name in CHUNKS and name != "interleaved" else \
+        formula = "" if name in SIMULATED_ONLY else \
             f"formula {bubble_formula(name, size, microbatches, virtual):.3f}, "
         print(f"  {name:>11}: bubble replayed {replayed(name, result, microbatches, virtual):.3f}"
               f", wall clock {measured(result):.3f} ({formula}"
@@ -250,7 +286,8 @@ def figures(runs: dict, folder: Path, microbatches: int = 8) -> None:
     again = {m: replayed("1f1b", runs[("1f1b", m)], m) for m in (1, 4, 8, 16)}
     label = (f"1F1B, real run, wall clock ({size} ranks on {CORES} cores"
              + (": oversubscribed)" if SHARED else ")"))
-    every = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 1), ("dualpipev", 1))
+    every = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 1), ("dualpipev", 1),
+             ("dualpipe", 1))
     print("figure:", save(bubble_figure(size, schedules=every, measured=wall, replayed=again,
                                         measured_label=label), folder / "04_bubble.png"),
           flush=True)

@@ -257,7 +257,8 @@ def config_for(manifest: dict, **mesh: int) -> TrainConfig:
     fields = dict(manifest["config"], steps=int(manifest["step"]), zero=0, **mesh)
     if fields.get("virtual", 1) > 1:
         fields["schedule"] = "interleaved"
-    elif fields.get("schedule") in ("zb-v", "dualpipev") and fields.get("pp", 1) == 1:
+    elif fields.get("schedule") in ("zb-v", "dualpipev", "dualpipe") \
+            and fields.get("pp", 1) == 1:
         fields["schedule"] = "1f1b"  # a V needs a pipeline; one stage runs any order
     known = set(TrainConfig.__dataclass_fields__)
     return TrainConfig(**{k: v for k, v in fields.items() if k in known})

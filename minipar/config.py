@@ -106,6 +106,25 @@ class TrainConfig:
         return asdict(self)
 
 
+def _dualpipe_problems(cfg: TrainConfig) -> list[str]:
+    """DualPipe: two mirrored halves of the pipeline, half the microbatches fed from each
+    end, two copies of the model whose gradients the mirror ranks add (pipeline_v.py)."""
+    out = []
+    if cfg.pp < 2 or cfg.pp % 2:
+        out.append(f"--schedule dualpipe needs an even --pp, 2 or more (got {cfg.pp}): ranks "
+                   "r and pp-1-r mirror each other")
+    elif cfg.microbatches % 2 or cfg.microbatches < 2 * cfg.pp:
+        out.append(f"--schedule dualpipe needs an even --microbatches, at least 2 x --pp = "
+                   f"{2 * cfg.pp} (got {cfg.microbatches}): half enter at each end")
+    if cfg.zero or cfg.grad_sync != "bucketed":
+        out.append("--schedule dualpipe sums its two model copies' gradients after the "
+                   "backward: it runs with --zero 0 and --grad-sync bucketed only")
+    if cfg.save or cfg.resume:
+        out.append("--schedule dualpipe holds each stage twice: --save and --resume are "
+                   "not supported with it (dualpipev trains the same model, once)")
+    return out
+
+
 def problems(cfg: TrainConfig, world_size: int) -> list[str]:
     """Every reason the flags of `cfg` cannot run on `world_size` ranks; empty if they can.
     `cfg` must be `resolved`. Pure: every rank reaches the same list. A run also checks
@@ -261,6 +280,8 @@ def _divisibility(cfg: TrainConfig) -> list[str]:
     if cfg.schedule == "dualpipev" and cfg.pp > 1 and cfg.microbatches < 2 * cfg.pp:
         out.append(f"--schedule dualpipev needs --microbatches at least 2 x --pp = "
                    f"{2 * cfg.pp} (got {cfg.microbatches}): its steady state needs them")
+    if cfg.schedule == "dualpipe":
+        out += _dualpipe_problems(cfg)
     if cfg.layers % (cfg.pp * cfg.virtual):
         out.append(f"--layers {cfg.layers} is not divisible by --pp {cfg.pp} x --virtual "
                    f"{cfg.virtual} (each pipeline stage holds an equal run of blocks)")

@@ -165,17 +165,28 @@ def stage_blocks(layers: int, stages: int, v: int) -> range:
 
 
 def chunks_per_rank(plan: Plan) -> int:
-    """Model chunks a pipeline rank holds: V interleaved, 2 in a V (ZB-V, DualPipeV)."""
+    """Model chunks a pipeline rank holds: V interleaved, 2 in a V (ZB-V, DualPipeV) and
+    in DualPipe (two copies of the model)."""
     return pipeline_schedules.chunks_per_rank(plan.schedule, plan.virtual) \
         if plan.pp > 1 else 1
 
 
 def virtual_stages(plan: Plan, stage: int) -> list[int]:
     """The virtual stages pipeline rank `stage` runs: stage, stage + pp, ...; in a V
-    (ZB-V, DualPipeV) stage and 2pp-1-stage."""
-    v_shape = plan.schedule in pipeline_schedules.V_SHAPED and plan.pp > 1
-    return [pipeline_schedules.virtual_stage(plan.pp, stage, chunk, v_shape)
-            for chunk in range(chunks_per_rank(plan))]
+    (ZB-V, DualPipeV) stage and 2pp-1-stage; DualPipe's rank holds stage and
+    pp-1-stage of a pp-stage model (of two copies)."""
+    layout = pipeline_schedules.layout_of(plan.schedule) if plan.pp > 1 \
+        else pipeline_schedules.LOOP
+    return [pipeline_schedules.model_stage(
+        plan.pp, pipeline_schedules.virtual_stage(plan.pp, stage, chunk, layout), layout)
+        for chunk in range(chunks_per_rank(plan))]
+
+
+def model_stages(plan: Plan) -> int:
+    """How many runs of blocks the model is cut into: pp x chunks per rank, or pp for
+    DualPipe (each rank holds two of the pp stages, of two copies)."""
+    two_way = plan.schedule in pipeline_schedules.TWO_WAY and plan.pp > 1
+    return plan.pp if two_way else plan.pp * chunks_per_rank(plan)
 
 
 @dataclass
@@ -197,7 +208,7 @@ def rank_shape(w: Workload, plan: Plan, stage: int) -> RankShape:
     def cut(arrays: tuple[Array, ...]) -> list[int]:
         return [size // plan.tp if split else size for size, split in arrays]
 
-    stages = plan.pp * chunks_per_rank(plan)
+    stages = model_stages(plan)
     shape = RankShape(stage, [], [], False, False, [], [])
     for v in virtual_stages(plan, stage):
         parts = [(w.blocks[i].arrays, w.blocks[i]) for i in stage_blocks(w.layers, stages, v)]

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from minipar.config import ConfigError, _Parser  # _Parser: raises, one line
 from minipar.costmodel import Plan
-from minipar.parallel.pipeline_schedules import SCHEDULES, V_SHAPED
+from minipar.parallel.pipeline_schedules import SCHEDULES, SIMULATED_ONLY
 
 # the planner's parts, under the names its callers use (lessons 09, 13, tests, report.py)
 from minipar.plan_report import (  # noqa: F401
@@ -163,10 +163,10 @@ def make_parser() -> argparse.ArgumentParser:
     add("--gpus", type=POSITIVE, help="GPUs in the job (default: the product of a named "
         "--dp --tp --pp --cp)")
     add("--global-batch", type=POSITIVE, required=True, help="sequences per step")
-    # the V schedules (zb-v, dualpipev) are left out: the planner's time model has no
-    # closed-form bubble for them (pipeline_schedules.bubble_formula)
-    add("--schedule", choices=[s for s in SCHEDULES if s not in V_SHAPED], action="append",
-        help="pipeline schedules to "
+    # the V schedules (zb-v, dualpipev) and dualpipe are left out: the planner's time
+    # model has no closed-form bubble for them (pipeline_schedules.bubble_formula)
+    add("--schedule", choices=[s for s in SCHEDULES if s not in SIMULATED_ONLY],
+        action="append", help="pipeline schedules to "
         "consider (repeat the flag; default 1f1b and interleaved)")
     add("--virtual", type=POSITIVE, action="append", help="model chunks per pipeline rank "
         "for --schedule interleaved (repeat the flag; default 2 and 4)")

@@ -32,7 +32,7 @@ from matplotlib.patches import Patch, Polygon, Rectangle
 
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
-    V_SHAPED,
+    SIMULATED_ONLY,
     Simulation,
     bubble_formula,
     bubble_fraction,
@@ -150,25 +150,27 @@ def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
     lines, the simulator as dots on them, and (if given) a real 1F1B run's bubble per
     M: wall clock as crosses (named `measured_label`), its measured compute times
     replayed on the schedule (`pipeline_schedules.replay`) as squares. GPipe and 1F1B
-    share (pp-1)/(M+pp-1). ZB-V and DualPipeV have no closed form on this measure:
-    their simulated dots are joined by a dashed line."""
+    share (pp-1)/(M+pp-1). ZB-V, DualPipeV and DualPipe have no closed form on this
+    measure: their simulated dots are joined by a dashed line."""
     names = {"1f1b": "GPipe and 1F1B: (pp-1)/(M+pp-1)",
              "interleaved": "interleaved, V={v}: (pp-1)/(VM+pp-1)",
              "zb-h1": "ZB-H1: (pp-1)/(3M+pp-1), M >= pp",
              "zb-v": "ZB-V (simulator), 2 chunks in a V",
-             "dualpipev": "DualPipeV (simulator), M >= 2pp"}
+             "dualpipev": "DualPipeV (simulator), M >= 2pp",
+             "dualpipe": "DualPipe (simulator), both ends, M even >= 2pp"}
     colors = {"1f1b": "tab:blue", "interleaved": "tab:purple", "zb-h1": "tab:green",
-              "zb-v": "tab:red", "dualpipev": "tab:brown"}
+              "zb-v": "tab:red", "dualpipev": "tab:brown", "dualpipe": "tab:olive"}
     figure = Figure(figsize=(7, 4.2), layout="constrained")
     ax = figure.subplots()
     grid = np.geomspace(min(microbatches), max(microbatches), 200)
     for name, virtual in schedules:
         color = colors.get(name, "0.3")
-        lo = {"zb-h1": pp, "dualpipev": 2 * pp}.get(name, min(microbatches))
-        sims = [m for m in microbatches if m >= lo and (name != "interleaved" or m % pp == 0)]
+        lo = {"zb-h1": pp, "dualpipev": 2 * pp, "dualpipe": 2 * pp}.get(name, min(microbatches))
+        sims = [m for m in microbatches if m >= lo and (name != "interleaved" or m % pp == 0)
+                and (name != "dualpipe" or m % 2 == 0)]
         dots = [simulate_schedule(name, pp, m, virtual).bubble for m in sims]
         label = names.get(name, name).format(v=virtual)
-        if name in V_SHAPED:  # simulated only
+        if name in SIMULATED_ONLY:
             ax.plot(sims, dots, "o--", color=color, markersize=5, label=label)
             continue
         line = grid[grid >= lo]
@@ -206,7 +208,8 @@ def memory_figure(pp: int, microbatches: int, schedules: Sequence[tuple[str, int
     for s in range(pp):
         heights = []
         for name, virtual in schedules:
-            m = max(microbatches, 2 * pp) if name == "dualpipev" else microbatches
+            m = max(microbatches, 2 * pp) if name in ("dualpipev", "dualpipe") \
+                else microbatches
             peak = simulate_schedule(name, pp, m, virtual).peak_in_flight[s]
             heights.append(peak / chunks.get(name, 1))
         ax.bar(np.arange(len(schedules)) + (s - (pp - 1) / 2) * width, heights, width,

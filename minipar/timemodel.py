@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from minipar.costmodel import (
     Array,
@@ -37,7 +37,7 @@ from minipar.costmodel import (
     virtual_stages,
 )
 from minipar.memory import ledger_formula, wire_elements
-from minipar.parallel.pipeline_schedules import V_SHAPED, bubble_formula
+from minipar.parallel.pipeline_schedules import TWO_WAY, V_SHAPED, bubble_formula
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,14 @@ def bucket_count(arrays: list[int], bucket_size: int) -> int:
 
 def traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     """Every ledger entry one rank of pipeline rank `shape.stage` writes in one step."""
-    return (tp_traffic(w, plan, shape) + cp_traffic(w, plan, shape) + pp_traffic(w, plan, shape)
-            + moe_traffic(w, plan, shape) + dp_traffic(w, plan, shape))
+    entries = (tp_traffic(w, plan, shape) + cp_traffic(w, plan, shape)
+               + pp_traffic(w, plan, shape) + moe_traffic(w, plan, shape)
+               + dp_traffic(w, plan, shape))
+    if plan.schedule in TWO_WAY and plan.pp > 1:  # DualPipe: a block of one copy sees M/2
+        entries = [replace(t, calls=t.calls // 2, elements=t.elements // 2,
+                           bytes=t.bytes // 2) if t.phase == "pipeline" and t.group != "pp"
+                   else t for t in entries]
+    return entries
 
 
 def tp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
@@ -148,10 +154,19 @@ def ledger_merged(items: list[Traffic]) -> list[Traffic]:
 def pp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     """Per microbatch and virtual stage: Recv the input activation and Isend the input's
     gradient back (unless first); Isend the output and Recv its gradient (unless last).
-    A message is (b, d), or (b/tp, d) with SP."""
+    A message is (b, d), or (b/tp, d) with SP. DualPipe: each of its two chains (stages
+    of a pp-stage model) carries M/2 microbatches, and after the backward the rank
+    trades the gradients of both copies with its mirror rank (one Sendrecv)."""
     if plan.pp == 1:
         return []
     rows = tokens_per_microbatch(w, plan) // (plan.tp if plan.sp else 1)
+    if plan.schedule in TWO_WAY:
+        ends = sum(int(k > 0) + int(k < plan.pp - 1) for k in virtual_stages(plan, shape.stage))
+        calls = ends * plan.microbatches // 2
+        size = calls * rows * w.d_model
+        psi = sum(shape.dp_arrays) + sum(shape.edp_arrays)
+        return [Traffic("pp", op, calls, size, size * w.act_bytes) for op in ("Isend", "Recv")
+                ] + [Traffic("pp", "Sendrecv", 1, psi, psi * w.grad_bytes, "step")]
     last = plan.pp * chunks_per_rank(plan) - 1
     crossing = [b for b in range(last)  # the V's bottom (pp-1 | pp) stays inside a rank
                 if not (plan.schedule in V_SHAPED and b == plan.pp - 1)]

@@ -202,14 +202,16 @@ def build_rank_model(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray]
     Pipeline rank s with V virtual chunks holds virtual stages s, s+pp, ...; in a
     V (ZB-V, DualPipeV: two chunks) stages s and 2pp-1-s;
     virtual stage v holds blocks [v L/(pp V), (v+1) L/(pp V)); the embedding
-    sits on virtual stage 0 and the head on the last. Blocks are the reference
-    blocks, or their tensor-/expert-parallel versions when the mesh asks.
+    sits on virtual stage 0 and the head on the last. DualPipe holds two copies
+    of a pp-stage model: stage s of one and pp-1-s of the other (2 L/pp blocks).
+    Blocks are the reference blocks, or their tensor-/expert-parallel versions when
+    the mesh asks.
     """
     model_cfg = cfg.model_config()
     chunks_here = pipeline_schedules.chunks_per_rank(cfg.schedule, cfg.virtual) \
         if cfg.pp > 1 else 1
-    v_shape = cfg.schedule in pipeline_schedules.V_SHAPED
-    stages = cfg.pp * chunks_here
+    layout = pipeline_schedules.layout_of(cfg.schedule)
+    stages = cfg.pp if layout == pipeline_schedules.DUAL else cfg.pp * chunks_here
     per_stage = cfg.layers // stages
     chunks = []
     enter = leave = None
@@ -236,7 +238,8 @@ def build_rank_model(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray]
         enter = leave = None  # under SP, the embedding's Reduce_scatter and the head's
         # Allgather are the residual stream's way in and out of its split along T
     for chunk in range(chunks_here):
-        v = pipeline_schedules.virtual_stage(cfg.pp, mesh.coords["pp"], chunk, v_shape)
+        v = pipeline_schedules.model_stage(cfg.pp, pipeline_schedules.virtual_stage(
+            cfg.pp, mesh.coords["pp"], chunk, layout), layout)
         blocks = [make_block(cfg, model_cfg, mesh, full, i)
                   for i in range(v * per_stage, (v + 1) * per_stage)]
         chunks.append(nn.Model(embed(full) if v == 0 else None, blocks,
@@ -366,7 +369,7 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     if cfg.pp > 1:
         def last_stage_loss(logits: ag.Tensor, aux: ag.Tensor | None,
                             labels: np.ndarray) -> ag.Tensor:
-            head = chunks[-1].head                                  # the last chunk's
+            head = next(c.head for c in chunks if c.head is not None)  # the chunk with it
             loss = nn.output_loss(head, logits, labels) * scale     # CE / M
             loss = loss if aux is None else loss + aux * scale      # + aux / M
             if placement.ON:  # what the gradient sync expects: at most a mean over dp (x cp)
@@ -377,7 +380,7 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
         worker = pipeline_parallel.StageWorker(
             mesh.pp, chunks, x, y, slices, last_stage_loss, scale, boundary_shape(cfg),
             len(chunks), split_backward=cfg.schedule in pipeline_schedules.SPLIT_BACKWARD,
-            rank=mesh.rank, dtype=cfg.dtype, v_shape=cfg.schedule in pipeline_schedules.V_SHAPED,
+            rank=mesh.rank, dtype=cfg.dtype, layout=pipeline_schedules.layout_of(cfg.schedule),
             rows_over=rows_over, boundary_rows_over=boundary_rows_over)
         return pipeline_parallel.forward_backward(worker, cfg.schedule, cfg.microbatches,
                                                   timeline)
@@ -457,6 +460,8 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
         for p in chunk.parameters():
             p.grad = None
     local = forward_backward(cfg, mesh, chunks, x, y, timeline)
+    if cfg.schedule in pipeline_schedules.TWO_WAY and cfg.pp > 1:  # DualPipe: copy + copy
+        pipeline_parallel.sum_the_two_copies(chunks, mesh.pp)
     if cfg.sp:  # LayerNorm / fc2-bias gradients of row shards: sum over tp first
         tensor_parallel.allreduce_sequence_parallel_grads(chunks, mesh.tp)
     # data parallelism: sum each weight's gradient over its replicas, divide by dp;

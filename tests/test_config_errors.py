@@ -130,6 +130,12 @@ CASES = [
     (["--dp", "2", "--pp", "2", "--schedule", "zb-v"], "--layers"),  # 2 layers, 4 chunks
     (["--dp", "2", "--pp", "2", "--layers", "4", "--schedule", "dualpipev",
       "--microbatches", "2"], "--microbatches"),                     # needs M >= 2 pp
+    # DualPipe: an even pipeline, an even M >= 2 pp, its two copies summed outside ZeRO
+    (["--schedule", "dualpipe"], "even --pp"),                      # pp 1 here, 3 elsewhere
+    (["--dp", "2", "--pp", "2", "--layers", "4", "--schedule", "dualpipe",
+      "--microbatches", "2"], "--microbatches"),                     # needs M >= 2 pp
+    (["--dp", "2", "--pp", "2", "--layers", "4", "--schedule", "dualpipe",
+      "--microbatches", "4", "--zero", "1"], "--zero 0"),
 ]
 # Through the real launcher, at several world sizes: (ranks, case index).
 END_TO_END = [(4, 0), (2, 11), (1, 15), (2, 27), (2, 42), (2, 50), (2, 52), (2, 58)]

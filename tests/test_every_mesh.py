@@ -2,8 +2,9 @@
 `gpt` like one process (float64, rel 1e-9, losses and final parameters).
 
 Where the mesh has a pipeline (pp > 1), once under every schedule (gpipe, 1f1b,
-interleaved with V = 2, zb-h1, zb-v, dualpipev), each given what it needs: pp x V
-layers (2 pp for the two-chunk schedules), M = pp microbatches (2 pp for dualpipev),
+interleaved with V = 2, zb-h1, zb-v, dualpipev, dualpipe), each given what it needs:
+pp x V layers (2 pp for the V schedules), M = pp microbatches (2 pp for dualpipev and
+dualpipe),
 one sequence per microbatch and data-parallel rank. Without a pipeline, once. Along the
 sweep the other choices take turns, so that each is met on many meshes: the cp mode
 (allgather, ring, zigzag, ulysses, where the sizes allow it: zigzag needs T divisible
@@ -13,7 +14,7 @@ by 2 cp, Ulysses cp dividing the H/tp local heads), sequence parallelism where t
 Ledger: every rank's entries are timemodel.traffic's, on every mesh.
 
 Tiny on purpose: d = 16, H = 8, T = 8, V = 16, one step. ONE `sweep` launch per world
-size (tests/mpi.py): 70 configs on 8 ranks, 30 on 4.
+size (tests/mpi.py): 80 configs on 8 ranks, 34 on 4.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def configs(world: int) -> list[dict]:
             turn = len(out)
             virtual = 2 if schedule == "interleaved" else 1
             two = schedule in V_SHAPED
-            m = 2 * pp if schedule == "dualpipev" else pp
+            m = 2 * pp if schedule in ("dualpipev", "dualpipe") else pp
             out.append(dict(
                 TINY, dp=dp, cp=cp, tp=tp, pp=pp, schedule=schedule, virtual=virtual,
                 layers=pp * (2 if two else virtual), microbatches=m, batch=dp * m,

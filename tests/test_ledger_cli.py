@@ -16,6 +16,7 @@ MESHES = [
     ["--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2"],
     ["--dp", "4", "--zero", "3", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "2"],
     ["--dp", "2", "--tp", "2", "--pp", "2", "--schedule", "dualpipev", "--microbatches", "4"],
+    ["--dp", "2", "--tp", "2", "--pp", "2", "--schedule", "dualpipe", "--microbatches", "4"],
     ["--model", "moe", "--dp", "4", "--ep", "2", "--pp", "2", "--microbatches", "2",
      "--capacity-factor", "1.0"],
 ]

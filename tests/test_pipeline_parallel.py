@@ -7,6 +7,7 @@ this process (tests/conftest.py).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections import defaultdict
@@ -26,6 +27,8 @@ GPT = dict(model="gpt", d_model=16, heads=2, seq_len=8, vocab=16, batch=8, steps
 GPT_MOE = dict(GPT, model="gpt-moe", experts=4, expert_d_ff=16, aux_coef=0.1)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 V_SHAPED = ("zb-v", "dualpipev")
+# DualPipe: two copies of the model, half the microbatches fed from each end (M even, >= 2pp)
+DUALPIPE = dict(SMALL, dp=1, schedule="dualpipe")
 
 
 def pipeline_configs(pp: int) -> list[dict]:
@@ -42,6 +45,8 @@ def pipeline_configs(pp: int) -> list[dict]:
     for m in sorted({2 * pp, 8, 16}):
         out.append(dict(SMALL, pp=pp, dp=1, schedule="dualpipev", microbatches=m,
                         optimizer="adam" if m == 8 else "sgd"))
+    for m in sorted({2 * pp, 8, 16}):
+        out.append(dict(DUALPIPE, pp=pp, microbatches=m, optimizer="adam" if m == 8 else "sgd"))
     return out
 
 
@@ -58,6 +63,10 @@ CONFIGS = {
         dict(GPT, layers=4, pp=2, dp=1, schedule="dualpipev", microbatches=4),
         dict(GPT_MOE, layers=4, pp=2, dp=1, schedule="dualpipev", microbatches=4,
              optimizer="adam", lr=0.01),
+        dict(GPT, layers=4, pp=2, dp=1, schedule="dualpipe", microbatches=4),
+        dict(GPT, layers=2, pp=2, dp=1, schedule="dualpipe", microbatches=8,
+             optimizer="adam", lr=0.01),
+        dict(DUALPIPE, **MOE, pp=2, microbatches=4),
     ],
     4: pipeline_configs(4) + [
         dict(SMALL, pp=2, dp=2, schedule="1f1b", microbatches=4),
@@ -81,6 +90,15 @@ CONFIGS = {
              optimizer="adam", lr=0.01),
         dict(GPT, layers=4, pp=2, dp=2, schedule="zb-v", microbatches=2),
         dict(GPT_MOE, layers=4, pp=2, dp=2, ep=2, schedule="dualpipev", microbatches=4),
+        # DualPipe on 4 stages (the transformer too), and with dp, tp (+ sp) and MoE's ep
+        dict(GPT, layers=8, pp=4, dp=1, schedule="dualpipe", microbatches=8),
+        dict(GPT, layers=4, pp=4, dp=1, schedule="dualpipe", microbatches=8,
+             optimizer="adam", lr=0.01),
+        dict(DUALPIPE, pp=2, dp=2, microbatches=4, optimizer="adam"),
+        dict(DUALPIPE, pp=2, tp=2, sp=True, microbatches=4),
+        dict(GPT, layers=2, pp=2, tp=2, schedule="dualpipe", microbatches=4),  # vocab over tp:
+        # rank pp-1's head is on its chunk 0 (stage pp-1 of the copy fed from rank 0)
+        dict(DUALPIPE, **MOE, pp=2, dp=2, ep=2, microbatches=4),
     ],
 }
 CASES = [(n, i) for n in CONFIGS for i in range(len(CONFIGS[n]))]
@@ -108,6 +126,9 @@ def expected_messages(cfg: TrainConfig, stage: int) -> dict[str, int]:
     """Messages one rank of pipeline stage `stage` sends and receives in a step: for each
     of its chunks (virtual stage v of pp V), M activations out unless v is last, M
     gradients back unless v is first; receives mirror that."""
+    if cfg.schedule == "dualpipe":  # stage s and pp-1-s of two chains, M/2 microbatches each
+        ends = sum((k > 0) + (k < cfg.pp - 1) for k in (stage, cfg.pp - 1 - stage))
+        return {"Isend": cfg.microbatches // 2 * ends, "Recv": cfg.microbatches // 2 * ends}
     if cfg.schedule in V_SHAPED:  # chunks s and 2pp-1-s; the V's bottom needs no message
         last = 2 * cfg.pp - 1
         places = [stage, last - stage]
@@ -133,9 +154,13 @@ def test_ledger_one_activation_and_one_gradient_per_boundary(runs, n, index):
         if record["group"] == "pp":
             per_rank[record["rank"]][record["op"]] = record
     shape = MeshShape(cfg.dp, cfg.tp, cfg.pp)
+    memory = json.loads((runs[n][index]["job_folder"] / "memory.json").read_text())
     for rank in range(n):
         expected = expected_messages(cfg, shape.coords(rank)["pp"])
         got = per_rank[rank]
+        if cfg.schedule == "dualpipe":  # the gradients of both copies, once, to the mirror
+            sent = got.pop("Sendrecv")
+            assert sent["calls"] == 1 and sent["bytes"] == memory[rank]["grads"], (rank, sent)
         assert set(got) == {"Isend", "Recv"}, (rank, got)
         for op, calls in expected.items():
             assert got[op]["calls"] == calls, (rank, op, got[op])
@@ -145,7 +170,27 @@ def test_ledger_one_activation_and_one_gradient_per_boundary(runs, n, index):
     # microbatch, on every (dp, tp) replica of the pipeline
     total = sum(r["calls"] for r in ledger if r["group"] == "pp" and r["op"] == "Isend")
     boundaries = 2 * cfg.pp - 2 if cfg.schedule in V_SHAPED else cfg.pp * cfg.virtual - 1
+    if cfg.schedule == "dualpipe":  # two chains of pp - 1 boundaries, M/2 microbatches each
+        boundaries = cfg.pp - 1
     assert total == 2 * cfg.microbatches * boundaries * cfg.dp * cfg.tp
+
+
+def test_dualpipe_holds_twice_the_parameters(runs):
+    """DualPipe's rank r holds stage r and stage pp-1-r (of two copies): 1F1B's ranks r and
+    pp-1-r together, so over the pipeline exactly twice the parameters (memory.json: the
+    bytes each rank measured), and as many gradients."""
+    def bytes_held(fields: dict) -> list[dict]:
+        at = next(i for i, c in enumerate(CONFIGS[4]) if c == fields)
+        return json.loads((runs[4][at]["job_folder"] / "memory.json").read_text())
+
+    pp = 4
+    one = bytes_held(dict(SMALL, pp=pp, dp=1, schedule="1f1b", microbatches=8,
+                          optimizer="adam"))
+    two = bytes_held(dict(DUALPIPE, pp=pp, microbatches=8, optimizer="adam"))
+    for r in range(pp):
+        for kind in ("params", "grads", "optimizer"):
+            assert two[r][kind] == one[r][kind] + one[pp - 1 - r][kind], (r, kind)
+    assert sum(m["params"] for m in two) == 2 * sum(m["params"] for m in one)
 
 
 def test_pipeline_flags_are_checked_before_any_communication():
@@ -170,6 +215,16 @@ def test_pipeline_flags_are_checked_before_any_communication():
     assert bad and "--layers divisible by 2 x --pp 4" in bad[0]
     bad = problems(TrainConfig(schedule="zb-v").resolved(1), 1)
     assert bad and "needs --pp 2 or more" in bad[0]
+    assert first_problem(pp=4, schedule="dualpipe", microbatches=8, layers=8) == []
+    bad = problems(TrainConfig(pp=3, schedule="dualpipe", microbatches=8, layers=6
+                               ).resolved(3), 3)
+    assert bad and "needs an even --pp, 2 or more (got 3)" in bad[0]
+    bad = first_problem(pp=4, schedule="dualpipe", microbatches=6, layers=8, batch=48)
+    assert bad and "even --microbatches, at least 2 x --pp = 8 (got 6)" in bad[0]
+    bad = first_problem(pp=2, schedule="dualpipe", microbatches=5, layers=4, batch=40)
+    assert bad and "even --microbatches" in bad[0]
+    bad = first_problem(pp=2, dp=2, schedule="dualpipe", microbatches=4, layers=4, zero=1)
+    assert bad and "--zero 0 and --grad-sync bucketed only" in bad[0]
 
 
 def test_boundary_shape_is_a_microbatch_of_rows_by_d():
@@ -203,10 +258,15 @@ def test_lesson_shows_the_48_layer_example_bubble_memory_and_equivalence():
     assert "1f1b: simulator [4, 3, 2, 1], real run [4, 3, 2, 1]" in out
     assert "zb-v: simulator [8, 8, 8, 8], real run [8, 8, 8, 8]" in out
     assert "dualpipev: simulator [9, 9, 9, 9], real run [9, 9, 9, 9]" in out
+    assert "dualpipe: simulator [5, 5, 5, 5], real run [5, 5, 5, 5]" in out
+    # the papers' per-rank bubble: M, 1f1b, zb-h1, zb-v, dualpipev, dualpipe (pp = 4)
+    bubbles = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\S+)\s+(\S+)$", out, re.M)
+    assert bubbles == [("6", "9", "3", "1", "-", "-"), ("7", "9", "3", "0", "-", "-"),
+                       ("8", "9", "3", "0", "6", "2"), ("16", "9", "3", "0", "6", "2")], out
     checks = re.findall(r"(\S+): bubble replayed .* in order: (\w+); max rel diff "
                         r"losses (\S+), params (\S+) -> (\w+)$", out, re.M)
     assert [c[0] for c in checks] == ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v",
-                                      "dualpipev"], out
+                                      "dualpipev", "dualpipe"], out
     for name, in_order, losses, params, verdict in checks:
         assert in_order == "yes" and float(losses) <= 1e-9 and float(params) <= 1e-9, name
         assert verdict == "OK", name

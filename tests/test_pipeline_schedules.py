@@ -19,14 +19,15 @@ from minipar.parallel.pipeline_schedules import (
     BACKWARD,
     COMPUTE,
     FORWARD,
-    V_SHAPED,
     WEIGHT,
     Costs,
     DeadlockError,
     Instruction,
     ScheduleError,
+    V,
     gantt,
     iter_messages,
+    layout_of,
     programs,
     simulate,
     virtual_stage,
@@ -48,6 +49,8 @@ def cases() -> list[tuple[str, int, int, int]]:
         out += [("zb-v", pp, m, 1)]
         if m >= 2 * pp:  # dualpipev's rule
             out += [("dualpipev", pp, m, 1)]
+        if pp % 2 == 0 and m % 2 == 0 and m >= 2 * pp:  # dualpipe's
+            out += [("dualpipe", pp, m, 1)]
     return out
 
 
@@ -63,7 +66,7 @@ def exact(value: float) -> Fraction:
     return Fraction(value).limit_denominator(10_000)
 
 
-def parts(sim, pp: int, v_shape: bool) -> list[tuple[int, str, int, object]]:
+def parts(sim, pp: int, layout: str) -> list[tuple[int, str, int, object]]:
     """(virtual stage, kind, microbatch, slot) of every F, B, W played, an F&B step
     counted as its F, B and W (all three spanning the step)."""
     out = []
@@ -71,29 +74,41 @@ def parts(sim, pp: int, v_shape: bool) -> list[tuple[int, str, int, object]]:
         ins = Instruction(slot.kind, slot.microbatch, slot.chunk, slot.back_microbatch,
                           slot.back_chunk)
         for part in ins.parts():
-            out.append((virtual_stage(pp, slot.stage, part.chunk, v_shape), part.kind,
+            out.append((virtual_stage(pp, slot.stage, part.chunk, layout), part.kind,
                         part.microbatch, slot))
     return out
 
 
+def chain_microbatches(name: str, pp: int, m: int, vs: int) -> range:
+    """The microbatches virtual stage vs runs: all, or in DualPipe its chain's half."""
+    if name != "dualpipe":
+        return range(m)
+    return range(m // 2) if vs < pp else range(m // 2, m)
+
+
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "interleaved", "zb-v",
-                                  "dualpipev"])
+                                  "dualpipev", "dualpipe"])
 def test_every_compute_runs_once_in_dependency_order(name):
+    """Every (virtual stage, kind, microbatch) once, after what it needs. DualPipe's two
+    chains (virtual stages 0..pp-1 and pp..2pp-1) each take half the microbatches."""
     for _, pp, m, v in [c for c in cases() if c[0] == name]:
         sim = simulate_schedule(name, pp, m, v)
-        split = name in ("zb-h1", "zb-v", "dualpipev")
+        split = name in ("zb-h1", "zb-v", "dualpipev", "dualpipe")
         kinds = (FORWARD, BACKWARD, WEIGHT) if split else (FORWARD, BACKWARD)
-        v_shape = name in V_SHAPED
-        v = 2 if v_shape else v
-        played = parts(sim, pp, v_shape)
+        layout = layout_of(name)
+        v = 2 if name in ("zb-v", "dualpipev", "dualpipe") else v
+        played = parts(sim, pp, layout)
         seen = Counter((vs, kind, mb) for vs, kind, mb, _ in played)
-        expected = {(vs, k, mb) for vs in range(pp * v) for k in kinds for mb in range(m)}
+        microbatches = functools.partial(chain_microbatches, name, pp, m)
+        expected = {(vs, k, mb) for vs in range(pp * v) for k in kinds
+                    for mb in microbatches(vs)}
         assert set(seen) == expected and set(seen.values()) == {1}, (name, pp, m, v)
         at = {(vs, kind, mb): slot for vs, kind, mb, slot in played}
         for vs in range(pp * v):
-            for mb in range(m):
+            for mb in microbatches(vs):
                 assert at[vs, FORWARD, mb].end <= at[vs, BACKWARD, mb].start
-                if vs + 1 < pp * v:  # forward flows down, backward flows up
+                chain_goes_on = vs + 1 < pp * v and (name != "dualpipe" or vs != pp - 1)
+                if chain_goes_on:  # forward flows down, backward flows up
                     assert at[vs, FORWARD, mb].end <= at[vs + 1, FORWARD, mb].start
                     assert at[vs + 1, BACKWARD, mb].end <= at[vs, BACKWARD, mb].start
                 if split and at[vs, BACKWARD, mb] is not at[vs, WEIGHT, mb]:
@@ -106,9 +121,9 @@ def test_sends_and_receives_match_pairwise_in_order():
     tag in order, so each Recv gets its own microbatch's tensor."""
     for name, pp, m, v in cases():
         sent, received = defaultdict(list), defaultdict(list)
-        v_shape = name in V_SHAPED
+        layout = layout_of(name)
         for stage, other, (is_send, what) in iter_messages(programs(name, pp, m, v),
-                                                           v_shape):
+                                                           layout):
             if is_send:
                 sent[(stage, other, what[0])].append(what)
             else:
@@ -116,8 +131,9 @@ def test_sends_and_receives_match_pairwise_in_order():
             assert abs(stage - other) in (1, pp - 1), "neighbours only"
         assert sent == received, (name, pp, m, v)
         # every boundary carries one activation and one gradient per microbatch; in a
-        # V the boundary at the bottom (pp - 1 | pp) stays inside rank pp - 1
-        boundaries = 2 * pp - 2 if v_shape else pp * v - 1
+        # V the boundary at the bottom (pp - 1 | pp) stays inside rank pp - 1; DualPipe's
+        # two chains have pp - 1 boundaries each, and half the microbatches
+        boundaries = {"loop": pp * v - 1, "v": 2 * pp - 2, "dual": pp - 1}[layout]
         assert sum(len(x) for x in sent.values()) == 2 * m * boundaries
 
 
@@ -130,6 +146,12 @@ def test_no_deadlock_with_isend_for_pp_2_to_8_and_m_1_to_16():
                                         for i in p if i.kind in COMPUTE)
     with pytest.raises(ValueError, match="at least 2 pp"):
         programs("dualpipev", 4, 7)
+    with pytest.raises(ValueError, match="even pp"):
+        programs("dualpipe", 3, 12)
+    with pytest.raises(ValueError, match="even number of microbatches"):
+        programs("dualpipe", 4, 9)
+    with pytest.raises(ValueError, match="at least 2 pp"):
+        programs("dualpipe", 4, 6)
 
 
 def test_blocking_sends_would_deadlock_1f1b():
@@ -247,26 +269,62 @@ def test_dualpipev_idle_is_deepseek_v3_table_2_and_holds_pp_plus_1():
 
 
 def test_zb_v_keeps_1f1b_memory_and_beats_zb_h1():
-    """ZB-V's greedy list (see `zb_v_orders`): at most 2 pp chunk-activations per rank (pp
-    microbatches of a whole stage, 1F1B's memory); with M >= 2 pp a smaller bubble
-    fraction than ZB-H1, and each rank idling fewer chunk-units (F = B = W = 1) than ZB-H1's
-    pp - 1 stage-units, 2(pp - 1) chunk-units. Not the paper's zero: see `zb_v_orders`."""
+    """ZB-V (`pipeline_v.zb_v_orders`): at most 2 pp chunk-activations per rank (pp
+    microbatches of a whole stage, 1F1B's memory) for every M; with F = B = W = 1 and
+    M >= 2 pp - 1 no rank idles between its own first and last instruction -- the zero
+    bubble of Qi et al. -- so each rank's span is exactly its 6 M units of work, and the
+    bubble fraction is below ZB-H1's. Below the bound rank 0 cannot fill the first trip
+    round the V (2 pp - 1 units) with forwards, and idles."""
     for pp in range(2, 9):
-        for m in range(1, 17):
+        for m in [*range(1, 17), 2 * pp + 7, 40]:
             zv = simulate_schedule("zb-v", pp, m)
             assert max(zv.peak_in_flight) <= 2 * pp, (pp, m)
-            if m >= 2 * pp:
+            if m >= 2 * pp - 1:
+                assert zv.idle == [0] * pp, (pp, m, zv.idle)
+                for s in range(pp):
+                    mine = [slot for slot in zv.timeline if slot.stage == s]
+                    span = max(x.end for x in mine) - min(x.start for x in mine)
+                    assert span == 6 * m, (pp, m, s)
                 assert zv.bubble < simulate_schedule("zb-h1", pp, m).bubble, (pp, m)
-                assert max(zv.idle) < 2 * (pp - 1), (pp, m, zv.idle)
+            else:
+                assert max(zv.idle) > 0, (pp, m)
+
+
+def test_dualpipe_idle_is_deepseek_v3_table_2_with_twice_the_parameters():
+    """DualPipe on PP ranks (even), M >= 2 PP microbatches, half fed from each end: its
+    worst rank idles DeepSeek-V3 Table 2's (PP/2-1)(F&B+B-3W) (B the full backward) in
+    logical time, each rank holds at most PP + 1 chunk-activations, and a chunk is a whole
+    stage of L/PP blocks: 2 L/PP blocks per rank, twice DualPipeV's (2 chunks of L/(2 PP))."""
+    for big_pp in (2, 4, 6, 8):
+        for m in range(2 * big_pp, 2 * big_pp + 9, 2):
+            sim = simulate_schedule("dualpipe", big_pp, m)
+            f_and_b, b, w = 3, 2, 1
+            assert max(sim.idle) == (big_pp // 2 - 1) * (f_and_b + b - 3 * w), (big_pp, m)
+            assert max(sim.peak_in_flight) == big_pp + 1, (big_pp, m)
+            folded = simulate_schedule("dualpipev", big_pp // 2, m // 2)
+            assert max(sim.idle) == max(folded.idle)  # the mirror of DualPipeV's program
+    layers, pp = 16, 4
+    assert blocks_per_rank("dualpipe", layers, pp) == 2 * blocks_per_rank("dualpipev",
+                                                                          layers, pp)
+    assert blocks_per_rank("dualpipe", layers, pp) == 2 * blocks_per_rank("1f1b", layers, pp)
+
+
+def blocks_per_rank(name: str, layers: int, pp: int) -> int:
+    """Blocks a rank holds: its chunks, each one run of the model's `model_stage`s."""
+    layout = layout_of(name)
+    runs = pp if layout == "dual" else pp * simulator.chunks_per_rank(name)
+    chunks = {simulator.model_stage(pp, virtual_stage(pp, 0, c, layout), layout)
+              for c in range(simulator.chunks_per_rank(name))}
+    return len(chunks) * layers // runs
 
 
 def test_v_placement_puts_the_first_and_last_chunks_on_rank_0():
     from minipar.parallel.pipeline_schedules import placement
 
     pp = 4
-    assert [virtual_stage(pp, s, c, True) for s in range(pp) for c in (0, 1)] == \
+    assert [virtual_stage(pp, s, c, V) for s in range(pp) for c in (0, 1)] == \
         [0, 7, 1, 6, 2, 5, 3, 4]
-    assert all(placement(pp, virtual_stage(pp, s, c, True), True) == (s, c)
+    assert all(placement(pp, virtual_stage(pp, s, c, V), V) == (s, c)
                for s in range(pp) for c in (0, 1))
 
 

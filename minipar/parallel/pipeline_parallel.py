@@ -12,7 +12,8 @@ rank k of the next (each holds the whole activation, or with --sp its rows).
 
 The order in which a stage runs forwards and backwards is the schedule
 (GPipe, Huang et al. 2019; 1F1B, PipeDream-flush, Narayanan et al. 2021;
-interleaved 1F1B, Megatron-LM; ZB-H1, Qi et al. 2023): a list computed by
+interleaved 1F1B, Megatron-LM; ZB-H1, Qi et al. 2023; the V-shaped ZB-V,
+DualPipeV and DualPipe of pipeline_v.py): a list computed by
 pipeline_schedules.py, which also simulates it. This file is only the worker
 that runs a list (ShallowSpeed's design):
 
@@ -23,16 +24,19 @@ that runs a list (ShallowSpeed's design):
     B          backward: from the loss (last stage) or from (output, received gradient)
                plus (aux, 1/M) for a stage with MoE blocks
     send_grad  Isend the gradient of the input back to the previous rank
-    W          the split schedules (ZB-H1, ZB-V, DualPipeV): the weight-gradient matmuls
+    W          the split schedules (ZB-H1, ZB-V, DualPipe(V)): the weight-gradient matmuls
                B put off (autograd.defer_weight_grads)
-    F&B        DualPipeV: the forward of one (chunk, microbatch), then the backward and W
+    F&B        DualPipe(V): the forward of one (chunk, microbatch), then the backward and W
                of another, in one step (on GPUs one's compute hides the other's traffic;
                here they run one after the other)
 
 In a V (ZB-V, DualPipeV) rank s holds virtual stages s and 2pp-1-s; at the
 bottom of the V rank pp-1 hands its chunk 0's output to its chunk 1 (and
 chunk 1's input gradient back to chunk 0) itself, with no message: a copy into
-a fresh leaf, exactly what a Send/Recv would deliver.
+a fresh leaf, exactly what a Send/Recv would deliver. DualPipe's rank r holds
+stage r of one copy of the model (its microbatches enter at rank 0) and stage
+pp-1-r of another (entering at rank pp-1); after the step's instructions the
+mirror ranks r and pp-1-r add their copies' gradients (`sum_the_two_copies`).
 
 Why Isend and a blocking Recv: the simulator shows that with blocking sends
 (MPI's rendezvous protocol for large messages) 1F1B deadlocks -- stage 0 sends
@@ -67,6 +71,7 @@ from minipar.nn import Model
 from minipar.parallel.pipeline_schedules import (
     BACKWARD,
     FORWARD,
+    LOOP,
     OVERLAPPED,
     RECV_ACT,
     RECV_GRAD,
@@ -74,6 +79,8 @@ from minipar.parallel.pipeline_schedules import (
     SEND_GRAD,
     WEIGHT,
     Instruction,
+    first_stage,
+    last_stage,
     local_boundary,
     peer,
     schedule,
@@ -116,18 +123,18 @@ class StageWorker:
     function, `aux_weight` (what a block's aux loss counts for in the step's loss:
     1/M), the `boundary` shape of an activation and its `dtype` (the model's; by
     default x's, which for the transformer holds integer token ids instead),
-    whether the backward is split (ZB-H1, ZB-V, DualPipeV: B now, W later) and
-    whether the chunks sit in a V (`v_shape`: ZB-V, DualPipeV). `rank` only labels
-    the timeline.
+    whether the backward is split (ZB-H1, ZB-V, DualPipe(V): B now, W later) and
+    where the chunks sit (`layout`, pipeline_schedules.layout_of: in a V for ZB-V and
+    DualPipeV, on two opposite chains for DualPipe). `rank` only labels the timeline.
     """
 
     def __init__(self, pp_group: Group, chunks: list[Model], x: np.ndarray, y: np.ndarray,
                  rows: list[slice], loss: LossFunction, aux_weight: float,
                  boundary: tuple[int, ...], virtual: int = 1, split_backward: bool = False,
                  rank: int = 0, dtype: np.dtype | str | None = None,
-                 v_shape: bool = False, rows_over: Sequence[Group] = (),
+                 layout: str = LOOP, rows_over: Sequence[Group] = (),
                  boundary_rows_over: Sequence[Group] = ()) -> None:
-        self.group, self.rank, self.v_shape = pp_group, rank, v_shape
+        self.group, self.rank, self.layout = pp_group, rank, layout
         self.stage, self.pp, self.virtual = pp_group.rank, pp_group.size, virtual
         self.chunks = chunks
         self.loss_function, self.aux_weight = loss, aux_weight
@@ -172,27 +179,27 @@ class StageWorker:
 
     def where(self, chunk: int) -> int:
         """The virtual stage (position in the model) of this rank's chunk `chunk`."""
-        return virtual_stage(self.pp, self.stage, chunk, self.v_shape)
+        return virtual_stage(self.pp, self.stage, chunk, self.layout)
 
     def is_first(self, chunk: int) -> bool:
-        return self.where(chunk) == 0
+        return first_stage(self.pp, self.where(chunk), self.layout)
 
     def is_last(self, chunk: int) -> bool:
-        return self.where(chunk) == self.pp * self.virtual - 1
+        return last_stage(self.pp, self.where(chunk), self.virtual, self.layout)
 
     def fed_locally(self, chunk: int) -> bool:
         """Whether this chunk's input comes from this rank's other chunk (the V's bottom)."""
         v = self.where(chunk)
-        return self.v_shape and v > 0 and local_boundary(self.pp, self.stage, v - 1, True)
+        return not self.is_first(chunk) and local_boundary(self.pp, self.stage, v - 1,
+                                                           self.layout)
 
     def feeds_locally(self, chunk: int) -> bool:
         """Whether this chunk's output goes to this rank's other chunk (the V's bottom)."""
         v = self.where(chunk)
-        return self.v_shape and not self.is_last(chunk) and local_boundary(
-            self.pp, self.stage, v, True)
+        return not self.is_last(chunk) and local_boundary(self.pp, self.stage, v, self.layout)
 
     def peer(self, ins: Instruction) -> int:
-        return peer(ins.kind, self.pp, self.stage, ins.chunk, self.v_shape)
+        return peer(ins.kind, self.pp, self.stage, ins.chunk, self.layout)
 
     # ------------------------------------------------------------ messages
     def recv_act(self, ins: Instruction) -> None:
@@ -303,3 +310,26 @@ def gather_timeline(world: Group, timeline: list[dict]) -> list[dict] | None:
         r["start"] -= origin
         r["end"] -= origin
     return records
+
+
+def sum_the_two_copies(chunks: list[Model], pp_group: Group) -> None:
+    """DualPipe: each stage's gradient becomes the sum of its two copies' gradients.
+
+    Rank r holds stage r of one copy (chunk 0) and stage pp-1-r of the other (chunk 1);
+    rank pp-1-r holds the same two stages the other way round. Each stage's gradient
+    is the sum of its two copies' (microbatches 0..M/2-1 through one, M/2..M-1 through
+    the other): one process's gradient. Both ranks add the same two numbers, so the
+    copies stay equal through the optimizer step.
+    """
+    partner = pp_group.size - 1 - pp_group.rank
+    mine = [p for chunk in chunks for p in chunk.parameters()]
+    for p in mine:
+        p.grad = np.zeros_like(p.data) if p.grad is None else p.grad
+    flat = np.concatenate([p.grad.ravel() for p in mine])     # chunk 0's, then chunk 1's
+    received = np.empty_like(flat)
+    # gradients of both copies held here (2 L/pp blocks) <-> the mirror rank pp-1-r
+    pp_group.Sendrecv(flat, dest=partner, recvbuf=received, source=partner)
+    offset = 0  # the partner's chunk 0 is our chunk 1's stage, its chunk 1 our chunk 0's
+    for p in [p for chunk in reversed(chunks) for p in chunk.parameters()]:
+        p.grad = p.grad + received[offset:offset + p.grad.size].reshape(p.grad.shape)
+        offset += p.grad.size

@@ -18,29 +18,10 @@ The schedules, each from its paper:
 - ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward is
   split into B (input gradient: the previous stage waits for it) and W (weight
   gradient: nobody waits for it); putting W off fills the cool-down bubble.
-- ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"): the
-  model cut into 2 pp chunks placed in a V -- rank s holds chunks s and
-  2pp-1-s, so rank 0 holds the first and the last, the loss. The paper's
-  schedule (found by search) has zero bubble for F = B = W and M large enough;
-  the greedy list built here (`zb_v_orders`) comes close but not to zero,
-  holding at most 2pp chunk-activations: the activation memory of 1F1B (pp
-  microbatches of a whole stage).
-- DualPipeV (DeepSeek-V3, 2024): the same V placement, its bidirectional
-  DualPipe folded in half. Its steady state runs *overlapped* F&B steps: the
-  forward of one microbatch and the backward of another in one step. On GPUs
-  the point of the pair is that one's computation hides the other's
-  communication (the pipeline Send/Recv and MoE's dispatch/combine Alltoall
-  run on another stream while the other chunk computes); here the two
-  microbatches' instructions run one after the other inside the step, so the
-  step's duration is its own cost `F&B` in the simulator (F + B + W when
-  nothing overlaps, less when the hardware overlaps).
-  DualPipe itself is not built: it sends microbatches both ways through PP
-  ranks, rank r holding stage r for one direction and stage PP-1-r for the
-  other -- the two ends of one model twice, so 2x the parameters, whose
-  gradients the two copies must sum. By that symmetry its ranks r and PP-1-r
-  run mirror images of one program, and ranks 0..PP/2-1 run exactly
-  DualPipeV's on pp = PP/2 (the V's bottom then a message): its bubble and
-  activation memory are DualPipeV's.
+- The V-shaped ones, two chunks per rank (pipeline_v.py): ZB-V (Qi et al. 2024),
+  zero bubble; DualPipeV (DeepSeek-V3), overlapped F&B steps; and DualPipe, the
+  two-way pipeline with two copies of the model. Here they are only dispatched
+  (`compute_order`) and placed (`virtual_stage`: a V, or two opposite chains).
 
 Bubble, as measured here: run the instruction lists with F = 1 time unit and
 B = 2 for a stage's share of the model (B = W = 1 for the split schedules; a
@@ -66,60 +47,42 @@ The papers' tables count the bubble per rank instead: the time a rank idles
 between its own first and its own last instruction (`Simulation.idle`; with
 the optimizer step not synchronized, each rank's next step starts right after
 its own last one, so that is what a step costs). The worst rank's: 1F1B
-(pp-1)(F+B+W), ZB-H1 (pp-1)(F+B-W), ZB-V 0 in the paper (M large, F = B = W),
-DualPipeV (pp-1)(F&B+B-2W) -- DeepSeek-V3's table writes B for the *full*
-backward (our B + W) and PP for the ranks of the unfolded DualPipe (2 pp):
-(PP/2-1)(F&B+B-3W). The simulator reproduces 1F1B's and ZB-H1's for any
-durations, DualPipeV's in logical time (F = B = W, F&B = F + B + W).
+(pp-1)(F+B+W), ZB-H1 (pp-1)(F+B-W), ZB-V 0 (F = B = W, M >= 2pp - 1),
+DualPipeV (pp-1)(F&B+B-2W) and DualPipe on PP ranks (PP/2-1)(F&B+B-2W) --
+DeepSeek-V3's table writes B for the *full* backward (our B + W) and PP for the
+ranks of DualPipe, the unfolded DualPipeV (PP = 2 pp): (PP/2-1)(F&B+B-3W). The
+simulator reproduces 1F1B's and ZB-H1's for any durations, ZB-V's, DualPipeV's
+and DualPipe's in logical time (F = B = W, F&B = F + B + W).
 
 Run the checks: `python -m pytest tests/test_pipeline_schedules.py`.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")  # `--schedule`
+from minipar.parallel.pipeline_instructions import (
+    BACKWARD,
+    COMPUTE,
+    FORWARD,
+    OVERLAPPED,
+    RECV_ACT,
+    RECV_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    WEIGHT,
+    Instruction,
+)
+from minipar.parallel.pipeline_v import dualpipe_order, dualpipev_order, zb_v_order
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev",  # `--schedule`
+             "dualpipe")
 V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank, placed in a V
-SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev")  # B (input gradient) and W (weights) apart
-FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
-OVERLAPPED = "F&B"  # DualPipe's step: the forward of one microbatch, the backward of another
-RECV_ACT, SEND_ACT = "recv_act", "send_act"
-RECV_GRAD, SEND_GRAD = "recv_grad", "send_grad"
-COMPUTE = (FORWARD, BACKWARD, WEIGHT, OVERLAPPED)
-
-
-@dataclass(frozen=True)
-class Instruction:
-    """One step of a stage's program: `kind` on microbatch `microbatch` of model chunk
-    `chunk` (always 0 unless the schedule has several chunks per rank).
-
-    An `F&B` step carries two: the forward of (`chunk`, `microbatch`) and the full
-    backward (B, then its W) of (`back_chunk`, `back_microbatch`)."""
-
-    kind: str
-    microbatch: int
-    chunk: int = 0
-    back_microbatch: int = -1
-    back_chunk: int = -1
-
-    def __str__(self) -> str:
-        if self.kind == OVERLAPPED:
-            return (f"F{self.microbatch + 1}/{self.chunk}"
-                    f"&B{self.back_microbatch + 1}/{self.back_chunk}")
-        suffix = f"/{self.chunk}" if self.chunk else ""
-        return f"{self.kind}{self.microbatch + 1}{suffix}"
-
-    def parts(self) -> list[Instruction]:
-        """The plain F, B, W this step stands for, in the order they run: an F&B step
-        is its F, then its B and W; any other instruction is itself."""
-        if self.kind != OVERLAPPED:
-            return [self]
-        back = (self.back_microbatch, self.back_chunk)
-        return [Instruction(FORWARD, self.microbatch, self.chunk),
-                Instruction(BACKWARD, *back), Instruction(WEIGHT, *back)]
+TWO_WAY = ("dualpipe",)  # two copies of the model, microbatches fed from both ends
+SIMULATED_ONLY = V_SHAPED + TWO_WAY  # no closed-form bubble fraction: the simulator's
+SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev", "dualpipe")  # B (input grad), W apart
+LOOP, V, DUAL = "loop", "v", "dual"  # where a rank's chunks sit: `layout_of`
 
 
 # ----------------------------------------------------------- compute order
@@ -202,164 +165,6 @@ def zb_h1_order(pp: int, microbatches: int, stage: int) -> list[Instruction]:
     return order
 
 
-@functools.cache
-def _zb_v_orders(pp: int, microbatches: int) -> tuple[tuple[Instruction, ...], ...]:
-    return tuple(tuple(order) for order in zb_v_orders(pp, microbatches))
-
-
-def zb_v_orders(pp: int, microbatches: int) -> list[list[Instruction]]:
-    """ZB-V: every rank's F/B/W order, built by playing the V greedily in unit time.
-
-    Virtual stage v (of 2 pp) is chunk 0 of rank v for v < pp and chunk 1 of rank
-    2pp-1-v after: the forward runs down ranks 0..pp-1 and back up, so the loss
-    and the first backward are on rank 0. Time goes in steps of one unit (F = B = W);
-    at each step every rank takes the first of these that it can run now:
-
-    1. a B whose gradient has arrived (the oldest microbatch; chunk 1 first): the
-       ranks behind wait for it;
-    2. an F whose input has arrived (chunk 1 first: it brings a microbatch nearer
-       its loss), unless the rank already holds 2 pp chunk-activations (F done, W
-       not yet) -- 1F1B's memory;
-    3. a put-off W (the oldest): work nobody waits for, kept for the gaps.
-
-    A rank idles only when none applies. The simulator then replays the lists as
-    given (tests/test_pipeline_schedules.py). This greedy rule is not the paper's
-    search: with F = B = W no rank but rank 0 idles (pp <= 3), and rank 0 idles
-    fewer chunk-units than ZB-H1's 2(pp - 1), but not zero: its last backward waits
-    for the whole V after its put-off W's ran out. The paper's zero needs a
-    smarter placement of the W's at the end.
-    """
-    stages, cap = 2 * pp, 2 * pp
-
-    def rank(v: int) -> int:
-        return v if v < pp else stages - 1 - v
-
-    finished: dict[tuple[str, int, int], int] = {}  # (kind, v, microbatch) -> end time
-    next_f, next_b = [0] * stages, [0] * stages
-    put_off: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
-    alive = [0] * pp
-    orders: list[list[Instruction]] = [[] for _ in range(pp)]
-    left, t = 3 * stages * microbatches, 0
-
-    def ready(kind: str, v: int, i: int) -> bool:
-        return finished.get((kind, v, i), t + 1) <= t
-
-    while left:
-        for r in range(pp):
-            front, back = r, stages - 1 - r          # chunk 0, chunk 1
-            pick = None
-            backwards = [(next_b[v], -v) for v in (back, front) if next_b[v] < microbatches
-                         and ready(FORWARD, v, next_b[v])
-                         and (v == stages - 1 or ready(BACKWARD, v + 1, next_b[v]))]
-            if backwards:
-                i, v = min(backwards)
-                pick = (BACKWARD, -v, i)
-            elif alive[r] < cap:
-                pick = next(((FORWARD, v, next_f[v]) for v in (back, front)
-                             if next_f[v] < microbatches
-                             and (v == 0 or ready(FORWARD, v - 1, next_f[v]))), None)
-            if pick is None and put_off[r]:
-                pick = (WEIGHT, *put_off[r].pop(0))
-            if pick is None:
-                continue                              # idle this unit
-            kind, v, i = pick
-            finished[pick] = t + 1
-            orders[r].append(Instruction(kind, i, int(v >= pp)))
-            left -= 1
-            if kind == FORWARD:
-                next_f[v] += 1
-                alive[r] += 1
-            elif kind == BACKWARD:
-                next_b[v] += 1
-                put_off[r].append((v, i))
-            else:
-                alive[r] -= 1
-        t += 1
-    assert all(rank(v) == r for r in range(pp) for v in (r, stages - 1 - r))
-    return orders
-
-
-def dualpipev_order(pp: int, microbatches: int, stage: int) -> list[Instruction]:
-    """DualPipeV (DeepSeek-V3): eight phases; chunk 0 is virtual stage s, chunk 1 is
-    2pp-1-s. `F&B` is an overlapped step, a "full" backward is B then its W at once,
-    a "split" one puts its W off to a later W step (the zero-bubble trick).
-
-    1. 2(pp-s-1) F0: fill the V's left arm (rank 0 the longest);
-    2. s+1 times F0 F1: the first microbatches turn at the bottom of the V;
-    3. pp-s-1 times B1 (split), its W, F1: chunk 1's first backwards, in 1F1B;
-    4. M-2pp+s+1 times F0&B1, F1&B0: the steady state, two overlapped steps;
-    5. pp-s-1 times B1 (full), F1&B0;
-    6. s+1 times B1 B0: the last backwards, the second half of them split;
-    7. pp-s-1 times W, B0 (split);
-    8. s+1 times W: the put-off weight gradients fill the end.
-
-    Needs M >= 2 pp (phase 4 runs at least once on rank 0). A rank holds at most
-    2 pp + 1 chunk-activations, one more than 1F1B (DeepSeek-V3's PP + 1).
-    """
-    if microbatches < 2 * pp:
-        raise ValueError(f"dualpipev needs at least 2 pp = {2 * pp} microbatches "
-                         f"(got {microbatches})")
-    order: list[Instruction] = []
-    nxt = {(FORWARD, 0): 0, (FORWARD, 1): 0, (BACKWARD, 0): 0, (BACKWARD, 1): 0}
-    put_off: list[tuple[int, int]] = []
-
-    def take(kind: str, chunk: int) -> int:
-        i = nxt[(kind, chunk)]
-        nxt[(kind, chunk)] += 1
-        return i
-
-    def forward(chunk: int) -> None:
-        order.append(Instruction(FORWARD, take(FORWARD, chunk), chunk))
-
-    def backward(chunk: int, split: bool) -> None:
-        i = take(BACKWARD, chunk)
-        order.append(Instruction(BACKWARD, i, chunk))
-        if split:
-            put_off.append((i, chunk))
-        else:
-            order.append(Instruction(WEIGHT, i, chunk))
-
-    def weight() -> None:
-        order.append(Instruction(WEIGHT, *put_off.pop(0)))
-
-    def overlapped(forward_chunk: int, backward_chunk: int) -> None:
-        order.append(Instruction(OVERLAPPED, take(FORWARD, forward_chunk), forward_chunk,
-                                 take(BACKWARD, backward_chunk), backward_chunk))
-
-    s, last = stage, pp - 1
-    for _ in range(2 * (pp - s - 1)):                          # 1
-        forward(0)
-    for _ in range(s + 1):                                     # 2
-        forward(0)
-        forward(1)
-    for _ in range(pp - s - 1):                                # 3
-        backward(1, split=True)
-        weight()
-        forward(1)
-    for i in range(microbatches - 2 * pp + s + 1):             # 4
-        if i == 0 and s == last:  # its first B1 waits for the whole V: F0 goes ahead
-            forward(0)
-            backward(1, split=False)
-        else:
-            overlapped(0, 1)
-        overlapped(1, 0)
-    for _ in range(pp - s - 1):                                # 5
-        backward(1, split=False)
-        overlapped(1, 0)
-    split = False
-    for i in range(s + 1):                                     # 6
-        split = split or (i == (s + 1) // 2 and s % 2 == 1)
-        backward(1, split)
-        split = split or (i == (s + 1) // 2 and s % 2 == 0)
-        backward(0, split)
-    for _ in range(pp - s - 1):                                # 7
-        weight()
-        backward(0, split=True)
-    while put_off:                                             # 8
-        weight()
-    return order
-
-
 def compute_order(schedule: str, pp: int, microbatches: int, stage: int,
                   virtual: int = 1) -> list[Instruction]:
     """The F/B/W order of one stage under `schedule`, without communication."""
@@ -372,43 +177,73 @@ def compute_order(schedule: str, pp: int, microbatches: int, stage: int,
     if schedule == "zb-h1":
         return zb_h1_order(pp, microbatches, stage)
     if schedule == "zb-v":
-        return list(_zb_v_orders(pp, microbatches)[stage])
+        return zb_v_order(pp, microbatches, stage)
     if schedule == "dualpipev":
         return dualpipev_order(pp, microbatches, stage)
+    if schedule == "dualpipe":
+        return dualpipe_order(pp, microbatches, stage)
     raise ValueError(f"unknown schedule {schedule!r} (one of {', '.join(SCHEDULES)})")
 
 
 def chunks_per_rank(schedule: str, virtual: int = 1) -> int:
-    """How many model chunks a pipeline rank holds: 2 for the V schedules, V for
-    interleaved, else 1."""
-    return 2 if schedule in V_SHAPED else virtual
+    """How many model chunks a pipeline rank holds: 2 for the V schedules and DualPipe,
+    V for interleaved, else 1."""
+    return 2 if schedule in SIMULATED_ONLY else virtual
+
+
+def layout_of(schedule: str) -> str:
+    """Where a rank's chunks sit: in a V (`V`: ZB-V, DualPipeV), on two chains running
+    opposite ways (`DUAL`: DualPipe), or looping round the ranks (`LOOP`: the rest)."""
+    return V if schedule in V_SHAPED else DUAL if schedule in TWO_WAY else LOOP
 
 
 # ---------------------------------------------------- adding communication
-def virtual_stage(pp: int, stage: int, chunk: int, v_shape: bool = False) -> int:
-    """Which virtual stage (run of blocks, in model order) chunk `chunk` of pipeline
-    rank `stage` is: chunk * pp + stage when chunks loop round the ranks
-    (interleaved), stage or 2pp-1-stage in a V (ZB-V, DualPipeV)."""
-    if v_shape:
+def virtual_stage(pp: int, stage: int, chunk: int, layout: str = LOOP) -> int:
+    """Which virtual stage chunk `chunk` of pipeline rank `stage` is: chunk * pp + stage
+    when chunks loop round the ranks (interleaved), stage or 2pp-1-stage in a V (ZB-V,
+    DualPipeV). DualPipe's two chains are virtual stages 0..pp-1 (chunk 0: stage s on
+    rank s) and pp..2pp-1 (chunk 1: stage s on rank pp-1-s), each a whole model."""
+    if layout == V:
         return stage if chunk == 0 else 2 * pp - 1 - stage
+    if layout == DUAL:
+        return chunk * pp + (stage if chunk == 0 else pp - 1 - stage)
     return chunk * pp + stage
 
 
-def placement(pp: int, v: int, v_shape: bool = False) -> tuple[int, int]:
+def placement(pp: int, v: int, layout: str = LOOP) -> tuple[int, int]:
     """(rank, chunk) holding virtual stage v: the inverse of `virtual_stage`."""
-    if v_shape:
+    if layout == V:
         return (v, 0) if v < pp else (2 * pp - 1 - v, 1)
+    if layout == DUAL:
+        chunk, position = divmod(v, pp)
+        return (position if chunk == 0 else pp - 1 - position), chunk
     return v % pp, v // pp
 
 
-def local_boundary(pp: int, stage: int, boundary: int, v_shape: bool) -> bool:
+def model_stage(pp: int, v: int, layout: str = LOOP) -> int:
+    """Which run of blocks virtual stage v computes: v itself, except in DualPipe, whose
+    two chains are two copies of one model of pp stages (v mod pp)."""
+    return v % pp if layout == DUAL else v
+
+
+def first_stage(pp: int, v: int, layout: str = LOOP) -> bool:
+    """Whether virtual stage v takes the batch (holds the embedding)."""
+    return model_stage(pp, v, layout) == 0
+
+
+def last_stage(pp: int, v: int, chunks: int, layout: str = LOOP) -> bool:
+    """Whether virtual stage v computes the loss (holds the head), with `chunks` per rank."""
+    return model_stage(pp, v, layout) == (pp if layout == DUAL else pp * chunks) - 1
+
+
+def local_boundary(pp: int, stage: int, boundary: int, layout: str = LOOP) -> bool:
     """Whether both sides of boundary b (virtual stages b, b + 1) are on this rank: the
     bottom of the V, where rank pp-1 hands its chunk 0's output to its chunk 1 itself."""
-    return placement(pp, boundary, v_shape)[0] == placement(pp, boundary + 1, v_shape)[0]
+    return layout == V and placement(pp, boundary, V)[0] == placement(pp, boundary + 1, V)[0]
 
 
 def with_communication(order: list[Instruction], pp: int, stage: int, virtual: int = 1,
-                       v_shape: bool = False) -> list[Instruction]:
+                       layout: str = LOOP) -> list[Instruction]:
     """Wrap each compute instruction in the messages it needs and produces.
 
     A forward receives its input from the previous virtual stage (unless it is
@@ -419,24 +254,27 @@ def with_communication(order: list[Instruction], pp: int, stage: int, virtual: i
     step receives both its inputs first and sends both its outputs after. A
     boundary inside the rank (the bottom of the V) needs no message.
     """
-    chunks = 2 if v_shape else virtual
-    last = pp * chunks - 1
+    chunks = 2 if layout != LOOP else virtual
 
-    def crosses(boundary: int) -> bool:
-        return 0 <= boundary < last and not local_boundary(pp, stage, boundary, v_shape)
+    def before_me(v: int) -> bool:  # a message crosses the boundary into v
+        return not first_stage(pp, v, layout) and not local_boundary(pp, stage, v - 1, layout)
+
+    def after_me(v: int) -> bool:   # a message crosses the boundary out of v
+        return not last_stage(pp, v, chunks, layout) and not local_boundary(pp, stage, v,
+                                                                            layout)
 
     program: list[Instruction] = []
     for ins in order:
         before, after = [], []
         for part in ins.parts():
-            v = virtual_stage(pp, stage, part.chunk, v_shape)
+            v = virtual_stage(pp, stage, part.chunk, layout)
             at = (part.microbatch, part.chunk)
             if part.kind == FORWARD:
-                before += [Instruction(RECV_ACT, *at)] if crosses(v - 1) else []
-                after += [Instruction(SEND_ACT, *at)] if crosses(v) else []
+                before += [Instruction(RECV_ACT, *at)] if before_me(v) else []
+                after += [Instruction(SEND_ACT, *at)] if after_me(v) else []
             elif part.kind == BACKWARD:
-                before += [Instruction(RECV_GRAD, *at)] if crosses(v) else []
-                after += [Instruction(SEND_GRAD, *at)] if crosses(v - 1) else []
+                before += [Instruction(RECV_GRAD, *at)] if after_me(v) else []
+                after += [Instruction(SEND_GRAD, *at)] if before_me(v) else []
         program += before + [ins] + after
     return program
 
@@ -449,7 +287,7 @@ def schedule(name: str, pp: int, microbatches: int, stage: int, virtual: int = 1
     with Send/Recv, the simulator with a logical clock.
     """
     return with_communication(compute_order(name, pp, microbatches, stage, virtual),
-                              pp, stage, chunks_per_rank(name, virtual), name in V_SHAPED)
+                              pp, stage, chunks_per_rank(name, virtual), layout_of(name))
 
 
 def programs(name: str, pp: int, microbatches: int, virtual: int = 1
@@ -458,17 +296,17 @@ def programs(name: str, pp: int, microbatches: int, virtual: int = 1
     return [schedule(name, pp, microbatches, s, virtual) for s in range(pp)]
 
 
-def peer(kind: str, pp: int, stage: int, chunk: int = 0, v_shape: bool = False) -> int:
+def peer(kind: str, pp: int, stage: int, chunk: int = 0, layout: str = LOOP) -> int:
     """The pipeline rank a message of `kind` about `chunk` goes to or comes from.
 
     Activations flow to the next virtual stage, gradients to the previous one. When
     chunks loop (interleaved) that is rank stage + 1 or stage - 1 around the ring
     (mod pp): the last rank's chunk c feeds rank 0's chunk c + 1. In a V, chunk 0
-    flows down the ranks and chunk 1 back up."""
+    flows down the ranks and chunk 1 back up; in DualPipe chunk 0 flows down, chunk 1 up."""
     downstream = kind in (SEND_ACT, RECV_GRAD)
-    if v_shape:
-        v = virtual_stage(pp, stage, chunk, True)
-        return placement(pp, v + 1 if downstream else v - 1, True)[0]
+    if layout != LOOP:
+        v = virtual_stage(pp, stage, chunk, layout)
+        return placement(pp, v + 1 if downstream else v - 1, layout)[0]
     return (stage + 1) % pp if downstream else (stage - 1) % pp
 
 
@@ -544,11 +382,11 @@ def costs(schedule: str, virtual: int = 1, weights: Costs = Costs()) -> dict[str
     return {kind: share * d for kind, d in durations.items()}
 
 
-def message(ins: Instruction, pp: int, stage: int, v_shape: bool = False
+def message(ins: Instruction, pp: int, stage: int, layout: str = LOOP
             ) -> tuple[str, int, int]:
     """What a send or receive carries: (activation or gradient, the boundary it crosses,
     microbatch). Boundary b lies between virtual stages b and b + 1."""
-    v = virtual_stage(pp, stage, ins.chunk, v_shape)
+    v = virtual_stage(pp, stage, ins.chunk, layout)
     boundary = {SEND_ACT: v, RECV_ACT: v - 1, SEND_GRAD: v - 1, RECV_GRAD: v}[ins.kind]
     return ("act" if ins.kind in (SEND_ACT, RECV_ACT) else "grad", boundary, ins.microbatch)
 
@@ -557,9 +395,9 @@ class _Player:
     """Plays every stage's program on its own clock; see `simulate`."""
 
     def __init__(self, progs: list[list[Instruction]], cost: dict[str, float],
-                 synchronous_sends: bool, v_shape: bool) -> None:
+                 synchronous_sends: bool, layout: str) -> None:
         self.progs, self.cost, self.synchronous = progs, cost, synchronous_sends
-        self.v_shape = v_shape
+        self.layout = layout
         self.pp = len(progs)
         self.pc = [0] * self.pp
         self.clock = [0.0] * self.pp
@@ -576,10 +414,10 @@ class _Player:
         return program[self.pc[stage]] if self.pc[stage] < len(program) else None
 
     def peer(self, ins: Instruction, stage: int) -> int:
-        return peer(ins.kind, self.pp, stage, ins.chunk, self.v_shape)
+        return peer(ins.kind, self.pp, stage, ins.chunk, self.layout)
 
     def message(self, ins: Instruction, stage: int) -> tuple[str, int, int]:
-        return message(ins, self.pp, stage, self.v_shape)
+        return message(ins, self.pp, stage, self.layout)
 
     def step(self, s: int) -> bool:
         """Run stage s's next instruction if it can run now; False if it must wait."""
@@ -600,11 +438,11 @@ class _Player:
         0's and chunk 0's B after chunk 1's."""
         needs = [(s, {BACKWARD: FORWARD, WEIGHT: BACKWARD}[part.kind], part.chunk)] \
             if part.kind in (BACKWARD, WEIGHT) else []
-        v = virtual_stage(self.pp, s, part.chunk, self.v_shape)
+        v = virtual_stage(self.pp, s, part.chunk, self.layout)
         step = {FORWARD: -1, BACKWARD: 1}.get(part.kind)
-        if step and 0 <= v + step < 2 * self.pp and self.v_shape \
-                and placement(self.pp, v + step, True)[0] == s:
-            needs.append((s, part.kind, placement(self.pp, v + step, True)[1]))
+        if step and 0 <= v + step < 2 * self.pp and self.layout == V \
+                and placement(self.pp, v + step, V)[0] == s:
+            needs.append((s, part.kind, placement(self.pp, v + step, V)[1]))
         for stage, kind, chunk in needs:
             if (stage, kind, chunk, part.microbatch) not in self.done:
                 raise ScheduleError(f"stage {s}: {part} before its {kind}"
@@ -659,7 +497,7 @@ class _Player:
 
 
 def simulate(progs: list[list[Instruction]], cost: dict[str, float],
-             synchronous_sends: bool = False, v_shape: bool = False) -> Simulation:
+             synchronous_sends: bool = False, layout: str = LOOP) -> Simulation:
     """Play every stage's program in logical time, honoring every dependency.
 
     Each stage runs its instructions in order on its own clock: a compute
@@ -669,10 +507,10 @@ def simulate(progs: list[list[Instruction]], cost: dict[str, float],
     until the receiver reaches the matching receive (MPI's rendezvous protocol,
     what a blocking `Send` of a large message does); otherwise sends never block
     (`Isend`). Raises `DeadlockError` if the stages get stuck, `ScheduleError` if a
-    message arrives out of order or a backward precedes its forward. `v_shape`:
-    the chunks are placed in a V (ZB-V, DualPipeV), not round the ranks.
+    message arrives out of order or a backward precedes its forward. `layout`:
+    where the chunks sit (`layout_of`: round the ranks, in a V, or DualPipe's two chains).
     """
-    player = _Player(progs, cost, synchronous_sends, v_shape)
+    player = _Player(progs, cost, synchronous_sends, layout)
     progress = True
     while progress:
         progress = False
@@ -698,7 +536,7 @@ def simulate_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
                       ) -> Simulation:
     """`simulate` the programs of schedule `name` with its logical costs (or `weights`)."""
     return simulate(programs(name, pp, microbatches, virtual), costs(name, virtual, weights),
-                    synchronous_sends, name in V_SHAPED)
+                    synchronous_sends, layout_of(name))
 
 
 def replay(name: str, pp: int, microbatches: int, virtual: int,
@@ -716,7 +554,7 @@ def replay(name: str, pp: int, microbatches: int, virtual: int,
             key = (r["stage"], r["kind"], r["chunk"], r["microbatch"])
             measured[key] = max(measured.get(key, 0.0), r.get("cpu", r["end"] - r["start"]))
     return simulate(programs(name, pp, microbatches, virtual), measured,
-                    v_shape=name in V_SHAPED)
+                    layout=layout_of(name))
 
 
 def bubble_fraction(intervals: list[tuple[int, float, float]], stages: int) -> float:
@@ -733,7 +571,7 @@ def bubble_formula(schedule: str, pp: int, microbatches: int, virtual: int = 1) 
     """The papers' bubble fractions, which the simulator reproduces exactly:
     (pp-1)/(M+pp-1) for GPipe and 1F1B, (pp-1)/(V M+pp-1) interleaved, and for ZB-H1
     (pp-1)/(3M+pp-1) -- idle pp-1 units where 1F1B idles 3(pp-1) -- when M >= pp."""
-    if schedule in V_SHAPED:
+    if schedule in SIMULATED_ONLY:
         raise ValueError(f"{schedule} has no closed-form bubble on this measure: simulate "
                          "it (its per-rank idle time is in Simulation.idle)")
     per_stage_work = {"interleaved": virtual * microbatches, "zb-h1": 3 * microbatches}
@@ -781,7 +619,7 @@ def gantt(sim: Simulation, pp: int) -> list[str]:
             for s, row in enumerate(rows)]
 
 
-def iter_messages(progs: list[list[Instruction]], v_shape: bool = False
+def iter_messages(progs: list[list[Instruction]], layout: str = LOOP
                   ) -> Iterator[tuple[int, int, tuple]]:
     """Every send and receive as (stage, peer, (direction, boundary, microbatch)), each
     stage's in program order: what the pairwise matching test compares."""
@@ -789,5 +627,5 @@ def iter_messages(progs: list[list[Instruction]], v_shape: bool = False
     for s, program in enumerate(progs):
         for ins in program:
             if ins.kind not in COMPUTE:
-                yield s, peer(ins.kind, pp, s, ins.chunk, v_shape), (
-                    ins.kind.startswith("send"), message(ins, pp, s, v_shape))
+                yield s, peer(ins.kind, pp, s, ins.chunk, layout), (
+                    ins.kind.startswith("send"), message(ins, pp, s, layout))
