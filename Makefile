@@ -32,7 +32,7 @@ lint: install
 	$(PY) -m ruff check --output-format concise $(RUFF_CONFIG) minipar tests lessons bench
 
 test: install lint
-	@start=$$(date +%s); $(PY) -m pytest && \
+	@start=$$(date +%s); $(PY) -m pytest --durations=15 && \
 	  echo $$(( $$(date +%s) - start )) > bench/last_test_seconds
 
 # The several-hosts tests alone (also in `test`): two simulated hosts, each a network
