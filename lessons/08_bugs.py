@@ -1,11 +1,11 @@
 """Lesson 8: bugs of the kinds real parallel trainers shipped, and the checks that catch them.
 
-    mpiexec -n 4 python lessons/08_bugs.py                         # all 9 bugs, 12 steps
+    mpiexec -n 4 python lessons/08_bugs.py                         # all 12 bugs, 12 steps
     mpiexec -n 8 python lessons/08_bugs.py                         # the same, dp doubled
     mpiexec -n 4 python lessons/08_bugs.py --bug dp-sum-not-mean --plot figures
     mpiexec -n 4 python lessons/08_bugs.py --quick                 # 3 steps, a tiny model
 
-Four ranks fit every bug (each needs at most two of dp, tp, pp at 2); on 8 the
+Four ranks fit every bug (each needs at most two of dp, tp, pp, cp at 2); on 8 the
 data-parallel axis fills the rest. Each bug (minipar/bugs.py, `python -m
 minipar bugs`) is injected into an otherwise correct run with `--inject-bug`,
 and the lesson shows, for each:
@@ -33,7 +33,8 @@ and the lesson shows, for each:
    PyTorch, nanotron, Hugging Face transformers ...), or "plausible" where no
    shipped case was found.
 
-The code behind it: minipar/bugs.py (the detours), minipar/train.py (the hook).
+The code behind it: minipar/bugs.py (the registry), minipar/bugs_detours.py (the
+detours), minipar/train.py (the hook).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ MLP = dict(layers=4, d_in=16, d_model=32, batch=32)
 MOE = dict(MLP, experts=4, top_k=2, expert_d_ff=32)
 QUICK = dict(layers=4, d_in=8, d_model=16, batch=16)
 QUICK_MOE = dict(QUICK, experts=4, top_k=2, expert_d_ff=16)
+GPT = dict(layers=4, d_model=32, batch=16, seq_len=16, vocab=32)   # the transformer's bugs
+QUICK_GPT = dict(layers=2, d_model=16, batch=8, seq_len=8, vocab=16)
 CHECKS = ("losses", "parameters", "replicas", "ledger", "memory", "placements")
 ROUTED = ("Alltoallv",)  # MoE: how many rows go where depends on the router's choices
 
@@ -75,8 +78,9 @@ def say(*lines: str) -> None:
 
 def config(bug: Bug, steps: int, quick: bool) -> TrainConfig:
     """The bug's own flags on a small model; dp fills the world."""
-    moe = bug.flags.get("model") == "moe"
-    sizes = (QUICK_MOE if moe else QUICK) if quick else (MOE if moe else MLP)
+    model = bug.flags.get("model", "mlp")
+    sizes = {"moe": (QUICK_MOE, MOE), "gpt": (QUICK_GPT, GPT)}.get(model, (QUICK, MLP))[
+        0 if quick else 1]
     return TrainConfig(**sizes, **bug.flags, steps=steps).resolved(size)
 
 
@@ -215,9 +219,10 @@ def ranks_text(ranks: list[int]) -> str:
 
 def show(index: int, bug: Bug, cfg: TrainConfig, found: dict) -> None:
     """The loss curves side by side, each check's verdict, and the explanation."""
-    mesh = f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}" + (f" ep={cfg.ep}" if cfg.ep > 1 else "")
+    mesh = f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}" + (f" ep={cfg.ep}" if cfg.ep > 1 else "") \
+        + (f" cp={cfg.cp}" if cfg.cp > 1 else "")
     extra = "".join(f", {k}={v}" for k, v in bug.flags.items()
-                    if k not in ("dp", "tp", "pp", "ep"))
+                    if k not in ("dp", "tp", "pp", "ep", "cp"))
     say(f"\n=== {index}/{len(BUGS)} {bug.name} [{bug.strategy}] on {mesh}{extra}",
         f"broken: {bug.broken}",
         f"{'step':>5}  {'one process':>14}  {'correct mesh':>14}  {'with the bug':>14}  "

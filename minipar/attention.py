@@ -77,9 +77,9 @@ def embedding(weight: Tensor, ids: Tensor | np.ndarray) -> Tensor:
             given.accumulate(np.zeros(ids.shape, dtype=given.dtype), fresh=True)
     parents = (weight,) if given is None else (weight, given)
     result = Tensor.from_op(out, parents, backward)
-    if _pl.ON and given is not None:  # rows picked by ids sharded over dp stay sharded
-        _pl.follow(result, _pl.embedding(f"the lookup in {weight.name}", weight, given),
-                   f"{weight.name.removesuffix('.weight')} output")
+    if _pl.ON:  # rows picked by ids sharded over dp stay sharded
+        _pl.follow(result, _pl.embedding(f"the lookup in {weight.name}", weight, given)
+                   if given is not None else {}, f"{weight.name.removesuffix('.weight')} output")
     return result
 
 
@@ -171,7 +171,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, heads: int,
         dS = P * (dP - (dP * P).sum(axis=-1, keepdims=True))
         _accumulate_qk(q, k, c, dS, key_bias)
     out = Tensor.from_op(_merge_heads(P @ c["V"]), _parents(q, k, v, key_bias), backward)
-    return _pl.follow(out, _pl.attention("attention", q, k, v), q.name) if _pl.ON else out
+    return _pl.follow(out, _pl.attention("attention", q, k, v, key_bias), q.name) \
+        if _pl.ON else out
 
 
 def attention_lse(q: Tensor, k: Tensor, heads: int, q_positions: np.ndarray | None = None,
@@ -191,5 +192,5 @@ def attention_lse(q: Tensor, k: Tensor, heads: int, q_positions: np.ndarray | No
             dq = (g[..., None] * c["Q"] * c["scale"]).sum(axis=(0, 2))   # (H, dh)
             key_bias.accumulate(dq.reshape(-1), fresh=True)
     out = Tensor.from_op(c["lse"], _parents(q, k, None, key_bias), backward)
-    return _pl.follow(out, _pl.attention("attention (lse)", q, k, k), q.name) \
+    return _pl.follow(out, _pl.attention("attention (lse)", q, k, k, key_bias), q.name) \
         if _pl.ON else out

@@ -111,6 +111,8 @@ class Tensor:
                     out.parents = tuple(parents)
                     out._backward = backward
                     break
+        elif _pl.ON:  # no tape, but placement checking walks back to the parameters
+            out.parents = tuple(parents)   # (the forward of a recomputed block, recompute.py)
         return out
 
     def accumulate(self, g: np.ndarray, fresh: bool = False) -> None:
@@ -388,10 +390,15 @@ def mean(a: Tensor, axis: int | tuple[int, ...] | None = None, keepdims: bool = 
 
 
 # ----------------------------------------------------------------- shapes
-def reshape(a: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """Same values, new shape. Backward: reshape the gradient back."""
+def reshape(a: Tensor, shape: tuple[int, ...], tokens: bool = False,
+            like: Tensor | None = None) -> Tensor:
+    """Same values, new shape. Backward: reshape the gradient back. `tokens` and `like`
+    only tell placement checking what the reshape means (placement.reshape: rows and
+    positions merged into tokens, and tokens back to `like`'s rows and positions)."""
     out = Tensor.from_op(a.data.reshape(shape), (a,), lambda g: a.accumulate(g.reshape(a.shape)))
-    return _pl.follow(out, _pl.reshape("reshape", a, out.shape), a.name) if _pl.ON else out
+    # a view of the same values: its gradient is summed wherever the input's is
+    return _pl.follow(out, _pl.reshape("reshape", a, out.shape, tokens, like), a.name,
+                      summed=True) if _pl.ON else out
 
 
 def transpose(a: Tensor, axes: tuple[int, ...] | None = None) -> Tensor:
@@ -399,7 +406,7 @@ def transpose(a: Tensor, axes: tuple[int, ...] | None = None) -> Tensor:
     inverse = None if axes is None else tuple(np.argsort(axes))
     out = Tensor.from_op(np.transpose(a.data, axes), (a,),
                          lambda g: a.accumulate(np.transpose(g, inverse)))
-    return _pl.follow(out, _pl.transpose(a, axes), a.name) if _pl.ON else out
+    return _pl.follow(out, _pl.transpose(a, axes), a.name, summed=True) if _pl.ON else out
 
 
 def getitem(a: Tensor, index: object) -> Tensor:
@@ -410,8 +417,9 @@ def getitem(a: Tensor, index: object) -> Tensor:
         np.add.at(full, index, g)
         a.accumulate(full, fresh=True)
     out = Tensor.from_op(a.data[index], (a,), backward)
-    # picking within this rank's piece keeps its placement (a row shard stays one)
-    return _pl.follow(out, _pl.of(a), a.name) if _pl.ON else out
+    # picking within this rank's piece keeps its placement (a row shard stays one), and
+    # the picked values' gradient goes back into a's, summed wherever a's is
+    return _pl.follow(out, _pl.of(a), a.name, summed=True) if _pl.ON else out
 
 
 def take_rows(a: Tensor, rows: np.ndarray) -> Tensor:
@@ -421,7 +429,7 @@ def take_rows(a: Tensor, rows: np.ndarray) -> Tensor:
         np.add.at(full, rows, g)
         a.accumulate(full, fresh=True)
     out = Tensor.from_op(a.data[rows], (a,), backward)
-    return _pl.follow(out, _pl.of(a), a.name) if _pl.ON else out
+    return _pl.follow(out, _pl.of(a), a.name, summed=True) if _pl.ON else out
 
 
 def index_add(base: Tensor, rows: np.ndarray, values: Tensor) -> Tensor:

@@ -12,17 +12,15 @@ formula) and the bytes each rank holds.
     python -m minipar bugs                                     # the list
     mpiexec -n 4 python -m minipar train --tp 2 --inject-bug tp-copy-to-no-allreduce --check
     mpiexec -n 4 python lessons/08_bugs.py                     # every bug, and its checks
+How a bug gets in: the correct code is never touched. Each bug's `detour`
+(bugs_detours.py, the broken code, each broken line marked `# BUG:`) returns the
+(module, name, replacement) swaps that break one thing; `train.train` applies
+them for the run when `--inject-bug NAME` is given (`injected` puts the
+originals back after, even on error), so a learner can diff the broken piece
+against the real one.
 
-How a bug gets in: the correct code is never touched. Each bug below is a
-*detour*: a function returning the (module, name, replacement) swaps that
-break one thing -- a subclass overriding one method, or a replacement function
--- each broken line marked `# BUG:`. `train.train` applies them for the run
-when `--inject-bug NAME` is given (`injected` puts the originals back after,
-even on error), so a learner can diff the broken piece against the real one.
-
-The detours import the parallel modules that load mpi4py.MPI when applied, not
-when this file is imported: the registry and `problems` are pure (`train.problems`
-asks them before any communication; the test process never loads MPI).
+The registry and `problems` are pure: `train.problems` asks them before any
+communication, and the detours load mpi4py.MPI only when applied.
 """
 
 from __future__ import annotations
@@ -32,19 +30,25 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from minipar import nn, placement
-from minipar.autograd import Tensor
-from minipar.parallel import pipeline_parallel as pipeline
+from minipar.bugs_detours import (  # noqa: F401  (copy_to_without_allreduce: tests name it)
+    Swap,
+    after_capacity,
+    aux_per_rank,
+    copy_to_without_allreduce,
+    f_without_allreduce,
+    first_choice_only,
+    keys_not_gathered,
+    merge_without_lse,
+    no_allgather,
+    one_input_buffer,
+    plain_linears,
+    stage_left_out,
+    sum_not_mean,
+    vocab_loss_without_max,
+)
 
 if TYPE_CHECKING:
-    from minipar.comm import Group
     from minipar.config import TrainConfig
-    from minipar.mesh import Mesh
-    from minipar.optim import Optimizer
-
-Swap = tuple[object, str, object]  # (module, attribute, what stands in for it)
 
 
 @dataclass(frozen=True)
@@ -72,161 +76,6 @@ class Bug:
     unseen: str = ""
 
 
-# ----------------------------------------------------- pipeline parallelism
-class OneBuffer:
-    """Indexing hands out the rows copied into ONE array, the same array every time
-    (a data loader that stages every microbatch in one preallocated buffer)."""
-
-    def __init__(self, x: np.ndarray) -> None:
-        self.x = x
-        self.buffer: np.ndarray | None = None
-
-    def __getitem__(self, rows: slice) -> np.ndarray:
-        picked = self.x[rows]
-        if self.buffer is None:
-            self.buffer = np.empty_like(picked)
-        self.buffer[...] = picked  # BUG: overwrites the microbatch still waiting for backward
-        return self.buffer
-
-
-def one_input_buffer() -> list[Swap]:
-    """A stage worker that allocates its input buffer once, for every microbatch."""
-    class OneInputBufferWorker(pipeline.StageWorker):
-        def __init__(self, pp_group: Group, chunks: list[nn.Model], x: np.ndarray,
-                     y: np.ndarray, *args: object, **kwargs: object) -> None:
-            super().__init__(pp_group, chunks, x, y, *args, **kwargs)
-            self.x = OneBuffer(x)  # BUG: the first stage's data rows, all in one array
-            self.buffer = np.empty(self.shape, dtype=self.dtype)
-
-        def recv_act(self, ins: pipeline.Instruction) -> None:
-            source = pipeline.peer(ins.kind, self.pp, self.stage)
-            # activation (B/(M dp), d) <- the previous stage. BUG: into the stage's one buffer
-            self.group.Recv(self.buffer, source=source, tag=pipeline.ACT_TAG)
-            self.inputs[(ins.chunk, ins.microbatch)] = pipeline.rows_of(
-                Tensor(self.buffer, requires_grad=True), self.boundary_rows_over)
-
-    return [(pipeline, "StageWorker", OneInputBufferWorker)]
-
-
-# ------------------------------------------------------- tensor parallelism
-def copy_to_without_allreduce(x: Tensor, group: object) -> Tensor:
-    """Forward: identity. Backward: identity -- BUG: Megatron's f lost its Allreduce."""
-    return x
-
-
-def f_without_allreduce() -> list[Swap]:
-    """Column-parallel linears whose f operator forgot the backward half of its pair."""
-    from minipar.parallel import tensor_parallel  # here: loads mpi4py.MPI (module docstring)
-
-    return [(tensor_parallel, "copy_to", copy_to_without_allreduce)]
-
-
-class PlainLinear(nn.Linear):
-    """Stands in for Column/RowParallelLinear: BUG: the FULL weight on every tp rank, no
-    communication. Each tp rank computes the whole layer: right numbers, no parallelism."""
-
-    def __init__(self, full: dict[str, np.ndarray], name: str, tp: object,
-                 **flags: bool) -> None:
-        super().__init__(full, name)  # BUG: the full (in, out) weight, not this rank's shard
-
-
-def plain_linears() -> list[Swap]:
-    """Both of the block's parallel linears built as plain ones (tensor_parallel.py)."""
-    from minipar.parallel import tensor_parallel  # here: loads mpi4py.MPI (module docstring)
-
-    return [(tensor_parallel, "ColumnParallelLinear", PlainLinear),
-            (tensor_parallel, "RowParallelLinear", PlainLinear)]
-
-
-# --------------------------------------------------------- data parallelism
-def stage_left_out() -> list[Swap]:
-    """Plain DP whose last pipeline stage never registered its gradients for the sync."""
-    from minipar.parallel import data_parallel  # here: loads mpi4py.MPI (module docstring)
-
-    class StageLeftOut(data_parallel.DataParallel):
-        def __init__(self, chunks: list[nn.Model], mesh: Mesh, *args: object) -> None:
-            super().__init__(chunks, mesh, *args)
-            if mesh.coords["pp"] == mesh.shape.pp - 1:
-                self.buckets = []  # BUG: this stage's buckets are never Allreduced over dp
-
-    return [(data_parallel, "DataParallel", StageLeftOut)]
-
-
-def sum_not_mean() -> list[Swap]:
-    """The bucketed gradient sync without its division by dp."""
-    from mpi4py import MPI  # here, as every detour's import (module docstring)
-
-    from minipar.parallel import data_parallel as dp  # here: loads mpi4py.MPI
-
-    def bucketed_allreduce_sum(buckets: list[list[nn.Parameter]], mesh: Mesh,
-                               flats: list[np.ndarray] | None = None) -> None:
-        for bucket in buckets:
-            flat = dp.pack(bucket)
-            group = dp._group(bucket[0], mesh)
-            if group.size > 1:
-                group.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)  # a bucket of g_i -> its sum
-                placement.summed(bucket, group)                 # Partial -> Replicate
-            dp.unpack(bucket, flat, 1.0)  # BUG: sum_i g_i, never divided by dp
-
-    return [(dp, "bucketed_allreduce", bucketed_allreduce_sum)]
-
-
-# ----------------------------------------------------- expert parallelism
-def miscounted_aux(counter: Callable[[object, np.ndarray, int], np.ndarray]) -> list[Swap]:
-    """The expert-parallel block with the aux loss's `f` counted by `counter(routing,
-    kept, E)` instead of from every routed assignment. The same collectives of the same
-    sizes: only the numbers counted change."""
-    from minipar.parallel import expert_parallel as ep  # here: loads mpi4py.MPI (module docstring)
-
-    class MiscountedAux(ep.ExpertParallelBlock):
-        def assignment_counts(self, routing: object, kept: np.ndarray) -> np.ndarray:
-            # BUG: `counter` picks what is counted
-            return counter(routing, kept, self.cfg.experts)
-
-    return [(ep, "ExpertParallelBlock", MiscountedAux)]
-
-
-def first_choice_only() -> list[Swap]:
-    # BUG: only column 0 of the top-k choices (Switch's top-1 formula kept for top-2)
-    return miscounted_aux(lambda routing, kept, experts:
-                          np.bincount(routing.chosen[:, 0], minlength=experts))
-
-
-def after_capacity() -> list[Swap]:
-    # BUG: only the assignments that survived capacity; docs/design.md counts every routed one
-    return miscounted_aux(lambda routing, kept, experts:
-                          np.bincount(routing.expert_of[kept], minlength=experts))
-
-
-def aux_per_rank() -> list[Swap]:
-    """The aux loss of each rank's own tokens: the single-process formula, copied over."""
-    from minipar.parallel import expert_parallel as ep  # here: loads mpi4py.MPI (module docstring)
-
-    def local_aux(probs: Tensor, counts: np.ndarray, tokens: int, cfg: nn.ModelConfig,
-                  dp_group: object) -> Tensor:
-        chosen = nn.route(probs.data, cfg.top_k)  # (b, k): this rank's tokens only
-        # BUG: f and P over this rank's b tokens, not the microbatch's dp b tokens
-        return nn.aux_loss(probs, chosen, cfg.experts, cfg.aux_coef)
-
-    return [(ep, "global_aux", local_aux)]
-
-
-# ------------------------------------------------------------------- ZeRO
-def no_allgather() -> list[Swap]:
-    """ZeRO-1/2 that updates its slice and never Allgathers the parameters back."""
-    from minipar.parallel import zero  # here: loads mpi4py.MPI (module docstring)
-
-    def make_zero_without_allgather(stage: int, chunks: list[nn.Model], mesh: Mesh,
-                                    optimizer: Optimizer) -> zero.Zero1:
-        class NoAllgather({1: zero.Zero1, 2: zero.Zero2}[stage]):
-            def allgather_params(self) -> None:
-                """BUG: nothing. My slice is updated; every other slice stays stale here."""
-
-        return NoAllgather(chunks, mesh, optimizer)
-
-    return [(zero, "make_zero", make_zero_without_allgather)]
-
-
 # ------------------------------------------------------- what each needs
 def _pipeline(cfg: TrainConfig) -> bool:
     return cfg.pp > 1 and cfg.microbatches > 1
@@ -246,6 +95,14 @@ def _moe(cfg: TrainConfig) -> bool:
 
 def _zero(cfg: TrainConfig) -> bool:
     return cfg.zero in (1, 2) and cfg.dp > 1
+
+
+def _vocab(cfg: TrainConfig) -> bool:
+    return cfg.model in ("gpt", "gpt-moe") and cfg.tp > 1 and bool(cfg.vocab_parallel)
+
+
+def _cp(*modes: str) -> Callable[[TrainConfig], bool]:
+    return lambda cfg: cfg.cp > 1 and cfg.cp_mode in modes
 
 
 PIPELINE = "--pp 2 or more and --microbatches 2 or more (a stage with several inputs)"
@@ -345,6 +202,35 @@ _LIST = [
         "shipped as a design, later corrected: the balance loss of each micro-batch or rank "
         "instead of the global batch; Megatron-LM forks added the global one "
         "(microsoft/ltp-megatron-lm#7); torchtitan proposes it (pytorch/torchtitan#4772)"),
+    Bug("tp-vocab-loss-no-max", "tp",
+        "the vocabulary-parallel cross-entropy skips the Allreduce(MAX) of each row's "
+        "largest logit",
+        "each tp rank shifts its own columns by their own maximum, so the sums of exps "
+        "added up over tp mix terms shifted differently: the loss and every gradient are "
+        "wrong from step 1, yet the model trains; the ledger is one Allreduce of B T "
+        "numbers per microbatch short",
+        "--model gpt or gpt-moe with --tp 2 or more and the vocabulary split over tp "
+        "(--vocab-parallel, the default)", _vocab, vocab_loss_without_max,
+        {"model": "gpt", "tp": 2}),
+    Bug("cp-no-allgather", "cp",
+        "context parallelism's allgather mode attends to the keys and values of its own "
+        "positions only (their Allgather forgotten)",
+        "each cp rank's queries see only the earlier positions of their own chunk: a causal "
+        "attention over shorter sequences, so the model trains; the loss is wrong from step "
+        "1, and the ledger is missing the 2 Allgathers per layer and their Reduce_scatters",
+        "--cp 2 or more with --cp-mode allgather", _cp("allgather"), keys_not_gathered,
+        {"model": "gpt", "cp": 2, "cp_mode": "allgather"}),
+    Bug("cp-ring-no-lse-merge", "cp",
+        "ring attention adds up the blocks' partial results as they arrive instead of "
+        "merging them with their log-sum-exp weights",
+        "every block was normalized by its own softmax, so a query that sees two blocks gets "
+        "the sum of two averages instead of one: its output is too large and the loss is "
+        "wrong from step 1; the same blocks travel the ring, so the ledger cannot see it",
+        "--cp 2 or more with --cp-mode ring or zigzag", _cp("ring", "zigzag"),
+        merge_without_lse, {"model": "gpt", "cp": 2, "cp_mode": "ring"},
+        unseen="the right blocks meet in the right place (my positions' queries, every "
+               "rank's keys: Shard(1) into and out of the ring node); how their results "
+               "are weighted in the merge is a value"),
     Bug("zero-no-allgather", "zero",
         "ZeRO-1/2 updates this rank's slice and never Allgathers the parameters back",
         "each rank updates its own slice and keeps every other slice at its old value: the "

@@ -115,28 +115,7 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
         return out  # the divisibility below is meaningless with such sizes
     out += _divisibility(cfg)
     out += _data_parallel_problems(cfg)
-    out += placement_problems(cfg)
     return out
-
-
-def placement_problems(cfg: TrainConfig) -> list[str]:
-    """What `--check-placements` (placement.py) does not cover yet: the transformer's
-    tensor parallelism (heads, the vocabulary-parallel loss, sequence parallelism along
-    T), the MLP model's experts split over tp, context parallelism and activation
-    recomputation have no placement rules."""
-    if not cfg.check_placements:
-        return []
-    if cfg.model in GPT_MODELS and cfg.tp > 1:
-        return ["--check-placements does not cover the transformer's tensor parallelism "
-                "yet (--model gpt/gpt-moe with --tp 2 or more)"]
-    if cfg.model == "moe" and cfg.tp > 1:
-        return ["--check-placements does not cover experts split over tp yet (--model moe "
-                "with --tp 2 or more)"]
-    if cfg.cp > 1:
-        return ["--check-placements does not cover context parallelism yet (--cp 2 or more)"]
-    if cfg.recompute != "none":
-        return ["--check-placements does not cover --recompute yet (use --recompute none)"]
-    return []
 
 
 def size_problems(cfg: TrainConfig, world_size: int) -> list[str]:

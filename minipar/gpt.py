@@ -31,8 +31,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from minipar import attention, fused, nn
+from minipar import attention, fused, nn, placement
 from minipar.autograd import Tensor
+from minipar.placement import Shard
 from minipar.recompute import recomputed
 
 
@@ -40,17 +41,21 @@ class Embedding(nn.Module):
     """h0 = tok[x] + pos[positions]: token ids (B, T) -> (B, T, d), the first piece.
 
     `positions` are the global positions of the T columns this rank holds (0..T-1 when
-    it holds the whole sequence)."""
+    it holds the whole sequence), one shard of them over the group `positions_over`
+    (context parallelism: placement checking needs to know)."""
 
-    def __init__(self, full: dict[str, np.ndarray], positions: np.ndarray | None = None
-                 ) -> None:
+    def __init__(self, full: dict[str, np.ndarray], positions: np.ndarray | None = None,
+                 positions_over: placement.AxisGroup | None = None) -> None:
         self.tok = nn.Parameter(full["tok_embed.weight"], "tok_embed.weight")
         self.pos = nn.Parameter(full["pos_embed.weight"], "pos_embed.weight")
         self.positions = positions  # context parallelism: the positions this rank holds
+        self.positions_over = positions_over
 
     def __call__(self, x: Tensor, positions: np.ndarray | None = None) -> Tensor:
         positions = self.positions if positions is None else positions
         positions = np.arange(x.shape[1]) if positions is None else positions
+        if placement.ON and self.positions_over is not None:  # my shard of the positions
+            positions = placement.place(Tensor(positions), self.positions_over, Shard(0))
         # x (B, T) integer ids; (B, T, d) + (T, d): every sequence gets the same position rows
         return attention.embedding(self.tok, x) + attention.embedding(self.pos, positions)
 

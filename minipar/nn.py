@@ -283,7 +283,7 @@ def aux_loss(probs: Tensor, chosen: np.ndarray, experts: int, coef: float,
 def as_tokens(u: Tensor) -> Tensor:
     """(B, T, d) positions -> (B*T, d) tokens, in global token order (row, then position);
     (B, d) rows are tokens already."""
-    return u if u.ndim == 2 else ag.reshape(u, (-1, u.shape[-1]))
+    return u if u.ndim == 2 else ag.reshape(u, (-1, u.shape[-1]), tokens=True)
 
 
 class MoEBlock(Module):
@@ -307,7 +307,7 @@ class MoEBlock(Module):
 
     def __call__(self, h: Tensor) -> tuple[Tensor, Tensor]:
         out, aux = self.ffn(as_tokens(self.ln(h)))             # (N, d), N = B or B*T
-        return h + (out if h.ndim == 2 else ag.reshape(out, h.shape)), aux
+        return h + (out if h.ndim == 2 else ag.reshape(out, h.shape, like=h)), aux
 
     def ffn(self, u: Tensor) -> tuple[Tensor, Tensor]:
         """The routed FFN on N tokens u (N, d): (sum_e g_e Expert_e(u), aux)."""

@@ -27,6 +27,11 @@ ep, ...) a tensor on a rank is one of
                           x Shard(cols) @ W Replicate, x Replicate @ W Shard(rows): refused
     sum over dim d        Shard(d) -> Partial(sum); mean over Shard(d) -> Partial(avg)
     cross-entropy         logits Shard(rows) -> a loss that is Partial(avg) over that axis
+    attention (one node)  q, k, v Shard(rows) or Shard(heads) alike -> the same; q
+                          Shard(positions) needs k, v whole, gathered (context parallel)
+    vocabulary-parallel   lookup in my rows of the table -> Partial(sum); the loss from my
+                          columns of logits needs its row max (Partial("max")) and sums
+                          Allreduced -> Replicate
 
 and every collective is a *transition* (comm.py checks each one):
 
@@ -35,6 +40,9 @@ and every collective is a *transition* (comm.py checks each one):
     split(dim)       Replicate -> Shard(dim)     (scatter_to: no message)
     Reduce_scatter   Partial -> Shard(0)         (reduce_scatter)
     Alltoallv        Shard(0) -> Shard(0)        (rows regrouped by destination)
+    Allgather(T)     Shard(1) -> Replicate       (context parallelism's K and V)
+    Alltoall         Shard(1) -> Shard(2)        (Ulysses: positions -> heads, and back)
+    Sendrecv ring    Shard(1) stays Shard(1)     (the ring node: blocks change owner)
 
 Conjugates: the backward of an op moves placements the other way. A replicated x
 entering a column-parallel matmul gets from it a gradient that is only this rank's
@@ -51,117 +59,114 @@ A violation raises `PlacementError` with one line naming the tensor, the axis,
 the placement found, the one needed, the op and the model line that called it.
 Scalar factors are not tracked: Partial(avg) and Partial(sum) differ by the
 known count the sync divides by; a wrong factor is a value, not a placement.
+docs/design.md, "Placements", states every rule, the transformer's included.
+
+The algebra, one idea per file (this one is what every caller imports, and it
+re-exports the others' names: `placement.Shard`, `placement.linear`, ...):
+
+    placement_types.py        Replicate, Shard, Partial; the axes a group spans; the
+                              one-line refusal
+    placement_rules.py        the rules of elementwise ops, x @ W, reductions, reshapes
+    placement_transformer.py  attention, ring attention, the lookup and the
+                              vocabulary-parallel loss, MoE's rows
+    placement.py (here)       the switch (`checking`, `ON`), declaring a placement
+                              (`place`, `follow`), the collectives' transitions and the
+                              gradient sync (`summed`, `check_gradients`)
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Protocol
+
+from minipar.placement_rules import (  # noqa: F401  (callers reach the rules from here)
+    _PARTIAL_GRADS,
+    add,
+    cross_entropy,
+    layer_norm,
+    linear,
+    matmul,
+    mul,
+    nonlinear,
+    reduce,
+    reshape,
+    same,
+    transpose,
+)
+from minipar.placement_transformer import (  # noqa: F401
+    attention,
+    embedding,
+    picked_for,
+    ring_attention,
+    rows_exchanged,
+    vocab_cross_entropy,
+    vocab_lookup,
+)
+from minipar.placement_types import (  # noqa: F401
+    _SIZES,
+    REPLICATED,
+    AxisGroup,
+    HasPlacement,
+    Partial,
+    Placement,
+    PlacementError,
+    Placements,
+    Replicate,
+    Shard,
+    _dim,
+    _pname,
+    axes_of,
+    axis_of,
+    get,
+    of,
+    refuse,
+)
 
 ON = False  # checking on? Every op tests this one flag before doing anything here
 
 
-@dataclass(frozen=True)
-class Replicate:
-    """Every rank of the axis holds the same whole values. `grad_summed`: the tensor
-    came out of an operator whose backward sums its gradient over the axis (copy_to)."""
-
-    grad_summed: bool = False
-
-    def __str__(self) -> str:
-        return "replicated"
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Rank k of the axis holds the k-th equal piece along `dim` (negative: from the end)."""
-
-    dim: int
-
-    def __str__(self) -> str:
-        return f"sharded along dim {self.dim}"
-
-
-@dataclass(frozen=True)
-class Partial:
-    """The true tensor is the sum (or mean, `op="avg"`) of every rank's tensor."""
-
-    op: str = "sum"
-
-    def __str__(self) -> str:
-        return "a partial sum" if self.op == "sum" else "a partial average"
-
-
-Placement = Replicate | Shard | Partial
-Placements = dict[str, Placement]        # axis name -> placement; absent = Replicate
-REPLICATED = Replicate()
-
-
-class PlacementError(ValueError):
-    """A tensor's placement is not the one the op needs: the line says which and where."""
-
-
-class HasPlacement(Protocol):
-    """What the rules read of a tensor: its name, its number of dims, its shape."""
-
-    name: str
-    ndim: int
-    shape: tuple[int, ...]
-
-
-class AxisGroup(Protocol):
-    """What the rules read of a communicator: the axis it spans and its size."""
-
-    name: str
-    size: int
-
-
-# The communicators that span dp and cp together are the dp axis while cp = 1 (the only
-# case checked: config.placement_problems refuses --cp with --check-placements).
-_SAME_AXIS = {"dp_cp": "dp", "edp_cp": "edp"}
-
-
-def axis_of(group: AxisGroup) -> str:
-    """The mesh axis a group spans, by which placements are recorded."""
-    return _SAME_AXIS.get(group.name, group.name)
-
-
 # ------------------------------------------------------------------ switch
 @contextlib.contextmanager
-def checking(enabled: bool = True) -> Iterator[None]:
-    """Inside this block (if `enabled`) every op propagates and checks placements."""
+def checking(enabled: bool = True, sizes: dict[str, int] | None = None) -> Iterator[None]:
+    """Inside this block (if `enabled`) every op propagates and checks placements.
+    `sizes`: each mesh axis's size (what a group spanning two axes needs to know)."""
     global ON
     previous, ON = ON, enabled
+    previous_sizes = dict(_SIZES)
+    _SIZES.clear()
+    _SIZES.update(sizes or {})
     _SUMMED.clear()
     _PARTIAL_GRADS.clear()
     try:
         yield
     finally:
         ON = previous
+        _SIZES.clear()
+        _SIZES.update(previous_sizes)
         _SUMMED.clear()
         _PARTIAL_GRADS.clear()
 
 
-def of(t: object) -> Placements:
-    """The placements of `t` (a Tensor; plain arrays and numbers are replicated)."""
-    return getattr(t, "placement", None) or {}
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Inside this block nothing is checked nor recorded, and what was recorded stays:
+    the replay of a recomputed forward (recompute.py), whose placements are those the
+    forward already derived and checked -- the same ops on the same placements."""
+    global ON
+    previous, ON = ON, False
+    try:
+        yield
+    finally:
+        ON = previous
 
 
-def get(t: object, axis: str) -> Placement:
-    """The placement of `t` over one axis."""
-    return of(t).get(axis, REPLICATED)
-
-
+# ------------------------------------------------------------- declaring
 def place(t: object, group: AxisGroup, p: Placement) -> object:
     """Declare `t`'s placement over `group`'s axis (a parameter's shard, the data's
     rows). Nothing is recorded on a group of one (every tensor is whole there) or
     while checking is off. Returns `t`."""
-    if ON and group.size > 1:
-        follow(t, {**of(t), axis_of(group): p}, summed=True)
+    if ON:
+        follow(t, {**of(t), **{axis: p for axis in axes_of(group)}}, summed=True)
     return t
 
 
@@ -179,370 +184,17 @@ def follow(out: object, placements: Placements, name: str = "", summed: bool = F
     return out
 
 
-# --------------------------------------------------------------- messages
-_INTERNAL = ("placement.py", "autograd.py", "fused.py", "comm.py", "attention.py")
-_HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _caller() -> str:
-    """file:line of the model code that called the op (the first frame outside the
-    files that implement ops and collectives)."""
-    frame = sys._getframe(1)
-    while frame is not None and os.path.dirname(frame.f_code.co_filename) == _HERE \
-            and os.path.basename(frame.f_code.co_filename) in _INTERNAL:
-        frame = frame.f_back
-    if frame is None:
-        return "?"
-    path = frame.f_code.co_filename
-    short = path[path.rfind("minipar"):] if "minipar" in path else path
-    return f"{short}:{frame.f_lineno}"
-
-
-_FIX = {(Partial, Replicate): " (an Allreduce is missing)",
-        (Shard, Replicate): " (an Allgather is missing)",
-        (Replicate, Partial): " (it is already whole: summing it would count it once per rank)",
-        (Replicate, Shard): " (a split is missing)",
-        (Partial, Shard): " (a Reduce_scatter is missing)"}
-
-
-def refuse(op: str, t: HasPlacement, axis: str, found: Placement, needed: Placement | str,
-           why: str = "") -> PlacementError:
-    """The error of one violation, as one line: which tensor is what over which axis,
-    what the op needs, why, and where the op was called."""
-    label = t.name or "a tensor"
-    if not why and not isinstance(needed, str):
-        why = _FIX.get((type(found), type(needed)), "")
-    return PlacementError(f"{label} is {found} over {axis}; {op} needs it {needed}{why} "
-                          f"[at {_caller()}]")
-
-
-def _dim(p: Placement, ndim: int) -> int | None:
-    """The sharded dim of `p` counted from the end (-1 = last), or None."""
-    return (p.dim - ndim if p.dim >= 0 else p.dim) if isinstance(p, Shard) else None
-
-
-def _axes(*tensors: object) -> list[str]:
-    return sorted({a for t in tensors for a in of(t)})
-
-
-def _pname(*tensors: object) -> str:
-    return next((t.name for t in tensors if getattr(t, "name", "")), "")
-
-
-# ------------------------------------------------------------ elementwise
-def _broadcasts(t: HasPlacement, dim_from_end: int) -> bool:
-    """Does `t` broadcast along that dim (missing there, or of size 1)?"""
-    return -dim_from_end > t.ndim or t.shape[dim_from_end] == 1
-
-
-def _grad_partial(t: object, axis: str) -> None:
-    """A replicated operand meets rows sharded over `axis`: its gradient is a partial
-    sum over `axis`, and so is that of every replicated tensor it was computed from, up
-    to the parameters (recorded: the sync must sum them) or to an operator whose
-    backward sums it (`grad_summed`)."""
-    stack, seen = [getattr(t, "t", t)], set()  # through an `_Only` view
-    while stack:
-        node = stack.pop()
-        if id(node) in seen or not getattr(node, "requires_grad", False):
-            continue
-        seen.add(id(node))
-        p = get(node, axis)
-        if not isinstance(p, Replicate) or p.grad_summed:
-            continue
-        if hasattr(node, "sync"):  # a Parameter
-            _PARTIAL_GRADS.setdefault(id(node), (node, set()))[1].add(axis)
-        else:
-            stack.extend(getattr(node, "parents", ()))
-
-
-def add(op: str, a: HasPlacement, b: HasPlacement) -> Placements:
-    """a + b (and a - b). Same placement on both sides stays; a replicated term that
-    broadcasts along the other side's shard dim is fine (a bias on rows); Partial(avg)
-    + Replicate is fine (the mean of a_k + c is mean(a_k) + c); anything else is refused.
-    """
-    out: Placements = {}
-    for axis in _axes(a, b):
-        pa, pb = get(a, axis), get(b, axis)
-        if isinstance(pa, Replicate) and isinstance(pb, Replicate):
-            continue
-        if isinstance(pa, Shard) and isinstance(pb, Shard) \
-                and _dim(pa, a.ndim) == _dim(pb, b.ndim):   # dims aligned from the end
-            out[axis] = Shard(_dim(pa, a.ndim))
-            continue
-        if pa == pb and not isinstance(pa, Shard):
-            out[axis] = pa
-            continue
-        for (x, px), (y, py) in (((a, pa), (b, pb)), ((b, pb), (a, pa))):
-            if isinstance(px, Partial) and isinstance(py, Replicate):
-                if px.op == "avg":
-                    out[axis] = px
-                    break
-                raise refuse(f"{op} with {y.name or 'a replicated term'}", x, axis, px,
-                             REPLICATED)
-            if isinstance(px, Shard) and isinstance(py, Replicate):
-                if _broadcasts(y, _dim(px, x.ndim)):
-                    out[axis] = Shard(_dim(px, x.ndim))   # counted from the end
-                    _grad_partial(y, axis)
-                    break
-                raise refuse(f"{op} with {y.name or 'a whole tensor'} (whole along "
-                             f"dim {px.dim})", x, axis, px, REPLICATED)
-        else:  # blame a partial sum first: it is the tensor missing its Allreduce
-            x, px, y, py = (b, pb, a, pa) if pb == Partial() else (a, pa, b, pb)
-            raise refuse(f"{op} with {y.name or 'a tensor'} ({py} over {axis})", x, axis,
-                         px, REPLICATED if px == Partial() else py)
-    return out
-
-
-def mul(op: str, a: HasPlacement, b: HasPlacement, divide: bool = False) -> Placements:
-    """a * b (or a / b with `divide`): linear in each factor, so one Partial factor
-    times a replicated one stays Partial; two Partial factors are refused, and so is a
-    Partial divisor (1/(a1+a2) != 1/a1 + 1/a2). Shards combine as in `add`."""
-    out: Placements = {}
-    for axis in _axes(a, b):
-        pa, pb = get(a, axis), get(b, axis)
-        if isinstance(pa, Partial) and isinstance(pb, Partial):
-            raise refuse(f"{op} by {b.name or 'another partial sum'} (also partial)",
-                         a, axis, pa, REPLICATED, " (a product of two partial sums is not "
-                         "a partial sum: an Allreduce is missing)")
-        if divide and isinstance(pb, Partial):
-            raise refuse(f"{op} of {a.name or 'a tensor'} (as divisor)", b, axis, pb,
-                         REPLICATED)
-        partial = pa if isinstance(pa, Partial) else pb if isinstance(pb, Partial) else None
-        if partial is not None:
-            other = b if partial is pa else a
-            if isinstance(get(other, axis), Shard):
-                raise refuse(op, other, axis, get(other, axis), REPLICATED,
-                             " (a shard times a partial sum)")
-            out[axis] = partial
-            continue
-        out.update(add(op, _Only(a, axis), _Only(b, axis)))
-    return out
-
-
-class _Only:
-    """A view of a tensor's placement over one axis (for reusing a rule per axis)."""
-
-    def __init__(self, t: HasPlacement, axis: str) -> None:
-        self.name, self.ndim, self.shape = getattr(t, "name", ""), t.ndim, t.shape
-        self.placement = {axis: get(t, axis)} if axis in of(t) else {}
-        self.sync = getattr(t, "sync", False)
-        self.requires_grad = getattr(t, "requires_grad", False)
-        self.t = t
-
-    def __hash__(self) -> int:
-        return id(self.t)
-
-
-def nonlinear(op: str, x: HasPlacement, over: int | None = None) -> Placements:
-    """A nonlinear op (GELU, exp, tanh, log, sqrt) keeps Shards and refuses Partial;
-    with `over` (softmax, LayerNorm: a normalization along that dim) a Shard of that
-    dim is refused too: each row must be whole."""
-    out: Placements = {}
-    for axis, p in of(x).items():
-        if isinstance(p, Partial):
-            raise refuse(op, x, axis, p, REPLICATED, f" ({op} is not linear: "
-                         "an Allreduce is missing)")
-        if over is not None and isinstance(p, Shard) and \
-                _dim(p, x.ndim) == (over - x.ndim if over >= 0 else over):
-            raise refuse(f"{op} (along dim {over})", x, axis, p, REPLICATED,
-                         " (it needs whole rows: an Allgather is missing)")
-        out[axis] = p
-    return out
-
-
-def layer_norm(op: str, x: HasPlacement, gamma: HasPlacement, beta: HasPlacement
-               ) -> Placements:
-    """LayerNorm normalizes along the last dim: x must hold whole rows; its gain and
-    bias get a partial gradient over any axis that shards x's rows."""
-    out = nonlinear(op, x, over=-1)
-    for axis, p in out.items():
-        if isinstance(p, Shard):
-            _grad_partial(gamma, axis)
-            _grad_partial(beta, axis)
-    return out
-
-
-# ----------------------------------------------------------- linear algebra
-def matmul(op: str, x: HasPlacement, w: HasPlacement) -> Placements:
-    """x @ W with x (..., k), W (k, n): the placement rules of data, column and row
-    parallelism (module docstring). Output (..., n)."""
-    out: Placements = {}
-    for axis in _axes(x, w):
-        px, pw = get(x, axis), get(w, axis)
-        dx, dw = _dim(px, x.ndim), _dim(pw, w.ndim)
-        if isinstance(px, Replicate) and isinstance(pw, Replicate):
-            continue
-        if isinstance(px, Shard) and dx != -1 and isinstance(pw, Replicate):
-            out[axis] = Shard(dx)                  # my rows times the whole W: my rows
-            _grad_partial(w, axis)                 # dW = x^T g sums over my rows only
-        elif isinstance(px, Replicate) and dw == -1:
-            if not px.grad_summed:
-                raise refuse(f"{op} (W sharded by columns: its input gradient is only "
-                             "this rank's share)", x, axis, px, "replicated with its "
-                             "gradient summed over the axis", " (a copy_to is missing)")
-            out[axis] = Shard(-1)                  # x times my columns: my columns
-        elif dx == -1 and dw == -2:
-            out[axis] = Partial()                  # my columns of x times my rows of W
-        elif isinstance(px, Partial) and isinstance(pw, Replicate):
-            out[axis] = px                         # (x1 + x2) W = x1 W + x2 W
-        elif isinstance(px, Replicate) and isinstance(pw, Partial):
-            out[axis] = pw
-        elif dx == -1:
-            raise refuse(f"{op} (x is split along the contraction, {w.name or 'W'} is "
-                         f"{pw})", x, axis, px, REPLICATED,
-                         " (W must be sharded by rows, or x gathered)")
-        elif dw == -2:
-            raise refuse(f"{op} with {w.name or 'W'} sharded by rows", x, axis, px,
-                         Shard(-1), " (x must be its matching column shard: a split "
-                         "is missing)")
-        else:
-            raise refuse(f"{op} with {w.name or 'W'} ({pw} over {axis})", x, axis, px,
-                         REPLICATED)
-    return out
-
-
-def linear(op: str, x: HasPlacement, w: HasPlacement, bias: HasPlacement | None
-           ) -> Placements:
-    """x @ W + b: `matmul`, then the bias add's rule (a partial sum plus a replicated
-    bias is refused: the bias would count once per rank)."""
-    out = matmul(op, x, w)
-    if bias is None:
-        return out
-    product = _Shaped(out, op.replace(" linear", "") + " product",
-                      x.ndim, (*x.shape[:-1], w.shape[-1]))
-    return add(f"{op}: the bias add", product, bias)
-
-
-class _Shaped:
-    """Placements with a name and a shape: an intermediate result no op returns."""
-
-    def __init__(self, placement: Placements, name: str, ndim: int,
-                 shape: tuple[int, ...]) -> None:
-        self.placement, self.name, self.ndim, self.shape = placement, name, ndim, shape
-
-
-# ------------------------------------------------------------- reductions
-def reduce(op: str, x: HasPlacement, axis: int | tuple[int, ...] | None, keepdims: bool,
-           mean: bool = False) -> Placements:
-    """Sum (or mean) over dims: a Shard of a reduced dim becomes Partial(sum) (Partial
-    avg for a mean of equal shards); a Shard of a kept dim moves to its new index."""
-    dims = range(x.ndim) if axis is None else [a % x.ndim for a in
-                                               ((axis,) if isinstance(axis, int) else axis)]
-    out: Placements = {}
-    for mesh_axis, p in of(x).items():
-        if not isinstance(p, Shard):
-            out[mesh_axis] = p
-            continue
-        d = p.dim % x.ndim
-        if d in dims:
-            out[mesh_axis] = Partial("avg" if mean else "sum")
-        else:
-            out[mesh_axis] = Shard(d if keepdims else d - sum(1 for r in dims if r < d))
-    return out
-
-
-def cross_entropy(op: str, logits: HasPlacement) -> Placements:
-    """The mean CE over rows: each row needs its whole row of logits; rows sharded over
-    an axis give a loss that is the mean of every rank's loss there: Partial(avg)."""
-    out: Placements = {}
-    for axis, p in nonlinear(op, logits, over=-1).items():
-        out[axis] = Partial("avg") if isinstance(p, Shard) else p
-    return out
-
-
+# --------------------------------------------------------- gradient sync
 def loss(op: str, t: HasPlacement, dp: AxisGroup) -> None:
-    """The step's loss: what the gradient sync expects. Over dp it may be the mean of
-    the ranks' losses (the sync averages the gradients); over any other axis it must
-    be whole: a rank would otherwise seed only its share of the gradient."""
+    """The step's loss: what the gradient sync expects. Over dp (and cp: the sync runs
+    over dp x cp, `dp` is then that group) it may be the mean of the ranks' losses
+    (the sync averages the gradients); over any other axis it must be whole: a rank
+    would otherwise seed only its share of the gradient."""
+    averaged = axes_of(dp) or (axis_of(dp),)
     for axis, p in of(t).items():
-        if axis == axis_of(dp) and p == Partial("avg"):
+        if axis in averaged and p == Partial("avg"):
             continue
-        raise refuse(op, t, axis, p, REPLICATED if axis != axis_of(dp) else Partial("avg"))
-
-
-# ----------------------------------------------------------------- shapes
-def reshape(op: str, x: HasPlacement, shape: tuple[int, ...]) -> Placements:
-    """A Shard follows its dim through a reshape when that dim stays the outermost of
-    the dims it is merged with (B, T) -> (B T), or is kept; otherwise refused."""
-    out: Placements = {}
-    for axis, p in of(x).items():
-        if not isinstance(p, Shard):
-            out[axis] = p
-            continue
-        d = p.dim % x.ndim
-        before = _prod(x.shape[:d])
-        new = [j for j in range(len(shape) + 1) if _prod(shape[:j]) == before]
-        if not new or new[0] >= len(shape):
-            raise refuse(f"{op} to {shape}", x, axis, p, "sharded along a dim the "
-                         "reshape keeps outermost")
-        out[axis] = Shard(new[0])   # the outermost: size-1 dims before it stay whole
-    return out
-
-
-def _prod(dims: Iterable[int]) -> int:
-    n = 1
-    for d in dims:
-        n *= d
-    return n
-
-
-def transpose(x: HasPlacement, axes: tuple[int, ...] | None) -> Placements:
-    """A Shard moves with its dim."""
-    order = list(axes) if axes is not None else list(range(x.ndim))[::-1]
-    return {a: Shard(order.index(p.dim % x.ndim)) if isinstance(p, Shard) else p
-            for a, p in of(x).items()}
-
-
-def same(*tensors: HasPlacement, op: str = "concat") -> Placements:
-    """Ops that stack or pick within this rank's piece (concat, rows taken, index_add):
-    every operand must have the same placement, which the output keeps. An operand
-    with none (a fresh zero buffer) takes any placement."""
-    labeled = [t for t in tensors if of(t)]
-    if not labeled:
-        return {}
-    first = labeled[0]
-    for t in labeled[1:]:
-        for axis in _axes(first, t):
-            if get(t, axis) != get(first, axis):
-                raise refuse(f"{op} with {first.name or 'a tensor'} "
-                             f"({get(first, axis)} over {axis})", t, axis, get(t, axis),
-                             get(first, axis))
-    return dict(of(first))
-
-
-def attention(op: str, q: HasPlacement, k: HasPlacement, v: HasPlacement) -> Placements:
-    """softmax(q k^T) v over (B, T, d): rows of sequences may be sharded (dim 0), heads
-    too (dim -1, all three alike); positions (dim 1) may not: every query needs every
-    earlier key (context parallelism passes keys around instead); Partial is refused."""
-    out = same(q, k, v, op=op)
-    for axis, p in out.items():
-        if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim % q.ndim == 1):
-            raise refuse(op, q, axis, p, REPLICATED if isinstance(p, Partial)
-                         else "sharded along rows or heads, not positions")
-    return out
-
-
-def embedding(op: str, weight: HasPlacement, ids: HasPlacement) -> Placements:
-    """Rows of a table picked by ids: the output has the ids' placement (plus a last
-    dim d); the table's gradient sums over the picked rows: partial where ids are
-    sharded."""
-    out: Placements = {}
-    for axis, p in of(ids).items():
-        if not isinstance(p, Shard):
-            raise refuse(op, ids, axis, p, "sharded or replicated")
-        out[axis] = p
-        _grad_partial(weight, axis)
-    return out
-
-
-def rows_exchanged(op: str, x: HasPlacement, group: AxisGroup) -> Placements:
-    """Alltoallv of rows (the MoE dispatch and combine): rows go to other ranks whole,
-    so none may be a partial sum; the rows held stay a shard of the same tokens' rows
-    (regrouped by destination), so every placement is kept."""
-    for axis, p in of(x).items():
-        if isinstance(p, Partial):
-            raise refuse(f"{op} over {axis_of(group)}", x, axis, p, REPLICATED)
-    return dict(of(x))
+        raise refuse(op, t, axis, p, REPLICATED if axis not in averaged else Partial("avg"))
 
 
 # ------------------------------------------------------------ collectives
@@ -551,32 +203,33 @@ def transition(op: str, x: HasPlacement, group: AxisGroup, needed: type | Placem
     """A collective's rule: `x` must be `needed` over the group's axis (a class: any
     placement of that kind; an instance: exactly it), and `out` becomes `result`
     there, keeping its other axes (copied unchanged)."""
-    found = get(x, axis_of(group))
-    ok = isinstance(found, needed) if isinstance(needed, type) else \
-        (found == needed or (isinstance(found, Shard) and isinstance(needed, Shard)
-                             and _dim(found, x.ndim) == _dim(needed, x.ndim)))
-    if not ok and group.size > 1:
-        shown = {Replicate: REPLICATED, Partial: Partial(), Shard: "sharded"}.get(
-            needed, needed)
-        raise refuse(op, x, axis_of(group), found, shown)
-    return follow(out, {**of(x), axis_of(group): result}, x.name, summed=True)
+    for axis in axes_of(group):   # one axis, or dp and cp for the dp_cp group
+        found = get(x, axis)
+        ok = isinstance(found, needed) if isinstance(needed, type) else \
+            (found == needed or (isinstance(found, Shard) and isinstance(needed, Shard)
+                                 and _dim(found, x.ndim) == _dim(needed, x.ndim)))
+        if not ok:
+            shown = {Replicate: REPLICATED, Partial: Partial(), Shard: "sharded"}.get(
+                needed, needed)
+            raise refuse(op, x, axis, found, shown)
+    return follow(out, {**of(x), **{axis: result for axis in axes_of(group)}}, x.name,
+                  summed=True)
 
 
-# --------------------------------------------------------- gradient sync
-_PARTIAL_GRADS: dict[int, tuple[object, set[str]]] = {}  # param id -> (param, axes)
-_SUMMED: dict[int, set[str]] = {}                          # param id -> axes summed over
+_SUMMED: dict[int, set[str]] = {}  # param id -> axes its gradient was summed over
 
 
 def summed(params: Iterable[object], group: AxisGroup) -> None:
     """The gradient sync states what it did: these gradients were summed over `group`
     (Partial -> Replicate over its axis, before the optimizer step)."""
-    if ON and group.size > 1:
+    if ON:
         for p in params:
-            if not isinstance(get(p, axis_of(group)), Replicate):
-                raise refuse(f"the gradient sum over {axis_of(group)}", p, axis_of(group),
-                             get(p, axis_of(group)), REPLICATED, " (summing gradients of "
-                             "different pieces would mix them)")
-            _SUMMED.setdefault(id(p), set()).add(axis_of(group))
+            for axis in axes_of(group):   # dp_cp: both dp and cp
+                if not isinstance(get(p, axis), Replicate):
+                    raise refuse(f"the gradient sum over {axis}", p, axis, get(p, axis),
+                                 REPLICATED, " (summing gradients of different pieces "
+                                 "would mix them)")
+                _SUMMED.setdefault(id(p), set()).add(axis)
 
 
 def check_gradients(sizes: dict[str, int]) -> None:

@@ -20,6 +20,12 @@ which dies as soon as the gradients have left.
 
 The forward run again is the same computation on the same numbers, so the gradients
 are bit for bit those without recomputation: `--check` holds on every mesh.
+
+Placements (placement.py, `--check-placements`): the first forward, without a tape,
+is checked as any forward is, and the node's output takes the placements it derived.
+The replay in the backward is the same ops on the same placements: it runs with
+checking paused (`placement.paused`), so nothing is checked or recorded twice, and a
+violation can only stop the forward, where every rank stops at the same op.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from collections.abc import Callable
 import numpy as np
 
 from minipar import autograd as ag
+from minipar import placement
 from minipar.autograd import Tensor
 from minipar.nn import Module, Parameter
 
@@ -44,13 +51,16 @@ def recomputed(op: Callable[..., Tensor]) -> Callable[..., Tensor]:
 
         def backward(g: np.ndarray) -> None:
             fresh = {id(t): Tensor(t.data, requires_grad=t.requires_grad) for t in inputs}
-            again = op(*(fresh.get(id(a), a) for a in args),
-                       **{k: fresh.get(id(v), v) for k, v in options.items()})
+            with placement.paused():  # checked in the forward already (module docstring)
+                again = op(*(fresh.get(id(a), a) for a in args),
+                           **{k: fresh.get(id(v), v) for k, v in options.items()})
             again.backward(g)
             for t in inputs:
                 if fresh[id(t)].grad is not None:
                     t.accumulate(fresh[id(t)].grad, fresh=True)
-        return Tensor.from_op(out.data, inputs, backward)
+        result = Tensor.from_op(out.data, inputs, backward)
+        return placement.follow(result, placement.of(out), out.name, summed=True) \
+            if placement.ON else result
     return run
 
 
@@ -79,7 +89,8 @@ class Recomputed(Module):
 
         def backward(g: np.ndarray) -> None:
             leaf = Tensor(h.data, requires_grad=h.requires_grad)
-            again, aux_again = self.block(leaf)
+            with placement.paused():  # checked in the forward already (module docstring)
+                again, aux_again = self.block(leaf)
             roots = [(again, g)]
             if aux_again is not None and "aux" in seeds:
                 roots.append((aux_again, seeds.pop("aux")))
@@ -91,6 +102,8 @@ class Recomputed(Module):
         # of a pipeline stage that is not first gets a constant h)
         parents = (h, *self.block.parameters())
         result = Tensor.from_op(out.data, parents, backward)
+        if placement.ON:  # the placements the forward derived
+            placement.follow(result, placement.of(out), out.name, summed=True)
         if aux is None:
             return result, None
 
@@ -98,7 +111,9 @@ class Recomputed(Module):
             seeds["aux"] = g
             if result.grad is None:  # the loss uses aux only: h' still runs its backward
                 result.accumulate(np.zeros_like(result.data), fresh=True)
-        return result, Tensor.from_op(aux.data, (result,), keep_aux)
+        aux_out = Tensor.from_op(aux.data, (result,), keep_aux)
+        return result, placement.follow(aux_out, placement.of(aux), aux.name, summed=True) \
+            if placement.ON else aux_out
 
 
 # ------------------------------------------------------------ what the tape keeps

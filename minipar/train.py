@@ -41,10 +41,10 @@ from minipar.data import (
     microbatch_rows,
     rank_rows,
 )
+from minipar.mesh import AXES as MESH_AXES
 from minipar.mesh import Mesh
 from minipar.optim import Optimizer, make_optimizer
 from minipar.parallel import pipeline_parallel, pipeline_schedules
-from minipar.placement import Shard
 from minipar.recompute import Recomputed
 from minipar.shards import held_parts
 
@@ -223,12 +223,13 @@ def build_rank_model(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray]
     # context parallelism: the embedding adds the rows of the positions this rank holds
     held = context_positions(cfg, mesh) if cfg.cp > 1 else None
     if cfg.cp > 1:
-        embed = partial(gpt.Embedding, positions=held)
+        embed = partial(gpt.Embedding, positions=held, positions_over=mesh.cp)
     if cfg.vocab_parallel:  # rows of tok and columns of the head over tp (vocab_parallel.py)
         from minipar.parallel import vocab_parallel  # here: it loads mpi4py.MPI
 
         def embed(full: dict) -> nn.Module:
-            return vocab_parallel.VocabParallelEmbedding(full, mesh.tp, cfg.sp, held)
+            return vocab_parallel.VocabParallelEmbedding(full, mesh.tp, cfg.sp, held,
+                                                         mesh.cp if cfg.cp > 1 else None)
 
         def head(full: dict) -> nn.Module:
             return vocab_parallel.VocabParallelHead(full, mesh.tp, cfg.sp)
@@ -355,10 +356,12 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     scale = 1.0 / cfg.microbatches
     slices = [local_rows(cfg.batch, cfg.microbatches, cfg.dp, m)  # of this rank's rows
               for m in range(cfg.microbatches)]
-    # placements (placement.py): the rows of x are Shard(0) over dp; so are those that
-    # cross a stage boundary, and under sequence parallelism over tp as well
-    rows_over = (mesh.dp,)
-    boundary_rows_over = (mesh.dp, mesh.tp) if cfg.sp and not cfg.model_config().is_gpt \
+    # placements (placement.py): the rows of x are Shard(0) over dp (its positions
+    # Shard(1) over cp); so are those that cross a stage boundary, and under sequence
+    # parallelism over tp as well (the transformer's positions, dim 1)
+    gpt_model = cfg.model_config().is_gpt
+    rows_over = (mesh.dp, (mesh.cp, 1)) if cfg.cp > 1 else (mesh.dp,)
+    boundary_rows_over = (*rows_over, (mesh.tp, 1) if gpt_model else mesh.tp) if cfg.sp \
         else rows_over
     if cfg.pp > 1:
         def last_stage_loss(logits: ag.Tensor, aux: ag.Tensor | None,
@@ -366,8 +369,8 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
             head = chunks[-1].head                                  # the last chunk's
             loss = nn.output_loss(head, logits, labels) * scale     # CE / M
             loss = loss if aux is None else loss + aux * scale      # + aux / M
-            if placement.ON:  # what the gradient sync expects: at most a mean over dp
-                placement.loss("the gradient sync", loss, mesh.dp)
+            if placement.ON:  # what the gradient sync expects: at most a mean over dp (x cp)
+                placement.loss("the gradient sync", loss, mesh.dp_cp)
             return loss
 
         # looked up at call time: --inject-bug swaps pipeline_parallel.StageWorker
@@ -380,10 +383,10 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
                                                   timeline)
     total = 0.0
     for rows in slices:  # gradient accumulation: grads add up in .grad
-        loss = microbatch_loss(chunks[0], placement.place(ag.Tensor(x[rows]), mesh.dp,
-                                                          Shard(0)), y[rows], scale)
-        if placement.ON:  # what the gradient sync expects: at most a mean over dp
-            placement.loss("the gradient sync", loss, mesh.dp)
+        loss = microbatch_loss(chunks[0], pipeline_parallel.rows_of(ag.Tensor(x[rows]),
+                                                                    rows_over), y[rows], scale)
+        if placement.ON:  # what the gradient sync expects: at most a mean over dp (x cp)
+            placement.loss("the gradient sync", loss, mesh.dp_cp)
         loss.backward()
         total += loss.item()
     return total
@@ -405,7 +408,8 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
     mesh = Mesh(cfg.mesh_shape(), world, Ledger())
     try:  # overflow shows up as a DivergedError line, not as NumPy warnings burying it
         with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"), \
-                placement.checking(cfg.check_placements):   # placement.py: on or off
+                placement.checking(cfg.check_placements,   # placement.py: on or off
+                                   {axis: getattr(mesh, axis).size for axis in MESH_AXES}):
             return train_on_mesh(cfg, mesh, on_step)
     finally:  # also when a step diverges: a sweep or a notebook builds many meshes
         mesh.free()
@@ -462,7 +466,7 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
     if placement.ON:  # no gradient left a partial sum by the syncs above (placement.py);
         # every rank learns of any rank's finding, so all stop at this same step
         problem = placement.unsummed_gradient({axis: getattr(mesh, axis).size
-                                               for axis in ("dp", "tp", "ep", "edp")})
+                                               for axis in ("dp", "tp", "ep", "edp", "cp")})
         found = [line for line in mesh.world.allgather(problem) if line]
         if found:
             raise placement.PlacementError(found[0])

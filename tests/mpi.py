@@ -23,8 +23,6 @@ from pathlib import Path
 
 import numpy as np
 
-from minipar.config import TrainConfig, placement_problems
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -113,11 +111,9 @@ def sweep(n: int, configs: list[dict], folder: Path, timeout: float = 240) -> li
     """Run several training configs in ONE mpiexec job (start-up paid once).
 
     Each config is a dict of TrainConfig fields; result i is read from folder/i.
-    Placement checking is on (`check_placements`) unless a config says otherwise or
-    asks for what it does not cover yet (`config.placement_problems`).
+    Placement checking is on (`check_placements`) unless a config says otherwise.
     """
-    configs = [{"check_placements": not placement_problems(
-        TrainConfig(**{**c, "check_placements": True})), **c} for c in configs]
+    configs = [{"check_placements": True, **c} for c in configs]
     folder.mkdir(parents=True, exist_ok=True)
     spec = folder / "configs.json"
     spec.write_text(json.dumps(configs))

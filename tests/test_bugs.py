@@ -34,13 +34,14 @@ from tests.mpi import launch, sweep
 WORLD = 4
 SMALL = dict(layers=4, d_in=8, d_model=16, batch=16, steps=2)
 SMALL_MOE = dict(SMALL, experts=4, top_k=2, expert_d_ff=16)
+SMALL_GPT = dict(layers=2, d_model=16, batch=8, seq_len=8, vocab=16, steps=2)
 # bugs whose run keeps the dp/tp copies of a parameter equal (the same mistake everywhere)
 SPLITS_REPLICAS = {"tp-copy-to-no-allreduce", "dp-stage-not-synced", "zero-no-allgather"}
 
 
 def fields(bug: bugs.Bug, **changes: object) -> dict:
     """The TrainConfig fields of `bug`'s demo run on the small model."""
-    sizes = SMALL_MOE if bug.flags.get("model") == "moe" else SMALL
+    sizes = {"moe": SMALL_MOE, "gpt": SMALL_GPT}.get(bug.flags.get("model"), SMALL)
     return {**sizes, **bug.flags, **changes}
 
 
@@ -53,7 +54,7 @@ def test_registry_has_at_least_eight_explained_bugs():
     assert len(bugs.BUGS) >= 8
     for name, bug in bugs.BUGS.items():
         assert name == bug.name and re.fullmatch(r"[a-z0-9-]+", name)
-        assert bug.strategy in ("dp", "tp", "pp", "ep", "zero"), name
+        assert bug.strategy in ("dp", "tp", "pp", "ep", "zero", "cp"), name
         assert len(bug.broken) > 30 and len(bug.why) > 60 and bug.requires, name
 
 

@@ -26,7 +26,7 @@ def stopped(tmp_path_factory) -> dict[str, str | None]:
 
 def test_the_placement_bugs_are_the_expected_ones():
     assert PLACEMENT_BUGS == ["tp-copy-to-no-allreduce", "dp-stage-not-synced",
-                              "moe-aux-per-rank"]
+                              "moe-aux-per-rank", "tp-vocab-loss-no-max", "cp-no-allgather"]
 
 
 @pytest.mark.parametrize("name", PLACEMENT_BUGS)
@@ -44,6 +44,12 @@ def test_the_lines_name_where_each_bug_is_made(stopped):
     assert "an Allreduce over dp is missing" in stopped["dp-stage-not-synced"]
     assert "aux loss is a partial sum over dp" in stopped["moe-aux-per-rank"]
     assert "[at minipar/" in stopped["moe-aux-per-rank"]
+    assert "the row maxima of the logits is a partial max over tp" in \
+        stopped["tp-vocab-loss-no-max"]
+    assert "[at minipar/parallel/vocab_parallel.py:" in stopped["tp-vocab-loss-no-max"]
+    assert "blocks.0.attn.k output is sharded along dim 1 over cp" in stopped["cp-no-allgather"]
+    assert "an Allgather of K and V along T is missing" in stopped["cp-no-allgather"]
+    assert "[at minipar/bugs_detours.py:" in stopped["cp-no-allgather"]   # the broken line
 
 
 @pytest.mark.parametrize("name", [n for n in BUGS if n not in PLACEMENT_BUGS])

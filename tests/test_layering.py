@@ -26,13 +26,15 @@ PACKAGE = ROOT / "minipar"
 # Bottom first. A module may import from its own layer and every layer below it.
 LAYERS: list[set[str]] = [
     {"autograd", "fused", "attention", "nn", "gpt", "recompute", "optim", "data",  # core,
-     "memory", "shards", "threads", "placement"},                           # no MPI
+     "memory", "shards", "threads", "placement_types", "placement_rules",   # no MPI
+     "placement_transformer", "placement"},
     {"comm", "mesh", "ring", "log", "watchdog"},                            # communication
     {"parallel", "parallel.pipeline_schedules", "parallel.data_parallel",   # strategies
      "parallel.zero", "parallel.tensor_parallel", "parallel.vocab_parallel",
      "parallel.expert_parallel", "parallel.pipeline_parallel", "parallel.context_parallel"},
     {"config"},                                                             # the flags
-    {"checkpoint_format", "checkpoint", "checkpoint_folder", "preflight", "bugs"},
+    {"checkpoint_format", "checkpoint", "checkpoint_folder", "preflight", "bugs_detours",
+     "bugs"},
     {"train"},                                                              # composition
     {"results", "reshard"},
     {"costmodel", "timemodel", "presets", "plan_workloads", "plan_search", "plan_report",

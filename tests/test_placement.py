@@ -240,12 +240,12 @@ def test_rows_taken_and_concatenated_keep_their_placement():
             "other is a partial sum over dp")
 
 
-def test_attention_takes_sharded_rows_or_heads_not_positions():
+def test_attention_takes_sharded_rows_or_heads_not_positions_of_keys():
     q = t((2, 4, 8), dp=Shard(0))
     assert placement.of(attention.attention(q, q, q, heads=2)) == {"dp": Shard(0)}
-    k = t((2, 4, 8), "k", tp=Shard(1))
-    refused(lambda: attention.attention(k, k, k, heads=2), "k is sharded along dim 1 over tp",
-            "not positions")
+    k = t((2, 4, 8), "k", cp=Shard(1))
+    refused(lambda: attention.attention(k, k, k, heads=2), "k is sharded along dim 1 over cp",
+            "every query needs every earlier key", "an Allgather of K and V along T")
 
 
 def test_an_embedding_of_sharded_ids_is_sharded_and_its_table_partial():
@@ -321,13 +321,195 @@ def test_shards_match_by_their_dims_aligned_from_the_end():
             "rows is sharded along dim 0 over tp")
 
 
-def test_what_placement_checking_does_not_cover_is_refused_with_one_line():
-    from minipar.config import TrainConfig, placement_problems
+# ------------------------------------------- the transformer's tensor parallelism
+CP = Axis("cp")
 
-    cfg = TrainConfig(model="gpt", tp=2, check_placements=True)
-    assert placement_problems(cfg) == [
-        "--check-placements does not cover the transformer's tensor parallelism yet "
-        "(--model gpt/gpt-moe with --tp 2 or more)"]
-    assert placement_problems(TrainConfig(recompute="full", check_placements=True))
-    assert placement_problems(TrainConfig(model="gpt", tp=2)) == []   # off: nothing to say
-    assert placement_problems(TrainConfig(tp=2, check_placements=True)) == []
+
+def test_attention_by_heads_keeps_the_heads_split():
+    q, k, v = (t((2, 4, 8), name, tp=Shard(2)) for name in "qkv")
+    key_bias = param((8,), "blocks.0.attn.k.bias", tp=Shard(0))
+    out = attention.attention(q, k, v, heads=2, key_bias=key_bias)
+    assert placement.of(out) == {"tp": Shard(2)}
+    assert placement.of(attention.attention_lse(q, k, heads=2, key_bias=key_bias)) == \
+        {"tp": Shard(2)}
+
+
+def test_attention_by_heads_refuses_a_whole_key_bias_and_unlike_splits():
+    q, k = t((2, 4, 8), "q", tp=Shard(2)), t((2, 4, 8), "k", tp=Shard(2))
+    refused(lambda: attention.attention(q, k, k, heads=2,
+                                        key_bias=param((8,), "blocks.0.attn.k.bias")),
+            "blocks.0.attn.k.bias is replicated over tp", "needs it sharded along dim 0",
+            "the key bias of my heads")
+    refused(lambda: attention.attention(q, t((2, 4, 8), "whole k"), k, heads=2),
+            "whole k is replicated over tp", "q, k and v must be split alike")
+    refused(lambda: attention.attention(t((2, 4, 8), "scores in", tp=Partial()), k, k,
+                                        heads=2), "scores in is a partial sum over tp",
+            "softmax is not linear")
+
+
+def test_the_output_projection_of_heads_is_row_parallel_then_reduced():
+    o = t((2, 4, 8), "heads out", tp=Shard(2))
+    proj = param((8, 8), "blocks.0.attn.proj.weight", tp=Shard(0))
+    partial = fused.linear(o, proj)
+    assert placement.of(partial) == {"tp": Partial()}
+    whole = placement.transition("reduce_from (an Allreduce)", partial, TP, Partial,
+                                 Replicate(), Tensor(partial.data))
+    assert placement.of(whole) == {}
+    mine = placement.transition("reduce_scatter (a Reduce_scatter)", partial, TP, Partial,
+                                Shard(1), Tensor(partial.data[:, :2]))
+    assert placement.of(mine) == {"tp": Shard(1)}                # SP: my positions of T
+
+
+def test_a_vocabulary_parallel_lookup_is_a_partial_sum_over_tp():
+    table = param((8, 4), "tok_embed.weight", tp=Shard(0))
+    ids = placement.place(Tensor(np.array([[1, 2], [3, 7]])), DP, Shard(0))
+    from minipar.parallel.vocab_parallel import vocab_lookup
+
+    h = vocab_lookup(table, ids, first=0, tp=TP)
+    assert placement.of(h) == {"dp": Shard(0), "tp": Partial()}
+    assert h.name == "tok_embed output"
+    pos = attention.embedding(param((2, 4), "pos_embed.weight"), np.arange(2))
+    # the bug that drops the embedding's Allreduce: the position rows are added tp times
+    refused(lambda: h + pos, "tok_embed output is a partial sum over tp",
+            "needs it replicated", "an Allreduce is missing")
+    whole = placement.transition("reduce_from (an Allreduce)", h, TP, Partial, Replicate(),
+                                 Tensor(h.data))
+    assert placement.of(whole + pos) == {"dp": Shard(0)}
+    refused(lambda: vocab_lookup(param((8, 4), "tok_embed.weight"), ids, 0, TP),
+            "tok_embed.weight is replicated over tp", "sharded along dim 0")
+
+
+def test_the_vocabulary_parallel_loss_needs_its_statistics_reduced():
+    logits = t((2, 4, 8), "head output", dp=Shard(0), tp=Shard(2))
+    row_max = placement.place(Tensor(np.zeros(8), name="the row maxima of the logits"), TP,
+                              Partial("max"))
+    sums = placement.place(Tensor(np.zeros((2, 8)), name="the sums of exps"), TP, Partial())
+    op = "the vocabulary-parallel cross-entropy"
+    # the bug that drops the Allreduce(MAX): each rank shifts by its own columns' max
+    refused(lambda: placement.vocab_cross_entropy(op, logits, (row_max, sums), TP),
+            "the row maxima of the logits is a partial max over tp", "needs it replicated",
+            "an Allreduce is missing")
+    refused(lambda: placement.transition("the Allreduce of sums", sums, TP, Partial("max"),
+                                         Replicate(), sums),
+            "the sums of exps is a partial sum over tp", "needs it a partial max")
+    for stat, kind in ((row_max, "max"), (sums, "sum")):
+        placement.transition("the Allreduce", stat, TP, Partial(kind), Replicate(), stat)
+    assert placement.vocab_cross_entropy(op, logits, (row_max, sums), TP) == \
+        {"dp": Partial("avg")}
+    refused(lambda: placement.vocab_cross_entropy(op, t((2, 4, 8), "whole logits"),
+                                                  (row_max, sums), TP),
+            "whole logits is replicated over tp", "sharded along dim 2")
+
+
+def test_shape_ops_keep_a_gradient_summed_by_the_region_entry():
+    x = placement.place(t((6, 3)), TP, Replicate(grad_summed=True))   # out of copy_to
+    w = param((3, 4), "experts.0.fc1.weight", tp=Shard(1))
+    for picked in (ag.take_rows(x, np.array([0, 5])), x[1:3], ag.reshape(x, (3, 2, 3))):
+        assert placement.of(fused.linear(picked, w)) == {"tp": Shard(picked.ndim - 1)}
+
+
+def test_rows_picked_for_sharded_rows_are_placed_like_them():
+    rows = t((4, 3), "summed", dp=Shard(0))
+    bias = param((2, 3), "experts.fc2.bias")
+    picked = ag.take_rows(bias, np.array([0, 1, 1, 0]))
+    placement.follow(picked, placement.picked_for("each row's fc2 bias", bias, rows))
+    assert placement.of(rows + picked) == {"dp": Shard(0)}
+    refused(lambda: placement.check_gradients({"dp": 2}), "experts.fc2.bias's gradient")
+
+
+# -------------------------------------------------------- context parallelism
+def test_queries_split_along_positions_need_every_key_gathered():
+    q = t((2, 4, 8), "q", cp=Shard(1))
+    kv = placement.place(t((2, 8, 8), "gathered k"), CP, Replicate(grad_summed=True))
+    assert placement.of(attention.attention(q, kv, kv, heads=2)) == {"cp": Shard(1)}
+    # a missing Allgather of K: a placement bug, caught at the attention node
+    v = placement.place(t((2, 4, 8), "v"), CP, Replicate(grad_summed=True))
+    refused(lambda: attention.attention(q, t((2, 4, 8), "k", cp=Shard(1)), v, heads=2),
+            "k is sharded along dim 1 over cp", "every query needs every earlier key",
+            "an Allgather of K and V along T is missing")
+    refused(lambda: attention.attention(q, t((2, 8, 8), "k copied"), kv, heads=2),
+            "k copied is replicated over cp", "its gradient summed")
+
+
+def test_the_allgather_along_t_and_the_ulysses_alltoalls_are_transitions():
+    k = t((2, 4, 8), "k", cp=Shard(1))
+    gathered = placement.transition("the Allgather along T", k, CP, Shard(1),
+                                    Replicate(grad_summed=True), Tensor(np.ones((2, 8, 8))))
+    assert placement.of(gathered) == {"cp": Replicate(grad_summed=True)}
+    heads = placement.transition("the Alltoall sequence -> heads", k, CP, Shard(1),
+                                 Shard(2), Tensor(np.ones((2, 8, 4))))
+    assert placement.of(heads) == {"cp": Shard(2)}
+    refused(lambda: placement.transition("the Alltoall heads -> sequence", k, CP, Shard(2),
+                                         Shard(1), Tensor(np.ones((2, 8, 4)))),
+            "k is sharded along dim 1 over cp", "needs it sharded along dim 2")
+
+
+def test_the_ring_takes_blocks_of_positions_and_gives_mine():
+    q, k, v = (t((2, 4, 8), name, dp=Shard(0), cp=Shard(1)) for name in "qkv")
+    assert placement.ring_attention("ring attention", q, k, v, CP) == \
+        {"dp": Shard(0), "cp": Shard(1)}
+    refused(lambda: placement.ring_attention("ring attention", q, t((2, 4, 8), "k"), v, CP),
+            "k is replicated over cp", "ring attention over cp", "sharded along dim 1")
+
+
+def test_a_reshape_to_tokens_and_back_follows_the_positions():
+    h = t((2, 4, 3), "h", dp=Shard(0), cp=Shard(1))
+    tokens = ag.reshape(h, (8, 3), tokens=True)
+    assert placement.of(tokens) == {"dp": Shard(0), "cp": Shard(0)}
+    refused(lambda: ag.reshape(h, (8, 3)), "h is sharded along dim 1 over cp", "reshape")
+    back = ag.reshape(tokens, (2, 4, 3), like=h)
+    assert placement.of(back) == {"dp": Shard(0), "cp": Shard(1)}
+    assert placement.of(h + back) == {"dp": Shard(0), "cp": Shard(1)}
+
+
+def test_the_sync_over_dp_x_cp_sums_both_axes_and_the_loss_may_average_both():
+    with placement.checking(sizes={"dp": 2, "cp": 2}):
+        w = param((3, 5), "fc.weight")
+        fused.linear(t((2, 4, 3), dp=Shard(0), cp=Shard(1)), w)
+        placement.summed([w], Axis("dp", 2))            # the plain dp group: cp is left
+        refused(lambda: placement.check_gradients({"dp": 2, "cp": 2}),
+                "fc.weight's gradient is a partial sum over cp", "an Allreduce over cp")
+        fused.linear(t((2, 4, 3), dp=Shard(0), cp=Shard(1)), w)
+        placement.summed([w], Axis("dp", 4))            # mesh.dp_cp: named dp, dp x cp ranks
+        placement.check_gradients({"dp": 2, "cp": 2})
+        loss = t((), "the loss", dp=Partial("avg"), cp=Partial("avg"))
+        placement.loss("the gradient sync", loss, Axis("dp", 4))
+        refused(lambda: placement.loss("the gradient sync", loss, Axis("dp", 2)),
+                "the loss is a partial average over cp", "needs it replicated")
+
+
+# ------------------------------------------------------------- recomputation
+def test_a_recomputed_node_is_checked_once_in_the_forward_and_keeps_its_placement(
+        monkeypatch):
+    from minipar.recompute import recomputed
+
+    calls = []
+    rule = placement.nonlinear
+    monkeypatch.setattr(placement, "nonlinear", lambda *a, **k: calls.append(a[0]) or
+                        rule(*a, **k))
+    x = t((4, 3), "z", tp=Shard(1))
+    out = recomputed(fused.gelu)(x)
+    assert placement.of(out) == {"tp": Shard(1)} and calls == ["GELU"]
+    out.backward(np.ones((4, 3)))                        # the replay: not checked again
+    assert calls == ["GELU"] and x.grad is not None
+    refused(lambda: recomputed(fused.gelu)(t((4, 3), "fc1 sum", tp=Partial())),
+            "fc1 sum is a partial sum over tp", "GELU")  # not skipped: caught in forward
+
+
+def test_a_recomputed_block_records_the_partial_gradients_of_its_forward():
+    from minipar.nn import Module
+    from minipar.recompute import Recomputed
+
+    class Block(Module):
+        def __init__(self) -> None:
+            self.bias = param((3,), "blocks.0.bias")
+
+        def __call__(self, h: Tensor) -> tuple[Tensor, None]:
+            return h + ag.mul(self.bias, 2.0), None      # the bias reached through an op
+
+    h = t((4, 3), "h", dp=Shard(0))
+    out, _ = Recomputed(Block())(h)
+    assert placement.of(out) == {"dp": Shard(0)}
+    out.backward(np.ones((4, 3)))
+    refused(lambda: placement.check_gradients({"dp": 2}),
+            "blocks.0.bias's gradient is a partial sum over dp")

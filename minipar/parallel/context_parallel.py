@@ -26,6 +26,14 @@ rank's H/tp heads, so every exchange above moves (B, T/cp, H/tp dh) blocks insid
 group of its tp coordinate. Under recomputation (recompute.py) the forward runs again
 in the backward, exchange included: nothing gathered is kept (docs/design.md).
 
+Placements over cp (placement.py, `--check-placements`; docs/design.md, "Placements"):
+activations are Shard(1), sharded along T. The Allgather makes K and V Replicate with
+their gradient summed (its backward Reduce_scatter); the ring node takes q, k, v all
+Shard(1) -- the block a rank holds at step s is rank r - s's shard, still sharded along
+T, its owner rotating -- and gives Shard(1); Ulysses' Alltoall turns Shard(1) (T) into
+Shard(2) (heads) and back. Weights are Replicate over cp, their gradients Partial over
+dp x cp, summed by the dp_cp sync.
+
 Run it: `mpiexec -n 4 python -m minipar train --model gpt --cp 4 --cp-mode ring --check`,
 or the lesson `mpiexec -n 4 python lessons/12_context_parallel.py`.
 """
@@ -37,10 +45,11 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from minipar import attention, nn
+from minipar import attention, nn, placement
 from minipar.autograd import Tensor
 from minipar.comm import Group
 from minipar.mesh import CP_MODES as MODES
+from minipar.placement import Replicate, Shard
 
 
 # ------------------------------------------------------------ who holds what
@@ -83,7 +92,9 @@ def gather_sequence(x: Tensor, group: Group) -> Tensor:
         # (cp, B, T/cp, w) gradients of every rank's positions -> summed, mine to me
         group.Reduce_scatter_block(blocks, mine, op=MPI.SUM)
         x.accumulate(mine, fresh=True)
-    return Tensor.from_op(out, (x,), backward)
+    result = Tensor.from_op(out, (x,), backward)
+    return placement.transition("the Allgather along T", x, group, Shard(1),
+                                Replicate(grad_summed=True), result) if placement.ON else result
 
 
 def allgather_attention(cpa: ContextParallelAttention, q: Tensor, k: Tensor, v: Tensor,
@@ -119,15 +130,21 @@ def heads_to_sequence(x: np.ndarray, group: Group) -> np.ndarray:
 
 
 def to_heads(x: Tensor, group: Group) -> Tensor:
-    """Forward: Alltoall sequence -> heads. Backward: Alltoall heads -> sequence."""
-    return Tensor.from_op(sequence_to_heads(x.data, group), (x,), lambda g: x.accumulate(
+    """Forward: Alltoall sequence -> heads. Backward: Alltoall heads -> sequence.
+    Placement: Shard(1) (positions) -> Shard(2) (heads)."""
+    out = Tensor.from_op(sequence_to_heads(x.data, group), (x,), lambda g: x.accumulate(
         heads_to_sequence(g, group), fresh=True))
+    return placement.transition("the Alltoall sequence -> heads", x, group, Shard(1),
+                                Shard(2), out) if placement.ON else out
 
 
 def to_sequence(x: Tensor, group: Group) -> Tensor:
-    """Forward: Alltoall heads -> sequence. Backward: Alltoall sequence -> heads."""
-    return Tensor.from_op(heads_to_sequence(x.data, group), (x,), lambda g: x.accumulate(
+    """Forward: Alltoall heads -> sequence. Backward: Alltoall sequence -> heads.
+    Placement: Shard(2) (heads) -> Shard(1) (positions)."""
+    out = Tensor.from_op(heads_to_sequence(x.data, group), (x,), lambda g: x.accumulate(
         sequence_to_heads(g, group), fresh=True))
+    return placement.transition("the Alltoall heads -> sequence", x, group, Shard(2),
+                                Shard(1), out) if placement.ON else out
 
 
 def ulysses_attention(cpa: ContextParallelAttention, q: Tensor, k: Tensor, v: Tensor,
@@ -137,6 +154,8 @@ def ulysses_attention(cpa: ContextParallelAttention, q: Tensor, k: Tensor, v: Te
     q_h, k_h, v_h = (to_heads(t, group) for t in (q, k, v))    # (B, T, H/cp dh) each
     width = q_h.shape[2]                                          # my heads' columns
     bias = None if key_bias is None else key_bias[group.rank * width:(group.rank + 1) * width]
+    if placement.ON and bias is not None:  # my heads' slice of the key bias: a split
+        placement.place(bias, group, Shard(0))
     cpa.count(q.shape[0] * (heads // cp) * q_h.shape[1] ** 2)
     o = attention.attention(q_h, k_h, v_h, heads // cp, q_positions=cpa.gathered_positions,
                             k_positions=cpa.gathered_positions, key_bias=bias)
@@ -232,7 +251,9 @@ def ring_attention(cpa: ContextParallelAttention, q: Tensor, k: Tensor, v: Tenso
         if key_bias is not None:  # softmax ignores q . bk, the same for every key: 0
             key_bias.accumulate(np.zeros_like(key_bias.data), fresh=True)
     parents = tuple(t for t in (q, k, v, key_bias) if t is not None)
-    return Tensor.from_op(_merge_heads(Out), parents, backward)
+    out = Tensor.from_op(_merge_heads(Out), parents, backward)
+    return placement.follow(out, placement.ring_attention("ring attention", q, k, v, group),
+                            q.name) if placement.ON else out
 
 
 def visible_blocks(held: list[list[np.ndarray]], me: int, source: int

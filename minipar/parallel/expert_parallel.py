@@ -208,7 +208,10 @@ def run_local_experts_split(received: Tensor, recv: np.ndarray,
                         for expert, rows in zip(experts, np.split(by_expert, bounds))])
     summed = comm.reduce_from(shares, tp)   # g: (R, d) shares of every tp rank -> their sum
     biases = ag.concat([ag.reshape(expert.fc2_bias, (1, -1)) for expert in experts])  # (l, d)
-    stacked = summed + ag.take_rows(biases, expert_of_row[by_expert])   # each row's own b2
+    picked = ag.take_rows(biases, expert_of_row[by_expert])  # (R, d): each row's own b2
+    if placement.ON:  # placed as the rows it is added to; b2's gradient partial there
+        placement.follow(picked, placement.picked_for("each row's fc2 bias", biases, summed))
+    stacked = summed + picked
     back = np.empty_like(by_expert)
     back[by_expert] = np.arange(by_expert.size)               # inverse permutation
     return ag.take_rows(stacked, back)                        # (R, d) in received order
@@ -307,7 +310,7 @@ class ExpertParallelBlock(nn.Module):
 
     def __call__(self, h: Tensor) -> tuple[Tensor, Tensor]:
         out, aux = self.ffn(nn.as_tokens(self.ln(h)))             # (b, d) tokens
-        return h + (out if h.ndim == 2 else ag.reshape(out, h.shape)), aux
+        return h + (out if h.ndim == 2 else ag.reshape(out, h.shape, like=h)), aux
 
     def ffn(self, u: Tensor) -> tuple[Tensor, Tensor]:
         """The routed FFN on this rank's b tokens u (b, d): b = B/(M dp) rows, or for the

@@ -92,10 +92,13 @@ ACT_TAG, GRAD_TAG = 0, 1
 LossFunction = Callable[[Tensor, "Tensor | None", np.ndarray], Tensor]
 
 
-def rows_of(t: Tensor, groups: Sequence[Group]) -> Tensor:
-    """`t` declared Shard(0) over each group: its rows are one piece of the batch."""
+def rows_of(t: Tensor, groups: Sequence[Group | tuple[Group, int]]) -> Tensor:
+    """`t` declared Shard(0) over each group: its rows are one piece of the batch; a
+    `(group, dim)` pair declares Shard(dim) (the transformer's positions, dim 1, over
+    cp, and over tp under sequence parallelism)."""
     for group in groups:
-        placement.place(t, group, Shard(0))
+        group, dim = group if isinstance(group, tuple) else (group, 0)
+        placement.place(t, group, Shard(dim))
     return t
 
 

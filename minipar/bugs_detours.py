@@ -1,0 +1,231 @@
+"""The broken code of lesson 8's bugs: each a detour around one piece of the correct code.
+
+What this file teaches: how a bug gets in without the correct code ever being
+touched. Each function below returns the (module, name, replacement) swaps that
+break one thing -- a subclass overriding one method, or a replacement function
+-- each broken line marked `# BUG:`, so a learner can diff the broken piece
+against the real one. bugs.py lists the bugs (what each breaks, which check
+catches it, where it shipped) and applies a bug's swaps for one run
+(`bugs.injected`, used by `train.train` under `--inject-bug NAME`).
+
+    mpiexec -n 4 python -m minipar train --tp 2 --inject-bug tp-copy-to-no-allreduce --check
+
+The detours import the parallel modules that load mpi4py.MPI when applied, not
+when this file is imported (`train.problems` asks bugs.py before any
+communication; the test process never loads MPI).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from minipar import nn, placement
+from minipar.autograd import Tensor
+from minipar.parallel import pipeline_parallel as pipeline
+
+if TYPE_CHECKING:
+    from minipar.comm import Group
+    from minipar.mesh import Mesh
+    from minipar.optim import Optimizer
+
+Swap = tuple[object, str, object]  # (module, attribute, what stands in for it)
+
+
+# ----------------------------------------------------- pipeline parallelism
+class OneBuffer:
+    """Indexing hands out the rows copied into ONE array, the same array every time
+    (a data loader that stages every microbatch in one preallocated buffer)."""
+
+    def __init__(self, x: np.ndarray) -> None:
+        self.x = x
+        self.buffer: np.ndarray | None = None
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        picked = self.x[rows]
+        if self.buffer is None:
+            self.buffer = np.empty_like(picked)
+        self.buffer[...] = picked  # BUG: overwrites the microbatch still waiting for backward
+        return self.buffer
+
+
+def one_input_buffer() -> list[Swap]:
+    """A stage worker that allocates its input buffer once, for every microbatch."""
+    class OneInputBufferWorker(pipeline.StageWorker):
+        def __init__(self, pp_group: Group, chunks: list[nn.Model], x: np.ndarray,
+                     y: np.ndarray, *args: object, **kwargs: object) -> None:
+            super().__init__(pp_group, chunks, x, y, *args, **kwargs)
+            self.x = OneBuffer(x)  # BUG: the first stage's data rows, all in one array
+            self.buffer = np.empty(self.shape, dtype=self.dtype)
+
+        def recv_act(self, ins: pipeline.Instruction) -> None:
+            source = pipeline.peer(ins.kind, self.pp, self.stage)
+            # activation (B/(M dp), d) <- the previous stage. BUG: into the stage's one buffer
+            self.group.Recv(self.buffer, source=source, tag=pipeline.ACT_TAG)
+            self.inputs[(ins.chunk, ins.microbatch)] = pipeline.rows_of(
+                Tensor(self.buffer, requires_grad=True), self.boundary_rows_over)
+
+    return [(pipeline, "StageWorker", OneInputBufferWorker)]
+
+
+# ------------------------------------------------------- tensor parallelism
+def copy_to_without_allreduce(x: Tensor, group: object) -> Tensor:
+    """Forward: identity. Backward: identity -- BUG: Megatron's f lost its Allreduce."""
+    return x
+
+
+def f_without_allreduce() -> list[Swap]:
+    """Column-parallel linears whose f operator forgot the backward half of its pair."""
+    from minipar.parallel import tensor_parallel  # here: loads mpi4py.MPI (module docstring)
+
+    return [(tensor_parallel, "copy_to", copy_to_without_allreduce)]
+
+
+class PlainLinear(nn.Linear):
+    """Stands in for Column/RowParallelLinear: BUG: the FULL weight on every tp rank, no
+    communication. Each tp rank computes the whole layer: right numbers, no parallelism."""
+
+    def __init__(self, full: dict[str, np.ndarray], name: str, tp: object,
+                 **flags: bool) -> None:
+        super().__init__(full, name)  # BUG: the full (in, out) weight, not this rank's shard
+
+
+def plain_linears() -> list[Swap]:
+    """Both of the block's parallel linears built as plain ones (tensor_parallel.py)."""
+    from minipar.parallel import tensor_parallel  # here: loads mpi4py.MPI (module docstring)
+
+    return [(tensor_parallel, "ColumnParallelLinear", PlainLinear),
+            (tensor_parallel, "RowParallelLinear", PlainLinear)]
+
+
+# --------------------------------------------------------- data parallelism
+def stage_left_out() -> list[Swap]:
+    """Plain DP whose last pipeline stage never registered its gradients for the sync."""
+    from minipar.parallel import data_parallel  # here: loads mpi4py.MPI (module docstring)
+
+    class StageLeftOut(data_parallel.DataParallel):
+        def __init__(self, chunks: list[nn.Model], mesh: Mesh, *args: object) -> None:
+            super().__init__(chunks, mesh, *args)
+            if mesh.coords["pp"] == mesh.shape.pp - 1:
+                self.buckets = []  # BUG: this stage's buckets are never Allreduced over dp
+
+    return [(data_parallel, "DataParallel", StageLeftOut)]
+
+
+def sum_not_mean() -> list[Swap]:
+    """The bucketed gradient sync without its division by dp."""
+    from mpi4py import MPI  # here, as every detour's import (module docstring)
+
+    from minipar.parallel import data_parallel as dp  # here: loads mpi4py.MPI
+
+    def bucketed_allreduce_sum(buckets: list[list[nn.Parameter]], mesh: Mesh,
+                               flats: list[np.ndarray] | None = None) -> None:
+        for bucket in buckets:
+            flat = dp.pack(bucket)
+            group = dp._group(bucket[0], mesh)
+            if group.size > 1:
+                group.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)  # a bucket of g_i -> its sum
+                placement.summed(bucket, group)                 # Partial -> Replicate
+            dp.unpack(bucket, flat, 1.0)  # BUG: sum_i g_i, never divided by dp
+
+    return [(dp, "bucketed_allreduce", bucketed_allreduce_sum)]
+
+
+# ----------------------------------------------------- expert parallelism
+def miscounted_aux(counter: Callable[[object, np.ndarray, int], np.ndarray]) -> list[Swap]:
+    """The expert-parallel block with the aux loss's `f` counted by `counter(routing,
+    kept, E)` instead of from every routed assignment. The same collectives of the same
+    sizes: only the numbers counted change."""
+    from minipar.parallel import expert_parallel as ep  # here: loads mpi4py.MPI (module docstring)
+
+    class MiscountedAux(ep.ExpertParallelBlock):
+        def assignment_counts(self, routing: object, kept: np.ndarray) -> np.ndarray:
+            # BUG: `counter` picks what is counted
+            return counter(routing, kept, self.cfg.experts)
+
+    return [(ep, "ExpertParallelBlock", MiscountedAux)]
+
+
+def first_choice_only() -> list[Swap]:
+    # BUG: only column 0 of the top-k choices (Switch's top-1 formula kept for top-2)
+    return miscounted_aux(lambda routing, kept, experts:
+                          np.bincount(routing.chosen[:, 0], minlength=experts))
+
+
+def after_capacity() -> list[Swap]:
+    # BUG: only the assignments that survived capacity; docs/design.md counts every routed one
+    return miscounted_aux(lambda routing, kept, experts:
+                          np.bincount(routing.expert_of[kept], minlength=experts))
+
+
+def aux_per_rank() -> list[Swap]:
+    """The aux loss of each rank's own tokens: the single-process formula, copied over."""
+    from minipar.parallel import expert_parallel as ep  # here: loads mpi4py.MPI (module docstring)
+
+    def local_aux(probs: Tensor, counts: np.ndarray, tokens: int, cfg: nn.ModelConfig,
+                  dp_group: object) -> Tensor:
+        chosen = nn.route(probs.data, cfg.top_k)  # (b, k): this rank's tokens only
+        # BUG: f and P over this rank's b tokens, not the microbatch's dp b tokens
+        return nn.aux_loss(probs, chosen, cfg.experts, cfg.aux_coef)
+
+    return [(ep, "global_aux", local_aux)]
+
+
+# ------------------------------------------- the transformer: vocabulary and cp
+def vocab_loss_without_max() -> list[Swap]:
+    """The vocabulary-parallel cross-entropy without its Allreduce(MAX) of the row maxima."""
+    from mpi4py import MPI  # here, as every detour's import (module docstring)
+
+    from minipar.parallel import vocab_parallel  # here: loads mpi4py.MPI
+
+    original = vocab_parallel.allreduce_statistic
+
+    def allreduce_statistic(stat: Tensor, tp: Group, op: MPI.Op) -> Tensor:
+        if op == MPI.MAX:
+            return stat  # BUG: each rank shifts its logits by the max of its own columns
+        return original(stat, tp, op)
+
+    return [(vocab_parallel, "allreduce_statistic", allreduce_statistic)]
+
+
+def keys_not_gathered() -> list[Swap]:
+    """Context parallelism's allgather mode with its Allgather of K and V forgotten."""
+    from minipar import attention
+    from minipar.parallel import context_parallel as cp  # here: loads mpi4py.MPI
+
+    def local_attention(cpa: cp.ContextParallelAttention, q: Tensor, k: Tensor, v: Tensor,
+                        heads: int, key_bias: Tensor | None) -> Tensor:
+        # BUG: my positions' queries against my positions' keys and values only
+        return attention.attention(q, k, v, heads, q_positions=cpa.positions,
+                                   k_positions=cpa.positions, key_bias=key_bias)
+
+    return [(cp, "allgather_attention", local_attention)]
+
+
+def merge_without_lse() -> list[Swap]:
+    """Ring attention whose online softmax adds the blocks' results without weights."""
+    from minipar.parallel import context_parallel as cp  # here: loads mpi4py.MPI
+
+    def plain_sum(Out: np.ndarray, L: np.ndarray, o: np.ndarray, lse: np.ndarray) -> None:
+        Out[...] = Out + o  # BUG: no exp(L - L'), exp(lse - L') weights
+        L[...] = np.logaddexp(L, lse)
+
+    return [(cp, "_merge", plain_sum)]
+
+
+# ------------------------------------------------------------------- ZeRO
+def no_allgather() -> list[Swap]:
+    """ZeRO-1/2 that updates its slice and never Allgathers the parameters back."""
+    from minipar.parallel import zero  # here: loads mpi4py.MPI (module docstring)
+
+    def make_zero_without_allgather(stage: int, chunks: list[nn.Model], mesh: Mesh,
+                                    optimizer: Optimizer) -> zero.Zero1:
+        class NoAllgather({1: zero.Zero1, 2: zero.Zero2}[stage]):
+            def allgather_params(self) -> None:
+                """BUG: nothing. My slice is updated; every other slice stays stale here."""
+
+        return NoAllgather(chunks, mesh, optimizer)
+
+    return [(zero, "make_zero", make_zero_without_allgather)]
