@@ -32,7 +32,7 @@ lint: install
 	$(PY) -m ruff check --output-format concise $(RUFF_CONFIG) minipar tests lessons bench
 
 test: install lint
-	@start=$$(date +%s); $(PY) -m pytest && \
+	@start=$$(date +%s); $(PY) -m pytest --durations=15 && \
 	  echo $$(( $$(date +%s) - start )) > bench/last_test_seconds
 
 # The several-hosts tests alone (also in `test`): two simulated hosts, each a network
@@ -57,9 +57,10 @@ lessons: install
 	done
 
 # Every notebook in lessons/, executed headless in a fresh kernel (nbclient, per-cell timeout);
-# the executed notebooks, outputs and figures in them, are kept in build/notebooks/.
+# at full size (MINIPAR_QUICK=0); the executed notebooks, outputs and figures in them, are
+# kept in build/notebooks/.
 notebooks: install
-	MINIPAR_NOTEBOOKS_OUT=build/notebooks $(PY) -m pytest -q tests/test_notebooks.py
+	MINIPAR_QUICK=0 MINIPAR_NOTEBOOKS_OUT=build/notebooks $(PY) -m pytest -q tests/test_notebooks.py
 	@echo "executed notebooks: build/notebooks/"
 
 # Speed figures, each a ratio measured side by side (writes bench/results.json).

@@ -2,6 +2,7 @@
 
     mpiexec -n 1 python lessons/09_planning.py      (one process, no MPI needed:)
     python lessons/09_planning.py --plot figures
+    python lessons/09_planning.py --quick           (smaller searches: see below)
 
 The source text closes its comparison with rules of thumb: TP splits every layer and
 talks in every forward and backward, so it is kept inside a node ("scaling is
@@ -32,6 +33,9 @@ model, full recomputation for the MoE; balanced routing; 1F1B; cp = 1 in section
 (context parallelism is a lever for long sequences); no overlap of communication with
 compute (real systems hide part of it, so the communication shares below are upper
 bounds).
+
+`--quick` (for the tests) prices fewer plans, and says so where it prints: the MoE only
+with ZeRO-1, the 405B only with cp = 1 (the full search also tries context parallelism).
 """
 
 from __future__ import annotations
@@ -163,12 +167,15 @@ def pipeline_parallel() -> tuple[dict[int, Estimate], list[Estimate]]:
     return best, sweep
 
 
-def expert_parallel() -> dict[int, Estimate]:
+def expert_parallel(quick: bool = False) -> dict[int, Estimate]:
+    """The MoE's best plan for each ep on 2048 GPUs (`quick`: ZeRO-1 plans only)."""
     w = moe_671b()
-    best = best_by(search(w, H100, 2048, DENSE, recomputes=("full",), fixed=ONE_CONTEXT),
-                   "ep")
+    stages = (1,) if quick else (0, 1, 2, 3)
+    best = best_by(search(w, H100, 2048, DENSE, zero_stages=stages, recomputes=("full",),
+                          fixed=ONE_CONTEXT), "ep")
     say(f"3. EP for the MoE: {w.params / 1e9:.0f} B parameters, {w.active_params / 1e9:.1f} B "
-        "active per token, on 2048 GPUs, the best plan for each ep", *axis_table(best, "ep"))
+        "active per token, on 2048 GPUs, the best plan for each ep"
+        + (" (--quick: ZeRO-1 plans only)" if quick else ""), *axis_table(best, "ep"))
     none, node, far = best[1], best[H100.node_size], best[64]
     share = time_parts(far.timing)["ep"] / far.timing.compute
     say(f"   Without EP the experts fit only in a deep pipeline (pp={none.plan.pp}): "
@@ -223,17 +230,19 @@ def small_scale() -> None:
         "sends exactly this.", "")
 
 
-def llama3_405b() -> None:
+def llama3_405b(quick: bool = False) -> None:
     """The planner's report for the Llama 3 paper's 8192-GPU run, and where the mesh the
-    paper ran (TP 8, PP 16, DP 64) comes in it."""
+    paper ran (TP 8, PP 16, DP 64) comes in it (`quick`: only the plans with cp = 1)."""
     from minipar.plan import RECOMPUTE, distinct_meshes, explain, report
 
     model = MODELS["llama3-405b"]
     w = transformer(model, 2048)
     schedules = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
-    found = search(w, H100, 8192, DENSE, recomputes=RECOMPUTE, schedules=schedules)
+    found = search(w, H100, 8192, DENSE, recomputes=RECOMPUTE, schedules=schedules,
+                   fixed=ONE_CONTEXT if quick else None)
     say("6. Llama 3 405B on 8192 H100s, 2048 x 8192 tokens a step: python -m minipar plan "
-        "--preset llama3-405b --cluster h100 --gpus 8192 --global-batch 2048",
+        "--preset llama3-405b --cluster h100 --gpus 8192 --global-batch 2048"
+        + (" (--quick: the plans with cp = 1 only)" if quick else ""),
         report(found, w, model, H100, 8192, DENSE, top=5))
     meshes = distinct_meshes(found.feasible)
     rank = next(i for i, e in enumerate(meshes)
@@ -243,6 +252,8 @@ def llama3_405b() -> None:
     say(f"   The paper's mesh comes {rank + 1} of {len(meshes)}, "
         f"{published.timing.total / fastest.timing.total - 1:.0%} slower than the fastest "
         "(inside the planner's stated error): " + first, *rest,
+        "   (--quick searched cp = 1 only: run without --quick for the plans with context "
+        "parallelism.)" if quick else
         "   The planner's faster plans add context parallelism: it lets each replica run "
         "more, smaller microbatches, so the bubble shrinks; the paper kept cp = 1 at 8K "
         "tokens and used it for the 128K-token phase (python -m minipar plan --preset "
@@ -371,6 +382,8 @@ def dp_figure(rows: list[tuple[int, Estimate]]) -> Figure:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plot", metavar="DIR", help="write the figures as PNG files here")
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller searches for sections 3 and 6 (for the tests)")
     args = parser.parse_args()
     say(f"Assumptions: {H100.node_size} GPUs a node, {H100.gpu_memory / GB:g} GB, "
         f"{H100.flops / 1e12:g} TFLOP/s at {H100.efficiency:.0%}, {H100.intra_bw / GB:g} "
@@ -379,10 +392,10 @@ def main() -> None:
         "communication, the bubble)", "")
     tp = tensor_parallel()
     pp, sweep = pipeline_parallel()
-    ep = expert_parallel()
+    ep = expert_parallel(args.quick)
     dp = data_parallel()
     small_scale()
-    llama3_405b()
+    llama3_405b(args.quick)
     if args.plot:
         from minipar.plots import save
 

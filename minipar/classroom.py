@@ -16,7 +16,7 @@ lessons/ use both:
 
 The rank side of `train` is this module run under mpiexec:
 
-    mpiexec -n 4 python -m minipar.classroom configs.json results.json
+    mpiexec -n 4 python -m minipar.classroom configs.json results.json [--no-reference]
 """
 
 from __future__ import annotations
@@ -87,19 +87,22 @@ class Run:
 
     cfg: TrainConfig
     losses: list[float]
-    reference: list[float]                 # the same steps in one process
+    reference: list[float] | None          # the same steps in one process (if asked)
     ledger: list[dict]                     # last step, every rank (RunResult.ledger)
     memory: list[ModelStates]              # bytes of model states, one per world rank
     extras: dict = field(default_factory=dict)  # "timeline", "expert_load",
     #                                             "attention_scores" of rank 0
 
 
-def train(n: int, configs: list[dict], timeout: float = 240) -> list[Run]:
-    """Train each config (TrainConfig fields) on n ranks, all in one mpiexec job."""
+def train(n: int, configs: list[dict], timeout: float = 240, reference: bool = True
+          ) -> list[Run]:
+    """Train each config (TrainConfig fields) on n ranks, all in one mpiexec job; with
+    `reference` rank 0 also reruns each in one process (`Run.reference`, else None)."""
     with tempfile.TemporaryDirectory() as folder:
         spec, out = Path(folder) / "configs.json", Path(folder) / "results.json"
         spec.write_text(json.dumps(configs))
-        mpirun(n, "-m", "minipar.classroom", str(spec), str(out), timeout=timeout, echo=False)
+        mpirun(n, "-m", "minipar.classroom", str(spec), str(out),
+               *([] if reference else ["--no-reference"]), timeout=timeout, echo=False)
         results = json.loads(out.read_text())
     return [Run(TrainConfig(**r["cfg"]), r["losses"], r["reference"], r["ledger"],
                 [ModelStates(**m) for m in r["memory"]], r["extras"]) for r in results]
@@ -144,8 +147,9 @@ def by_rank(client: object, name: str) -> list:
 
 
 # ----------------------------------------------------------- the rank side
-def run_configs(configs: list[dict], out: Path) -> None:
-    """Train each config on MPI.COMM_WORLD; rank 0 writes every run's results to `out`."""
+def run_configs(configs: list[dict], out: Path, reference: bool = True) -> None:
+    """Train each config on MPI.COMM_WORLD; rank 0 writes every run's results to `out`
+    (with `reference`, beside each the losses of the same run in one process)."""
     from mpi4py import MPI  # here: the notebook side of this file runs without MPI
 
     world = MPI.COMM_WORLD
@@ -162,7 +166,8 @@ def run_configs(configs: list[dict], out: Path) -> None:
             extras = {k: result.extras.get(k) for k in ("timeline", "expert_load",
                                                          "attention_scores")}
             results.append(dict(cfg=cfg.as_json(), losses=result.losses, memory=memory,
-                                reference=train_reference(cfg).losses, ledger=result.ledger,
+                                reference=train_reference(cfg).losses if reference else None,
+                                ledger=result.ledger,
                                 extras=extras))
     if world.Get_rank() == 0:
         out.write_text(json.dumps(results))
@@ -173,4 +178,4 @@ if __name__ == "__main__":
 
     # one failing rank stops them all, never a hang; a bad config exits every rank alike
     abort_on_exception(lambda: run_configs(json.loads(Path(sys.argv[1]).read_text()),
-                                           Path(sys.argv[2])))
+                                           Path(sys.argv[2]), "--no-reference" not in sys.argv))

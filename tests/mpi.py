@@ -9,12 +9,15 @@ rank fails its test in seconds instead of blocking CI.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,3 +120,19 @@ def sweep(n: int, configs: list[dict], folder: Path, timeout: float = 240) -> li
     job = launch(n, ["-m", "tests.rank_sweep", str(spec), str(folder)], timeout)
     assert job.returncode == 0 and not job.timed_out, job.explain()
     return [read_dump(folder / str(i)) for i in range(len(configs))]
+
+
+_LESSON_RUNS: dict[tuple, tuple[Job, Path]] = {}
+
+
+def lesson_run(n: int, script: str, *flags: str, timeout: float = 240) -> tuple[Job, Path]:
+    """`mpiexec -n n python lessons/<script> <flags> --plot DIR`, run once per pytest
+    session: tests/test_lessons.py (does it run and draw?) and a strategy's own tests
+    (does it print what it should?) read the same run. Returns the job and DIR."""
+    key = (n, script, flags)
+    if key not in _LESSON_RUNS:
+        folder = Path(tempfile.mkdtemp(prefix=f"minipar-{Path(script).stem}-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        job = launch(n, [f"lessons/{script}", *flags, "--plot", str(folder)], timeout)
+        _LESSON_RUNS[key] = job, folder
+    return _LESSON_RUNS[key]

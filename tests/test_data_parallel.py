@@ -28,7 +28,7 @@ import pytest
 from minipar import nn
 from minipar.config import GRAD_SYNCS, TrainConfig
 from tests.conftest import assert_equivalent, reference
-from tests.mpi import launch, minipar, sweep
+from tests.mpi import lesson_run, minipar, sweep
 from tests.rank_tests import run_checks
 
 SMALL = {"layers": 4, "d_model": 16, "d_in": 8, "batch": 48, "steps": 3}
@@ -233,9 +233,9 @@ def check_overlap_starts_buckets_in_backward(comm: object) -> None:
 
 
 def test_lesson_times_the_three_syncs_and_says_where():
-    job = launch(4, ["lessons/01_data_parallel.py", "--repeats", "2"], timeout=120)
+    job, _ = lesson_run(8, "01_data_parallel.py")  # the run tests/test_lessons.py checks
     assert job.returncode == 0 and not job.timed_out, job.explain()
-    assert re.search(r"measured on 4 ranks sharing \d+ cores", job.stdout), job.stdout
+    assert re.search(r"measured on 8 ranks sharing \d+ cores", job.stdout), job.stdout
     timed = dict(re.findall(r"^ +(naive|bucketed|overlapped): +([\d.]+) ms", job.stdout, re.M))
     assert set(timed) == {"naive", "bucketed", "overlapped"}, job.stdout
     assert all(float(ms) > 0 for ms in timed.values())

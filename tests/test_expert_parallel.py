@@ -26,7 +26,7 @@ from minipar import autograd as ag
 from minipar import fused, nn
 from minipar.config import TrainConfig, problems
 from tests.conftest import assert_equivalent, reference
-from tests.mpi import launch, read_dump, sweep
+from tests.mpi import launch, lesson_run, read_dump, sweep
 
 SMALL = {"model": "moe", "layers": 2, "d_in": 8, "d_model": 16, "batch": 32, "seed": 3}
 
@@ -300,7 +300,7 @@ def test_expert_tp_refusals():
 
 
 def test_lesson_runs_and_matches_one_process():
-    job = launch(8, ["lessons/03_expert_parallel.py"], timeout=120)
+    job, _ = lesson_run(8, "03_expert_parallel.py")  # the run tests/test_lessons.py checks
     assert job.returncode == 0 and not job.timed_out, job.explain()
     out = job.stdout
     assert "tokens sent from rank (row) to rank (column)" in out

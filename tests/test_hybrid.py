@@ -29,7 +29,7 @@ from minipar import nn
 from minipar.config import TrainConfig, problems
 from minipar.mesh import MeshShape
 from tests.conftest import assert_equivalent, reference
-from tests.mpi import launch, sweep
+from tests.mpi import lesson_run, sweep
 
 SMALL = dict(layers=4, d_in=8, d_model=16, d_ff=32, batch=16, steps=2)
 MOE = dict(model="moe", experts=8, top_k=2, expert_d_ff=16, batch=32)
@@ -199,7 +199,7 @@ def table_row(out: str, title: str) -> list[float]:
 
 
 def test_lesson_05_measures_tp_against_pp():
-    job = launch(4, ["lessons/05_tp_vs_pp.py"], timeout=150)
+    job, _ = lesson_run(4, "05_tp_vs_pp.py")  # the run tests/test_lessons.py checks
     assert job.returncode == 0 and not job.timed_out, job.explain()
     out = job.stdout
     L, B, M, d = 8, 64, 4, 64  # the lesson's model
@@ -230,7 +230,7 @@ def test_lesson_05_measures_tp_against_pp():
 
 
 def test_lesson_06_shows_the_grid_partners_and_ledger_per_axis():
-    job = launch(8, ["lessons/06_hybrid.py"], timeout=150)
+    job, _ = lesson_run(8, "06_hybrid.py")  # the run tests/test_lessons.py checks
     assert job.returncode == 0 and not job.timed_out, job.explain()
     out = job.stdout
     shape = MeshShape(2, 2, 2)

@@ -3,7 +3,8 @@
 The rank count comes from the first run line of each lesson's docstring
 (`mpiexec -n 4 python lessons/02_tensor_parallel.py`); a lesson that has a
 `--quick` flag runs quick. Every lesson takes `--plot DIR` and must write at
-least one PNG there: a real picture, not a blank one.
+least one PNG there: a real picture, not a blank one. A strategy's own tests read
+what the same run printed (tests.mpi.lesson_run: one run per session).
 
 The same runs without pytest, at full size: `make lessons`.
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mpi import ROOT, launch
+from tests.mpi import ROOT, lesson_run
 from tests.test_plots import assert_picture
 
 LESSONS = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.py"))
@@ -37,13 +38,12 @@ def test_there_is_a_lesson_for_every_strategy():
 
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.stem)
-def test_lesson_runs_and_draws_its_figures(lesson, tmp_path):
+def test_lesson_runs_and_draws_its_figures(lesson):
     quick = ["--quick"] if '"--quick"' in lesson.read_text() else []
-    job = launch(ranks(lesson), [str(lesson.relative_to(ROOT)), *quick, "--plot",
-                                 str(tmp_path)], timeout=240)
+    job, folder = lesson_run(ranks(lesson), lesson.name, *quick)  # shared with other tests
     assert job.returncode == 0 and not job.timed_out, job.explain()
-    figures = sorted(tmp_path.glob("*.png"))
-    assert figures, f"{lesson.name} --plot {tmp_path} wrote no PNG"
+    figures = sorted(folder.glob("*.png"))
+    assert figures, f"{lesson.name} --plot {folder} wrote no PNG"
     for figure in figures:
         assert figure.name.startswith(lesson.name[:2]), figure.name  # NN_what.png
         assert_picture(figure)

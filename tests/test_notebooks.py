@@ -9,6 +9,10 @@ repository keeps the notebooks without outputs.
 `make notebooks` runs this file with $MINIPAR_NOTEBOOKS_OUT=build/notebooks: each
 executed notebook, outputs and figures included, is written there for a teacher
 to read (a notebook that fails is written too, up to the failing cell).
+
+The tests run the notebooks with $MINIPAR_QUICK=1 (unless it is set already): a
+notebook that reads it (its first cells say what it changes) does less of the same
+work, and says so in what it prints. `make notebooks` sets it to 0: full size.
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ def test_notebook_is_stored_without_outputs(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
-def test_notebook_runs_and_draws(path):
+def test_notebook_runs_and_draws(path, monkeypatch):
+    if "MINIPAR_QUICK" not in os.environ:  # the kernel inherits the environment
+        monkeypatch.setenv("MINIPAR_QUICK", "1")
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(notebook, timeout=CELL_TIMEOUT, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})

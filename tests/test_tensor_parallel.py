@@ -28,7 +28,7 @@ from minipar import autograd as ag
 from minipar import nn
 from minipar.config import TrainConfig, problems
 from tests.conftest import assert_equivalent, reference
-from tests.mpi import launch, minipar, sweep
+from tests.mpi import launch, lesson_run, minipar, sweep
 
 SMALL = {"layers": 4, "d_model": 16, "d_in": 8, "batch": 16, "steps": 3}
 # (sp, optimizer, microbatches): every pair of choices appears for each tp
@@ -238,7 +238,7 @@ def check_ledgers(got: dict, size: int, label: str) -> None:
 # ----------------------------------------------------------------- the lesson
 @pytest.mark.parametrize("world, size", [(2, 1024), (4, 512)])
 def test_lesson_runs_and_shows_the_source_example(world, size):
-    job = launch(world, ["lessons/02_tensor_parallel.py"], timeout=120)
+    job, _ = lesson_run(world, "02_tensor_parallel.py")  # on 2 ranks, test_lessons' run
     assert job.returncode == 0 and not job.timed_out, job.explain()
     out = job.stdout
     assert f"W {size} x {size} split by columns over {world} ranks" in out, out
