@@ -25,7 +25,7 @@ import numpy as np
 
 from bench.numpy_gpt import numpy_gpt_step
 from bench.numpy_mlp import numpy_step
-from bench.timing import interleaved, ratio
+from bench.timing import against, interleaved, ratio
 from bench.torch_gpt import torch_gpt_step
 from minipar import attention, gpt, nn
 from minipar import autograd as ag
@@ -65,11 +65,10 @@ def autograd_vs_numpy(shape: dict, dtype: str, repeats: int) -> dict:
     torch_step = _torch_step(cfg, full, x, y, dtype)
     if torch_step is not None:
         candidates["torch"] = torch_step
-    times = interleaved(candidates, repeats=repeats)
-    out = {"times": times, "minipar/numpy": ratio(times, "minipar", "numpy")}
-    if "torch" in times:
-        out["torch/numpy"] = ratio(times, "torch", "numpy")
-        out["minipar/torch"] = ratio(times, "minipar", "torch")
+    times, ratios = against("numpy", candidates, repeats=repeats)
+    out = {"times": times, **ratios}
+    if "torch" in times:  # both against the same yardstick, each in its own pair
+        out["minipar/torch"] = out["minipar/numpy"] / out["torch/numpy"]
     return out
 
 
@@ -133,11 +132,10 @@ def gpt_vs_numpy(shape: dict, dtype: str, repeats: int) -> dict:
         if out["first_loss_rel_diff"] > (1e-4 if dtype == "float32" else 1e-9):
             raise AssertionError(f"PyTorch's gpt is not minipar's: losses {first}")
         candidates["torch"] = torch_step
-    times = interleaved(candidates, repeats=repeats)
-    out.update(times=times, **{"minipar/numpy": ratio(times, "minipar", "numpy")})
-    if "torch" in times:
-        out["minipar/torch"] = ratio(times, "minipar", "torch")
-        out["torch/numpy"] = ratio(times, "torch", "numpy")
+    times, ratios = against("numpy", candidates, repeats=repeats)
+    out.update(times=times, **ratios)
+    if "torch" in times:  # both against the same yardstick, each in its own pair
+        out["minipar/torch"] = out["minipar/numpy"] / out["torch/numpy"]
     return out
 
 

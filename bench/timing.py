@@ -35,3 +35,21 @@ def interleaved(candidates: dict[str, Callable[[], object]], repeats: int = 20,
 def ratio(times: dict[str, dict[str, float]], numerator: str, denominator: str) -> float:
     """median(numerator) / median(denominator)."""
     return times[numerator]["median"] / times[denominator]["median"]
+
+
+def against(base: str, candidates: dict[str, Callable[[], object]], repeats: int = 20
+            ) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Each candidate timed against `base` in a pair of its own, never three at a time:
+    in a rotation of three, one of them would follow the same third one two times in
+    three and run in the caches (and the allocator's state) it left. Returns the times
+    (the base's from its first pair) and every ratio name/base."""
+    times: dict[str, dict[str, float]] = {}
+    ratios: dict[str, float] = {}
+    for name, fn in candidates.items():
+        if name == base:
+            continue
+        pair = interleaved({name: fn, base: candidates[base]}, repeats=repeats)
+        times.setdefault(base, pair[base])
+        times[name] = pair[name]
+        ratios[f"{name}/{base}"] = ratio(pair, name, base)
+    return times, ratios

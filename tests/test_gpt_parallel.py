@@ -78,7 +78,9 @@ BUGGED = [dict(GPT, dp=2, pp=2, microbatches=2, schedule="gpipe",
           dict(GPT, dp=4, zero=1, inject_bug="zero-no-allgather"),
           dict(MOE, dp=4, ep=2, inject_bug="moe-aux-first-choice"),
           dict(MOE, dp=4, ep=2, capacity_factor=0.75, inject_bug="moe-aux-after-capacity"),
-          dict(MOE, dp=4, ep=2, inject_bug="moe-aux-per-rank")]
+          dict(MOE, dp=4, ep=2, inject_bug="moe-aux-per-rank"),
+          dict(GPT, dp=2, cp=2, cp_mode="allgather", inject_bug="cp-no-allgather"),
+          dict(GPT, dp=2, cp=2, cp_mode="ring", inject_bug="cp-ring-no-lse-merge")]
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
