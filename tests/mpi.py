@@ -123,6 +123,9 @@ def sweep(n: int, configs: list[dict], folder: Path, timeout: float = 240) -> li
 
 
 _LESSON_RUNS: dict[tuple, tuple[Job, Path]] = {}
+# flags a lesson's one test run takes beyond --quick, so that every test reading it asks
+# for the same run ("{plot}" stands for its --plot folder)
+LESSON_FLAGS = {"08_bugs.py": ("--json", "{plot}/findings.json")}
 
 
 def lesson_run(n: int, script: str, *flags: str, timeout: float = 240) -> tuple[Job, Path]:
@@ -133,6 +136,7 @@ def lesson_run(n: int, script: str, *flags: str, timeout: float = 240) -> tuple[
     if key not in _LESSON_RUNS:
         folder = Path(tempfile.mkdtemp(prefix=f"minipar-{Path(script).stem}-"))
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        job = launch(n, [f"lessons/{script}", *flags, "--plot", str(folder)], timeout)
+        args = [flag.replace("{plot}", str(folder)) for flag in flags]
+        job = launch(n, [f"lessons/{script}", *args, "--plot", str(folder)], timeout)
         _LESSON_RUNS[key] = job, folder
     return _LESSON_RUNS[key]

@@ -29,7 +29,7 @@ from minipar.__main__ import main
 from minipar.config import TrainConfig, config_from_args, make_parser
 from minipar.train import problems
 from tests.conftest import assert_equivalent, reference
-from tests.mpi import launch, sweep
+from tests.mpi import LESSON_FLAGS, lesson_run, sweep
 
 WORLD = 4
 SMALL = dict(layers=4, d_in=8, d_model=16, batch=16, steps=2)
@@ -199,11 +199,10 @@ def test_one_step_damage_is_where_the_explanations_say(runs):
 
 
 # ------------------------------------------------------------- the lesson
-def test_lesson_08_catches_every_bug_and_passes_every_correct_run(tmp_path):
-    out = tmp_path / "findings.json"
-    job = launch(WORLD, ["lessons/08_bugs.py", "--quick", "--json", str(out)], timeout=150)
-    assert job.returncode == 0 and not job.timed_out, job.explain()
-    found = json.loads(out.read_text())
+def test_lesson_08_catches_every_bug_and_passes_every_correct_run():
+    job, folder = lesson_run(WORLD, "08_bugs.py", "--quick", *LESSON_FLAGS["08_bugs.py"])
+    assert job.returncode == 0 and not job.timed_out, job.explain()   # test_lessons' run
+    found = json.loads((folder / "findings.json").read_text())
     assert set(found) == set(bugs.BUGS)
     for name, result in found.items():
         assert result["caught_by"], f"{name} was not caught"

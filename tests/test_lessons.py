@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mpi import ROOT, lesson_run
+from tests.mpi import LESSON_FLAGS, ROOT, lesson_run
 from tests.test_plots import assert_picture
 
 LESSONS = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.py"))
@@ -40,7 +40,8 @@ def test_there_is_a_lesson_for_every_strategy():
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.stem)
 def test_lesson_runs_and_draws_its_figures(lesson):
     quick = ["--quick"] if '"--quick"' in lesson.read_text() else []
-    job, folder = lesson_run(ranks(lesson), lesson.name, *quick)  # shared with other tests
+    job, folder = lesson_run(ranks(lesson), lesson.name, *quick,  # shared with other tests
+                             *LESSON_FLAGS.get(lesson.name, ()))
     assert job.returncode == 0 and not job.timed_out, job.explain()
     figures = sorted(folder.glob("*.png"))
     assert figures, f"{lesson.name} --plot {folder} wrote no PNG"

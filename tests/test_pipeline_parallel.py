@@ -18,7 +18,7 @@ from minipar.config import TrainConfig, problems
 from minipar.mesh import MeshShape
 from minipar.train import boundary_shape
 from tests.conftest import assert_equivalent, reference
-from tests.mpi import launch, sweep
+from tests.mpi import lesson_run, sweep
 
 SMALL = dict(layers=8, d_in=8, d_model=16, d_ff=32, batch=16, steps=2)
 MOE = dict(model="moe", experts=4, top_k=2, expert_d_ff=16)
@@ -236,7 +236,7 @@ def test_boundary_shape_is_a_microbatch_of_rows_by_d():
 
 # ----------------------------------------------------------------- the lesson
 def test_lesson_shows_the_48_layer_example_bubble_memory_and_equivalence():
-    job = launch(4, ["lessons/04_pipeline_parallel.py", "--quick"], timeout=180)
+    job, _ = lesson_run(4, "04_pipeline_parallel.py", "--quick")  # tests/test_lessons.py's run
     assert job.returncode == 0 and not job.timed_out, job.explain()
     out = job.stdout
     for rank, (first, last) in enumerate([(1, 12), (13, 24), (25, 36), (37, 48)]):
