@@ -80,7 +80,9 @@ class Tensor:
 
     `data` is the value, `grad` the accumulated gradient of the final scalar with
     respect to it (same shape), `parents` the tensors it was computed from and
-    `_backward` the closure that moves `self.grad` into the parents' grads.
+    `_backward` the closure that moves `self.grad` into the parents' grads. A leaf
+    (a parameter, an input) keeps its `grad`; an op's is freed once its own backward has
+    run (`backward_from`), as nothing reads it after that.
     """
 
     # `placement` (placement.py) is set only while placement checking is on
