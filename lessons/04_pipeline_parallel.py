@@ -39,7 +39,7 @@ from mpi4py import MPI
 from minipar import nn
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
-from minipar.log import run_collectively, say_in_order, verdict
+from minipar.log import run_collectively, say_in_order, verdict, wait_for_rank0
 from minipar.mesh import Mesh
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
@@ -240,6 +240,7 @@ def the_check(runs: dict, microbatches: int = 8) -> None:
     say(f"\n=== 5. every schedule against one process (M = {microbatches}, "
         f"{SMALL['steps']} SGD steps)")
     for name, virtual in SCHEDULES:
+        wait_for_rank0(comm)  # the others asleep while rank 0 reran the last one alone
         cfg = config(name, microbatches, virtual)
         result = runs.get((name, microbatches)) or train(cfg, comm)
         runs[(name, microbatches)] = result

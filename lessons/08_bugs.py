@@ -52,7 +52,7 @@ from mpi4py import MPI
 from minipar import nn
 from minipar.bugs import BUGS, Bug
 from minipar.config import TrainConfig
-from minipar.log import run_collectively, verdict
+from minipar.log import run_collectively, verdict, wait_for_rank0
 from minipar.placement import PlacementError
 from minipar.results import relative_difference
 from minipar.train import RunResult, problems, train, train_reference
@@ -160,6 +160,7 @@ def disagreements(result: RunResult) -> dict[str, tuple[list[int], float]]:
 def run_bug(bug: Bug, steps: int, quick: bool) -> dict | None:
     """The correct run, the run with the bug and one step with the bug, on every rank;
     what the checks find, on rank 0 (None elsewhere)."""
+    wait_for_rank0(comm)  # the others asleep while rank 0 checked the last bug alone
     cfg = config(bug, steps, quick)
     errors = problems(replace(cfg, inject_bug=bug.name), size)
     if errors:  # the same verdict on every rank: all skip together

@@ -39,7 +39,7 @@ from minipar.autograd import Tensor
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
 from minipar.costmodel import rank_shape
-from minipar.log import run_collectively, say_in_order, verdict
+from minipar.log import run_collectively, say_in_order, verdict, wait_for_rank0
 from minipar.memory import wire_elements
 from minipar.mesh import Mesh
 from minipar.plan import minipar_workload, plan_of
@@ -251,6 +251,7 @@ def equivalence() -> None:
                 dict(sp=True, recompute="selective"), dict(sp=True, recompute="full",
                                                            optimizer="adam", lr=0.01)]
     for fields in settings:
+        wait_for_rank0(comm)  # the others asleep while rank 0 reran the last one alone
         cfg = config(**fields)
         result = train(cfg, comm)
         if rank != 0:

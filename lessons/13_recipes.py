@@ -51,7 +51,7 @@ from mpi4py import MPI
 from minipar import plan, presets
 from minipar.config import TrainConfig
 from minipar.costmodel import Plan
-from minipar.log import run_collectively, verdict
+from minipar.log import run_collectively, verdict, wait_for_rank0
 from minipar.parallel.pipeline_schedules import bubble_formula
 from minipar.plots_load import measured_bubble
 from minipar.results import max_differences
@@ -131,6 +131,7 @@ def main() -> None:
         raise SystemExit(2)
     rows = []
     for name, fields, model, seq_len, cluster, batch, real in RECIPES:
+        wait_for_rank0(world)  # the others asleep while rank 0 reran the last one alone
         cfg = TrainConfig(**fields).resolved(n)
         result = train(cfg, world)
         memory = world.gather(vars(result.extras["memory"]))

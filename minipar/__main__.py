@@ -101,7 +101,10 @@ def train_command(argv: list[str]) -> int:
         dump(Path(args.dump), cfg, result)
     verdict = 0
     if args.check:
+        from minipar.log import wait_for_rank0  # here: log.py loads mpi4py.MPI
+
         verdict = check(cfg, result) if rank == 0 else 0
+        wait_for_rank0(world)  # the others asleep while rank 0 reruns the job alone
         verdict = world.bcast(verdict, root=0)
     if rank == 0:
         print(f"done: {cfg.steps} steps on dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}"

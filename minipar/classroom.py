@@ -158,6 +158,8 @@ def run_configs(configs: list[dict], out: Path, reference: bool = True) -> None:
     (with `reference`, beside each the losses of the same run in one process)."""
     from mpi4py import MPI  # here: the notebook side of this file runs without MPI
 
+    from minipar.log import wait_for_rank0
+
     world = MPI.COMM_WORLD
     results = []
     for fields in configs:
@@ -175,6 +177,7 @@ def run_configs(configs: list[dict], out: Path, reference: bool = True) -> None:
                                 reference=train_reference(cfg).losses if reference else None,
                                 ledger=result.ledger,
                                 extras=extras))
+        wait_for_rank0(world)  # the others asleep while rank 0 reruns the config alone
     if world.Get_rank() == 0:
         out.write_text(json.dumps(results))
 

@@ -86,6 +86,7 @@ def run_collectively(main: Callable[[], object]) -> None:
     flags and the world size), so all leave together. After `main`, the ranks agree
     on whether any `verdict` failed; if one did, every rank exits 1."""
     abort_on_exception(main)
+    wait_for_rank0(MPI.COMM_WORLD)  # asleep while rank 0 finishes alone (figures, reruns)
     # failed checks on any rank -> their count on every rank, so all exit alike
     failed = MPI.COMM_WORLD.allreduce(len(_FAILED))
     if failed:
@@ -126,3 +127,18 @@ def abort_all(text: str, code: int = 1) -> None:
     sys.stderr.flush()
     time.sleep(0.5)
     MPI.COMM_WORLD.Abort(code)
+
+
+def wait_for_rank0(comm: MPI.Comm, poll: float = 0.002) -> None:
+    """Every rank of `comm` waits here until rank 0 arrives, the others asleep meanwhile.
+
+    While rank 0 works alone (a one-process rerun to compare with, a figure), the other
+    ranks would wait in their next collective; MPICH's blocking calls spin while they
+    wait, so on a machine with more ranks than cores 7 spinning ranks take the cores from
+    the one working. An Ibarrier polled with short sleeps leaves them idle instead."""
+    request = comm.Ibarrier()
+    if comm.Get_rank() == 0:
+        request.Wait()
+        return
+    while not request.Test():
+        time.sleep(poll)
