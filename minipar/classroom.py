@@ -118,8 +118,15 @@ def engines(n: int = 4) -> tuple[object, object]:
     launcher = Path(mpiexec())  # ipyparallel calls `mpiexec` from the PATH
     if launcher.parent != Path():
         os.environ["PATH"] = f"{launcher.parent}{os.pathsep}{os.environ['PATH']}"
+    # The controller finishes an engine's registration at its next heartbeat: at the
+    # default period (3 s) every start waits up to 3 s for it. Beat every 0.25 s and
+    # allow 120 missed beats, so the controller still drops an engine only after 30 s of
+    # silence (the default 3 s x 10). An engine gives up on a silent controller after 50
+    # checks of period + 0.5 s: 37 s (was 175 s), still far beyond a loaded machine's stall.
     cluster = ipp.Cluster(engines="mpi", n=n, controller_ip="127.0.0.1",
-                          log_level=logging.ERROR)
+                          log_level=logging.ERROR,
+                          controller_args=["--HeartMonitor.period=250",
+                                           "--HeartMonitor.max_heartmonitor_misses=120"])
     cluster.start_cluster_sync()
     client = cluster.connect_client_sync()
     client.wait_for_engines(n, timeout=120, interactive=False)
