@@ -26,7 +26,8 @@ def assert_ledger_and_memory_are_the_formulas(world: int, fields: dict, run: dic
     for rank in range(world):
         where = mesh.coords(rank)
         shape = rank_shape(w, plan, where["pp"])
-        assert vars(model_states(w, plan, shape, where["dp"])) == memory[rank], \
+        replica = where["dp"] * cfg.cp + where["cp"]  # ZeRO shards over the dp x cp ranks
+        assert vars(model_states(w, plan, shape, replica)) == memory[rank], \
             f"{fields} rank {rank}"
         predicted[rank] = ledger_of(traffic(w, plan, shape))
         measured = {(r["group"], r["op"]): (r["calls"], r["elements"])

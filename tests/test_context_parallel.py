@@ -37,10 +37,11 @@ import numpy as np
 import pytest
 
 from minipar.config import TrainConfig
-from minipar.costmodel import model_states, rank_shape
+from minipar.costmodel import rank_shape
 from minipar.plan import minipar_workload, plan_of
-from minipar.timemodel import cp_traffic, ledger_of, traffic
+from minipar.timemodel import cp_traffic, ledger_of
 from tests.conftest import assert_equivalent, reference
+from tests.formulas import assert_ledger_and_memory_are_the_formulas
 from tests.mpi import sweep
 from tests.rank_tests import RANK_COUNTS, agree, suite_report
 
@@ -157,24 +158,7 @@ def test_ledger_and_memory_are_the_formulas(swept):
     gradient sync over dp x cp; its model-state bytes are costmodel.model_states'."""
     world, runs = swept
     for fields, run in zip(RUNS[world], runs):
-        cfg = TrainConfig(**fields).resolved(world)
-        w, plan, mesh = minipar_workload(cfg), plan_of(cfg), cfg.mesh_shape()
-        memory = json.loads((run["job_folder"] / "memory.json").read_text())
-        for rank in range(world):
-            where = mesh.coords(rank)
-            shape = rank_shape(w, plan, where["pp"])
-            replica = where["dp"] * cfg.cp + where["cp"]
-            assert vars(model_states(w, plan, shape, replica)) == memory[rank], \
-                f"{fields} rank {rank}"
-            predicted = ledger_of(traffic(w, plan, shape))
-            measured = {(r["group"], r["op"]): (r["calls"], r["elements"])
-                        for r in run["ledger"] if r["rank"] == rank}
-            assert measured.keys() == predicted.keys(), f"{fields} rank {rank}"
-            for key, (calls, elements) in measured.items():
-                assert calls == predicted[key][0], f"{fields} rank {rank} {key}"
-                if key != ("ep", "Alltoallv"):
-                    assert elements == predicted[key][1], f"{fields} rank {rank} {key}"
-
+        assert_ledger_and_memory_are_the_formulas(world, fields, run)
 
 def test_the_cp_formulas_per_layer():
     """The per-layer counts the issue names, read off the formulas for one microbatch."""

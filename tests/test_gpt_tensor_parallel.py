@@ -25,10 +25,11 @@ import json
 import pytest
 
 from minipar.config import TrainConfig
-from minipar.costmodel import model_states, rank_shape
+from minipar.costmodel import rank_shape
 from minipar.plan import minipar_workload, plan_of
 from minipar.timemodel import ledger_of, traffic
 from tests.conftest import assert_equivalent, reference
+from tests.formulas import assert_ledger_and_memory_are_the_formulas
 from tests.mpi import sweep
 
 GPT = dict(model="gpt", layers=2, d_model=16, heads=4, seq_len=8, vocab=16, batch=8,
@@ -115,23 +116,7 @@ def test_every_mesh_equals_one_process(swept):
 def test_ledger_and_memory_are_the_formulas(swept):
     world, runs = swept
     for fields, run in zip(RUNS[world], runs):
-        cfg = TrainConfig(**fields).resolved(world)
-        w, plan, mesh = minipar_workload(cfg), plan_of(cfg), cfg.mesh_shape()
-        memory = json.loads((run["job_folder"] / "memory.json").read_text())
-        for rank in range(world):
-            where = mesh.coords(rank)
-            shape = rank_shape(w, plan, where["pp"])
-            assert vars(model_states(w, plan, shape, where["dp"])) == memory[rank], \
-                f"{fields} rank {rank}"
-            predicted = ledger_of(traffic(w, plan, shape))
-            measured = {(r["group"], r["op"]): (r["calls"], r["elements"])
-                        for r in run["ledger"] if r["rank"] == rank}
-            assert measured.keys() == predicted.keys(), f"{fields} rank {rank}"
-            for key, (calls, elements) in measured.items():
-                assert calls == predicted[key][0], f"{fields} rank {rank} {key}"
-                if key != ("ep", "Alltoallv"):  # rows follow the router
-                    assert elements == predicted[key][1], f"{fields} rank {rank} {key}"
-
+        assert_ledger_and_memory_are_the_formulas(world, fields, run)
 
 def test_the_four_allreduces_of_a_block():
     """gpt on tp 2, one microbatch: per block 2 Allreduces of (B T, d) forward and 2
