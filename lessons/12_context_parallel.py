@@ -47,6 +47,7 @@ from minipar.log import run_collectively, verdict
 from minipar.mesh import Mesh, MeshShape
 from minipar.parallel import context_parallel as cpar
 from minipar.plan import minipar_workload, plan_of
+from minipar.results import relative_difference
 from minipar.timemodel import cp_traffic
 from minipar.train import (
     build_rank_model,
@@ -129,8 +130,8 @@ def table(runs: dict[str, dict], one: dict, alone: tuple[float, float], cp: int)
         moved = sum(r["bytes"] for r in mine) / cfg.layers
         predicted = predicted_bytes_per_layer(run["cfg"])
         blocks = " ".join(f"{s / block:g}" for s in run["scores"])
-        worst = max(float(np.max(np.abs(run["result"].final[k] - v))
-                          / max(float(np.max(np.abs(v))), 1e-12)) for k, v in one.items())
+        worst = max(relative_difference(run["result"].final[k], v, floor=1e-12)
+                    for k, v in one.items())
         print(f"{mode:>10} {moved / KB:>12.1f} {verdict(moved == predicted, '= ok', 'DIFF'):>8} "
               f"{blocks:>24} {max(run['peaks']) / KB:>8.0f} {max(run['times']) * 1e3:>8.1f}"
               f"  {worst:.1e} {verdict(worst <= 1e-9)}", flush=True)
