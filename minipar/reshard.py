@@ -2,7 +2,7 @@
 
 What this file teaches: because a checkpoint speaks of the full canonical arrays
 (checkpoint.py), moving it to another mesh is "resume, then save": build this
-rank's model from the full arrays as a resumed run does (`train.parallelize`),
+rank's model from the full arrays as a resumed run does (`assemble.parallelize`),
 hand the optimizer its slices, and save on the new mesh. On one rank with the
 default mesh the result is a single file holding the full state.
 

@@ -35,7 +35,7 @@ LAYERS: list[set[str]] = [
      "parallel.expert_parallel", "parallel.pipeline_parallel", "parallel.context_parallel"},
     {"config"},                                                             # the flags
     {"checkpoint_format", "checkpoint", "checkpoint_folder", "preflight", "bugs_detours",
-     "bugs"},
+     "bugs", "assemble"},
     {"train"},                                                              # composition
     {"results", "reshard"},
     {"costmodel", "timemodel", "presets", "plan_workloads", "plan_search", "plan_report",

@@ -2,7 +2,7 @@
 
 What this file teaches (the source text's fourth strategy: 48 layers on 4
 ranks, 1-12 / 13-24 / 25-36 / 37-48). Stage s holds a contiguous run of blocks
-(`train.build_rank_model`: the embedding on the first stage, the head on the
+(`assemble.build_rank_model`: the embedding on the first stage, the head on the
 last; with --virtual V, V chunks per rank, virtual stages s, s + pp, ...). A
 microbatch's activation (B/(M dp), d) goes forward from stage to stage by
 Send/Recv, and the gradient of that activation comes back the same way.
