@@ -29,7 +29,8 @@ LAYERS: list[set[str]] = [
      "memory", "shards", "threads", "placement_types", "placement_rules",   # no MPI
      "placement_transformer", "placement"},
     {"comm", "mesh", "ring", "log", "watchdog"},                            # communication
-    {"parallel", "parallel.pipeline_instructions", "parallel.pipeline_v",    # strategies
+    {"parallel", "parallel.pipeline_instructions", "parallel.pipeline_v",
+     "parallel.pipeline_layout", "parallel.pipeline_simulator",    # strategies
      "parallel.pipeline_schedules", "parallel.data_parallel",
      "parallel.zero", "parallel.tensor_parallel", "parallel.vocab_parallel",
      "parallel.expert_parallel", "parallel.pipeline_parallel", "parallel.context_parallel"},

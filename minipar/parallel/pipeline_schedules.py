@@ -1,5 +1,8 @@
 """Pipeline schedules as data, and a simulator that plays them in logical time.
 
+(The simulator itself is pipeline_simulator.py, where the chunks sit and whom the
+messages go to pipeline_layout.py; their names are importable from here too.)
+
 What this file teaches: a pipeline schedule is nothing but, for each stage, an
 ordered list of instructions -- receive an activation, run a forward, send it
 on, receive a gradient, run a backward, send it back. Written as data, a
@@ -59,10 +62,7 @@ Run the checks: `python -m pytest tests/test_pipeline_schedules.py`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-
-from minipar.parallel.pipeline_instructions import (
+from minipar.parallel.pipeline_instructions import (  # noqa: F401  (callers import them here)
     BACKWARD,
     COMPUTE,
     FORWARD,
@@ -74,6 +74,33 @@ from minipar.parallel.pipeline_instructions import (
     WEIGHT,
     Instruction,
 )
+
+# the layout and the simulator live in their own files; callers import them from here too
+from minipar.parallel.pipeline_layout import (  # noqa: F401
+    DUAL,
+    LOOP,
+    V,
+    first_stage,
+    iter_messages,
+    last_stage,
+    local_boundary,
+    message,
+    model_stage,
+    peer,
+    placement,
+    virtual_stage,
+)
+from minipar.parallel.pipeline_simulator import (  # noqa: F401
+    Costs,
+    DeadlockError,
+    ScheduleError,
+    Simulation,
+    Slot,
+    bubble_fraction,
+    gantt,
+    in_flight_peak,
+    simulate,
+)
 from minipar.parallel.pipeline_v import dualpipe_order, dualpipev_order, zb_v_order
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev",  # `--schedule`
@@ -82,7 +109,7 @@ V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank, placed in a V
 TWO_WAY = ("dualpipe",)  # two copies of the model, microbatches fed from both ends
 SIMULATED_ONLY = V_SHAPED + TWO_WAY  # no closed-form bubble fraction: the simulator's
 SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev", "dualpipe")  # B (input grad), W apart
-LOOP, V, DUAL = "loop", "v", "dual"  # where a rank's chunks sit: `layout_of`
+LOGICAL = Costs()  # F = 1, B = W = 1 (B + W = 2 unsplit), F&B = F + B + W
 
 
 # ----------------------------------------------------------- compute order
@@ -198,50 +225,6 @@ def layout_of(schedule: str) -> str:
 
 
 # ---------------------------------------------------- adding communication
-def virtual_stage(pp: int, stage: int, chunk: int, layout: str = LOOP) -> int:
-    """Which virtual stage chunk `chunk` of pipeline rank `stage` is: chunk * pp + stage
-    when chunks loop round the ranks (interleaved), stage or 2pp-1-stage in a V (ZB-V,
-    DualPipeV). DualPipe's two chains are virtual stages 0..pp-1 (chunk 0: stage s on
-    rank s) and pp..2pp-1 (chunk 1: stage s on rank pp-1-s), each a whole model."""
-    if layout == V:
-        return stage if chunk == 0 else 2 * pp - 1 - stage
-    if layout == DUAL:
-        return chunk * pp + (stage if chunk == 0 else pp - 1 - stage)
-    return chunk * pp + stage
-
-
-def placement(pp: int, v: int, layout: str = LOOP) -> tuple[int, int]:
-    """(rank, chunk) holding virtual stage v: the inverse of `virtual_stage`."""
-    if layout == V:
-        return (v, 0) if v < pp else (2 * pp - 1 - v, 1)
-    if layout == DUAL:
-        chunk, position = divmod(v, pp)
-        return (position if chunk == 0 else pp - 1 - position), chunk
-    return v % pp, v // pp
-
-
-def model_stage(pp: int, v: int, layout: str = LOOP) -> int:
-    """Which run of blocks virtual stage v computes: v itself, except in DualPipe, whose
-    two chains are two copies of one model of pp stages (v mod pp)."""
-    return v % pp if layout == DUAL else v
-
-
-def first_stage(pp: int, v: int, layout: str = LOOP) -> bool:
-    """Whether virtual stage v takes the batch (holds the embedding)."""
-    return model_stage(pp, v, layout) == 0
-
-
-def last_stage(pp: int, v: int, chunks: int, layout: str = LOOP) -> bool:
-    """Whether virtual stage v computes the loss (holds the head), with `chunks` per rank."""
-    return model_stage(pp, v, layout) == (pp if layout == DUAL else pp * chunks) - 1
-
-
-def local_boundary(pp: int, stage: int, boundary: int, layout: str = LOOP) -> bool:
-    """Whether both sides of boundary b (virtual stages b, b + 1) are on this rank: the
-    bottom of the V, where rank pp-1 hands its chunk 0's output to its chunk 1 itself."""
-    return layout == V and placement(pp, boundary, V)[0] == placement(pp, boundary + 1, V)[0]
-
-
 def with_communication(order: list[Instruction], pp: int, stage: int, virtual: int = 1,
                        layout: str = LOOP) -> list[Instruction]:
     """Wrap each compute instruction in the messages it needs and produces.
@@ -296,82 +279,7 @@ def programs(name: str, pp: int, microbatches: int, virtual: int = 1
     return [schedule(name, pp, microbatches, s, virtual) for s in range(pp)]
 
 
-def peer(kind: str, pp: int, stage: int, chunk: int = 0, layout: str = LOOP) -> int:
-    """The pipeline rank a message of `kind` about `chunk` goes to or comes from.
-
-    Activations flow to the next virtual stage, gradients to the previous one. When
-    chunks loop (interleaved) that is rank stage + 1 or stage - 1 around the ring
-    (mod pp): the last rank's chunk c feeds rank 0's chunk c + 1. In a V, chunk 0
-    flows down the ranks and chunk 1 back up; in DualPipe chunk 0 flows down, chunk 1 up."""
-    downstream = kind in (SEND_ACT, RECV_GRAD)
-    if layout != LOOP:
-        v = virtual_stage(pp, stage, chunk, layout)
-        return placement(pp, v + 1 if downstream else v - 1, layout)[0]
-    return (stage + 1) % pp if downstream else (stage - 1) % pp
-
-
-# ----------------------------------------------------------- the simulator
-class ScheduleError(RuntimeError):
-    """A program that cannot be right: a message received out of order, a backward
-    before its forward."""
-
-
-class DeadlockError(RuntimeError):
-    """Every unfinished stage waits for a message no one will send."""
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One compute instruction placed on the clock: `kind` of (chunk, microbatch) on
-    `stage` from `start` to `end` (an F&B step also names its backward's pair)."""
-
-    stage: int
-    kind: str
-    microbatch: int
-    chunk: int
-    start: float
-    end: float
-    back_microbatch: int = -1
-    back_chunk: int = -1
-
-
-@dataclass
-class Simulation:
-    """What playing the programs produced: the compute timeline, the time T at which
-    the last stage finishes, the bubble fraction, per stage the peak number of
-    (chunk, microbatch) pairs whose activations it held at once, and per stage the
-    time it idled between its own first and last instruction (the papers' bubble)."""
-
-    timeline: list[Slot]
-    makespan: float
-    bubble: float
-    peak_in_flight: list[int]
-    idle: list[float]
-
-
-@dataclass(frozen=True)
-class Costs:
-    """Durations in the simulator: F a chunk's forward, B its input gradient, W its
-    weight gradient, `overlapped` an F&B step (a forward and a full backward B + W,
-    of two microbatches). Schedules that do not split the backward charge B + W for
-    it. The defaults are logical time: a backward is two matmuls per forward one
-    (F = 1, B + W = 2), and nothing overlaps (F&B = F + B + W)."""
-
-    forward: float = 1.0
-    backward: float = 1.0
-    weight: float = 1.0
-    overlapped: float | None = None
-
-    def durations(self, split_backward: bool) -> dict[str, float]:
-        """kind -> duration, for a schedule that splits its backward or does not."""
-        pair = self.forward + self.backward + self.weight
-        return {FORWARD: self.forward,
-                BACKWARD: self.backward if split_backward else self.backward + self.weight,
-                WEIGHT: self.weight,
-                OVERLAPPED: pair if self.overlapped is None else self.overlapped}
-
-
-def costs(schedule: str, virtual: int = 1, weights: Costs = Costs()) -> dict[str, float]:
+def costs(schedule: str, virtual: int = 1, weights: Costs = LOGICAL) -> dict[str, float]:
     """Logical durations of one stage's share of the layers: F = 1, B = 2 (a backward
     is two matmuls per forward one); the split schedules (ZB-H1, ZB-V, DualPipeV) cut
     the backward into B = 1 (input gradient) and W = 1 (weights). An interleaved chunk
@@ -382,157 +290,8 @@ def costs(schedule: str, virtual: int = 1, weights: Costs = Costs()) -> dict[str
     return {kind: share * d for kind, d in durations.items()}
 
 
-def message(ins: Instruction, pp: int, stage: int, layout: str = LOOP
-            ) -> tuple[str, int, int]:
-    """What a send or receive carries: (activation or gradient, the boundary it crosses,
-    microbatch). Boundary b lies between virtual stages b and b + 1."""
-    v = virtual_stage(pp, stage, ins.chunk, layout)
-    boundary = {SEND_ACT: v, RECV_ACT: v - 1, SEND_GRAD: v - 1, RECV_GRAD: v}[ins.kind]
-    return ("act" if ins.kind in (SEND_ACT, RECV_ACT) else "grad", boundary, ins.microbatch)
-
-
-class _Player:
-    """Plays every stage's program on its own clock; see `simulate`."""
-
-    def __init__(self, progs: list[list[Instruction]], cost: dict[str, float],
-                 synchronous_sends: bool, layout: str) -> None:
-        self.progs, self.cost, self.synchronous = progs, cost, synchronous_sends
-        self.layout = layout
-        self.pp = len(progs)
-        self.pc = [0] * self.pp
-        self.clock = [0.0] * self.pp
-        self.channels: dict[tuple[int, int, str], list[tuple[tuple, float]]] = {}
-        self.done: set[tuple[int, str, int, int]] = set()
-        self.alive = [0] * self.pp
-        self.peak = [0] * self.pp
-        kinds = {part.kind for p in progs for i in p for part in i.parts()}
-        self.release = WEIGHT if WEIGHT in kinds else BACKWARD
-        self.timeline: list[Slot] = []
-
-    def current(self, stage: int) -> Instruction | None:
-        program = self.progs[stage]
-        return program[self.pc[stage]] if self.pc[stage] < len(program) else None
-
-    def peer(self, ins: Instruction, stage: int) -> int:
-        return peer(ins.kind, self.pp, stage, ins.chunk, self.layout)
-
-    def message(self, ins: Instruction, stage: int) -> tuple[str, int, int]:
-        return message(ins, self.pp, stage, self.layout)
-
-    def step(self, s: int) -> bool:
-        """Run stage s's next instruction if it can run now; False if it must wait."""
-        ins = self.current(s)
-        if ins.kind in COMPUTE:
-            self.compute(s, ins)
-        elif ins.kind in (SEND_ACT, SEND_GRAD):
-            if not self.send(s, ins):
-                return False
-        elif not self.receive(s, ins):
-            return False
-        self.pc[s] += 1
-        return True
-
-    def check(self, s: int, part: Instruction) -> None:
-        """A compute part may run only after what it needs ran on this rank: B after
-        its F, W after its B, and across the bottom of the V, chunk 1's F after chunk
-        0's and chunk 0's B after chunk 1's."""
-        needs = [(s, {BACKWARD: FORWARD, WEIGHT: BACKWARD}[part.kind], part.chunk)] \
-            if part.kind in (BACKWARD, WEIGHT) else []
-        v = virtual_stage(self.pp, s, part.chunk, self.layout)
-        step = {FORWARD: -1, BACKWARD: 1}.get(part.kind)
-        if step and 0 <= v + step < 2 * self.pp and self.layout == V \
-                and placement(self.pp, v + step, V)[0] == s:
-            needs.append((s, part.kind, placement(self.pp, v + step, V)[1]))
-        for stage, kind, chunk in needs:
-            if (stage, kind, chunk, part.microbatch) not in self.done:
-                raise ScheduleError(f"stage {s}: {part} before its {kind}"
-                                    + (f" of chunk {chunk}" if chunk != part.chunk else ""))
-        key = (s, part.kind, part.chunk, part.microbatch)
-        if key in self.done:
-            raise ScheduleError(f"stage {s}: {part} runs twice")
-        self.done.add(key)
-        self.alive[s] += (part.kind == FORWARD) - (part.kind == self.release)
-        self.peak[s] = max(self.peak[s], self.alive[s])
-
-    def compute(self, s: int, ins: Instruction) -> None:
-        for part in ins.parts():
-            self.check(s, part)
-        start = self.clock[s]  # a measured duration of this very instruction, else its kind's
-        self.clock[s] = start + self.cost.get((s, ins.kind, ins.chunk, ins.microbatch),
-                                              self.cost.get(ins.kind, 0.0))
-        self.timeline.append(Slot(s, ins.kind, ins.microbatch, ins.chunk, start,
-                                  self.clock[s], ins.back_microbatch, ins.back_chunk))
-
-    def send(self, s: int, ins: Instruction) -> bool:
-        dest = self.peer(ins, s)
-        sent = self.message(ins, s)
-        if not self.synchronous:  # eager (Isend): post and go on
-            self.channels.setdefault((s, dest, sent[0]), []).append((sent, self.clock[s]))
-            return True
-        other = self.current(dest)  # rendezvous: only when the receiver is at its Recv
-        if other is None or other.kind not in (RECV_ACT, RECV_GRAD) \
-                or self.peer(other, dest) != s:
-            return False
-        if self.message(other, dest) != sent:
-            raise ScheduleError(f"stage {dest} expects {self.message(other, dest)} "
-                                f"from stage {s}, which sends {sent}")
-        self.clock[s] = self.clock[dest] = max(self.clock[s], self.clock[dest])
-        self.pc[dest] += 1
-        return True
-
-    def receive(self, s: int, ins: Instruction) -> bool:
-        if self.synchronous:
-            return False  # completed by the sender's `send`
-        source = self.peer(ins, s)
-        expected = self.message(ins, s)
-        queue = self.channels.get((source, s, expected[0]), [])
-        if not queue:
-            return False
-        got, sent_at = queue.pop(0)
-        if got != expected:
-            raise ScheduleError(f"stage {s} expects {expected} from stage {source}, "
-                                f"which sent {got} first")
-        self.clock[s] = max(self.clock[s], sent_at)
-        return True
-
-
-def simulate(progs: list[list[Instruction]], cost: dict[str, float],
-             synchronous_sends: bool = False, layout: str = LOOP) -> Simulation:
-    """Play every stage's program in logical time, honoring every dependency.
-
-    Each stage runs its instructions in order on its own clock: a compute
-    instruction takes `cost[(stage, kind, chunk, microbatch)]` if given (a measured
-    duration, see `replay`), else `cost[kind]`; communication takes no time, and a receive
-    waits until its message was sent. With `synchronous_sends` a send also waits
-    until the receiver reaches the matching receive (MPI's rendezvous protocol,
-    what a blocking `Send` of a large message does); otherwise sends never block
-    (`Isend`). Raises `DeadlockError` if the stages get stuck, `ScheduleError` if a
-    message arrives out of order or a backward precedes its forward. `layout`:
-    where the chunks sit (`layout_of`: round the ranks, in a V, or DualPipe's two chains).
-    """
-    player = _Player(progs, cost, synchronous_sends, layout)
-    progress = True
-    while progress:
-        progress = False
-        for s in range(player.pp):
-            while player.current(s) is not None and player.step(s):
-                progress = True
-    stuck = {s: str(player.current(s)) for s in range(player.pp) if player.current(s)}
-    if stuck:
-        raise DeadlockError(f"stages stuck at {stuck}")
-    makespan = max(player.clock)
-    intervals = [(slot.stage, slot.start, slot.end) for slot in player.timeline]
-    idle = []
-    for stage in range(player.pp):
-        mine = [slot for slot in player.timeline if slot.stage == stage]
-        span = max(slot.end for slot in mine) - min(slot.start for slot in mine)
-        idle.append(span - sum(slot.end - slot.start for slot in mine))
-    return Simulation(player.timeline, makespan, bubble_fraction(intervals, player.pp),
-                      player.peak, idle)
-
-
 def simulate_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
-                      synchronous_sends: bool = False, weights: Costs = Costs()
+                      synchronous_sends: bool = False, weights: Costs = LOGICAL
                       ) -> Simulation:
     """`simulate` the programs of schedule `name` with its logical costs (or `weights`)."""
     return simulate(programs(name, pp, microbatches, virtual), costs(name, virtual, weights),
@@ -557,16 +316,6 @@ def replay(name: str, pp: int, microbatches: int, virtual: int,
                     layout=layout_of(name))
 
 
-def bubble_fraction(intervals: list[tuple[int, float, float]], stages: int) -> float:
-    """Idle share of stage-time: 1 - busy / (stages * T) for busy (stage, start, end)
-    intervals, T from the first start to the last end. Works for simulated slots
-    and for wall-clock timelines alike."""
-    begin = min(start for _, start, _ in intervals)
-    end = max(stop for _, _, stop in intervals)
-    busy = sum(stop - start for _, start, stop in intervals)
-    return 1.0 - busy / (stages * (end - begin))
-
-
 def bubble_formula(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
     """The papers' bubble fractions, which the simulator reproduces exactly:
     (pp-1)/(M+pp-1) for GPipe and 1F1B, (pp-1)/(V M+pp-1) interleaved, and for ZB-H1
@@ -576,56 +325,3 @@ def bubble_formula(schedule: str, pp: int, microbatches: int, virtual: int = 1) 
                          "it (its per-rank idle time is in Simulation.idle)")
     per_stage_work = {"interleaved": virtual * microbatches, "zb-h1": 3 * microbatches}
     return (pp - 1) / (per_stage_work.get(schedule, microbatches) + pp - 1)
-
-
-def in_flight_peak(kinds: list[str]) -> int:
-    """Peak number of microbatches alive on a stage whose compute ran in this order:
-    alive from its F until its B (or its W, when the schedule has W's)."""
-    kinds = [part for kind in kinds for part in ([FORWARD, WEIGHT] if kind == OVERLAPPED
-                                                 else [kind])]
-    release = WEIGHT if WEIGHT in kinds else BACKWARD
-    alive = peak = 0
-    for kind in kinds:
-        alive += (kind == FORWARD) - (kind == release)
-        peak = max(peak, alive)
-    return peak
-
-
-# ------------------------------------------------------- a text Gantt chart
-def gantt(sim: Simulation, pp: int) -> list[str]:
-    """One line per stage, one cell per forward (a time unit; 1/V of one with V
-    chunks): `F3` forward of microbatch 3, `B3` backward (two cells when B = 2),
-    `W3` weight gradient, `.` idle. With model chunks, a letter names the chunk
-    (`F3a`, `F3b`); `F3a&B1b` an F&B step."""
-    chunks = max(slot.chunk for slot in sim.timeline) + 1
-    cell = min(slot.end - slot.start for slot in sim.timeline)  # 1, or 1/V interleaved
-
-    def label(slot: Slot) -> str:
-        def one(kind: str, microbatch: int, chunk: int) -> str:
-            return f"{kind}{microbatch + 1}" + ("abcdefgh"[chunk] if chunks > 1 else "")
-
-        if slot.kind == OVERLAPPED:  # F3a&B1b
-            return one(FORWARD, slot.microbatch, slot.chunk) + "&" + one(
-                BACKWARD, slot.back_microbatch, slot.back_chunk)
-        return one(slot.kind, slot.microbatch, slot.chunk)
-
-    width = max(len(label(slot)) for slot in sim.timeline)
-    units = int(round(sim.makespan / cell))
-    rows = [["." for _ in range(units)] for _ in range(pp)]
-    for slot in sim.timeline:
-        for t in range(int(round(slot.start / cell)), int(round(slot.end / cell))):
-            rows[slot.stage][t] = label(slot)
-    return [f"stage {s}: " + " ".join(cell.ljust(width) for cell in row).rstrip()
-            for s, row in enumerate(rows)]
-
-
-def iter_messages(progs: list[list[Instruction]], layout: str = LOOP
-                  ) -> Iterator[tuple[int, int, tuple]]:
-    """Every send and receive as (stage, peer, (direction, boundary, microbatch)), each
-    stage's in program order: what the pairwise matching test compares."""
-    pp = len(progs)
-    for s, program in enumerate(progs):
-        for ins in program:
-            if ins.kind not in COMPUTE:
-                yield s, peer(ins.kind, pp, s, ins.chunk, layout), (
-                    ins.kind.startswith("send"), message(ins, pp, s, layout))
