@@ -7,6 +7,13 @@ the batch (B/dp rows) with no gradient sync at all. In one job, interleaved
 repetition by repetition (the order rotating), every rank times:
 
     share       dp = 1 on its own (MPI.COMM_SELF), B/dp rows: the limit
+    whole       rank 0 alone with the whole batch (B rows), the other ranks asleep:
+                what the speed-up is measured against; whole / share is the most a
+                speed-up can be on this machine, where ranks side by side share the
+                memory bandwidth and the last-level cache
+    allreduce   one Allreduce of a reused buffer as long as the whole gradient, nothing
+                else: the sync's floor, so (share + allreduce) / share is the closest
+                a step with a blocking sync can come to its limit
     naive       the dp-rank step, one Allreduce per parameter
     bucketed    one Allreduce per bucket (reused flat buffers)
     overlapped  Iallreduce per bucket during backward, several bucket sizes
@@ -33,6 +40,7 @@ from minipar import nn
 from minipar.comm import Ledger
 from minipar.config import TrainConfig
 from minipar.data import rank_rows
+from minipar.log import wait_for_rank0
 from minipar.mesh import Mesh
 from minipar.optim import make_optimizer
 from minipar.parallel.data_parallel import allreduce_gradients, bucketed_allreduce
@@ -72,6 +80,21 @@ def timed_step(setup: tuple, step: int) -> tuple[float, float, float]:
     return computed - start, synced - computed, time.perf_counter() - synced
 
 
+def timed_whole(setup: tuple, step: int, world: MPI.Comm) -> tuple[float, float, float]:
+    """Rank 0's step on the whole batch while the others sleep (`log.wait_for_rank0`):
+    one process alone on the machine, as a run on one rank is."""
+    parts = timed_step(setup, step) if world.Get_rank() == 0 else (0.0, 0.0, 0.0)
+    wait_for_rank0(world)
+    return parts
+
+
+def timed_allreduce(buffer: np.ndarray, world: MPI.Comm) -> tuple[float, float, float]:
+    """One in-place Allreduce of `buffer` over every rank (as sync; no compute)."""
+    start = time.perf_counter()
+    world.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+    return 0.0, time.perf_counter() - start, 0.0
+
+
 def stats(values: list[float]) -> dict[str, float]:
     return {"median": float(np.median(values)), "min": float(np.min(values)),
             "max": float(np.max(values))}
@@ -88,12 +111,17 @@ def main() -> None:
     for size in BUCKETS:
         setups[f"overlapped {size}"] = build(
             replace(base, grad_sync="overlapped", bucket_size=size).resolved(dp), world)
-    names = list(setups)
+    whole = build(base.resolved(1), MPI.COMM_SELF)
+    gradient = np.ones(sum(p.data.size for p in setups["share"][3].params))
+    steps = {name: (lambda rep, s=setup: timed_step(s, rep)) for name, setup in setups.items()}
+    steps["whole"] = lambda rep: timed_whole(whole, rep, world)
+    steps["allreduce"] = lambda rep: timed_allreduce(gradient, world)
+    names = list(steps)
     samples: dict[str, list] = {name: [] for name in names}
     for rep in range(repeats + 2):  # the first two: warm-up, not kept
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             world.Barrier()  # every rank starts each timed step together
-            parts = timed_step(setups[name], rep)
+            parts = steps[name](rep)
             if rep >= 2:
                 samples[name].append(parts)
     everyone = world.gather(samples)
@@ -104,8 +132,8 @@ def main() -> None:
         per_rank = np.array([ranks[name] for ranks in everyone])   # (dp, repeats, 3)
         compute, sync, optimizer = per_rank[0].T
         waiting = per_rank[:, :, 0].max(axis=0) - per_rank[0, :, 0]
-        steps = per_rank.sum(axis=2).max(axis=0)   # the slowest rank, repetition by repetition
-        results[name] = {"steps": steps.tolist(), "step": stats(list(steps)),
+        slowest = per_rank.sum(axis=2).max(axis=0)  # the slowest rank, repetition by repetition
+        results[name] = {"steps": slowest.tolist(), "step": stats(list(slowest)),
                          "compute": stats(list(compute)), "sync": stats(list(sync)),
                          "waiting": stats(list(waiting)), "optimizer": stats(list(optimizer))}
     results["buckets"] = {f"overlapped {size}": len(setups[f"overlapped {size}"][3].buckets)

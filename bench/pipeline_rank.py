@@ -1,14 +1,24 @@
 """Rank side of the pipeline benchmark: the bubble on a real timeline vs the formula.
 
-    mpiexec -n 2 python -m bench.pipeline_rank OUT.json
+    mpiexec -bind-to core -n 2 python -m bench.pipeline_rank RUNS OUT.json
 
-Two stages on two cores (one rank per core, so idle time is the schedule's, not
-the machine's); blocks wide enough that compute outweighs the messages. For each
-microbatch count, the last step's recorded timeline gives the measured bubble:
-1 - busy / (stages * span), busy = the F and B instructions; and the executor's
-own cost, outside the compute: per instruction, the time between one instruction's
-end and the next one's start (the loop, the timeline record) plus the time inside the
-sends (Isend returns at once), and the time the stages wait inside their Recvs.
+Two stages on two cores, each rank bound to its own core (`bench/run.py` launches it
+so: one rank per core, so idle time is the schedule's, not the machine's); blocks wide
+enough that compute outweighs the messages. For each microbatch count, RUNS runs of a
+few steps each; the last step's recorded timeline of each run gives
+
+    measured   1 - busy / (stages * span), busy = the F and B instructions
+    replayed   the same schedule played with each instruction's measured CPU time and
+               free, instant messages (pipeline_schedules.replay): the bubble these
+               very compute times make, so measured / replayed is what the executor
+               and the messages add, and replayed / formula what unequal stages add
+               (the formula assumes every stage's F and B take the same time)
+
+and the executor's own cost outside the compute: per instruction, the time between one
+instruction's end and the next one's start (the loop, the timeline record) plus the
+time inside the sends (Isend returns at once), and the time the stages wait inside
+their Recvs. Rank 0 writes, per setting, the median run's figures and each ratio's
+median, min and max over the runs.
 """
 
 from __future__ import annotations
@@ -16,10 +26,11 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
 from mpi4py import MPI
 
 from minipar.config import TrainConfig
-from minipar.parallel.pipeline_schedules import bubble_formula, bubble_fraction
+from minipar.parallel.pipeline_schedules import bubble_formula, bubble_fraction, replay
 from minipar.train import train
 
 COMPUTE = ("F", "B", "W")
@@ -39,25 +50,52 @@ def overhead(timeline: list[dict]) -> dict[str, float]:
             "send_per_instruction": sends / count, "recv_wait_per_instruction": recvs / count}
 
 
+def stage_imbalance(timeline: list[dict], pp: int) -> float:
+    """The slowest stage's F + B time over the fastest's (1.0: equal stages)."""
+    per_stage = [sum(r["end"] - r["start"] for r in timeline
+                     if r["stage"] == s and r["kind"] in COMPUTE) for s in range(pp)]
+    return max(per_stage) / min(per_stage)
+
+
+def one_run(schedule: str, microbatches: int, world: MPI.Comm) -> dict | None:
+    """Train a few steps; rank 0 returns the last step's figures."""
+    pp = world.Get_size()
+    cfg = TrainConfig(layers=4, d_in=64, d_model=256, d_ff=1024, batch=256,
+                      microbatches=microbatches, steps=3, pp=pp,
+                      schedule=schedule).resolved(pp)
+    timeline = train(cfg, world).extras.get("timeline")
+    if world.Get_rank() != 0:
+        return None
+    busy = [(r["stage"], r["start"], r["end"]) for r in timeline if r["kind"] in COMPUTE]
+    return {"measured": bubble_fraction(busy, pp),
+            "replayed": replay(schedule, pp, microbatches, 1, timeline).bubble,
+            "formula": bubble_formula(schedule, pp, microbatches),
+            "imbalance": stage_imbalance(timeline, pp), **overhead(timeline)}
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": float(np.median(values)), "min": float(np.min(values)),
+            "max": float(np.max(values))}
+
+
 def main() -> None:
     world = MPI.COMM_WORLD
-    pp = world.Get_size()
+    runs, out = int(sys.argv[1]), sys.argv[2]
     results = {}
     for schedule in ("gpipe", "1f1b"):
         for microbatches in (1, 2, 4, 8):
-            cfg = TrainConfig(layers=4, d_in=64, d_model=256, d_ff=1024, batch=256,
-                              microbatches=microbatches, steps=3, pp=pp,
-                              schedule=schedule).resolved(pp)
-            timeline = train(cfg, world).extras.get("timeline")
-            if world.Get_rank() == 0:
-                busy = [(r["stage"], r["start"], r["end"]) for r in timeline
-                        if r["kind"] in COMPUTE]
-                results[f"{schedule} M={microbatches}"] = {
-                    "measured": bubble_fraction(busy, pp),
-                    "formula": bubble_formula(schedule, pp, microbatches),
-                    **overhead(timeline)}
+            found = [one_run(schedule, microbatches, world) for _ in range(runs)]
+            if world.Get_rank() != 0:
+                continue
+            ratio = {"measured/formula": [r["measured"] / r["formula"] for r in found],
+                     "replayed/formula": [r["replayed"] / r["formula"] for r in found],
+                     "measured/replayed": [r["measured"] / r["replayed"] for r in found]}
+            middle = found[int(np.argsort(ratio["measured/formula"])[len(found) // 2])]
+            results[f"{schedule} M={microbatches}"] = {
+                **middle, **{name: spread(v) for name, v in ratio.items()},
+                "imbalance_range": spread([r["imbalance"] for r in found])}
     if world.Get_rank() == 0:
-        with open(sys.argv[1], "w") as f:
+        with open(out, "w") as f:
             json.dump(results, f)
 
 

@@ -207,19 +207,29 @@ def dp_scaling(ranks: list[int], steps: int) -> dict:
 def dp_limit(repeats: int) -> dict:
     """2-rank data parallelism against its limit, one rank's share (B/2) alone, measured
     side by side in one job (bench/dp_limit_rank.py). Per repetition the ratio of the
-    slowest rank's step to the share's; its median and range over the repetitions."""
+    slowest rank's step to the share's, and the speed-up over one process alone with the
+    whole batch; their medians and ranges over the repetitions. Beside them the two
+    limits of this machine: whole / share (the best speed-up, with ranks side by side
+    sharing memory bandwidth and cache) and (share + a bare Allreduce) / share."""
     r = _mpi_json(2, "bench.dp_limit_rank", [str(repeats)])
-    share = np.array(r["share"]["steps"])
+    share, whole = np.array(r["share"]["steps"]), np.array(r["whole"]["steps"])
     for name, v in r.items():
         if isinstance(v, dict) and "steps" in v and name != "share":
-            per_rep = np.array(v["steps"]) / share
-            v["vs_share"] = {"median": float(np.median(per_rep)), "min": float(per_rep.min()),
-                             "max": float(per_rep.max())}
+            v["vs_share"] = _spread(np.array(v["steps"]) / share)
+            if name not in ("whole", "allreduce"):  # one process alone / this step
+                v["speedup"] = _spread(whole / np.array(v["steps"]))
+    # the floor of a blocking sync: the step's limit plus the bare Allreduce of its bytes
+    r["floor_vs_share"] = _spread((share + np.array(r["allreduce"]["steps"])) / share)
     bucketed = r["bucketed"]["sync"]["median"]
     for name in [n for n in r if n.startswith("overlapped")]:
         r[name]["hidden_fraction"] = 1.0 - r[name]["sync"]["median"] / bucketed
         r[name]["vs_bucketed"] = r[name]["step"]["median"] / r["bucketed"]["step"]["median"]
     return r
+
+
+def _spread(values: np.ndarray) -> dict[str, float]:
+    return {"median": float(np.median(values)), "min": float(values.min()),
+            "max": float(values.max())}
 
 
 def cp_vs_one(repeats: int) -> dict:
@@ -230,9 +240,7 @@ def cp_vs_one(repeats: int) -> dict:
     one = np.array(r["one"]["steps"])
     for name, v in r.items():
         if isinstance(v, dict) and name != "one":
-            per_rep = np.array(v["steps"]) / one
-            v["vs_one"] = {"median": float(np.median(per_rep)), "min": float(per_rep.min()),
-                           "max": float(per_rep.max())}
+            v["vs_one"] = _spread(np.array(v["steps"]) / one)
     return r
 
 
@@ -244,12 +252,16 @@ def _has_torch() -> bool:
     return True
 
 
-def _mpi_json(n: int, module: str, args: list[str]) -> dict:
-    """Run `mpiexec -n n python -m module <args> OUT.json` and read OUT.json."""
+def _mpi_json(n: int, module: str, args: list[str], bind: bool = False) -> dict:
+    """Run `mpiexec -n n python -m module <args> OUT.json` and read OUT.json. `bind`: each
+    rank bound to a core of its own (`-bind-to core`, the spelling of MPICH's and Open
+    MPI's launchers), so the kernel never moves a rank away from its caches."""
     mpiexec = os.environ.get("MINIPAR_MPIEXEC", str(Path(sys.executable).parent / "mpiexec"))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        subprocess.run([mpiexec, "-n", str(n), sys.executable, "-m", module, *args, str(out)],
+        binding = ["-bind-to", "core"] if bind else []
+        subprocess.run([mpiexec, *binding, "-n", str(n), sys.executable, "-m", module, *args,
+                        str(out)],
                        cwd=ROOT, check=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                                 UCX_NET_DEVICES="lo"))
@@ -325,6 +337,15 @@ def main() -> None:
                          f"{limit['buckets'][name]} buckets")
     lines.append(f"{'  one rank share step (B/2, no sync), ms':<58} "
                  f"{limit['share']['step']['median'] * 1e3:>8.1f}")
+    sp, lim, floor = limit["bucketed"]["speedup"], limit["whole"]["vs_share"], \
+        limit["floor_vs_share"]
+    lines.append(f"{'DP 2 ranks, bucketed: speed-up over one process (goal >= 1.7)':<58} "
+                 f"{sp['median']:>8.3f}  [{sp['min']:.2f}-{sp['max']:.2f}]; its limit here, "
+                 f"one process alone / one rank share: {lim['median']:.2f} "
+                 f"[{lim['min']:.2f}-{lim['max']:.2f}]")
+    lines.append(f"{'  floor of a blocking sync: (share + bare Allreduce) / share':<58} "
+                 f"{floor['median']:>8.3f}  [{floor['min']:.2f}-{floor['max']:.2f}], Allreduce "
+                 f"of {ms(limit['allreduce']['sync'])} ms")
     results["ring"] = {n: _mpi_json(n, "bench.ring_rank", []) for n in ranks if n > 1}
     for n, r in results["ring"].items():
         for label in ("8 KB", "1 MB", "16 MB"):
@@ -332,15 +353,20 @@ def main() -> None:
                          f"{r[label]['ring/mpi']:>8.3f}  bus {r[label]['ring_bus_GBps']:.2f} vs "
                          f"{r[label]['mpi_bus_GBps']:.2f} GB/s")
         lines.append(f"{'  (memcpy bandwidth of this machine, GB/s)':<58} {r['memcpy_GBps']:>8.2f}")
-    results["pipeline"] = _mpi_json(2, "bench.pipeline_rank", [])
+    results["pipeline"] = _mpi_json(2, "bench.pipeline_rank", ["3" if quick else "7"],
+                                    bind=True)
     for label, r in results["pipeline"].items():
         goal = " (goal <= 1.15)" if label.endswith("M=8") else ""
+        q = r["measured/formula"]
         lines.append(f"{'pipeline bubble measured / formula, pp=2 ' + label + goal:<58} "
-                     f"{r['measured'] / r['formula']:>8.3f}  {r['measured']:.3f} vs "
-                     f"{r['formula']:.3f}; per instruction: "
-                     f"{r['between_per_instruction'] * 1e6:.1f} us between, "
-                     f"{r['send_per_instruction'] * 1e6:.1f} us sending, "
-                     f"{r['recv_wait_per_instruction'] * 1e3:.2f} ms in Recv")
+                     f"{q['median']:>8.3f}  [{q['min']:.2f}-{q['max']:.2f}]; replayed / formula "
+                     f"{r['replayed/formula']['median']:.3f}, measured / replayed "
+                     f"{r['measured/replayed']['median']:.3f}")
+        lines.append(f"{'  per instruction: between / in Isend / in Recv; stage imbalance':<58} "
+                     f"{r['between_per_instruction'] * 1e6:>6.1f}us  "
+                     f"{r['send_per_instruction'] * 1e6:.1f} us / "
+                     f"{r['recv_wait_per_instruction'] * 1e3:.2f} ms; slowest / fastest stage "
+                     f"{r['imbalance_range']['median']:.3f}")
     results["cp"] = cp = cp_vs_one(repeats=3 if quick else 8)
     for mode in ("allgather", "ring", "zigzag", "ulysses"):
         q = cp[mode]["vs_one"]
