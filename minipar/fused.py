@@ -15,9 +15,20 @@ math costs (`make bench` measures it):
     log_softmax    a - logsumexp(a)                 da = g - softmax(a) sum(g)
     cross_entropy  sum_b -log softmax(logits_b)[y_b] * scale
 
-`linear` leaves its weight gradients to `autograd._weight_grad`, so a zero-bubble
-pipeline can run them later (`autograd.defer_weight_grads`). The finite-difference
-checks of `tests/test_autograd.py` cover every op here.
+The same reasoning one level up: the residual MLP block the models repeat L times,
+h + fc2(GELU(fc1(LN(h)))), is five nodes when composed from the ops above (LayerNorm,
+two linears, GELU, the residual add), and at small sizes each node's bookkeeping is a
+few microseconds against NumPy work of the same order. `residual_mlp` is the block as
+ONE node: the forward chains the layers' forward math, the backward their closed forms
+in reverse, through the same helpers the single-layer nodes use (`_layer_norm_forward`,
+`_gelu_forward`, ...), so the numbers are the composition's. Tensor parallelism, which
+needs a collective between the layers, composes the single-layer nodes instead
+(parallel/tensor_parallel.py).
+
+`linear` (and `residual_mlp`, for its two linears) leaves its weight gradients to
+`autograd._weight_grad`, so a zero-bubble pipeline can run them later
+(`autograd.defer_weight_grads`). The finite-difference checks of `tests/test_autograd.py`
+cover every op here.
 """
 
 from __future__ import annotations
@@ -68,13 +79,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def gelu(a: Tensor) -> Tensor:
     """GELU, tanh form: 0.5 z (1 + tanh(sqrt(2/pi)(z + 0.044715 z^3))). One fused node."""
     z = a.data
-    inner = _SQRT_2_OVER_PI * (z + 0.044715 * z * z * z)
-    t = np.tanh(inner)
-    out = 0.5 * z * (1.0 + t)
+    out, t = _gelu_forward(z)
 
     def backward(g: np.ndarray) -> None:
-        dinner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * z * z)
-        a.accumulate(g * (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * dinner), fresh=True)
+        a.accumulate(_gelu_backward(g, z, t), fresh=True)
     result = Tensor.from_op(out, (a,), backward)
     return _pl.follow(result, _pl.nonlinear("GELU", a), a.name) if _pl.ON else result
 
@@ -83,26 +91,103 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-5) -> Ten
     """(x - mean) / sqrt(var + eps) * gamma + beta over the last axis (biased var).
     One fused node; the backward is the standard closed form
     dx = (g_hat - mean(g_hat) - x_hat mean(g_hat x_hat)) / sigma, g_hat = g gamma."""
-    mu = x.data.mean(axis=-1, keepdims=True)
-    centered = x.data - mu
-    inv_sigma = 1.0 / np.sqrt((centered * centered).mean(axis=-1, keepdims=True) + eps)
-    x_hat = centered * inv_sigma
-    out = x_hat * gamma.data + beta.data
+    out, x_hat, inv_sigma = _layer_norm_forward(x.data, gamma.data, beta.data, eps)
 
     def backward(g: np.ndarray) -> None:
         lead = tuple(range(g.ndim - 1))
         gamma.accumulate((g * x_hat).sum(axis=lead), fresh=True)
         beta.accumulate(g.sum(axis=lead), fresh=True)
         if x.requires_grad:
-            g_hat = g * gamma.data
-            dx = g_hat - g_hat.mean(axis=-1, keepdims=True) \
-                - x_hat * (g_hat * x_hat).mean(axis=-1, keepdims=True)
-            x.accumulate(dx * inv_sigma, fresh=True)
+            x.accumulate(_layer_norm_input_grad(g, gamma.data, x_hat, inv_sigma), fresh=True)
     result = Tensor.from_op(out, (x, gamma, beta), backward)
     if _pl.ON:
         layer = gamma.name.removesuffix(".weight")
         _pl.follow(result, _pl.layer_norm(f"LayerNorm {layer}", x, gamma, beta),
                    f"{layer} output")
+    return result
+
+
+# ------------------------------------------- the layers' math, forward and backward
+def _gelu_forward(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GELU of z and the tanh its backward reuses."""
+    t = np.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z * z * z))
+    return 0.5 * z * (1.0 + t), t
+
+
+def _gelu_backward(g: np.ndarray, z: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """dGELU/dz * g, from z and its tanh t."""
+    dinner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * z * z)
+    return g * (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * dinner)
+
+
+def _layer_norm_forward(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """LayerNorm over the last axis: the output, x_hat and 1/sigma (the backward's)."""
+    centered = x - x.mean(axis=-1, keepdims=True)
+    inv_sigma = 1.0 / np.sqrt((centered * centered).mean(axis=-1, keepdims=True) + eps)
+    x_hat = centered * inv_sigma
+    return x_hat * gamma + beta, x_hat, inv_sigma
+
+
+def _layer_norm_input_grad(g: np.ndarray, gamma: np.ndarray, x_hat: np.ndarray,
+                           inv_sigma: np.ndarray) -> np.ndarray:
+    """dx = (g_hat - mean(g_hat) - x_hat mean(g_hat x_hat)) / sigma, g_hat = g gamma."""
+    g_hat = g * gamma
+    dx = g_hat - g_hat.mean(axis=-1, keepdims=True) \
+        - x_hat * (g_hat * x_hat).mean(axis=-1, keepdims=True)
+    dx *= inv_sigma
+    return dx
+
+
+# ------------------------------------------------------------ a whole block
+def residual_mlp(h: Tensor, gamma: Tensor, beta: Tensor, w1: Tensor, b1: Tensor,
+                 w2: Tensor, b2: Tensor, eps: float = 1e-5) -> Tensor:
+    """h + fc2(GELU(fc1(LN(h)))) as one node: nn.DenseBlock, the MLP models' block and
+    the transformer's FFN half. h is (rows, d) or (B, T, d): every leading axis counts as
+    rows, flattened once to (N, d) for the whole block.
+
+        forward    u = LN(h)   a = u W1 + b1   z = GELU(a)   out = h + z W2 + b2
+        backward   dz = g W2^T, da = GELU'(a) dz, du = da W1^T, dh = g + LN'(du)
+                   dW2 = z^T g, db2 = sum g, dW1 = u^T da, db1 = sum da (via
+                   `_weight_grad`, so ZB-H1 / ZB-V can put them off), dgamma, dbeta
+
+    It keeps what the five nodes would, but the second linear's output (folded into
+    `out` at once): u, x_hat, 1/sigma, a, z and GELU's tanh."""
+    shape = h.data.shape
+    rows = h.data.reshape(-1, shape[-1])                                    # (N, d), a view
+    u, x_hat, inv_sigma = _layer_norm_forward(rows, gamma.data, beta.data, eps)
+    a = u @ w1.data                                                         # (N, d) @ (d, f)
+    a += b1.data
+    z, t = _gelu_forward(a)
+    out = z @ w2.data                                                       # (N, f) @ (f, d)
+    out += b2.data
+    out += rows                                                             # the residual
+    parents = (h, gamma, beta, w1, b1, w2, b2)
+
+    def backward(g: np.ndarray) -> None:
+        g_rows = g.reshape(-1, shape[-1])                                   # (N, d)
+        dz = g_rows @ w2.data.T                                             # (N, d) @ (d, f)
+
+        def fc2_grads() -> None:
+            w2.accumulate(z.T @ g_rows, fresh=True)
+            b2.accumulate(g_rows.sum(axis=0), fresh=True)
+        _weight_grad(fc2_grads)
+        da = _gelu_backward(dz, a, t)
+        du = da @ w1.data.T                                                 # (N, f) @ (f, d)
+
+        def fc1_grads() -> None:
+            w1.accumulate(u.T @ da, fresh=True)
+            b1.accumulate(da.sum(axis=0), fresh=True)
+        _weight_grad(fc1_grads)
+        gamma.accumulate((du * x_hat).sum(axis=0), fresh=True)
+        beta.accumulate(du.sum(axis=0), fresh=True)
+        if h.requires_grad:                  # the residual's g plus the LayerNorm's
+            dh = _layer_norm_input_grad(du, gamma.data, x_hat, inv_sigma)
+            dh += g_rows
+            h.accumulate(dh.reshape(shape), fresh=True)
+    result = Tensor.from_op(out.reshape(shape), parents, backward)
+    if _pl.ON:  # placement.py: the five layers' rules in turn
+        _pl.follow(result, _pl.residual_mlp(h, gamma, beta, w1, b1, w2, b2), h.name)
     return result
 
 

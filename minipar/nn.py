@@ -212,10 +212,12 @@ class DenseBlock(Module):
         self.fc2 = Linear(full, f"blocks.{index}.fc2")
 
     def __call__(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Returns the new residual stream and the block's aux loss (none for dense)."""
-        u = self.ln(h)                        # (B, d)
-        z = fused.gelu(self.fc1(u))              # (B, d) @ (d, f) -> (B, f)
-        return h + self.fc2(z), None          # (B, f) @ (f, d) -> (B, d)
+        """Returns the new residual stream and the block's aux loss (none for dense).
+        One tape node (fused.residual_mlp) computing, with u = ln(h) (B, d),
+
+            h + fc2(gelu(fc1(u)))        (B, d) @ (d, f) -> (B, f) @ (f, d) -> (B, d)"""
+        return fused.residual_mlp(h, self.ln.weight, self.ln.bias, self.fc1.weight,
+                                  self.fc1.bias, self.fc2.weight, self.fc2.bias), None
 
 
 # --------------------------------------------------------------------- MoE

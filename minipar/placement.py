@@ -90,6 +90,7 @@ from minipar.placement_rules import (  # noqa: F401  (callers reach the rules fr
     nonlinear,
     reduce,
     reshape,
+    residual_mlp,
     same,
     transpose,
 )

@@ -238,6 +238,24 @@ class _Shaped:
         self.placement, self.name, self.ndim, self.shape = placement, name, ndim, shape
 
 
+def residual_mlp(h: HasPlacement, gamma: HasPlacement, beta: HasPlacement,
+                 w1: HasPlacement, b1: HasPlacement, w2: HasPlacement, b2: HasPlacement
+                 ) -> Placements:
+    """fused.residual_mlp, h + fc2(GELU(fc1(LN(h)))) in one node: the rules of its five
+    layers in turn, each intermediate named as the five separate nodes would name it."""
+    def named(weight: HasPlacement) -> str:
+        return weight.name.removesuffix(".weight")
+
+    wide = (*h.shape[:-1], w1.shape[-1])
+    u = _Shaped(layer_norm(f"LayerNorm {named(gamma)}", h, gamma, beta),
+                f"{named(gamma)} output", h.ndim, h.shape)
+    a = _Shaped(linear(f"{named(w1)} linear", u, w1, b1), f"{named(w1)} output", h.ndim, wide)
+    z = _Shaped(nonlinear("GELU", a), a.name, h.ndim, wide)
+    f = _Shaped(linear(f"{named(w2)} linear", z, w2, b2), f"{named(w2)} output", h.ndim,
+                h.shape)
+    return add("add", h, f)
+
+
 # ------------------------------------------------------------- reductions
 def reduce(op: str, x: HasPlacement, axis: int | tuple[int, ...] | None, keepdims: bool,
            mean: bool = False) -> Placements:

@@ -175,16 +175,19 @@ def gpt_block_activation_bytes(tokens: int, d_model: int, d_ff: int, heads: int,
 
     Counted array by array (h, the block input, belongs to the block before):
 
-      whole on every rank   LN1 out, x_hat; proj out; h'; LN2 out, x_hat; fc2 out; h_out
-                            (8 b d); with tp each reduction adds its sum and the bias
-                            added after it (2 b d per reduction: 12 b d)
+      whole on every rank   LN1 out, x_hat; proj out; h'; LN2 out, x_hat; h_out (7 b d:
+                            at tp = 1 the FFN half is one node, fused.residual_mlp, whose
+                            fc2 output goes straight into h_out); with tp the FFN is
+                            five nodes again, which keep fc2's output too, and each
+                            reduction adds its sum and the bias added after it (2 b d
+                            per reduction: 12 b d)
       split by heads / f    q, k, v, o (4 b d), fc1 out, GELU out and its tanh (3 b f)
       scores                k + bk (b d), P (b H s), its log-sum-exp (b H)
       small                 LayerNorm's 1/sigma (2 b)
 
     so, in numbers per position,
 
-      tp = 1    8d + 5d + 3f + 2 + H s + H
+      tp = 1    7d + 5d + 3f + 2 + H s + H
       tp > 1    12d + (5d + 3f + H s + H)/t + 2
       tp + sp   4d + (10d + 5d + 3f + H s + H + 2)/t  (4d: the two Allgathered inputs
                 and the two partial sums before the Reduce_scatters, whole on every rank)
@@ -192,7 +195,7 @@ def gpt_block_activation_bytes(tokens: int, d_model: int, d_ff: int, heads: int,
     selective drops the scores (b d + b H s + b H, over t); full keeps only the block
     output, b d (over t with sp), which is the next block's input. Beside Korthikanti
     et al.'s sbh(34 + 5as/h) bytes in 16-bit numbers: with f = 4d, tp = 1 this is
-    25d + 2 + H s + H numbers, where Megatron's 34h bytes are 17 h numbers plus 1-byte
+    24d + 2 + H s + H numbers, where Megatron's 34h bytes are 17 h numbers plus 1-byte
     dropout masks; minipar has no dropout (no masks), but its tape keeps what Megatron
     frees or never makes: x_hat beside LN's output, GELU's tanh, k + bk, the
     sums before and after each bias, and under sp the gathered inputs (Megatron
@@ -204,7 +207,7 @@ def gpt_block_activation_bytes(tokens: int, d_model: int, d_ff: int, heads: int,
     if recompute == "full":
         numbers = b * d // (tp if sp else 1)
     elif tp == 1:
-        numbers = 8 * b * d + 4 * b * d + 3 * b * f + 2 * b + scores
+        numbers = 7 * b * d + 4 * b * d + 3 * b * f + 2 * b + scores
     elif not sp:
         numbers = 12 * b * d + (4 * b * d + 3 * b * f + scores) // tp + 2 * b
     else:
