@@ -18,13 +18,16 @@ and the executor's own cost outside the compute: per instruction, the time betwe
 instruction's end and the next one's start (the loop, the timeline record) plus the
 time inside the sends (Isend returns at once), and the time the stages wait inside
 their Recvs. Rank 0 writes, per setting, the median run's figures and each ratio's
-median, min and max over the runs.
+median, min and max over the runs; and, under "message", what one activation's hop
+costs by itself (`message_cost`): back to back, and right after a forward's worth of
+matmuls, as every hop of a pipeline comes.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -73,6 +76,42 @@ def one_run(schedule: str, microbatches: int, world: MPI.Comm) -> dict | None:
             "imbalance": stage_imbalance(timeline, pp), **overhead(timeline)}
 
 
+def message_cost(world: MPI.Comm, repeats: int = 200) -> dict[str, float] | None:
+    """Rank 0 Isends one activation-sized message (32 x 256 float64, 64 KB) to rank 1,
+    which waits in its Recv; medians of the Isend call and of the one-way time (send
+    start to Recv return, on the wall clock both ranks share), in seconds: with MPI
+    called back to back, and with 3 ms of matmuls (8 MB of weights, what one F of this
+    benchmark streams) between one message and the next."""
+    rng = np.random.default_rng(0)
+    weights, rows = rng.random((1024, 1024)), rng.random((64, 1024))
+    out: dict[str, float] = {}
+    for label in ("back to back", "after compute"):
+        isend, one_way = [], []
+        for _ in range(repeats):
+            world.Barrier()
+            if world.Get_rank() == 0:
+                message = rng.random(32 * 256)
+                if label == "after compute":
+                    for _ in range(3):
+                        rows @ weights
+                sent = time.time()
+                start = time.perf_counter()
+                request = world.Isend(message, dest=1, tag=7)
+                isend.append(time.perf_counter() - start)
+                world.send(sent, dest=1, tag=8)
+                request.Wait()
+            elif world.Get_rank() == 1:
+                buffer = np.empty(32 * 256)
+                world.Recv(buffer, source=0, tag=7)
+                arrived = time.time()
+                one_way.append(arrived - world.recv(source=0, tag=8))
+        got = world.gather((isend, one_way))
+        if world.Get_rank() == 0:
+            out[f"isend {label}"] = float(np.median(got[0][0]))
+            out[f"one-way {label}"] = float(np.median(got[1][1]))
+    return out if world.Get_rank() == 0 else None
+
+
 def spread(values: list[float]) -> dict[str, float]:
     return {"median": float(np.median(values)), "min": float(np.min(values)),
             "max": float(np.max(values))}
@@ -94,7 +133,9 @@ def main() -> None:
             results[f"{schedule} M={microbatches}"] = {
                 **middle, **{name: spread(v) for name, v in ratio.items()},
                 "imbalance_range": spread([r["imbalance"] for r in found])}
+    message = message_cost(world)
     if world.Get_rank() == 0:
+        results["message"] = message
         with open(out, "w") as f:
             json.dump(results, f)
 

@@ -35,6 +35,9 @@ from minipar.optim import SGD
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"reference MLP (B=64, d=64, L=8)": dict(d_in=32, d_model=64, d_ff=256, layers=8,
                                                   classes=10, batch=64),
+          # NumPy's work is next to nothing here: the difference is the tape's own cost
+          "tiny MLP (B=2, d=2, L=8)": dict(d_in=2, d_model=2, d_ff=8, layers=8, classes=10,
+                                           batch=2),
           "MLP 784-1024-1024-10 (B=256)": dict(d_in=784, d_model=1024, d_ff=1024, layers=1,
                                                classes=10, batch=256)}
 GPT_SHAPES = {"gpt defaults (B=64, T=32, d=64, L=8, H=4)": dict(
@@ -288,6 +291,9 @@ def main() -> None:
             lines.append(f"{'autograd / numpy, ' + label + ' ' + dtype + goal:<58} "
                          f"{r['minipar/numpy']:>8.3f}  {t['minipar']['median'] * 1e3:>9.2f} ms "
                          f"vs {t['numpy']['median'] * 1e3:>8.2f} ms")
+            if label.startswith("tiny"):
+                lines.append(f"{'  the tape per step (minipar - numpy), us':<58} "
+                             f"{(t['minipar']['median'] - t['numpy']['median']) * 1e6:>8.0f}")
             if "torch/numpy" in r:
                 lines.append(f"{'  torch / numpy':<58} {r['torch/numpy']:>8.3f}")
     results["autograd_profile"] = {}
@@ -355,6 +361,7 @@ def main() -> None:
         lines.append(f"{'  (memcpy bandwidth of this machine, GB/s)':<58} {r['memcpy_GBps']:>8.2f}")
     results["pipeline"] = _mpi_json(2, "bench.pipeline_rank", ["3" if quick else "7"],
                                     bind=True)
+    message = results["pipeline"].pop("message")
     for label, r in results["pipeline"].items():
         goal = " (goal <= 1.15)" if label.endswith("M=8") else ""
         q = r["measured/formula"]
@@ -367,6 +374,13 @@ def main() -> None:
                      f"{r['send_per_instruction'] * 1e6:.1f} us / "
                      f"{r['recv_wait_per_instruction'] * 1e3:.2f} ms; slowest / fastest stage "
                      f"{r['imbalance_range']['median']:.3f}")
+    results["pipeline"]["message"] = message
+    lines.append(f"{'  one 64 KB hop: Isend / one-way, back to back (us)':<58} "
+                 f"{message['isend back to back'] * 1e6:>6.1f}us  "
+                 f"{message['one-way back to back'] * 1e6:.1f} us")
+    lines.append(f"{'  the same right after 3 ms of matmuls (every hop of a pipeline)':<58} "
+                 f"{message['isend after compute'] * 1e6:>6.1f}us  "
+                 f"{message['one-way after compute'] * 1e6:.1f} us")
     results["cp"] = cp = cp_vs_one(repeats=3 if quick else 8)
     for mode in ("allgather", "ring", "zigzag", "ulysses"):
         q = cp[mode]["vs_one"]
