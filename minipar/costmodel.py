@@ -56,6 +56,8 @@ class Block:
     act_tp_whole: float = 0.0    # bytes/token whole on every rank once tp > 1, SP or not
     act_sp_cut: float = 0.0      # bytes/token SP adds to the cut part (minipar's tape:
     #                              partial sums, gathered inputs; recompute.py counts them)
+    act_tp_replicated: float = 0.0  # bytes/token more TP > 1 leaves whole, SP cuts (minipar:
+    #                              fc2's output, which its one-node tp = 1 FFN folds away)
     capacity: bool = False       # MoE with an expert capacity: an Exscan of counts over dp
     sp_gathers: int = 0          # SP: Allgathers per pass of a part every tp rank runs whole
     sp_partial: int | None = None  # SP: gradient elements left partial (None: every unsplit)
@@ -277,13 +279,14 @@ def activation_bytes(block: Block, tokens: int, plan: Plan) -> float:
     block's cheap_* bytes: what is cheap to recompute, if the block names any); full
     recomputation keeps only the block input (Megatron: 2sbh), cut by SP too.
     minipar's own tape adds what its tp layers keep besides (`act_tp_whole`,
-    `act_sp_cut`: recompute.gpt_block_activation_bytes)."""
+    `act_tp_replicated`, `act_sp_cut`: recompute.gpt_block_activation_bytes)."""
     cut = plan.tp if plan.sp else 1
     if plan.recompute == "full":  # the layer's input: the residual stream, cut by SP
         return tokens * block.act_input / cut
     selective = plan.recompute == "selective"
     scores = 0.0 if selective else block.act_scores
     replicated = (block.act_replicated - selective * block.cheap_replicated
+                  + (block.act_tp_replicated if plan.tp > 1 else 0.0)
                   + (block.act_sp_cut if plan.sp else 0.0)) / cut
     whole = block.act_tp_whole if plan.tp > 1 else 0.0
     split = block.act_split - selective * block.cheap_split

@@ -144,7 +144,8 @@ def minipar_workload(cfg: TrainConfig) -> Workload:
                                 sp_gathers=int(model.is_gpt), sp_partial=3 * d, **attention))
         elif model.is_gpt:  # exactly what its tape keeps (recompute.py counts it)
             blocks.append(Block(arrays, tp_reductions=reductions,
-                                act_replicated=(8 * d + 2) * itemsize,
+                                act_replicated=(7 * d + 2) * itemsize,
+                                act_tp_replicated=d * itemsize,
                                 act_split=(4 * d + 3 * f) * itemsize,
                                 act_scores=(d + model.heads * (model.seq_len + 1)) * itemsize,
                                 act_input=d * itemsize, act_tp_whole=4 * d * itemsize,
