@@ -48,6 +48,7 @@ from minipar.parallel.pipeline_schedules import (
     in_flight_peak,
     simulate_schedule,
 )
+from minipar.recompute import tape_bytes  # node outputs and what their closures hold
 from minipar.report import group_sizes, wire_bytes
 from minipar.results import max_differences
 from minipar.threads import cores
@@ -77,22 +78,6 @@ def config(tp: int, pp: int, microbatches: int = 4) -> TrainConfig:
 
 
 # ------------------------------------------------------------ measuring
-def tape_bytes(out: ag.Tensor) -> int:
-    """Bytes of the arrays on the autograd tape behind `out` (parameters excluded, an
-    array shared by two nodes counted once): the activations one microbatch's forward
-    keeps alive until its backward."""
-    seen, buffers, stack = set(), {}, [out]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen or isinstance(node, nn.Parameter):
-            continue
-        seen.add(id(node))
-        if node.requires_grad:
-            buffers[node.data.__array_interface__["data"][0]] = node.data.nbytes
-        stack.extend(node.parents)
-    return sum(buffers.values())
-
-
 def holdings(cfg: TrainConfig) -> tuple[str, int, int]:
     """This rank's model pieces (text), their parameter bytes, and the tape bytes of one
     microbatch's forward through them (a random input for a stage that is not first:
