@@ -114,7 +114,7 @@ class MeshShape:
         Linear in the ranks: each axis's groups are found once; a group of more than
         8 ranks (always evenly spaced) is written by its first two and last members."""
         axes = ["dp", "tp", "pp"] + (["ep", "edp"] if self.ep > 1 else []) + (
-            ["cp"] if self.cp > 1 else [])
+            ["cp", "dp_cp"] + (["edp_cp"] if self.ep > 1 else []) if self.cp > 1 else [])
         head = ["rank"] + [f"{a}_rank" for a in axes] + [f"{a} group" for a in axes]
         written = {a: {} for a in axes}   # axis -> world rank -> its group, as text
         for a in axes:
@@ -131,7 +131,8 @@ class MeshShape:
         title = f"mesh dp={self.dp} tp={self.tp} pp={self.pp}" + (
             f" ep={self.ep}" if self.ep > 1 else "") + (
             f" cp={self.cp}" if self.cp > 1 else "") + f": {self.world} ranks, tp fastest" + (
-            ", then cp" if self.cp > 1 else "")
+            ", then cp; gradients sum over the dp_cp group (dp x cp)" + (
+                ", experts' over edp_cp" if self.ep > 1 else "") if self.cp > 1 else "")
         return "\n".join([title, *lines])
 
     def _group_index(self, rank: int, axis: str) -> int:

@@ -137,13 +137,30 @@ def test_mesh_command_prints_the_table():
             assert cell == ",".join(map(str, group))
 
 
-def test_mesh_command_shows_cp():
+def test_mesh_command_shows_cp_and_the_gradient_groups():
     done = mesh_cli("--dp", "2", "--cp", "2", "--pp", "2")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0] == "mesh dp=2 tp=1 pp=2 cp=2: 8 ranks, tp fastest, then cp"
+    assert lines[0] == ("mesh dp=2 tp=1 pp=2 cp=2: 8 ranks, tp fastest, then cp; gradients "
+                        "sum over the dp_cp group (dp x cp)")
+    assert lines[1].split()[-4:] == ["cp", "group", "dp_cp", "group"]
     rows = {int(r.split()[0]): r.split() for r in lines[2:]}
-    assert rows[5][4] == "1" and rows[5][-1] == "4,5"  # rank 5: cp rank 1, cp group {4,5}
+    # rank 5 = dp 0, cp 1 of pp stage 1: cp group {4,5}; its weights' gradients sum
+    # over the dp x cp ranks of stage 1, {4,5,6,7}, where it is index dp cp + cp = 1
+    assert rows[5][1:6] == ["0", "0", "1", "1", "1"] and rows[5][-2:] == ["4,5", "4,5,6,7"]
+    shape = MeshShape(dp=2, pp=2, cp=2)
+    for rank, row in rows.items():
+        assert row[-1] == ",".join(map(str, next(g for g in shape.groups("dp_cp")
+                                                  if rank in g)))
+
+
+def test_mesh_command_shows_the_experts_gradient_group_with_cp():
+    done = mesh_cli("--dp", "4", "--cp", "2", "--ep", "2")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].endswith("over the dp_cp group (dp x cp), experts' over edp_cp")
+    rows = {int(r.split()[0]): r.split() for r in lines[2:]}
+    assert rows[2][-2:] == ["0,1,2,3,4,5,6,7", "2,3,6,7"]
 
 
 def test_mesh_command_shows_ep_and_edp_for_moe():
