@@ -24,7 +24,8 @@ from dataclasses import replace
 
 from mpi4py import MPI
 
-from bench.dp_limit_rank import build, stats
+from bench.dp_limit_rank import build
+from bench.timing import spread
 from minipar.config import TrainConfig
 from minipar.train import train_step
 
@@ -56,7 +57,7 @@ def main() -> None:
         results = {}
         for name in names:
             slowest = [max(r[name][i] for r in everyone) for i in range(repeats)]
-            results[name] = {"steps": slowest, "step": stats(slowest)}
+            results[name] = {"steps": slowest, "step": spread(slowest)}
         results["ranks"] = cp
         with open(out, "w") as f:
             json.dump(results, f)

@@ -36,6 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from bench.dp_rank import SHAPE
+from bench.timing import spread
 from minipar import nn
 from minipar.comm import Ledger
 from minipar.config import TrainConfig
@@ -95,11 +96,6 @@ def timed_allreduce(buffer: np.ndarray, world: MPI.Comm) -> tuple[float, float, 
     return 0.0, time.perf_counter() - start, 0.0
 
 
-def stats(values: list[float]) -> dict[str, float]:
-    return {"median": float(np.median(values)), "min": float(np.min(values)),
-            "max": float(np.max(values))}
-
-
 def main() -> None:
     world = MPI.COMM_WORLD
     repeats, out = int(sys.argv[1]), sys.argv[2]
@@ -133,9 +129,9 @@ def main() -> None:
         compute, sync, optimizer = per_rank[0].T
         waiting = per_rank[:, :, 0].max(axis=0) - per_rank[0, :, 0]
         slowest = per_rank.sum(axis=2).max(axis=0)  # the slowest rank, repetition by repetition
-        results[name] = {"steps": slowest.tolist(), "step": stats(list(slowest)),
-                         "compute": stats(list(compute)), "sync": stats(list(sync)),
-                         "waiting": stats(list(waiting)), "optimizer": stats(list(optimizer))}
+        results[name] = {"steps": slowest.tolist(), "step": spread(list(slowest)),
+                         "compute": spread(list(compute)), "sync": spread(list(sync)),
+                         "waiting": spread(list(waiting)), "optimizer": spread(list(optimizer))}
     results["buckets"] = {f"overlapped {size}": len(setups[f"overlapped {size}"][3].buckets)
                           for size in BUCKETS}
     results["ranks"] = dp

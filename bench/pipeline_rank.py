@@ -32,6 +32,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from bench.timing import spread
 from minipar.config import TrainConfig
 from minipar.parallel.pipeline_schedules import bubble_formula, bubble_fraction, replay
 from minipar.train import train
@@ -110,11 +111,6 @@ def message_cost(world: MPI.Comm, repeats: int = 200) -> dict[str, float] | None
             out[f"isend {label}"] = float(np.median(got[0][0]))
             out[f"one-way {label}"] = float(np.median(got[1][1]))
     return out if world.Get_rank() == 0 else None
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": float(np.median(values)), "min": float(np.min(values)),
-            "max": float(np.max(values))}
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ from bench.one_process import (
     autograd_vs_numpy,
     gpt_vs_numpy,
 )
+from bench.timing import spread
 
 ROOT = Path(__file__).resolve().parent.parent
 def dp_scaling(ranks: list[int], steps: int) -> dict:
@@ -57,21 +58,16 @@ def dp_limit(repeats: int) -> dict:
     share, whole = np.array(r["share"]["steps"]), np.array(r["whole"]["steps"])
     for name, v in r.items():
         if isinstance(v, dict) and "steps" in v and name != "share":
-            v["vs_share"] = _spread(np.array(v["steps"]) / share)
+            v["vs_share"] = spread(np.array(v["steps"]) / share)
             if name not in ("whole", "allreduce"):  # one process alone / this step
-                v["speedup"] = _spread(whole / np.array(v["steps"]))
+                v["speedup"] = spread(whole / np.array(v["steps"]))
     # the floor of a blocking sync: the step's limit plus the bare Allreduce of its bytes
-    r["floor_vs_share"] = _spread((share + np.array(r["allreduce"]["steps"])) / share)
+    r["floor_vs_share"] = spread((share + np.array(r["allreduce"]["steps"])) / share)
     bucketed = r["bucketed"]["sync"]["median"]
     for name in [n for n in r if n.startswith("overlapped")]:
         r[name]["hidden_fraction"] = 1.0 - r[name]["sync"]["median"] / bucketed
         r[name]["vs_bucketed"] = r[name]["step"]["median"] / r["bucketed"]["step"]["median"]
     return r
-
-
-def _spread(values: np.ndarray) -> dict[str, float]:
-    return {"median": float(np.median(values)), "min": float(values.min()),
-            "max": float(values.max())}
 
 
 def cp_vs_one(repeats: int) -> dict:
@@ -82,7 +78,7 @@ def cp_vs_one(repeats: int) -> dict:
     one = np.array(r["one"]["steps"])
     for name, v in r.items():
         if isinstance(v, dict) and name != "one":
-            v["vs_one"] = _spread(np.array(v["steps"]) / one)
+            v["vs_one"] = spread(np.array(v["steps"]) / one)
     return r
 
 

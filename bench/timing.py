@@ -9,7 +9,7 @@ the medians.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -28,8 +28,13 @@ def interleaved(candidates: dict[str, Callable[[], object]], repeats: int = 20,
             start = time.perf_counter()
             candidates[name]()
             samples[name].append(time.perf_counter() - start)
-    return {name: {"median": float(np.median(s)), "min": float(np.min(s)),
-                   "max": float(np.max(s))} for name, s in samples.items()}
+    return {name: spread(s) for name, s in samples.items()}
+
+
+def spread(values: Sequence[float] | np.ndarray) -> dict[str, float]:
+    """The median of `values` and their range: how every figure of the bench is kept."""
+    return {"median": float(np.median(values)), "min": float(np.min(values)),
+            "max": float(np.max(values))}
 
 
 def ratio(times: dict[str, dict[str, float]], numerator: str, denominator: str) -> float:
