@@ -24,6 +24,7 @@ from pathlib import Path
 from minipar import checkpoint, preflight, watchdog
 from minipar.bugs import listing
 from minipar.checkpoint import CheckpointError, FolderInUseError, holding
+from minipar.checkpoint_owner import NEW_RUN, ownership_problems
 from minipar.config import ConfigError, _Parser, config_from_args, make_parser
 from minipar.mesh import MeshShape
 from minipar.placement import PlacementError
@@ -171,6 +172,9 @@ def reshard_command(argv: list[str]) -> int:
         cfg = checkpoint.config_for(manifest, **mesh).resolved(size)
         errors = problems(cfg, size) + [f"DST {message}" for message in
                                          preflight.folder_problems(args.destination)]
+        if not errors:   # DST holds only this run's older steps (checkpoint_owner.py)
+            errors = ownership_problems(args.destination, manifest.get("run") or NEW_RUN,
+                                        checkpoint.model_of(cfg), manifest["step"], "DST")
     if errors:
         return fail(rank, errors[0])
     reshard(cfg, world, args.source, args.destination)

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from minipar import checkpoint_folder as folders
+from minipar import checkpoint_owner as owner
 from minipar import nn
 from minipar.checkpoint_folder import atomic_write
 from minipar.config import TrainConfig
@@ -99,17 +100,21 @@ def write_shard(folder: Path, rank: int, world: int, pieces: Sequence[nn.Paramet
 
 
 def write_manifest(folder: Path, cfg: TrainConfig, step: int, optimizer_t: int,
-                   entries: list[dict], losses: Sequence[float] = ()) -> None:
+                   entries: list[dict], losses: Sequence[float] = (),
+                   run: str | None = None) -> None:
     """The last file of a save: what was saved, from which mesh, every shard's checksum,
+    which run and model it belongs to (checkpoint_owner.py: `run` None draws a new id),
     and the manifest's own checksum (`seal`), so a hand edit of any field is caught."""
     saved_config = {k: v for k, v in cfg.as_json().items() if k not in RUN_ONLY}
+    shapes = nn.canonical_shapes(cfg.model_config())
     manifest = {
         "format": FORMAT, "step": step, "optimizer_t": optimizer_t,
+        "run": run or owner.new_run_id(), "model": owner.model_id(cfg.model, shapes),
         "losses": list(losses),  # steps 1..step: a resumed run reports all S of them
         "mesh": {"world": len(entries), "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
                  "ep": cfg.ep, "virtual": cfg.virtual, "cp": cfg.cp},
         "config": saved_config,
-        "shapes": {k: list(v) for k, v in nn.canonical_shapes(cfg.model_config()).items()},
+        "shapes": {k: list(v) for k, v in shapes.items()},
         "files": {e["file"]: {k: e[k] for k in ("rank", "bytes", "sha256")} for e in entries},
     }
     atomic_write(folder / MANIFEST, json.dumps(seal(manifest), indent=1).encode())

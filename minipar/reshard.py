@@ -32,6 +32,6 @@ def reshard(cfg: TrainConfig, world: object, source: str | Path,
     chunks, updater = parallelize(cfg, mesh, saved.params, optimizer)
     params = [p for chunk in chunks for p in chunk.parameters()]
     step = checkpoint.restore_optimizer(optimizer, params, saved, updater)
-    checkpoint.save(destination, cfg, mesh, updater, optimizer, step,
-                    losses=saved.manifest.get("losses", []))
+    checkpoint.save(destination, cfg, mesh, updater, optimizer, step,   # the same run, moved
+                    losses=saved.manifest.get("losses", []), run=saved.manifest.get("run"))
     mesh.free()

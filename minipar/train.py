@@ -341,7 +341,7 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
     final, disagreements = gather_full_params(mesh, params, cfg)
     if cfg.save:  # every rank writes its shard; rank 0 the manifest, last
         checkpoint.save(cfg.save, cfg, mesh, updater, updater.optimizer, cfg.steps, losses,
-                        keep=cfg.keep)
+                        keep=cfg.keep, run=checkpoint.continued_run(cfg.resume))
     return RunResult(losses, init, final,
                      [r for rank in gathered for r in rank] if gathered else [],
                      {"replica_disagreements": disagreements,
