@@ -80,6 +80,7 @@ from minipar.checkpoint_format import (  # noqa: F401
     write_shard,
 )
 from minipar.config import TrainConfig
+from minipar.data import corpus_digest
 from minipar.mesh import Mesh
 from minipar.optim import Optimizer
 from minipar.shards import held_parts
@@ -335,7 +336,13 @@ def mismatches(manifest: dict, cfg: TrainConfig) -> list[str]:
     saved = manifest["config"]
     out = [f"saved with --{name.replace('_', '-')} {saved.get(name)}, this run has "
            f"{getattr(cfg, name)} (they must match)"
-           for name in MUST_MATCH if name in saved and saved[name] != getattr(cfg, name)]
+           for name in MUST_MATCH if name in saved and saved[name] != getattr(cfg, name)
+           and not (name == "data" and saved[name] and cfg.data and "data_sha256" in manifest)]
+    if cfg.data and saved.get("data") and isinstance(manifest.get("data_sha256"), str) \
+            and corpus_digest(cfg.data) != manifest["data_sha256"]:   # by content, not path
+        out.append(f"--data {cfg.data}: its bytes differ from the file the checkpoint was "
+                   f"trained on ({saved['data']}, sha256 {manifest['data_sha256'][:12]}...): "
+                   "the run would not continue the saved one")
     if cfg.steps <= manifest["step"]:
         out.append(f"--steps {cfg.steps} leaves nothing to do after the checkpoint's step "
                    f"{manifest['step']} (--steps is the total: use more than "

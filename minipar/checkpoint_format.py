@@ -41,6 +41,7 @@ from minipar import checkpoint_owner as owner
 from minipar import nn
 from minipar.checkpoint_folder import atomic_write
 from minipar.config import TrainConfig
+from minipar.data import corpus_digest
 
 FORMAT = "minipar-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -114,6 +115,8 @@ def write_manifest(folder: Path, cfg: TrainConfig, step: int, optimizer_t: int,
         "mesh": {"world": len(entries), "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
                  "ep": cfg.ep, "virtual": cfg.virtual, "cp": cfg.cp},
         "config": saved_config,
+        # --data by its contents: the same file spelled another way is the same data
+        "data_sha256": corpus_digest(cfg.data) if cfg.data else None,
         "shapes": {k: list(v) for k, v in shapes.items()},
         "files": {e["file"]: {k: e[k] for k in ("rank", "bytes", "sha256")} for e in entries},
     }

@@ -85,3 +85,23 @@ def test_keep_prunes_only_the_writing_runs_steps_and_latest_never_moves_back(tmp
         assert folders.latest(tmp_path).name == "step-000005"
     finally:
         folders.release(tmp_path)
+
+
+# ------------------------------------------------- 2. --data compared by its bytes
+GPT = ["--model", "gpt", "--layers", "1", "--d-model", "8", "--heads", "2", "--seq-len", "8",
+       "--batch", "4", "--optimizer", "adam"]
+
+
+def test_resume_compares_the_data_by_its_bytes_not_its_spelling(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("the same text, read byte by byte, window after window. " * 8)
+    ck = tmp_path / "ck"
+    assert cli("train", *GPT, "--data", str(text), "--steps", "1", "--save", str(ck),
+               ).returncode == 0
+    assert checkpoint.read_manifest(ck)["data_sha256"]
+    job = cli("train", *GPT, "--data", "text.txt", "--steps", "2", "--resume", str(ck),
+              cwd=tmp_path)                               # the same file, spelled relatively
+    assert job.returncode == 0, job.stderr
+    text.write_text("another text entirely, of the same kind and about as long.. " * 8)
+    refused(cli("train", *GPT, "--data", str(text), "--steps", "2", "--resume", str(ck)),
+            "--data", "bytes differ")
