@@ -165,7 +165,8 @@ def reshard_command(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except ConfigError as error:
         return fail(rank, str(error))
-    errors = [f"SRC {message}" for message in checkpoint.verify(args.source)]
+    errors = [f"SRC {message}" for message in preflight.path_problems(args.source)
+              or checkpoint.verify(args.source)]
     if not errors:
         mesh = {axis: getattr(args, axis) for axis in ("dp", "tp", "pp", "ep", "virtual", "cp")}
         manifest = checkpoint.read_manifest(Path(args.source))

@@ -290,7 +290,9 @@ def problems(cfg: TrainConfig) -> list[str]:
         # `holding`: here rank 1 could see the lock its own rank 0 just took)
         out += [f"--save {message}" for message in folder_problems(Path(cfg.save))]
     if cfg.resume:
-        errors = verify(cfg.resume)
+        from minipar.preflight import path_problems  # the same layer
+
+        errors = path_problems(cfg.resume) or verify(cfg.resume)
         if errors:
             return out + [f"--resume {errors[0]}"]
         out += [f"--resume {cfg.resume}: {m}" for m in mismatches(read_manifest(

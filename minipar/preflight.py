@@ -12,13 +12,16 @@ same verdict without talking:
 - overflow: numbers that are finite but make a count no machine can hold
   (`--capacity-factor 1e308`);
 - output folders: `--save`, `--dump`, `--plot` must name a folder this process can
-  create files in, and not a file, and not "" (checked by `folder_problems`).
+  create files in, and not a file, and not "" (checked by `folder_problems`); every path
+  given (those and `--resume`) must not be a dangling link, a loop of links or a name
+  longer than the file system takes (`path_problems`).
 
     python -m minipar train --d-model 1000000000     # refused: one line, the estimate
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import tempfile
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from minipar.config import TrainConfig
 
 GiB = 2 ** 30
+NAME_MAX, PATH_MAX = 255, 4096   # Linux's limits on one name and on a whole path
 EXACT = 2 ** 53          # floats count exactly up to here; a capacity beyond it is nonsense
 
 
@@ -114,11 +118,46 @@ def overflow_problems(cfg: TrainConfig) -> list[str]:
     return out
 
 
+def path_problems(path: str | Path) -> list[str]:
+    """What about the name `path` itself makes it unusable, whatever it is for: a name
+    longer than the file system takes (one part, or the whole path), a symbolic link
+    that points nowhere (dangling) or back at itself (a loop), here or in a parent.
+    Pure reads of the file system (`lstat`, `readlink`): every rank agrees alone."""
+    text = os.fspath(path)
+    if len(os.fsencode(text)) >= PATH_MAX:
+        return [f"{text[:40]}...: the path is {len(os.fsencode(text))} bytes long, more "
+                f"than the {PATH_MAX - 1} a path may have"]
+    for part in Path(text).parts:
+        if len(os.fsencode(part)) > NAME_MAX:
+            return [f"{text[:40]}...: the name {part[:20]}... is {len(os.fsencode(part))} "
+                    f"bytes long, more than the {NAME_MAX} a file name may have"]
+    try:
+        os.stat(text)
+        return []
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return [f"{text}: a loop of symbolic links (one points back at itself)"]
+        if error.errno == errno.ENAMETOOLONG:
+            return [f"{text[:40]}...: the name is too long for this file system"]
+        if error.errno != errno.ENOENT:
+            return []   # ENOTDIR, EACCES, ...: the caller's own checks name them
+    here = Path(text)
+    for link in (here, *here.parents):   # the nearest part that is a link to nowhere
+        if os.path.islink(link) and not os.path.exists(link):
+            return [f"{text}: {link} is a symbolic link to {os.readlink(link)}, which does "
+                    "not exist (dangling)"]
+    return []
+
+
 def folder_problems(folder: str | Path) -> list[str]:
-    """Why files cannot be written into `folder`: an empty name, a file in the way (the
-    folder itself or a parent), a parent where this process cannot create files."""
+    """Why files cannot be written into `folder`: an empty name, an unusable name
+    (`path_problems`: too long, a dangling link, a loop), a file in the way (the folder
+    itself or a parent), a parent where this process cannot create files."""
     if isinstance(folder, str) and folder.strip() == "":   # (Path("") would mean ".")
         return ["needs a folder name (got an empty one)"]
+    unusable = path_problems(folder)
+    if unusable:
+        return unusable
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         return [f"{folder}: exists and is not a folder"]
@@ -133,6 +172,31 @@ def folder_problems(folder: str | Path) -> list[str]:
         os.unlink(probe)
     except OSError as error:
         return [f"{folder}: {parent} is not writable ({error.strerror})"]
+    return []
+
+
+def file_problems(path: str | Path) -> list[str]:
+    """Why a file cannot be written at `path` (e.g. `plan --json PATH`), found before the
+    work that fills it: an unusable name (`path_problems`), a folder in its place, a
+    missing parent, a parent this process cannot create files in."""
+    if isinstance(path, str) and path.strip() == "":
+        return ["needs a file name (got an empty one)"]
+    unusable = path_problems(path)
+    if unusable:
+        return unusable
+    path = Path(path)
+    if path.is_dir():
+        return [f"{path}: is a folder, not a file"]
+    if not path.parent.is_dir():
+        return [f"{path}: no folder {path.parent} to write it in"]
+    if path.exists() and not os.access(path, os.W_OK):
+        return [f"{path}: exists and is not writable"]
+    try:   # really try, as folder_problems does
+        handle, probe = tempfile.mkstemp(prefix=".minipar-probe-", dir=path.parent)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        return [f"{path}: {path.parent} is not writable ({error.strerror})"]
     return []
 
 

@@ -105,3 +105,103 @@ def test_resume_compares_the_data_by_its_bytes_not_its_spelling(tmp_path):
     text.write_text("another text entirely, of the same kind and about as long.. " * 8)
     refused(cli("train", *GPT, "--data", str(text), "--steps", "2", "--resume", str(ck)),
             "--data", "bytes differ")
+
+
+# ------------------------------------------------- 3. paths found unusable before step 1
+@pytest.fixture
+def bad_paths(tmp_path):
+    """A dangling link, a loop of links, a name too long, a file (not a folder)."""
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "a_file").write_text("x")
+    return {"dangling": tmp_path / "dangling", "loop": tmp_path / "loop",
+            "long": tmp_path / ("n" * 300), "under a dangling link": tmp_path / "dangling" / "x",
+            "a_file": tmp_path / "a_file"}
+
+
+WHY = {"dangling": "dangling", "loop": "loop of symbolic links", "long": "300 bytes long",
+       "under a dangling link": "dangling"}
+
+
+@pytest.mark.parametrize("case", sorted(WHY))
+def test_unusable_paths_are_named_for_folders_and_files(bad_paths, case):
+    from minipar.preflight import file_problems, folder_problems
+
+    for problems in (folder_problems(bad_paths[case]), file_problems(bad_paths[case])):
+        assert len(problems) == 1 and WHY[case] in problems[0], problems
+
+
+def test_every_path_flag_refuses_links_to_nowhere_and_loops(bad_paths, tmp_path):
+    refused(cli("train", *SMALL, "--steps", "2", "--dump", str(bad_paths["dangling"])),
+            "--dump", "dangling")
+    refused(cli("train", *SMALL, "--steps", "2", "--resume", str(bad_paths["loop"])),
+            "--resume", "loop")
+    ck = tmp_path / "ck"
+    assert cli("train", *SMALL, "--steps", "1", "--save", str(ck)).returncode == 0
+    refused(cli("reshard", str(ck), str(bad_paths["long"])), "DST", "300 bytes")
+    refused(cli("reshard", str(bad_paths["loop"]), str(tmp_path / "x")), "SRC", "loop")
+
+
+def test_plan_json_is_checked_before_the_search(bad_paths, tmp_path):
+    args = ["plan", "--preset", "llama3-8b", "--cluster", "h100", "--global-batch", "64",
+            "--gpus", "8", "--json"]
+    for target, why in ((tmp_path, "is a folder"), (tmp_path / "no" / "x.json", "no folder"),
+                        (bad_paths["dangling"], "dangling")):
+        refused(cli(*args, str(target)), "--json", why)
+    if Path("/dev/full").exists():   # a device that is full when the result is written
+        job = cli(*args, "/dev/full")
+        assert job.returncode == 1 and job.stderr.count("\n") == 1, job.stderr
+        assert "No space left on device" in job.stderr and "Traceback" not in job.stderr
+
+
+def test_data_is_checked_by_its_size_before_reading_and_large_files_are_mapped(tmp_path):
+    import numpy as np
+
+    from minipar import data
+
+    huge = tmp_path / "huge.txt"
+    with open(huge, "wb") as handle:           # sparse: no disk used
+        handle.truncate(data.DATA_LIMIT + 1)
+    problem = data.corpus_problem(str(huge), 8)
+    assert problem and "GiB is more than the 16 GiB" in problem, problem
+    large = tmp_path / "large.txt"
+    with open(large, "wb") as handle:
+        handle.truncate(data.MEMMAP_FROM)
+    assert isinstance(data.read_corpus(str(large)), np.memmap)
+    x, y = data.make_text_windows(str(large), 0, 0, 4, 8)
+    assert x.shape == (4, 8) and not x.any()
+
+
+# ------------------------------------------------- 5. plan in seconds for any GPU count
+def test_plan_enumerates_only_meshes_that_can_run_whatever_the_gpu_count(capsys):
+    from minipar.__main__ import main
+    from minipar.plan import make_parser, resolve_model
+    from minipar.plan_search import meshes
+    from minipar.plan_workloads import transformer
+
+    args = make_parser().parse_args(["--preset", "deepseek-v3", "--global-batch", "15360"])
+    w = transformer(resolve_model(args)[0], 15360, None)
+    for gpus in (735134400, 10**9, 2**61 - 1):   # highly composite, a power of ten, prime
+        for dp, tp, pp, cp, ep in meshes(w, gpus, {}):
+            assert dp * tp * pp * cp == gpus and w.batch % dp == 0 and pp <= w.layers
+    assert len(meshes(w, 2048, {})) < 3000
+    assert main(["plan", "--preset", "llama3-8b", "--cluster", "h100", "--global-batch",
+                 "1024", "--gpus", "735134400"]) == 0
+    assert "0 plans fit" in capsys.readouterr().out
+
+
+def test_a_search_past_its_budget_is_bounded_and_says_so(monkeypatch):
+    from minipar import plan_search
+    from minipar.costmodel import Plan
+    from minipar.plan import make_parser, resolve_hardware, resolve_model
+    from minipar.plan_workloads import transformer
+
+    args = make_parser().parse_args(["--preset", "llama3-8b", "--cluster", "h100",
+                                     "--global-batch", "1024", "--gpus", "64"])
+    w = transformer(resolve_model(args)[0], 1024, None)
+    hw = resolve_hardware(args)[0]
+    monkeypatch.setattr(plan_search, "BUDGET", 400)
+    found = plan_search.search(w, hw, 64, Plan(1, sp=True), (0, 1), ("selective",))
+    assert len(found.feasible) + len(found.too_big) <= 400
+    assert "the search was bounded" in found.bounded and "fix a degree" in found.bounded
+    assert found.feasible and sum(found.rejected.values()) > 0
