@@ -182,7 +182,7 @@ def test_plan_enumerates_only_meshes_that_can_run_whatever_the_gpu_count(capsys)
     args = make_parser().parse_args(["--preset", "deepseek-v3", "--global-batch", "15360"])
     w = transformer(resolve_model(args)[0], 15360, None)
     for gpus in (735134400, 10**9, 2**61 - 1):   # highly composite, a power of ten, prime
-        for dp, tp, pp, cp, ep in meshes(w, gpus, {}):
+        for dp, tp, pp, cp, _ in meshes(w, gpus, {}):
             assert dp * tp * pp * cp == gpus and w.batch % dp == 0 and pp <= w.layers
     assert len(meshes(w, 2048, {})) < 3000
     assert main(["plan", "--preset", "llama3-8b", "--cluster", "h100", "--global-batch",
