@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -151,7 +152,9 @@ def read_manifest(folder: Path) -> dict:
             raise ValueError("it fails its own sha256 check: edited since saved")
         _check_structure(manifest)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{folder}: {MANIFEST} is corrupt ({error})") from None
+        raise CheckpointError(f"{folder}: {MANIFEST} is corrupt ({str(error)[:120]})") from None
+    except RecursionError:   # JSON nested thousands deep: no manifest looks like that
+        raise CheckpointError(f"{folder}: {MANIFEST} is corrupt (nested too deep)") from None
     except OSError as error:
         raise CheckpointError(f"{folder}: cannot read {MANIFEST} ({error.strerror})") from None
     return manifest
@@ -231,7 +234,35 @@ def verify(folder: str | Path) -> list[str]:
         else:
             out += [f"{folder}: shard {name} {problem}" for problem in
                     shard_problems(io.BytesIO(data), manifest)[:1]]
+    if not out:
+        out += [f"{folder}: {problem}" for problem in coverage_problems(folder, manifest)]
     return out
+
+
+def coverage_problems(folder: Path, manifest: dict) -> list[str]:
+    """Whether the shards together hold every element of every array (a manifest resealed
+    without one shard lists only intact files, yet leaves a hole): read from each shard's
+    `meta`, no array loaded."""
+    covered = {name: np.zeros(shape, bool) for name, shape in manifest["shapes"].items()}
+    for name in sorted(manifest["files"]):
+        with np.load(folder / name, allow_pickle=False) as shard:
+            for piece in json.loads(shard["meta"].item())["pieces"]:
+                covered[piece["name"]][decode_index(piece["index"])] = True
+    missing = [name for name, mask in covered.items() if not mask.all()]
+    return [f"no shard holds all of {missing[0]} ({len(missing)} arrays incomplete)"
+            ] if missing else []
+
+
+def _array_header(shard: np.lib.npyio.NpzFile, key: str) -> tuple[np.dtype, tuple, int]:
+    """(dtype, shape, bytes stored) of one array of an open .npz, read from its npy header
+    alone: a header claiming 186 TiB is refused before anything is allocated."""
+    info = shard.zip.getinfo(f"{key}.npy")
+    with shard.zip.open(info) as handle:
+        version = np.lib.format.read_magic(handle)
+        read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                else np.lib.format.read_array_header_2_0)
+        shape, _, dtype = read(handle)
+    return dtype, shape, info.file_size
 
 
 def shard_problems(source: object, manifest: dict) -> list[str]:
@@ -249,12 +280,19 @@ def shard_problems(source: object, manifest: dict) -> list[str]:
                 full = tuple(manifest["shapes"][piece["name"]])
                 box = np.empty(full, np.bool_)[decode_index(piece["index"])].shape
                 for key in [f"{i}.data", *(f"{i}.{slot}" for slot in meta["slots"])]:
-                    array = shard[key]
-                    if array.dtype != dtype or array.shape != box:
-                        return [f"holds {piece['name']} ({key}) as {array.dtype} "
-                                f"{list(array.shape)}, the manifest says {dtype} {list(box)}"]
-    except (ValueError, KeyError, TypeError, IndexError, OSError) as error:
+                    kind, shape, stored = _array_header(shard, key)
+                    if kind != dtype or tuple(shape) != box:
+                        return [f"holds {piece['name']} ({key}) as {kind} "
+                                f"{list(shape)}, the manifest says {dtype} {list(box)}"]
+                    if stored < math.prod(box) * dtype.itemsize:
+                        return [f"holds {piece['name']} ({key}) in {stored} bytes, fewer "
+                                "than its shape needs"]
+                    if not np.isfinite(shard[key]).all():   # NaN or inf: no run resumes
+                        return [f"holds NaN or infinite numbers in {piece['name']} ({key})"]
+    except (ValueError, KeyError, TypeError, IndexError, OSError, AttributeError) as error:
         return [f"cannot be read ({type(error).__name__}: {str(error)[:80]})"]
+    except RecursionError:
+        return ["cannot be read (its meta is nested too deep)"]
     return []
 
 

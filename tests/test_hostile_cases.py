@@ -205,3 +205,69 @@ def test_a_search_past_its_budget_is_bounded_and_says_so(monkeypatch):
     assert len(found.feasible) + len(found.too_big) <= 400
     assert "the search was bounded" in found.bounded and "fix a degree" in found.bounded
     assert found.feasible and sum(found.rejected.values()) > 0
+
+
+# ------------------------------------------------- 4. crafted shards behind a resealed manifest
+def craft(step_folder: Path, how: str) -> None:
+    """Rewrite the one shard of `step_folder` the way `how` says, then fix its size and
+    checksum in the manifest and reseal it: only the contents' own checks stand in the way."""
+    import hashlib
+    import io
+    import zipfile
+
+    import numpy as np
+
+    shard = step_folder / checkpoint.shard_name(0, 1)
+    with np.load(shard) as opened:
+        arrays = {key: opened[key] for key in opened.files}
+    meta = json.loads(arrays["meta"].item())
+    if how == "deep meta":
+        arrays["meta"] = np.array("[" * 100_000 + "]" * 100_000)
+    elif how == "NaN data":
+        arrays["0.data"] = np.full_like(arrays["0.data"], np.nan)
+    elif how == "a missing piece":
+        meta["pieces"] = meta["pieces"][:-1]
+        arrays["meta"] = np.array(json.dumps(meta))
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    data = buffer.getvalue()
+    if how == "a huge npy header":   # "0.data" claims 2**44 float64: 128 TiB
+        header = {"descr": "<f8", "fortran_order": False, "shape": (2**44,)}
+        member = io.BytesIO()
+        np.lib.format.write_array_header_1_0(member, header)
+        rebuilt = io.BytesIO()
+        with zipfile.ZipFile(io.BytesIO(data)) as old, zipfile.ZipFile(rebuilt, "w") as new:
+            for info in old.infolist():
+                new.writestr(info.filename, member.getvalue() + b"\0" * 64
+                             if info.filename == "0.data.npy" else old.read(info))
+        data = rebuilt.getvalue()
+    shard.write_bytes(data)
+    manifest = json.loads((step_folder / "manifest.json").read_text())
+    manifest["files"][shard.name].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (step_folder / "manifest.json").write_text(json.dumps(checkpoint.seal(manifest)))
+
+
+CRAFTED = {"deep meta": "nested too deep", "a huge npy header": "the manifest says",
+           "NaN data": "NaN or infinite", "a missing piece": "no shard holds all of"}
+
+
+@pytest.fixture(scope="module")
+def one_checkpoint(tmp_path_factory):
+    ck = tmp_path_factory.mktemp("crafted") / "ck"
+    job = cli("train", *SMALL, "--steps", "1", "--save", str(ck))
+    assert job.returncode == 0, job.stderr
+    return ck
+
+
+@pytest.mark.parametrize("how", sorted(CRAFTED))
+def test_a_crafted_shard_is_one_line(one_checkpoint, tmp_path, how):
+    import shutil
+
+    copy = tmp_path / "ck"
+    shutil.copytree(one_checkpoint, copy)
+    craft(folders.latest(copy), how)
+    errors = checkpoint.verify(copy)
+    assert len(errors) == 1 and CRAFTED[how] in errors[0] and "\n" not in errors[0], errors
+    if how == "NaN data":   # through the command line: exit 2, before the first step
+        refused(cli("train", *SMALL, "--steps", "2", "--resume", str(copy)), "--resume",
+                CRAFTED[how])
