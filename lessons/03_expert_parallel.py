@@ -36,7 +36,7 @@ from mpi4py import MPI
 from minipar import autograd as ag
 from minipar import fused, nn
 from minipar.comm import Ledger
-from minipar.log import run_collectively, verdict
+from minipar.log import lesson_arguments, run_collectively, verdict
 from minipar.mesh import Mesh, MeshShape
 from minipar.parallel.expert_parallel import ExpertParallelBlock, expected_alltoallv_elements
 from minipar.results import relative_difference
@@ -227,7 +227,7 @@ def plot_load(stats: dict, capacity: float | None, folder: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
-    args = parser.parse_args()
+    args = lesson_arguments(parser)   # --plot checked now, not at the end
     if size != 8:
         say("run with 8 ranks: mpiexec -n 8 python lessons/03_expert_parallel.py")
         sys.exit(2)

@@ -39,7 +39,7 @@ from mpi4py import MPI
 from minipar import nn
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
-from minipar.log import run_collectively, say_in_order, verdict, wait_for_rank0
+from minipar.log import lesson_arguments, run_collectively, say_in_order, verdict, wait_for_rank0
 from minipar.mesh import Mesh
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
@@ -300,7 +300,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="narrower layers (tests)")
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
-    args = parser.parse_args()
+    args = lesson_arguments(parser)   # --plot checked now, not at the end
     if size not in (2, 4):  # M = 4 and 8 split in groups of pp; 48 layers in 2 pp chunks
         say("lesson 4 runs on 2 or 4 ranks: mpiexec -n 4 python lessons/04_pipeline_parallel.py")
         sys.exit(2)

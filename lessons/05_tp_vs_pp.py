@@ -40,7 +40,7 @@ from minipar import autograd as ag
 from minipar import nn
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
-from minipar.log import run_collectively, say_in_order, verdict
+from minipar.log import lesson_arguments, run_collectively, say_in_order, verdict
 from minipar.mesh import Mesh
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
@@ -309,7 +309,7 @@ def figures(rows: dict[str, dict], held: dict[str, dict], folder: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
-    args = parser.parse_args()
+    args = lesson_arguments(parser)   # --plot checked now, not at the end
     if size != 4:
         say("lesson 5 compares TP and PP on 4 ranks: mpiexec -n 4 python lessons/05_tp_vs_pp.py")
         sys.exit(2)

@@ -32,7 +32,7 @@ from mpi4py import MPI
 
 from minipar import nn
 from minipar.config import TrainConfig
-from minipar.log import run_collectively, verdict
+from minipar.log import lesson_arguments, run_collectively, verdict
 from minipar.memory import (
     ModelStates,
     optimizer_bytes_per_param,
@@ -119,7 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
-    args = parser.parse_args()
+    args = lesson_arguments(parser)   # --plot checked now, not at the end
     world = MPI.COMM_WORLD
     n = world.Get_size()
     # 8 classes: Psi = 34472, which 2, 4 and 8 ranks divide (try 3 ranks for uneven slices)

@@ -39,7 +39,7 @@ from minipar.autograd import Tensor
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
 from minipar.costmodel import rank_shape
-from minipar.log import run_collectively, say_in_order, verdict, wait_for_rank0
+from minipar.log import lesson_arguments, run_collectively, say_in_order, verdict, wait_for_rank0
 from minipar.memory import wire_elements
 from minipar.mesh import Mesh
 from minipar.plan import minipar_workload, plan_of
@@ -291,7 +291,7 @@ def figure(found: dict[str, dict[str, int]], path: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
-    args = parser.parse_args()
+    args = lesson_arguments(parser)   # --plot checked now, not at the end
     if size not in (2, 4):
         say("lesson 11 runs on 2 or 4 ranks (mpiexec -n 4 python lessons/11_transformer_tp.py)")
         raise SystemExit(2)

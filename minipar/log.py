@@ -17,6 +17,7 @@ Used by the lessons: `mpiexec -n 4 python lessons/00_collectives.py`.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 import traceback
@@ -24,6 +25,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from mpi4py import MPI
+
+from minipar.config import ConfigError
 
 if TYPE_CHECKING:
     from minipar.comm import Group
@@ -76,6 +79,33 @@ def verdict(ok: bool, good: str = "OK", bad: str = "MISMATCH") -> str:
     return good if ok else bad
 
 
+def lesson_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """A lesson's `parser.parse_args()`, with its `--plot DIR` checked at once (a file, a
+    read-only folder, a dangling link: preflight.folder_problems), not after the lesson
+    ran: a ConfigError, which `run_collectively` turns into one line from rank 0."""
+    from minipar.preflight import folder_problems  # here: preflight.py needs no MPI
+
+    args = parser.parse_args()
+    if getattr(args, "plot", None) is not None:
+        problems = folder_problems(args.plot)
+        if problems:
+            raise ConfigError(f"--plot {problems[0]}")
+    return args
+
+
+def refuse_together(main: Callable[[], object]) -> Callable[[], object]:
+    """`main`, where a ConfigError (a setting every rank finds alike: the flags, the world
+    size, `train`'s own checks) is one line from rank 0 and exit 2 on every rank."""
+    def refusing() -> object:
+        try:
+            return main()
+        except ConfigError as error:
+            if MPI.COMM_WORLD.Get_rank() == 0:
+                print(f"minipar: error: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+    return refusing
+
+
 def run_collectively(main: Callable[[], object]) -> None:
     """Run a lesson's `main` so that one failing rank takes the whole job down.
 
@@ -84,8 +114,9 @@ def run_collectively(main: Callable[[], object]) -> None:
     ranks would wait forever in a collective their partner never joins.
     `SystemExit` passes through untouched: every rank decides it alike (from the
     flags and the world size), so all leave together. After `main`, the ranks agree
-    on whether any `verdict` failed; if one did, every rank exits 1."""
-    abort_on_exception(main)
+    on whether any `verdict` failed; if one did, every rank exits 1. A ConfigError,
+    raised on every rank alike (`refuse_together`), is one line from rank 0, exit 2."""
+    abort_on_exception(refuse_together(main))
     wait_for_rank0(MPI.COMM_WORLD)  # asleep while rank 0 finishes alone (figures, reruns)
     # failed checks on any rank -> their count on every rank, so all exit alike
     failed = MPI.COMM_WORLD.allreduce(len(_FAILED))

@@ -238,10 +238,15 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
           ) -> RunResult:
     """Train `cfg` on the mesh it describes over the `world` communicator.
 
-    `cfg` must be resolved and free of `problems`: nothing here checks sizes again.
-    Every rank returns the losses; rank 0 also the full parameters (init and final)
-    and the ledger of the last step gathered from every rank.
+    `cfg` must be resolved. Its `problems` are checked here too, on every rank alike
+    before any communication (lessons and notebooks call this without the command line):
+    the first is raised as a ConfigError. Every rank returns the losses; rank 0 also the
+    full parameters (init and final) and the ledger of the last step from every rank.
     """
+    refusals = problems(cfg, world.Get_size())
+    if refusals:
+        raise config.ConfigError(refusals[0] + (f" (and {len(refusals) - 1} more)"
+                                                if len(refusals) > 1 else ""))
     if cfg.inject_bug:  # lesson 08: this same run with one piece swapped for a broken one
         with bugs.injected(cfg.inject_bug):
             return train(replace(cfg, inject_bug=None), world, on_step)

@@ -271,3 +271,34 @@ def test_a_crafted_shard_is_one_line(one_checkpoint, tmp_path, how):
     if how == "NaN data":   # through the command line: exit 2, before the first step
         refused(cli("train", *SMALL, "--steps", "2", "--resume", str(copy)), "--resume",
                 CRAFTED[how])
+
+
+# ------------------------------------------------- 6. lessons get the command line's refusals
+LESSON_REFUSALS = {"10_transformer.py --quick": "--batch 16 is not divisible by --dp 3",
+                   "02_tensor_parallel.py": "lesson 2 splits W's 2048 columns",
+                   "12_context_parallel.py --quick": "--cp-mode ulysses",
+                   "01_data_parallel.py": "lesson 1 splits a batch of 1024",
+                   "03_expert_parallel.py --plot {a_file}": "--plot",
+                   "07_zero.py --plot {dangling}": "dangling"}
+
+
+def test_lessons_on_a_rank_count_they_cannot_use_refuse_in_one_line(tmp_path):
+    from tests.mpi import launch
+
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    cases = [case.format(a_file=tmp_path / "a_file", dangling=tmp_path / "dangling")
+             for case in LESSON_REFUSALS]
+    job = launch(3, ["-m", "tests.rank_lessons", str(tmp_path / "out"), *cases], 90)
+    assert job.returncode == 0 and not job.timed_out, job.explain()
+    ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(3)]
+    for i, expected in enumerate(LESSON_REFUSALS.values()):
+        for rank, records in enumerate(ranks):
+            record = records[i]
+            assert record["code"] == 2, record
+            lines = [line for line in record["stderr"].splitlines() if line.strip()]
+            if rank:
+                assert lines == [] and "MISMATCH" not in record["stdout"], record
+            else:
+                assert len(lines) == 1 and lines[0].startswith("minipar: error: "), record
+                assert expected in lines[0], (expected, lines)
