@@ -243,19 +243,25 @@ TALKING = ("train", "reshard", "tour")
 
 
 def main_leaving_together() -> int:
-    """`main_quiet_on_closed_pipe()`, where a SystemExit with a failing code inside a
-    command whose ranks talk is one rank leaving on its own (every rank leaving alike
-    returns an exit code from `main` instead): end the job, or its partners wait forever."""
+    """`main_quiet_on_closed_pipe()`, where a SystemExit inside a command whose ranks talk
+    is one rank leaving on its own, whatever its code, 0 included (every rank leaving
+    alike returns an exit code from `main` instead; only --help leaves by SystemExit on
+    every rank): end the job, or its partners wait forever."""
     try:
         return main_quiet_on_closed_pipe()
     except SystemExit as leaving:
-        if leaving.code in (None, 0) or sys.argv[1:2] not in [[name] for name in TALKING]:
+        helping = leaving.code in (None, 0) and {"-h", "--help"} & set(sys.argv[2:])
+        if helping or sys.argv[1:2] not in [[name] for name in TALKING]:
             raise
         from minipar.log import abort_all  # here: log.py loads mpi4py.MPI
 
+        if sys.stderr.closed:   # our reader left (a closed pipe): end the job quietly
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Abort(0)
         abort_all(f"minipar: rank {launcher_rank()} left on its own "
                   f"(SystemExit({leaving.code!r})) while its partners ran on: ending the job\n",
-                  leaving.code if isinstance(leaving.code, int) else 1)
+                  leaving.code if isinstance(leaving.code, int) and leaving.code else 1)
         raise
 
 

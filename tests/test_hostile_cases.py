@@ -302,3 +302,15 @@ def test_lessons_on_a_rank_count_they_cannot_use_refuse_in_one_line(tmp_path):
             else:
                 assert len(lines) == 1 and lines[0].startswith("minipar: error: "), record
                 assert expected in lines[0], (expected, lines)
+
+
+# ------------------------------------------------- 9. a rank leaving alone with SystemExit(0)
+def test_a_rank_leaving_alone_with_exit_0_ends_the_job_at_once():
+    from tests.mpi import launch
+
+    start = time.monotonic()
+    job = launch(2, ["-m", "tests.rank_faults", "fault", "exit0:1:2", "train", "--dp", "2",
+                     "--steps", "5", "--timeout", "0", *SMALL], 60)
+    assert not job.timed_out and time.monotonic() - start < 30, job.explain()
+    assert job.returncode != 0 and "done:" not in job.stdout, job.explain()
+    assert "rank 1 left on its own (SystemExit(0))" in job.stderr, job.explain()
