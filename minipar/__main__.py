@@ -148,7 +148,9 @@ def tour_command(argv: list[str]) -> int:
 def reshard_command(argv: list[str]) -> int:
     """`python -m minipar reshard SRC DST [--dp --tp --pp --ep --virtual --cp]`: rewrite a
     checkpoint for another mesh without training (one rank, no flags: the full state)."""
-    from minipar.reshard import reshard  # here: loads mpi4py.MPI, which `plan`/`bugs` never need
+    from minipar.config import size_problems as config_size_problems
+    from minipar.reshard import for_mesh, reshard  # here: loads mpi4py.MPI, which `plan`/`bugs`
+    # never need
 
     world = _world()
     rank, size = world.Get_rank(), world.Get_size()
@@ -159,6 +161,9 @@ def reshard_command(argv: list[str]) -> int:
         parser.add_argument(f"--{axis}", type=int, default=default,
                             help=f"the new mesh's {axis} (default: dp fills the job)"
                             if axis == "dp" else f"the new mesh's {axis}")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="microbatches per step on the new mesh (default: the saved "
+                        "run's, or the least the new mesh's schedule needs)")
     parser.add_argument("source", metavar="SRC", help="the checkpoint folder to read")
     parser.add_argument("destination", metavar="DST", help="the checkpoint folder to write")
     try:
@@ -168,9 +173,12 @@ def reshard_command(argv: list[str]) -> int:
     errors = [f"SRC {message}" for message in preflight.path_problems(args.source)
               or checkpoint.verify(args.source)]
     if not errors:
-        mesh = {axis: getattr(args, axis) for axis in ("dp", "tp", "pp", "ep", "virtual", "cp")}
+        mesh = {axis: getattr(args, axis) for axis in ("dp", "tp", "pp", "ep", "virtual", "cp",
+                                                         "microbatches")}
         manifest = checkpoint.read_manifest(Path(args.source))
         cfg = checkpoint.config_for(manifest, **mesh).resolved(size)
+        if args.microbatches is None and not config_size_problems(cfg, size):
+            cfg = for_mesh(cfg)   # derive what the new mesh needs (reshard.py)
         errors = problems(cfg, size) + [f"DST {message}" for message in
                                          preflight.folder_problems(args.destination)]
         if not errors:   # DST holds only this run's older steps (checkpoint_owner.py)

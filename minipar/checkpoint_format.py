@@ -300,7 +300,13 @@ def shard_problems(source: object, manifest: dict) -> list[str]:
 def config_for(manifest: dict, **mesh: int) -> TrainConfig:
     """The saved run's config with another mesh (`dp=.., tp=.., pp=.., ep=.., virtual=..`);
     `--steps` is the checkpoint's step (the total so far)."""
+    microbatches = mesh.pop("microbatches", None)
     fields = dict(manifest["config"], steps=int(manifest["step"]), zero=0, **mesh)
+    # how the new mesh lays out what it holds, not what was saved: derived again for it
+    fields["vocab_parallel"] = None                       # its default for the new tp
+    fields["sp"] = bool(fields.get("sp")) and fields.get("tp", 1) > 1
+    if microbatches is not None:
+        fields["microbatches"] = microbatches
     if fields.get("virtual", 1) > 1:
         fields["schedule"] = "interleaved"
     elif fields.get("schedule") in ("zb-v", "dualpipev", "dualpipe") \

@@ -314,3 +314,25 @@ def test_a_rank_leaving_alone_with_exit_0_ends_the_job_at_once():
     assert not job.timed_out and time.monotonic() - start < 30, job.explain()
     assert job.returncode != 0 and "done:" not in job.stdout, job.explain()
     assert "rank 1 left on its own (SystemExit(0))" in job.stderr, job.explain()
+
+
+# ------------------------------------------------- 7. reshard derives what the new mesh needs
+def test_reshard_derives_the_flags_a_target_mesh_needs(tmp_path):
+    import numpy as np
+
+    from tests.mpi import minipar
+
+    gpt = ["--model", "gpt", "--layers", "4", "--d-model", "16", "--heads", "2", "--seq-len",
+           "8", "--vocab", "16", "--batch", "8", "--optimizer", "adam"]
+    a, b, c, d = (tmp_path / name for name in "abcd")
+    assert cli("train", *gpt, "--steps", "1", "--save", str(a)).returncode == 0
+    for job in (minipar(2, ["reshard", str(a), str(b), "--tp", "2"], 60),   # vocab over tp
+                cli("reshard", str(b), str(c)),              # tp 2 -> 1: no --vocab-parallel
+                minipar(2, ["reshard", str(a), str(d), "--pp", "2", "--virtual", "2"], 60)):
+        assert job.returncode == 0, (job.stdout, job.stderr)
+    assert checkpoint.read_manifest(d)["config"]["microbatches"] == 2   # derived: M % pp
+    saved = checkpoint.load(a)
+    for moved in (c, d):
+        assert checkpoint.verify(moved) == []
+        for name, value in checkpoint.load(moved).params.items():
+            assert np.array_equal(value, saved.params[name]), name
