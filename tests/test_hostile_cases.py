@@ -336,3 +336,56 @@ def test_reshard_derives_the_flags_a_target_mesh_needs(tmp_path):
         assert checkpoint.verify(moved) == []
         for name, value in checkpoint.load(moved).params.items():
             assert np.array_equal(value, saved.params[name]), name
+
+
+# ------------------------------------------------- 8. exercises: the student's folder alone
+def test_exercise_start_never_overwrites_and_wants_a_folder(tmp_path):
+    from minipar.exercises.command import main
+
+    (tmp_path / "a_file").write_text("x")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "EXERCISE.txt").write_text("my own notes")
+    for target in (tmp_path / "a_file", Path("/dev/null"), mine):
+        assert main(["start", "dp-naive", str(target)]) == 2
+    assert (mine / "EXERCISE.txt").read_text() == "my own notes"
+    assert not (mine / "minipar").exists()
+
+
+def test_exercise_check_fails_a_folder_missing_a_file_naming_it(tmp_path):
+    from minipar.exercises import regions
+    from minipar.exercises.command import check
+
+    empty = tmp_path / "empty"
+    (empty / "minipar").mkdir(parents=True)
+    (empty / "minipar" / "__init__.py").write_text("")
+    code, report = check(["dp-naive"], empty)
+    assert code == 1 and "FAILED" in report and "your folder lacks minipar/" in report, report
+    regions.start(["dp-naive"], tmp_path / "student")
+    (tmp_path / "student" / "minipar" / "train.py").unlink()
+    code, report = check(["dp-naive"], tmp_path / "student")
+    assert code == 1 and "lacks minipar/train.py:" in report, report
+
+
+def test_exercise_check_bounds_the_output_names_sys_exit_and_a_timeout(tmp_path, monkeypatch):
+    from minipar.exercises import regions
+    from minipar.exercises.command import check
+
+    stubbed = regions.start(["dp-naive", "dp-bucketed"], tmp_path)
+    path = stubbed[0]
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if "raise NotImplementedError(\"exercise dp-naive" in line or \
+                "raise NotImplementedError('exercise dp-naive" in line:
+            lines[i] = line[:len(line) - len(line.lstrip())] + (
+                "import sys; [print('noise', j) for j in range(5000)]; sys.exit(0)")
+        elif "NotImplementedError" in line and "dp-bucketed" in line:
+            lines[i] = line[:len(line) - len(line.lstrip())] + "while True: pass"
+    path.write_text("\n".join(lines) + "\n")
+    monkeypatch.setenv("MINIPAR_EXERCISE_DEADLINE", "5")
+    code, report = check(["dp-naive", "dp-bucketed"], tmp_path)
+    assert code == 1 and len(report.splitlines()) < 40, report
+    assert "called sys.exit(0) at parallel/data_parallel.py" in report, report
+    assert "more lines the code printed are left out" in report, report
+    assert "timeout: after 5 s rank" in report and "at step 1 of" in report, report
+    assert "in bucketed_allreduce" in report, report
