@@ -45,12 +45,15 @@ def missing_files(folder: Path) -> list[str]:
 
 def bounded(report: str, limit: int = SHOWN_LINES) -> str:
     """The job's report with the student's own printing cut to `limit` lines (each to 300
-    characters): the graded lines ("exercise NAME: ..." and the verdict under it) stay."""
+    characters): the graded lines ("exercise NAME: ..." and the verdict under it) stay
+    whole."""
     lines, out, other = report.splitlines(), [], 0
     for i, line in enumerate(lines):
         graded = line.startswith("exercise ") or (
             line.startswith("  ") and i and lines[i - 1].startswith("exercise "))
-        if graded or other < limit:
+        if graded:
+            out.append(line)
+        elif other < limit:
             out.append(line if len(line) <= 300 else line[:300] + " ...")
         other += not graded
     if other > limit:
