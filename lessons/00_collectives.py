@@ -35,7 +35,8 @@ from mpi4py import MPI
 
 from minipar import ring
 from minipar.comm import Group, Ledger
-from minipar.log import lesson_arguments, run_collectively, say_in_order, verdict
+from minipar.log import run_collectively, say_in_order, verdict
+from minipar.preflight import lesson_arguments
 
 
 def banner(world: Group, title: str) -> None:

@@ -42,7 +42,7 @@ from minipar import nn
 from minipar.comm import Ledger
 from minipar.config import ConfigError
 from minipar.data import make_batch, shard_rows
-from minipar.log import lesson_arguments, run_collectively, say_in_order, verdict
+from minipar.log import run_collectively, say_in_order, verdict
 from minipar.memory import wire_elements
 from minipar.mesh import Mesh, MeshShape
 from minipar.parallel.data_parallel import (
@@ -52,6 +52,7 @@ from minipar.parallel.data_parallel import (
     install_hooks,
     make_buckets,
 )
+from minipar.preflight import lesson_arguments
 from minipar.threads import cores
 
 BATCH = 1024

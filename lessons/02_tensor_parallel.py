@@ -34,7 +34,7 @@ from minipar import autograd as ag
 from minipar import fused, nn
 from minipar.comm import Group, Ledger
 from minipar.config import ConfigError, TrainConfig, problems
-from minipar.log import lesson_arguments, run_collectively, say_in_order, verdict
+from minipar.log import run_collectively, say_in_order, verdict
 from minipar.memory import wire_elements
 from minipar.mesh import Mesh
 from minipar.parallel.tensor_parallel import (
@@ -43,6 +43,7 @@ from minipar.parallel.tensor_parallel import (
     parameter_count,
     shard,
 )
+from minipar.preflight import lesson_arguments
 from minipar.train import build_rank_model, train, train_reference
 
 MiB = 2**20

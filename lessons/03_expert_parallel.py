@@ -36,9 +36,10 @@ from mpi4py import MPI
 from minipar import autograd as ag
 from minipar import fused, nn
 from minipar.comm import Ledger
-from minipar.log import lesson_arguments, run_collectively, verdict
+from minipar.log import run_collectively, verdict
 from minipar.mesh import Mesh, MeshShape
 from minipar.parallel.expert_parallel import ExpertParallelBlock, expected_alltoallv_elements
+from minipar.preflight import lesson_arguments
 from minipar.results import relative_difference
 
 comm = MPI.COMM_WORLD

@@ -39,7 +39,7 @@ from mpi4py import MPI
 from minipar import nn
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
-from minipar.log import lesson_arguments, run_collectively, say_in_order, verdict, wait_for_rank0
+from minipar.log import run_collectively, say_in_order, verdict, wait_for_rank0
 from minipar.mesh import Mesh
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
@@ -52,6 +52,7 @@ from minipar.parallel.pipeline_schedules import (
     replay,
     simulate_schedule,
 )
+from minipar.preflight import lesson_arguments
 from minipar.results import max_differences
 from minipar.threads import cores
 from minipar.train import RunResult, build_rank_model, train, train_reference

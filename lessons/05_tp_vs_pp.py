@@ -40,7 +40,7 @@ from minipar import autograd as ag
 from minipar import nn
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
-from minipar.log import lesson_arguments, run_collectively, say_in_order, verdict
+from minipar.log import run_collectively, say_in_order, verdict
 from minipar.mesh import Mesh
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
@@ -48,6 +48,7 @@ from minipar.parallel.pipeline_schedules import (
     in_flight_peak,
     simulate_schedule,
 )
+from minipar.preflight import lesson_arguments
 from minipar.recompute import tape_bytes  # node outputs and what their closures hold
 from minipar.report import group_sizes, wire_bytes
 from minipar.results import max_differences

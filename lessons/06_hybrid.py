@@ -36,8 +36,9 @@ from mpi4py import MPI
 from minipar import nn
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
-from minipar.log import lesson_arguments, run_collectively, say_in_order, verdict
+from minipar.log import run_collectively, say_in_order, verdict
 from minipar.mesh import Mesh, MeshShape
+from minipar.preflight import lesson_arguments
 from minipar.report import ledger_table
 from minipar.results import max_differences
 from minipar.train import RunResult, train, train_reference

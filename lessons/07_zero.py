@@ -32,7 +32,7 @@ from mpi4py import MPI
 
 from minipar import nn
 from minipar.config import TrainConfig
-from minipar.log import lesson_arguments, run_collectively, verdict
+from minipar.log import run_collectively, verdict
 from minipar.memory import (
     ModelStates,
     optimizer_bytes_per_param,
@@ -42,6 +42,7 @@ from minipar.memory import (
     wire_formula,
     zero_formula,
 )
+from minipar.preflight import lesson_arguments
 from minipar.train import train, train_reference
 
 NAMES = ["DP (stage 0)", "P_os (1)", "P_os+g (2)", "P_os+g+p (3)"]

@@ -52,8 +52,9 @@ from mpi4py import MPI
 from minipar import nn
 from minipar.bugs import BUGS, Bug
 from minipar.config import TrainConfig
-from minipar.log import lesson_arguments, run_collectively, verdict, wait_for_rank0
+from minipar.log import run_collectively, verdict, wait_for_rank0
 from minipar.placement import PlacementError
+from minipar.preflight import lesson_arguments
 from minipar.results import relative_difference
 from minipar.train import RunResult, problems, train, train_reference
 

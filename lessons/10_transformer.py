@@ -31,7 +31,8 @@ from mpi4py import MPI
 from minipar import autograd as ag
 from minipar.config import TrainConfig
 from minipar.data import make_sequences, read_corpus, repeated_positions
-from minipar.log import lesson_arguments, run_collectively, verdict
+from minipar.log import run_collectively, verdict
+from minipar.preflight import lesson_arguments
 from minipar.results import max_differences
 from minipar.train import build_reference, train, train_reference
 

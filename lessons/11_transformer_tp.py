@@ -39,10 +39,11 @@ from minipar.autograd import Tensor
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
 from minipar.costmodel import rank_shape
-from minipar.log import lesson_arguments, run_collectively, say_in_order, verdict, wait_for_rank0
+from minipar.log import run_collectively, say_in_order, verdict, wait_for_rank0
 from minipar.memory import wire_elements
 from minipar.mesh import Mesh
 from minipar.plan import minipar_workload, plan_of
+from minipar.preflight import lesson_arguments
 from minipar.recompute import gpt_block_activation_bytes, tape_bytes
 from minipar.results import TOLERANCE, max_differences, relative_difference
 from minipar.timemodel import ledger_of, traffic

@@ -43,10 +43,11 @@ from minipar import nn
 from minipar.comm import Ledger
 from minipar.config import ConfigError, TrainConfig
 from minipar.costmodel import rank_shape
-from minipar.log import lesson_arguments, run_collectively, verdict
+from minipar.log import run_collectively, verdict
 from minipar.mesh import Mesh, MeshShape
 from minipar.parallel import context_parallel as cpar
 from minipar.plan import minipar_workload, plan_of
+from minipar.preflight import lesson_arguments
 from minipar.results import relative_difference
 from minipar.timemodel import cp_traffic
 from minipar.train import (

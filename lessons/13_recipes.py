@@ -51,9 +51,10 @@ from mpi4py import MPI
 from minipar import plan, presets
 from minipar.config import TrainConfig
 from minipar.costmodel import Plan
-from minipar.log import lesson_arguments, run_collectively, verdict, wait_for_rank0
+from minipar.log import run_collectively, verdict, wait_for_rank0
 from minipar.parallel.pipeline_schedules import bubble_formula
 from minipar.plots_load import measured_bubble
+from minipar.preflight import lesson_arguments
 from minipar.results import max_differences
 from minipar.train import train, train_reference
 

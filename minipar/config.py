@@ -16,13 +16,14 @@ from minipar.data import corpus_problem
 from minipar.mesh import CP_MODES, MeshShape
 from minipar.nn import GPT_MODELS, ModelConfig
 from minipar.parallel.pipeline_schedules import SCHEDULES, V_SHAPED
+from minipar.refusal import RefusalError
 
 MODELS = ("mlp", "moe", *GPT_MODELS)
 RECOMPUTE = ("none", "selective", "full")
 GRAD_SYNCS = ("naive", "bucketed", "overlapped")
 
 
-class ConfigError(Exception):
+class ConfigError(RefusalError):
     """A setting that cannot run; its message is one line naming the flag and the fix."""
 
 

@@ -17,7 +17,6 @@ Used by the lessons: `mpiexec -n 4 python lessons/00_collectives.py`.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import traceback
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from mpi4py import MPI
 
-from minipar.config import ConfigError
+from minipar.refusal import RefusalError
 
 if TYPE_CHECKING:
     from minipar.comm import Group
@@ -79,27 +78,14 @@ def verdict(ok: bool, good: str = "OK", bad: str = "MISMATCH") -> str:
     return good if ok else bad
 
 
-def lesson_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """A lesson's `parser.parse_args()`, with its `--plot DIR` checked at once (a file, a
-    read-only folder, a dangling link: preflight.folder_problems), not after the lesson
-    ran: a ConfigError, which `run_collectively` turns into one line from rank 0."""
-    from minipar.preflight import folder_problems  # here: preflight.py needs no MPI
-
-    args = parser.parse_args()
-    if getattr(args, "plot", None) is not None:
-        problems = folder_problems(args.plot)
-        if problems:
-            raise ConfigError(f"--plot {problems[0]}")
-    return args
-
-
 def refuse_together(main: Callable[[], object]) -> Callable[[], object]:
-    """`main`, where a ConfigError (a setting every rank finds alike: the flags, the world
-    size, `train`'s own checks) is one line from rank 0 and exit 2 on every rank."""
+    """`main`, where a RefusalError (a setting every rank finds alike: the flags, the world
+    size, `train`'s own checks; config.ConfigError is one) is one line from rank 0 and
+    exit 2 on every rank."""
     def refusing() -> object:
         try:
             return main()
-        except ConfigError as error:
+        except RefusalError as error:
             if MPI.COMM_WORLD.Get_rank() == 0:
                 print(f"minipar: error: {error}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None

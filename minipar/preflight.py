@@ -21,6 +21,7 @@ same verdict without talking:
 
 from __future__ import annotations
 
+import argparse
 import errno
 import math
 import os
@@ -204,3 +205,17 @@ def output_problems(flags: dict[str, str | None]) -> list[str]:
     """`folder_problems` of every output flag given (`{"--dump": path, ...}`)."""
     return [f"{flag} {message}" for flag, path in flags.items() if path is not None
             for message in folder_problems(path)]
+
+
+def lesson_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """A lesson's `parser.parse_args()`, with its `--plot DIR` checked at once (a file, a
+    read-only folder, a dangling link: `folder_problems`), not after the lesson
+    ran: a ConfigError, which `run_collectively` turns into one line from rank 0."""
+    from minipar.config import ConfigError  # the layer below; imported here, when used
+
+    args = parser.parse_args()
+    if getattr(args, "plot", None) is not None:
+        problems = folder_problems(args.plot)
+        if problems:
+            raise ConfigError(f"--plot {problems[0]}")
+    return args

@@ -27,7 +27,7 @@ PACKAGE = ROOT / "minipar"
 LAYERS: list[set[str]] = [
     {"autograd", "fused", "attention", "nn", "gpt", "recompute", "optim", "data",  # core,
      "memory", "shards", "threads", "placement_types", "placement_rules",   # no MPI
-     "placement_transformer", "placement"},
+     "placement_transformer", "placement", "refusal"},
     {"comm", "mesh", "ring", "log", "watchdog"},                            # communication
     {"parallel", "parallel.pipeline_instructions", "parallel.pipeline_v",
      "parallel.pipeline_layout", "parallel.pipeline_simulator",    # strategies
@@ -35,7 +35,8 @@ LAYERS: list[set[str]] = [
      "parallel.zero", "parallel.tensor_parallel", "parallel.vocab_parallel",
      "parallel.expert_parallel", "parallel.pipeline_parallel", "parallel.context_parallel"},
     {"config"},                                                             # the flags
-    {"checkpoint_format", "checkpoint", "checkpoint_folder", "preflight", "bugs_detours",
+    {"checkpoint_format", "checkpoint", "checkpoint_folder", "checkpoint_owner", "preflight",
+     "bugs_detours",
      "bugs", "assemble"},
     {"train"},                                                              # composition
     {"results", "reshard"},
