@@ -21,7 +21,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from minipar import checkpoint, preflight, watchdog
+from minipar import checkpoint, checkpoint_format, preflight, watchdog
 from minipar.bugs import listing
 from minipar.checkpoint import CheckpointError, FolderInUseError, holding
 from minipar.checkpoint_owner import NEW_RUN, ownership_problems
@@ -149,8 +149,7 @@ def reshard_command(argv: list[str]) -> int:
     """`python -m minipar reshard SRC DST [--dp --tp --pp --ep --virtual --cp]`: rewrite a
     checkpoint for another mesh without training (one rank, no flags: the full state)."""
     from minipar.config import size_problems as config_size_problems
-    from minipar.reshard import for_mesh, reshard  # here: loads mpi4py.MPI, which `plan`/`bugs`
-    # never need
+    from minipar.reshard import reshard  # here: loads mpi4py.MPI, which `plan`/`bugs` never need
 
     world = _world()
     rank, size = world.Get_rank(), world.Get_size()
@@ -178,7 +177,7 @@ def reshard_command(argv: list[str]) -> int:
         manifest = checkpoint.read_manifest(Path(args.source))
         cfg = checkpoint.config_for(manifest, **mesh).resolved(size)
         if args.microbatches is None and not config_size_problems(cfg, size):
-            cfg = for_mesh(cfg)   # derive what the new mesh needs (reshard.py)
+            cfg = checkpoint_format.for_mesh(cfg)   # derive what the new mesh needs
         errors = problems(cfg, size) + [f"DST {message}" for message in
                                          preflight.folder_problems(args.destination)]
         if not errors:   # DST holds only this run's older steps (checkpoint_owner.py)

@@ -33,6 +33,7 @@ import json
 import math
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -314,3 +315,16 @@ def config_for(manifest: dict, **mesh: int) -> TrainConfig:
         fields["schedule"] = "1f1b"  # a V needs a pipeline; one stage runs any order
     known = set(TrainConfig.__dataclass_fields__)
     return TrainConfig(**{k: v for k, v in fields.items() if k in known})
+
+
+def for_mesh(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` (resolved) with the flags its mesh needs and the checkpoint does not fix,
+    derived: the interleaved schedule takes microbatches in groups of pp, so M becomes
+    the smallest multiple of pp that splits each dp rank's rows (M changes no saved
+    number: it only orders the work of a step)."""
+    if cfg.pp > 1 and cfg.schedule == "interleaved" and cfg.microbatches % cfg.pp:
+        rows = cfg.batch // cfg.dp
+        fits = [m for m in range(cfg.pp, rows + 1, cfg.pp) if rows % m == 0]
+        if fits:
+            return replace(cfg, microbatches=fits[0])
+    return cfg

@@ -125,10 +125,15 @@ def read_corpus(path: str) -> np.ndarray:
     return np.fromfile(path, dtype=np.uint8)
 
 
-@functools.lru_cache(maxsize=4)
 def corpus_digest(path: str) -> str:
     """The sha256 of the file's bytes (what a checkpoint records of `--data`, so a resume
-    compares contents, not how the path was spelled)."""
+    compares contents, not how the path was spelled); computed once per file version."""
+    state = os.stat(path)
+    return _digest(os.path.realpath(path), state.st_size, state.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(2**20), b""):

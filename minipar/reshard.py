@@ -12,7 +12,6 @@ default mesh the result is a single file holding the full state.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 from minipar import checkpoint
@@ -21,19 +20,6 @@ from minipar.config import TrainConfig
 from minipar.mesh import Mesh
 from minipar.optim import make_optimizer
 from minipar.train import parallelize
-
-
-def for_mesh(cfg: TrainConfig) -> TrainConfig:
-    """`cfg` (resolved) with the flags its mesh needs and the checkpoint does not fix,
-    derived: the interleaved schedule takes microbatches in groups of pp, so M becomes
-    the smallest multiple of pp that splits each dp rank's rows (M changes no saved
-    number: it only orders the work of a step)."""
-    if cfg.pp > 1 and cfg.schedule == "interleaved" and cfg.microbatches % cfg.pp:
-        rows = cfg.batch // cfg.dp
-        fits = [m for m in range(cfg.pp, rows + 1, cfg.pp) if rows % m == 0]
-        if fits:
-            return replace(cfg, microbatches=fits[0])
-    return cfg
 
 
 def reshard(cfg: TrainConfig, world: object, source: str | Path,
