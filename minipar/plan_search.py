@@ -212,7 +212,7 @@ def meshes(w: Workload, world: int, fixed: dict[str, int]) -> list[tuple[int, ..
     return sorted(out, key=lambda m: (m[1], m[3], m[2], m[4]))   # tp, cp, pp, ep
 
 
-BUDGET = 50_000   # plans one search prices at most (a few seconds of pricing)
+BUDGET = 25_000   # plans one search prices at most (a few seconds of pricing)
 SKIP_FROM = 1000  # from this many plans on, a mesh too big for its model states is skipped
 
 
@@ -254,13 +254,15 @@ def bounded_plans(w: Workload, template: Plan, mesh_list: list[tuple[int, ...]],
                     rejected[problem] += per_m
         return out
 
-    everything = runnable(False, count=True)
-    if len(everything) * per_m <= BUDGET:
-        return everything, ""
-    plans = runnable(True, count=False)
-    note = (f"the search was bounded: {len(everything) * per_m} plans were too many to "
-            "price in seconds, so the microbatch counts were a ladder (each at least twice "
-            "the last)")
+    upper = per_m * len(schedules) * sum(len(microbatch_counts(w, mesh[0], fixed, False))
+                                         for mesh in mesh_list)   # before any rejection
+    if upper <= 8 * BUDGET:   # sorting out the ones that cannot run is cheap: do it first
+        everything = runnable(False, count=True)
+        if len(everything) * per_m <= BUDGET:
+            return everything, ""
+    plans = runnable(True, count=upper > 8 * BUDGET)
+    note = (f"the search was bounded: up to {upper} plans were too many to price in "
+            "seconds, so the microbatch counts were a ladder (each at least twice the last)")
     if len(plans) * per_m <= BUDGET:
         return plans, note
     plans.sort(key=lambda p: (p.tp > 8, p.cp, p.pp, p.ep, p.tp))
