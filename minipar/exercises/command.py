@@ -35,12 +35,14 @@ ALONE = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path if '__
          "runpy.run_module('minipar.exercises.grade', run_name='__main__', alter_sys=True)")
 
 
-def missing_files(folder: Path) -> list[str]:
-    """The package's .py files that folder/minipar lacks (each must be the student's)."""
-    package = regions.PACKAGE
-    return sorted(f"minipar/{p.relative_to(package)}" for p in package.rglob("*.py")
-                  if "__pycache__" not in p.parts
-                  and not (folder / "minipar" / p.relative_to(package)).is_file())
+def missing_files(folder: Path, names: list[str]) -> list[str]:
+    """The files of `names`' regions and the grader that folder/minipar lacks. Any other
+    module the job needs and does not find fails it as an import error naming the file
+    (`explain_crash`): with the installed package's hook gone (`ALONE`) nothing fills in."""
+    needed = {"exercises/grade.py", *(r.path for name in names
+                                      for r in regions.regions_of(name))}
+    return sorted(f"minipar/{path}" for path in needed
+                  if not (folder / "minipar" / path).is_file())
 
 
 def bounded(report: str, limit: int = SHOWN_LINES) -> str:
@@ -76,7 +78,7 @@ def check(names: list[str], folder: Path, timeout: float = TIMEOUT) -> tuple[int
     timeout = timeout * sum(len(exercises.get(name).checks) for name in names)
     if not (folder / "minipar" / "__init__.py").exists():
         return 2, f"{folder} holds no minipar/ (start one: python -m minipar exercise start)"
-    missing = missing_files(folder)
+    missing = missing_files(folder, names)
     if missing:   # nothing falls back to the installed package: say what is not there
         return 1, "\n".join(
             [f"exercise {names[0]}: FAILED\n  your folder lacks {missing[0]}"
@@ -117,6 +119,14 @@ def explain_crash(code: int, stderr: str) -> str:
                 "ranks' calls did not match. One rank made a collective call its partners "
                 "did not make, or with another size; every rank of a group must make the "
                 "same calls, in the same order, with the same counts")
+    lacking = re.search(r"No module named '(minipar(?:\.\w+)*)'", stderr)
+    name = re.search(r"cannot import name '(\w+)' from '(minipar(?:\.\w+)*)' \(\S*__init__\.py",
+                     stderr)
+    if lacking or name:   # the student's folder alone: a module it lacks is not found elsewhere
+        path = (lacking.group(1) if lacking else f"{name.group(2)}.{name.group(1)}"
+                ).replace(".", "/")
+        return (f"your folder lacks {path}.py (or the package {path}/): the check runs your "
+                "copy alone; start again with python -m minipar exercise start NAME DIR")
     verdict = [line for line in stderr.splitlines() if line.startswith(VERDICT)]
     if verdict:
         return verdict[0].removeprefix(VERDICT)
