@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from minipar.autograd import Tensor
     from minipar.comm import Group
     from minipar.config import TrainConfig
+    from minipar.mesh import Mesh
 
 Swap = tuple[object, str, object]  # (module, attribute, what stands in for it)
 
@@ -91,29 +92,20 @@ def both_receive_first() -> list[Swap]:
 
 # ----------------------------------------------------------- the wrong group
 def wrong_group() -> list[Swap]:
-    """The last rank's row-parallel linears Allreduce their partial sums over dp (the
-    other ranks run the correct code, so their call sites are the real ones)."""
-    from mpi4py import MPI  # here, as every detour's import (module docstring)
+    """The last rank builds its row-parallel linears with the dp group instead of tp's (a
+    constructor handed the wrong group): their Allreduce, at its usual line, goes to dp."""
+    from minipar import assemble
 
-    from minipar import train as training  # here: the mesh of the run, remembered
-    from minipar.parallel import tensor_parallel  # here: loads mpi4py.MPI
+    correct = assemble.make_ffn_block
 
-    world = MPI.COMM_WORLD
-    if world.Get_rank() != world.Get_size() - 1:
-        return []
-    meshes = []
+    def make_ffn_block(cfg: TrainConfig, model_cfg: object, mesh: Mesh, *args: object,
+                       **kwargs: object) -> object:
+        block = correct(cfg, model_cfg, mesh, *args, **kwargs)
+        if mesh.rank == mesh.shape.world - 1 and hasattr(block, "fc2"):
+            block.fc2.tp = mesh.dp  # BUG: tp's partial sums handed the dp group
+        return block
 
-    class RememberedMesh(training.Mesh):
-        def __init__(self, *args: object) -> None:
-            super().__init__(*args)
-            meshes.append(self)
-
-    correct = tensor_parallel.reduce_from
-
-    def reduce_from(x: Tensor, tp: Group) -> Tensor:
-        return correct(x, meshes[-1].dp)  # BUG: tp's Allreduce handed the dp group
-
-    return [(training, "Mesh", RememberedMesh), (tensor_parallel, "reduce_from", reduce_from)]
+    return [(assemble, "make_ffn_block", make_ffn_block)]
 
 
 # --------------------------------------------------------- a shorter buffer
@@ -160,7 +152,7 @@ _LIST = [
          ("ranks 0,1", "Recv from pp rank 1", "ranks 2,3", "Recv from pp rank 0",
           "never sent that message", "bugs_hangs.py:", "pipeline_parallel.py:")),
     Hang("hang-wrong-group", "tp",
-         "the last rank's row-parallel linears Allreduce over dp instead of tp",
+         "the last rank's row-parallel linears built with the dp group instead of tp's",
          "its tp partner waits in the tp Allreduce it never enters; it waits in an Allreduce "
          "over dp its dp partner reaches only in the gradient sync",
          "--tp 2 and --dp 2 or more on --model mlp without --sp, and a gradient sync that "
@@ -169,12 +161,13 @@ _LIST = [
          lambda cfg: cfg.tp > 1 and cfg.dp > 1 and cfg.model == "mlp" and not cfg.sp
          and cfg.pp == 1 and (cfg.zero in (1, 2) or cfg.grad_sync == "overlapped"),
          wrong_group, {"tp": 2, "dp": 2, "zero": 1},
-         ("rank 3", "Allreduce over dp", "bugs_hangs.py:")),
+         ("rank 3", "Allreduce over dp", "tensor_parallel.py:")),
     Hang("hang-count-mismatch", "ep",
          "the last ep rank's dispatch Alltoallv sends ep rank 0 none of the rows it "
          "announced",
-         "ep rank 0 waits for rows that never come; the others go on to the combine "
-         "Alltoallv, which ep rank 0 never reaches",
+         "ep rank 0 expects rows the sender never put in its buffer: MPI leaves it waiting "
+         "in the dispatch, or hands it a shorter message and the exchanges after it no "
+         "longer match; either way a rank waits for good",
          "--model moe with --ep 2 or more", lambda cfg: cfg.model == "moe" and cfg.ep > 1,
          short_buffer, {"model": "moe", "ep": 2},
          ("counts differ in Alltoallv over ep", "sends 0 elements to rank", "bugs_hangs.py:")),

@@ -57,9 +57,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from minipar import watchdog
+from minipar.flight_report import FORMAT, P2P_OPS, FlightError, run_of, verdict_of_folder
 
 CAPACITY = 1000                 # calls kept per rank
-FORMAT = "minipar-flight 1"     # the "format" field of every dump
 GRACE = 2.0                     # seconds the first aborting rank waits for the others' files
 SETTLE = 1.0                    # seconds a signalled rank waits to settle inside a call
 DEFAULT_FOLDER = "minipar-flight"
@@ -67,7 +67,6 @@ DEFAULT_FOLDER = "minipar-flight"
 _SKIP = frozenset(str(Path(__file__).with_name(name)) for name in ("comm.py", "autograd.py",
                                                                    "flight.py"))
 NONBLOCKING = frozenset({"Isend", "Irecv", "Iallreduce"})   # posted, completed at a Wait
-P2P_OPS = frozenset({"Send", "Recv", "Isend", "Irecv", "Sendrecv"})
 P2P = " p2p"                                # suffix of a group's message counter
 
 # the ring: one tuple per call, oldest first (see `_FIELDS`)
@@ -255,8 +254,6 @@ def arm(folder: str | None, world: object) -> None:
     """Make this rank dump into `folder` (default `minipar-flight/`) on SIGUSR1, on the
     watchdog or on an abort. A collective over `world` (MPI.COMM_WORLD): every rank's host
     and pid, and rank 0's run id (so a verdict never mixes in files of an earlier run)."""
-    from minipar import log  # here: log.py loads mpi4py.MPI
-
     STATE.folder = Path(folder or DEFAULT_FOLDER)
     STATE.rank, STATE.world = world.Get_rank(), world.Get_size()
     me = (socket.gethostname(), os.getpid())
@@ -264,17 +261,11 @@ def arm(folder: str | None, world: object) -> None:
     STATE.run = f"{STATE.peers[0][0]}:{STATE.peers[0][1]}:{int(time.time())}"
     STATE.run = world.bcast(STATE.run, root=0)
     STATE.dumped = None
-    if before_abort not in log.BEFORE_ABORT:
-        log.BEFORE_ABORT.append(before_abort)
     _listen()
 
 
 def disarm() -> None:
-    """Stop dumping on aborts (the run is over)."""
-    from minipar import log  # here: log.py loads mpi4py.MPI
-
-    if before_abort in log.BEFORE_ABORT:
-        log.BEFORE_ABORT.remove(before_abort)
+    """Stop dumping (the run is over): an abort after it writes no records."""
     STATE.folder = None
 
 
@@ -335,8 +326,6 @@ def _signal_local_peers() -> None:
 
 def _wait_for_dumps(deadline: float) -> None:
     """Until every rank's file of this run is in the folder, or the deadline."""
-    from minipar.flight_report import run_of
-
     while time.monotonic() < deadline:
         if all(run_of(STATE.folder / f"rank{r}.json") == STATE.run
                for r in range(STATE.world)):
@@ -345,9 +334,9 @@ def _wait_for_dumps(deadline: float) -> None:
 
 
 def before_abort(text: str) -> str:
-    """`log.abort_all`'s hook: dump this rank, make the other ranks dump, and return
-    `text` with the verdict appended (or "" for a rank that is not the first to abort:
-    it waits, and the first one's MPI_Abort ends it)."""
+    """What `log.abort_all` does first: when armed, dump this rank, make the other ranks
+    dump, and return `text` with the verdict appended (or "" for a rank that is not the
+    first to abort: it waits, and the first one's MPI_Abort ends it). Unarmed: `text`."""
     folder = STATE.folder
     if folder is None:
         return text
@@ -368,8 +357,6 @@ def before_abort(text: str) -> str:
             return ""
         _signal_local_peers()
         _wait_for_dumps(time.monotonic() + GRACE)
-        from minipar.flight_report import FlightError, verdict_of_folder
-
         try:  # (the lock stays: a rank whose watchdog fires later must not speak again)
             sentence = verdict_of_folder(folder, run=STATE.run)
         except FlightError as error:

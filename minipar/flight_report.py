@@ -30,7 +30,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from minipar.flight import FORMAT, P2P_OPS
+FORMAT = "minipar-flight 1"     # the "format" field of every dump (flight.py writes them)
+P2P_OPS = frozenset({"Send", "Recv", "Isend", "Irecv", "Sendrecv"})
 
 
 class FlightError(ValueError):

@@ -118,19 +118,16 @@ def abort_on_exception(main: Callable[[], T], label: str = "") -> T:
         raise SystemExit(1) from None
 
 
-# Called with the text before an abort, each returns the text to write instead: the flight
-# recorder (flight.py) dumps every rank there and appends its verdict.
-BEFORE_ABORT: list[Callable[[str], str]] = []
-
-
 def abort_all(text: str, code: int = 1) -> None:
     """Write `text` to stderr, then end every rank of the job with MPI_Abort.
 
     The short pause lets the launcher forward the text before it kills the
     processes: without it, the failing rank's own explanation is sometimes lost.
-    The `BEFORE_ABORT` hooks run first (the flight recorder's dumps and verdict)."""
-    for hook in list(BEFORE_ABORT):
-        text = hook(text)
+    First the flight recorder, when armed, has every rank write its last calls and
+    appends the verdict to `text` (flight.py)."""
+    from minipar import flight
+
+    text = flight.before_abort(text)
     sys.stderr.write(text)
     sys.stderr.flush()
     time.sleep(0.5)
