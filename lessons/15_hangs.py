@@ -182,35 +182,14 @@ def py_spy_demo(folder: Path) -> None:
 
 
 def plot(path: Path, runs: dict[str, dict]) -> None:
-    """Each hang's last calls per rank: one row per rank, one box per call (its axis as
-    colour), the calls a rank is still inside in red."""
-    from matplotlib.figure import Figure
-
+    """Each hang's last calls per rank (minipar/plots_flight.py)."""
     from minipar import plots
+    from minipar.plots_flight import flight_figure
 
-    shown = {name: found for name, found in runs.items() if found["dumps"]}
-    figure = Figure(figsize=(11, 2.2 * len(shown) + 0.6))
-    colours = {"dp": "tab:blue", "tp": "tab:orange", "pp": "tab:green", "ep": "tab:purple",
-               "world": "tab:gray", "edp": "tab:olive", "cp": "tab:cyan"}
-    for row, (name, found) in enumerate(shown.items()):
-        ax = figure.add_subplot(len(shown), 1, row + 1)
-        for r, dump in found["dumps"].items():
-            calls = dump["calls"][-10:]
-            for i, call in enumerate(calls):
-                x = i - len(calls) + 10
-                ax.barh(r, 0.9, left=x, color=colours.get(call["axis"], "k"),
-                        edgecolor="red" if call["state"] == "started" else "white",
-                        linewidth=3 if call["state"] == "started" else 0.5)
-                ax.text(x + 0.45, r, f"{call['op'][:9]}\n{call['axis']} #{call['seq']}",
-                        ha="center", va="center", fontsize=6, color="white")
-        ax.set_xlim(-0.1, 10)
-        ax.set_yticks(range(4), [f"rank {r}" for r in range(4)])
-        ax.invert_yaxis()
-        ax.set_xticks([])
-        ax.set_title(f"{name}: {found['verdict'][:140]}", fontsize=7, loc="left")
-    figure.suptitle("lesson 15: each rank's last calls when the watchdog fired "
-                    "(red edge: still inside it)", fontsize=9)
-    figure.tight_layout()
+    figure = flight_figure({name: (found["dumps"], found["verdict"])
+                            for name, found in runs.items() if found["dumps"]},
+                           "lesson 15: each rank's last calls when the watchdog fired "
+                           "(red edge: still inside it)")
     say(f"\nwrote {plots.save(figure, path)}")
 
 

@@ -136,8 +136,9 @@ def _dp_only(cfg: TrainConfig) -> bool:
 _LIST = [
     Hang("hang-extra-allreduce", "dp",
          "dp rank 0 alone Allreduces the gradient norm over dp after the sync (a log line)",
-         "rank 0 waits in an Allreduce over dp the others never enter; they are already in "
-         "the next step's first collective over world, which rank 0 never reaches",
+         "MPI pairs rank 0's extra Allreduce with the others' next one over dp (the step's "
+         "loss, the same size): from there rank 0 is a call ahead, waits in the loss "
+         "Allreduce the others already left, and they wait over world for rank 0",
          "--dp 2 or more with --zero 0 --grad-sync bucketed and no other axis",
          _dp_only, extra_allreduce, {"dp": 4},
          ("MPI paired different calls as Allreduce over dp", "rank 0 made it at bugs_hangs.py:",

@@ -40,7 +40,7 @@ LAYERS: list[set[str]] = [
     {"train"},                                                              # composition
     {"results", "reshard"},
     {"costmodel", "timemodel", "presets", "plan_workloads", "plan_search", "plan_report",
-     "plan", "plots_load", "plots", "report", "tour", "classroom", "exercises",
+     "plan", "plots_load", "plots_flight", "plots", "report", "tour", "classroom", "exercises",
      "exercises.regions", "exercises.units", "exercises.units_attention", "exercises.grade",
      "exercises.command", "__main__", ""},                                  # on top
 ]
