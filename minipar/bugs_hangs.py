@@ -52,8 +52,6 @@ class Hang:
     detour: Callable[[], list[Swap]]
     flags: dict
     names: tuple[str, ...] = ()
-    seen: str = "plausible: no shipped case found"
-    unseen: str = "a hang, not a wrong number: the flight recorder sees it"
 
 
 # ------------------------------------------------------------ one call more
@@ -147,7 +145,7 @@ _LIST = [
          "the first stage receives its first gradient before sending its first activation",
          "stage 0 waits for a gradient that stage 1 can compute only from the activation "
          "stage 0 has not sent; stage 1 waits for that activation: both in Recv",
-         "--pp 2 or more and --microbatches 2 or more",
+         "--pp 2 or more and --microbatches 2 or more, --schedule gpipe or 1f1b",
          lambda cfg: cfg.pp > 1 and cfg.microbatches > 1 and cfg.schedule in
          ("gpipe", "1f1b"), both_receive_first, {"pp": 2, "microbatches": 2},
          ("ranks 0,1", "Recv from pp rank 1", "ranks 2,3", "Recv from pp rank 0",
