@@ -1,6 +1,7 @@
 """The flight recorder: every hang ends with a verdict naming the ranks, the call and the line.
 
-Each injected hang (minipar/bugs_hangs.py) runs on 4 ranks with `--timeout 2`: the
+Each injected hang (minipar/bugs_hangs.py) runs on 4 ranks with `--timeout 2` (the
+pipeline's in lesson 15's run, which tests/test_lessons.py makes anyway): the
 watchdog's one line must end with the verdict, which names the right ranks, op,
 axis and file:line, and every rank's dump must be in the --flight folder. A rank
 that leaves on its own, and one frozen (SIGSTOP: it cannot write), are named too. A clean run's
@@ -14,6 +15,7 @@ one line and exit 2.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -26,7 +28,7 @@ import pytest
 from minipar import flight
 from minipar.bugs_hangs import HANGS
 from minipar.flight_report import FlightError, load, ranks_text, table, verdict
-from tests.mpi import ROOT, launch, read_dump
+from tests.mpi import ROOT, launch, lesson_run, read_dump
 
 SMALL = ["--layers", "2", "--d-model", "16", "--d-in", "8", "--batch", "16", "--steps", "1"]
 TIMEOUT = 2
@@ -45,7 +47,10 @@ def the_verdict(job: object, folder: Path) -> str:
     return lines[0].split(marker, 1)[1]
 
 
-@pytest.mark.parametrize("name", list(HANGS))
+LESSON_HANG = "hang-pp-both-recv"   # lesson 15 --quick runs it: its test reads that run
+
+
+@pytest.mark.parametrize("name", [name for name in HANGS if name != LESSON_HANG])
 def test_a_hang_ends_with_the_verdict_and_every_rank_dumps(name, tmp_path):
     folder = tmp_path / "flight"
     start = time.monotonic()
@@ -65,6 +70,20 @@ def test_a_hang_ends_with_the_verdict_and_every_rank_dumps(name, tmp_path):
     assert len({d["run"] for d in dumps.values()}) == 1
     assert verdict(dumps) == said                          # `python -m minipar flight DIR`
     assert "Traceback" not in job.stderr and "done:" not in job.stdout, job.explain()
+
+
+def test_the_pipeline_hang_of_lesson_15_ends_with_its_verdict_and_every_dump():
+    job, _ = lesson_run(4, "15_hangs.py", "--quick")   # the run tests/test_lessons.py makes
+    assert job.returncode == 0 and not job.timed_out, job.explain()
+    block = job.stdout.split(f"2.1 {LESSON_HANG} ", 1)[1]
+    line = next(x for x in block.splitlines() if x.strip().startswith("minipar: error: "
+                                                                      "watchdog: rank "))
+    said = next(x for x in block.splitlines() if x.strip().startswith("verdict: "))
+    for words in HANGS[LESSON_HANG].names:
+        assert words in said, (words, said)
+    ended = re.search(r"ended after ([\d.]+) s", block)
+    assert ended and float(ended.group(1)) < TIMEOUT + 10 + 10, block[:400]
+    assert "every rank's dump in the folder: [OK]" in block and "--timeout 2" in line
 
 
 @pytest.mark.parametrize("mode,names", [
