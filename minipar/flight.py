@@ -129,8 +129,8 @@ def record(group: object, op: str, elements: int, itemsize_or_dtype: object,
         frame = frame.f_back
     peer = tag = nth = counts = None
     if detail:
-        if op == "Alltoallv":
-            counts = detail
+        if op == "Alltoallv":  # the count arrays only: never keep the buffers alive
+            counts = (_counts_of(detail[0]), _counts_of(detail[1]))
         elif op == "Sendrecv":
             peer, tag = (detail[0], detail[1]), detail[2]
             nth = (_count(key, "sent", detail[0], tag), _count(key, "received", detail[1], tag))
@@ -155,15 +155,20 @@ def _step_of(doing: str) -> int | None:
         else None
 
 
-def _counts_list(spec: object) -> list[int] | None:
-    """The per-rank counts of an mpi4py buffer spec `[array, counts, displs, type]`."""
+def _counts_of(spec: object) -> object:
+    """The per-rank counts of an mpi4py buffer spec `[array, counts, displs, type]` (or
+    `[array, (counts, displs), type]`), as given; None for a plain buffer."""
     if isinstance(spec, (list, tuple)) and len(spec) > 1:
-        counts = spec[1][0] if isinstance(spec[1], tuple) else spec[1]
-        try:
-            return [int(c) for c in counts]
-        except TypeError:
-            return None
+        return spec[1][0] if isinstance(spec[1], tuple) else spec[1]
     return None
+
+
+def _counts_list(counts: object) -> list[int] | None:
+    """Counts as a list of ints for the dump (None if there are none)."""
+    try:
+        return [int(c) for c in counts]
+    except TypeError:
+        return None
 
 
 def records() -> list[dict]:
