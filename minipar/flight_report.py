@@ -306,6 +306,7 @@ def _never_entered(dumps: dict[int, dict]) -> list[tuple[float, str, str, set[in
     for rank, dump in dumps.items():
         call = stuck(dump)
         if call is None:
+            found += _posted_in_vain(dumps, rank)
             continue
         key = call["group"]
         members = _members(dumps, key)
@@ -329,6 +330,37 @@ def _never_entered(dumps: dict[int, dict]) -> list[tuple[float, str, str, set[in
         if receives and members[recv_peer] in dumps and _messages(
                 dumps[members[recv_peer]], key, "sent", me, call["tag"]) < recv_nth:
             found.append((call["t"], "unsent", call_text(call), {rank}, {members[recv_peer]}))
+    return found
+
+
+def _posted_in_vain(dumps: dict[int, dict], rank: int) -> list[tuple]:
+    """For a rank waiting on requests (a Waitall): its posted Isend, Irecv or Iallreduce
+    that a partner never matched, as `_never_entered` entries."""
+    dump = dumps[rank]
+    if not dump.get("waiting"):
+        return []
+    found = []
+    for call in dump["calls"]:
+        if call["state"] != "posted":
+            continue
+        key = call["group"]
+        members = _members(dumps, key)
+        what = f"{dump['waiting']['what']}, for its {call_text(call)}"
+        if call["op"] == "Iallreduce":
+            absent = {q for q in members if q in dumps and q != rank
+                      and _made(dumps[q], key, "calls") < call["seq"]}
+            if absent:
+                found.append((call["t"], "collective", what, {rank}, absent))
+            continue
+        peer = members[call["peer"]]
+        if peer not in dumps:
+            continue
+        me = members.index(rank)
+        sends = call["op"] == "Isend"
+        counted = _messages(dumps[peer], key, "received" if sends else "sent", me, call["tag"])
+        if counted < call["nth"]:
+            found.append((call["t"], "unreceived" if sends else "unsent", what, {rank},
+                          {peer}))
     return found
 
 

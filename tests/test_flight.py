@@ -192,6 +192,16 @@ def test_counts_that_differ_and_a_send_never_received_are_named(tmp_path):
     assert "rank 1 never entered the matching Recv: it is in Allreduce over pp" in said, said
 
 
+def test_a_posted_send_nobody_receives_is_named_while_its_rank_waits(tmp_path):
+    folder = made_dumps(tmp_path, {0: [("pp{0,1}", "Isend", 8, 1, 0)],
+                                   1: [("pp{0,1}", "Allreduce", 1)]},
+                        2, {0: "Waitall of the sends over pp", 1: "Allreduce over pp"})
+    said = verdict(load(folder))
+    assert said.startswith("rank 0 is in Waitall of the sends over pp, for its Isend to pp "
+                           "rank 1 (call 1,"), said
+    assert "rank 1 never entered the matching Recv: it is in Allreduce over pp" in said, said
+
+
 def test_ranks_are_named_compactly():
     assert ranks_text([3]) == "rank 3"
     assert ranks_text([2, 0, 1]) == "ranks 0-2"
