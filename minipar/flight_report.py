@@ -401,6 +401,12 @@ def verdict(dumps: dict[int, dict]) -> str:
                             if len(places) == 1 else positions_text(dumps, absent)))
         else:  # they wait for each other
             sentence += f"each waits for another's message ({verb})"
+        mine = stuck(dumps[min(waiting)])
+        theirs = [stuck(dumps[q]) for q in absent]
+        if mine and theirs and all(c is not None and c["site"] == mine["site"]
+                                   and c["group"] != mine["group"] for c in theirs):
+            sentence += (f" -- the same line {mine['site']} on another group: that call was "
+                         "handed the wrong one")
         candidates.append((when, 1, sentence))
     if candidates:
         return min(candidates)[2]
