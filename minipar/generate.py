@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minipar import assemble, autograd, config, gpt, kvcache, nn, preflight
+from minipar import assemble, autograd, config, gpt, kvcache, nn, preflight, watchdog
 from minipar.config import ConfigError, TrainConfig
 from minipar.mesh import Mesh
 from minipar.results import TOLERANCE, relative_difference
@@ -139,7 +139,8 @@ def problems(gcfg: GenerateConfig, world_size: int) -> list[str]:
     cfg = gcfg.train
     if cfg.model not in nn.GPT_MODELS:
         return [f"generate needs a transformer: --model gpt or gpt-moe (got {cfg.model})"]
-    out = config.problems(replace(cfg, resume=None), world_size)
+    # (the --data text is training's: generating needs only the vocabulary it implies)
+    out = config.problems(replace(cfg, resume=None, data=None), world_size)
     if out:
         return out
     P, N, T = len(gcfg.prompt), gcfg.new_tokens, cfg.seq_len
@@ -535,8 +536,15 @@ def command(argv: list[str], world: object) -> int:
         return 2
     cfg = gcfg.train
     full = full_params(cfg)
+    if cfg.timeout and size > 1:   # a rank stuck in one call that long ends the job
+        from minipar.log import abort_all
+
+        watchdog.start(cfg.timeout, rank, abort_all)
     mesh = Mesh(cfg.mesh_shape(), world, Ledger())
-    result = generate_on_mesh(gcfg, mesh, full)
+    try:
+        result = generate_on_mesh(gcfg, mesh, full)
+    finally:
+        watchdog.stop()
     verdict = 0
     if rank == 0:
         prompt = np.asarray(gcfg.prompt)
