@@ -128,7 +128,8 @@ def config_from_args(args: argparse.Namespace, world_size: int
         train_cfg = replace(checkpoint.config_for(saved, **mesh), batch=args.batch,
                             microbatches=1, steps=1, resume=args.resume, save=None,
                             timeout=args.timeout, schedule="1f1b", virtual=1, sp=False,
-                            recompute="none", vocab_parallel=None)
+                            recompute="none", vocab_parallel=None,
+                            capacity_factor=None)   # generation is dropless
     train_cfg = replace(train_cfg, vocab_parallel=None).resolved(world_size)
     gcfg = GenerateConfig(train_cfg, prompt, args.new_tokens, args.temperature, args.seed)
     return gcfg, problems(gcfg, world_size)
