@@ -198,9 +198,9 @@ def tp_against_pp(fields: dict, world: MPI.Comm, repeats: int, batches: tuple[in
         layers = fields["layers"]
         print(f"  a decode step of tp 2 waits in {2 * layers + 2} Allreduces (the embedding, "
               f"2 per layer, the token's MAXLOC); pp 2 in 2 messages per row (the activation "
-              f"forward, the token back). Here the toy's matmuls are small, so the waits "
-              f"weigh most; on a GPU a layer's weights take longer to read than an NVLink "
-              f"Allreduce of (b, d) takes (section 4)", flush=True)
+              f"forward, the token back). The toy's matmuls are small, so here the waits "
+              f"weigh most; section 4 splits a real GPU's token into its reads and its "
+              f"waits", flush=True)
     return out
 
 
@@ -238,6 +238,7 @@ def decode_price(model: str, cluster: str, tp: int, pp: int, batch: int, context
     token = pp * stage
     step = max(M, pp) * stage
     return {"latency": token, "step": step, "throughput": batch / step,
+            "reads": pp * per_gpu, "waits": pp * (tp_comm + hop),
             "memory": (weights + m.layers * batch * context * sizes["kv_width"] * 2)
             / (tp * pp)}
 
@@ -253,14 +254,22 @@ def priced() -> list[tuple[str, dict]]:
         for batch in (1, 64):
             p = decode_price(model, cluster, tp, pp, batch, 4096)
             label = f"{presets.MODELS[model].name}, tp {tp} x pp {pp}, B = {batch}"
-            print(f"  {label:>34}: {p['latency'] * 1e3:7.2f} ms per token, "
+            print(f"  {label:>34}: {p['latency'] * 1e3:7.2f} ms per token (reads "
+                  f"{p['reads'] * 1e3:6.2f}, waits {p['waits'] * 1e3:5.2f}), "
                   f"{p['throughput']:8.0f} tokens/s, {p['memory'] / 1e9:6.1f} GB per GPU",
                   flush=True)
             out.append((label, p))
+    for model in dict.fromkeys(case[0] for case in cases):
+        mine = [(label, p) for label, p in out if presets.MODELS[model].name + "," in label]
+        fast = min((x for x in mine if x[0].endswith("B = 1")), key=lambda x: x[1]["latency"])
+        many = max((x for x in mine if x[0].endswith("B = 64")),
+                   key=lambda x: x[1]["throughput"])
+        print(f"  {presets.MODELS[model].name}: lowest latency {fast[0].split(', ')[1]} "
+              f"(B = 1), most tokens/s {many[0].split(', ')[1]} (B = 64)", flush=True)
     print("  tp divides every token's reads over its GPUs; pp only stacks them (a token "
-          "still crosses every stage), so pp's latency stays that of one GPU reading it "
-          "all; tp 16 crosses nodes (50 GB/s) for 2 Allreduces a layer, where tp 8 x pp 2 "
-          "keeps them inside a node", flush=True)
+          "still crosses every stage, so pp's reads per token stay those of one GPU reading "
+          "the model); tp 16 spans 2 nodes, its Allreduces on the 50 GB/s network instead "
+          "of NVLink", flush=True)
     return out
 
 
