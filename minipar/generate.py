@@ -404,7 +404,8 @@ def decode_cache_bytes(gcfg: GenerateConfig, cp_rank: int = 0) -> int:
                                np.dtype(cfg.dtype).itemsize)
 
 
-def decode_ledger(gcfg: GenerateConfig, pp_rank: int) -> dict[tuple[str, str], tuple[int, int]]:
+def decode_ledger(gcfg: GenerateConfig, pp_rank: int
+                  ) -> dict[tuple[str, str], tuple[int, int | None]]:
     """One decode step's calls and elements on a rank of pipeline stage `pp_rank`, by
     formula: (group, op) -> (calls, elements). M microbatches of b rows (M = B/dp with a
     pipeline, else 1), L/pp layers here:
@@ -414,15 +415,21 @@ def decode_ledger(gcfg: GenerateConfig, pp_rank: int) -> dict[tuple[str, str], t
         cp  Allgather of (o | lse), cp x b x H/tp x (dh + 1), per layer
         pp  Send / Recv of (b, 1, d) between stages; the last stage Isends the b chosen
             ids to the first, which Recvs them
-    The expert exchange (gpt-moe on dp > 1 or ep > 1) follows the router: not here."""
+        dp  gpt-moe on dp > 1 or ep > 1 (expert_parallel.ExpertParallelBlock): per layer
+            2 Allreduces of E (the experts' counts, the aux loss's mean probabilities)
+        ep  per layer one Alltoall of the E counts, and 2 Alltoallv: the dispatch sends
+            this rank's b x k rows of d (dropless), the combine returns what the router
+            brought here -- its elements follow the router (None); summed over the ranks
+            the combine returns what was dispatched"""
     cfg = gcfg.train
     rows = cfg.batch // cfg.dp
     M = rows if cfg.pp > 1 else 1
     b, d, layers = rows // M, cfg.d_model, cfg.layers // cfg.pp
     first, last = pp_rank == 0, pp_rank == cfg.pp - 1
-    out: dict[tuple[str, str], tuple[int, int]] = {}
+    moe = cfg.model_config().is_moe
+    out: dict[tuple[str, str], tuple[int, int | None]] = {}
     if cfg.tp > 1:
-        per_layer = 1 if cfg.model_config().is_moe else 2
+        per_layer = 1 if moe else 2
         activations = int(first) + per_layer * layers
         out[("tp", "Allreduce")] = (M * (activations + int(last)),
                                     M * (activations * b * d + int(last) * b))
@@ -436,7 +443,21 @@ def decode_ledger(gcfg: GenerateConfig, pp_rank: int) -> dict[tuple[str, str], t
             out[("pp", "Isend")] = (M, M * b)
         else:
             out[("pp", "Send")] = (M, M * b * d)
+    if moe and (cfg.dp > 1 or cfg.ep > 1):
+        E = cfg.experts
+        out[("dp", "Allreduce")] = (2 * M * layers, 2 * M * layers * E)
+        if cfg.ep > 1:
+            out[("ep", "Alltoall")] = (M * layers, M * layers * E)
+            out[("ep", "Alltoallv")] = (2 * M * layers, None)
     return out
+
+
+def dispatched_elements(gcfg: GenerateConfig) -> int:
+    """Elements one rank's dispatch Alltoallvs send in a decode step (gpt-moe, ep > 1):
+    M x L/pp x b rows x k experts x d, the same on every rank (dropless)."""
+    cfg = gcfg.train
+    rows = cfg.batch // cfg.dp
+    return (cfg.layers // cfg.pp) * rows * cfg.top_k * cfg.d_model
 
 
 def ledger_lines(gcfg: GenerateConfig, records: list[dict]) -> list[str]:
@@ -450,8 +471,13 @@ def ledger_lines(gcfg: GenerateConfig, records: list[dict]) -> list[str]:
             continue
         predicted = decode_ledger(gcfg, shape.coords(r["rank"])["pp"]).get(
             (r["group"], r["op"]))
-        verdict = "- (follows the router)" if predicted is None else \
-            f"{predicted[0]}, {predicted[1]} " + (
+        if predicted is None:
+            verdict = "- (no formula)"
+        elif predicted[1] is None:
+            verdict = f"{predicted[0]}, (router) " + (
+                "ok" if predicted[0] == r["calls"] else "DIFFERS")
+        else:
+            verdict = f"{predicted[0]}, {predicted[1]} " + (
                 "ok" if predicted == (r["calls"], r["elements"]) else "DIFFERS")
         lines.append(f"{r['rank']:>4} {r['group']:>5} {r['op']:>10} {r['calls']:>6} "
                      f"{r['elements']:>9} {r['bytes']:>9}  {verdict}")
