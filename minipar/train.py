@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import bugs, checkpoint, config, gpt, nn, placement, preflight, watchdog
+from minipar import bugs, checkpoint, config, flight, gpt, nn, placement, preflight, watchdog
 from minipar.assemble import (  # noqa: F401  (callers import them from here too)
     build_rank_model,
     context_positions,
@@ -224,7 +224,8 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
         return pipeline_parallel.forward_backward(worker, cfg.schedule, cfg.microbatches,
                                                   timeline)
     total = 0.0
-    for rows in slices:  # gradient accumulation: grads add up in .grad
+    for m, rows in enumerate(slices):  # gradient accumulation: grads add up in .grad
+        flight.set_microbatch(m)  # the flight recorder's calls of this microbatch
         loss = microbatch_loss(chunks[0], pipeline_parallel.rows_of(ag.Tensor(x[rows]),
                                                                     rows_over), y[rows], scale)
         if placement.ON:  # what the gradient sync expects: at most a mean over dp (x cp)
@@ -299,6 +300,7 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
         for p in chunk.parameters():
             p.grad = None
     local = forward_backward(cfg, mesh, chunks, x, y, timeline)
+    flight.set_microbatch(None)  # the syncs below belong to the whole step
     if cfg.schedule in pipeline_schedules.TWO_WAY and cfg.pp > 1:  # DualPipe: copy + copy
         pipeline_parallel.sum_the_two_copies(chunks, mesh.pp)
     if cfg.sp:  # LayerNorm / fc2-bias gradients of row shards: sum over tp first

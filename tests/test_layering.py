@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"autograd", "fused", "attention", "nn", "gpt", "recompute", "optim", "data",  # core,
      "memory", "shards", "threads", "placement_types", "placement_rules",   # no MPI
      "placement_transformer", "placement"},
-    {"comm", "mesh", "ring", "log", "watchdog"},                            # communication
+    {"comm", "mesh", "ring", "log", "watchdog", "flight", "flight_report"},  # communication
     {"parallel", "parallel.pipeline_instructions", "parallel.pipeline_v",
      "parallel.pipeline_layout", "parallel.pipeline_simulator",    # strategies
      "parallel.pipeline_schedules", "parallel.data_parallel",
@@ -37,11 +37,11 @@ LAYERS: list[set[str]] = [
      "kvcache"},
     {"config"},                                                             # the flags
     {"checkpoint_format", "checkpoint", "checkpoint_folder", "preflight", "bugs_detours",
-     "bugs", "assemble"},
+     "bugs_hangs", "bugs", "assemble"},
     {"train"},                                                              # composition
     {"results", "reshard", "generate"},
     {"costmodel", "timemodel", "presets", "plan_workloads", "plan_search", "plan_report",
-     "plan", "plots_load", "plots", "report", "tour", "classroom", "exercises",
+     "plan", "plots_load", "plots_flight", "plots", "report", "tour", "classroom", "exercises",
      "exercises.regions", "exercises.units", "exercises.units_attention", "exercises.grade",
      "exercises.command", "__main__", ""},                                  # on top
 ]
