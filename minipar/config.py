@@ -19,6 +19,7 @@ from minipar.parallel.pipeline_schedules import SCHEDULES, V_SHAPED
 from minipar.routing import DEFAULT_AUX_COEF, DEFAULT_BIAS_RATE, ROUTERS
 
 MODELS = ("mlp", "moe", *GPT_MODELS)
+MOE_MODELS = ("moe", "gpt-moe")
 RECOMPUTE = ("none", "selective", "full")
 GRAD_SYNCS = ("naive", "bucketed", "overlapped")
 
@@ -94,7 +95,7 @@ class TrainConfig:
             values["vocab"] = 256 if self.data is not None else 64
         if self.aux_coef is None:  # the bias balances sigmoid-bias: no aux loss by default
             values["aux_coef"] = DEFAULT_AUX_COEF.get(self.router, 0.01)
-        if self.bias_rate is None and self.router == "sigmoid-bias":
+        if self.bias_rate is None and self.router == "sigmoid-bias" and self.model in MOE_MODELS:
             values["bias_rate"] = DEFAULT_BIAS_RATE
         if self.route_top_groups is None:
             values["route_top_groups"] = self.route_groups
