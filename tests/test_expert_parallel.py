@@ -8,8 +8,9 @@ block's load statistics match the same recomputation (and capacity really drops)
 
 The 4-rank job runs this file as its rank side
 (`mpiexec -n 4 python -m tests.test_expert_parallel SPEC OUT`): it trains the configs
-like `tests.mpi.sweep` and also writes every rank's load statistics and replica disagreements, then probes one
-block directly (uniform routing, tape size against the number of tokens).
+like `tests.mpi.sweep` and also writes every rank's load statistics and the replica
+disagreements, then probes one block directly (uniform routing, tape size against the
+number of tokens).
 """
 
 from __future__ import annotations
