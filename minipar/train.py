@@ -352,7 +352,7 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
         disagreements += biases[1]
     if cfg.save:  # every rank writes its shard; rank 0 the manifest, last
         checkpoint.save(cfg.save, cfg, mesh, updater, updater.optimizer, cfg.steps, losses,
-                        keep=cfg.keep)
+                        keep=cfg.keep, router_bias=biases[0])
     return RunResult(losses, init, final,
                      [r for rank in gathered for r in rank] if gathered else [],
                      {"replica_disagreements": disagreements,

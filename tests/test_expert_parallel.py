@@ -65,6 +65,12 @@ ROUTED = [
     dict(SMALL, dp=4, ep=2, zero=3, router="sigmoid-bias", bias_rate=0.01, shared_experts=1,
          optimizer="adam", steps=2),
 ]
+# b in a checkpoint: saved on dp x ep at step 2, resumed on dp x tp x ep to step 4
+# ("{ck}" is the job's checkpoint folder)
+ROUTED_CK = dict(SMALL, router="sigmoid-bias", bias_rate=0.003, shared_experts=1,
+                 route_groups=2, route_top_groups=1, optimizer="adam", lr=0.01)
+SAVE_RESUME = [dict(ROUTED_CK, dp=4, ep=2, steps=2, save="{ck}"),
+               dict(ROUTED_CK, dp=2, tp=2, ep=2, steps=4, resume="{ck}")]
 PROBE = nn.ModelConfig(model="moe", layers=1, d_in=8, d_model=16, experts=8, top_k=2,
                        expert_d_ff=32, capacity_factor=1.0, aux_coef=0.01)
 
@@ -142,10 +148,11 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The 4-rank job: dumps of FOUR, load statistics, and the block probe."""
     folder = tmp_path_factory.mktemp("ep4")
     spec = folder / "configs.json"
-    spec.write_text(json.dumps(FOUR + ROUTED))
+    spec.write_text(json.dumps(FOUR + ROUTED + SAVE_RESUME).replace("{ck}",
+                                                                  str(folder / "ck")))
     job = launch(4, ["-m", "tests.test_expert_parallel", str(spec), str(folder)], timeout=180)
     assert job.returncode == 0 and not job.timed_out, job.explain()
-    runs = [read_dump(folder / str(i)) for i in range(len(FOUR + ROUTED))]
+    runs = [read_dump(folder / str(i)) for i in range(len(FOUR + ROUTED + SAVE_RESUME))]
     for i, run in enumerate(runs):
         run["expert_load"] = json.loads((folder / str(i) / "expert_load.json").read_text())
         run["replica_disagreements"] = json.loads((folder / str(i) / "replicas.json").read_text())
@@ -175,6 +182,24 @@ def test_deepseek_routing_equals_one_process_b_included(four):
             b = [run["final"][f"blocks.{i}.router.bias_balance"] for i in range(2)]
             assert max(np.abs(v).max() for v in b) > 0, fields
         assert run["replica_disagreements"] == [], (fields, run["replica_disagreements"])
+
+
+def test_b_is_checkpointed_and_resumed_on_another_mesh(four):
+    """The manifest holds every block's b after step 2 (the one-process b, bit for bit);
+    the run resumed on dp x tp x ep equals one process over all 4 steps, b included
+    (it could not if b restarted from 0: b after step 2 is not 0)."""
+    from minipar import checkpoint
+
+    saved, resumed = four["runs"][-2:]
+    fields = {k: v for k, v in SAVE_RESUME[1].items() if k != "resume"}
+    manifest = checkpoint.read_manifest(saved["job_folder"].parent / "ck")
+    at_two = reference(**dict(fields, steps=2)).final
+    for i in range(2):
+        name = f"blocks.{i}.router.bias_balance"
+        assert np.array_equal(manifest["router_bias"][name], at_two[name])
+        assert np.abs(at_two[name]).max() > 0
+    assert_equivalent(resumed, reference(**fields), label="resumed on dp x tp x ep")
+    assert resumed["replica_disagreements"] == []
 
 
 def test_node_limited_routing_reaches_at_most_m_groups(four):
