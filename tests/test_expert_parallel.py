@@ -378,7 +378,8 @@ def test_expert_tp_refusals():
 
 
 def test_lesson_runs_and_matches_one_process():
-    job, _ = lesson_run(8, "03_expert_parallel.py")  # the run tests/test_lessons.py checks
+    # the run tests/test_lessons.py checks (--quick: part 7a takes 60 steps, not 200)
+    job, _ = lesson_run(8, "03_expert_parallel.py", "--quick")
     assert job.returncode == 0 and not job.timed_out, job.explain()
     out = job.stdout
     assert "tokens sent from rank (row) to rank (column)" in out
@@ -399,6 +400,19 @@ def test_lesson_runs_and_matches_one_process():
     none, strong = (rows[10][0], rows[10][1]), (rows[10][4], rows[10][5])
     assert strong[0] < none[0] and strong[1] < none[1], rows[10]
     assert rows[40][4] < rows[0][4] and rows[40][5] < rows[40][1], rows[40]
+    # part 7a: the load per expert, measured; the bias holds the imbalance lowest
+    table = {int(step): [float(v) for v in cells.split()] for step, cells in
+             re.findall(r"^ +(\d+)((?: +\d+\.\d\d){3})$", out, re.M)}
+    assert sorted(table) == [0, 10, 20, 50, 60], out
+    assert table[0][0] == table[0][1] == table[0][2]           # one router, three runs
+    assert table[60][2] < table[0][2] and table[60][2] < min(table[60][:2]), table
+    assert re.search(r"-> OK \(the bias balances best\)", out)
+    # part 7b: at most M hosts per token, and the deduplicated cross-host bytes fall
+    hosts = {int(m): (int(most), int(tokens), int(nbytes)) for m, most, tokens, nbytes in
+             re.findall(r"^ +(\d) +max (\d), mean [\d.]+ +(\d+) = +(\d+) bytes", out, re.M)}
+    assert sorted(hosts) == [1, 2] and hosts[1][0] == 1 and hosts[2][0] == 2, hosts
+    assert hosts[1][2] == hosts[1][1] * 16 * 8 and hosts[1][1] < hosts[2][1], hosts
+    assert "no token reaches more than 1 host -> OK" in out and "deepseek-v3" in out
 
 
 if __name__ == "__main__":
