@@ -37,15 +37,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from minipar import fused, placement
 from minipar.autograd import Tensor
-
-if TYPE_CHECKING:  # comm.py loads mpi4py.MPI; the one-process reference needs none
-    from minipar.comm import Group
 
 ROUTERS = ("softmax", "sigmoid-bias")
 DEFAULT_BIAS_RATE = 1e-3
@@ -183,20 +179,21 @@ def balances(modules: object) -> list[BiasBalance]:
     return found
 
 
-def global_load(states: list[BiasBalance], group: Group | None) -> np.ndarray:
+def global_load(states: list[BiasBalance], group: object | None) -> np.ndarray:
     """(blocks, E): every block's load over the global batch. One Allreduce of all of this
-    rank's blocks' counts at once over `group` (dp x cp: the ranks holding other tokens
-    of the same blocks; tp ranks hold the same tokens, so they are not summed over)."""
+    rank's blocks' counts at once over `group` (a comm.Group, dp x cp: the ranks holding
+    other tokens of the same blocks; tp ranks hold the same tokens, so they are not
+    summed over). This core module never imports MPI: the group brings its own."""
     local = np.stack([s.load for s in states])
     if group is None or group.size == 1:
         return local
-    from minipar.comm import allreduce_sum  # here: comm.py loads mpi4py.MPI
+    total = np.empty_like(local)
+    # (blocks, E) counts of my tokens -> the sums over every token of the step (SUM)
+    group.Allreduce(local, total)
+    return total
 
-    # (blocks, E) counts of my tokens -> the sums over every token of the step
-    return allreduce_sum(group, local)
 
-
-def update_biases(modules: object, group: Group | None, rate: float) -> None:
+def update_biases(modules: object, group: object | None, rate: float) -> None:
     """After a step: every block's b moves against its global load, and the loads restart.
     Every rank of `group` holds the same blocks, so all call the Allreduce together."""
     states = balances(modules)
