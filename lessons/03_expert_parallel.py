@@ -26,7 +26,7 @@ if something asks for balance: the aux loss of part 6.
 
 Run it: `mpiexec -n 8 python lessons/03_expert_parallel.py` (add `--plot DIR` for the
 expert-load figures, 03_expert_load*.png, 03_bias_balance.png, 03_node_limited.png;
-`--quick`: part 7a takes 60 steps instead of 200)
+`--quick`: part 7a takes 40 steps instead of 200)
 (a whole training run: `mpiexec -n 8 python -m minipar train --model moe --dp 8 --ep 8
 --experts 64 --check`).
 """
@@ -55,7 +55,7 @@ AUX_COEFS, STEPS, LR = (0.0, 0.01, 0.1), 40, 0.5  # part 6: one run per coeffici
 # one run per router: (label, router, aux coef, bias rate)
 BALANCERS = (("neither", "softmax", 0.0, None), ("aux loss 0.1", "softmax", 0.1, None),
              ("bias b, rate 1e-3", "sigmoid-bias", 0.0, 1e-3))
-BIAS_EXPERTS, BIAS_STEPS, QUICK_STEPS, BIAS_LR = 16, 200, 60, 0.1
+BIAS_EXPERTS, BIAS_STEPS, QUICK_STEPS, BIAS_LR = 16, 200, 40, 0.1
 # part 7b: top-8 of 64 (DeepSeek-V3: 8 of 256), the 8 ranks on two hosts of 4
 # (`mpiexec -hosts a:4,b:4`): experts 0-31 on host a, 32-63 on host b; a group a host
 HOST_TOP_K, HOSTS = 8, 2

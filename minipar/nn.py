@@ -9,6 +9,9 @@ must reproduce (docs/design.md, "The reference model"):
     MoE   FFN(u) = sum_{e in topk(softmax(u @ Wr))} g_e * Expert_e(u)
     loss = mean_b CE(h_L @ Wh + bh, y) + sum_l aux_l
 
+(the router may also be DeepSeek-V3's, sigmoid scores chosen by score + a balancing bias,
+node-limited, with shared experts beside the routed ones: routing.py)
+
 Weights are stored (in, out) and applied as `x @ W + b`. Every strategy starts
 from `init_params`, the *full* model drawn from one seeded generator in
 canonical-name order, and keeps its own slice (wasteful at scale, exact here).

@@ -38,6 +38,14 @@ over tp of the (R, d) partial outputs (`reduce_from`) sums the shares before the
 of fc2 are added and the results go back; in the backward one Allreduce of (R, d) sums the
 input gradients (`copy_to`). Everything outside the experts is replicated over tp.
 
+DeepSeek-V3's routing (routing.py) changes step 1 only: sigmoid scores chosen by score
++ b (`--router sigmoid-bias`; b is whole on every rank, its load counted here and summed
+over dp x cp once per step by routing.update_biases), node-limited choice
+(`--route-groups G --route-top-groups M`; `group_stats` is the routing ledger: what
+each rank sends to each group). Shared experts (`--shared-experts S`) run on every
+rank's own tokens beside the exchange, replicated over ep (sync="dp"), split over tp
+like the routed experts when those are. Dispatch, experts and combine stay as above.
+
 Placements (placement.py, `--check-placements`): the tokens u are Shard(0) over dp;
 the dispatch and combine Alltoallv move whole rows (refusing a partial sum) and keep
 them a row shard; the router and LayerNorm are Replicate over dp, so their gradients
@@ -71,7 +79,7 @@ from minipar.placement import Shard
 class Routing:
     """Where this rank's b local tokens go. Assignments are in token order, then slot."""
 
-    probs: Tensor          # (b, E) router probabilities
+    probs: Tensor          # (b, E) router scores: softmax probabilities, or sigmoids
     chosen: np.ndarray     # (b, k) expert ids, best first
     gates: Tensor          # (b k,) gate of each assignment, renormalized over the top k
     token_of: np.ndarray   # (b k,) assignment -> local token row
