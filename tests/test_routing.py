@@ -7,8 +7,9 @@
 - b: `bias_step` moves each b_e by rate towards balance; applied step after step on
   fixed skewed scores it drives the max/mean load down (what the bias is for);
 - the reference model (nn.MoEBlock under train_reference) with sigmoid-bias, shared
-  experts and node-limited routing equals tests/independent.py, written from the
-  formulas with its own backward (float64, rel 1e-9), b included;
+  experts and node-limited routing equals tests/independent.py (and gpt-moe
+  tests/independent_gpt.py), written from the formulas with their own backward
+  (float64, rel 1e-9), b included;
 - the flags: which combinations run, which are refused (config.routing_problems).
 
     python -m pytest tests/test_routing.py
@@ -23,7 +24,7 @@ from minipar import autograd as ag
 from minipar import nn, routing
 from minipar.config import TrainConfig, problems
 from minipar.train import train_reference
-from tests import independent
+from tests import independent, independent_gpt
 from tests.conftest import assert_equivalent
 
 SMALL = {"model": "moe", "layers": 2, "d_in": 8, "d_model": 16, "classes": 5, "batch": 16,
@@ -123,6 +124,20 @@ def test_the_reference_equals_the_independent_implementation(fields):
         b = ref.final["blocks.0.router.bias_balance"]
         assert np.abs(b).max() > 0
         assert np.allclose(b / cfg.bias_rate, np.round(b / cfg.bias_rate))
+
+
+def test_the_transformer_equals_the_independent_implementation():
+    """gpt-moe with sigmoid-bias, a shared expert and node-limited routing against
+    tests/independent_gpt.py (which routes with independent.moe_ffn)."""
+    cfg = TrainConfig(model="gpt-moe", layers=2, d_model=16, heads=2, seq_len=6, vocab=12,
+                      batch=4, experts=4, expert_d_ff=8, top_k=2, steps=3, microbatches=2,
+                      router="sigmoid-bias", bias_rate=0.01, shared_experts=1,
+                      route_groups=2, route_top_groups=1).resolved(1)
+    mine = independent_gpt.train(cfg)
+    ref = train_reference(cfg)
+    assert_equivalent({"losses": mine.losses, "final": mine.final}, ref, label="gpt-moe")
+    assert max(np.abs(ref.final[f"blocks.{i}.router.bias_balance"]).max()
+               for i in range(2)) > 0
 
 
 @pytest.mark.parametrize("fields,runs", [
