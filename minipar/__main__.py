@@ -140,6 +140,13 @@ def mesh_command(argv: list[str]) -> int:
     return 0
 
 
+def generate_command(argv: list[str]) -> int:
+    """`python -m minipar generate ...`: prefill and decode with a KV cache (generate.py)."""
+    from minipar.generate import command  # here: the ranks talk (mpi4py.MPI)
+
+    return command(argv, _world())
+
+
 def tour_command(argv: list[str]) -> int:
     return tour(argv)
 
@@ -204,7 +211,7 @@ def exercise_command(argv: list[str]) -> int:
 
 COMMANDS = {"train": train_command, "mesh": mesh_command, "tour": tour_command,
             "reshard": reshard_command, "bugs": bugs_command, "plan": plan_command,
-            "exercise": exercise_command}
+            "exercise": exercise_command, "generate": generate_command}
 
 
 def launcher_rank() -> str:
@@ -234,7 +241,7 @@ def main_quiet_on_closed_pipe() -> int:
 
 
 # Commands whose ranks talk: a rank that leaves on its own strands the others.
-TALKING = ("train", "reshard", "tour")
+TALKING = ("train", "reshard", "tour", "generate")
 
 
 def main_leaving_together() -> int:

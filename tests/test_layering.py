@@ -33,12 +33,13 @@ LAYERS: list[set[str]] = [
      "parallel.pipeline_layout", "parallel.pipeline_simulator",    # strategies
      "parallel.pipeline_schedules", "parallel.data_parallel",
      "parallel.zero", "parallel.tensor_parallel", "parallel.vocab_parallel",
-     "parallel.expert_parallel", "parallel.pipeline_parallel", "parallel.context_parallel"},
+     "parallel.expert_parallel", "parallel.pipeline_parallel", "parallel.context_parallel",
+     "kvcache"},
     {"config"},                                                             # the flags
     {"checkpoint_format", "checkpoint", "checkpoint_folder", "preflight", "bugs_detours",
      "bugs", "assemble"},
     {"train"},                                                              # composition
-    {"results", "reshard"},
+    {"results", "reshard", "generate"},
     {"costmodel", "timemodel", "presets", "plan_workloads", "plan_search", "plan_report",
      "plan", "plots_load", "plots", "report", "tour", "classroom", "exercises",
      "exercises.regions", "exercises.units", "exercises.units_attention", "exercises.grade",
