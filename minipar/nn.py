@@ -318,8 +318,7 @@ class MoEBlock(Module):
         self.experts = [ExpertFFN(full, f"{p}.experts.{e}") for e in range(cfg.experts)]
         self.shared = [ExpertFFN(full, f"{p}.shared_experts.{s}")
                        for s in range(cfg.shared_experts)]
-        self.balance = routing.BiasBalance(p, cfg.experts) \
-            if cfg.router == "sigmoid-bias" else None
+        self.balance = routing.balance_for(p, cfg.router, cfg.experts, full)
 
     def __call__(self, h: Tensor) -> tuple[Tensor, Tensor]:
         out, aux = self.ffn(as_tokens(self.ln(h)))             # (N, d), N = B or B*T

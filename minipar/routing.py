@@ -154,6 +154,19 @@ class BiasBalance:
             self.load += np.bincount(expert_of, minlength=self.load.size)
 
 
+def balance_for(prefix: str, router: str, experts: int, full: dict[str, np.ndarray]
+                ) -> BiasBalance | None:
+    """The BiasBalance of the block `prefix` under `router` (None for softmax), starting
+    from the b that `full` holds under its name when it holds one (a checkpoint's, as
+    `generate --resume` hands it over), else from 0."""
+    if router != "sigmoid-bias":
+        return None
+    state = BiasBalance(prefix, experts)
+    if state.name in full:
+        state.value = np.array(full[state.name], dtype=np.float64)
+    return state
+
+
 def bias_step(value: np.ndarray, load: np.ndarray, rate: float) -> np.ndarray:
     """b + rate * sign(mean load - load): the auxiliary-loss-free update of one block."""
     return value + rate * np.sign(load.mean() - load)

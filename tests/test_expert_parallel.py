@@ -201,6 +201,13 @@ def test_b_is_checkpointed_and_resumed_on_another_mesh(four):
     assert_equivalent(resumed, reference(**fields), label="resumed on dp x tp x ep")
     assert resumed["replica_disagreements"] == []
 
+    from minipar.generate import full_params  # generate --resume: b beside the parameters
+
+    held = full_params(TrainConfig(**dict(fields, resume=str(saved["job_folder"].parent
+                                                             / "ck"))).resolved(1))
+    assert all(np.array_equal(held[name], value)
+               for name, value in manifest["router_bias"].items())
+
 
 def test_node_limited_routing_reaches_at_most_m_groups(four):
     """The routing ledger (expert_parallel.group_stats) of the last step: per rank and

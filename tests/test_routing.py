@@ -107,6 +107,12 @@ def test_balances_are_found_in_model_order_and_reset_after_an_update():
     with routing.not_counting():
         states[1].count(np.array([1, 1, 2]))
     assert not states[1].load.any()
+    # a block built from a full dict holding its b (generate --resume) starts from it
+    full = {**nn.init_params(cfg.model_config(), 0),
+            "blocks.1.router.bias_balance": np.arange(8) * 0.25}
+    again = nn.build_reference(cfg.model_config(), full)
+    assert routing.balances([again])[1].value.tolist() == (np.arange(8) * 0.25).tolist()
+    assert not routing.balances([again])[0].value.any()
 
 
 @pytest.mark.parametrize("fields", [

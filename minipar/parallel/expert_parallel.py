@@ -327,8 +327,7 @@ class ExpertParallelBlock(nn.Module):
         shared = [f"{p}.shared_experts.{s}" for s in range(cfg.shared_experts)]
         self.shared = [TensorParallelExpert(full, name, mesh.tp, sync="dp") for name in shared] \
             if self.split else [nn.ExpertFFN(full, name, sync="dp") for name in shared]
-        self.balance = moe_routing.BiasBalance(p, cfg.experts) \
-            if cfg.router == "sigmoid-bias" else None
+        self.balance = moe_routing.balance_for(p, cfg.router, cfg.experts, full)
         self.last_stats: dict = {}
 
     def __call__(self, h: Tensor) -> tuple[Tensor, Tensor]:
