@@ -74,6 +74,7 @@ class TrainConfig:
     recompute: str = "none"           # none, selective (the attention core), full (blocks)
     cp: int = 1                       # context parallelism: each sequence over cp ranks
     cp_mode: str = "zigzag"           # allgather, ring, zigzag or ulysses
+    trace: str | None = None          # a folder for every rank's timeline (trace.py)
 
     def resolved(self, world_size: int) -> TrainConfig:
         """Fill the defaults that depend on other flags (d_ff, expert_d_ff, dp)."""
@@ -427,6 +428,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--cp-mode", choices=CP_MODES, default=d.cp_mode,
         help="transformer with --cp N: how attention sees the other ranks' positions "
              "(allgather K/V, ring, zigzag ring, ulysses Alltoall)")
+    add("--trace", metavar="DIR", default=None,
+        help="write every rank's timeline (DIR/rank{r}.json) and the merged DIR/trace.json "
+             "for Perfetto or chrome://tracing; `python -m minipar trace DIR` reads it")
     add("--inject-bug", metavar="NAME", default=None,
         help="break one thing on purpose (lesson 08); `python -m minipar bugs` lists them")
     add("--check-placements", action="store_true",
