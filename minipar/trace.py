@@ -113,7 +113,7 @@ class Recorder:
         self.pending: dict[int, list] = {}  # id(request) -> its open span
         self.channels: dict[tuple, int] = {}  # (axis, src, dst, tag, way) -> messages so far
         self.world_ranks: dict[int, list[int]] = {}  # id(comm) -> its ranks' world ranks
-        self.sequence: dict[int, int] = {}  # id(comm) -> calls so far
+        self.sequence: dict[tuple, int] = {}  # (id(comm), p2p?) -> calls so far
         self.groups: dict[str, list[int]] = {}  # axis -> my group's world ranks
         self.held: dict[object, int] = {}   # activation bytes kept per (chunk, microbatch)
         self.memory: Callable[[], object] | None = None  # updater.memory
@@ -136,8 +136,9 @@ class Recorder:
         if ranks is None:
             ranks = self.world_ranks[key] = _world_ranks(comm)
             self.groups.setdefault(group.name, ranks)
-        seq = self.sequence.get(key, 0)
-        self.sequence[key] = seq + 1
+        counter = (key, op in POINT_TO_POINT)   # collectives: numbered alike on every rank
+        seq = self.sequence.get(counter, 0)
+        self.sequence[counter] = seq + 1
         args = {"op": op, "axis": group.name, "elements": int(elements),
                 "bytes": int(elements) * int(itemsize), "seq": seq, "step": self.step,
                 "blocking": what is not None}
@@ -168,7 +169,7 @@ class Recorder:
             record = self.pending.pop(id(request), None)
             if record is not None:
                 record[4] = end
-                ends.append(record[5]["seq"])
+                ends.append([record[5]["axis"], record[5]["seq"]])
         wait[5]["requests"] = ends
 
     # --------------------------------------------------------- counters
@@ -433,6 +434,8 @@ def write(folder: str, recorder: Recorder, mesh: Mesh, config: dict) -> None:
     merged = [event for rank_events, _ in everything for event in rank_events]
     infos = [rank_info for _, rank_info in everything]
     summary = {"run": recorder.run, "ranks": world.size, "config": config,
+               "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else os.cpu_count(),   # what the ranks of rank 0's host shared
                "hosts": [i["host"] for i in infos],
                "clock_offsets_us": [i["clock_offset_us"] for i in infos],
                "coords": [i["coords"] for i in infos], "groups": [i["groups"] for i in infos]}
