@@ -334,8 +334,8 @@ def step(number: int) -> contextlib.AbstractContextManager:
 
 
 def instrument(optimizer: object, memory: Callable[[], object]) -> None:
-    """Record the optimizer's updates as `optimizer step` spans, and read the model
-    states' bytes from `memory` (the updater's) for the counters."""
+    """While a run is traced, record the optimizer's updates as `optimizer step` spans,
+    and read the model states' bytes from `memory` (the updater's) for the counters."""
     recorder = RECORDER
     if recorder is None:
         return
@@ -343,9 +343,13 @@ def instrument(optimizer: object, memory: Callable[[], object]) -> None:
     update = optimizer.step
 
     def traced(*args: object, **kwargs: object) -> None:
-        with recorder.span("optimizer step", COMPUTE, {}):
+        now = RECORDER
+        if now is None:   # the run's recording is over (a checkpoint, a benchmark)
             update(*args, **kwargs)
-        recorder.sample()
+            return
+        with now.span("optimizer step", COMPUTE, {}):
+            update(*args, **kwargs)
+        now.sample()
     optimizer.step = traced
 
 
