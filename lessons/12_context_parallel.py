@@ -151,7 +151,9 @@ def when_each_wins(runs: dict[str, dict], cp: int) -> None:
           f"(the causal mask leaves rank 0 one block): the step waits for the busiest; "
           f"zigzag evens it to {zig.max() / zig.min():g}x {verdict(zig.max() == zig.min())}",
           flush=True)
-    print(f"ring and zigzag: {6 * (cp - 1) + 2} Sendrecv per layer and microbatch, cp - 1 = "
+    print(f"ring and zigzag: {4 * (cp - 1)} Isend/Irecv pairs (K, V, posted before each "
+          f"block's compute and waited after it) and {2 * (cp - 1) + 2} Sendrecv (dK, dV) "
+          f"per layer and microbatch, cp - 1 = "
           f"{cp - 1} steps one after the other: latency grows with cp, memory does not "
           f"(peak {peak['zigzag'] / KB:.0f} KB)", flush=True)
     print(f"allgather: 2 collectives forward, 2 backward, but K and V of all {cfg.seq_len} "
