@@ -192,8 +192,11 @@ def longest_wait(doc: dict) -> dict:
     the latest of its requests' partners. {} if no rank ever waited."""
     xs = spans(doc)
     info = doc["otherData"]["minipar"]
-    waits = [e for e in xs if e["cat"] == "wait"
-             or (e["cat"] == "comm" and e["args"].get("blocking"))]
+    steps = [e for e in xs if e["cat"] == "step"]
+    begin = min((e["ts"] for e in steps), default=0)
+    end = max((e["ts"] + e["dur"] for e in steps), default=0)
+    waits = [e for e in xs if (e["cat"] == "wait" or (e["cat"] == "comm" and e["args"].get(
+        "blocking"))) and begin <= e["ts"] <= end]   # inside the steps
     if not waits:
         return {}
     worst = max(waits, key=lambda e: e["dur"])

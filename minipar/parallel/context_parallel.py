@@ -258,13 +258,14 @@ def ring_attention(cpa: ContextParallelAttention, q: Tensor, k: Tensor, v: Tenso
         dQ = np.zeros_like(Q)
         Kb, Vb = (_split_heads(t, heads) for t in (keys, v.data))
         dK, dV = np.zeros_like(Kb), np.zeros_like(Vb)
+        ahead: Passing | None = None
         for step in range(cp):
-            if step > 0:  # the block's gradient so far follows it, once it is complete
+            if ahead is not None:  # the block's gradient so far follows it, complete now
                 dK, dV = pass_along(group, dK), pass_along(group, dV)
-                Kb, Vb = passing.arrived()
+                Kb, Vb = ahead.arrived()
             # K, V go on ahead while this step computes (their gradients cannot: they
             # are being added to)
-            passing = Passing(group, (Kb, Vb)) if step + 1 < cp else None
+            ahead = Passing(group, (Kb, Vb)) if step + 1 < cp else None
             for a, b, keep in cpa.visible_blocks((me - step) % cp):
                 S = (Q[:, :, a] @ np.swapaxes(Kb[:, :, b], -1, -2)) * scale
                 P = np.exp(np.where(keep, S - L[:, :, a, None], -np.inf))  # masked: 0
