@@ -116,6 +116,7 @@ class Recorder:
         self.sequence: dict[tuple, int] = {}  # (id(comm), p2p?) -> calls so far
         self.groups: dict[str, list[int]] = {}  # axis -> my group's world ranks
         self.held: dict[object, int] = {}   # activation bytes kept per (chunk, microbatch)
+        self.tapes: dict[int, int] = {}     # a chunk's tape bytes of one microbatch
         self.memory: Callable[[], object] | None = None  # updater.memory
         self.step = 0
         self.start_ns = time.monotonic_ns()
@@ -303,14 +304,20 @@ def wait(requests: list, what: str) -> None:
     recorder.closed(requests, waiting.record)
 
 
-def hold(key: object, output: object) -> None:
+def hold(key: tuple[int, int], output: object) -> None:
     """Count the activations the tape behind `output` keeps for backward, under `key`
-    (a (chunk, microbatch)), and sample the counters."""
+    (chunk, microbatch), and sample the counters. The tape is walked once per chunk and
+    step (its first microbatch): the others have the same shapes, and a walk per
+    microbatch would cost more than the rest of the tracing."""
     recorder = RECORDER
     if recorder is not None:
         from minipar.recompute import tape_bytes  # here: only a traced run walks tapes
 
-        recorder.held[key] = tape_bytes(output)
+        chunk = ("tape", key[0])
+        if chunk not in recorder.held:
+            recorder.held[chunk] = 0
+            recorder.tapes[key[0]] = tape_bytes(output)
+        recorder.held[key] = recorder.tapes[key[0]]
         recorder.sample()
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from minipar import trace, trace_report
-from tests.mpi import minipar, read_dump
+from tests.mpi import lesson_run, minipar, read_dump
 from tests.trace_checks import check_events, check_trace
 
 SMALL = ["--layers", "4", "--d-model", "16", "--d-in", "8", "--batch", "16", "--steps", "2"]
@@ -160,3 +160,16 @@ def test_a_read_only_trace_folder_is_refused(tmp_path):
         assert "--trace" in lines[0] and "not writable" in lines[0], lines
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_lesson_4_prints_the_numbers_of_its_trace():
+    """Lesson 4 traces its 1F1B run of M = 8 (--plot DIR: DIR/trace_1f1b) and prints the
+    bubble and the hidden share of that trace: trace_report.measure's, as `trace` prints."""
+    job, folder = lesson_run(4, "04_pipeline_parallel.py", "--quick")  # test_lessons' run
+    assert job.returncode == 0, job.explain()
+    measured = trace_report.measure(trace_report.load(folder / "trace_1f1b"))
+    line = next(x for x in job.stdout.splitlines() if "its trace (" in x)
+    assert f"M = 8 bubble {measured.bubble:.1%}, communication hidden under compute " \
+           f"{measured.hidden:.1%}" in line, line
+    assert "cores" in line and (folder / "04_trace_1f1b.png").exists()
+    check_events(json.loads((folder / "trace_1f1b" / "trace.json").read_text()), "lesson 4")
