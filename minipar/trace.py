@@ -44,14 +44,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from minipar import watchdog
-from minipar.preflight import folder_problems
 
-if TYPE_CHECKING:
-    from minipar.comm import Group
-    from minipar.mesh import Mesh
+# `Group` is comm.Group and `Mesh` mesh.Mesh: named, not imported (comm.py imports this
+# file, so importing them back, even only for the type checker, would close a cycle)
+Group = Mesh = object
 
 RECORDER: Recorder | None = None     # the recorder of this rank while a --trace run runs
 NOTHING = contextlib.nullcontext()  # what every hook returns when nothing is recorded
@@ -61,20 +59,10 @@ POINT_TO_POINT = ("Send", "Isend", "Recv", "Irecv", "Sendrecv")
 PINGS = 8                          # round trips of the clock-offset ping-pong
 
 
-# ---------------------------------------------------------------- refusals
-def problems(folder: str) -> list[str]:
-    """Why `--trace folder` cannot be written, before the first step: a file in the way,
-    a folder this process cannot create files in, or one holding another run's trace
-    (its files would be mixed with this run's)."""
-    found = [f"--trace {message}" for message in folder_problems(folder)]
-    path = Path(folder)
-    if not found and path.is_dir():
-        held = sorted(p.name for p in path.iterdir()
-                      if p.name == FILES or (p.name.startswith("rank") and p.suffix == ".json"))
-        if held:
-            found.append(f"--trace {folder}: holds the trace of another run ({held[0]}): "
-                         "give an empty or new folder")
-    return found
+def trace_files(folder: Path) -> list[str]:
+    """The names of the trace files a folder holds (trace.json, rank{r}.json)."""
+    return sorted(p.name for p in folder.iterdir()
+                  if p.name == FILES or (p.name.startswith("rank") and p.suffix == ".json"))
 
 
 # -------------------------------------------------------------- the recorder

@@ -119,7 +119,7 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
     if not out and (cfg.save or cfg.resume):
         out += checkpoint.problems(cfg)
     if not out and cfg.trace is not None:  # a file, read-only, another run's trace
-        out += trace.problems(cfg.trace)
+        out += preflight.trace_problems(cfg.trace)
     return out
 
 

@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"autograd", "fused", "attention", "nn", "gpt", "recompute", "optim", "data",  # core,
      "memory", "shards", "threads", "placement_types", "placement_rules",   # no MPI
      "placement_transformer", "placement"},
-    {"comm", "mesh", "ring", "log", "watchdog"},                            # communication
+    {"comm", "mesh", "ring", "log", "watchdog", "trace"},                   # communication
     {"parallel", "parallel.pipeline_instructions", "parallel.pipeline_v",
      "parallel.pipeline_layout", "parallel.pipeline_simulator",    # strategies
      "parallel.pipeline_schedules", "parallel.data_parallel",
@@ -42,7 +42,7 @@ LAYERS: list[set[str]] = [
     {"costmodel", "timemodel", "presets", "plan_workloads", "plan_search", "plan_report",
      "plan", "plots_load", "plots", "report", "tour", "classroom", "exercises",
      "exercises.regions", "exercises.units", "exercises.units_attention", "exercises.grade",
-     "exercises.command", "__main__", ""},                                  # on top
+     "exercises.command", "trace_report", "__main__", ""},                  # on top
 ]
 
 

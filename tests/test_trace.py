@@ -20,7 +20,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from minipar import trace, trace_report
+from minipar import preflight, trace_report
 from tests.mpi import lesson_run, minipar, read_dump
 from tests.trace_checks import check_events, check_trace
 
@@ -141,7 +141,7 @@ def test_train_refuses_a_trace_folder_it_cannot_use(tmp_path, traced):
         assert job.returncode == 2 and len(lines) == 1, job.explain()
         assert lines[0].startswith("minipar: error: --trace") and said in lines[0], lines
         assert "step" not in job.stdout, job.stdout   # before the first step
-    assert trace.problems(str(tmp_path / "new" / "folder")) == []
+    assert preflight.trace_problems(str(tmp_path / "new" / "folder")) == []
 
 
 def test_a_read_only_trace_folder_is_refused(tmp_path):
