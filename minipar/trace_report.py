@@ -132,6 +132,7 @@ class Measured:
     bubble: float | None
     hidden: float
     longest_wait: dict = field(default_factory=dict)
+    hidden_by_axis: dict[str, float] = field(default_factory=dict)  # the same, per axis
 
 
 def spans(doc: dict) -> list[dict]:
@@ -151,6 +152,7 @@ def measure(doc: dict) -> Measured:
     window = [(begin, end)]
     per_rank = []
     total_comm = total_hidden = 0
+    by_axis: dict[str, list[int]] = {}   # axis -> [its comm time, of it hidden]
     for rank in range(ranks):
         mine = [e for e in xs if e["pid"] == rank]
         busy = union(iv(e) for e in mine if e["cat"] == "compute")
@@ -164,8 +166,16 @@ def measure(doc: dict) -> Measured:
                                  end - begin - length(compute) - exposed))
         total_comm += length(comm)
         total_hidden += hidden
+        for axis in {e["args"]["axis"] for e in mine if e["cat"] == "comm"}:
+            on_axis = intersect(union(iv(e) for e in mine if e["cat"] == "comm"
+                                      and e["args"]["axis"] == axis), window)
+            entry = by_axis.setdefault(axis, [0, 0])
+            entry[0] += length(on_axis)
+            entry[1] += length(intersect(on_axis, compute))
     return Measured(per_rank, end - begin, pipeline_bubble(doc),
-                    total_hidden / total_comm if total_comm else 0.0, longest_wait(doc))
+                    total_hidden / total_comm if total_comm else 0.0, longest_wait(doc),
+                    {axis: hidden / time for axis, (time, hidden) in sorted(by_axis.items())
+                     if time})
 
 
 def iv(event: dict) -> tuple[int, int]:
@@ -260,7 +270,9 @@ def report(doc: dict, measured: Measured | None = None) -> str:
                      f"{r.hidden / r.comm if r.comm else 0.0:6.1%}  {r.idle / 1e6:9.4f}")
     lines.append("pipeline bubble (last step, measured): " + (
         "no pipeline" if m.bubble is None else f"{m.bubble:.1%}"))
-    lines.append(f"communication hidden under compute: {m.hidden:.1%}")
+    lines.append(f"communication hidden under compute: {m.hidden:.1%} ("
+                 + ", ".join(f"{axis} {share:.1%}" for axis, share in m.hidden_by_axis.items())
+                 + ")")
     w = m.longest_wait
     if w:
         who = "" if w["waited_for"] is None else (

@@ -173,3 +173,20 @@ def test_lesson_4_prints_the_numbers_of_its_trace():
            f"{measured.hidden:.1%}" in line, line
     assert "cores" in line and (folder / "04_trace_1f1b.png").exists()
     check_events(json.loads((folder / "trace_1f1b" / "trace.json").read_text()), "lesson 4")
+
+
+def test_lesson_12_prints_how_much_of_the_ring_its_trace_hides():
+    """Lesson 12 traces its ring and zigzag runs (--plot DIR: DIR/trace_<mode>) and prints
+    the share of their cp traffic under compute: trace_report.measure's, per axis."""
+    job, folder = lesson_run(4, "12_context_parallel.py", "--quick")  # test_lessons' run
+    assert job.returncode == 0, job.explain()
+    for mode in ("ring", "zigzag"):
+        measured = trace_report.measure(trace_report.load(folder / f"trace_{mode}"))
+        assert 0 <= measured.hidden_by_axis["cp"] <= 1
+        assert f"{mode}: its cp traffic hidden under compute " \
+               f"{measured.hidden_by_axis['cp']:.1%}" in job.stdout, job.stdout[-2000:]
+        doc = json.loads((folder / f"trace_{mode}" / "trace.json").read_text())
+        check_events(doc, f"lesson 12 {mode}")
+        ops = {e["args"]["op"] for e in doc["traceEvents"]
+               if e["ph"] == "X" and e["cat"] == "comm" and e["args"]["axis"] == "cp"}
+        assert {"Isend", "Irecv", "Sendrecv"} <= ops, ops   # K, V posted ahead; dK, dV
