@@ -236,7 +236,8 @@ def main() -> None:
                  f"{q['median']:>8.3f}  [{q['min']:.2f}-{q['max']:.2f}] "
                  f"{tr['traced']['step']['median'] * 1e3:.1f} vs "
                  f"{tr['untraced']['step']['median'] * 1e3:.1f} ms, "
-                 f"{tr['events_per_step']} spans per rank and step")
+                 f"{tr['events_per_step']} spans per rank and step; fastest / fastest "
+                 f"{tr['fastest traced/untraced']:.3f}")
     results["suite_seconds"] = suite_time()
     if results["suite_seconds"] is not None:
         lines.append(f"{'make test wall time, seconds (last run)':<58} "
