@@ -190,3 +190,16 @@ def test_lesson_12_prints_how_much_of_the_ring_its_trace_hides():
         ops = {e["args"]["op"] for e in doc["traceEvents"]
                if e["ph"] == "X" and e["cat"] == "comm" and e["args"]["axis"] == "cp"}
         assert {"Isend", "Irecv", "Sendrecv"} <= ops, ops   # K, V posted ahead; dK, dV
+
+
+def test_lesson_1_prints_how_much_of_the_overlapped_sync_its_trace_hides():
+    """Lesson 1 (--plot DIR) traces an overlapped-sync training run into
+    DIR/trace_overlapped and prints the share of its dp traffic under compute."""
+    job, folder = lesson_run(8, "01_data_parallel.py")  # the run tests/test_lessons.py checks
+    assert job.returncode == 0, job.explain()
+    measured = trace_report.measure(trace_report.load(folder / "trace_overlapped"))
+    assert f"{measured.hidden_by_axis['dp']:.1%} of the dp Iallreduces' time ran under " \
+           "compute" in job.stdout, job.stdout[-2000:]
+    doc = json.loads((folder / "trace_overlapped" / "trace.json").read_text())
+    check_events(doc, "lesson 1")
+    assert any(e["ph"] == "X" and e["name"] == "Iallreduce" for e in doc["traceEvents"])
