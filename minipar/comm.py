@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from minipar import placement, trace, watchdog
+from minipar import flight, placement, trace, watchdog
 from minipar.autograd import Tensor
 from minipar.placement import Partial, Replicate, Shard
 
@@ -104,6 +104,8 @@ def _size(buf: object) -> tuple[int, int]:
     """(elements, itemsize) of a buffer argument: an array, or an mpi4py buffer spec
     `[array, counts, displacements, type]` (or `[array, (counts, displacements), type]`),
     where what moves is the sum of the counts, not the whole array."""
+    if buf is None:  # a pickled object: a call, no elements
+        return 0, 1
     if not isinstance(buf, (list, tuple)):
         array = np.asarray(buf)
         return array.size, array.itemsize
@@ -121,8 +123,9 @@ class Group:
 
     The methods keep mpi4py's names and arguments, so call sites read as plain
     mpi4py; `comm` is the raw communicator for anything else. Each call goes through
-    `_call`: the ledger, the watchdog's stamp on a blocking call (`watchdog.waiting`:
-    what it is and since when), and the timeline of a traced run (trace.py).
+    `_call`: the ledger and the flight recorder (`_log`), the watchdog's stamp on a
+    blocking call (`watchdog.waiting`: what it is and since when), and the timeline of
+    a traced run (trace.py).
     """
 
     def __init__(self, comm: MPI.Comm, name: str, ledger: Ledger) -> None:
@@ -132,22 +135,24 @@ class Group:
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
 
-    def _log(self, op: str, buf: object) -> None:
-        elements, itemsize = (0, 1) if buf is None else _size(buf)
+    def _log(self, op: str, buf: object, *detail: object) -> None:
+        """Count the call in the ledger and keep it in the flight recorder (flight.py;
+        `detail`: the peer and tag of a message, the two buffers of an Alltoallv)."""
+        elements, itemsize = _size(buf)
         self.ledger.record(op, self.name, elements, itemsize)
+        flight.record(self, op, elements, itemsize, detail)
 
-    def _call(self, op: str, buf: object, what: str | None = None, dest: int | None = None,
-              source: int | None = None, tag: int = 0, recvtag: int = 0
-              ) -> contextlib.AbstractContextManager:
-        """Around every call: record it in the ledger (`buf`: what its elements are
-        counted on; None for pickled objects), stamp it for the watchdog if it blocks
-        (`what`), and time it when the run is traced (trace.py: one span per call, a
-        nonblocking one open until its Wait)."""
-        self._log(op, buf)
+    def _call(self, op: str, buf: object, what: str | None = None, detail: tuple = (),
+              dest: int | None = None, source: int | None = None, tag: int = 0,
+              recvtag: int = 0) -> contextlib.AbstractContextManager:
+        """Around every call: `_log` it (ledger, flight recorder), stamp it for the
+        watchdog if it blocks (`what`), and time it when the run is traced (trace.py: one
+        span per call, a nonblocking one open until its Wait)."""
+        self._log(op, buf, *detail)
         recorder = trace.RECORDER
         if recorder is None:
             return watchdog.waiting(what) if what is not None else trace.NOTHING
-        elements, itemsize = (0, 1) if buf is None else _size(buf)
+        elements, itemsize = _size(buf)
         return recorder.call(self, op, elements, itemsize, what, dest, source, tag, recvtag)
 
     # collectives on arrays; recorded sizes follow the ledger convention
@@ -188,7 +193,7 @@ class Group:
 
     def Alltoallv(self, sendbuf: object, recvbuf: object) -> None:
         with self._call("Alltoallv", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf,
-                        f"Alltoallv over {self.name}"):
+                        f"Alltoallv over {self.name}", detail=(sendbuf, recvbuf)):
             self.comm.Alltoallv(sendbuf, recvbuf)
 
     def Exscan(self, sendbuf: object, recvbuf: object, op: MPI.Op = MPI.SUM) -> None:
@@ -201,28 +206,30 @@ class Group:
 
     # point to point
     def Send(self, buf: object, dest: int, tag: int = 0) -> None:
-        with self._call("Send", buf, f"Send to {self.name} rank {dest}", dest=dest, tag=tag):
+        with self._call("Send", buf, f"Send to {self.name} rank {dest}", detail=(dest, tag),
+                        dest=dest, tag=tag):
             self.comm.Send(buf, dest=dest, tag=tag)
 
     def Recv(self, buf: object, source: int, tag: int = 0) -> None:
-        with self._call("Recv", buf, f"Recv from {self.name} rank {source}", source=source,
-                        recvtag=tag):
+        with self._call("Recv", buf, f"Recv from {self.name} rank {source}",
+                        detail=(source, tag), source=source, recvtag=tag):
             self.comm.Recv(buf, source=source, tag=tag)
 
     def Isend(self, buf: object, dest: int, tag: int = 0) -> MPI.Request:
-        with self._call("Isend", buf, dest=dest, tag=tag) as call:
+        with self._call("Isend", buf, detail=(dest, tag), dest=dest, tag=tag) as call:
             request = self.comm.Isend(buf, dest=dest, tag=tag)
         return trace.posted(call, request)
 
     def Irecv(self, buf: object, source: int, tag: int = 0) -> MPI.Request:
-        with self._call("Irecv", buf, source=source, recvtag=tag) as call:
+        with self._call("Irecv", buf, detail=(source, tag), source=source, recvtag=tag) as call:
             request = self.comm.Irecv(buf, source=source, tag=tag)
         return trace.posted(call, request)
 
     def Sendrecv(self, sendbuf: object, dest: int, recvbuf: object, source: int,
                  sendtag: int = 0, recvtag: int = 0) -> None:
         with self._call("Sendrecv", sendbuf, f"Sendrecv with {self.name} ranks {dest}/{source}",
-                        dest=dest, source=source, tag=sendtag, recvtag=recvtag):
+                        detail=(dest, source, sendtag), dest=dest, source=source, tag=sendtag,
+                        recvtag=recvtag):
             self.comm.Sendrecv(sendbuf, dest=dest, sendtag=sendtag, recvbuf=recvbuf,
                            source=source, recvtag=recvtag)
 

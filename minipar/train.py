@@ -30,7 +30,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import bugs, checkpoint, config, gpt, nn, placement, preflight, trace, watchdog
+from minipar import (
+    bugs,
+    checkpoint,
+    config,
+    flight,
+    gpt,
+    nn,
+    placement,
+    preflight,
+    trace,
+    watchdog,
+)
 from minipar.assemble import (  # noqa: F401  (callers import them from here too)
     build_rank_model,
     context_positions,
@@ -227,6 +238,7 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
                                                   timeline)
     total = 0.0
     for m, rows in enumerate(slices):  # gradient accumulation: grads add up in .grad
+        flight.set_microbatch(m)  # the flight recorder's calls of this microbatch
         with trace.span("forward", microbatch=m, chunk=0):
             loss = microbatch_loss(chunks[0], pipeline_parallel.rows_of(
                 ag.Tensor(x[rows]), rows_over), y[rows], scale)
@@ -308,6 +320,7 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
         for p in chunk.parameters():
             p.grad = None
     local = forward_backward(cfg, mesh, chunks, x, y, timeline)
+    flight.set_microbatch(None)  # the syncs below belong to the whole step
     if cfg.schedule in pipeline_schedules.TWO_WAY and cfg.pp > 1:  # DualPipe: copy + copy
         pipeline_parallel.sum_the_two_copies(chunks, mesh.pp)
     if cfg.sp:  # LayerNorm / fc2-bias gradients of row shards: sum over tp first

@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import placement, trace
+from minipar import flight, placement, trace
 from minipar.autograd import Tensor
 from minipar.nn import Model
 from minipar.parallel.pipeline_schedules import (
@@ -167,6 +167,7 @@ class StageWorker:
         clock, handlers = time.time, self.handlers  # wall clock: comparable between ranks
         traced = trace.RECORDER is not None   # --trace: a span per compute instruction
         for ins in program:
+            flight.set_microbatch(ins.microbatch)  # the flight recorder's calls are tagged
             start = clock()
             cpu = time.thread_time()  # CPU time: what it cost, even on a shared core
             if traced and ins.kind in SPAN_NAMES:
