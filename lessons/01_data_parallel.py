@@ -4,7 +4,7 @@
     mpiexec -n 8 python lessons/01_data_parallel.py --full    # minipar's default model size
     mpiexec -n 4 python lessons/01_data_parallel.py           # any rank count dividing 1024
     mpiexec -n 8 python lessons/01_data_parallel.py --plot figures   # + 01_gradient_sync.png,
-                                                                     #   01_sync_time.png
+                                         #   01_sync_time.png, and the trace of part 7
 
 The source text's example: a global batch of 1024 on 8 GPUs, 128 each. Every
 GPU holds the whole model, computes g_i = grad L_i on its own 128 rows, and an
@@ -25,6 +25,8 @@ one process on the whole batch. Here, on minipar's residual MLP:
 6. The three ways timed: forward + backward + gradient sync, the slowest rank
    of each step, the median of several steps, measured here on N ranks sharing
    this machine's cores. The bytes are the same; the time is not.
+7. With --plot, the overlapped sync in a traced training run: how much of the
+   Iallreduces' time the backward hid, measured, and the timeline drawn.
 
 The code behind it: minipar/parallel/data_parallel.py.
 """
@@ -32,14 +34,16 @@ The code behind it: minipar/parallel/data_parallel.py.
 from __future__ import annotations
 
 import argparse
+import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
-from minipar import nn
+from minipar import nn, trace_report
 from minipar.comm import Ledger
+from minipar.config import TrainConfig
 from minipar.data import make_batch, shard_rows
 from minipar.log import run_collectively, say_in_order, verdict
 from minipar.memory import wire_elements
@@ -52,6 +56,7 @@ from minipar.parallel.data_parallel import (
     make_buckets,
 )
 from minipar.threads import cores
+from minipar.train import train
 
 BATCH = 1024
 
@@ -194,6 +199,8 @@ def main() -> None:
     syncs["overlapped"] = ledger_line(mesh, psi)
     times = timed(sizes, x[rows], y[rows], mesh, args.bucket_size, args.repeats)
     mesh.free()
+    if args.plot:
+        traced_overlap(sizes, args.bucket_size, args.plot / "trace_overlapped", world)
     if args.plot and mesh.rank == 0:
         from minipar.plots import save
         from minipar.plots_load import timing_figure
@@ -211,6 +218,37 @@ def main() -> None:
                                   f"wire bytes, 2(N-1)/N x {psi} x 8, in fewer calls"),
                     args.plot / "01_gradient_sync.png")
         print(f"figure: {path}", flush=True)
+
+
+def traced_overlap(sizes: nn.ModelConfig, bucket_size: int, folder: Path,
+                   world: MPI.Comm) -> None:
+    """Part 7 (with --plot): the overlapped sync in a real training run, traced
+    (`train --grad-sync overlapped --trace`): how much of the Iallreduces' time ran under
+    the backward, measured (trace_report.measure, what `python -m minipar trace` prints),
+    and the run's timeline drawn."""
+    n = world.Get_size()
+    if world.Get_rank() == 0:   # the trace of an earlier run of this lesson: replaced
+        shutil.rmtree(folder, ignore_errors=True)
+    world.Barrier()
+    cfg = TrainConfig(layers=sizes.layers, d_in=sizes.d_in, d_model=sizes.d_model,
+                      d_ff=sizes.d_ff, batch=BATCH, steps=2, dp=n, grad_sync="overlapped",
+                      bucket_size=bucket_size, trace=str(folder)).resolved(n)
+    train(cfg, world)
+    if world.Get_rank() != 0:
+        return
+    doc = trace_report.load(folder)
+    m = trace_report.measure(doc)
+    print(f"\n=== 7. the overlap in a traced run (train --grad-sync overlapped --trace "
+          f"{folder}): {m.hidden_by_axis.get('dp', 0):.1%} of the dp Iallreduces' time ran "
+          f"under compute; {n} ranks on {cores()} cores"
+          + (" (oversubscribed: a rank waiting for a core looks idle)" if n > cores() else ""),
+          flush=True)
+    from minipar.plots import save
+
+    path = save(trace_report.figure(doc, f"overlapped gradient sync, dp = {n}: each bucket's "
+                                         "Iallreduce from its start inside backward to the "
+                                         "Waitall"), folder.parent / "01_trace_overlapped.png")
+    print(f"figure: {path}", flush=True)
 
 
 if __name__ == "__main__":

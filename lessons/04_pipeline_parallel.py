@@ -3,7 +3,8 @@
     mpiexec -n 4 python lessons/04_pipeline_parallel.py
     mpiexec -n 2 python lessons/04_pipeline_parallel.py           # a core per rank on 2 cores
     mpiexec -n 4 python lessons/04_pipeline_parallel.py --quick   # narrower layers (tests)
-    mpiexec -n 4 python lessons/04_pipeline_parallel.py --plot figures   # + Gantt charts, bubble
+    mpiexec -n 4 python lessons/04_pipeline_parallel.py --plot figures   # + Gantt charts, bubble,
+                                                  # and the 1F1B run's trace (figures/trace_1f1b)
 
 The source text's example: a 48-layer model cut by layers into 4 stages, one per
 GPU; the forward flows through them like a pipeline, and the price is the
@@ -31,12 +32,13 @@ minipar/parallel/pipeline_parallel.py (the Send/Recv executor).
 """
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
 from mpi4py import MPI
 
-from minipar import nn
+from minipar import nn, trace_report
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
 from minipar.log import run_collectively, say_in_order, verdict, wait_for_rank0
@@ -76,9 +78,14 @@ def say(*lines: str) -> None:
         print(*lines, sep="\n", flush=True)
 
 
-def config(schedule: str = "1f1b", microbatches: int = 8, virtual: int = 1) -> TrainConfig:
+TRACED = 8   # with --plot DIR, the 1F1B run of M = 8 is traced into DIR/trace_1f1b
+
+
+def config(schedule: str = "1f1b", microbatches: int = 8, virtual: int = 1,
+           trace: Path | None = None) -> TrainConfig:
     cfg = TrainConfig(**SMALL, pp=size, dp=1, schedule=schedule, microbatches=microbatches,
-                      virtual=virtual).resolved(size)
+                      virtual=virtual, trace=None if trace is None else str(trace)
+                      ).resolved(size)
     errors = problems(cfg, size)
     if errors:  # every rank finds the same problems, so all stop together
         say(f"lesson 4: {errors[0]}")
@@ -185,13 +192,14 @@ def replayed(name: str, result: RunResult, microbatches: int, virtual: int = 1) 
     return replay(name, size, microbatches, virtual, result.extras["timeline"]).bubble
 
 
-def the_bubble(runs: dict) -> None:
+def the_bubble(runs: dict, trace: Path | None = None) -> None:
     say(f"\n=== 3. the bubble of 1F1B: idle share of stage-time, pp = {size}; the wall clock "
         f"of {size} ranks on {CORES} cores" + (" (oversubscribed)" if SHARED else ""),
         "    M   formula (p-1)/(M+p-1)   simulator   replayed CPU times   wall clock   "
         "F ms   B ms")
     for m in (1, 4, 8, 16):
-        runs[("1f1b", m)] = result = train(config("1f1b", m), comm)
+        traced = trace if m == TRACED else None   # --trace DIR, as `train --trace` does
+        runs[("1f1b", m)] = result = train(config("1f1b", m, trace=traced), comm)
         if rank == 0:
             sim = simulate_schedule("1f1b", size, m).bubble
             print(f"  {m:3d}   {bubble_formula('1f1b', size, m):21.3f}   {sim:9.3f}   "
@@ -199,6 +207,12 @@ def the_bubble(runs: dict) -> None:
                   f"{mean_ms(result, 'F'):4.1f}   {mean_ms(result, 'B'):4.1f}", flush=True)
     say("  replayed: each F and B takes the CPU time it was measured to take in this run,",
         "  and the 1F1B program's dependencies place it; no communication cost.")
+    if trace is not None and rank == 0:   # the same M = 8 run, read from its timeline
+        measured_trace = trace_report.measure(trace_report.load(trace))
+        print(f"  its trace ({trace}; `python -m minipar trace {trace}` prints the same): "
+              f"M = {TRACED} bubble {measured_trace.bubble:.1%}, communication hidden "
+              f"under compute {measured_trace.hidden:.1%}; {size} ranks on {CORES} cores"
+              + (" (oversubscribed)" if SHARED else ""), flush=True)
     if SHARED:
         say(f"  the wall clock: {size} ranks take turns on {CORES} cores, so a rank is idle",
             "  whenever another has its core; only with a core per rank (here: -n 2) can it",
@@ -294,6 +308,11 @@ def figures(runs: dict, folder: Path, microbatches: int = 8) -> None:
           flush=True)
     print("figure:", save(memory_figure(size, microbatches, SCHEDULES, CHUNKS),
                           folder / "04_memory.png"), flush=True)
+    doc = trace_report.load(folder / "trace_1f1b")   # the traced 1F1B run of part 3
+    print("figure:", save(trace_report.figure(
+        doc, f"1F1B, pp = {size}, M = {TRACED}: the measured timeline (train --trace); the "
+             f"simulated one beside it in 04_gantt_1f1b.png"), folder / "04_trace_1f1b.png"),
+        flush=True)
 
 
 def main() -> None:
@@ -305,9 +324,14 @@ def main() -> None:
         say("lesson 4 runs on 2 or 4 ranks: mpiexec -n 4 python lessons/04_pipeline_parallel.py")
         sys.exit(2)
     runs: dict = {}
+    trace = None if args.plot is None else args.plot / "trace_1f1b"
+    if trace is not None:   # a trace folder of an earlier run of this lesson: replaced
+        if rank == 0:
+            shutil.rmtree(trace, ignore_errors=True)
+        comm.Barrier()
     the_split()
     the_schedules()
-    the_bubble(runs)
+    the_bubble(runs, trace)
     runs[("gpipe", 8)] = train(config("gpipe", 8), comm)
     the_memory(runs)
     the_check(runs)

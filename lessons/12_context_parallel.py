@@ -2,7 +2,8 @@
 
     mpiexec -n 4 python lessons/12_context_parallel.py
     mpiexec -n 2 python lessons/12_context_parallel.py --quick
-    mpiexec -n 4 python lessons/12_context_parallel.py --plot figures   # + 12_ring_blocks.png
+    mpiexec -n 4 python lessons/12_context_parallel.py --plot figures   # + 12_ring_blocks.png,
+                                          # the ring's traces (figures/trace_ring, ...)
 
 A long sequence does not fit one rank; every layer but attention works position by
 position, so cp ranks can each hold T/cp positions of every sequence. Attention needs
@@ -32,6 +33,7 @@ The lesson trains the same transformer on the same sequences in each mode and pr
 from __future__ import annotations
 
 import argparse
+import shutil
 import time
 import tracemalloc
 from pathlib import Path
@@ -39,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from minipar import nn
+from minipar import nn, trace_report
 from minipar.comm import Ledger
 from minipar.config import TrainConfig
 from minipar.costmodel import rank_shape
@@ -48,6 +50,7 @@ from minipar.mesh import Mesh, MeshShape
 from minipar.parallel import context_parallel as cpar
 from minipar.plan import minipar_workload, plan_of
 from minipar.results import relative_difference
+from minipar.threads import cores
 from minipar.timemodel import cp_traffic
 from minipar.train import (
     build_rank_model,
@@ -99,10 +102,12 @@ def measure_step(cfg: TrainConfig, comm: MPI.Comm) -> tuple[float, float]:
     return float(peak), seconds
 
 
-def run_mode(base: dict, mode: str, world: MPI.Comm) -> dict:
-    """Train `base` with --cp world --cp-mode mode; every rank's measurements on rank 0."""
+def run_mode(base: dict, mode: str, world: MPI.Comm, trace: Path | None = None) -> dict:
+    """Train `base` with --cp world --cp-mode mode; every rank's measurements on rank 0.
+    With `trace`, the run is traced there (`train --trace`)."""
     cp = world.Get_size()
-    cfg = TrainConfig(**base, cp=cp, cp_mode=mode).resolved(cp)
+    cfg = TrainConfig(**base, cp=cp, cp_mode=mode,
+                      trace=None if trace is None else str(trace)).resolved(cp)
     result = train(cfg, world)
     scores = world.gather(result.extras["attention_scores"][0])   # layer 0, every rank
     peak, seconds = measure_step(cfg, world)
@@ -151,7 +156,9 @@ def when_each_wins(runs: dict[str, dict], cp: int) -> None:
           f"(the causal mask leaves rank 0 one block): the step waits for the busiest; "
           f"zigzag evens it to {zig.max() / zig.min():g}x {verdict(zig.max() == zig.min())}",
           flush=True)
-    print(f"ring and zigzag: {6 * (cp - 1) + 2} Sendrecv per layer and microbatch, cp - 1 = "
+    print(f"ring and zigzag: {4 * (cp - 1)} Isend/Irecv pairs (K, V, posted before each "
+          f"block's compute and waited after it) and {2 * (cp - 1) + 2} Sendrecv (dK, dV) "
+          f"per layer and microbatch, cp - 1 = "
           f"{cp - 1} steps one after the other: latency grows with cp, memory does not "
           f"(peak {peak['zigzag'] / KB:.0f} KB)", flush=True)
     print(f"allgather: 2 collectives forward, 2 backward, but K and V of all {cfg.seq_len} "
@@ -192,7 +199,14 @@ def main() -> None:
     base = dict(model="gpt", layers=2, d_model=8 * heads, heads=heads,
                 seq_len=(8 if args.quick else 16) * cp, vocab=32, batch=2, steps=2,
                 d_ff=32)
-    runs = {mode: run_mode(base, mode, world) for mode in MODES}
+    traces = {}   # --plot DIR: the ring and zigzag runs traced into DIR/trace_<mode>
+    if args.plot:
+        traces = {mode: args.plot / f"trace_{mode}" for mode in ("ring", "zigzag")}
+        if world.Get_rank() == 0:   # a trace of an earlier run of this lesson: replaced
+            for folder in traces.values():
+                shutil.rmtree(folder, ignore_errors=True)
+        world.Barrier()
+    runs = {mode: run_mode(base, mode, world, traces.get(mode)) for mode in MODES}
     alone = measure_step(TrainConfig(**base).resolved(1), MPI.COMM_SELF) if \
         world.Get_rank() == 0 else (0.0, 0.0)
     if world.Get_rank() != 0:
@@ -202,6 +216,12 @@ def main() -> None:
     one = train_reference(TrainConfig(**base).resolved(1)).final
     table(runs, one, alone, cp)
     when_each_wins(runs, cp)
+    for mode, folder in traces.items():   # what the ring's posted Isend/Irecv hide
+        m = trace_report.measure(trace_report.load(folder))
+        print(f"{mode}: its cp traffic hidden under compute {m.hidden_by_axis.get('cp', 0):.1%} "
+              f"(measured, the K, V blocks posted before each block's compute; "
+              f"`python -m minipar trace {folder}` prints the same; {cp} ranks on "
+              f"{cores()} cores{' (oversubscribed)' if cp > cores() else ''})", flush=True)
     print("\nthe mesh: " + MeshShape(cp=cp).table().splitlines()[0], flush=True)
     if args.plot:
         from minipar.plots import save

@@ -4,6 +4,7 @@
     python -m minipar mesh --dp 2 --tp 2 --pp 2
     python -m minipar bugs             (the bugs --inject-bug NAME breaks a run with)
     python -m minipar exercise list    (self-grading exercises: start, hint, check)
+    python -m minipar trace DIR        (where each rank's time went in a `train --trace DIR`)
     mpiexec -n 2 python -m minipar reshard CHECKPOINT NEW --tp 2   (one rank: the full state)
 
 Failures are collective. A bad setting is found by every rank alone (a pure
@@ -235,6 +236,13 @@ def flight_command(argv: list[str]) -> int:
     return 0
 
 
+def trace_command(argv: list[str]) -> int:
+    """`python -m minipar trace DIR [--plot FILE] [--simulated FILE]`: read a --trace run."""
+    from minipar.trace_report import main as trace_report  # matplotlib only when drawing
+
+    return trace_report(argv)
+
+
 def exercise_command(argv: list[str]) -> int:
     """`exercise list | start NAME DIR | hint NAME | solution NAME | check NAME [DIR]`."""
     from minipar.exercises.command import main as exercise  # MPI-free; only its job talks
@@ -245,7 +253,7 @@ def exercise_command(argv: list[str]) -> int:
 COMMANDS = {"train": train_command, "mesh": mesh_command, "tour": tour_command,
             "reshard": reshard_command, "bugs": bugs_command, "plan": plan_command,
             "exercise": exercise_command, "generate": generate_command,
-            "flight": flight_command}
+            "flight": flight_command, "trace": trace_command}
 
 
 def launcher_rank() -> str:

@@ -130,7 +130,7 @@ def seal(manifest: dict) -> dict:
 
 
 # Flags of one run, not of the model or the training: not kept in the manifest.
-RUN_ONLY = ("save", "resume", "keep", "timeout")
+RUN_ONLY = ("save", "resume", "keep", "timeout", "trace")
 
 
 # ------------------------------------------------------------- reading

@@ -81,6 +81,7 @@ class TrainConfig:
     bias_rate: float | None = None    # sigmoid-bias: b's step per update (default 1e-3)
     route_groups: int = 1             # node-limited routing: G groups of experts,
     route_top_groups: int | None = None  # M of them per token (default G: no limit)
+    trace: str | None = None          # a folder for every rank's timeline (trace.py)
 
     def resolved(self, world_size: int) -> TrainConfig:
         """Fill the defaults that depend on other flags (d_ff, expert_d_ff, dp)."""
@@ -505,6 +506,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--cp-mode", choices=CP_MODES, default=d.cp_mode,
         help="transformer with --cp N: how attention sees the other ranks' positions "
              "(allgather K/V, ring, zigzag ring, ulysses Alltoall)")
+    add("--trace", metavar="DIR", default=None,
+        help="write every rank's timeline (DIR/rank{r}.json) and the merged DIR/trace.json "
+             "for Perfetto or chrome://tracing; `python -m minipar trace DIR` reads it")
     add("--inject-bug", metavar="NAME", default=None,
         help="break one thing on purpose (lesson 08); `python -m minipar bugs` lists them")
     add("--check-placements", action="store_true",

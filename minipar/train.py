@@ -40,6 +40,7 @@ from minipar import (
     placement,
     preflight,
     routing,
+    trace,
     watchdog,
 )
 from minipar.assemble import (  # noqa: F401  (callers import them from here too)
@@ -129,6 +130,8 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
         out += bugs.problems(cfg)
     if not out and (cfg.save or cfg.resume):
         out += checkpoint.problems(cfg)
+    if not out and cfg.trace is not None:  # a file, read-only, another run's trace
+        out += preflight.trace_problems(cfg.trace)
     return out
 
 
@@ -240,11 +243,15 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     total = 0.0
     for m, rows in enumerate(slices):  # gradient accumulation: grads add up in .grad
         flight.set_microbatch(m)  # the flight recorder's calls of this microbatch
-        loss = microbatch_loss(chunks[0], pipeline_parallel.rows_of(ag.Tensor(x[rows]),
-                                                                    rows_over), y[rows], scale)
+        with trace.span("forward", microbatch=m, chunk=0):
+            loss = microbatch_loss(chunks[0], pipeline_parallel.rows_of(
+                ag.Tensor(x[rows]), rows_over), y[rows], scale)
+        trace.hold((0, m), loss)  # --trace: the activations the tape keeps
         if placement.ON:  # what the gradient sync expects: at most a mean over dp (x cp)
             placement.loss("the gradient sync", loss, mesh.dp_cp)
-        loss.backward()
+        with trace.span("backward", microbatch=m, chunk=0):
+            loss.backward()
+        trace.release((0, m))
         total += loss.item()
     return total
 
@@ -266,7 +273,8 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
     try:  # overflow shows up as a DivergedError line, not as NumPy warnings burying it
         with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"), \
                 placement.checking(cfg.check_placements,   # placement.py: on or off
-                                   {axis: getattr(mesh, axis).size for axis in MESH_AXES}):
+                                   {axis: getattr(mesh, axis).size for axis in MESH_AXES}), \
+                trace.recording(cfg.trace, mesh, cfg.as_json()):  # --trace DIR: timelines
             return train_on_mesh(cfg, mesh, on_step)
     finally:  # also when a step diverges: a sweep or a notebook builds many meshes
         mesh.free()
@@ -280,6 +288,7 @@ def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
     full = saved.params if saved else nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
     optimizer = make_optimizer(cfg.optimizer, cfg.lr)
     chunks, updater = parallelize(cfg, mesh, full, optimizer)
+    trace.instrument(optimizer, updater.memory)  # --trace: optimizer spans, bytes held
     params = [p for chunk in chunks for p in chunk.parameters()]
     init, _ = gather_full_params(mesh, params, cfg, values=full)  # (ZeRO-3 dropped p.data)
     # the saved optimizer state, cut as the updater keeps it (ZeRO: its flat slice)
@@ -292,7 +301,8 @@ def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
     for step in range(start, cfg.steps):  # --steps is the total, resumed or not
         watchdog.doing(f"step {step + 1} of {cfg.steps}")  # named if a rank gets stuck
         timeline.clear()
-        losses.append(train_step(cfg, mesh, chunks, updater, step, timeline))
+        with trace.step(step + 1):   # --trace: one span per step
+            losses.append(train_step(cfg, mesh, chunks, updater, step, timeline))
         if on_step is not None:
             on_step(step, losses[-1])
     watchdog.doing("the end of the run (gathering results, saving the checkpoint)")
@@ -364,8 +374,9 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
         final.update(biases[0])
         disagreements += biases[1]
     if cfg.save:  # every rank writes its shard; rank 0 the manifest, last
-        checkpoint.save(cfg.save, cfg, mesh, updater, updater.optimizer, cfg.steps, losses,
-                        keep=cfg.keep, router_bias=biases[0])
+        with trace.span("checkpoint save", "checkpoint", folder=cfg.save):
+            checkpoint.save(cfg.save, cfg, mesh, updater, updater.optimizer, cfg.steps,
+                            losses, keep=cfg.keep, router_bias=biases[0])
     return RunResult(losses, init, final,
                      [r for rank in gathered for r in rank] if gathered else [],
                      {"replica_disagreements": disagreements,

@@ -13,6 +13,9 @@ by 2 cp, Ulysses cp dividing the H/tp local heads), sequence parallelism where t
 
 Ledger: every rank's entries are timemodel.traffic's, on every mesh.
 
+Timelines: the 4-rank runs are traced (`--trace`), and every event of every trace is
+checked (tests/trace_checks.py), its last step's spans against its ledger.
+
 Tiny on purpose: d = 16, H = 8, T = 8, V = 16, one step. ONE `sweep` launch per world
 size (tests/mpi.py): 80 configs on 8 ranks, 34 on 4.
 """
@@ -29,6 +32,7 @@ from minipar.plan import minipar_workload, plan_of
 from minipar.timemodel import ledger_of, traffic
 from tests.conftest import assert_equivalent, reference
 from tests.mpi import sweep
+from tests.trace_checks import check_trace
 
 TINY = dict(model="gpt", d_model=16, heads=8, seq_len=8, vocab=16, d_ff=32, steps=1)
 RECOMPUTE = ("none", "selective", "full")
@@ -111,8 +115,24 @@ def test_the_sweep_covers_every_mesh_and_schedule():
 def swept(request, tmp_path_factory):
     """Every config of one world size, trained in one mpiexec job."""
     world = request.param
-    return world, sweep(world, CONFIGS[world] + ROUTED[world],
-                        tmp_path_factory.mktemp(f"mesh{world}"), timeout=300)
+    folder = tmp_path_factory.mktemp(f"mesh{world}")
+    traced = [dict(c, trace=str(folder / f"trace{i}")) if world == TRACED else c
+              for i, c in enumerate(CONFIGS[world])]
+    return world, sweep(world, traced + ROUTED[world], folder, timeout=300)
+
+
+TRACED = 4  # the world size whose runs are traced
+
+
+def test_every_4d_mesh_trace_is_valid_and_is_its_ledger(swept):
+    """Every event of every trace: fields, phases, integer microseconds, nesting per
+    thread, both ends of every flow; each collective of the last step's ledger appears
+    in the trace once per call, with the same bytes (tests/trace_checks.py)."""
+    world, runs = swept
+    if world != TRACED:
+        pytest.skip("the 4-rank sweep is the traced one")
+    for fields, run in zip(CONFIGS[world], runs):
+        check_trace(run["config"]["trace"], run, label=f"{world} ranks {label(fields)}")
 
 
 def test_every_4d_mesh_equals_one_process(swept):

@@ -28,7 +28,8 @@ LAYERS: list[set[str]] = [
     {"autograd", "fused", "attention", "nn", "gpt", "recompute", "optim", "data",  # core,
      "memory", "shards", "threads", "placement_types", "placement_rules",   # no MPI
      "placement_transformer", "placement", "routing"},
-    {"comm", "mesh", "ring", "log", "watchdog", "flight", "flight_report"},  # communication
+    {"comm", "mesh", "ring", "log", "watchdog", "flight", "flight_report",  # communication
+     "trace"},
     {"parallel", "parallel.pipeline_instructions", "parallel.pipeline_v",
      "parallel.pipeline_layout", "parallel.pipeline_simulator",    # strategies
      "parallel.pipeline_schedules", "parallel.data_parallel",
@@ -43,7 +44,7 @@ LAYERS: list[set[str]] = [
     {"costmodel", "timemodel", "presets", "plan_workloads", "plan_search", "plan_report",
      "plan", "plots_load", "plots_flight", "plots", "report", "tour", "classroom", "exercises",
      "exercises.regions", "exercises.units", "exercises.units_attention", "exercises.grade",
-     "exercises.command", "__main__", ""},                                  # on top
+     "exercises.command", "trace_report", "__main__", ""},                  # on top
 ]
 
 

@@ -8,6 +8,7 @@ counts, curves), then saved and read back as a picture that is not blank.
 
 from __future__ import annotations
 
+import re
 import time
 
 import matplotlib.colors
@@ -192,7 +193,8 @@ def test_the_tour_writes_its_figures(tmp_path):
     assert "every strategy equals one process" in job.stdout
     names = {p.name for p in tmp_path.glob("*.png")}
     assert names == {"tour_ledger.png", "tour_memory.png", "tour_losses.png",
-                     "tour_pipeline.png", "tour_experts.png"}, names
+                     "tour_pipeline.png", "tour_experts.png", "tour_trace_pp.png"}, names
+    assert re.search(r"traced \(.*trace_pp\): bubble \d+\.\d%", job.stdout), job.stdout
     for name in names:
         assert_picture(tmp_path / name)
 

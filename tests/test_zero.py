@@ -37,6 +37,7 @@ from tests.conftest import assert_equivalent, reference
 from tests.formulas import assert_ledger_and_memory_are_the_formulas
 from tests.mpi import sweep
 from tests.rank_tests import run_checks
+from tests.trace_checks import check_trace
 
 SMALL = {"layers": 4, "d_model": 16, "d_in": 8, "batch": 48, "steps": 3}
 EVEN = {"classes": 12}  # 8988 parameters: divisible by 3 and 4 (8954 with 10 classes is not)
@@ -180,9 +181,11 @@ MOE_RUNS = [dict(MOE, dp=4, ep=2, zero=1, optimizer="adam", microbatches=2),
 
 
 def test_zero_with_experts_equals_one_process_ledger_and_memory_formulas(tmp_path):
-    runs = sweep(4, MOE_RUNS, tmp_path / "sweep", timeout=240)
+    traced = [dict(c, trace=str(tmp_path / f"trace{i}")) for i, c in enumerate(MOE_RUNS)]
+    runs = sweep(4, traced, tmp_path / "sweep", timeout=240)
     for cfg, run in zip(MOE_RUNS, runs):
         assert_equivalent(run, reference(**cfg), label=f"n=4 {cfg}")
+        check_trace(run["config"]["trace"], run, f"n=4 {cfg}")  # timelines (trace_checks.py)
         assert_ledger_and_memory_are_the_formulas(4, cfg, run)
         assert {r["group"] for r in run["ledger"] if r["op"] == "Reduce_scatter"} == (
             {"dp", "edp"} if cfg.get("ep", 1) < cfg["dp"] else {"dp"}), cfg

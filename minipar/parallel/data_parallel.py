@@ -43,7 +43,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import autograd as ag
-from minipar import placement, watchdog
+from minipar import placement, trace
 from minipar.autograd import Tensor
 from minipar.comm import Group
 from minipar.memory import ModelStates, measure
@@ -312,8 +312,8 @@ class OverlappedAllreduce(Hooks):
         for i in range(len(self.buckets)):
             if i not in started:
                 self._launch(i)
-        with watchdog.waiting("Waitall of the gradient buckets over dp"):
-            MPI.Request.Waitall([r for _, _, r in self.in_flight if r is not None])
+        trace.wait([r for _, _, r in self.in_flight if r is not None],
+                   "Waitall of the gradient buckets over dp")
         for i, flat, _ in self.in_flight:
             unpack(self.buckets[i], flat, 1.0 / self.mesh.shape.replicas)
         self._reset()
