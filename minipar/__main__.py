@@ -68,9 +68,10 @@ def train_command(argv: list[str]) -> int:
     if errors:
         return fail(rank, errors[0] + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
 
-    def progress(step: int, loss: float) -> None:
-        if rank == 0:
-            print(f"step {step + 1:4d}  loss {loss:.6f}", flush=True)
+    def progress(step: int, loss: float, gnorm: float | None = None) -> None:
+        if rank == 0:  # gnorm: --clip-grad-norm's global gradient norm, before clipping
+            print(f"step {step + 1:4d}  loss {loss:.6f}"
+                  + ("" if gnorm is None else f"  gnorm {gnorm:.6f}"), flush=True)
 
     if cfg.timeout and world.Get_size() > 1:   # a rank stuck in one call that long ends
         from minipar.log import abort_all  # the job (here: log.py loads mpi4py.MPI)

@@ -121,6 +121,7 @@ class Zero1:
     is a view into its space's buffer), so the Allgather lands in them directly."""
 
     stage = 1
+    clipper = None  # clip.Clipper with --clip-grad-norm: called on my slices
 
     def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer) -> None:
         self.params = [p for chunk in chunks for p in chunk.parameters()]
@@ -147,6 +148,10 @@ class Zero1:
         over edp, are divided by dp too (data_parallel.allreduce_gradients says why)."""
         for grad_shard in grad_shards:
             grad_shard /= self.dp
+        if self.clipper is not None:  # clip.py: my slices are Shard over dp x cp
+            pieces = [(p, shard[where]) for space, shard in zip(self.spaces, grad_shards)
+                      for p, _, where in self.shard_pieces(space)]
+            self.clipper(pieces, grad_shards, zero_sliced=True)
         self.optimizer.step(self.my_slices(), grad_shards)
 
     def allgather_params(self) -> None:
