@@ -138,8 +138,8 @@ def expected_ledger(cfg: TrainConfig) -> dict[tuple[str, str], tuple[int, int]]:
 def local_squares(pieces: Iterable[tuple[np.ndarray, frozenset[str]]],
                   spanned: Sequence[str], coords: dict[str, int]) -> float:
     """This rank's share of norm^2: the squares of each piece it counts."""
-    return sum(float(np.vdot(g, g)) for g, replicated in pieces
-               if counted(replicated, spanned, coords))
+    return sum((float(np.vdot(g, g)) for g, replicated in pieces
+                if counted(replicated, spanned, coords)), 0.0)   # a float even if none
 
 
 def global_norm(group: Group | None, squares: float) -> float:
@@ -149,7 +149,7 @@ def global_norm(group: Group | None, squares: float) -> float:
     if group is None:
         return float(np.sqrt(squares))
     # my pieces' sum of squares -> the whole gradient's, on every rank of the group
-    return float(np.sqrt(allreduce_sum(group, np.array([squares]))[0]))
+    return float(np.sqrt(allreduce_sum(group, np.array([squares], dtype=np.float64))[0]))
 
 
 class Clipper:
