@@ -9,8 +9,9 @@ over cp hold different numbers of them. The loss is
 
     L = sum over valid positions of CE  /  N,   N = valid positions of the GLOBAL batch
 
-(every microbatch, every dp x cp rank). A rank knows only its own count, so N costs
-one Allreduce of one number per step, before backward (`global_valid`). Dividing
+(every microbatch, every dp x cp rank). A rank knows only its own count
+(`valid_positions`), so N costs one Allreduce of one number per step over the dp x cp
+ranks, before backward (train.py, `train_step`). Dividing
 by anything else -- each microbatch's own count, each rank's own count -- weights
 the tokens of a short microbatch more than those of a long one: the classic silent
 bug of gradient accumulation (`--inject-bug loss-mean-per-microbatch`, lesson 08).
@@ -99,18 +100,6 @@ def split_mask(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def valid_positions(y: np.ndarray) -> int:
     """How many positions of these labels count in the loss."""
     return int(np.count_nonzero(y != IGNORE))
-
-
-def global_valid(dp_cp: object, y: np.ndarray) -> int:
-    """N: the valid positions of the step's global batch, from this rank's labels `y`
-    (its rows over dp, its positions over cp, every microbatch). One Allreduce over the
-    dp x cp ranks (those holding different rows or positions); tp and pp ranks hold the
-    same labels as their dp x cp peers, so their groups compute the same N alongside."""
-    from minipar.comm import allreduce_sum  # here: comm.py loads mpi4py.MPI
-
-    # my count -> the count of the whole global batch, on every rank, before backward
-    total = allreduce_sum(dp_cp, np.array([valid_positions(y)], dtype=np.int64))
-    return int(total[0])
 
 
 def loss_weight(labels: np.ndarray, step_positions: int, step_valid: int) -> float:

@@ -336,8 +336,14 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
     for chunk in chunks:
         for p in chunk.parameters():
             p.grad = None
-    # --documents: N, the global batch's valid positions (one Allreduce, before backward)
-    valid = documents.global_valid(mesh.dp_cp, y) if cfg.documents else None
+    valid = None
+    if cfg.documents:  # N: the global batch's valid positions (documents.py), before
+        from minipar.comm import allreduce_sum  # backward (here: comm.py loads mpi4py.MPI)
+
+        # my rows' (over dp) and positions' (over cp) count -> the global batch's, on every
+        # rank; tp and pp ranks hold the labels of their dp x cp peers and sum alike
+        valid = int(allreduce_sum(mesh.dp_cp, np.array([documents.valid_positions(y)],
+                                                       dtype=np.int64))[0])
     local = forward_backward(cfg, mesh, chunks, x, y, timeline, valid)
     if cfg.schedule in pipeline_schedules.TWO_WAY and cfg.pp > 1:  # DualPipe: copy + copy
         pipeline_parallel.sum_the_two_copies(chunks, mesh.pp)

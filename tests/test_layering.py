@@ -26,6 +26,7 @@ PACKAGE = ROOT / "minipar"
 # Bottom first. A module may import from its own layer and every layer below it.
 LAYERS: list[set[str]] = [
     {"autograd", "fused", "attention", "nn", "gpt", "recompute", "optim", "data",  # core,
+     "documents",
      "memory", "shards", "threads", "placement_types", "placement_rules",   # no MPI
      "placement_transformer", "placement"},
     {"comm", "mesh", "ring", "log", "watchdog"},                            # communication
@@ -36,7 +37,7 @@ LAYERS: list[set[str]] = [
      "parallel.expert_parallel", "parallel.pipeline_parallel", "parallel.context_parallel"},
     {"config"},                                                             # the flags
     {"checkpoint_format", "checkpoint", "checkpoint_folder", "preflight", "bugs_detours",
-     "bugs", "assemble"},
+     "bugs", "assemble", "clip"},
     {"train"},                                                              # composition
     {"results", "reshard"},
     {"costmodel", "timemodel", "presets", "plan_workloads", "plan_search", "plan_report",
