@@ -102,6 +102,13 @@ def valid_positions(y: np.ndarray) -> int:
     return int(np.count_nonzero(y != IGNORE))
 
 
+def expected_ledger(replicas: int) -> dict[tuple[str, str], tuple[int, int]]:
+    """What the masked loss adds to a step's ledger on dp x cp = `replicas` ranks:
+    (group, op) -> (calls, elements), one Allreduce of the count over dp x cp (which
+    the ledger names "dp"); nothing on one replica."""
+    return {("dp", "Allreduce"): (1, 1)} if replicas > 1 else {}
+
+
 def loss_weight(labels: np.ndarray, step_positions: int, step_valid: int) -> float:
     """The factor of a microbatch's mean CE (over all its positions, padded ones
     contributing 0) that makes it the masked loss: P / N, the global batch's positions
