@@ -19,6 +19,7 @@ the bugs in tests/test_bugs.py, the refusals in tests/test_config_errors.py.
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -31,7 +32,7 @@ from minipar.mesh import MeshShape
 from minipar.nn import Parameter
 from minipar.results import dump
 from minipar.train import train_reference
-from tests.mpi import ROOT
+from tests.mpi import ROOT, lesson_run
 
 SAMPLE = str(ROOT / "lessons" / "documents.txt")
 GPT = dict(model="gpt", layers=2, d_model=16, heads=4, seq_len=8, d_ff=32, batch=8,
@@ -228,3 +229,16 @@ def test_dump_writes_the_mask_and_the_refusals(tmp_path):
     for change in bad:
         found = problems(replace(cfg, **change), 1)
         assert len(found) == 1 and ("--clip-grad-norm" in found[0] or "--documents" in found[0])
+
+
+def test_lesson_10_trains_on_documents_like_one_process():
+    """Lesson 10's part 4 (the run tests/test_lessons.py makes, shared): the README's
+    paragraphs as ragged rows, clipped, on dp = 2 with 2 microbatches, equal to one
+    process, its gnorm printed beside the reference's."""
+    job, _ = lesson_run(2, "10_transformer.py", "--quick")
+    assert job.returncode == 0 and not job.timed_out, job.explain()
+    part = job.stdout[job.stdout.index("=== 4."):]
+    assert "valid positions of" in part and "gnorm per step:" in part
+    mesh, one = re.search(r"gnorm per step: (.*) \(one process: (.*)\)", part).groups()
+    assert mesh == one
+    assert re.search(r"params rel \S+ -> OK", part), part
