@@ -263,6 +263,7 @@ def loss_mean_per_microbatch() -> list[Swap]:
 
     def loss_weight(labels: np.ndarray, step_positions: int, step_valid: int) -> float:
         # BUG: my microbatch's positions over its valid ones, not the global batch's
-        return labels.size / documents.valid_positions(labels)
+        # (at least one, as trainers guard it: a cp rank may hold padding alone)
+        return labels.size / max(documents.valid_positions(labels), 1)
 
     return [(documents, "loss_weight", loss_weight)]
