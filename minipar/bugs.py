@@ -49,6 +49,7 @@ from minipar.bugs_detours import (  # noqa: F401  (copy_to_without_allreduce: te
     sum_not_mean,
     vocab_loss_without_max,
 )
+from minipar.bugs_hangs import HANGS, Hang
 
 if TYPE_CHECKING:
     from minipar.config import TrainConfig
@@ -313,16 +314,17 @@ def problems(cfg: TrainConfig) -> list[str]:
     name = cfg.inject_bug
     if name is None:
         return []
-    if name not in BUGS:
-        return [f"--inject-bug {name} is not a known bug; choose one of: {', '.join(BUGS)}"]
-    bug = BUGS[name]
+    known = {**BUGS, **HANGS}  # the hangs (bugs_hangs.py) are injected the same way
+    if name not in known:
+        return [f"--inject-bug {name} is not a known bug; choose one of: {', '.join(known)}"]
+    bug = known[name]
     return [] if bug.fits(cfg) else [f"--inject-bug {name} needs {bug.requires}"]
 
 
 @contextmanager
-def injected(name: str) -> Iterator[Bug]:
+def injected(name: str) -> Iterator[Bug | Hang]:
     """Apply bug `name`'s swaps for the body of the `with`, then put the originals back."""
-    bug = BUGS[name]
+    bug = BUGS[name] if name in BUGS else HANGS[name]
     swaps = bug.detour()
     originals = [(module, attribute, getattr(module, attribute))
                  for module, attribute, _ in swaps]
@@ -335,11 +337,14 @@ def injected(name: str) -> Iterator[Bug]:
             setattr(module, attribute, original)
 
 
-def command(bug: Bug, ranks: int = 4) -> str:
-    """A `python -m minipar train` line that shows `bug` on `ranks` ranks."""
+def command(bug: Bug | Hang, ranks: int = 4) -> str:
+    """A `python -m minipar train` line that shows `bug` on `ranks` ranks (a hang: ended by
+    the watchdog, whose line ends with the flight recorder's verdict). A flag whose value
+    is True is written alone (`--documents`)."""
     flags = "".join(f" --{key.replace('_', '-')}" + ("" if value is True else f" {value}")
                     for key, value in bug.flags.items())
-    return f"mpiexec -n {ranks} python -m minipar train{flags} --inject-bug {bug.name} --check"
+    end = " --timeout 3" if isinstance(bug, Hang) else " --check"
+    return f"mpiexec -n {ranks} python -m minipar train{flags} --inject-bug {bug.name}{end}"
 
 
 def listing() -> str:
@@ -350,4 +355,8 @@ def listing() -> str:
         lines += [f"\n{bug.name}  [{bug.strategy}]", f"  broken: {bug.broken}",
                   f"  needs:  {bug.requires}", f"  try:    {command(bug)}",
                   f"  seen:   {bug.seen}"]
+    lines.append(f"\n{len(HANGS)} hangs (bugs_hangs.py; lessons/15_hangs.py runs them all):")
+    for hang in HANGS.values():
+        lines += [f"\n{hang.name}  [{hang.strategy}]", f"  broken: {hang.broken}",
+                  f"  needs:  {hang.requires}", f"  try:    {command(hang)}"]
     return "\n".join(lines)

@@ -36,6 +36,7 @@ from minipar import (
     clip,
     config,
     documents,
+    flight,
     gpt,
     nn,
     placement,
@@ -261,7 +262,8 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
         return pipeline_parallel.forward_backward(worker, cfg.schedule, cfg.microbatches,
                                                   timeline)
     total = 0.0
-    for rows in slices:  # gradient accumulation: grads add up in .grad
+    for m, rows in enumerate(slices):  # gradient accumulation: grads add up in .grad
+        flight.set_microbatch(m)  # the flight recorder's calls of this microbatch
         loss = microbatch_loss(chunks[0], pipeline_parallel.rows_of(ag.Tensor(x[rows]),
                                                                     rows_over), y[rows], scale,
                                weight(y[rows]))
@@ -345,6 +347,7 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
         valid = int(allreduce_sum(mesh.dp_cp, np.array([documents.valid_positions(y)],
                                                        dtype=np.int64))[0])
     local = forward_backward(cfg, mesh, chunks, x, y, timeline, valid)
+    flight.set_microbatch(None)  # the syncs below belong to the whole step
     if cfg.schedule in pipeline_schedules.TWO_WAY and cfg.pp > 1:  # DualPipe: copy + copy
         pipeline_parallel.sum_the_two_copies(chunks, mesh.pp)
     if cfg.sp:  # LayerNorm / fc2-bias gradients of row shards: sum over tp first
