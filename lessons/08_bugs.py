@@ -1,6 +1,6 @@
 """Lesson 8: bugs of the kinds real parallel trainers shipped, and the checks that catch them.
 
-    mpiexec -n 4 python lessons/08_bugs.py                         # all 15 bugs, 12 steps
+    mpiexec -n 4 python lessons/08_bugs.py                         # all 16 bugs, 12 steps
     mpiexec -n 8 python lessons/08_bugs.py                         # the same, dp doubled
     mpiexec -n 4 python lessons/08_bugs.py --bug dp-sum-not-mean --plot figures
     mpiexec -n 4 python lessons/08_bugs.py --quick                 # 3 steps, a tiny model

@@ -34,6 +34,7 @@ from minipar.bugs_detours import (  # noqa: F401  (copy_to_without_allreduce: te
     Swap,
     after_capacity,
     aux_per_rank,
+    bias_from_local_load,
     clip_by_local_norm,
     copy_to_without_allreduce,
     f_without_allreduce,
@@ -217,6 +218,18 @@ _LIST = [
         "shipped as a design, later corrected: the balance loss of each micro-batch or rank "
         "instead of the global batch; Megatron-LM forks added the global one "
         "(microsoft/ltp-megatron-lm#7); torchtitan proposes it (pytorch/torchtitan#4772)"),
+    Bug("moe-bias-local-load", "ep",
+        "the sigmoid-bias router's b updated from each rank's own tokens (the per-expert "
+        "counts not summed over dp x cp)",
+        "every rank steers its router by the load it happened to see: after the first step "
+        "the replicas of b differ (the replica check names them), the tokens of different "
+        "ranks are routed by different b, and the run is no longer the one-process run; "
+        "the ledger is one Allreduce of L x E counts per step short",
+        "--router sigmoid-bias and " + MOE,
+        lambda cfg: cfg.router == "sigmoid-bias" and _moe(cfg), bias_from_local_load,
+        {"model": "moe", "ep": 2, "router": "sigmoid-bias", "bias_rate": 0.01},
+        "plausible: no shipped case found",
+        unseen="b is no tensor and carries no placement: which counts update it is a value"),
     Bug("tp-vocab-loss-no-max", "tp",
         "the vocabulary-parallel cross-entropy skips the Allreduce(MAX) of each row's "
         "largest logit",

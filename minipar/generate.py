@@ -532,7 +532,10 @@ def full_params(cfg: TrainConfig) -> dict[str, np.ndarray]:
     if cfg.resume:
         from minipar import checkpoint
 
-        return checkpoint.load(cfg.resume).params
+        saved = checkpoint.load(cfg.resume)
+        # sigmoid-bias: every block's b (routing.py) beside the parameters, whole
+        return {**saved.params, **{name: np.array(b) for name, b in
+                                   saved.manifest.get("router_bias", {}).items()}}
     return nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
 
 

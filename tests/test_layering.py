@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"autograd", "fused", "attention", "nn", "gpt", "recompute", "optim", "data",  # core,
      "documents",
      "memory", "shards", "threads", "placement_types", "placement_rules",   # no MPI
-     "placement_transformer", "placement"},
+     "placement_transformer", "placement", "routing"},
     {"comm", "mesh", "ring", "log", "watchdog", "flight", "flight_report"},  # communication
     {"parallel", "parallel.pipeline_instructions", "parallel.pipeline_v",
      "parallel.pipeline_layout", "parallel.pipeline_simulator",    # strategies
