@@ -306,11 +306,11 @@ def folder_problems(folder: Path) -> list[str]:
 
 # The flags that define the model (parameter shapes, the loss), the data stream and the
 # optimizer state: a resumed run with any of them different would not continue the saved
-# one. The mesh, --microbatches and --lr may change.
+# one. The mesh, --microbatches, --lr and --clip-grad-norm may change.
 MUST_MATCH = ("model", "layers", "d_in", "d_model", "d_ff", "classes", "experts",
               "expert_d_ff", "top_k", "capacity_factor", "aux_coef", "batch", "seed",
-              "optimizer", "dtype", "vocab", "seq_len", "heads", "data", "shared_experts",
-              "router")
+              "optimizer", "dtype", "vocab", "seq_len", "heads", "data", "documents",
+              "shared_experts", "router")
 
 
 def mismatches(manifest: dict, cfg: TrainConfig) -> list[str]:

@@ -13,6 +13,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 
 from minipar.data import corpus_problem
+from minipar.documents import documents_problem
 from minipar.mesh import CP_MODES, MeshShape
 from minipar.nn import GPT_MODELS, ModelConfig
 from minipar.parallel.pipeline_schedules import SCHEDULES, V_SHAPED
@@ -82,6 +83,8 @@ class TrainConfig:
     route_groups: int = 1             # node-limited routing: G groups of experts,
     route_top_groups: int | None = None  # M of them per token (default G: no limit)
     trace: str | None = None          # a folder for every rank's timeline (trace.py)
+    clip_grad_norm: float | None = None  # clip the global gradient norm to this (clip.py)
+    documents: bool = False           # --data: one document a row, padded and masked
 
     def resolved(self, world_size: int) -> TrainConfig:
         """Fill the defaults that depend on other flags (d_ff, expert_d_ff, dp)."""
@@ -243,6 +246,7 @@ def size_problems(cfg: TrainConfig, world_size: int) -> list[str]:
         out.append(f"--bucket-size must be at least 1 element (got {cfg.bucket_size})")
     out += _transformer_problems(cfg)
     out += _recompute_problems(cfg)
+    out += _clip_problems(cfg)
     if out:
         return out  # sizes below are meaningless with non-positive numbers
     if cfg.top_k > cfg.experts:
@@ -256,7 +260,8 @@ def _transformer_problems(cfg: TrainConfig) -> list[str]:
     defaults = TrainConfig()
     if cfg.model not in GPT_MODELS:
         return [f"--{name.replace('_', '-')} applies to --model gpt/gpt-moe only"
-                for name in ("vocab", "seq_len", "heads", "data", "cp", "cp_mode")
+                for name in ("vocab", "seq_len", "heads", "data", "cp", "cp_mode",
+                             "documents")
                 if getattr(cfg, name) != getattr(defaults, name)] + (
             ["--vocab-parallel applies to --model gpt/gpt-moe only"] if cfg.vocab_parallel
             else [])
@@ -279,9 +284,21 @@ def _transformer_problems(cfg: TrainConfig) -> list[str]:
         if cfg.vocab != 256:
             out.append(f"--vocab {cfg.vocab} with --data: a text file is read byte by byte, "
                        "so the vocabulary is 256 (drop --vocab)")
-        problem = corpus_problem(cfg.data, max(cfg.seq_len, 1))
+        problem = documents_problem(cfg.data) if cfg.documents else \
+            corpus_problem(cfg.data, max(cfg.seq_len, 1))
         out += [problem] if problem else []
+    elif cfg.documents:
+        out.append("--documents reads the documents of a text file: it needs --data PATH")
     return out
+
+
+def _clip_problems(cfg: TrainConfig) -> list[str]:
+    """--clip-grad-norm C: a positive, finite norm (clip.py)."""
+    c = cfg.clip_grad_norm
+    if c is not None and (not math.isfinite(c) or c <= 0):
+        return [f"--clip-grad-norm must be a positive, finite number (got {c}): the "
+                "gradient is scaled by min(1, C / norm)"]
+    return []
 
 
 def _context_parallel_problems(cfg: TrainConfig) -> list[str]:
@@ -509,6 +526,13 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--trace", metavar="DIR", default=None,
         help="write every rank's timeline (DIR/rank{r}.json) and the merged DIR/trace.json "
              "for Perfetto or chrome://tracing; `python -m minipar trace DIR` reads it")
+    add("--clip-grad-norm", type=float, default=None, metavar="C",
+        help="scale every gradient by min(1, C / norm), the norm of the whole model's "
+             "gradient over every rank (clip.py); the step line prints it (gnorm)")
+    add("--documents", action="store_true",
+        help="transformer with --data: the file's documents (split at blank lines) are "
+             "the rows, padded to --seq-len + 1 bytes; the loss is the mean over the "
+             "valid positions of the global batch")
     add("--inject-bug", metavar="NAME", default=None,
         help="break one thing on purpose (lesson 08); `python -m minipar bugs` lists them")
     add("--check-placements", action="store_true",

@@ -402,12 +402,16 @@ def build_reference(cfg: ModelConfig, full: dict[str, np.ndarray]) -> Model:
     return Model(Embed(full), blocks, Head(full))
 
 
-def loss_fn(model: Model, x: np.ndarray | Tensor, y: np.ndarray) -> Tensor:
+def loss_fn(model: Model, x: np.ndarray | Tensor, y: np.ndarray, weight: float = 1.0
+            ) -> Tensor:
     """mean_b CE(logits_b, y_b) + sum_l aux_l on one (micro)batch; for the transformer
     the mean runs over all B*T positions (logits (B, T, V), y (B, T)). `x` may come as a
-    Tensor already (carrying its placement: rows sharded over dp)."""
+    Tensor already (carrying its placement: rows sharded over dp). `weight` multiplies
+    the CE term (documents.loss_weight: padded positions count 0, the mean is over the
+    valid positions of the global batch)."""
     logits, aux = model.forward(ag.as_tensor(x))
     loss = output_loss(model.head, logits, y)
+    loss = loss if weight == 1.0 else loss * weight
     return loss if aux is None else loss + aux
 
 

@@ -33,7 +33,9 @@ from minipar import autograd as ag
 from minipar import (
     bugs,
     checkpoint,
+    clip,
     config,
+    documents,
     flight,
     gpt,
     nn,
@@ -139,7 +141,10 @@ def step_batch(cfg: TrainConfig, step: int, rows: np.ndarray | None = None
                ) -> tuple[np.ndarray, np.ndarray]:
     """The global batch of `step`: the same on every rank, from (seed, step) alone.
     MLP models: x (B, d_in), y (B,); the transformer: token ids x, y (B, T). With
-    `rows`, only those rows of it (data.rank_rows: a rank's own), drawn without the rest."""
+    `rows`, only those rows of it (data.rank_rows: a rank's own), drawn without the rest.
+    With --documents, y is `documents.IGNORE` at the padded positions."""
+    if cfg.data is not None and cfg.documents:
+        return documents.make_documents(cfg.data, cfg.seed, step, cfg.batch, cfg.seq_len, rows)
     if cfg.data is not None:
         return make_text_windows(cfg.data, cfg.seed, step, cfg.batch, cfg.seq_len, rows)
     if cfg.model_config().is_gpt:
@@ -166,31 +171,48 @@ def train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | No
     model = build_reference(cfg, full)
     params = model.parameters()
     optimizer = make_optimizer(cfg.optimizer, cfg.lr)
-    losses = []
+    losses, norms = [], []
     for step in range(cfg.steps):
         x, y = step_batch(cfg, step)
         model.zero_grad()
         total = 0.0
+        # --documents: CE over the valid positions / N, the batch's valid positions
+        valid = documents.valid_positions(y) if cfg.documents else None
         for m in range(cfg.microbatches):
             rows = microbatch_rows(cfg.batch, cfg.microbatches, m)
-            loss = nn.loss_fn(model, x[rows], y[rows]) * (1.0 / cfg.microbatches)
+            weight = 1.0 if valid is None else documents.loss_weight(y[rows], y.size, valid)
+            loss = nn.loss_fn(model, x[rows], y[rows], weight) * (1.0 / cfg.microbatches)
             loss.backward()
             total += loss.item()
+        if cfg.clip_grad_norm is not None:  # the whole gradient's norm, then the scale
+            norms.append(clip.clip_reference([p.grad for p in params], cfg.clip_grad_norm))
         optimizer.step([p.data for p in params], [p.grad for p in params])
         if cfg.router == "sigmoid-bias":  # b moves against the step's load (routing.py)
             routing.update_biases(model, None, cfg.bias_rate)
         losses.append(total)
         if on_step is not None:
-            on_step(step, total)
+            step_done(on_step, step, total, norms)
     return RunResult(losses, init, {**{p.name: p.data.copy() for p in params},
-                                    **routing.bias_values(model)})
+                                    **routing.bias_values(model)},
+                     extras={"gnorms": norms})
+
+
+def step_done(on_step: Callable[..., None], step: int, loss: float, norms: list[float]
+              ) -> None:
+    """Report a step: `on_step(step, loss)`, and with --clip-grad-norm also
+    `gnorm=` the step's global gradient norm (before clipping)."""
+    if norms:
+        on_step(step, loss, gnorm=norms[-1])
+    else:
+        on_step(step, loss)
 
 
 # ----------------------------------------------------------- the mesh run
-def microbatch_loss(chunk: nn.Model, x: np.ndarray | ag.Tensor, y: np.ndarray, scale: float
-                    ) -> ag.Tensor:
-    """scale * (local mean CE + aux) for a chunk that holds the whole model."""
-    return nn.loss_fn(chunk, x, y) * scale
+def microbatch_loss(chunk: nn.Model, x: np.ndarray | ag.Tensor, y: np.ndarray, scale: float,
+                    weight: float = 1.0) -> ag.Tensor:
+    """scale * (weight * local mean CE + aux) for a chunk that holds the whole model
+    (`weight`: documents.loss_weight with --documents, else 1)."""
+    return nn.loss_fn(chunk, x, y, weight) * scale
 
 
 def boundary_shape(cfg: TrainConfig) -> tuple[int, ...]:
@@ -206,13 +228,19 @@ def boundary_shape(cfg: TrainConfig) -> tuple[int, ...]:
 
 
 def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
-                     x: np.ndarray, y: np.ndarray, timeline: list[dict] | None = None) -> float:
+                     x: np.ndarray, y: np.ndarray, timeline: list[dict] | None = None,
+                     valid: int | None = None) -> float:
     """Forward and backward of every microbatch of this rank's rows `x, y` (its rows of
     the global batch, `data.rank_rows`: microbatch after microbatch); returns this
     rank's share of the step loss (sum over microbatches of loss/M). With pp > 1
     the pipeline schedule decides the order (pipeline_parallel.py) and appends the
-    wall-clock start/end of each of its instructions to `timeline`."""
+    wall-clock start/end of each of its instructions to `timeline`. `valid`: with
+    --documents, the valid positions of the global batch (documents.global_valid)."""
     scale = 1.0 / cfg.microbatches
+    positions = cfg.batch * cfg.seq_len   # of the global batch: the masked loss's P
+
+    def weight(labels: np.ndarray) -> float:  # documents.py: the CE's factor P / N
+        return 1.0 if valid is None else documents.loss_weight(labels, positions, valid)
     slices = [local_rows(cfg.batch, cfg.microbatches, cfg.dp, m)  # of this rank's rows
               for m in range(cfg.microbatches)]
     # placements (placement.py): the rows of x are Shard(0) over dp (its positions
@@ -226,7 +254,7 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
         def last_stage_loss(logits: ag.Tensor, aux: ag.Tensor | None,
                             labels: np.ndarray) -> ag.Tensor:
             head = next(c.head for c in chunks if c.head is not None)  # the chunk with it
-            loss = nn.output_loss(head, logits, labels) * scale     # CE / M
+            loss = nn.output_loss(head, logits, labels) * (scale * weight(labels))  # CE / M
             loss = loss if aux is None else loss + aux * scale      # + aux / M
             if placement.ON:  # what the gradient sync expects: at most a mean over dp (x cp)
                 placement.loss("the gradient sync", loss, mesh.dp_cp)
@@ -245,7 +273,7 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
         flight.set_microbatch(m)  # the flight recorder's calls of this microbatch
         with trace.span("forward", microbatch=m, chunk=0):
             loss = microbatch_loss(chunks[0], pipeline_parallel.rows_of(
-                ag.Tensor(x[rows]), rows_over), y[rows], scale)
+                ag.Tensor(x[rows]), rows_over), y[rows], scale, weight(y[rows]))
         trace.hold((0, m), loss)  # --trace: the activations the tape keeps
         if placement.ON:  # what the gradient sync expects: at most a mean over dp (x cp)
             placement.loss("the gradient sync", loss, mesh.dp_cp)
@@ -304,7 +332,7 @@ def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
         with trace.step(step + 1):   # --trace: one span per step
             losses.append(train_step(cfg, mesh, chunks, updater, step, timeline))
         if on_step is not None:
-            on_step(step, losses[-1])
+            step_done(on_step, step, losses[-1], norms_of(updater))
     watchdog.doing("the end of the run (gathering results, saving the checkpoint)")
     return finish(cfg, mesh, chunks, updater, losses, init, timeline)
 
@@ -325,7 +353,15 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
     for chunk in chunks:
         for p in chunk.parameters():
             p.grad = None
-    local = forward_backward(cfg, mesh, chunks, x, y, timeline)
+    valid = None
+    if cfg.documents:  # N: the global batch's valid positions (documents.py), before
+        from minipar.comm import allreduce_sum  # backward (here: comm.py loads mpi4py.MPI)
+
+        # my rows' (over dp) and positions' (over cp) count -> the global batch's, on every
+        # rank; tp and pp ranks hold the labels of their dp x cp peers and sum alike
+        valid = int(allreduce_sum(mesh.dp_cp, np.array([documents.valid_positions(y)],
+                                                       dtype=np.int64))[0])
+    local = forward_backward(cfg, mesh, chunks, x, y, timeline, valid)
     flight.set_microbatch(None)  # the syncs below belong to the whole step
     if cfg.schedule in pipeline_schedules.TWO_WAY and cfg.pp > 1:  # DualPipe: copy + copy
         pipeline_parallel.sum_the_two_copies(chunks, mesh.pp)
@@ -380,6 +416,8 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
     return RunResult(losses, init, final,
                      [r for rank in gathered for r in rank] if gathered else [],
                      {"replica_disagreements": disagreements,
+                      # --clip-grad-norm: each step's global gradient norm on this rank
+                      "gnorms": norms_of(updater),
                       "memory": memory,  # memory.ModelStates of this rank, after the last step
                       # pipeline_parallel.gather_timeline: every rank's instructions of the
                       # last step with wall-clock start/end (rank 0; empty with pp = 1)
@@ -393,6 +431,12 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
                       "attention_scores": [getattr(block.attn.core, "last_scores", None)
                                            for chunk in chunks for block in chunk.blocks
                                            if hasattr(block, "attn")]})
+
+
+def norms_of(updater: Updater) -> list[float]:
+    """The global gradient norm of each step taken (clip.Clipper), [] without clipping."""
+    clipper = getattr(updater, "clipper", None)
+    return clipper.norms if clipper is not None else []
 
 
 def report_loss(mesh: Mesh, local: float) -> float:

@@ -349,7 +349,12 @@ SPLIT = [dict(SMALL, tp=2, dp=2, ep=2, optimizer="adam", steps=2),
          dict(SMALL, tp=4, steps=2),
          dict(SMALL, tp=2, dp=2, top_k=1, microbatches=2, capacity_factor=1.0, steps=2),
          dict(SMALL, tp=2, pp=2, microbatches=2, optimizer="adam", steps=2),
-         dict(SMALL, tp=2, dp=2, ep=2, zero=3, optimizer="adam", steps=2)]
+         dict(SMALL, tp=2, dp=2, ep=2, zero=3, optimizer="adam", steps=2),
+         # --clip-grad-norm (clip.py) with experts split over tp and ep, on ZeRO's slices
+         # and on a pipeline: one Allreduce over the world, C below the norm (it clips)
+         dict(SMALL, tp=2, dp=2, ep=2, zero=1, microbatches=2, clip_grad_norm=0.01, steps=2),
+         dict(SMALL, tp=2, pp=2, microbatches=2, clip_grad_norm=0.01, optimizer="adam",
+              steps=2)]
 
 
 def test_experts_split_over_tp_equal_one_process_with_two_allreduces_per_block(tmp_path):
@@ -361,6 +366,10 @@ def test_experts_split_over_tp_equal_one_process_with_two_allreduces_per_block(t
     run_equivalence(runs, SPLIT)
     for fields, run in zip(SPLIT, runs):
         cfg = TrainConfig(**fields).resolved(4)
+        if cfg.clip_grad_norm is not None:  # it clipped, and the norm's one Allreduce
+            assert min(reference(**fields).extras["gnorms"]) > cfg.clip_grad_norm, fields
+            assert [(r["calls"], r["elements"]) for r in run["ledger"] if r["rank"] == 0
+                    and r["group"] == "world" and r["op"] == "Allreduce"] == [(1, 1)], fields
         mesh = cfg.mesh_shape()
         per_rank = [ledger_of(run, rank, "Allreduce", "tp") for rank in range(4)]
         blocks_here = cfg.layers // cfg.pp

@@ -26,6 +26,7 @@ PACKAGE = ROOT / "minipar"
 # Bottom first. A module may import from its own layer and every layer below it.
 LAYERS: list[set[str]] = [
     {"autograd", "fused", "attention", "nn", "gpt", "recompute", "optim", "data",  # core,
+     "documents",
      "memory", "shards", "threads", "placement_types", "placement_rules",   # no MPI
      "placement_transformer", "placement", "routing"},
     {"comm", "mesh", "ring", "log", "watchdog", "flight", "flight_report",  # communication
@@ -38,7 +39,7 @@ LAYERS: list[set[str]] = [
      "kvcache"},
     {"config"},                                                             # the flags
     {"checkpoint_format", "checkpoint", "checkpoint_folder", "preflight", "bugs_detours",
-     "bugs_hangs", "bugs", "assemble"},
+     "bugs_hangs", "bugs", "assemble", "clip"},
     {"train"},                                                              # composition
     {"results", "reshard", "generate"},
     {"costmodel", "timemodel", "presets", "plan_workloads", "plan_search", "plan_report",

@@ -125,11 +125,16 @@ def zero_configs(world: int) -> list[dict]:
     if world == 4:
         out += [dict(SMALL, dp=world, zero=3, optimizer=optimizer, microbatches=m)
                 for optimizer, m in (("adam", 1), ("sgd", 2))]
+        # --clip-grad-norm on the slices (clip.py): each rank's squares of its slice, one
+        # Allreduce over dp; C below the norm, so every step clips
+        out += [dict(SMALL, dp=world, zero=stage, optimizer="adam", microbatches=2,
+                     clip_grad_norm=CLIP) for stage in (1, 2, 3)]
     if world == 3:
         out += [dict(SMALL, **EVEN, dp=world, zero=stage, optimizer="adam") for stage in (1, 3)]
     return out
 
 
+CLIP = 0.01
 HYBRIDS = {8: [dict(SMALL, dp=2, tp=2, pp=2, zero=3, microbatches=2, optimizer="adam"),
                dict(SMALL, dp=4, pp=2, zero=2, microbatches=2, schedule="zb-h1"),
                dict(SMALL, dp=2, tp=4, zero=1, optimizer="adam")]}
@@ -156,9 +161,13 @@ def test_zero_equals_one_process_with_zeros_ledger(world, tmp_path):
     for cfg, run in zip(configs, runs):
         label = f"n={world} {cfg}"
         assert_equivalent(run, reference(**cfg), label=label)
+        if cfg.get("clip_grad_norm"):   # it clipped: the norm above C on every step
+            assert min(reference(**cfg).extras["gnorms"]) > cfg["clip_grad_norm"], label
         if cfg.get("tp", 1) * cfg.get("pp", 1) > 1:
             continue
         expected = expected_ledger(cfg)
+        if cfg.get("clip_grad_norm"):   # clip.py: one Allreduce of one number over dp
+            expected["Allreduce"] = (1, 1)
         for rank in range(world):
             mine = {r["op"]: (r["calls"], r["elements"])
                     for r in run["ledger"] if r["rank"] == rank and r["group"] == "dp"}

@@ -352,6 +352,7 @@ class DataParallel:
     `step()` synchronizes the gradients (naive, bucketed or overlapped), then updates."""
 
     stage = 0
+    clipper = None  # clip.Clipper with --clip-grad-norm: called after the sync
 
     def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer,
                  grad_sync: str = "bucketed", bucket_size: int = 65536,
@@ -373,6 +374,9 @@ class DataParallel:
             bucketed_allreduce(self.buckets, self.mesh, self.flats)
         else:
             self.started_in_backward = self.overlap.finish()
+        if self.clipper is not None:  # clip.py: the global norm, one scale on every rank
+            grads = [grad_or_zeros(p) for p in self.params]
+            self.clipper(list(zip(self.params, grads)), grads)
         self.optimizer.step([p.data for p in self.params], [p.grad for p in self.params])
 
     def materialize(self) -> None:
