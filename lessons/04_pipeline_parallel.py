@@ -36,7 +36,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from minipar import nn
+from minipar import nn, timing
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
 from minipar.log import run_collectively, say_in_order, verdict, wait_for_rank0
@@ -196,7 +196,7 @@ def replayed(name: str, result: RunResult, microbatches: int, virtual: int = 1) 
 
 def the_bubble(runs: dict) -> None:
     say(f"\n=== 3. the bubble of 1F1B: idle share of stage-time, pp = {size}; the wall clock "
-        f"of {size} ranks on {CORES} cores" + (" (oversubscribed)" if SHARED else ""),
+        f"{timing.where(size)}; F ms, B ms: the mean wall-clock F and B of the last step",
         "    M   formula (p-1)/(M+p-1)   simulator   replayed CPU times   wall clock   "
         "F ms   B ms")
     for m in (1, 4, 8, 16):

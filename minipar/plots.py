@@ -1,5 +1,5 @@
 """Pictures of what the ranks did: the ledger, memory per rank, loss curves, the
-Alltoall, and the tour's figures; the shared helpers (`save`, `byte_unit`).
+Alltoall, and the tour's figures; the shared helper `save` (bytes scaled by `byte_units.byte_unit`).
 
 What this file teaches: every number a lesson prints has a shape that is easier
 to see than to read, and three pictures check every strategy: the ledger
@@ -28,6 +28,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
+from minipar.byte_units import byte_unit
 from minipar.memory import ModelStates, optimizer_bytes_per_param
 from minipar.nn import canonical_shapes
 from minipar.parallel.pipeline_schedules import replay, simulate_schedule
@@ -47,14 +48,6 @@ def save(figure: Figure, path: Path | str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     return path
-
-
-def byte_unit(top: float) -> tuple[float, str]:
-    """The largest binary unit that keeps `top` bytes >= 1: (1024.0, 'KiB') for 5000."""
-    for power, name in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
-        if top >= 1024 ** power:
-            return float(1024 ** power), name
-    return 1.0, "bytes"
 
 
 # ------------------------------------------------------------------- ledger
