@@ -33,6 +33,7 @@ from mpi4py import MPI
 
 from minipar import autograd as ag
 from minipar import fused, nn
+from minipar.byte_units import MiB
 from minipar.comm import Group, Ledger
 from minipar.config import TrainConfig, problems
 from minipar.log import run_collectively, say_in_order, verdict
@@ -45,8 +46,6 @@ from minipar.parallel.tensor_parallel import (
     shard,
 )
 from minipar.train import build_rank_model, train, train_reference
-
-MiB = 2**20
 
 
 def banner(tp: Group, title: str) -> None:

@@ -38,6 +38,7 @@ from mpi4py import MPI
 
 from minipar import autograd as ag
 from minipar import nn, timing
+from minipar.byte_units import KiB
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
 from minipar.log import run_collectively, say_in_order, verdict
@@ -57,7 +58,6 @@ comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 MODEL = dict(layers=8, d_in=32, d_model=64, d_ff=256, batch=64, steps=5)  # 4 timed steps
 MESHES = {"TP": dict(tp=4, pp=1), "PP": dict(tp=1, pp=4), "TP+PP": dict(tp=2, pp=2)}
-KiB = 1024
 
 
 def say(*lines: str) -> None:

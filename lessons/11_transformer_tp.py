@@ -35,6 +35,7 @@ from mpi4py import MPI
 
 from minipar import nn, timing
 from minipar.autograd import Tensor
+from minipar.byte_units import KiB
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
 from minipar.costmodel import rank_shape
@@ -50,7 +51,6 @@ from minipar.train import build_rank_model, make_block, step_batch, train, train
 
 SHAPE = dict(model="gpt", layers=2, d_model=64, heads=8, seq_len=32, vocab=256, batch=8,
              d_ff=256, steps=2)
-KiB = 1024
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 
