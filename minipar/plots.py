@@ -192,6 +192,20 @@ def memory_figure(runs: dict[str, Sequence[ModelStates | dict]],
 
 
 # ------------------------------------------------------------------- losses
+# 16 colours and 16 markers, both distinct for the first 16 series (matplotlib's cycle
+# has 10 colours: bug 11 would look like bug 1)
+SERIES_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
+                 "tab:pink", "tab:gray", "tab:olive", "tab:cyan", "black", "gold", "navy",
+                 "lime", "darkred", "teal")
+SERIES_MARKERS = "osD^v<>pP*hXd8H+"
+
+
+def series_style(i: int) -> dict:
+    """Line style of series i: its own colour AND its own marker (distinct up to 16)."""
+    return {"color": SERIES_COLORS[i % len(SERIES_COLORS)],
+            "marker": SERIES_MARKERS[i % len(SERIES_MARKERS)], "fillstyle": "none"}
+
+
 def loss_figure(runs: dict[str, Sequence[float]], references: dict[str, Sequence[float]],
                 title: str = "") -> Figure:
     """Each parallel run's step losses drawn over its single-process run (`runs` and
@@ -200,14 +214,14 @@ def loss_figure(runs: dict[str, Sequence[float]], references: dict[str, Sequence
     figure = Figure(figsize=(12, 4), layout="constrained")
     left, right = figure.subplots(1, 2)
     drawn: set[tuple] = set()
-    markers, worst = "osD^v<>p*h", 1e-18
+    worst = 1e-18
     for i, (label, losses) in enumerate(runs.items()):
         ref = np.asarray(references[label])
         steps = np.arange(1, len(ref) + 1)
         if tuple(np.round(ref, 12)) not in drawn:  # runs of one model share a reference
             drawn.add(tuple(np.round(ref, 12)))
             left.plot(steps, ref, color="0.5", lw=4, alpha=0.5)
-        style = dict(color=f"C{i}", marker=markers[i % len(markers)], fillstyle="none")
+        style = series_style(i)
         left.plot(steps, losses, ls="none", markersize=5, **style)
         diff = np.maximum(np.abs(np.asarray(losses) - ref) / np.abs(ref), 1e-18)
         right.plot(steps, diff, label=label, **style)

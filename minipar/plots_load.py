@@ -162,7 +162,7 @@ def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
              "dualpipe": "DualPipe (simulator), both ends, M even >= 2pp"}
     colors = {"1f1b": "tab:blue", "interleaved": "tab:purple", "zb-h1": "tab:green",
               "zb-v": "tab:red", "dualpipev": "tab:brown", "dualpipe": "tab:olive"}
-    figure = Figure(figsize=(7, 4.2), layout="constrained")
+    figure = Figure(figsize=(10.5, 4.2), layout="constrained")  # the legend right of the axes
     ax = figure.subplots()
     grid = np.geomspace(min(microbatches), max(microbatches), 200)
     for name, virtual in schedules:
@@ -183,7 +183,7 @@ def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
         ax.plot(list(measured), list(measured.values()), "x", color="black", markersize=8,
                 mew=2, label=measured_label)
     if replayed:
-        ax.plot(list(replayed), list(replayed.values()), "s", color="tab:red", markersize=7,
+        ax.plot(list(replayed), list(replayed.values()), "s", color="tab:cyan", markersize=7,
                 fillstyle="none", mew=1.5,
                 label="1F1B, real run's CPU times replayed on the schedule")
     ax.plot([], [], "o", color="0.4", label="simulator")
@@ -194,7 +194,7 @@ def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
     ax.set_ylim(0, 1)
     ax.set_title(f"the pipeline bubble, pp = {pp} stages", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1), frameon=False)
     return figure
 
 

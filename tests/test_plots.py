@@ -245,3 +245,13 @@ def test_context_parallel_groups_count_their_cp_ranks():
     assert plots.wire_bytes(record, sizes) == pytest.approx(1200)
     ring = {"op": "Sendrecv", "group": "cp", "elements": 10, "bytes": 80}
     assert plots.wire_bytes(ring, sizes) == 80
+
+
+def test_every_series_has_its_own_colour_and_marker():
+    """Lesson 8 draws 12 bugs: each one a colour and a marker no other series has (the
+    default cycle repeats its colours after 10)."""
+    styles = [plots.series_style(i) for i in range(12)]
+    assert len({s["color"] for s in styles}) == 12
+    assert len({s["marker"] for s in styles}) == 12
+    rgb = [matplotlib.colors.to_rgb(s["color"]) for s in styles]
+    assert len(set(rgb)) == 12
