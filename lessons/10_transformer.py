@@ -23,6 +23,7 @@ The code behind it: minipar/gpt.py, minipar/attention.py, minipar/data.py.
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -137,6 +138,11 @@ def main() -> None:
     prompt = bytes(corpus[:text_cfg.seq_len].tolist())
     print(f"  after {prompt.decode('utf-8', errors='replace')!r} it writes: "
           f"{generate(text_cfg, text.final, prompt, 60)!r}", flush=True)
+    words = Counter(bytes(corpus.tolist()).decode("utf-8", errors="replace").lower().split())
+    top, count = words.most_common(1)[0]
+    print(f"  (why it repeats itself: a tiny model trained {text_steps} steps, decoded greedily "
+          f"-- each byte its most likely one -- falls into the commonest word, here "
+          f"{top!r}, {count} of the corpus's {sum(words.values())} words)", flush=True)
     if args.plot:
         figure(copy.losses, text.losses, floor, cfg.vocab, args.plot)
 
