@@ -138,11 +138,13 @@ def main() -> None:
     prompt = bytes(corpus[:text_cfg.seq_len].tolist())
     print(f"  after {prompt.decode('utf-8', errors='replace')!r} it writes: "
           f"{generate(text_cfg, text.final, prompt, 60)!r}", flush=True)
-    words = Counter(bytes(corpus.tolist()).decode("utf-8", errors="replace").lower().split())
+    words = Counter(w for w in bytes(corpus.tolist()).decode("utf-8", errors="replace")
+                    .lower().split() if w.isalpha())
     top, count = words.most_common(1)[0]
-    print(f"  (why it repeats itself: a tiny model trained {text_steps} steps, decoded greedily "
-          f"-- each byte its most likely one -- falls into the commonest word, here "
-          f"{top!r}, {count} of the corpus's {sum(words.values())} words)", flush=True)
+    print(f"  (why it repeats itself: a tiny model trained {text_steps} steps, decoded "
+          f"greedily -- each byte its most likely one -- loops on the corpus's commonest "
+          f"pieces: its commonest word is {top!r}, {count} of {sum(words.values())})",
+          flush=True)
     if args.plot:
         figure(copy.losses, text.losses, floor, cfg.vocab, args.plot)
 
