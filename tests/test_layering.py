@@ -27,7 +27,7 @@ PACKAGE = ROOT / "minipar"
 LAYERS: list[set[str]] = [
     {"autograd", "fused", "attention", "nn", "gpt", "recompute", "optim", "data",  # core,
      "memory", "shards", "threads", "placement_types", "placement_rules",   # no MPI
-     "placement_transformer", "placement"},
+     "placement_transformer", "placement", "timing", "byte_units"},
     {"comm", "mesh", "ring", "log", "watchdog"},                            # communication
     {"parallel", "parallel.pipeline_instructions", "parallel.pipeline_v",
      "parallel.pipeline_layout", "parallel.pipeline_simulator",    # strategies
