@@ -206,6 +206,12 @@ def the_bubble(runs: dict) -> None:
             print(f"  {m:3d}   {bubble_formula('1f1b', size, m):21.3f}   {sim:9.3f}   "
                   f"{replayed('1f1b', result, m):18.3f}   {measured(result):10.3f}   "
                   f"{mean_ms(result, 'F'):4.1f}   {mean_ms(result, 'B'):4.1f}", flush=True)
+    if rank == 0:
+        last = runs[("1f1b", 16)].extras["timeline"]
+        spread = {kind: timing.Spread.of([r["end"] - r["start"] for r in last
+                                          if r["kind"] == kind]) for kind in ("F", "B")}
+        print(f"  M = 16, wall clock of one instruction {timing.where(size)}: F "
+              f"{spread['F'].text()}, B {spread['B'].text()}", flush=True)
     say("  replayed: each F and B takes the CPU time it was measured to take in this run,",
         "  and the 1F1B program's dependencies place it; no communication cost.")
     if SHARED:

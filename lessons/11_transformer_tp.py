@@ -230,8 +230,8 @@ def memory_and_time() -> dict[str, dict[str, int]]:
     if rank != 0:  # the times are rank 0's
         return found
     say(f"  recomputation's time: forward + backward of one microbatch at tp = {k} "
-        f"{timing.where(k)}" + (f" (ranks 0-{k - 1}; the memory above is tp = {size}'s)"
-                                if k < size else "")
+        + (f"on ranks 0-{k - 1} (the memory above is tp = {size}'s) " if k < size else "")
+        + timing.where(k)
         + f", slowest rank, {len(times['none'])} repeats of each mode, interleaved:")
     for mode in ("none", "selective", "full"):
         say(f"  recompute {mode:>9}: {timing.Spread.of(times[mode]).text()}")
