@@ -8,6 +8,7 @@ hand-written NumPy and PyTorch eager; the attention node); data-parallel speed-u
 at a fixed global batch and against its limit; the hand-written ring collectives
 against MPI's own; the pipeline's measured bubble against the formula; context
 parallelism's four modes against one rank on the same sequences (bench/cp_rank.py);
+the flight recorder's share of a call-heavy step (bench/flight_rank.py);
 the test suite's last wall time. Prints one table and
 writes bench/results.json.
 """
@@ -223,6 +224,11 @@ def main() -> None:
                      f"{q['median']:>8.3f}  [{q['min']:.2f}-{q['max']:.2f}] "
                      f"{cp[mode]['step']['median'] * 1e3:.0f} vs "
                      f"{cp['one']['step']['median'] * 1e3:.0f} ms")
+    results["flight"] = f = _mpi_json(2, "bench.flight_rank", ["2" if quick else "6"])
+    lines.append(f"{'flight recorder, share of a tp=2 M=4 step (goal <= 0.02)':<58} "
+                 f"{f['share_of_step']:>8.4f}  {f['calls_per_step']} calls x "
+                 f"{f['seconds_per_call'] * 1e6:.1f} us of a {f['off']['median'] * 1e3:.0f} ms "
+                 f"step; with / without it {f['on/off']:.3f}")
     results["suite_seconds"] = suite_time()
     if results["suite_seconds"] is not None:
         lines.append(f"{'make test wall time, seconds (last run)':<58} "

@@ -34,6 +34,7 @@ from minipar.bugs_detours import (  # noqa: F401  (copy_to_without_allreduce: te
     Swap,
     after_capacity,
     aux_per_rank,
+    bias_from_local_load,
     copy_to_without_allreduce,
     f_without_allreduce,
     first_choice_only,
@@ -46,6 +47,7 @@ from minipar.bugs_detours import (  # noqa: F401  (copy_to_without_allreduce: te
     sum_not_mean,
     vocab_loss_without_max,
 )
+from minipar.bugs_hangs import HANGS, Hang
 
 if TYPE_CHECKING:
     from minipar.config import TrainConfig
@@ -202,6 +204,18 @@ _LIST = [
         "shipped as a design, later corrected: the balance loss of each micro-batch or rank "
         "instead of the global batch; Megatron-LM forks added the global one "
         "(microsoft/ltp-megatron-lm#7); torchtitan proposes it (pytorch/torchtitan#4772)"),
+    Bug("moe-bias-local-load", "ep",
+        "the sigmoid-bias router's b updated from each rank's own tokens (the per-expert "
+        "counts not summed over dp x cp)",
+        "every rank steers its router by the load it happened to see: after the first step "
+        "the replicas of b differ (the replica check names them), the tokens of different "
+        "ranks are routed by different b, and the run is no longer the one-process run; "
+        "the ledger is one Allreduce of L x E counts per step short",
+        "--router sigmoid-bias and " + MOE,
+        lambda cfg: cfg.router == "sigmoid-bias" and _moe(cfg), bias_from_local_load,
+        {"model": "moe", "ep": 2, "router": "sigmoid-bias", "bias_rate": 0.01},
+        "plausible: no shipped case found",
+        unseen="b is no tensor and carries no placement: which counts update it is a value"),
     Bug("tp-vocab-loss-no-max", "tp",
         "the vocabulary-parallel cross-entropy skips the Allreduce(MAX) of each row's "
         "largest logit",
@@ -255,16 +269,17 @@ def problems(cfg: TrainConfig) -> list[str]:
     name = cfg.inject_bug
     if name is None:
         return []
-    if name not in BUGS:
-        return [f"--inject-bug {name} is not a known bug; choose one of: {', '.join(BUGS)}"]
-    bug = BUGS[name]
+    known = {**BUGS, **HANGS}  # the hangs (bugs_hangs.py) are injected the same way
+    if name not in known:
+        return [f"--inject-bug {name} is not a known bug; choose one of: {', '.join(known)}"]
+    bug = known[name]
     return [] if bug.fits(cfg) else [f"--inject-bug {name} needs {bug.requires}"]
 
 
 @contextmanager
-def injected(name: str) -> Iterator[Bug]:
+def injected(name: str) -> Iterator[Bug | Hang]:
     """Apply bug `name`'s swaps for the body of the `with`, then put the originals back."""
-    bug = BUGS[name]
+    bug = BUGS[name] if name in BUGS else HANGS[name]
     swaps = bug.detour()
     originals = [(module, attribute, getattr(module, attribute))
                  for module, attribute, _ in swaps]
@@ -277,10 +292,12 @@ def injected(name: str) -> Iterator[Bug]:
             setattr(module, attribute, original)
 
 
-def command(bug: Bug, ranks: int = 4) -> str:
-    """A `python -m minipar train` line that shows `bug` on `ranks` ranks."""
+def command(bug: Bug | Hang, ranks: int = 4) -> str:
+    """A `python -m minipar train` line that shows `bug` on `ranks` ranks (a hang: ended by
+    the watchdog, whose line ends with the flight recorder's verdict)."""
     flags = "".join(f" --{key.replace('_', '-')} {value}" for key, value in bug.flags.items())
-    return f"mpiexec -n {ranks} python -m minipar train{flags} --inject-bug {bug.name} --check"
+    end = " --timeout 3" if isinstance(bug, Hang) else " --check"
+    return f"mpiexec -n {ranks} python -m minipar train{flags} --inject-bug {bug.name}{end}"
 
 
 def listing() -> str:
@@ -291,4 +308,8 @@ def listing() -> str:
         lines += [f"\n{bug.name}  [{bug.strategy}]", f"  broken: {bug.broken}",
                   f"  needs:  {bug.requires}", f"  try:    {command(bug)}",
                   f"  seen:   {bug.seen}"]
+    lines.append(f"\n{len(HANGS)} hangs (bugs_hangs.py; lessons/15_hangs.py runs them all):")
+    for hang in HANGS.values():
+        lines += [f"\n{hang.name}  [{hang.strategy}]", f"  broken: {hang.broken}",
+                  f"  needs:  {hang.requires}", f"  try:    {command(hang)}"]
     return "\n".join(lines)

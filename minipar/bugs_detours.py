@@ -173,6 +173,17 @@ def aux_per_rank() -> list[Swap]:
     return [(ep, "global_aux", local_aux)]
 
 
+def bias_from_local_load() -> list[Swap]:
+    """The sigmoid-bias router's b updated from each rank's own tokens (routing.py)."""
+    from minipar import routing
+
+    def local_load(states: list[routing.BiasBalance], group: object) -> np.ndarray:
+        # BUG: my tokens' counts only, never summed over dp x cp
+        return np.stack([s.load for s in states])
+
+    return [(routing, "global_load", local_load)]
+
+
 # ------------------------------------------- the transformer: vocabulary and cp
 def vocab_loss_without_max() -> list[Swap]:
     """The vocabulary-parallel cross-entropy without its Allreduce(MAX) of the row maxima."""

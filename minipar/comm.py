@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from minipar import placement, watchdog
+from minipar import flight, placement, watchdog
 from minipar.autograd import Tensor
 from minipar.placement import Partial, Replicate, Shard
 
@@ -103,6 +103,8 @@ def _size(buf: object) -> tuple[int, int]:
     """(elements, itemsize) of a buffer argument: an array, or an mpi4py buffer spec
     `[array, counts, displacements, type]` (or `[array, (counts, displacements), type]`),
     where what moves is the sum of the counts, not the whole array."""
+    if buf is None:  # a pickled object: a call, no elements
+        return 0, 1
     if not isinstance(buf, (list, tuple)):
         array = np.asarray(buf)
         return array.size, array.itemsize
@@ -130,9 +132,12 @@ class Group:
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
 
-    def _log(self, op: str, buf: object) -> None:
+    def _log(self, op: str, buf: object, *detail: object) -> None:
+        """Count the call in the ledger and keep it in the flight recorder (flight.py;
+        `detail`: the peer and tag of a message, the two buffers of an Alltoallv)."""
         elements, itemsize = _size(buf)
         self.ledger.record(op, self.name, elements, itemsize)
+        flight.record(self, op, elements, itemsize, detail)
 
     # collectives on arrays; recorded sizes follow the ledger convention
     def Allreduce(self, sendbuf: object, recvbuf: np.ndarray, op: MPI.Op = MPI.SUM) -> None:
@@ -173,7 +178,7 @@ class Group:
             self.comm.Alltoall(sendbuf, recvbuf)
 
     def Alltoallv(self, sendbuf: object, recvbuf: object) -> None:
-        self._log("Alltoallv", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf)
+        self._log("Alltoallv", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf, sendbuf, recvbuf)
         with watchdog.waiting(f"Alltoallv over {self.name}"):
             self.comm.Alltoallv(sendbuf, recvbuf)
 
@@ -189,48 +194,48 @@ class Group:
 
     # point to point
     def Send(self, buf: object, dest: int, tag: int = 0) -> None:
-        self._log("Send", buf)
+        self._log("Send", buf, dest, tag)
         with watchdog.waiting(f"Send to {self.name} rank {dest}"):
             self.comm.Send(buf, dest=dest, tag=tag)
 
     def Recv(self, buf: object, source: int, tag: int = 0) -> None:
-        self._log("Recv", buf)
+        self._log("Recv", buf, source, tag)
         with watchdog.waiting(f"Recv from {self.name} rank {source}"):
             self.comm.Recv(buf, source=source, tag=tag)
 
     def Isend(self, buf: object, dest: int, tag: int = 0) -> MPI.Request:
-        self._log("Isend", buf)
+        self._log("Isend", buf, dest, tag)
         return self.comm.Isend(buf, dest=dest, tag=tag)
 
     def Irecv(self, buf: object, source: int, tag: int = 0) -> MPI.Request:
-        self._log("Irecv", buf)
+        self._log("Irecv", buf, source, tag)
         return self.comm.Irecv(buf, source=source, tag=tag)
 
     def Sendrecv(self, sendbuf: object, dest: int, recvbuf: object, source: int,
                  sendtag: int = 0, recvtag: int = 0) -> None:
-        self._log("Sendrecv", sendbuf)
+        self._log("Sendrecv", sendbuf, dest, source, sendtag)
         with watchdog.waiting(f"Sendrecv with {self.name} ranks {dest}/{source}"):
             self.comm.Sendrecv(sendbuf, dest=dest, sendtag=sendtag, recvbuf=recvbuf,
                            source=source, recvtag=recvtag)
 
     # small Python objects (pickled): counted as calls with no elements
     def bcast(self, obj: object, root: int = 0) -> object:
-        self.ledger.record("bcast", self.name, 0, 1)
+        self._log("bcast", None)
         with watchdog.waiting(f"bcast over {self.name}"):
             return self.comm.bcast(obj, root=root)
 
     def allgather(self, obj: object) -> list:
-        self.ledger.record("allgather", self.name, 0, 1)
+        self._log("allgather", None)
         with watchdog.waiting(f"allgather over {self.name}"):
             return self.comm.allgather(obj)
 
     def gather(self, obj: object, root: int = 0) -> list | None:
-        self.ledger.record("gather", self.name, 0, 1)
+        self._log("gather", None)
         with watchdog.waiting(f"gather over {self.name}"):
             return self.comm.gather(obj, root=root)
 
     def Barrier(self) -> None:
-        self.ledger.record("Barrier", self.name, 0, 1)
+        self._log("Barrier", None)
         with watchdog.waiting(f"Barrier over {self.name}"):
             self.comm.Barrier()
 

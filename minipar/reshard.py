@@ -33,5 +33,6 @@ def reshard(cfg: TrainConfig, world: object, source: str | Path,
     params = [p for chunk in chunks for p in chunk.parameters()]
     step = checkpoint.restore_optimizer(optimizer, params, saved, updater)
     checkpoint.save(destination, cfg, mesh, updater, optimizer, step,
-                    losses=saved.manifest.get("losses", []))
+                    losses=saved.manifest.get("losses", []),
+                    router_bias=saved.manifest.get("router_bias"))
     mesh.free()

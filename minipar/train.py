@@ -30,7 +30,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import bugs, checkpoint, config, gpt, nn, placement, preflight, watchdog
+from minipar import (
+    bugs,
+    checkpoint,
+    config,
+    flight,
+    gpt,
+    nn,
+    placement,
+    preflight,
+    routing,
+    watchdog,
+)
 from minipar.assemble import (  # noqa: F401  (callers import them from here too)
     build_rank_model,
     context_positions,
@@ -163,10 +174,13 @@ def train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | No
             loss.backward()
             total += loss.item()
         optimizer.step([p.data for p in params], [p.grad for p in params])
+        if cfg.router == "sigmoid-bias":  # b moves against the step's load (routing.py)
+            routing.update_biases(model, None, cfg.bias_rate)
         losses.append(total)
         if on_step is not None:
             on_step(step, total)
-    return RunResult(losses, init, {p.name: p.data.copy() for p in params})
+    return RunResult(losses, init, {**{p.name: p.data.copy() for p in params},
+                                    **routing.bias_values(model)})
 
 
 # ----------------------------------------------------------- the mesh run
@@ -224,7 +238,8 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
         return pipeline_parallel.forward_backward(worker, cfg.schedule, cfg.microbatches,
                                                   timeline)
     total = 0.0
-    for rows in slices:  # gradient accumulation: grads add up in .grad
+    for m, rows in enumerate(slices):  # gradient accumulation: grads add up in .grad
+        flight.set_microbatch(m)  # the flight recorder's calls of this microbatch
         loss = microbatch_loss(chunks[0], pipeline_parallel.rows_of(ag.Tensor(x[rows]),
                                                                     rows_over), y[rows], scale)
         if placement.ON:  # what the gradient sync expects: at most a mean over dp (x cp)
@@ -269,6 +284,8 @@ def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
     init, _ = gather_full_params(mesh, params, cfg, values=full)  # (ZeRO-3 dropped p.data)
     # the saved optimizer state, cut as the updater keeps it (ZeRO: its flat slice)
     start = checkpoint.restore_optimizer(optimizer, params, saved, updater) if saved else 0
+    if saved:  # sigmoid-bias: every block's b as saved (replicated: any mesh takes it whole)
+        routing.set_bias_values(chunks, saved.manifest.get("router_bias", {}))
     # the losses of the steps already taken (a resumed run reports all --steps of them)
     losses = list(saved.manifest.get("losses", [])) if saved else []
     timeline: list[dict] = []  # the pipeline's instructions of the last step, timed
@@ -299,6 +316,7 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
         for p in chunk.parameters():
             p.grad = None
     local = forward_backward(cfg, mesh, chunks, x, y, timeline)
+    flight.set_microbatch(None)  # the syncs below belong to the whole step
     if cfg.schedule in pipeline_schedules.TWO_WAY and cfg.pp > 1:  # DualPipe: copy + copy
         pipeline_parallel.sum_the_two_copies(chunks, mesh.pp)
     if cfg.sp:  # LayerNorm / fc2-bias gradients of row shards: sum over tp first
@@ -306,6 +324,8 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
     # data parallelism: sum each weight's gradient over its replicas, divide by dp;
     # then the optimizer updates what this rank holds (ZeRO: its slice)
     updater.step()
+    if cfg.router == "sigmoid-bias":  # b of every MoE block against the global load: one
+        routing.update_biases(chunks, mesh.dp_cp, cfg.bias_rate)  # Allreduce over dp x cp
     ledger.enabled = False  # reporting the loss is not part of training's traffic
     if placement.ON:  # no gradient left a partial sum by the syncs above (placement.py);
         # every rank learns of any rank's finding, so all stop at this same step
@@ -339,9 +359,13 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
     updater.materialize()  # ZeRO-3: gather every parameter whole before reading p.data
     params = [p for chunk in chunks for p in chunk.parameters()]
     final, disagreements = gather_full_params(mesh, params, cfg)
+    biases = gather_biases(mesh, chunks)
+    if final is not None:
+        final.update(biases[0])
+        disagreements += biases[1]
     if cfg.save:  # every rank writes its shard; rank 0 the manifest, last
         checkpoint.save(cfg.save, cfg, mesh, updater, updater.optimizer, cfg.steps, losses,
-                        keep=cfg.keep)
+                        keep=cfg.keep, router_bias=biases[0])
     return RunResult(losses, init, final,
                      [r for rank in gathered for r in rank] if gathered else [],
                      {"replica_disagreements": disagreements,
@@ -367,6 +391,26 @@ def report_loss(mesh: Mesh, local: float) -> float:
 
     value = allreduce_sum(mesh.pp, np.array([local]))
     return float(allreduce_sum(mesh.dp_cp, value)[0] / mesh.shape.replicas)
+
+
+def gather_biases(mesh: Mesh, chunks: list[nn.Model]
+                  ) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Every block's b (routing.BiasBalance, sigmoid-bias) on world rank 0, and a line for
+    each replica that is not bitwise equal to the first one holding it (every rank of the
+    block's dp x cp and tp groups must have taken the same steps). Empty elsewhere."""
+    # {name: b} of every rank -> rank 0
+    everyone = mesh.world.gather(routing.bias_values(chunks))
+    if everyone is None:
+        return {}, []
+    found: dict[str, np.ndarray] = {}
+    disagreements = []
+    for rank, values in enumerate(everyone):
+        for name, value in values.items():
+            first = found.setdefault(name, value)
+            if not np.array_equal(first, value):
+                disagreements.append(f"{name}: rank {rank} differs from an earlier replica "
+                                     f"by {float(np.max(np.abs(first - value))):.3g}")
+    return found, disagreements
 
 
 def gather_full_params(mesh: Mesh, params: list[nn.Parameter], cfg: TrainConfig,

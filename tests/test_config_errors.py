@@ -53,6 +53,16 @@ CASES = [
     (["--lr", "-0.1"], "--lr"),
     (["--aux-coef=-inf"], "--aux-coef"),
     (["--model", "moe", "--capacity-factor", "0"], "--capacity-factor"),
+    # DeepSeek-V3 routing (minipar/routing.py)
+    (["--model", "moe", "--route-groups", "4", "--route-top-groups", "5"],
+     "--route-top-groups"),                                          # M > G
+    (["--model", "moe", "--experts", "6", "--route-groups", "4"], "--route-groups"),
+    (["--model", "moe", "--top-k", "4", "--route-groups", "4", "--route-top-groups", "1"],
+     "--top-k"),                                                     # 4 > the 2 experts of M
+    (["--model", "moe", "--router", "sigmoid-bias", "--aux-coef", "0.01"], "--aux-coef"),
+    (["--model", "moe", "--router", "sigmoid-bias", "--bias-rate=-0.001"], "--bias-rate"),
+    (["--model", "moe", "--bias-rate", "0.01"], "--bias-rate"),      # softmax has no b
+    (["--shared-experts", "1"], "--shared-experts"),                 # a dense model
     (["--steps", "two"], "--steps"),
     (["--zero", "4"], "--zero"),
     (["--dtype", "float16"], "--dtype"),

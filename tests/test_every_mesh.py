@@ -70,6 +70,23 @@ def configs(world: int) -> list[dict]:
 
 CONFIGS = {n: configs(n) for n in (8, 4)}
 
+# gpt-moe with DeepSeek-V3 routing (minipar/routing.py) in the same jobs: sigmoid-bias and
+# its b (two steps, so that b steers the second), a shared expert, node-limited routing
+# (2 groups, 1 kept), dropless, over ep x the 4-D meshes (cp, attention TP with sp, a
+# pipeline, ZeRO over edp, recomputation)
+ROUTED_MOE = dict(TINY, model="gpt-moe", experts=4, expert_d_ff=16, top_k=2, steps=2,
+                  router="sigmoid-bias", bias_rate=0.001, shared_experts=1, route_groups=2,
+                  route_top_groups=1)
+ROUTED = {
+    4: [dict(ROUTED_MOE, dp=2, cp=2, ep=2, batch=2, recompute="full"),
+        dict(ROUTED_MOE, dp=2, tp=2, ep=2, batch=2, sp=True),
+        dict(ROUTED_MOE, dp=2, pp=2, ep=2, schedule="interleaved", virtual=2, layers=4,
+             microbatches=2, batch=4, optimizer="adam", lr=0.01),
+        dict(ROUTED_MOE, dp=2, cp=2, ep=2, batch=2, zero=1, cp_mode="ring")],
+    8: [dict(ROUTED_MOE, dp=2, cp=2, tp=2, ep=2, batch=2),
+        dict(ROUTED_MOE, dp=2, tp=2, pp=2, ep=2, layers=2, microbatches=2, batch=4)],
+}
+
 
 def label(fields: dict) -> str:
     keys = ("dp", "cp", "tp", "pp", "schedule", "cp_mode", "sp", "recompute", "optimizer")
@@ -94,14 +111,25 @@ def test_the_sweep_covers_every_mesh_and_schedule():
 def swept(request, tmp_path_factory):
     """Every config of one world size, trained in one mpiexec job."""
     world = request.param
-    return world, sweep(world, CONFIGS[world], tmp_path_factory.mktemp(f"mesh{world}"),
-                        timeout=300)
+    return world, sweep(world, CONFIGS[world] + ROUTED[world],
+                        tmp_path_factory.mktemp(f"mesh{world}"), timeout=300)
 
 
 def test_every_4d_mesh_equals_one_process(swept):
     world, runs = swept
-    for fields, run in zip(CONFIGS[world], runs):
+    for fields, run in zip(CONFIGS[world] + ROUTED[world], runs):
         assert_equivalent(run, reference(**fields), label=f"{world} ranks {label(fields)}")
+
+
+def test_routed_moe_configs_run_and_move_b():
+    """The ROUTED configs are accepted, and b is among the final arrays of each."""
+    for n, runs in ROUTED.items():
+        for fields in runs:
+            cfg = TrainConfig(**fields).resolved(n)
+            assert problems(cfg, n) == [], fields
+            final = reference(**fields).final
+            assert max(abs(final[f"blocks.{i}.router.bias_balance"]).max()
+                       for i in range(cfg.layers)) > 0, fields
 
 
 def test_every_4d_mesh_ledger_is_the_formulas(swept):

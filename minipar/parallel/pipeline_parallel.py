@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import placement, watchdog
+from minipar import flight, placement, watchdog
 from minipar.autograd import Tensor
 from minipar.nn import Model
 from minipar.parallel.pipeline_schedules import (
@@ -163,6 +163,7 @@ class StageWorker:
         records = []  # plain tuples while the step runs (less work between instructions)
         clock, handlers = time.time, self.handlers  # wall clock: comparable between ranks
         for ins in program:
+            flight.set_microbatch(ins.microbatch)  # the flight recorder's calls are tagged
             start = clock()
             cpu = time.thread_time()  # CPU time: what it cost, even on a shared core
             handlers[ins.kind](ins)
