@@ -30,6 +30,7 @@ minipar/documents.py, minipar/clip.py.
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -148,6 +149,13 @@ def main() -> None:
     prompt = bytes(corpus[:text_cfg.seq_len].tolist())
     print(f"  after {prompt.decode('utf-8', errors='replace')!r} it writes: "
           f"{generate(text_cfg, text.final, prompt, 60)!r}", flush=True)
+    words = Counter(w for w in bytes(corpus.tolist()).decode("utf-8", errors="replace")
+                    .lower().split() if w.isalpha())
+    top, count = words.most_common(1)[0]
+    print(f"  (why it repeats itself: a tiny model trained {text_steps} steps, decoded "
+          f"greedily -- each byte its most likely one -- loops on the corpus's commonest "
+          f"pieces: its commonest word is {top!r}, {count} of {sum(words.values())})",
+          flush=True)
     documents(ragged_cfg, ragged)
     if args.plot:
         figure(copy.losses, text.losses, floor, cfg.vocab, args.plot)

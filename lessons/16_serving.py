@@ -44,7 +44,8 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from minipar import plan_search, plan_workloads, presets, timemodel
+from minipar import plan_search, plan_workloads, presets, timemodel, timing
+from minipar.byte_units import MiB
 from minipar.checkpoint import holding, load
 from minipar.comm import Ledger
 from minipar.config import TrainConfig
@@ -74,10 +75,11 @@ def shown(s: tuple[float, float, float], scale: float = 1e3) -> str:
 
 
 def compare_line(a: str, sa: tuple, b: str, sb: tuple, what: str) -> str:
-    """Which is lower, claimed only outside the spread (the ranges do not overlap)."""
-    if sa[2] < sb[1]:
+    """Which is lower, claimed only outside the spread (the ranges do not overlap:
+    `timing.faster`, the rule of every lesson's timings)."""
+    if timing.faster(sa[1:], sb[1:]):
         return f"{a} {what} lower than {b}: {sb[0] / sa[0]:.1f}x (ranges apart)"
-    if sb[2] < sa[1]:
+    if timing.faster(sb[1:], sa[1:]):
         return f"{b} {what} lower than {a}: {sa[0] / sb[0]:.1f}x (ranges apart)"
     return f"{a} and {b}: within each other's range, no winner claimed"
 
@@ -141,7 +143,7 @@ def bytes_against_flops(fields: dict) -> None:
     print(f"  here, float64, d = {d}, L = {L}, {weights} weights, context {cfg.seq_len}:")
     for batch in (1, 8, 64):
         moved, flops = decode_intensity(weights, 2 * d, L, batch, cfg.seq_len, 8, d, L)
-        print(f"    B = {batch:>3}: {moved / 1e6:7.2f} MB, {flops / 1e6:8.2f} MFLOP, "
+        print(f"    B = {batch:>3}: {moved / MiB:7.2f} MiB, {flops / 1e6:8.2f} MFLOP, "
               f"{flops / moved:6.2f} FLOP per byte")
     m = presets.MODELS["llama3-70b"]
     w = plan_workloads.transformer(m, 1)
@@ -183,9 +185,9 @@ def tp_against_pp(fields: dict, world: MPI.Comm, repeats: int, batches: tuple[in
         out[batch] = ({name: spread(t) for name, t in times.items()} if rank == 0 else {},
                       checked)
     if rank == 0:
-        print(f"\n=== 3. tp 2 against pp 2 on this machine ({n} ranks on {cores()} cores"
-              + (": more ranks than cores, so the times measure their sharing" if n > cores()
-                 else "") + f"; {repeats} runs each, median (min..max))", flush=True)
+        print(f"\n=== 3. tp 2 against pp 2 on this machine {timing.where(n)}"
+              + (", so the times measure the ranks' sharing" if n > cores() else "")
+              + f"; {repeats} runs each, median (min..max))", flush=True)
         for batch, (spreads, checked) in out.items():
             for name, s in spreads.items():
                 rate = batch / s[0]

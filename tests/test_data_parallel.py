@@ -240,7 +240,11 @@ def check_overlap_starts_buckets_in_backward(comm: object) -> None:
 def test_lesson_times_the_three_syncs_and_says_where():
     job, _ = lesson_run(8, "01_data_parallel.py")  # the run tests/test_lessons.py checks
     assert job.returncode == 0 and not job.timed_out, job.explain()
-    assert re.search(r"measured on 8 ranks sharing \d+ cores", job.stdout), job.stdout
-    timed = dict(re.findall(r"^ +(naive|bucketed|overlapped): +([\d.]+) ms", job.stdout, re.M))
+    # timed on as many ranks as there are cores, never more, and saying so
+    where = re.search(r"on dp = (\d+) \((\d+) ranks? on (\d+) cores?\)", job.stdout)
+    assert where and where[1] == where[2] and int(where[2]) <= int(where[3]), job.stdout
+    timed = dict(re.findall(r"^ +(naive|bucketed|overlapped): +([\d.]+) ms \([\d.]+\.\.[\d.]+ "
+                            r"over 7 repeats\)", job.stdout, re.M))
     assert set(timed) == {"naive", "bucketed", "overlapped"}, job.stdout
     assert all(float(ms) > 0 for ms in timed.values())
+    assert re.search(r"^  (fastest: \w+|within the spread: no fastest) ", job.stdout, re.M)

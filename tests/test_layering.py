@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"autograd", "fused", "attention", "nn", "gpt", "recompute", "optim", "data",  # core,
      "documents",
      "memory", "shards", "threads", "placement_types", "placement_rules",   # no MPI
-     "placement_transformer", "placement", "routing"},
+     "placement_transformer", "placement", "routing", "timing", "byte_units"},
     {"comm", "mesh", "ring", "log", "watchdog", "flight", "flight_report",  # communication
      "trace"},
     {"parallel", "parallel.pipeline_instructions", "parallel.pipeline_v",
