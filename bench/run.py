@@ -8,6 +8,8 @@ hand-written NumPy and PyTorch eager; the attention node); data-parallel speed-u
 at a fixed global batch and against its limit; the hand-written ring collectives
 against MPI's own; the pipeline's measured bubble against the formula; context
 parallelism's four modes against one rank on the same sequences (bench/cp_rank.py);
+the flight recorder's share of a call-heavy step (bench/flight_rank.py);
+a pipeline step traced (`--trace`) against the same step untraced (bench/trace_rank.py);
 the test suite's last wall time. Prints one table and
 writes bench/results.json.
 """
@@ -80,6 +82,12 @@ def cp_vs_one(repeats: int) -> dict:
         if isinstance(v, dict) and name != "one":
             v["vs_one"] = spread(np.array(v["steps"]) / one)
     return r
+
+
+def trace_cost(repeats: int) -> dict:
+    """One pipeline step traced (`--trace`'s recorder on) against the same step untraced,
+    interleaved in one 2-rank job (bench/trace_rank.py); the goal: at most 5% more."""
+    return _mpi_json(2, "bench.trace_rank", [str(repeats)])
 
 
 def _has_torch() -> bool:
@@ -223,6 +231,19 @@ def main() -> None:
                      f"{q['median']:>8.3f}  [{q['min']:.2f}-{q['max']:.2f}] "
                      f"{cp[mode]['step']['median'] * 1e3:.0f} vs "
                      f"{cp['one']['step']['median'] * 1e3:.0f} ms")
+    results["flight"] = f = _mpi_json(2, "bench.flight_rank", ["2" if quick else "6"])
+    lines.append(f"{'flight recorder, share of a tp=2 M=4 step (goal <= 0.02)':<58} "
+                 f"{f['share_of_step']:>8.4f}  {f['calls_per_step']} calls x "
+                 f"{f['seconds_per_call'] * 1e6:.1f} us of a {f['off']['median'] * 1e3:.0f} ms "
+                 f"step; with / without it {f['on/off']:.3f}")
+    results["trace"] = tr = trace_cost(repeats=4 if quick else 12)
+    q = tr["traced/untraced"]
+    lines.append(f"{'pp=2 1F1B M=8 step traced / untraced (goal <= 1.05)':<58} "
+                 f"{q['median']:>8.3f}  [{q['min']:.2f}-{q['max']:.2f}] "
+                 f"{tr['traced']['step']['median'] * 1e3:.1f} vs "
+                 f"{tr['untraced']['step']['median'] * 1e3:.1f} ms, "
+                 f"{tr['events_per_step']} spans per rank and step; fastest / fastest "
+                 f"{tr['fastest traced/untraced']:.3f}")
     results["suite_seconds"] = suite_time()
     if results["suite_seconds"] is not None:
         lines.append(f"{'make test wall time, seconds (last run)':<58} "

@@ -4,7 +4,7 @@
     mpiexec -n 8 python lessons/01_data_parallel.py --full    # minipar's default model size
     mpiexec -n 4 python lessons/01_data_parallel.py           # any rank count dividing 1024
     mpiexec -n 8 python lessons/01_data_parallel.py --plot figures   # + 01_gradient_sync.png,
-                                                                     #   01_sync_time.png
+                                         #   01_sync_time.png, and the trace of part 7
 
 The source text's example: a global batch of 1024 on 8 GPUs, 128 each. Every
 GPU holds the whole model, computes g_i = grad L_i on its own 128 rows, and an
@@ -23,8 +23,12 @@ one process on the whole batch. Here, on minipar's residual MLP:
 5. The ledger: each rank Allreduced exactly the parameter count, whichever way;
    a ring puts 2(N-1)/N of it on the wire.
 6. The three ways timed: forward + backward + gradient sync, the slowest rank
-   of each step, the median of several steps, measured here on N ranks sharing
-   this machine's cores. The bytes are the same; the time is not.
+   of each step, the median and spread of several steps, on as many ranks as this
+   machine has cores (with more ranks than cores a wall clock measures the ranks
+   taking turns); "fastest" only when one way's spread is clear of the others'.
+   The bytes are the same; the time is not.
+7. With --plot, the overlapped sync in a traced training run: how much of the
+   Iallreduces' time the backward hid, measured, and the timeline drawn.
 
 The code behind it: minipar/parallel/data_parallel.py.
 """
@@ -32,17 +36,18 @@ The code behind it: minipar/parallel/data_parallel.py.
 from __future__ import annotations
 
 import argparse
-import time
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
-from minipar import nn
+from minipar import nn, timing, trace_report
 from minipar.comm import Ledger
-from minipar.config import ConfigError
+from minipar.config import ConfigError, TrainConfig
 from minipar.data import make_batch, shard_rows
-from minipar.log import run_collectively, say_in_order, verdict
+from minipar.log import run_collectively, say_in_order, verdict, wait_for_rank0
 from minipar.memory import wire_elements
 from minipar.mesh import Mesh, MeshShape
 from minipar.parallel.data_parallel import (
@@ -54,6 +59,7 @@ from minipar.parallel.data_parallel import (
 )
 from minipar.preflight import lesson_arguments
 from minipar.threads import cores
+from minipar.train import train
 
 BATCH = 1024
 
@@ -100,45 +106,63 @@ def ledger_line(mesh: Mesh, psi: int) -> list[dict]:
     return records
 
 
-def timed(sizes: nn.ModelConfig, x: np.ndarray, y: np.ndarray, mesh: Mesh, bucket_size: int,
-          repeats: int) -> dict[str, list[float]]:
-    """Part 6: each way's step (forward, backward, sync) timed `repeats` times in turn,
-    naive, bucketed, overlapped, so a busy moment of the machine hits all three alike.
-    A step lasts as long as its slowest rank: each time is the max over the ranks (ms)."""
-    plain = nn.build_reference(sizes, nn.init_params(sizes, seed=0))
-    hooked = nn.build_reference(sizes, nn.init_params(sizes, seed=0))
-    plain_buckets = make_buckets(plain.parameters(), bucket_size)
-    overlap = OverlappedAllreduce(make_buckets(hooked.parameters(), bucket_size), mesh, 1)
-    install_hooks([hooked], overlap)
-    ways = {"naive": lambda: allreduce_gradients(plain.parameters(), mesh),
-            "bucketed": lambda: bucketed_allreduce(plain_buckets, mesh),
-            "overlapped": overlap.finish}
-    times: dict[str, list[float]] = {way: [] for way in ways}
-    mesh.ledger.enabled = False  # the ledger was read in part 5
-    for _ in range(repeats):
-        for way, sync in ways.items():
-            mesh.world.comm.Barrier()  # every rank starts the step together (not in the ledger)
-            start = time.perf_counter()
-            local_gradients(hooked if way == "overlapped" else plain, x, y)
-            sync()
-            mine = 1000 * (time.perf_counter() - start)
-            times[way].append(mesh.world.comm.allreduce(mine, op=MPI.MAX))  # slowest rank
-    mesh.ledger.enabled = True
-    if mesh.rank == 0:
-        n, c = mesh.shape.dp, cores()
+def timing_ranks(n: int) -> int:
+    """How many ranks part 6 times on: as many as there are cores (at most n), so each
+    timed rank has a core of its own, and a divisor of the batch."""
+    return max(k for k in range(1, min(n, cores()) + 1) if BATCH % k == 0)
+
+
+def timed(sizes: nn.ModelConfig, mesh: Mesh, bucket_size: int, repeats: int,
+          ranks: int) -> dict[str, list[float]] | None:
+    """Part 6: each way's step (forward, backward, sync) timed `repeats` times, the ways
+    interleaved so a busy moment of the machine hits all three alike, on the first
+    `timing_ranks` ranks only (dp = that many, a core each): with more ranks than cores
+    the wall clock measures the ranks taking turns, not the sync. The other ranks sleep
+    meanwhile. A step lasts as long as its slowest rank: each time is the max over the
+    timed ranks (seconds). Returns the times on rank 0, None elsewhere."""
+    k = timing_ranks(ranks)
+    sub = mesh.world.comm.Split(0 if mesh.rank < k else MPI.UNDEFINED, mesh.rank)
+    times, waits = {}, (0, 0)
+    if sub != MPI.COMM_NULL:
+        timers = Mesh(MeshShape(dp=k), sub, Ledger())
+        rows = shard_rows(BATCH, 1, k, 0, timers.rank)
+        x, y = make_batch(0, 0, BATCH, sizes.d_in, sizes.classes)
+        x, y = x[rows], y[rows]
+        plain = nn.build_reference(sizes, nn.init_params(sizes, seed=0))
+        hooked = nn.build_reference(sizes, nn.init_params(sizes, seed=0))
+        plain_buckets = make_buckets(plain.parameters(), bucket_size)
+        overlap = OverlappedAllreduce(make_buckets(hooked.parameters(), bucket_size), timers, 1)
+        install_hooks([hooked], overlap)
         waits = (len([p for p in plain.parameters() if p.sync]), len(plain_buckets))
+
+        def step(model: nn.Model, sync: Callable[[], object]) -> Callable[[], None]:
+            def run() -> None:
+                sub.Barrier()  # every timed rank starts the step together
+                local_gradients(model, x, y)
+                sync()
+            return run
+
+        ways = {"naive": step(plain, lambda: allreduce_gradients(plain.parameters(), timers)),
+                "bucketed": step(plain, lambda: bucketed_allreduce(plain_buckets, timers)),
+                "overlapped": step(hooked, overlap.finish)}
+        times = timing.timed(ways, repeats, clock=lambda t: sub.allreduce(t, op=MPI.MAX))
+        timers.free()
+        sub.Free()
+    wait_for_rank0(mesh.world.comm)  # the untimed ranks asleep until rank 0 is done
+    if mesh.rank == 0:
         print(f"\n=== 6. the three ways timed: forward + backward + sync, ms, slowest rank, "
-              f"median of {repeats} steps\n  measured on {n} ranks sharing {c} cores"
-              + (f" (oversubscribed: a blocking Allreduce ends only after all {n} ranks\n"
-                 f"  have had a turn on the {c} cores; naive blocks {waits[0]} times a step, "
-                 f"bucketed {waits[1]},\n  overlapped starts its Iallreduces during backward "
-                 "and waits once)" if n > c else ""), flush=True)
-        for way, ms in times.items():
-            print(f"  {way:>10}: {np.median(ms):8.2f} ms  (min {min(ms):.2f}, max {max(ms):.2f})",
-                  flush=True)
-        fastest = min(times, key=lambda way: np.median(times[way]))
-        print(f"  fastest here: {fastest}", flush=True)
-    return times
+              f"{repeats} steps each, interleaved; on dp = {k} "
+              f"{timing.where(k)}" + (f", not the {ranks} ranks above: {ranks} ranks on "
+                                      f"{cores()} cores would time the ranks taking turns"
+                                      if k < ranks else ""), flush=True)
+        print(f"  (naive blocks {waits[0]} times a step, bucketed {waits[1]}, overlapped "
+              "starts its Iallreduces during backward and waits once)", flush=True)
+        for way, seconds in times.items():
+            print(f"  {way:>10}: {timing.Spread.of(seconds).text()}", flush=True)
+        print(f"  {timing.verdict(times)} (a way is fastest only if its slowest step beats "
+              "the others' fastest)", flush=True)
+    return {way: [1000 * t for t in seconds] for way, seconds in times.items()} \
+        if mesh.rank == 0 else None
 
 
 def main() -> None:
@@ -195,15 +219,18 @@ def main() -> None:
         print(f"{started} of {len(buckets)} Iallreduces had started inside backward", flush=True)
     compare(mesh, model, single, "the overlapped Iallreduce")
     syncs["overlapped"] = ledger_line(mesh, psi)
-    times = timed(sizes, x[rows], y[rows], mesh, args.bucket_size, args.repeats)
+    times = timed(sizes, mesh, args.bucket_size, args.repeats, n)
+    k = timing_ranks(n)
     mesh.free()
+    if args.plot:
+        traced_overlap(sizes, args.bucket_size, args.plot / "trace_overlapped", world)
     if args.plot and mesh.rank == 0:
         from minipar.plots import save
         from minipar.plots_load import timing_figure
 
         path = save(timing_figure(times, f"forward + backward + gradient sync of {psi} "
-                                  f"parameters on dp = {n}, measured on {n} ranks sharing "
-                                  f"{cores()} cores (median of {args.repeats} steps)"),
+                                  f"parameters on dp = {k} {timing.where(k)}, median of "
+                                  f"{args.repeats} steps; {timing.verdict(times)}"),
                     args.plot / "01_sync_time.png")
         print(f"figure: {path}", flush=True)
     if args.plot and mesh.rank == 0:
@@ -214,6 +241,37 @@ def main() -> None:
                                   f"wire bytes, 2(N-1)/N x {psi} x 8, in fewer calls"),
                     args.plot / "01_gradient_sync.png")
         print(f"figure: {path}", flush=True)
+
+
+def traced_overlap(sizes: nn.ModelConfig, bucket_size: int, folder: Path,
+                   world: MPI.Comm) -> None:
+    """Part 7 (with --plot): the overlapped sync in a real training run, traced
+    (`train --grad-sync overlapped --trace`): how much of the Iallreduces' time ran under
+    the backward, measured (trace_report.measure, what `python -m minipar trace` prints),
+    and the run's timeline drawn."""
+    n = world.Get_size()
+    if world.Get_rank() == 0:   # the trace of an earlier run of this lesson: replaced
+        shutil.rmtree(folder, ignore_errors=True)
+    world.Barrier()
+    cfg = TrainConfig(layers=sizes.layers, d_in=sizes.d_in, d_model=sizes.d_model,
+                      d_ff=sizes.d_ff, batch=BATCH, steps=2, dp=n, grad_sync="overlapped",
+                      bucket_size=bucket_size, trace=str(folder)).resolved(n)
+    train(cfg, world)
+    if world.Get_rank() != 0:
+        return
+    doc = trace_report.load(folder)
+    m = trace_report.measure(doc)
+    print(f"\n=== 7. the overlap in a traced run (train --grad-sync overlapped --trace "
+          f"{folder}): {m.hidden_by_axis.get('dp', 0):.1%} of the dp Iallreduces' time ran "
+          f"under compute; {n} ranks on {cores()} cores"
+          + (" (oversubscribed: a rank waiting for a core looks idle)" if n > cores() else ""),
+          flush=True)
+    from minipar.plots import save
+
+    path = save(trace_report.figure(doc, f"overlapped gradient sync, dp = {n}: each bucket's "
+                                         "Iallreduce from its start inside backward to the "
+                                         "Waitall"), folder.parent / "01_trace_overlapped.png")
+    print(f"figure: {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     mpiexec -n 2 python lessons/02_tensor_parallel.py          # W 8192x8192 scaled to 1024x1024
     mpiexec -n 4 python lessons/02_tensor_parallel.py          # W 4096x4096 scaled to 512x512
-    mpiexec -n 2 python lessons/02_tensor_parallel.py --full   # the source's sizes (~1.5 GB)
+    mpiexec -n 2 python lessons/02_tensor_parallel.py --full   # the source's sizes (~1.5 GiB)
     mpiexec -n 4 python lessons/02_tensor_parallel.py --plot figures   # + 02_tp_ledger.png
 
 The source text's example: a linear layer Y = X W with W of 8192 x 8192 on 2
@@ -32,6 +32,7 @@ from mpi4py import MPI
 
 from minipar import autograd as ag
 from minipar import fused, nn
+from minipar.byte_units import MiB
 from minipar.comm import Group, Ledger
 from minipar.config import ConfigError, TrainConfig, problems
 from minipar.log import run_collectively, say_in_order, verdict
@@ -45,8 +46,6 @@ from minipar.parallel.tensor_parallel import (
 )
 from minipar.preflight import lesson_arguments
 from minipar.train import build_rank_model, train, train_reference
-
-MiB = 2**20
 
 
 def banner(tp: Group, title: str) -> None:

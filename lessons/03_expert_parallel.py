@@ -11,7 +11,12 @@ block runs on 8 ranks (dp=8: 32 tokens each; ep=8: rank j holds experts 8j..8j+7
   4. the same block in one process: outputs, aux loss and every gradient agree;
   5. the ledger: the Alltoallv volume beside k x tokens x d per direction;
   6. the aux loss at work: a short training run of the block with and without it,
-     the imbalance and the dropped share step by step.
+     the imbalance and the dropped share step by step;
+  7. DeepSeek-V3's answers (minipar/routing.py): (a) balance without a loss, a bias b
+     on each expert's score moved against its load after every step: the load per
+     expert over 200 steps with the aux loss, with the bias, with neither; (b)
+     node-limited routing on two simulated hosts of 4 ranks: the bytes that cross
+     between the hosts with and without it; beside the planner's `deepseek-v3` preset.
 
 The router here is untrained: random weights, and tokens that share one direction
 (as real tokens share common features), so most of them pick the same few experts.
@@ -20,7 +25,8 @@ an untrained router, not a property of expert parallelism. Training fixes it onl
 if something asks for balance: the aux loss of part 6.
 
 Run it: `mpiexec -n 8 python lessons/03_expert_parallel.py` (add `--plot DIR` for the
-expert-load figures, 03_expert_load*.png)
+expert-load figures, 03_expert_load*.png, 03_bias_balance.png, 03_node_limited.png;
+`--quick`: part 7a takes 40 steps instead of 200)
 (a whole training run: `mpiexec -n 8 python -m minipar train --model moe --dp 8 --ep 8
 --experts 64 --check`).
 """
@@ -34,7 +40,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import autograd as ag
-from minipar import fused, nn
+from minipar import fused, nn, routing
 from minipar.comm import Ledger
 from minipar.log import run_collectively, verdict
 from minipar.mesh import Mesh, MeshShape
@@ -46,6 +52,14 @@ comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 EXPERTS, TOP_K, D_MODEL, TOKENS, CAPACITY = 64, 2, 16, 256, 1.0
 AUX_COEFS, STEPS, LR = (0.0, 0.01, 0.1), 40, 0.5  # part 6: one run per coefficient
+# part 7a: 16 experts (a cheaper block), SGD with a gentler lr over many more steps;
+# one run per router: (label, router, aux coef, bias rate)
+BALANCERS = (("neither", "softmax", 0.0, None), ("aux loss 0.1", "softmax", 0.1, None),
+             ("bias b, rate 1e-3", "sigmoid-bias", 0.0, 1e-3))
+BIAS_EXPERTS, BIAS_STEPS, QUICK_STEPS, BIAS_LR = 16, 200, 40, 0.1
+# part 7b: top-8 of 64 (DeepSeek-V3: 8 of 256), the 8 ranks on two hosts of 4
+# (`mpiexec -hosts a:4,b:4`): experts 0-31 on host a, 32-63 on host b; a group a host
+HOST_TOP_K, HOSTS = 8, 2
 
 
 def say(*lines: str) -> None:
@@ -213,6 +227,171 @@ def the_balance(h: np.ndarray, r: np.ndarray) -> dict[float, list[dict]]:
     return histories
 
 
+# --------------------------------------------------------- 7. DeepSeek-V3
+def bias_run(router: str, coef: float, rate: float | None, steps: int,
+             h: np.ndarray, r: np.ndarray) -> list[list[int]]:
+    """`steps` SGD steps of a 16-expert block in one process on loss = mean(out . R) + aux;
+    the load per expert (assignments of the 256 tokens) measured before each step. With
+    sigmoid-bias, b moves after every step (routing.update_biases) and no aux loss."""
+    cfg = nn.ModelConfig(model="moe", layers=1, d_in=8, d_model=D_MODEL,
+                         experts=BIAS_EXPERTS, top_k=TOP_K, expert_d_ff=2 * D_MODEL,
+                         aux_coef=coef, router=router)
+    block = nn.MoEBlock(nn.init_params(cfg, seed=0), 0, cfg)
+    loads = []
+    for _ in range(steps + 1):
+        block.zero_grad()
+        out, aux = block(ag.Tensor(h))
+        with ag.no_grad():  # the routing this step's forward made, counted
+            scores = routing.scores(block.ln(ag.Tensor(h)), block.router, router).data
+        bias = 0.0 if block.balance is None else block.balance.value
+        loads.append(np.bincount(routing.choose(scores + bias, TOP_K).ravel(),
+                                 minlength=BIAS_EXPERTS).tolist())
+        ((out * r).sum() * (1.0 / TOKENS) + aux).backward()
+        for p in block.parameters():
+            p.data -= BIAS_LR * p.grad
+        if block.balance is not None:  # b += rate sign(mean load - load), after the step
+            routing.update_biases(block, None, rate)
+    return loads
+
+
+def the_bias(h: np.ndarray, r: np.ndarray, steps: int) -> dict[str, np.ndarray]:
+    """Part 7a: one run per balancer on ranks 0, 1, 2 (the others wait, not spinning)."""
+    mine = bias_run(*BALANCERS[rank][1:], steps, h, r) if rank < len(BALANCERS) else None
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.01)
+    runs = comm.gather(mine)  # loads per step, per expert -> rank 0
+    if rank != 0:
+        return {}
+    loads = {label: np.array(run) for (label, *_), run in zip(BALANCERS, runs)}
+    imbalance = {label: load.max(axis=1) / load.mean(axis=1) for label, load in loads.items()}
+    say("", f"=== 7a. balance without a loss (DeepSeek-V3): {steps} SGD steps (lr {BIAS_LR})"
+        f" of a {BIAS_EXPERTS}-expert",
+        f"  top-{TOP_K} block, {TOKENS} tokens, no capacity; loss = mean(out . R) (+ aux)",
+        "  the load per expert measured at every step; imbalance = max / mean load",
+        "  step  " + "".join(f"{label:>20}" for label in loads))
+    for step in sorted({0, 10, 20, 50, 100, 150, steps} & set(range(steps + 1))):
+        say(f"  {step:4d}  " + "".join(f"{imbalance[label][step]:>20.2f}" for label in loads))
+    tail = max(1, steps // 4)  # the last quarter of the run
+    means = {label: float(v[-tail:].mean()) for label, v in imbalance.items()}
+    say(f"  mean imbalance over the last {tail} steps: " + ", ".join(
+        f"{label} {value:.2f}" for label, value in means.items()),
+        "  The task loss alone pulls tokens towards a few experts (the imbalance grows);",
+        "  the aux loss slows that by changing the router's gradient; the bias never",
+        "  touches the gradient, it shifts only the choice (top-k of s + b), and holds",
+        "  the load near even.",
+        f"  -> {verdict(means['bias b, rate 1e-3'] < min(means['neither'], means['aux loss 0.1']))}"
+        " (the bias balances best)")
+    return loads
+
+
+def bias_figure(loads: dict[str, np.ndarray], folder: Path) -> None:
+    """Rank 0: imbalance step by step per balancer, and the final load per expert."""
+    from matplotlib.figure import Figure
+
+    from minipar.plots import save
+
+    figure = Figure(figsize=(11, 3.8), layout="constrained")
+    left, right = figure.subplots(1, 2)
+    width = 0.8 / len(loads)
+    for i, (label, load) in enumerate(loads.items()):
+        left.plot(load.max(axis=1) / load.mean(axis=1), color=f"C{i}", label=label)
+        right.bar(np.arange(BIAS_EXPERTS) + (i - 1) * width, load[-1], width, color=f"C{i}",
+                  label=label)
+    left.axhline(1.0, color="black", ls=":", lw=1, label="perfect balance")
+    left.set(xlabel="training step", ylabel="imbalance: max / mean load", ylim=(0, None))
+    right.axhline(TOP_K * TOKENS / BIAS_EXPERTS, color="black", ls=":", lw=1,
+                  label="even share")
+    right.set(xlabel="expert", ylabel="assignments at the last step",
+              ylim=(0, 1.4 * max(load[-1].max() for load in loads.values())))
+    left.set_title("the router's imbalance, measured at every step", fontsize=10)
+    right.set_title("load per expert at the last step", fontsize=10)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, ncol=2)
+    figure.suptitle(f"{BIAS_EXPERTS} experts, top-{TOP_K}, {TOKENS} tokens: the aux loss, "
+                    "DeepSeek-V3's bias, or neither", fontsize=11)
+    say("figure: " + str(save(figure, folder / "03_bias_balance.png")))
+
+
+def node_limited(h: np.ndarray, r: np.ndarray) -> dict[int, dict] | None:
+    """Part 7b: the block on 8 ranks (dp=8, ep=8), top-8 of 64, experts grouped by host;
+    each token's M best hosts, M = 2 (no limit) and 1. Measured from the dispatch: per
+    rank the tokens (each once per host) and rows sent to the other host."""
+    mesh = Mesh(MeshShape(dp=8, ep=8), comm, Ledger())
+    found = {}
+    for top in (HOSTS, 1):
+        cfg = nn.ModelConfig(model="moe", layers=1, d_in=8, d_model=D_MODEL, experts=EXPERTS,
+                             top_k=HOST_TOP_K, expert_d_ff=2 * D_MODEL,
+                             route_groups=HOSTS, route_top_groups=top)
+        gathered = run_block(cfg, mesh, nn.init_params(cfg, seed=0), h, r)
+        if rank == 0:
+            stats = [g[4] for g in gathered]
+            host_of = [i * HOSTS // size for i in range(size)]
+            found[top] = {
+                "tokens": sum(s["tokens_to_group"][1 - host_of[i]] for i, s in enumerate(stats)),
+                "rows": sum(s["rows_to_group"][1 - host_of[i]] for i, s in enumerate(stats)),
+                "most": max(s["most_groups"] for s in stats),
+                "mean": sum(sum(s["tokens_to_group"]) for s in stats) / TOKENS}
+    mesh.free()
+    if rank != 0:
+        return None
+    from minipar.presets import MODELS
+
+    v3 = MODELS["deepseek-v3"]
+    say("", f"=== 7b. node-limited routing: {EXPERTS} experts on {size} ranks, top-"
+        f"{HOST_TOP_K}, the ranks on two simulated hosts",
+        f"  (mpiexec -hosts a:4,b:4): experts 0-{EXPERTS // 2 - 1} on a, "
+        f"{EXPERTS // 2}-{EXPERTS - 1} on b; a routing group is a host",
+        "  each token keeps its M hosts of largest top-2 score sum, then its top-8 there",
+        f"  {'M':>3} {'hosts a token reaches':>22} {'tokens to the other host':>25} "
+        f"{'rows to the other host':>23}")
+    for top, f in found.items():
+        reach = f"max {f['most']}, mean {f['mean']:.2f}"
+        say(f"  {top:>3} {reach:>22} {f['tokens']:>10} = {f['tokens'] * D_MODEL * 8:>6} bytes "
+            f"{f['rows']:>8} = {f['rows'] * D_MODEL * 8:>6} bytes")
+    limited, free = found[1], found[HOSTS]
+    say(f"  the ledger's check: with M = 1 no token reaches more than 1 host -> "
+        f"{verdict(limited['most'] <= 1)}",
+        "  cross-host bytes with each token sent once per host (DeepSeek-V3 forwards it",
+        f"  inside the node over NVLink): {free['tokens'] * D_MODEL * 8} -> "
+        f"{limited['tokens'] * D_MODEL * 8} ({limited['tokens'] / free['tokens']:.0%})",
+        "  the rows minipar's Alltoallv moves, one per (token, expert), barely change: a",
+        "  token's 8 experts simply sit on one host now; the saving is in sending it once.",
+        "  at full size, the planner's `deepseek-v3` preset (minipar/presets.py): "
+        f"{v3.experts} routed",
+        f"  experts + {v3.shared_experts} shared of {v3.expert_d_ff}, {v3.top_k} per token, "
+        "routed to at most 4 nodes of 8 GPUs:",
+        "  python -m minipar plan --preset deepseek-v3 --cluster h800 --global-batch 15360 \\",
+        "      --dp 128 --pp 16 --tp 1 --cp 1 --ep 64 --zero 1     (its PP 16 x EP 64 x ZeRO-1 DP)")
+    return found
+
+
+def node_figure(found: dict[int, dict], folder: Path) -> None:
+    """Rank 0: bytes crossing the two hosts, with and without node-limited routing."""
+    from matplotlib.figure import Figure
+
+    from minipar.plots import save
+
+    figure = Figure(figsize=(7, 3.6), layout="constrained")
+    ax = figure.subplots()
+    labels = [f"M = {top}" + (" (no limit)" if top == HOSTS else " (node-limited)")
+              for top in found]
+    x = np.arange(len(found))
+    ax.bar(x - 0.2, [f["tokens"] * D_MODEL * 8 for f in found.values()], 0.4,
+           label="each token once per host (DeepSeek-V3)")
+    ax.bar(x + 0.2, [f["rows"] * D_MODEL * 8 for f in found.values()], 0.4,
+           label="one row per (token, expert) (minipar's Alltoallv)")
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("bytes sent to the other host, all ranks")
+    ax.set_ylim(0, 1.3 * max(f["rows"] * D_MODEL * 8 for f in found.values()))
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    ax.set_title(f"{EXPERTS} experts on 2 hosts x 4 ranks, top-{HOST_TOP_K}, {TOKENS} "
+                 "tokens: the dispatch's cross-host bytes", fontsize=10)
+    say("figure: " + str(save(figure, folder / "03_node_limited.png")))
+
+
 def plot_load(stats: dict, capacity: float | None, folder: Path) -> None:
     """Rank 0: the load of the block per expert and per rank, as a figure."""
     from minipar.plots import save
@@ -228,6 +407,8 @@ def plot_load(stats: dict, capacity: float | None, folder: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"part 7a: {QUICK_STEPS} steps instead of {BIAS_STEPS}")
     args = lesson_arguments(parser)   # --plot checked now, not at the end
     if size != 8:
         say("run with 8 ranks: mpiexec -n 8 python lessons/03_expert_parallel.py")
@@ -286,6 +467,11 @@ def main() -> None:
                                                  f"top-{TOP_K}, {TOKENS} tokens: training the "
                                                  f"router with and without the aux loss"),
                                   args.plot / "03_aux_balance.png")))
+    loads = the_bias(h, r, QUICK_STEPS if args.quick else BIAS_STEPS)
+    found = node_limited(h, r)
+    if args.plot and rank == 0:
+        bias_figure(loads, args.plot)
+        node_figure(found, args.plot)
 
 
 if __name__ == "__main__":

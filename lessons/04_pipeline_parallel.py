@@ -3,7 +3,8 @@
     mpiexec -n 4 python lessons/04_pipeline_parallel.py
     mpiexec -n 2 python lessons/04_pipeline_parallel.py           # a core per rank on 2 cores
     mpiexec -n 4 python lessons/04_pipeline_parallel.py --quick   # narrower layers (tests)
-    mpiexec -n 4 python lessons/04_pipeline_parallel.py --plot figures   # + Gantt charts, bubble
+    mpiexec -n 4 python lessons/04_pipeline_parallel.py --plot figures   # + Gantt charts, bubble,
+                                                  # and the 1F1B run's trace (figures/trace_1f1b)
 
 The source text's example: a 48-layer model cut by layers into 4 stages, one per
 GPU; the forward flows through them like a pipeline, and the price is the
@@ -31,12 +32,13 @@ minipar/parallel/pipeline_parallel.py (the Send/Recv executor).
 """
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
 from mpi4py import MPI
 
-from minipar import nn
+from minipar import nn, timing, trace_report
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
 from minipar.log import run_collectively, say_in_order, verdict, wait_for_rank0
@@ -44,6 +46,7 @@ from minipar.mesh import Mesh
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
     SIMULATED_ONLY,
+    UNIT_RULE,
     bubble_formula,
     bubble_fraction,
     compute_order,
@@ -77,9 +80,14 @@ def say(*lines: str) -> None:
         print(*lines, sep="\n", flush=True)
 
 
-def config(schedule: str = "1f1b", microbatches: int = 8, virtual: int = 1) -> TrainConfig:
+TRACED = 8   # with --plot DIR, the 1F1B run of M = 8 is traced into DIR/trace_1f1b
+
+
+def config(schedule: str = "1f1b", microbatches: int = 8, virtual: int = 1,
+           trace: Path | None = None) -> TrainConfig:
     cfg = TrainConfig(**SMALL, pp=size, dp=1, schedule=schedule, microbatches=microbatches,
-                      virtual=virtual).resolved(size)
+                      virtual=virtual, trace=None if trace is None else str(trace)
+                      ).resolved(size)
     errors = problems(cfg, size)
     if errors:  # every rank finds the same problems, so all stop together
         say(f"lesson 4: {errors[0]}")
@@ -119,34 +127,43 @@ def the_split() -> None:
 # ------------------------------------------------------- part 2: the schedules
 def the_schedules(microbatches: int = 4) -> None:
     say(f"\n=== 2. the schedules as data: each rank's program, simulated (pp={size}, "
-        f"M={microbatches}; F = 1 time unit, B = 2 for a rank's layers, split B = W = 1, "
-        "F&B = 3; '.' = idle)")
+        f"M={microbatches}; one rule for every schedule, {UNIT_RULE} (split B = W = 1, "
+        "F&B = 3): an interleaved chunk 1/V, a V's 1/2; '.' = idle)")
     for name, virtual in SCHEDULES:
         m = max(microbatches, 2 * size) if name in ("dualpipev", "dualpipe") else microbatches
         sim = simulate_schedule(name, size, m, virtual)
         title = f"{name}" + (f" --virtual {virtual} (chunks a, b: each holds 1/{virtual} of "
                              f"the rank's layers, F = {1 / virtual:g}, B = {2 / virtual:g}; "
                              f"one cell = {1 / virtual:g} unit)" if virtual > 1 else "") \
-            + (" (chunks a, b in a V)" if name in ("zb-v", "dualpipev") else "") \
+            + (" (chunks a, b in a V: each half a stage, F = B = W = 0.5, F&B = 1.5; one "
+               "cell = 0.5 unit)" if name in ("zb-v", "dualpipev") else "") \
             + (f" (a: microbatches 1-{m // 2} enter at rank 0, b: {m // 2 + 1}-{m} at rank "
                f"{size - 1})" if name == "dualpipe" else "") \
             + (f", M = {m}" if m != microbatches else "")
         say(f"{title}: T = {sim.makespan:g} units, bubble {sim.bubble:.3f}, each rank "
-            f"idle between its first and last instruction {[int(t) for t in sim.idle]}",
+            f"idle between its first and last instruction "
+            f"[{', '.join(f'{t:g}' for t in sim.idle)}]",
             *[line.replace("stage", "rank") for line in gantt(sim, size)])
     one = simulate_schedule("1f1b", size, microbatches).makespan
     two = simulate_schedule("interleaved", size, microbatches, 2).makespan
     say(f"the same model, the same work per rank (3M = {3 * microbatches} units): 1F1B takes "
         f"T = {one:g}, interleaved {two:g}: its warm-up and cool-down are made of half-size "
         f"chunks, 3(pp-1)/V = {3 * (size - 1) / 2:g} units of fill instead of {3 * (size - 1)}.")
+    spans = {name: simulate_schedule(name, size, max(8, 2 * size), virtual).makespan
+             for name, virtual in SCHEDULES}
+    say(f"at M = {max(8, 2 * size)} (the figures), T in these units: "
+        + ", ".join(f"{name} {t:g}" for name, t in spans.items())
+        + f" (every one does 3M = {3 * max(8, 2 * size)} units of work per rank).")
     the_papers_bubbles()
 
 
 def the_papers_bubbles() -> None:
     """The papers count the bubble per rank: idle time between a rank's own first and last
-    instruction, the worst rank's, in units of F = B = W = 1 (F&B = 3)."""
+    instruction, the worst rank's, in stage units (a stage's F = B = W = 1, F&B = 3; a V's
+    chunk half of each)."""
     say(f"the papers' bubble: the worst rank's idle time between its own first and last "
-        f"instruction (pp = {size}; F = B = W = 1, F&B = 3), for M microbatches:",
+        f"instruction (pp = {size}; a stage's F = B = W = 1, F&B = 3; a V's chunk 0.5, 1.5), "
+        "for M microbatches:",
         "     M   1f1b   zb-h1   zb-v   dualpipev   dualpipe")
     for m in (2 * size - 2, 2 * size - 1, 2 * size, 4 * size):
         idle = {name: max(simulate_schedule(name, size, m).idle)
@@ -160,10 +177,9 @@ def the_papers_bubbles() -> None:
             f"{cells[4]:>8}")
     say(f"  1F1B (pp-1)(F+B+W) = {3 * (size - 1)}, ZB-H1 (pp-1)(F+B-W) = {size - 1}; ZB-V 0 "
         f"once M >= 2pp-1 = {2 * size - 1}; DualPipeV, DeepSeek-V3 Table 2 with PP = 2pp: "
-        f"(PP/2-1)(F&B+B-3W) = {2 * (size - 1)}; DualPipe on PP = pp = {size} ranks: "
-        f"(PP/2-1)(F&B+B-3W) = {2 * (size // 2 - 1)}, for 2x the parameters.",
-        "  (a unit is one chunk's F: a V's chunk holds half a stage's layers, DualPipe's a "
-        "whole stage, so its units weigh twice theirs)")
+        f"(PP/2-1)(F&B+B-3W) = {size - 1} (its chunk's F&B = 1.5, full B = 1, W = 0.5); "
+        f"DualPipe on PP = pp = {size} ranks: (PP/2-1)(F&B+B-3W) = {2 * (size // 2 - 1)} "
+        "(its chunks are whole stages, of two model copies: 2x the parameters).")
 
 
 # ---------------------------------------------------------- part 3: the bubble
@@ -186,20 +202,33 @@ def replayed(name: str, result: RunResult, microbatches: int, virtual: int = 1) 
     return replay(name, size, microbatches, virtual, result.extras["timeline"]).bubble
 
 
-def the_bubble(runs: dict) -> None:
+def the_bubble(runs: dict, trace: Path | None = None) -> None:
     say(f"\n=== 3. the bubble of 1F1B: idle share of stage-time, pp = {size}; the wall clock "
-        f"of {size} ranks on {CORES} cores" + (" (oversubscribed)" if SHARED else ""),
+        f"{timing.where(size)}; F ms, B ms: the mean wall-clock F and B of the last step",
         "    M   formula (p-1)/(M+p-1)   simulator   replayed CPU times   wall clock   "
         "F ms   B ms")
     for m in (1, 4, 8, 16):
-        runs[("1f1b", m)] = result = train(config("1f1b", m), comm)
+        traced = trace if m == TRACED else None   # --trace DIR, as `train --trace` does
+        runs[("1f1b", m)] = result = train(config("1f1b", m, trace=traced), comm)
         if rank == 0:
             sim = simulate_schedule("1f1b", size, m).bubble
             print(f"  {m:3d}   {bubble_formula('1f1b', size, m):21.3f}   {sim:9.3f}   "
                   f"{replayed('1f1b', result, m):18.3f}   {measured(result):10.3f}   "
                   f"{mean_ms(result, 'F'):4.1f}   {mean_ms(result, 'B'):4.1f}", flush=True)
+    if rank == 0:
+        last = runs[("1f1b", 16)].extras["timeline"]
+        spread = {kind: timing.Spread.of([r["end"] - r["start"] for r in last
+                                          if r["kind"] == kind]) for kind in ("F", "B")}
+        print(f"  M = 16, wall clock of one instruction {timing.where(size)}: F "
+              f"{spread['F'].text()}, B {spread['B'].text()}", flush=True)
     say("  replayed: each F and B takes the CPU time it was measured to take in this run,",
         "  and the 1F1B program's dependencies place it; no communication cost.")
+    if trace is not None and rank == 0:   # the same M = 8 run, read from its timeline
+        measured_trace = trace_report.measure(trace_report.load(trace))
+        print(f"  its trace ({trace}; `python -m minipar trace {trace}` prints the same): "
+              f"M = {TRACED} bubble {measured_trace.bubble:.1%}, communication hidden "
+              f"under compute {measured_trace.hidden:.1%}; {size} ranks on {CORES} cores"
+              + (" (oversubscribed)" if SHARED else ""), flush=True)
     if SHARED:
         say(f"  the wall clock: {size} ranks take turns on {CORES} cores, so a rank is idle",
             "  whenever another has its core; only with a core per rank (here: -n 2) can it",
@@ -295,6 +324,11 @@ def figures(runs: dict, folder: Path, microbatches: int = 8) -> None:
           flush=True)
     print("figure:", save(memory_figure(size, microbatches, SCHEDULES, CHUNKS),
                           folder / "04_memory.png"), flush=True)
+    doc = trace_report.load(folder / "trace_1f1b")   # the traced 1F1B run of part 3
+    print("figure:", save(trace_report.figure(
+        doc, f"1F1B, pp = {size}, M = {TRACED}: the measured timeline (train --trace); the "
+             f"simulated one beside it in 04_gantt_1f1b.png"), folder / "04_trace_1f1b.png"),
+        flush=True)
 
 
 def main() -> None:
@@ -306,9 +340,14 @@ def main() -> None:
         say("lesson 4 runs on 2 or 4 ranks: mpiexec -n 4 python lessons/04_pipeline_parallel.py")
         sys.exit(2)
     runs: dict = {}
+    trace = None if args.plot is None else args.plot / "trace_1f1b"
+    if trace is not None:   # a trace folder of an earlier run of this lesson: replaced
+        if rank == 0:
+            shutil.rmtree(trace, ignore_errors=True)
+        comm.Barrier()
     the_split()
     the_schedules()
-    the_bubble(runs)
+    the_bubble(runs, trace)
     runs[("gpipe", 8)] = train(config("gpipe", 8), comm)
     the_memory(runs)
     the_check(runs)

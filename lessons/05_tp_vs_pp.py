@@ -37,7 +37,8 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import autograd as ag
-from minipar import nn
+from minipar import nn, timing
+from minipar.byte_units import KiB
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
 from minipar.log import run_collectively, say_in_order, verdict
@@ -52,14 +53,12 @@ from minipar.preflight import lesson_arguments
 from minipar.recompute import tape_bytes  # node outputs and what their closures hold
 from minipar.report import group_sizes, wire_bytes
 from minipar.results import max_differences
-from minipar.threads import cores
 from minipar.train import RunResult, build_rank_model, train, train_reference
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
-MODEL = dict(layers=8, d_in=32, d_model=64, d_ff=256, batch=64, steps=3)
+MODEL = dict(layers=8, d_in=32, d_model=64, d_ff=256, batch=64, steps=5)  # 4 timed steps
 MESHES = {"TP": dict(tp=4, pp=1), "PP": dict(tp=1, pp=4), "TP+PP": dict(tp=2, pp=2)}
-KiB = 1024
 
 
 def say(*lines: str) -> None:
@@ -133,11 +132,12 @@ def in_flight(result: RunResult, cfg: TrainConfig) -> list[int]:
     return [peak[cfg.mesh_shape().coords(r)["pp"]] for r in range(size)]
 
 
-def timed_train(cfg: TrainConfig) -> tuple[RunResult, float]:
-    """Train; return the result and the fastest step's wall time (seconds) after the first."""
+def timed_train(cfg: TrainConfig) -> tuple[RunResult, list[float]]:
+    """Train; return the result and the wall time (seconds) of every step after the
+    first (rank 0's clock; a step ends on every rank together, at its loss)."""
     stamps: list[float] = []
     result = train(cfg, comm, on_step=lambda step, loss: stamps.append(time.perf_counter()))
-    return result, min(b - a for a, b in zip(stamps, stamps[1:]))
+    return result, [b - a for a, b in zip(stamps, stamps[1:])]
 
 
 def checked(name: str, cfg: TrainConfig, result: RunResult, refs: dict) -> str:
@@ -190,7 +190,8 @@ def run_all(held: dict) -> dict[str, dict]:
             "acts_per_rank": [t * f for t, f in zip(held[name]["tape"], flight)],
             "flight": flight, "simulated": sim,
             "formula": bubble_formula("1f1b", cfg.pp, cfg.microbatches) if cfg.pp > 1 else 0.0,
-            "ms": 1000 * seconds, "check": checked(name, cfg, result, refs),
+            "ms": 1000 * float(np.median(seconds)), "steps": seconds,
+            "check": checked(name, cfg, result, refs),
             "ledger": result.ledger, "sizes": group_sizes(cfg.mesh_shape())}
     return rows
 
@@ -209,12 +210,18 @@ def the_table(rows: dict[str, dict]) -> None:
         ("saved activations KiB / rank, peak", "acts", "{:.1f}"),
         ("bubble, simulator", "simulated", "{:.3f}"),
         ("bubble, formula (p-1)/(M+p-1)", "formula", "{:.3f}"),
-        (f"step time, ms ({size} ranks on {cores()} cores)", "ms", "{:.1f}"),
+        ("step time, ms, median", "ms", "{:.1f}"),
     ]
     for title, key, fmt in lines:
         scale = KiB if key in ("bytes", "wire", "total", "params", "acts") else 1
         say(f"{title:38}" + "".join(f"{fmt.format(row[key] / scale):>14}"
                                      for row in rows.values()))
+    if not rows:  # the rows are rank 0's
+        return
+    say(f"  step time {timing.where(size)}, min..max over {len(rows['TP']['steps'])} steps: "
+        + ", ".join(f"{name} {1e3 * min(row['steps']):.1f}..{1e3 * max(row['steps']):.1f}"
+                    for name, row in rows.items())
+        + f"; {timing.verdict({name: row['steps'] for name, row in rows.items()})}")
     say("  activations: tape bytes of one microbatch x microbatches in flight per rank ("
         + ", ".join(f"{name} {row['flight']}" for name, row in rows.items()) + ")")
     say(*[row["check"] for row in rows.values()])
@@ -223,7 +230,7 @@ def the_table(rows: dict[str, dict]) -> None:
 def the_bubble(rows: dict[str, dict]) -> list[float]:
     """Part 3: PP's bubble for M = 1, 4, 8 (M = 4 is the run of part 2)."""
     say(f"\n=== 3. PP's bubble against microbatches (pp = {size}, 1F1B, the same batch)",
-        "    M   formula   simulator   step ms   against one process")
+        "    M   formula   simulator   step ms (median)   against one process")
     bubbles, refs = [], {}
     for m in (1, 4, 8):
         cfg = config(tp=1, pp=size, microbatches=m)
@@ -232,15 +239,16 @@ def the_bubble(rows: dict[str, dict]) -> list[float]:
             ms, check = row.get("ms"), row.get("check", "")
         else:
             result, seconds = timed_train(cfg)
-            ms = 1000 * seconds
+            ms = 1000 * float(np.median(seconds))
             check = checked("", cfg, result, refs) if rank == 0 else ""
         sim = simulate_schedule("1f1b", size, m).bubble
         bubbles.append(sim)
         say(f"  {m:3d}   {bubble_formula('1f1b', size, m):7.3f}   {sim:9.3f}   "
-            f"{ms or 0:7.1f}   {check.split(': ')[-1]}")
+            f"{ms or 0:16.1f}   {check.split(': ')[-1]}")
     say("  (the simulator plays the 1F1B programs with F = 1, B = 2 time units; the step",
         "   time holds more microbatches' fixed costs as M grows -- Python, Send/Recv --",
-        "   and 4 ranks share the cores here: lessons/04 compares the wall clock)")
+        f"   and these steps ran as {timing.where(size)[1:-1]}; lessons/04 compares the "
+        "wall clock)")
     return bubbles
 
 
@@ -251,11 +259,13 @@ def conclusions(rows: dict[str, dict], bubbles: list[float]) -> None:
     L, M, d = cfg.layers, cfg.microbatches, cfg.d_model
     whole = model_bytes()
     least = min(rows, key=lambda name: rows[name]["acts"])
-    fastest = min(rows, key=lambda name: rows[name]["ms"])
+    said = timing.verdict({name: row["steps"] for name, row in rows.items()})
+    fastest = said.removeprefix("fastest: ") if said.startswith("fastest") else None
     latency = ("each of TP's many small Allreduces waits for all 4 ranks ('latency may "
                "limit throughput',\n  says the source; here 4 ranks share the cores, so "
-               "every wait costs more)" if fastest != "TP" else
-               "here TP's Allreduces cost less than PP's bubble")
+               "every wait costs more)" if fastest not in ("TP", None) else
+               "here TP's Allreduces cost less than PP's bubble" if fastest == "TP" else
+               "the meshes' steps overlap: no mesh is faster beyond the spread of its steps")
     say("\n=== 4. the source's conclusions, from the numbers",
         f"TP communicates in every forward and backward: {tp['calls']:.0f} Allreduces per "
         f"step on every rank (2 per",
@@ -275,7 +285,7 @@ def conclusions(rows: dict[str, dict], bubbles: list[float]) -> None:
         "PP's bubble shrinks with more microbatches: " + ", ".join(
             f"M={m} {b:.3f}" for m, b in zip((1, 4, 8), bubbles))
         + f"; decreasing: {all(a > b for a, b in zip(bubbles, bubbles[1:]))}.",
-        f"Step time on {size} ranks sharing {cores()} cores: fastest {fastest} ("
+        f"Step time {timing.where(size)}: {said} (medians "
         + ", ".join(f"{name} {row['ms']:.0f} ms" for name, row in rows.items()) + ");",
         f"  {latency}.",
         f"TP+PP (tp=2 x pp=2) sits between: {both['wire'] / KiB:.1f} KiB on the wire per rank, "

@@ -31,6 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import nn
+from minipar.byte_units import KiB
 from minipar.config import TrainConfig
 from minipar.log import run_collectively, verdict
 from minipar.memory import (
@@ -46,7 +47,6 @@ from minipar.preflight import lesson_arguments
 from minipar.train import train, train_reference
 
 NAMES = ["DP (stage 0)", "P_os (1)", "P_os+g (2)", "P_os+g+p (3)"]
-KB = 1e3
 
 
 def row(cells: list[str]) -> str:
@@ -55,7 +55,7 @@ def row(cells: list[str]) -> str:
 
 def memory_table(measured: list[list[ModelStates]], psi: int, n: int, optimizer: str) -> None:
     k = optimizer_bytes_per_param(optimizer, 8)
-    print(f"\n=== 1. model states per rank, KB (1 KB = 1000 bytes): Psi = {psi} parameters, "
+    print(f"\n=== 1. model states per rank, KiB (1 KiB = 1024 bytes): Psi = {psi} parameters, "
           f"N = {n}, float64: p = g = 8 bytes, K = {k}", flush=True)
     uneven = psi % n != 0
     print(row(["", "params", "grads", "optimizer", "total", "formula"]) + "  all ranks")
@@ -63,9 +63,9 @@ def memory_table(measured: list[list[ModelStates]], psi: int, n: int, optimizer:
         mine = ranks[0]
         formula = zero_formula(psi, n, stage, 8, 8, k)
         same = all(r.total == formula.total for r in ranks)
-        print(row([NAMES[stage]] + [f"{v / KB:.3f}" for v in
+        print(row([NAMES[stage]] + [f"{v / KiB:.3f}" for v in
                                     (mine.params, mine.grads, mine.optimizer, mine.total)]
-                  + [f"{formula.total / KB:.3f}"])
+                  + [f"{formula.total / KiB:.3f}"])
               + ("  = formula" if same else "  differ (uneven slices)"), flush=True)
     if uneven:
         counts = shard_counts(psi, n)
@@ -88,7 +88,8 @@ def ledger_table(ledgers: list[list[dict]], psi: int, n: int) -> None:
 
 def paper_table() -> None:
     print("\n=== 4. the paper's example: Psi = 7.5 B, N = 64, mixed-precision Adam "
-          "(2 + 2 + 12 bytes per parameter)", flush=True)
+          "(2 + 2 + 12 bytes per parameter), in the paper's decimal GB (1 GB = 1e9 bytes)",
+          flush=True)
     print(row(["", "params GB", "grads GB", "optim GB", "total GB"]))
     for stage, states in enumerate(paper_example()):
         print(row([NAMES[stage]] + [f"{v / 1e9:.1f}" for v in

@@ -1,6 +1,6 @@
 """Lesson 8: bugs of the kinds real parallel trainers shipped, and the checks that catch them.
 
-    mpiexec -n 4 python lessons/08_bugs.py                         # all 12 bugs, 12 steps
+    mpiexec -n 4 python lessons/08_bugs.py                         # all 16 bugs, 12 steps
     mpiexec -n 8 python lessons/08_bugs.py                         # the same, dp doubled
     mpiexec -n 4 python lessons/08_bugs.py --bug dp-sum-not-mean --plot figures
     mpiexec -n 4 python lessons/08_bugs.py --quick                 # 3 steps, a tiny model
@@ -32,6 +32,25 @@ and the lesson shows, for each:
    the public issue or pull request of a real project (DeepSpeed, Megatron-LM,
    PyTorch, nanotron, Hugging Face transformers ...), or "plausible" where no
    shipped case was found.
+
+Three of the bugs are about numbers every trainer reduces to ONE scalar, where a
+wrong count still gives a plausible number (minipar/clip.py, minipar/documents.py):
+
+    clip-local-norm             each pipeline stage clips by the norm of its own
+                                gradients (the Allreduce of the squares left out):
+                                every stage a different coefficient, all too mild;
+    clip-replicated-counted-tp  the norm counts a piece replicated over tp (the
+                                embedding, LayerNorms, biases, the head) on every tp
+                                rank: too large, every step clips too hard;
+    loss-mean-per-microbatch    with ragged documents (`--documents`), each
+                                microbatch's loss is the mean over its own valid
+                                tokens instead of the global batch's: a short
+                                microbatch's tokens weigh more than one process weighs
+                                them.
+
+None splits replicas (every rank of a group computes the same wrong scalar), none
+moves other bytes, none misplaces a tensor: only the comparison with one process
+finds them, from the first clipped (or ragged) step on.
 
 The code behind it: minipar/bugs.py (the registry), minipar/bugs_detours.py (the
 detours), minipar/train.py (the hook).
@@ -82,7 +101,7 @@ def config(bug: Bug, steps: int, quick: bool) -> TrainConfig:
     model = bug.flags.get("model", "mlp")
     sizes = {"moe": (QUICK_MOE, MOE), "gpt": (QUICK_GPT, GPT)}.get(model, (QUICK, MLP))[
         0 if quick else 1]
-    return TrainConfig(**sizes, **bug.flags, steps=steps).resolved(size)
+    return TrainConfig(**{**sizes, **bug.flags}, steps=steps).resolved(size)  # flags win
 
 
 # ------------------------------------------------------ comparing two runs

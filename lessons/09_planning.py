@@ -61,11 +61,18 @@ from minipar.plan import (
     search,
     transformer,
 )
+from minipar.plan_search import usable
 from minipar.preflight import folder_problems
 from minipar.presets import CLUSTERS, MODELS
 from minipar.timemodel import Timing, ledger_of, traffic
 
 H100 = hardware(CLUSTERS["h100"], efficiency=0.5)
+USABLE = usable(H100)  # what a plan may use: the GPU's memory less the framework's headroom
+
+
+def room() -> str:
+    """`72 usable GB of 80`: the line a plan must stay under, in the planner's words."""
+    return f"{USABLE / GB:g} usable GB of {H100.gpu_memory / GB:g}"
 ONE_CONTEXT = {"cp": 1}
 TIME_COLORS = {"compute": "0.55", "tp": "tab:orange", "pp": "tab:green", "ep": "tab:red",
                "dp": "tab:blue", "bubble": "0.85"}
@@ -113,7 +120,7 @@ def axis_table(best: dict[int, Estimate], axis: str) -> list[str]:
     for degree, e in best.items():
         head = f"  {degree:4d} | {e.plan.label():37s} | {e.memory / GB:6.1f} |"
         if e.timing is None:
-            lines.append(head + f"  does not fit in {H100.gpu_memory / GB:g} GB")
+            lines.append(head + f"  does not fit in the {room()}")
             continue
         parts = time_parts(e.timing)
         lines.append(head + f" {e.timing.total:6.2f} | "
@@ -133,8 +140,12 @@ def tensor_parallel() -> dict[int, Estimate]:
     inside, across = fits[H100.node_size], fits[2 * H100.node_size]
     say("1. TP inside a node: the 70B on 512 GPUs, the best plan for each tp",
         *axis_table(best, "tp"),
-        f"   tp=1 does not fit: {best[1].memory / GB:.0f} GB, of which activations "
-        f"{best[1].activations / GB:.0f} GB (TP+SP cut them by tp).",
+        (f"   tp=1 fits only as {best[1].plan.label()}: {best[1].memory / GB:.1f} GB of the "
+         f"{room()}, of which activations {best[1].activations / GB:.0f} GB (TP+SP cut them "
+         f"by tp), and its step takes {best[1].timing.total:.0f} s."
+         if best[1].timing else
+         f"   tp=1 does not fit: {best[1].memory / GB:.1f} GB against the {room()}, of which "
+         f"activations {best[1].activations / GB:.0f} GB (TP+SP cut them by tp)."),
         f"   The fastest plan uses tp={top}. Inside a node TP costs "
         f"{time_parts(inside.timing)['tp']:.2f} s of {inside.timing.total:.2f} s at tp=8; at "
         f"tp=16 a tp group spans 2 nodes, its Allreduces run at "
@@ -160,10 +171,11 @@ def pipeline_parallel() -> tuple[dict[int, Estimate], list[Estimate]]:
     say(f"   {mesh.label()[:-5]}: the bubble against the microbatches M (each replica has "
         f"{w.batch // mesh.dp} sequences of the global batch, so M <= {w.batch // mesh.dp}):")
     for e in sweep:
-        over = e.memory > H100.gpu_memory
+        over = e.memory > USABLE
         say(f"     M={e.plan.microbatches:3d}: bubble {e.bubble:6.1%}, step "
             f"{e.timing.total:6.2f} s, {e.memory / GB:6.1f} GB per GPU"
-            + ("  (does not fit: b = B/(dp M) sequences in flight)" if over else ""))
+            + (f"  (does not fit the {room()}: b = B/(dp M) sequences in flight)"
+               if over else ""))
     say("   Few microbatches: a long bubble and big ones in flight; many: the bubble shrinks "
         "as (pp-1)/(M+pp-1), as far as the global batch allows.", "")
     return best, sweep
@@ -276,7 +288,7 @@ def draw_time(ax: object, bars: dict[str, Estimate], xlabel: str,
                    hatch="//" if part == "bubble" else None, edgecolor="white", lw=0.3)
         bottom += values
     for i, e in enumerate(bars.values()):
-        over = e.memory > H100.gpu_memory
+        over = e.memory > USABLE
         lines = [f"{bottom[i]:.0f}" if bottom[i] >= 100 else f"{bottom[i]:.3g}"] * bool(e.timing)
         lines += [f"{e.memory / GB:.0f} GB:", "does not fit"] * over
         ax.text(i, bottom[i], "\n".join(lines), ha="center", va="bottom", fontsize=8,
@@ -296,13 +308,15 @@ def draw_memory(ax: object, bars: dict[str, Estimate], xlabel: str) -> None:
         if values.any():
             ax.bar(x, values, bottom=bottom, color=color, width=0.7, label=part)
         bottom += values
-    ax.axhline(H100.gpu_memory / GB, color="black", ls="--", lw=1.2,
+    ax.axhline(H100.gpu_memory / GB, color="0.5", ls=":", lw=1.0,
                label=f"{H100.gpu_memory / GB:g} GB per GPU")
+    ax.axhline(USABLE / GB, color="black", ls="--", lw=1.2,
+               label=f"{USABLE / GB:g} GB usable: a plan fits under it")
     ax.set_xticks(x, list(bars))
     ax.set_xlabel(xlabel)
     ax.set_ylabel("GB per GPU (its busiest rank)")
     ax.set_ylim(0, 1.3 * max(bottom.max(), H100.gpu_memory / GB))
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=6)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=4)
     ax.grid(axis="y", alpha=0.3)
 
 
@@ -391,7 +405,8 @@ def main() -> None:
     if unwritable:   # now, not after every section has run
         print(f"minipar: error: --plot {unwritable[0]}", file=sys.stderr, flush=True)
         raise SystemExit(2)
-    say(f"Assumptions: {H100.node_size} GPUs a node, {H100.gpu_memory / GB:g} GB, "
+    say(f"Assumptions: {H100.node_size} GPUs a node, {H100.gpu_memory / GB:g} GB of which "
+        f"{USABLE / GB:g} usable (decimal GB, as the hardware sheet), "
         f"{H100.flops / 1e12:g} TFLOP/s at {H100.efficiency:.0%}, {H100.intra_bw / GB:g} "
         f"GB/s in a node, {H100.inter_bw / GB:g} GB/s between nodes, "
         f"{H100.latency * 1e6:g} us a message (seconds in the tables: compute, each axis's "

@@ -15,14 +15,22 @@ parallelism over all the ranks and prints:
    half is predictable only by an attention head that has learned to look back half a
    sequence. The per-position loss after training shows exactly that split;
 3. the same model on a text file, byte by byte (V = 256, `--data`): the loss curve
-   and a few characters it writes, greedily, after a prompt from the file.
+   and a few characters it writes, greedily, after a prompt from the file;
+4. the same file as DOCUMENTS (`--data --documents`): each paragraph (split at blank
+   lines) a row, padded to T+1 bytes and masked, so rows hold different numbers of real
+   tokens; the loss is the mean over the valid positions of the global batch (one
+   Allreduce of the count per step), clipped at a global gradient norm (`--clip-grad-
+   norm`): a few steps on dp x 2 microbatches against one process, and how ragged the
+   batch was.
 
-The code behind it: minipar/gpt.py, minipar/attention.py, minipar/data.py.
+The code behind it: minipar/gpt.py, minipar/attention.py, minipar/data.py,
+minipar/documents.py, minipar/clip.py.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -31,10 +39,11 @@ from mpi4py import MPI
 from minipar import autograd as ag
 from minipar.config import TrainConfig
 from minipar.data import make_sequences, read_corpus, repeated_positions
+from minipar.documents import read_documents, valid_positions
 from minipar.log import run_collectively, verdict
 from minipar.preflight import lesson_arguments
 from minipar.results import max_differences
-from minipar.train import build_reference, train, train_reference
+from minipar.train import build_reference, step_batch, train, train_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 COPY = dict(model="gpt", layers=2, d_model=32, heads=2, seq_len=16, vocab=8, batch=16,
@@ -112,6 +121,9 @@ def main() -> None:
     copy = train(cfg, world)
     text_cfg = TrainConfig(**TEXT, steps=text_steps, dp=n, data=str(args.corpus)).resolved(n)
     text = train(text_cfg, world)
+    ragged_cfg = TrainConfig(**TEXT, steps=3, dp=n, microbatches=2, data=str(args.corpus),
+                             documents=True, clip_grad_norm=1.0).resolved(n)
+    ragged = train(ragged_cfg, world)
     if rank != 0:
         return
     repeated = repeated_positions(cfg.seq_len)
@@ -138,8 +150,35 @@ def main() -> None:
     prompt = bytes(corpus[:text_cfg.seq_len].tolist())
     print(f"  after {prompt.decode('utf-8', errors='replace')!r} it writes: "
           f"{generate(text_cfg, text.final, prompt, 60)!r}", flush=True)
+    words = Counter(w for w in bytes(corpus.tolist()).decode("utf-8", errors="replace")
+                    .lower().split() if w.isalpha())
+    top, count = words.most_common(1)[0]
+    print(f"  (why it repeats itself: a tiny model trained {text_steps} steps, decoded "
+          f"greedily -- each byte its most likely one -- loops on the corpus's commonest "
+          f"pieces: its commonest word is {top!r}, {count} of {sum(words.values())})",
+          flush=True)
+    documents(ragged_cfg, ragged)
     if args.plot:
         figure(copy.losses, text.losses, floor, cfg.vocab, args.plot)
+
+
+def documents(cfg: TrainConfig, run: object) -> None:
+    """Part 4: ragged rows of documents, masked loss, clipped gradients, on the mesh and
+    on one process."""
+    starts, lengths = read_documents(cfg.data)
+    _, y = step_batch(cfg, 0)
+    print(f"\n=== 4. {len(starts)} documents of {int(lengths.min())}-{int(lengths.max())} "
+          f"bytes as rows of T + 1 = {cfg.seq_len + 1}: step 1 has {valid_positions(y)} "
+          f"valid positions of {y.size}; the loss is their mean, the gradient clipped at "
+          f"norm {cfg.clip_grad_norm:g}", flush=True)
+    ref = train_reference(cfg)
+    _, worst, _ = max_differences(run.final, ref.final)
+    norms = run.extras["gnorms"]
+    print("  gnorm per step: " + "  ".join(f"{g:.3f}" for g in norms)
+          + f" (one process: {'  '.join(f'{g:.3f}' for g in ref.extras['gnorms'])})",
+          flush=True)
+    print(f"  dp = {cfg.dp}, M = {cfg.microbatches}, {cfg.steps} steps against one process: "
+          f"params rel {worst:.1e} -> {verdict(worst <= 1e-9)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,14 +28,14 @@ minipar/recompute.py (recomputation and the tape's bytes).
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
-from minipar import nn
+from minipar import nn, timing
 from minipar.autograd import Tensor
+from minipar.byte_units import KiB
 from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
 from minipar.costmodel import rank_shape
@@ -46,12 +46,12 @@ from minipar.plan import minipar_workload, plan_of
 from minipar.preflight import lesson_arguments
 from minipar.recompute import gpt_block_activation_bytes, tape_bytes
 from minipar.results import TOLERANCE, max_differences, relative_difference
+from minipar.threads import cores
 from minipar.timemodel import ledger_of, traffic
 from minipar.train import build_rank_model, make_block, step_batch, train, train_reference
 
 SHAPE = dict(model="gpt", layers=2, d_model=64, heads=8, seq_len=32, vocab=256, batch=8,
              d_ff=256, steps=2)
-KiB = 1024
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 
@@ -177,20 +177,30 @@ def block_bytes(cfg: TrainConfig) -> int:
     return tape_bytes(out, exclude=(h,))
 
 
-def step_seconds(cfg: TrainConfig, repeats: int = 3) -> float:
-    """Fastest of `repeats` forward + backward passes of one microbatch (rank 0's clock,
-    every rank running)."""
-    mesh = Mesh(cfg.mesh_shape(), comm, Ledger())
-    chunk = build_rank_model(cfg, mesh, nn.init_params(cfg.model_config(), cfg.seed))[0]
-    x, y = step_batch(cfg, 0)
-    best = float("inf")
-    for _ in range(repeats):
-        comm.Barrier()
-        start = time.perf_counter()
-        nn.loss_fn(chunk, x, y).backward()
-        best = min(best, time.perf_counter() - start)
-    mesh.free()
-    return best
+def step_seconds(repeats: int = 5) -> tuple[int, dict[str, list[float]]]:
+    """Forward + backward of one microbatch under each recomputation mode, `repeats`
+    times, the modes interleaved; on tp = as many ranks as cores (the first ranks; the
+    others asleep): with more ranks than cores the wall clock measures the ranks taking
+    turns, not the recomputation. Each time is the slowest timed rank's (seconds)."""
+    k = max(t for t in range(1, min(size, cores()) + 1) if size % t == 0)
+    sub = comm.Split(0 if rank < k else MPI.UNDEFINED, rank)
+    times: dict[str, list[float]] = {}
+    if sub != MPI.COMM_NULL:
+        meshes, steps = [], {}
+        for mode in ("none", "selective", "full"):
+            cfg = TrainConfig(**{**SHAPE, "recompute": mode}, tp=k).resolved(k)
+            mesh = Mesh(cfg.mesh_shape(), sub, Ledger())
+            chunk = build_rank_model(cfg, mesh, nn.init_params(cfg.model_config(), cfg.seed))[0]
+            x, y = step_batch(cfg, 0)
+            steps[mode] = (lambda c=chunk, x=x, y=y: (sub.Barrier(),
+                                                      nn.loss_fn(c, x, y).backward()))
+            meshes.append(mesh)
+        times = timing.timed(steps, repeats, clock=lambda t: sub.allreduce(t, op=MPI.MAX))
+        for mesh in meshes:
+            mesh.free()
+        sub.Free()
+    wait_for_rank0(comm)
+    return k, times
 
 
 def memory_and_time() -> dict[str, dict[str, int]]:
@@ -216,13 +226,19 @@ def memory_and_time() -> dict[str, dict[str, int]]:
                 f"{formula / KiB:7.1f} KiB -> {verdict(measured == formula)}")
     say("  (per position: 12d + (5d + 3f + Hs + H)/t + 2 numbers with tp, "
         "4d + (15d + 3f + Hs + H + 2)/t with sp; Korthikanti: sbh(34 + 5as/h) bytes)")
-    times = {mode: step_seconds(config(recompute=mode)) for mode in ("none", "selective",
-                                                                      "full")}
+    k, times = step_seconds()
     base = found[f"tp {size}"]
+    if rank != 0:  # the times are rank 0's
+        return found
+    say(f"  recomputation's time: forward + backward of one microbatch at tp = {k} "
+        + (f"on ranks 0-{k - 1} (the memory above is tp = {size}'s) " if k < size else "")
+        + timing.where(k)
+        + f", slowest rank, {len(times['none'])} repeats of each mode, interleaved:")
+    for mode in ("none", "selective", "full"):
+        say(f"  recompute {mode:>9}: {timing.Spread.of(times[mode]).text()}")
     for mode in ("selective", "full"):
         say(f"  recompute {mode:>9}: {1 - base[mode] / base['none']:4.0%} less block memory "
-            f"for {times[mode] / times['none'] - 1:+5.0%} forward + backward time "
-            f"({times[mode] * 1e3:.1f} ms vs {times['none'] * 1e3:.1f} ms)")
+            f"for {timing.change(times['none'], times[mode])}")
     return found
 
 

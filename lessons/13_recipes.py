@@ -33,9 +33,10 @@ spans 8 nodes of 8):
 sequence is 16 positions in both Llama phases: what scales at 128K is T itself, which
 the toy keeps small, and the sequence split, which it keeps.) For
 each: the run against one process (float64, relative 1e-9), its ledger per mesh axis
-(bytes one rank hands to MPI in a step), the model-state bytes per rank, the pipeline
-bubble (the formula beside the measured idle share), and next to it what the planner
-(`python -m minipar plan`) predicts for the real model on the real cluster and mesh.
+(the bytes one rank puts on the wire in a step, on every axis of more than one
+rank), the model-state bytes per rank, the pipeline bubble (the formula beside the
+measured idle share), and next to it what the planner (`python -m minipar plan`)
+predicts for the real model on the real cluster and mesh (in the hardware's decimal GB).
 """
 
 from __future__ import annotations
@@ -49,12 +50,14 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import plan, presets
+from minipar.byte_units import KiB, format_bytes
 from minipar.config import TrainConfig
 from minipar.costmodel import Plan
 from minipar.log import run_collectively, verdict, wait_for_rank0
 from minipar.parallel.pipeline_schedules import bubble_formula
 from minipar.plots_load import measured_bubble
 from minipar.preflight import lesson_arguments
+from minipar.report import group_sizes, wire_bytes
 from minipar.results import max_differences
 from minipar.train import train, train_reference
 
@@ -82,12 +85,17 @@ RECIPES = [
 ]
 
 
-def ledger_per_axis(records: list[dict], rank: int) -> dict[str, int]:
-    """Bytes this rank handed to MPI in the last step, per mesh axis."""
-    out: dict[str, int] = defaultdict(int)
+def ledger_per_axis(records: list[dict], rank: int, cfg: TrainConfig) -> dict[str, float]:
+    """Bytes this rank put on the wire in the last step (ring formulas,
+    `report.wire_bytes`), per mesh axis that has more than one rank. With cp > 1 the
+    gradient sync the ledger names "dp" runs over the dp x cp replicas, and is named so."""
+    sizes = group_sizes(cfg.mesh_shape())
+    out: dict[str, float] = defaultdict(float)
     for r in records:
-        if r["rank"] == rank:
-            out[r["group"]] += r["bytes"]
+        if r["rank"] == rank and sizes[r["group"]] > 1:
+            axis = f"{r['group']} x cp" if cfg.cp > 1 and r["group"] in ("dp", "edp") \
+                else r["group"]
+            out[axis] += wire_bytes(r, sizes)
     return dict(out)
 
 
@@ -111,12 +119,13 @@ def figure(rows: list[tuple[str, dict[str, int]]], folder: Path) -> None:
     axes = sorted({axis for _, per in rows for axis in per})
     width = 0.8 / len(rows)
     for i, (name, per) in enumerate(rows):
-        ax.bar([j + i * width for j in range(len(axes))], [per.get(a, 0) / 1e3 for a in axes],
-               width, label=name)
+        ax.bar([j + i * width for j in range(len(axes))],
+               [per.get(a, 0) / KiB for a in axes], width, label=name, color=f"C{i}",
+               hatch=("", "//", "..")[i % 3], edgecolor="white")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(axes))], axes)
-    ax.set(ylabel="kB handed to MPI by rank 0, one step",
-           title="the recipes at toy scale: communication per mesh axis")
-    ax.legend(fontsize=8)
+    ax.set(ylabel="KiB on the wire, rank 0, one step",
+           title="the recipes at toy scale: communication per mesh axis (axes of size > 1)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     print("figure:", save(fig, folder / "13_recipes.png"), flush=True)
 
 
@@ -150,12 +159,12 @@ def main() -> None:
         _, params, where = max_differences(result.final, one.final)
         print(f"  against one process, {cfg.steps} steps: losses rel {losses:.1e}, params "
               f"rel {params:.1e} ({where}) -> {verdict(max(losses, params) <= 1e-9)}")
-        per = ledger_per_axis(result.ledger, 0)
-        print("  rank 0's ledger per axis (bytes, one step): "
-              + ", ".join(f"{axis} {b}" for axis, b in sorted(per.items())))
+        per = ledger_per_axis(result.ledger, 0, cfg)
+        print("  rank 0 on the wire per axis of more than one rank (one step): "
+              + ", ".join(f"{axis} {format_bytes(b)}" for axis, b in sorted(per.items())))
         totals = [sum(m.values()) for m in memory]
-        print("  model states per rank (params + grads + optimizer, bytes): "
-              + " ".join(str(t) for t in totals))
+        print("  model states per rank (params + grads + optimizer): "
+              + " ".join(format_bytes(t) for t in totals))
         formula = bubble_formula(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual)
         timeline = result.extras.get("timeline") or []
         seen = f", measured {measured_bubble(timeline):.2f}" if timeline else ""

@@ -4,6 +4,7 @@
     python -m minipar mesh --dp 2 --tp 2 --pp 2
     python -m minipar bugs             (the bugs --inject-bug NAME breaks a run with)
     python -m minipar exercise list    (self-grading exercises: start, hint, check)
+    python -m minipar trace DIR        (where each rank's time went in a `train --trace DIR`)
     mpiexec -n 2 python -m minipar reshard CHECKPOINT NEW --tp 2   (one rank: the full state)
 
 Failures are collective. A bad setting is found by every rank alone (a pure
@@ -58,21 +59,30 @@ def train_command(argv: list[str]) -> int:
     parser.add_argument("--dump", metavar="DIR", help="write init/final params, data, losses")
     parser.add_argument("--ledger", action="store_true",
                         help="print the communication ledger of the last step")
+    parser.add_argument("--flight", metavar="DIR", default=None,
+                        help="where every rank writes its last calls (rank{r}.json) when the "
+                        "watchdog fires, on an abort or on SIGUSR1 (default minipar-flight/, "
+                        "made only then); `python -m minipar flight DIR` reads them")
     try:
         args = parser.parse_args(argv)
         cfg = config_from_args(args).resolved(world.Get_size())
         errors = problems(cfg, world.Get_size())
         if not errors:   # the --dump folder too (preflight.py), still no talking
-            errors = preflight.output_problems({"--dump": args.dump})
+            errors = preflight.output_problems({"--dump": args.dump, "--flight": args.flight})
     except ConfigError as error:
         errors = [str(error)]
     if errors:
         return fail(rank, errors[0] + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
 
-    def progress(step: int, loss: float) -> None:
-        if rank == 0:
-            print(f"step {step + 1:4d}  loss {loss:.6f}", flush=True)
+    def progress(step: int, loss: float, gnorm: float | None = None) -> None:
+        if rank == 0:  # gnorm: --clip-grad-norm's global gradient norm, before clipping
+            print(f"step {step + 1:4d}  loss {loss:.6f}"
+                  + ("" if gnorm is None else f"  gnorm {gnorm:.6f}"), flush=True)
 
+    if world.Get_size() > 1:   # the flight recorder's dumps (flight.py): on a hang, an
+        from minipar import flight  # abort or SIGUSR1 (here: arming it talks over MPI)
+
+        flight.arm(args.flight, world)
     if cfg.timeout and world.Get_size() > 1:   # a rank stuck in one call that long ends
         from minipar.log import abort_all  # the job (here: log.py loads mpi4py.MPI)
 
@@ -96,6 +106,10 @@ def train_command(argv: list[str]) -> int:
         abort_all(f"minipar: error: {error}\n" if coords["dp"] == coords["tp"] == 0 else "")
     finally:
         watchdog.stop()
+    if world.Get_size() > 1:   # (an exception keeps it armed: the abort that follows dumps)
+        from minipar import flight
+
+        flight.disarm()
     if args.ledger and rank == 0:
         print(ledger_table(result.ledger, cfg), flush=True)
     if args.dump and rank == 0:
@@ -139,6 +153,13 @@ def mesh_command(argv: list[str]) -> int:
         return fail(0, errors[0])
     print(shape.table())
     return 0
+
+
+def generate_command(argv: list[str]) -> int:
+    """`python -m minipar generate ...`: prefill and decode with a KV cache (generate.py)."""
+    from minipar.generate import command  # here: the ranks talk (mpi4py.MPI)
+
+    return command(argv, _world())
 
 
 def tour_command(argv: list[str]) -> int:
@@ -207,6 +228,34 @@ def plan_command(argv: list[str]) -> int:
     return plan(argv)
 
 
+def flight_command(argv: list[str]) -> int:
+    """`python -m minipar flight DIR [--all]`: the first disagreement among the ranks' last
+    calls (flight_report.py, no MPI); bad input is one line and exit 2."""
+    from minipar.flight_report import FlightError, load, table, verdict
+
+    parser = _Parser(prog="python -m minipar flight",
+                     description="Line up the flight recorder's dumps of a hung or aborted "
+                     "job and name the first disagreement.")
+    parser.add_argument("folder", metavar="DIR", help="the --flight folder (rank{r}.json)")
+    parser.add_argument("--all", action="store_true", help="also print the aligned table")
+    try:
+        args = parser.parse_args(argv)
+        dumps = load(args.folder)
+    except (ConfigError, FlightError) as error:
+        return fail(0, str(error))
+    if args.all:
+        print(table(dumps))
+    print(verdict(dumps))
+    return 0
+
+
+def trace_command(argv: list[str]) -> int:
+    """`python -m minipar trace DIR [--plot FILE] [--simulated FILE]`: read a --trace run."""
+    from minipar.trace_report import main as trace_report  # matplotlib only when drawing
+
+    return trace_report(argv)
+
+
 def exercise_command(argv: list[str]) -> int:
     """`exercise list | start NAME DIR | hint NAME | solution NAME | check NAME [DIR]`."""
     from minipar.exercises.command import main as exercise  # MPI-free; only its job talks
@@ -216,7 +265,8 @@ def exercise_command(argv: list[str]) -> int:
 
 COMMANDS = {"train": train_command, "mesh": mesh_command, "tour": tour_command,
             "reshard": reshard_command, "bugs": bugs_command, "plan": plan_command,
-            "exercise": exercise_command}
+            "exercise": exercise_command, "generate": generate_command,
+            "flight": flight_command, "trace": trace_command}
 
 
 def launcher_rank() -> str:
@@ -246,7 +296,7 @@ def main_quiet_on_closed_pipe() -> int:
 
 
 # Commands whose ranks talk: a rank that leaves on its own strands the others.
-TALKING = ("train", "reshard", "tour")
+TALKING = ("train", "reshard", "tour", "generate")
 
 
 def main_leaving_together() -> int:

@@ -187,6 +187,12 @@ def make_updater(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     from minipar.parallel import data_parallel, zero  # here: they load mpi4py.MPI
 
     if cfg.zero == 0:
-        return data_parallel.DataParallel(chunks, mesh, optimizer, cfg.grad_sync,
-                                          cfg.bucket_size, cfg.microbatches)
-    return zero.make_zero(cfg.zero, chunks, mesh, optimizer)
+        updater = data_parallel.DataParallel(chunks, mesh, optimizer, cfg.grad_sync,
+                                             cfg.bucket_size, cfg.microbatches)
+    else:
+        updater = zero.make_zero(cfg.zero, chunks, mesh, optimizer)
+    if cfg.clip_grad_norm is not None:  # --clip-grad-norm: between the sync and the step
+        from minipar.clip import Clipper
+
+        updater.clipper = Clipper(cfg, mesh, chunks)
+    return updater

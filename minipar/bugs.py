@@ -34,18 +34,23 @@ from minipar.bugs_detours import (  # noqa: F401  (copy_to_without_allreduce: te
     Swap,
     after_capacity,
     aux_per_rank,
+    bias_from_local_load,
+    clip_by_local_norm,
     copy_to_without_allreduce,
     f_without_allreduce,
     first_choice_only,
     keys_not_gathered,
+    loss_mean_per_microbatch,
     merge_without_lse,
     no_allgather,
     one_input_buffer,
     plain_linears,
+    replicated_counted_on_every_tp_rank,
     stage_left_out,
     sum_not_mean,
     vocab_loss_without_max,
 )
+from minipar.bugs_hangs import HANGS, Hang
 
 if TYPE_CHECKING:
     from minipar.config import TrainConfig
@@ -105,6 +110,17 @@ def _cp(*modes: str) -> Callable[[TrainConfig], bool]:
     return lambda cfg: cfg.cp > 1 and cfg.cp_mode in modes
 
 
+def _clip_split(cfg: TrainConfig) -> bool:
+    from minipar.clip import group_name  # the ranks holding different pieces, if any
+
+    return cfg.clip_grad_norm is not None and group_name(cfg) is not None
+
+
+def _ragged(cfg: TrainConfig) -> bool:
+    return cfg.documents and (cfg.microbatches > 1 or cfg.dp * cfg.cp > 1)
+
+
+DOCUMENTS = "lessons/documents.txt"   # short documents, many rows padded (documents.py)
 PIPELINE = "--pp 2 or more and --microbatches 2 or more (a stage with several inputs)"
 TP = "--tp 2 or more without --sp, and not --model moe"
 DP_SYNC = "--dp 2 or more with --zero 0 and --grad-sync bucketed (plain DP's sync)"
@@ -202,6 +218,18 @@ _LIST = [
         "shipped as a design, later corrected: the balance loss of each micro-batch or rank "
         "instead of the global batch; Megatron-LM forks added the global one "
         "(microsoft/ltp-megatron-lm#7); torchtitan proposes it (pytorch/torchtitan#4772)"),
+    Bug("moe-bias-local-load", "ep",
+        "the sigmoid-bias router's b updated from each rank's own tokens (the per-expert "
+        "counts not summed over dp x cp)",
+        "every rank steers its router by the load it happened to see: after the first step "
+        "the replicas of b differ (the replica check names them), the tokens of different "
+        "ranks are routed by different b, and the run is no longer the one-process run; "
+        "the ledger is one Allreduce of L x E counts per step short",
+        "--router sigmoid-bias and " + MOE,
+        lambda cfg: cfg.router == "sigmoid-bias" and _moe(cfg), bias_from_local_load,
+        {"model": "moe", "ep": 2, "router": "sigmoid-bias", "bias_rate": 0.01},
+        "plausible: no shipped case found",
+        unseen="b is no tensor and carries no placement: which counts update it is a value"),
     Bug("tp-vocab-loss-no-max", "tp",
         "the vocabulary-parallel cross-entropy skips the Allreduce(MAX) of each row's "
         "largest logit",
@@ -236,15 +264,59 @@ _LIST = [
         "each rank updates its own slice and keeps every other slice at its old value: the "
         "gathered model is rank 0's copy, right only in rank 0's own slice (the front of the "
         "flat vector: the embedding onward), every other rank's copy disagrees with it, and "
-        "the ledger is missing the Allgatherv",
+        "the ledger is missing the Allgatherv; under --check-placements the step stops: "
+        "ZeRO's flat vector is still sharded over dp when the next forward needs it whole",
         "--zero 1 or 2 with --dp 2 or more (stage 3 gathers in the forward instead)",
         _zero, no_allgather, {"zero": 1},
         "a close relative: DeepSpeed ZeRO-2 with MoE copied the updated fp32 slices back with "
         "the wrong partition ids, so only a fraction of the parameters trained "
-        "(deepspeedai/DeepSpeed#2058)",
-        unseen="the parameters live in ZeRO's flat NumPy buffer, outside the tape, whose "
-               "slices the checks do not follow: the stale slices are old values in the "
-               "right place (the replica check sees them)"),
+        "(deepspeedai/DeepSpeed#2058)"),
+]
+_LIST += [
+    Bug("clip-local-norm", "pp",
+        "gradient clipping by each rank's own norm: the Allreduce of the sums of squares "
+        "is left out, so each pipeline stage scales its gradients by its own coefficient",
+        "every stage's norm is below the whole model's, so each stage clips less than one "
+        "process would, and by a different factor: after one clipped step every tensor is "
+        "off (the update's direction is no longer the gradient's). Each stage's dp replicas "
+        "agree, so only the comparison with one process sees it; the ledger is one "
+        "Allreduce of one number short",
+        "--clip-grad-norm with ranks holding different pieces (--tp, --pp or --ep 2 or "
+        "more, or --zero 1-3 with --dp 2 or more)", _clip_split, clip_by_local_norm,
+        {"pp": 2, "microbatches": 2, "clip_grad_norm": 0.01},
+        "shipped: torchtitan clipped each pipeline stage by the norm of its own modules "
+        "(pytorch/torchtitan#596, fixed by #649)",
+        unseen="every tensor keeps its placement: the norm is a plain number, and which "
+               "ranks' squares it sums is a value"),
+    Bug("clip-replicated-counted-tp", "tp",
+        "the gradient norm counts a piece replicated over tp (embedding, LayerNorms, "
+        "row-parallel biases, the head) on every tp rank, tp times in the sum of squares",
+        "the norm is too large, by the replicated pieces' share, so every step clips too "
+        "hard; every rank computes the same wrong coefficient, so the replicas agree and "
+        "the ledger is the right one: only the comparison with one process sees it",
+        "--clip-grad-norm with --tp 2 or more",
+        lambda cfg: cfg.clip_grad_norm is not None and cfg.tp > 1,
+        replicated_counted_on_every_tp_rank, {"tp": 2, "clip_grad_norm": 0.01},
+        "shipped: Transformer Engine's Linear marked replicated weights tensor-parallel, so "
+        "Megatron counted them tp times and reported norms 1.36-1.52x too large "
+        "(ROCm/TransformerEngine#715); the same in NVIDIA-NeMo/RL#3788",
+        unseen="the gradients are right and in the right places; how often one of them "
+               "enters a scalar sum is a value"),
+    Bug("loss-mean-per-microbatch", "dp",
+        "with ragged documents, each microbatch's loss is the mean over ITS OWN valid "
+        "positions, not over those of the global batch",
+        "a microbatch (or rank) with few real tokens weighs as much as one with many: its "
+        "tokens count more than one process counts them. The loss and every gradient are "
+        "off from step 1, the replicas agree (they sum the same wrong gradients) and the "
+        "ledger is unchanged: only the comparison with one process sees it",
+        "--data PATH --documents with --microbatches or --dp x --cp 2 or more", _ragged,
+        loss_mean_per_microbatch,
+        {"model": "gpt", "data": DOCUMENTS, "documents": True, "vocab": 256,
+         "microbatches": 2},
+        "shipped in many trainers and fixed in 2024-25 by dividing by the whole step's "
+        "tokens: meta-pytorch/torchtune#1875, karpathy/nanochat#59, ml-explore/mlx-lm#1413",
+        unseen="the mask and the count have no placement: by what the CE is divided is "
+               "a value"),
 ]
 BUGS: dict[str, Bug] = {bug.name: bug for bug in _LIST}
 
@@ -255,16 +327,17 @@ def problems(cfg: TrainConfig) -> list[str]:
     name = cfg.inject_bug
     if name is None:
         return []
-    if name not in BUGS:
-        return [f"--inject-bug {name} is not a known bug; choose one of: {', '.join(BUGS)}"]
-    bug = BUGS[name]
+    known = {**BUGS, **HANGS}  # the hangs (bugs_hangs.py) are injected the same way
+    if name not in known:
+        return [f"--inject-bug {name} is not a known bug; choose one of: {', '.join(known)}"]
+    bug = known[name]
     return [] if bug.fits(cfg) else [f"--inject-bug {name} needs {bug.requires}"]
 
 
 @contextmanager
-def injected(name: str) -> Iterator[Bug]:
+def injected(name: str) -> Iterator[Bug | Hang]:
     """Apply bug `name`'s swaps for the body of the `with`, then put the originals back."""
-    bug = BUGS[name]
+    bug = BUGS[name] if name in BUGS else HANGS[name]
     swaps = bug.detour()
     originals = [(module, attribute, getattr(module, attribute))
                  for module, attribute, _ in swaps]
@@ -277,10 +350,14 @@ def injected(name: str) -> Iterator[Bug]:
             setattr(module, attribute, original)
 
 
-def command(bug: Bug, ranks: int = 4) -> str:
-    """A `python -m minipar train` line that shows `bug` on `ranks` ranks."""
-    flags = "".join(f" --{key.replace('_', '-')} {value}" for key, value in bug.flags.items())
-    return f"mpiexec -n {ranks} python -m minipar train{flags} --inject-bug {bug.name} --check"
+def command(bug: Bug | Hang, ranks: int = 4) -> str:
+    """A `python -m minipar train` line that shows `bug` on `ranks` ranks (a hang: ended by
+    the watchdog, whose line ends with the flight recorder's verdict). A flag whose value
+    is True is written alone (`--documents`)."""
+    flags = "".join(f" --{key.replace('_', '-')}" + ("" if value is True else f" {value}")
+                    for key, value in bug.flags.items())
+    end = " --timeout 3" if isinstance(bug, Hang) else " --check"
+    return f"mpiexec -n {ranks} python -m minipar train{flags} --inject-bug {bug.name}{end}"
 
 
 def listing() -> str:
@@ -291,4 +368,8 @@ def listing() -> str:
         lines += [f"\n{bug.name}  [{bug.strategy}]", f"  broken: {bug.broken}",
                   f"  needs:  {bug.requires}", f"  try:    {command(bug)}",
                   f"  seen:   {bug.seen}"]
+    lines.append(f"\n{len(HANGS)} hangs (bugs_hangs.py; lessons/15_hangs.py runs them all):")
+    for hang in HANGS.values():
+        lines += [f"\n{hang.name}  [{hang.strategy}]", f"  broken: {hang.broken}",
+                  f"  needs:  {hang.requires}", f"  try:    {command(hang)}"]
     return "\n".join(lines)

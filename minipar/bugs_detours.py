@@ -173,6 +173,17 @@ def aux_per_rank() -> list[Swap]:
     return [(ep, "global_aux", local_aux)]
 
 
+def bias_from_local_load() -> list[Swap]:
+    """The sigmoid-bias router's b updated from each rank's own tokens (routing.py)."""
+    from minipar import routing
+
+    def local_load(states: list[routing.BiasBalance], group: object) -> np.ndarray:
+        # BUG: my tokens' counts only, never summed over dp x cp
+        return np.stack([s.load for s in states])
+
+    return [(routing, "global_load", local_load)]
+
+
 # ------------------------------------------- the transformer: vocabulary and cp
 def vocab_loss_without_max() -> list[Swap]:
     """The vocabulary-parallel cross-entropy without its Allreduce(MAX) of the row maxima."""
@@ -229,3 +240,41 @@ def no_allgather() -> list[Swap]:
         return NoAllgather(chunks, mesh, optimizer)
 
     return [(zero, "make_zero", make_zero_without_allgather)]
+
+
+# ------------------------------------------------ gradient clipping, masked losses
+def clip_by_local_norm() -> list[Swap]:
+    """Each rank clips by the norm of its own pieces: the Allreduce of the squares left
+    out (a pipeline stage, a tp rank, a ZeRO slice: each its own coefficient)."""
+    from minipar import clip
+
+    def global_norm(group: Group | None, squares: float) -> float:
+        return float(np.sqrt(squares))  # BUG: my pieces' norm, not the whole model's
+
+    return [(clip, "global_norm", global_norm)]
+
+
+def replicated_counted_on_every_tp_rank() -> list[Swap]:
+    """The norm counts a piece replicated over tp (a LayerNorm, a row-parallel bias) on
+    every tp rank: tp times in the sum of squares."""
+    from minipar import clip
+
+    correct = clip.replicated_axes
+
+    def replicated_axes(*args: object) -> frozenset[str]:
+        return correct(*args) - {"tp"}  # BUG: a whole piece looks sharded over tp
+
+    return [(clip, "replicated_axes", replicated_axes)]
+
+
+def loss_mean_per_microbatch() -> list[Swap]:
+    """Each microbatch's CE is the mean over ITS OWN valid positions, not over those of
+    the global batch: every microbatch (and rank) weighs the same, whatever its count."""
+    from minipar import documents
+
+    def loss_weight(labels: np.ndarray, step_positions: int, step_valid: int) -> float:
+        # BUG: my microbatch's positions over its valid ones, not the global batch's
+        # (at least one, as trainers guard it: a cp rank may hold padding alone)
+        return labels.size / max(documents.valid_positions(labels), 1)
+
+    return [(documents, "loss_weight", loss_weight)]

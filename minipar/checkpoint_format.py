@@ -104,10 +104,13 @@ def write_shard(folder: Path, rank: int, world: int, pieces: Sequence[nn.Paramet
 
 def write_manifest(folder: Path, cfg: TrainConfig, step: int, optimizer_t: int,
                    entries: list[dict], losses: Sequence[float] = (),
-                   run: str | None = None) -> None:
+                   router_bias: dict | None = None, run: str | None = None) -> None:
     """The last file of a save: what was saved, from which mesh, every shard's checksum,
     which run and model it belongs to (checkpoint_owner.py: `run` None draws a new id),
-    and the manifest's own checksum (`seal`), so a hand edit of any field is caught."""
+    and the manifest's own checksum (`seal`), so a hand edit of any field is caught.
+    `router_bias`: the sigmoid-bias router's b of every block by name (routing.py), not
+    a parameter and replicated everywhere, so kept whole here (JSON floats read back
+    bit for bit)."""
     saved_config = {k: v for k, v in cfg.as_json().items() if k not in RUN_ONLY}
     shapes = nn.canonical_shapes(cfg.model_config())
     manifest = {
@@ -122,6 +125,9 @@ def write_manifest(folder: Path, cfg: TrainConfig, step: int, optimizer_t: int,
         "shapes": {k: list(v) for k, v in shapes.items()},
         "files": {e["file"]: {k: e[k] for k in ("rank", "bytes", "sha256")} for e in entries},
     }
+    if router_bias:
+        manifest["router_bias"] = {name: [float(x) for x in np.asarray(value)]
+                                   for name, value in sorted(router_bias.items())}
     atomic_write(folder / MANIFEST, json.dumps(seal(manifest), indent=1).encode())
 
 
@@ -133,7 +139,7 @@ def seal(manifest: dict) -> dict:
 
 
 # Flags of one run, not of the model or the training: not kept in the manifest.
-RUN_ONLY = ("save", "resume", "keep", "timeout")
+RUN_ONLY = ("save", "resume", "keep", "timeout", "trace")
 
 
 # ------------------------------------------------------------- reading

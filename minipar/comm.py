@@ -46,13 +46,14 @@ What this file teaches, in two parts.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
 
-from minipar import placement, watchdog
+from minipar import flight, placement, trace, watchdog
 from minipar.autograd import Tensor
 from minipar.placement import Partial, Replicate, Shard
 
@@ -103,6 +104,8 @@ def _size(buf: object) -> tuple[int, int]:
     """(elements, itemsize) of a buffer argument: an array, or an mpi4py buffer spec
     `[array, counts, displacements, type]` (or `[array, (counts, displacements), type]`),
     where what moves is the sum of the counts, not the whole array."""
+    if buf is None:  # a pickled object: a call, no elements
+        return 0, 1
     if not isinstance(buf, (list, tuple)):
         array = np.asarray(buf)
         return array.size, array.itemsize
@@ -119,8 +122,10 @@ class Group:
     """An MPI communicator for one mesh axis that writes every call into the ledger.
 
     The methods keep mpi4py's names and arguments, so call sites read as plain
-    mpi4py; `comm` is the raw communicator for anything else. Each blocking call is
-    stamped for the watchdog (`watchdog.waiting`: what it is and since when).
+    mpi4py; `comm` is the raw communicator for anything else. Each call goes through
+    `_call`: the ledger and the flight recorder (`_log`), the watchdog's stamp on a
+    blocking call (`watchdog.waiting`: what it is and since when), and the timeline of
+    a traced run (trace.py).
     """
 
     def __init__(self, comm: MPI.Comm, name: str, ledger: Ledger) -> None:
@@ -130,108 +135,119 @@ class Group:
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
 
-    def _log(self, op: str, buf: object) -> None:
+    def _log(self, op: str, buf: object, *detail: object) -> None:
+        """Count the call in the ledger and keep it in the flight recorder (flight.py;
+        `detail`: the peer and tag of a message, the two buffers of an Alltoallv)."""
         elements, itemsize = _size(buf)
         self.ledger.record(op, self.name, elements, itemsize)
+        flight.record(self, op, elements, itemsize, detail)
+
+    def _call(self, op: str, buf: object, what: str | None = None, detail: tuple = (),
+              dest: int | None = None, source: int | None = None, tag: int = 0,
+              recvtag: int = 0) -> contextlib.AbstractContextManager:
+        """Around every call: `_log` it (ledger, flight recorder), stamp it for the
+        watchdog if it blocks (`what`), and time it when the run is traced (trace.py: one
+        span per call, a nonblocking one open until its Wait)."""
+        self._log(op, buf, *detail)
+        recorder = trace.RECORDER
+        if recorder is None:
+            return watchdog.waiting(what) if what is not None else trace.NOTHING
+        elements, itemsize = _size(buf)
+        return recorder.call(self, op, elements, itemsize, what, dest, source, tag, recvtag)
 
     # collectives on arrays; recorded sizes follow the ledger convention
     def Allreduce(self, sendbuf: object, recvbuf: np.ndarray, op: MPI.Op = MPI.SUM) -> None:
-        self._log("Allreduce", recvbuf)
-        with watchdog.waiting(f"Allreduce over {self.name}"):
+        with self._call("Allreduce", recvbuf, f"Allreduce over {self.name}"):
             self.comm.Allreduce(sendbuf, recvbuf, op=op)
 
     def Iallreduce(self, sendbuf: object, recvbuf: np.ndarray,
                    op: MPI.Op = MPI.SUM) -> MPI.Request:
-        self._log("Iallreduce", recvbuf)
-        return self.comm.Iallreduce(sendbuf, recvbuf, op=op)
+        with self._call("Iallreduce", recvbuf) as call:
+            request = self.comm.Iallreduce(sendbuf, recvbuf, op=op)
+        return trace.posted(call, request)
 
     def Allgather(self, sendbuf: object, recvbuf: object) -> None:
-        self._log("Allgather", recvbuf)
-        with watchdog.waiting(f"Allgather over {self.name}"):
+        with self._call("Allgather", recvbuf, f"Allgather over {self.name}"):
             self.comm.Allgather(sendbuf, recvbuf)
 
     def Allgatherv(self, sendbuf: object, recvbuf: object) -> None:
-        self._log("Allgatherv", recvbuf)
-        with watchdog.waiting(f"Allgatherv over {self.name}"):
+        with self._call("Allgatherv", recvbuf, f"Allgatherv over {self.name}"):
             self.comm.Allgatherv(sendbuf, recvbuf)
 
     def Reduce_scatter(self, sendbuf: object, recvbuf: object,
                        recvcounts: Sequence[int] | None = None, op: MPI.Op = MPI.SUM) -> None:
-        self._log("Reduce_scatter", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf)
-        with watchdog.waiting(f"Reduce_scatter over {self.name}"):
+        with self._call("Reduce_scatter", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf,
+                        f"Reduce_scatter over {self.name}"):
             self.comm.Reduce_scatter(sendbuf, recvbuf, recvcounts, op=op)
 
     def Reduce_scatter_block(self, sendbuf: object, recvbuf: object,
                              op: MPI.Op = MPI.SUM) -> None:
-        self._log("Reduce_scatter", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf)
-        with watchdog.waiting(f"Reduce_scatter_block over {self.name}"):
+        with self._call("Reduce_scatter", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf,
+                        f"Reduce_scatter_block over {self.name}"):
             self.comm.Reduce_scatter_block(sendbuf, recvbuf, op=op)
 
     def Alltoall(self, sendbuf: object, recvbuf: object) -> None:
-        self._log("Alltoall", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf)
-        with watchdog.waiting(f"Alltoall over {self.name}"):
+        with self._call("Alltoall", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf,
+                        f"Alltoall over {self.name}"):
             self.comm.Alltoall(sendbuf, recvbuf)
 
     def Alltoallv(self, sendbuf: object, recvbuf: object) -> None:
-        self._log("Alltoallv", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf)
-        with watchdog.waiting(f"Alltoallv over {self.name}"):
+        with self._call("Alltoallv", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf,
+                        f"Alltoallv over {self.name}", detail=(sendbuf, recvbuf)):
             self.comm.Alltoallv(sendbuf, recvbuf)
 
     def Exscan(self, sendbuf: object, recvbuf: object, op: MPI.Op = MPI.SUM) -> None:
-        self._log("Exscan", recvbuf)
-        with watchdog.waiting(f"Exscan over {self.name}"):
+        with self._call("Exscan", recvbuf, f"Exscan over {self.name}"):
             self.comm.Exscan(sendbuf, recvbuf, op=op)
 
     def Bcast(self, buf: object, root: int = 0) -> None:
-        self._log("Bcast", buf)
-        with watchdog.waiting(f"Bcast over {self.name}"):
+        with self._call("Bcast", buf, f"Bcast over {self.name}"):
             self.comm.Bcast(buf, root=root)
 
     # point to point
     def Send(self, buf: object, dest: int, tag: int = 0) -> None:
-        self._log("Send", buf)
-        with watchdog.waiting(f"Send to {self.name} rank {dest}"):
+        with self._call("Send", buf, f"Send to {self.name} rank {dest}", detail=(dest, tag),
+                        dest=dest, tag=tag):
             self.comm.Send(buf, dest=dest, tag=tag)
 
     def Recv(self, buf: object, source: int, tag: int = 0) -> None:
-        self._log("Recv", buf)
-        with watchdog.waiting(f"Recv from {self.name} rank {source}"):
+        with self._call("Recv", buf, f"Recv from {self.name} rank {source}",
+                        detail=(source, tag), source=source, recvtag=tag):
             self.comm.Recv(buf, source=source, tag=tag)
 
     def Isend(self, buf: object, dest: int, tag: int = 0) -> MPI.Request:
-        self._log("Isend", buf)
-        return self.comm.Isend(buf, dest=dest, tag=tag)
+        with self._call("Isend", buf, detail=(dest, tag), dest=dest, tag=tag) as call:
+            request = self.comm.Isend(buf, dest=dest, tag=tag)
+        return trace.posted(call, request)
 
     def Irecv(self, buf: object, source: int, tag: int = 0) -> MPI.Request:
-        self._log("Irecv", buf)
-        return self.comm.Irecv(buf, source=source, tag=tag)
+        with self._call("Irecv", buf, detail=(source, tag), source=source, recvtag=tag) as call:
+            request = self.comm.Irecv(buf, source=source, tag=tag)
+        return trace.posted(call, request)
 
     def Sendrecv(self, sendbuf: object, dest: int, recvbuf: object, source: int,
                  sendtag: int = 0, recvtag: int = 0) -> None:
-        self._log("Sendrecv", sendbuf)
-        with watchdog.waiting(f"Sendrecv with {self.name} ranks {dest}/{source}"):
+        with self._call("Sendrecv", sendbuf, f"Sendrecv with {self.name} ranks {dest}/{source}",
+                        detail=(dest, source, sendtag), dest=dest, source=source, tag=sendtag,
+                        recvtag=recvtag):
             self.comm.Sendrecv(sendbuf, dest=dest, sendtag=sendtag, recvbuf=recvbuf,
                            source=source, recvtag=recvtag)
 
     # small Python objects (pickled): counted as calls with no elements
     def bcast(self, obj: object, root: int = 0) -> object:
-        self.ledger.record("bcast", self.name, 0, 1)
-        with watchdog.waiting(f"bcast over {self.name}"):
+        with self._call("bcast", None, f"bcast over {self.name}"):
             return self.comm.bcast(obj, root=root)
 
     def allgather(self, obj: object) -> list:
-        self.ledger.record("allgather", self.name, 0, 1)
-        with watchdog.waiting(f"allgather over {self.name}"):
+        with self._call("allgather", None, f"allgather over {self.name}"):
             return self.comm.allgather(obj)
 
     def gather(self, obj: object, root: int = 0) -> list | None:
-        self.ledger.record("gather", self.name, 0, 1)
-        with watchdog.waiting(f"gather over {self.name}"):
+        with self._call("gather", None, f"gather over {self.name}"):
             return self.comm.gather(obj, root=root)
 
     def Barrier(self) -> None:
-        self.ledger.record("Barrier", self.name, 0, 1)
-        with watchdog.waiting(f"Barrier over {self.name}"):
+        with self._call("Barrier", None, f"Barrier over {self.name}"):
             self.comm.Barrier()
 
 

@@ -13,12 +13,15 @@ import math
 from dataclasses import asdict, dataclass, fields
 
 from minipar.data import corpus_problem
+from minipar.documents import documents_problem
 from minipar.mesh import CP_MODES, MeshShape
 from minipar.nn import GPT_MODELS, ModelConfig
 from minipar.parallel.pipeline_schedules import SCHEDULES, V_SHAPED
 from minipar.refusal import RefusalError
+from minipar.routing import DEFAULT_AUX_COEF, DEFAULT_BIAS_RATE, ROUTERS
 
 MODELS = ("mlp", "moe", *GPT_MODELS)
+MOE_MODELS = ("moe", "gpt-moe")
 RECOMPUTE = ("none", "selective", "full")
 GRAD_SYNCS = ("naive", "bucketed", "overlapped")
 
@@ -43,7 +46,7 @@ class TrainConfig:
     top_k: int = 2
     expert_d_ff: int | None = None    # default 2 * d_model
     capacity_factor: float | None = None
-    aux_coef: float = 0.01
+    aux_coef: float | None = None     # default 0.01 (softmax), 0 (sigmoid-bias: routing.py)
     batch: int = 64
     microbatches: int = 1
     steps: int = 5
@@ -75,6 +78,14 @@ class TrainConfig:
     recompute: str = "none"           # none, selective (the attention core), full (blocks)
     cp: int = 1                       # context parallelism: each sequence over cp ranks
     cp_mode: str = "zigzag"           # allgather, ring, zigzag or ulysses
+    shared_experts: int = 0           # MoE (routing.py): S always-on experts, --expert-d-ff wide
+    router: str = "softmax"           # softmax, or sigmoid-bias (a balancing bias b)
+    bias_rate: float | None = None    # sigmoid-bias: b's step per update (default 1e-3)
+    route_groups: int = 1             # node-limited routing: G groups of experts,
+    route_top_groups: int | None = None  # M of them per token (default G: no limit)
+    trace: str | None = None          # a folder for every rank's timeline (trace.py)
+    clip_grad_norm: float | None = None  # clip the global gradient norm to this (clip.py)
+    documents: bool = False           # --data: one document a row, padded and masked
 
     def resolved(self, world_size: int) -> TrainConfig:
         """Fill the defaults that depend on other flags (d_ff, expert_d_ff, dp)."""
@@ -87,6 +98,12 @@ class TrainConfig:
             values["dp"] = max(1, world_size // max(1, self.tp * self.pp * self.cp))
         if self.vocab is None and self.model in GPT_MODELS:
             values["vocab"] = 256 if self.data is not None else 64
+        if self.aux_coef is None:  # the bias balances sigmoid-bias: no aux loss by default
+            values["aux_coef"] = DEFAULT_AUX_COEF.get(self.router, 0.01)
+        if self.bias_rate is None and self.router == "sigmoid-bias" and self.model in MOE_MODELS:
+            values["bias_rate"] = DEFAULT_BIAS_RATE
+        if self.route_top_groups is None:
+            values["route_top_groups"] = self.route_groups
         if self.vocab_parallel is None:  # the transformer on a tp group splits its vocabulary
             values["vocab_parallel"] = self.model in GPT_MODELS and self.tp > 1
         return TrainConfig(**values)
@@ -96,8 +113,12 @@ class TrainConfig:
                            d_model=self.d_model, d_ff=self.d_ff, classes=self.classes,
                            experts=self.experts, top_k=self.top_k,
                            expert_d_ff=self.expert_d_ff, capacity_factor=self.capacity_factor,
-                           aux_coef=self.aux_coef, vocab=self.vocab or 64,
-                           seq_len=self.seq_len, heads=self.heads)
+                           aux_coef=DEFAULT_AUX_COEF.get(self.router, 0.01)
+                           if self.aux_coef is None else self.aux_coef,
+                           vocab=self.vocab or 64, seq_len=self.seq_len, heads=self.heads,
+                           shared_experts=self.shared_experts, router=self.router,
+                           route_groups=self.route_groups,
+                           route_top_groups=self.route_top_groups)
 
     def mesh_shape(self) -> MeshShape:
         return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp)
@@ -135,6 +156,54 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
         return out  # the divisibility below is meaningless with such sizes
     out += _divisibility(cfg)
     out += _data_parallel_problems(cfg)
+    out += routing_problems(cfg)
+    return out
+
+
+def routing_problems(cfg: TrainConfig) -> list[str]:
+    """The DeepSeek-V3 routing flags (routing.py). What runs: --router softmax with the aux
+    loss (any --aux-coef, default 0.01); --router sigmoid-bias with the bias alone (its
+    --aux-coef is 0, the default; an explicit positive one is refused: the bias replaces
+    the loss); --bias-rate with sigmoid-bias only; groups that cut E evenly, M <= G, and
+    k experts to be found inside M groups. Everything on every mesh that runs MoE,
+    except sigmoid-bias under --schedule dualpipe (two copies of each block)."""
+    moe = cfg.model in ("moe", "gpt-moe")
+    out = []
+    if cfg.router not in ROUTERS:
+        return [f"--router must be one of {', '.join(ROUTERS)} (got {cfg.router})"]
+    if not moe:
+        out += [f"--{name.replace('_', '-')} applies to --model moe/gpt-moe only"
+                for name, default in (("shared_experts", 0), ("router", "softmax"),
+                                      ("bias_rate", None), ("route_groups", 1))
+                if getattr(cfg, name) != default]
+        return out
+    if cfg.shared_experts < 0:
+        out.append(f"--shared-experts must be zero or more (got {cfg.shared_experts})")
+    if cfg.bias_rate is not None and cfg.router != "sigmoid-bias":
+        out.append("--bias-rate applies to --router sigmoid-bias only (softmax balances "
+                   "with the aux loss, --aux-coef)")
+    elif cfg.bias_rate is not None and not (math.isfinite(cfg.bias_rate)
+                                            and cfg.bias_rate >= 0):
+        out.append(f"--bias-rate must be zero or a positive finite number (got "
+                   f"{cfg.bias_rate})")
+    if cfg.router == "sigmoid-bias" and cfg.aux_coef:
+        out.append(f"--aux-coef {cfg.aux_coef:g} with --router sigmoid-bias: the bias b "
+                   "balances the load instead of a loss (drop --aux-coef, or --aux-coef 0; "
+                   "the aux loss runs with --router softmax)")
+    if cfg.router == "sigmoid-bias" and cfg.schedule == "dualpipe" and cfg.pp > 1:
+        out.append("--router sigmoid-bias with --schedule dualpipe is not built: each block "
+                   "has two copies there, each seeing half the load of b (use dualpipev)")
+    groups, top = cfg.route_groups, cfg.route_top_groups
+    if groups < 1:
+        return out + [f"--route-groups must be at least 1 (got {groups})"]
+    if cfg.experts % groups:
+        out.append(f"--route-groups {groups} does not divide --experts {cfg.experts} "
+                   "(every group holds E/G experts)")
+    elif top is not None and not 1 <= top <= groups:
+        out.append(f"--route-top-groups {top} must be between 1 and --route-groups {groups}")
+    elif top is not None and cfg.top_k > top * (cfg.experts // groups):
+        out.append(f"--top-k {cfg.top_k} is more than the {top * (cfg.experts // groups)} "
+                   f"experts of --route-top-groups {top} groups of {cfg.experts // groups}")
     return out
 
 
@@ -178,6 +247,7 @@ def size_problems(cfg: TrainConfig, world_size: int) -> list[str]:
         out.append(f"--bucket-size must be at least 1 element (got {cfg.bucket_size})")
     out += _transformer_problems(cfg)
     out += _recompute_problems(cfg)
+    out += _clip_problems(cfg)
     if out:
         return out  # sizes below are meaningless with non-positive numbers
     if cfg.top_k > cfg.experts:
@@ -191,7 +261,8 @@ def _transformer_problems(cfg: TrainConfig) -> list[str]:
     defaults = TrainConfig()
     if cfg.model not in GPT_MODELS:
         return [f"--{name.replace('_', '-')} applies to --model gpt/gpt-moe only"
-                for name in ("vocab", "seq_len", "heads", "data", "cp", "cp_mode")
+                for name in ("vocab", "seq_len", "heads", "data", "cp", "cp_mode",
+                             "documents")
                 if getattr(cfg, name) != getattr(defaults, name)] + (
             ["--vocab-parallel applies to --model gpt/gpt-moe only"] if cfg.vocab_parallel
             else [])
@@ -214,9 +285,21 @@ def _transformer_problems(cfg: TrainConfig) -> list[str]:
         if cfg.vocab != 256:
             out.append(f"--vocab {cfg.vocab} with --data: a text file is read byte by byte, "
                        "so the vocabulary is 256 (drop --vocab)")
-        problem = corpus_problem(cfg.data, max(cfg.seq_len, 1))
+        problem = documents_problem(cfg.data) if cfg.documents else \
+            corpus_problem(cfg.data, max(cfg.seq_len, 1))
         out += [problem] if problem else []
+    elif cfg.documents:
+        out.append("--documents reads the documents of a text file: it needs --data PATH")
     return out
+
+
+def _clip_problems(cfg: TrainConfig) -> list[str]:
+    """--clip-grad-norm C: a positive, finite norm (clip.py)."""
+    c = cfg.clip_grad_norm
+    if c is not None and (not math.isfinite(c) or c <= 0):
+        return [f"--clip-grad-norm must be a positive, finite number (got {c}): the "
+                "gradient is scaled by min(1, C / norm)"]
+    return []
 
 
 def _context_parallel_problems(cfg: TrainConfig) -> list[str]:
@@ -388,8 +471,21 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
             help=TRAIN_HELP[name])
     add("--capacity-factor", type=float, default=None,
         help="MoE: tokens an expert takes, as a multiple of an even share (default: all)")
-    add("--aux-coef", type=float, default=d.aux_coef,
-        help="MoE: weight of the load-balancing loss")
+    add("--aux-coef", type=float, default=None,
+        help="MoE: weight of the load-balancing loss (default 0.01; 0 with --router "
+             "sigmoid-bias)")
+    add("--shared-experts", type=int, default=d.shared_experts,
+        help="MoE: always-on experts every token goes through, beside the routed ones")
+    add("--router", choices=ROUTERS, default=d.router,
+        help="MoE: softmax top-k with the aux loss, or sigmoid scores chosen by score + a "
+             "balancing bias (DeepSeek-V3, no aux loss)")
+    add("--bias-rate", type=float, default=None,
+        help="--router sigmoid-bias: b_e += rate * sign(mean load - load_e) after every "
+             "step (default 1e-3)")
+    add("--route-groups", type=int, default=d.route_groups,
+        help="MoE: experts in G equal groups (nodes) for node-limited routing")
+    add("--route-top-groups", type=int, default=None,
+        help="MoE: each token keeps its M best groups, then its top-k inside them")
     add("--lr", type=float, default=d.lr, help="learning rate")
     add("--optimizer", choices=("sgd", "adam"), default=d.optimizer, help="the update rule")
     add("--dtype", choices=("float64", "float32"), default=d.dtype,
@@ -428,6 +524,16 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--cp-mode", choices=CP_MODES, default=d.cp_mode,
         help="transformer with --cp N: how attention sees the other ranks' positions "
              "(allgather K/V, ring, zigzag ring, ulysses Alltoall)")
+    add("--trace", metavar="DIR", default=None,
+        help="write every rank's timeline (DIR/rank{r}.json) and the merged DIR/trace.json "
+             "for Perfetto or chrome://tracing; `python -m minipar trace DIR` reads it")
+    add("--clip-grad-norm", type=float, default=None, metavar="C",
+        help="scale every gradient by min(1, C / norm), the norm of the whole model's "
+             "gradient over every rank (clip.py); the step line prints it (gnorm)")
+    add("--documents", action="store_true",
+        help="transformer with --data: the file's documents (split at blank lines) are "
+             "the rows, padded to --seq-len + 1 bytes; the loss is the mean over the "
+             "valid positions of the global batch")
     add("--inject-bug", metavar="NAME", default=None,
         help="break one thing on purpose (lesson 08); `python -m minipar bugs` lists them")
     add("--check-placements", action="store_true",

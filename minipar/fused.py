@@ -39,6 +39,7 @@ import numpy as np
 
 from minipar import placement as _pl
 from minipar.autograd import Tensor, _weight_grad
+from minipar.documents import IGNORE
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -218,22 +219,27 @@ def log_softmax(a: Tensor, axis: int = -1) -> Tensor:
 
 def cross_entropy(logits: Tensor, labels: np.ndarray, scale: float | None = None) -> Tensor:
     """sum_b -log softmax(logits_b)[y_b] * scale; `scale` defaults to 1/N (the mean).
+    Rows labelled `documents.IGNORE` (padding) add nothing, to the loss or the gradient.
     logits (N, C) with labels (N,), or (B, T, C) with labels (B, T): every position is a
     row, N = B*T. Passing the scale lets a data-parallel rank divide by the *global* batch.
     Backward: (softmax - onehot(y)) * scale."""
     flat = logits.data.reshape(-1, logits.shape[-1])         # (N, C)
     labels = np.asarray(labels).reshape(-1)                  # (N,)
-    rows = np.arange(flat.shape[0])
     scale = 1.0 / flat.shape[0] if scale is None else scale
+    valid = labels != IGNORE           # --documents: padded positions count 0 (documents.py)
+    rows = np.arange(flat.shape[0])[valid]
+    labels = labels[valid]
     shifted = flat - flat.max(axis=-1, keepdims=True)
     e = np.exp(shifted)
     total = e.sum(axis=-1, keepdims=True)
-    picked = shifted[rows, labels] - np.log(total[:, 0])
+    picked = shifted[rows, labels] - np.log(total[rows, 0])
     out = np.asarray(-picked.sum() * scale)
 
     def backward(g: np.ndarray) -> None:
         d = e / total
         d[rows, labels] -= 1.0
+        if rows.size < flat.shape[0]:
+            d[~valid] = 0.0
         logits.accumulate((d * (g * scale)).reshape(logits.shape), fresh=True)
     result = Tensor.from_op(out, (logits,), backward)
     return _pl.follow(result, _pl.cross_entropy("cross-entropy", logits), "the loss") \

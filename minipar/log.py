@@ -139,7 +139,12 @@ def abort_all(text: str, code: int = 1) -> None:
     """Write `text` to stderr, then end every rank of the job with MPI_Abort.
 
     The short pause lets the launcher forward the text before it kills the
-    processes: without it, the failing rank's own explanation is sometimes lost."""
+    processes: without it, the failing rank's own explanation is sometimes lost.
+    First the flight recorder, when armed, has every rank write its last calls and
+    appends the verdict to `text` (flight.py)."""
+    from minipar import flight
+
+    text = flight.before_abort(text)
     sys.stderr.write(text)
     sys.stderr.flush()
     time.sleep(0.5)

@@ -9,6 +9,9 @@ must reproduce (docs/design.md, "The reference model"):
     MoE   FFN(u) = sum_{e in topk(softmax(u @ Wr))} g_e * Expert_e(u)
     loss = mean_b CE(h_L @ Wh + bh, y) + sum_l aux_l
 
+(the router may also be DeepSeek-V3's, sigmoid scores chosen by score + a balancing bias,
+node-limited, with shared experts beside the routed ones: routing.py)
+
 Weights are stored (in, out) and applied as `x @ W + b`. Every strategy starts
 from `init_params`, the *full* model drawn from one seeded generator in
 canonical-name order, and keeps its own slice (wasteful at scale, exact here).
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import fused
+from minipar import fused, routing
 from minipar.autograd import Tensor
 
 
@@ -86,6 +89,10 @@ class ModelConfig:
     vocab: int = 64                   # the transformer (gpt.py): V tokens,
     seq_len: int = 32                 # T positions per sequence,
     heads: int = 4                    # H attention heads (H divides d)
+    shared_experts: int = 0           # routing.py: S always-on experts beside the routed
+    router: str = "softmax"           # softmax, or sigmoid-bias (b steers the choice)
+    route_groups: int = 1             # node-limited routing: G groups of E/G experts,
+    route_top_groups: int | None = None  # of which each token keeps M (None: all G)
 
     @property
     def is_gpt(self) -> bool:
@@ -121,6 +128,11 @@ def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}.router.weight"] = (d, cfg.experts)
             for e in range(cfg.experts):
                 q = f"{p}.experts.{e}"
+                shapes.update({f"{q}.fc1.weight": (d, cfg.expert_d_ff),
+                               f"{q}.fc1.bias": (cfg.expert_d_ff,),
+                               f"{q}.fc2.weight": (cfg.expert_d_ff, d), f"{q}.fc2.bias": (d,)})
+            for s in range(cfg.shared_experts):  # after the routed ones (none by default)
+                q = f"{p}.shared_experts.{s}"
                 shapes.update({f"{q}.fc1.weight": (d, cfg.expert_d_ff),
                                f"{q}.fc1.bias": (cfg.expert_d_ff,),
                                f"{q}.fc2.weight": (cfg.expert_d_ff, d), f"{q}.fc2.bias": (d,)})
@@ -232,13 +244,8 @@ def top_k_gates(probs: Tensor, top_k: int
     """The router's choice for each of B token rows of `probs` (B, E): the top-k experts
     `chosen` (B, k), then per assignment (token order, then slot; B k of them) its token
     `token_of`, its expert `expert_of`, and its gate g_be = p_be / sum_{e' in T_b} p_be'.
-    The reference block and the expert-parallel block both route with this."""
-    chosen = route(probs.data, top_k)                         # (B, k), ties -> lower id
-    token_of = np.repeat(np.arange(probs.shape[0]), top_k)    # (B k,) assignment -> token
-    expert_of = chosen.ravel()                                # (B k,) assignment -> expert
-    picked = probs[token_of, expert_of].reshape(-1, top_k)    # (B, k)
-    gates = (picked / picked.sum(axis=1, keepdims=True)).reshape(-1)  # renormalized, (B k,)
-    return chosen, token_of, expert_of, gates
+    The softmax router of routing.route, without bias or groups."""
+    return routing.route(probs, top_k)
 
 
 def capacity(capacity_factor: float | None, top_k: int, tokens: int, experts: int) -> int | None:
@@ -289,7 +296,8 @@ def as_tokens(u: Tensor) -> Tensor:
 
 
 class MoEBlock(Module):
-    """h + sum_e g_e Expert_e(LN(h)): the dense FFN replaced by top-k routed experts.
+    """h + sum_e g_e Expert_e(LN(h)) (+ the shared experts): the dense FFN replaced by
+    top-k routed experts.
 
     `ffn` is the routed FFN alone, u (N, d) tokens -> (out (N, d), aux); the block adds
     the LayerNorm and the residual. h is (B, d) rows or (B, T, d) positions, each
@@ -297,6 +305,8 @@ class MoEBlock(Module):
     Vectorized by expert: for each expert, the (token, slot) assignments routed to it
     are gathered with one index array, run through the expert, weighted by their gates
     and scatter-added back (`index_add`): no Python loop over tokens.
+    The router is routing.py's: softmax (default) or sigmoid-bias, whose b lives in
+    `balance` (a routing.BiasBalance, not a parameter), optionally node-limited.
     """
 
     def __init__(self, full: dict[str, np.ndarray], index: int, cfg: ModelConfig,
@@ -306,16 +316,23 @@ class MoEBlock(Module):
         self.ln = LayerNorm(full, f"{p}.{ln}")
         self.router = Parameter(full[f"{p}.router.weight"], f"{p}.router.weight")
         self.experts = [ExpertFFN(full, f"{p}.experts.{e}") for e in range(cfg.experts)]
+        self.shared = [ExpertFFN(full, f"{p}.shared_experts.{s}")
+                       for s in range(cfg.shared_experts)]
+        self.balance = routing.balance_for(p, cfg.router, cfg.experts, full)
 
     def __call__(self, h: Tensor) -> tuple[Tensor, Tensor]:
         out, aux = self.ffn(as_tokens(self.ln(h)))             # (N, d), N = B or B*T
         return h + (out if h.ndim == 2 else ag.reshape(out, h.shape, like=h)), aux
 
     def ffn(self, u: Tensor) -> tuple[Tensor, Tensor]:
-        """The routed FFN on N tokens u (N, d): (sum_e g_e Expert_e(u), aux)."""
+        """The routed FFN on N tokens u (N, d): (sum_e g_e Expert_e(u) + shared, aux)."""
         cfg = self.cfg
-        probs = fused.softmax(u @ self.router)                 # (N, d) @ (d, E) -> (N, E)
-        chosen, tokens, expert_of, gates = top_k_gates(probs, cfg.top_k)  # (N, k), 3 x (N k,)
+        probs = routing.scores(u, self.router, cfg.router)    # (N, d) @ (d, E) -> (N, E)
+        bias = None if self.balance is None else self.balance.value
+        chosen, tokens, expert_of, gates = routing.route(     # (N, k), 3 x (N k,)
+            probs, cfg.top_k, bias, cfg.route_groups, cfg.route_top_groups)
+        if self.balance is not None:
+            self.balance.count(expert_of)                     # this step's load of b
         limit = capacity(cfg.capacity_factor, cfg.top_k, u.shape[0], cfg.experts)
         kept = keep_within_capacity(expert_of, cfg.experts, limit)
         out = Tensor(np.zeros_like(u.data))
@@ -326,6 +343,8 @@ class MoEBlock(Module):
             y = expert(ag.take_rows(u, tokens[mine]))          # (n_e, d) -> (n_e, d)
             weighted = y * ag.reshape(ag.take_rows(gates, mine), (-1, 1))
             out = ag.index_add(out, tokens[mine], weighted)
+        for expert in self.shared:                             # every token, no gate
+            out = out + expert(u)                              # (N, d)
         return out, aux_loss(probs, chosen, cfg.experts, cfg.aux_coef)
 
 
@@ -383,12 +402,16 @@ def build_reference(cfg: ModelConfig, full: dict[str, np.ndarray]) -> Model:
     return Model(Embed(full), blocks, Head(full))
 
 
-def loss_fn(model: Model, x: np.ndarray | Tensor, y: np.ndarray) -> Tensor:
+def loss_fn(model: Model, x: np.ndarray | Tensor, y: np.ndarray, weight: float = 1.0
+            ) -> Tensor:
     """mean_b CE(logits_b, y_b) + sum_l aux_l on one (micro)batch; for the transformer
     the mean runs over all B*T positions (logits (B, T, V), y (B, T)). `x` may come as a
-    Tensor already (carrying its placement: rows sharded over dp)."""
+    Tensor already (carrying its placement: rows sharded over dp). `weight` multiplies
+    the CE term (documents.loss_weight: padded positions count 0, the mean is over the
+    valid positions of the global batch)."""
     logits, aux = model.forward(ag.as_tensor(x))
     loss = output_loss(model.head, logits, y)
+    loss = loss if weight == 1.0 else loss * weight
     return loss if aux is None else loss + aux
 
 

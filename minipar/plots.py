@@ -1,5 +1,5 @@
 """Pictures of what the ranks did: the ledger, memory per rank, loss curves, the
-Alltoall, and the tour's figures; the shared helpers (`save`, `byte_unit`).
+Alltoall, and the tour's figures; the shared helper `save` (bytes scaled by `byte_units.byte_unit`).
 
 What this file teaches: every number a lesson prints has a shape that is easier
 to see than to read, and three pictures check every strategy: the ledger
@@ -28,6 +28,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
+from minipar.byte_units import byte_unit
 from minipar.memory import ModelStates, optimizer_bytes_per_param
 from minipar.nn import canonical_shapes
 from minipar.parallel.pipeline_schedules import replay, simulate_schedule
@@ -47,14 +48,6 @@ def save(figure: Figure, path: Path | str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     return path
-
-
-def byte_unit(top: float) -> tuple[float, str]:
-    """The largest binary unit that keeps `top` bytes >= 1: (1024.0, 'KiB') for 5000."""
-    for power, name in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
-        if top >= 1024 ** power:
-            return float(1024 ** power), name
-    return 1.0, "bytes"
 
 
 # ------------------------------------------------------------------- ledger
@@ -199,29 +192,57 @@ def memory_figure(runs: dict[str, Sequence[ModelStates | dict]],
 
 
 # ------------------------------------------------------------------- losses
+# 16 colours and 16 markers, both distinct for the first 16 series (matplotlib's cycle
+# has 10 colours: bug 11 would look like bug 1)
+SERIES_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
+                 "tab:pink", "tab:gray", "tab:olive", "tab:cyan", "black", "gold", "navy",
+                 "lime", "darkred", "teal")
+SERIES_MARKERS = "osD^v<>pP*hXd8H+"
+
+
+def series_style(i: int) -> dict:
+    """Line style of series i: its own colour AND its own marker (distinct up to 16)."""
+    return {"color": SERIES_COLORS[i % len(SERIES_COLORS)],
+            "marker": SERIES_MARKERS[i % len(SERIES_MARKERS)], "fillstyle": "none"}
+
+
 def loss_figure(runs: dict[str, Sequence[float]], references: dict[str, Sequence[float]],
                 title: str = "") -> Figure:
     """Each parallel run's step losses drawn over its single-process run (`runs` and
     `references` share labels), and beside it their relative difference per step on
-    a log scale against the 1e-9 tolerance (an exact 0 is drawn at 1e-18)."""
-    figure = Figure(figsize=(12, 4), layout="constrained")
-    left, right = figure.subplots(1, 2)
-    drawn: set[tuple] = set()
-    markers, worst = "osD^v<>p*h", 1e-18
-    for i, (label, losses) in enumerate(runs.items()):
-        ref = np.asarray(references[label])
+    a log scale against the 1e-9 tolerance (an exact 0 is drawn at 1e-18). Runs of
+    different models (different references) get a loss panel each, with its own scale:
+    on one axis, losses of 2.3 and 4.2 would squash every curve flat."""
+    groups: dict[tuple, list[str]] = {}  # runs of one model share a reference
+    for label in runs:
+        groups.setdefault(tuple(np.round(references[label], 12)), []).append(label)
+    rows = len(groups)
+    figure = Figure(figsize=(12, max(4.0, 1.7 * rows)), layout="constrained")
+    grid = figure.add_gridspec(rows, 2)
+    lefts = [figure.add_subplot(grid[k, 0]) for k in range(rows)]
+    right = figure.add_subplot(grid[:, 1])
+    style_of = {label: series_style(i) for i, label in enumerate(runs)}
+    worst = 1e-18
+    for left, labels in zip(lefts, groups.values()):
+        ref = np.asarray(references[labels[0]])
         steps = np.arange(1, len(ref) + 1)
-        if tuple(np.round(ref, 12)) not in drawn:  # runs of one model share a reference
-            drawn.add(tuple(np.round(ref, 12)))
-            left.plot(steps, ref, color="0.5", lw=4, alpha=0.5)
-        style = dict(color=f"C{i}", marker=markers[i % len(markers)], fillstyle="none")
-        left.plot(steps, losses, ls="none", markersize=5, **style)
+        left.plot(steps, ref, color="0.5", lw=4, alpha=0.5)
+        for label in labels:
+            left.plot(steps, runs[label], ls="none", markersize=5, **style_of[label])
+        if rows > 1:
+            left.set_title(fill(", ".join(label.split(" (")[0] for label in labels), 70),
+                           fontsize=8)
+        left.xaxis.get_major_locator().set_params(integer=True)
+    for label, losses in runs.items():
+        ref = np.asarray(references[label])
         diff = np.maximum(np.abs(np.asarray(losses) - ref) / np.abs(ref), 1e-18)
-        right.plot(steps, diff, label=label, **style)
+        right.plot(np.arange(1, len(ref) + 1), diff, label=label, **style_of[label])
         worst = max(worst, float(diff.max()))
-    left.set_xlabel("step")
-    left.set_ylabel("loss (before the step's update)")
-    left.set_title("parallel runs (marks) over the single-process run (grey)", fontsize=10)
+    lefts[-1].set_xlabel("step")
+    lefts[rows // 2].set_ylabel("loss (before the step's update)")
+    lefts[0].set_title(("one panel per model: " if rows > 1 else "")
+                       + "parallel runs (marks) over the single-process run (grey)"
+                       + ("\n" + lefts[0].get_title() if rows > 1 else ""), fontsize=10)
     right.axhline(1e-9, color="black", ls="--", lw=1)
     right.set_yscale("log")
     top = max(-6, int(np.ceil(np.log10(worst))) + 1)  # decades: 1e-18 (= 0) .. 1e{top}
@@ -232,8 +253,7 @@ def loss_figure(runs: dict[str, Sequence[float]], references: dict[str, Sequence
     right.set_xlabel("step")
     right.set_ylabel("|parallel - one process| / |one process|")
     right.set_title("relative difference of the loss (dashed: tolerance 1e-9)", fontsize=10)
-    for ax in (left, right):
-        ax.xaxis.get_major_locator().set_params(integer=True)
+    right.xaxis.get_major_locator().set_params(integer=True)
     figure.legend(loc="outside right center", fontsize=8, frameon=False)
     if title:
         figure.suptitle(title, fontsize=11)

@@ -33,6 +33,7 @@ from matplotlib.patches import Patch, Polygon, Rectangle
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
     SIMULATED_ONLY,
+    UNIT_RULE,
     Simulation,
     bubble_formula,
     bubble_fraction,
@@ -93,12 +94,13 @@ def gantt_legend(figure: Figure, kinds: Iterable[str], chunks: bool, waits: bool
 def gantt_figure(sim: Simulation, timeline: Sequence[dict] | None = None,
                  title: str = "", replayed: Simulation | None = None,
                  cores: int | None = None) -> Figure:
-    """The schedule as the simulator plays it (F = 1 unit, B = 2 per stage's share of
-    the layers), and beside it, if given, the wall-clock timeline of a real run's last
-    step (every rank; from `RunResult.extras["timeline"]`) and `replayed`: that run's
-    measured compute times played on the schedule's dependencies
-    (`pipeline_schedules.replay`). With `cores` fewer than the ranks, the wall-clock
-    panel says it was oversubscribed. Box numbers are microbatches."""
+    """The schedule as the simulator plays it (in stage units, `UNIT_RULE`: F = 1,
+    B = 2 for a whole stage's layers, a chunk its share), and beside it, if given,
+    the wall-clock timeline of a real run's last step (every rank; from
+    `RunResult.extras["timeline"]`) and `replayed`: that run's measured compute times
+    played on the schedule's dependencies (`pipeline_schedules.replay`). With `cores`
+    fewer than the ranks, the wall-clock panel says it was oversubscribed. Box numbers
+    are microbatches."""
     panels = 1 + bool(timeline) + (replayed is not None)
     pp = max(s.stage for s in sim.timeline) + 1
     real = timeline_bars(timeline) if timeline else []
@@ -108,7 +110,7 @@ def gantt_figure(sim: Simulation, timeline: Sequence[dict] | None = None,
     axes = figure.subplots(1, panels, squeeze=False)[0]
     simulated = [dict(vars(slot), row=slot.stage) for slot in sim.timeline]
     draw_gantt(axes[0], simulated, {s: f"stage {s}" for s in range(pp)},
-               "logical units: F = 1 per stage's layers", f"simulator: bubble {sim.bubble:.1%}")
+               UNIT_RULE, f"simulator: T = {sim.makespan:g} units, bubble {sim.bubble:.1%}")
     if timeline:
         stage_of = {r["rank"]: r["stage"] for r in timeline}
         measured = measured_bubble(timeline)
@@ -160,7 +162,7 @@ def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
              "dualpipe": "DualPipe (simulator), both ends, M even >= 2pp"}
     colors = {"1f1b": "tab:blue", "interleaved": "tab:purple", "zb-h1": "tab:green",
               "zb-v": "tab:red", "dualpipev": "tab:brown", "dualpipe": "tab:olive"}
-    figure = Figure(figsize=(7, 4.2), layout="constrained")
+    figure = Figure(figsize=(10.5, 4.2), layout="constrained")  # the legend right of the axes
     ax = figure.subplots()
     grid = np.geomspace(min(microbatches), max(microbatches), 200)
     for name, virtual in schedules:
@@ -181,7 +183,7 @@ def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
         ax.plot(list(measured), list(measured.values()), "x", color="black", markersize=8,
                 mew=2, label=measured_label)
     if replayed:
-        ax.plot(list(replayed), list(replayed.values()), "s", color="tab:red", markersize=7,
+        ax.plot(list(replayed), list(replayed.values()), "s", color="tab:cyan", markersize=7,
                 fillstyle="none", mew=1.5,
                 label="1F1B, real run's CPU times replayed on the schedule")
     ax.plot([], [], "o", color="0.4", label="simulator")
@@ -192,7 +194,7 @@ def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
     ax.set_ylim(0, 1)
     ax.set_title(f"the pipeline bubble, pp = {pp} stages", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1), frameon=False)
     return figure
 
 

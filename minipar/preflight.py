@@ -12,7 +12,8 @@ same verdict without talking:
 - overflow: numbers that are finite but make a count no machine can hold
   (`--capacity-factor 1e308`);
 - output folders: `--save`, `--dump`, `--plot` must name a folder this process can
-  create files in, and not a file, and not "" (checked by `folder_problems`); every path
+  create files in, and not a file, and not "" (checked by `folder_problems`);
+  `--trace` also not one holding another run's trace (`trace_problems`); every path
   given (those and `--resume`) must not be a dangling link, a loop of links or a name
   longer than the file system takes (`path_problems`).
 
@@ -199,6 +200,21 @@ def file_problems(path: str | Path) -> list[str]:
     except OSError as error:
         return [f"{path}: {path.parent} is not writable ({error.strerror})"]
     return []
+
+
+def trace_problems(folder: str) -> list[str]:
+    """Why `--trace folder` cannot be written (trace.py), before the first step: a file in
+    the way, a folder this process cannot create files in, or one holding another run's
+    trace (its files would be mixed with this run's, and the merged one replaced)."""
+    from minipar.trace import trace_files
+
+    found = [f"--trace {message}" for message in folder_problems(folder)]
+    if not found and Path(folder).is_dir():
+        held = trace_files(Path(folder))
+        if held:
+            found.append(f"--trace {folder}: holds the trace of another run ({held[0]}): "
+                         "give an empty or new folder")
+    return found
 
 
 def output_problems(flags: dict[str, str | None]) -> list[str]:

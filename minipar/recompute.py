@@ -35,7 +35,7 @@ from collections.abc import Callable
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import placement
+from minipar import placement, routing
 from minipar.autograd import Tensor
 from minipar.nn import Module, Parameter
 
@@ -89,7 +89,9 @@ class Recomputed(Module):
 
         def backward(g: np.ndarray) -> None:
             leaf = Tensor(h.data, requires_grad=h.requires_grad)
-            with placement.paused():  # checked in the forward already (module docstring)
+            # checked in the forward already (module docstring); its routing counted
+            # there too (routing.py: b's load is the step's tokens, once each)
+            with placement.paused(), routing.not_counting():
                 again, aux_again = self.block(leaf)
             roots = [(again, g)]
             if aux_again is not None and "aux" in seeds:

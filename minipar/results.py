@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from minipar.config import TrainConfig
+from minipar.documents import split_mask
 from minipar.train import RunResult, step_batch, train_reference
 
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
@@ -63,8 +64,13 @@ def check(cfg: TrainConfig, result: RunResult) -> int:
     param_abs, param_rel, where = max_differences(result.final, reference.final)
     tolerance = TOLERANCE[cfg.dtype]
     ok = loss_rel <= tolerance and param_rel <= tolerance
+    norms = result.extras.get("gnorms") or []   # --clip-grad-norm: this rank's norms
+    norm_rel = relative_difference(norms, reference.extras["gnorms"][
+        cfg.steps - len(norms):]) if norms else 0.0
+    ok = ok and norm_rel <= tolerance
     print(f"check against one process: losses max abs {loss_abs:.3e} rel {loss_rel:.3e}; "
           f"final params max abs {param_abs:.3e} rel {param_rel:.3e}"
+          + (f"; gnorm rel {norm_rel:.3e}" if norms else "")
           + (f" (worst: {where})" if where else "")
           + f" -> {'OK' if ok else 'MISMATCH'} (tolerance {tolerance:g})", flush=True)
     for line in result.extras.get("replica_disagreements", [])[:5]:
@@ -78,8 +84,15 @@ def dump(folder: Path, cfg: TrainConfig, result: RunResult) -> None:
     np.savez(folder / "init.npz", **result.init)
     np.savez(folder / "final.npz", **result.final)
     batches = [step_batch(cfg, s) for s in range(cfg.steps)]
-    np.savez(folder / "data.npz", x=np.stack([b[0] for b in batches]),
-             y=np.stack([b[1] for b in batches]))
+    if cfg.documents:  # y padded with 0 beside its loss mask (documents.py)
+        ys, masks = zip(*(split_mask(b[1]) for b in batches))
+        np.savez(folder / "data.npz", x=np.stack([b[0] for b in batches]), y=np.stack(ys),
+                 mask=np.stack(masks))
+    else:
+        np.savez(folder / "data.npz", x=np.stack([b[0] for b in batches]),
+                 y=np.stack([b[1] for b in batches]))
     (folder / "losses.json").write_text(json.dumps(result.losses))
+    if result.extras.get("gnorms"):  # --clip-grad-norm: each step's global gradient norm
+        (folder / "gnorms.json").write_text(json.dumps(result.extras["gnorms"]))
     (folder / "config.json").write_text(json.dumps(cfg.as_json(), indent=1))
     (folder / "ledger.json").write_text(json.dumps(result.ledger, indent=1))

@@ -387,9 +387,10 @@ def minipar_cp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffi
     transformer layer and microbatch, a block of K or V being the rank's (b, s/cp, d/tp)
     (its positions of its tp rank's heads):
     allgather 2 Allgathers of (b, s, d/tp) forward and 2 Reduce_scatters backward; ring and
-    zigzag 2 (cp-1) Sendrecv of a block forward, 4 (cp-1) backward (K, V, dK, dV travel)
-    and 2 more (dK, dV home); Ulysses 4 Alltoalls of a block forward (q, k, v, the
-    output) and 4 backward. --recompute selective or full runs the forward exchange
+    zigzag 2 (cp-1) Isend/Irecv pairs of a block forward (K, V, posted under the compute),
+    backward 2 (cp-1) more (K, V) and 2 (cp-1) Sendrecv (dK, dV follow) and 2 more (dK,
+    dV home); Ulysses 4 Alltoalls of a block forward (q, k, v, the output) and 4
+    backward. --recompute selective or full runs the forward exchange
     once more in the backward (the gathered keys are not kept: docs/design.md)."""
     times = len(shape.blocks) * plan.microbatches
     block = tokens_per_microbatch(w, plan) * w.d_model // plan.tp   # (b, s/cp, d/tp)
@@ -400,7 +401,8 @@ def minipar_cp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffi
                 for op, n in (("Allgather", forwards), ("Reduce_scatter", 1))]
     if plan.cp_mode == "ulysses":
         calls = times * (4 * forwards + 4)
-    else:
-        calls = times * (2 * (plan.cp - 1) * forwards + 4 * (plan.cp - 1) + 2)
-    op = "Alltoall" if plan.cp_mode == "ulysses" else "Sendrecv"
-    return [Traffic("cp", op, calls, calls * block, calls * block * w.act_bytes)]
+        return [Traffic("cp", "Alltoall", calls, calls * block, calls * block * w.act_bytes)]
+    posted = times * (2 * (plan.cp - 1) * forwards + 2 * (plan.cp - 1))   # K, V ahead
+    following = times * (2 * (plan.cp - 1) + 2)                            # dK, dV
+    return [Traffic("cp", op, n, n * block, n * block * w.act_bytes)
+            for op, n in (("Isend", posted), ("Irecv", posted), ("Sendrecv", following))]

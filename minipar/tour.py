@@ -14,8 +14,10 @@ named at the end.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +52,7 @@ STOPS: list[tuple[str, dict]] = [
     ("GPT-3-D  dp x ep x pp = 4 x 2 x 2 on gpt-moe", dict(
         model="gpt-moe", dp=4, ep=2, pp=2, microbatches=2)),
 ]
+TRACED = "PP "   # with --plot DIR, this stop is traced (`train --trace DIR/trace_pp`)
 SMALL = dict(layers=8, d_in=16, d_model=32, batch=64, steps=3)
 GPT_SMALL = dict(layers=8, d_model=32, heads=4, seq_len=16, batch=16, steps=3)
 
@@ -97,9 +100,16 @@ def main(argv: list[str] | None = None) -> int:
               "in the last step (ring formulas),\nand the largest difference from one "
               "process\n", flush=True)
     stops: list[dict] = []  # what the figures need, kept on rank 0 (with --plot)
+    traced = Path(args.plot) / "trace_pp" if args.plot else None
+    if traced is not None:   # the trace of an earlier tour: replaced
+        if rank == 0:
+            shutil.rmtree(traced, ignore_errors=True)
+        world.Barrier()
     for title, flags in STOPS:
         base = GPT_SMALL if flags.get("model", "").startswith("gpt") else SMALL
         cfg = TrainConfig(**{**base, **flags}).resolved(size)
+        if traced is not None and title.startswith(TRACED):
+            cfg = replace(cfg, trace=str(traced))
         errors = problems(cfg, size)
         if errors:  # the same verdict on every rank: skip together
             if rank == 0:
@@ -118,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(worst, rel, relative_difference(result.losses, ref.losses))
             print(f"{title:<58} [{mesh_name(cfg)}] on the wire {moved(result.ledger, cfg)}; "
                   f"vs one process: loss {loss_diff:.1e}, params rel {rel:.1e}", flush=True)
+            if cfg.trace is not None:   # the measured timeline (trace_report.measure)
+                from minipar.trace_report import load, measure
+
+                m = measure(load(cfg.trace))
+                print(f"{'':<5}traced ({cfg.trace}): bubble {m.bubble:.1%}, communication "
+                      f"hidden under compute {m.hidden:.1%}", flush=True)
         wait_for_rank0(world)  # the others asleep while rank 0 reruns the stop alone
     ok = worst <= TOLERANCE["float64"] and not skipped
     if rank == 0:
@@ -129,6 +145,13 @@ def main(argv: list[str] | None = None) -> int:
             from minipar.plots import tour_figures  # matplotlib loads only with --plot
 
             folder = tour_figures(Path(args.plot), stops)
+            if traced is not None and (traced / "trace.json").exists():
+                from minipar.plots import save
+                from minipar.trace_report import figure, load
+
+                save(figure(load(traced), "the tour's pipeline stop (dp 2 x pp 4, 1F1B), "
+                                          "measured: train --trace"),
+                     folder / "tour_trace_pp.png")
             print(f"figures written to {folder}/", flush=True)
     wait_for_rank0(world)
     return world.bcast(0 if ok else 1, root=0)  # rank 0 saw the differences: all exit alike

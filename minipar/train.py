@@ -30,7 +30,21 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import bugs, checkpoint, config, gpt, nn, placement, preflight, watchdog
+from minipar import (
+    bugs,
+    checkpoint,
+    clip,
+    config,
+    documents,
+    flight,
+    gpt,
+    nn,
+    placement,
+    preflight,
+    routing,
+    trace,
+    watchdog,
+)
 from minipar.assemble import (  # noqa: F401  (callers import them from here too)
     build_rank_model,
     context_positions,
@@ -118,6 +132,8 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
         out += bugs.problems(cfg)
     if not out and (cfg.save or cfg.resume):
         out += checkpoint.problems(cfg)
+    if not out and cfg.trace is not None:  # a file, read-only, another run's trace
+        out += preflight.trace_problems(cfg.trace)
     return out
 
 
@@ -125,7 +141,10 @@ def step_batch(cfg: TrainConfig, step: int, rows: np.ndarray | None = None
                ) -> tuple[np.ndarray, np.ndarray]:
     """The global batch of `step`: the same on every rank, from (seed, step) alone.
     MLP models: x (B, d_in), y (B,); the transformer: token ids x, y (B, T). With
-    `rows`, only those rows of it (data.rank_rows: a rank's own), drawn without the rest."""
+    `rows`, only those rows of it (data.rank_rows: a rank's own), drawn without the rest.
+    With --documents, y is `documents.IGNORE` at the padded positions."""
+    if cfg.data is not None and cfg.documents:
+        return documents.make_documents(cfg.data, cfg.seed, step, cfg.batch, cfg.seq_len, rows)
     if cfg.data is not None:
         return make_text_windows(cfg.data, cfg.seed, step, cfg.batch, cfg.seq_len, rows)
     if cfg.model_config().is_gpt:
@@ -152,28 +171,48 @@ def train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | No
     model = build_reference(cfg, full)
     params = model.parameters()
     optimizer = make_optimizer(cfg.optimizer, cfg.lr)
-    losses = []
+    losses, norms = [], []
     for step in range(cfg.steps):
         x, y = step_batch(cfg, step)
         model.zero_grad()
         total = 0.0
+        # --documents: CE over the valid positions / N, the batch's valid positions
+        valid = documents.valid_positions(y) if cfg.documents else None
         for m in range(cfg.microbatches):
             rows = microbatch_rows(cfg.batch, cfg.microbatches, m)
-            loss = nn.loss_fn(model, x[rows], y[rows]) * (1.0 / cfg.microbatches)
+            weight = 1.0 if valid is None else documents.loss_weight(y[rows], y.size, valid)
+            loss = nn.loss_fn(model, x[rows], y[rows], weight) * (1.0 / cfg.microbatches)
             loss.backward()
             total += loss.item()
+        if cfg.clip_grad_norm is not None:  # the whole gradient's norm, then the scale
+            norms.append(clip.clip_reference([p.grad for p in params], cfg.clip_grad_norm))
         optimizer.step([p.data for p in params], [p.grad for p in params])
+        if cfg.router == "sigmoid-bias":  # b moves against the step's load (routing.py)
+            routing.update_biases(model, None, cfg.bias_rate)
         losses.append(total)
         if on_step is not None:
-            on_step(step, total)
-    return RunResult(losses, init, {p.name: p.data.copy() for p in params})
+            step_done(on_step, step, total, norms)
+    return RunResult(losses, init, {**{p.name: p.data.copy() for p in params},
+                                    **routing.bias_values(model)},
+                     extras={"gnorms": norms})
+
+
+def step_done(on_step: Callable[..., None], step: int, loss: float, norms: list[float]
+              ) -> None:
+    """Report a step: `on_step(step, loss)`, and with --clip-grad-norm also
+    `gnorm=` the step's global gradient norm (before clipping)."""
+    if norms:
+        on_step(step, loss, gnorm=norms[-1])
+    else:
+        on_step(step, loss)
 
 
 # ----------------------------------------------------------- the mesh run
-def microbatch_loss(chunk: nn.Model, x: np.ndarray | ag.Tensor, y: np.ndarray, scale: float
-                    ) -> ag.Tensor:
-    """scale * (local mean CE + aux) for a chunk that holds the whole model."""
-    return nn.loss_fn(chunk, x, y) * scale
+def microbatch_loss(chunk: nn.Model, x: np.ndarray | ag.Tensor, y: np.ndarray, scale: float,
+                    weight: float = 1.0) -> ag.Tensor:
+    """scale * (weight * local mean CE + aux) for a chunk that holds the whole model
+    (`weight`: documents.loss_weight with --documents, else 1)."""
+    return nn.loss_fn(chunk, x, y, weight) * scale
 
 
 def boundary_shape(cfg: TrainConfig) -> tuple[int, ...]:
@@ -189,13 +228,19 @@ def boundary_shape(cfg: TrainConfig) -> tuple[int, ...]:
 
 
 def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
-                     x: np.ndarray, y: np.ndarray, timeline: list[dict] | None = None) -> float:
+                     x: np.ndarray, y: np.ndarray, timeline: list[dict] | None = None,
+                     valid: int | None = None) -> float:
     """Forward and backward of every microbatch of this rank's rows `x, y` (its rows of
     the global batch, `data.rank_rows`: microbatch after microbatch); returns this
     rank's share of the step loss (sum over microbatches of loss/M). With pp > 1
     the pipeline schedule decides the order (pipeline_parallel.py) and appends the
-    wall-clock start/end of each of its instructions to `timeline`."""
+    wall-clock start/end of each of its instructions to `timeline`. `valid`: with
+    --documents, the valid positions of the global batch (documents.global_valid)."""
     scale = 1.0 / cfg.microbatches
+    positions = cfg.batch * cfg.seq_len   # of the global batch: the masked loss's P
+
+    def weight(labels: np.ndarray) -> float:  # documents.py: the CE's factor P / N
+        return 1.0 if valid is None else documents.loss_weight(labels, positions, valid)
     slices = [local_rows(cfg.batch, cfg.microbatches, cfg.dp, m)  # of this rank's rows
               for m in range(cfg.microbatches)]
     # placements (placement.py): the rows of x are Shard(0) over dp (its positions
@@ -209,7 +254,7 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
         def last_stage_loss(logits: ag.Tensor, aux: ag.Tensor | None,
                             labels: np.ndarray) -> ag.Tensor:
             head = next(c.head for c in chunks if c.head is not None)  # the chunk with it
-            loss = nn.output_loss(head, logits, labels) * scale     # CE / M
+            loss = nn.output_loss(head, logits, labels) * (scale * weight(labels))  # CE / M
             loss = loss if aux is None else loss + aux * scale      # + aux / M
             if placement.ON:  # what the gradient sync expects: at most a mean over dp (x cp)
                 placement.loss("the gradient sync", loss, mesh.dp_cp)
@@ -224,12 +269,17 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
         return pipeline_parallel.forward_backward(worker, cfg.schedule, cfg.microbatches,
                                                   timeline)
     total = 0.0
-    for rows in slices:  # gradient accumulation: grads add up in .grad
-        loss = microbatch_loss(chunks[0], pipeline_parallel.rows_of(ag.Tensor(x[rows]),
-                                                                    rows_over), y[rows], scale)
+    for m, rows in enumerate(slices):  # gradient accumulation: grads add up in .grad
+        flight.set_microbatch(m)  # the flight recorder's calls of this microbatch
+        with trace.span("forward", microbatch=m, chunk=0):
+            loss = microbatch_loss(chunks[0], pipeline_parallel.rows_of(
+                ag.Tensor(x[rows]), rows_over), y[rows], scale, weight(y[rows]))
+        trace.hold((0, m), loss)  # --trace: the activations the tape keeps
         if placement.ON:  # what the gradient sync expects: at most a mean over dp (x cp)
             placement.loss("the gradient sync", loss, mesh.dp_cp)
-        loss.backward()
+        with trace.span("backward", microbatch=m, chunk=0):
+            loss.backward()
+        trace.release((0, m))
         total += loss.item()
     return total
 
@@ -256,7 +306,8 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
     try:  # overflow shows up as a DivergedError line, not as NumPy warnings burying it
         with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"), \
                 placement.checking(cfg.check_placements,   # placement.py: on or off
-                                   {axis: getattr(mesh, axis).size for axis in MESH_AXES}):
+                                   {axis: getattr(mesh, axis).size for axis in MESH_AXES}), \
+                trace.recording(cfg.trace, mesh, cfg.as_json()):  # --trace DIR: timelines
             return train_on_mesh(cfg, mesh, on_step)
     finally:  # also when a step diverges: a sweep or a notebook builds many meshes
         mesh.free()
@@ -270,19 +321,23 @@ def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
     full = saved.params if saved else nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
     optimizer = make_optimizer(cfg.optimizer, cfg.lr)
     chunks, updater = parallelize(cfg, mesh, full, optimizer)
+    trace.instrument(optimizer, updater.memory)  # --trace: optimizer spans, bytes held
     params = [p for chunk in chunks for p in chunk.parameters()]
     init, _ = gather_full_params(mesh, params, cfg, values=full)  # (ZeRO-3 dropped p.data)
     # the saved optimizer state, cut as the updater keeps it (ZeRO: its flat slice)
     start = checkpoint.restore_optimizer(optimizer, params, saved, updater) if saved else 0
+    if saved:  # sigmoid-bias: every block's b as saved (replicated: any mesh takes it whole)
+        routing.set_bias_values(chunks, saved.manifest.get("router_bias", {}))
     # the losses of the steps already taken (a resumed run reports all --steps of them)
     losses = list(saved.manifest.get("losses", [])) if saved else []
     timeline: list[dict] = []  # the pipeline's instructions of the last step, timed
     for step in range(start, cfg.steps):  # --steps is the total, resumed or not
         watchdog.doing(f"step {step + 1} of {cfg.steps}")  # named if a rank gets stuck
         timeline.clear()
-        losses.append(train_step(cfg, mesh, chunks, updater, step, timeline))
+        with trace.step(step + 1):   # --trace: one span per step
+            losses.append(train_step(cfg, mesh, chunks, updater, step, timeline))
         if on_step is not None:
-            on_step(step, losses[-1])
+            step_done(on_step, step, losses[-1], norms_of(updater))
     watchdog.doing("the end of the run (gathering results, saving the checkpoint)")
     return finish(cfg, mesh, chunks, updater, losses, init, timeline)
 
@@ -303,7 +358,16 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
     for chunk in chunks:
         for p in chunk.parameters():
             p.grad = None
-    local = forward_backward(cfg, mesh, chunks, x, y, timeline)
+    valid = None
+    if cfg.documents:  # N: the global batch's valid positions (documents.py), before
+        from minipar.comm import allreduce_sum  # backward (here: comm.py loads mpi4py.MPI)
+
+        # my rows' (over dp) and positions' (over cp) count -> the global batch's, on every
+        # rank; tp and pp ranks hold the labels of their dp x cp peers and sum alike
+        valid = int(allreduce_sum(mesh.dp_cp, np.array([documents.valid_positions(y)],
+                                                       dtype=np.int64))[0])
+    local = forward_backward(cfg, mesh, chunks, x, y, timeline, valid)
+    flight.set_microbatch(None)  # the syncs below belong to the whole step
     if cfg.schedule in pipeline_schedules.TWO_WAY and cfg.pp > 1:  # DualPipe: copy + copy
         pipeline_parallel.sum_the_two_copies(chunks, mesh.pp)
     if cfg.sp:  # LayerNorm / fc2-bias gradients of row shards: sum over tp first
@@ -311,6 +375,8 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
     # data parallelism: sum each weight's gradient over its replicas, divide by dp;
     # then the optimizer updates what this rank holds (ZeRO: its slice)
     updater.step()
+    if cfg.router == "sigmoid-bias":  # b of every MoE block against the global load: one
+        routing.update_biases(chunks, mesh.dp_cp, cfg.bias_rate)  # Allreduce over dp x cp
     ledger.enabled = False  # reporting the loss is not part of training's traffic
     if placement.ON:  # no gradient left a partial sum by the syncs above (placement.py);
         # every rank learns of any rank's finding, so all stop at this same step
@@ -344,12 +410,20 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
     updater.materialize()  # ZeRO-3: gather every parameter whole before reading p.data
     params = [p for chunk in chunks for p in chunk.parameters()]
     final, disagreements = gather_full_params(mesh, params, cfg)
+    biases = gather_biases(mesh, chunks)
+    if final is not None:
+        final.update(biases[0])
+        disagreements += biases[1]
     if cfg.save:  # every rank writes its shard; rank 0 the manifest, last
-        checkpoint.save(cfg.save, cfg, mesh, updater, updater.optimizer, cfg.steps, losses,
-                        keep=cfg.keep, run=checkpoint.continued_run(cfg.resume))
+        with trace.span("checkpoint save", "checkpoint", folder=cfg.save):
+            checkpoint.save(cfg.save, cfg, mesh, updater, updater.optimizer, cfg.steps,
+                            losses, keep=cfg.keep, router_bias=biases[0],
+                            run=checkpoint.continued_run(cfg.resume))
     return RunResult(losses, init, final,
                      [r for rank in gathered for r in rank] if gathered else [],
                      {"replica_disagreements": disagreements,
+                      # --clip-grad-norm: each step's global gradient norm on this rank
+                      "gnorms": norms_of(updater),
                       "memory": memory,  # memory.ModelStates of this rank, after the last step
                       # pipeline_parallel.gather_timeline: every rank's instructions of the
                       # last step with wall-clock start/end (rank 0; empty with pp = 1)
@@ -365,6 +439,12 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
                                            if hasattr(block, "attn")]})
 
 
+def norms_of(updater: Updater) -> list[float]:
+    """The global gradient norm of each step taken (clip.Clipper), [] without clipping."""
+    clipper = getattr(updater, "clipper", None)
+    return clipper.norms if clipper is not None else []
+
+
 def report_loss(mesh: Mesh, local: float) -> float:
     """The step loss on every rank: stage shares summed over pp, averaged over dp (and cp:
     each cp rank's share is the mean over its positions, the same number of them)."""
@@ -372,6 +452,26 @@ def report_loss(mesh: Mesh, local: float) -> float:
 
     value = allreduce_sum(mesh.pp, np.array([local]))
     return float(allreduce_sum(mesh.dp_cp, value)[0] / mesh.shape.replicas)
+
+
+def gather_biases(mesh: Mesh, chunks: list[nn.Model]
+                  ) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Every block's b (routing.BiasBalance, sigmoid-bias) on world rank 0, and a line for
+    each replica that is not bitwise equal to the first one holding it (every rank of the
+    block's dp x cp and tp groups must have taken the same steps). Empty elsewhere."""
+    # {name: b} of every rank -> rank 0
+    everyone = mesh.world.gather(routing.bias_values(chunks))
+    if everyone is None:
+        return {}, []
+    found: dict[str, np.ndarray] = {}
+    disagreements = []
+    for rank, values in enumerate(everyone):
+        for name, value in values.items():
+            first = found.setdefault(name, value)
+            if not np.array_equal(first, value):
+                disagreements.append(f"{name}: rank {rank} differs from an earlier replica "
+                                     f"by {float(np.max(np.abs(first - value))):.3g}")
+    return found, disagreements
 
 
 def gather_full_params(mesh: Mesh, params: list[nn.Parameter], cfg: TrainConfig,

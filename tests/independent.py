@@ -9,7 +9,10 @@ out on paper and typed in, layer by layer, in reverse. Only the batches come fro
 
 It follows the papers docs/design.md follows: pre-LayerNorm residual MLP blocks, top-k routed
 experts with renormalized gates and a capacity limit (GShard), the load-balancing loss
-`alpha * E * sum_e f_e P_e` (Switch Transformer), Adam with bias correction (Kingma & Ba).
+`alpha * E * sum_e f_e P_e` (Switch Transformer), Adam with bias correction (Kingma & Ba),
+and DeepSeek-V3's routing (DESIGN, "MoE routing, DeepSeek-V3 style"): sigmoid scores
+chosen by s + b, b moved by rate * sign(mean load - load) after each step, node-limited
+choice inside the M groups of largest top-2 sum, shared experts added to every token.
 The MoE is vectorized per expert: each expert gathers its tokens with one index array.
 
 Used by `python -m pytest tests/test_reference.py`.
@@ -58,6 +61,8 @@ def init_params(cfg: TrainConfig, seed: int, dtype: str = "float64") -> Params:
             draw(f"blocks.{i}.router.weight", (d, cfg.experts))
             for e in range(cfg.experts):
                 ffn(f"blocks.{i}.experts.{e}", cfg.expert_d_ff)
+            for e in range(cfg.shared_experts):
+                ffn(f"blocks.{i}.shared_experts.{e}", cfg.expert_d_ff)
         else:
             ffn(f"blocks.{i}", cfg.d_ff)
     draw("head.weight", (d, cfg.classes))
@@ -149,12 +154,38 @@ def within_capacity(chosen: np.ndarray, experts: int, limit: int | None) -> np.n
     return keep.reshape(chosen.shape)
 
 
-def moe_ffn(params: Params, prefix: str, u: np.ndarray, cfg: TrainConfig
-            ) -> tuple[np.ndarray, np.ndarray, dict]:
-    """sum_{e in top-k} g_e Expert_e(u) and the aux loss alpha E sum_e f_e P_e."""
+def best_groups(selection: np.ndarray, groups: int, keep: int) -> np.ndarray:
+    """(B, E) mask of the experts in each token's `keep` groups of largest affinity, the
+    affinity of a group being the sum of its two largest selection scores; ties to the
+    lower group (argmax passes, as `top_k`)."""
+    B, E = selection.shape
+    per = E // groups
+    affinity = np.empty((B, groups))
+    for g in range(groups):                  # a loop over groups, not tokens
+        block = selection[:, g * per:(g + 1) * per]
+        two = top_k(block, min(2, per))
+        affinity[:, g] = np.take_along_axis(block, two, axis=1).sum(axis=1)
+    mask = np.zeros((B, E), dtype=bool)
+    for g in top_k(affinity, keep).T:        # each pass: one more kept group per token
+        for j in range(per):
+            mask[np.arange(B), g * per + j] = True
+    return mask
+
+
+def moe_ffn(params: Params, prefix: str, u: np.ndarray, cfg: TrainConfig,
+            bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
+    """sum_{e in top-k} g_e Expert_e(u) (+ the shared experts) and the aux loss
+    alpha E sum_e f_e P_e. `bias`: the sigmoid-bias router's b, for the choice only."""
     B, E, k = u.shape[0], cfg.experts, cfg.top_k
-    probs = softmax_rows(u @ params[f"{prefix}.router.weight"])          # (B, E)
-    chosen = top_k(probs, k)                                             # (B, k)
+    logits = u @ params[f"{prefix}.router.weight"]
+    sigmoid = getattr(cfg, "router", "softmax") == "sigmoid-bias"
+    probs = 1.0 / (1.0 + np.exp(-logits)) if sigmoid else softmax_rows(logits)  # (B, E)
+    selection = probs if bias is None else probs + bias
+    groups = getattr(cfg, "route_groups", 1)
+    keep_groups = getattr(cfg, "route_top_groups", None) or groups
+    if keep_groups < groups:
+        selection = np.where(best_groups(selection, groups, keep_groups), selection, -np.inf)
+    chosen = top_k(selection, k)                                         # (B, k)
     picked = np.take_along_axis(probs, chosen, axis=1)
     total = picked.sum(axis=1, keepdims=True)
     gates = picked / total                                               # (B, k)
@@ -168,10 +199,16 @@ def moe_ffn(params: Params, prefix: str, u: np.ndarray, cfg: TrainConfig
         y, cache = ffn(params, f"{prefix}.experts.{e}", u[token])
         out[token] += gates[token, slot][:, None] * y     # a token meets expert e at most once
         runs.append((token, slot, y, cache))
+    shared = []
+    for e in range(getattr(cfg, "shared_experts", 0)):
+        y, run = ffn(params, f"{prefix}.shared_experts.{e}", u)
+        out += y
+        shared.append(run)
     f = np.bincount(chosen.reshape(-1), minlength=E) / (B * k)   # counted before any drop
     aux = cfg.aux_coef * E * np.sum(f * probs.mean(axis=0))
     cache = {"probs": probs, "chosen": chosen, "gates": gates, "total": total, "f": f,
-             "runs": runs, "dropped": int((~keep).sum())}
+             "runs": runs, "dropped": int((~keep).sum()), "sigmoid": sigmoid,
+             "shared": shared, "load": np.bincount(chosen.reshape(-1), minlength=E)}
     return out, aux, cache
 
 
@@ -192,24 +229,34 @@ def moe_ffn_backward(params: Params, prefix: str, u: np.ndarray, dout: np.ndarra
     np.put_along_axis(dprobs, chosen, dpicked, axis=1)        # the k experts differ per row
     # aux = alpha E sum_e f_e mean_b p_be: d aux / d p_be = alpha E f_e / B (f is a count)
     dprobs += aux_weight * cfg.aux_coef * cfg.experts * cache["f"] / u.shape[0]
-    dlogits = probs * (dprobs - (dprobs * probs).sum(axis=1, keepdims=True))
+    for e, run in enumerate(cache.get("shared", [])):
+        du += ffn_backward(params, f"{prefix}.shared_experts.{e}", dout, run, grads)
+    if cache.get("sigmoid"):                  # d sigmoid(z) / dz = s (1 - s), per entry
+        dlogits = dprobs * probs * (1.0 - probs)
+    else:
+        dlogits = probs * (dprobs - (dprobs * probs).sum(axis=1, keepdims=True))
     grads[f"{prefix}.router.weight"] += u.T @ dlogits
     return du + dlogits @ params[f"{prefix}.router.weight"].T
 
 
 # --------------------------------------------------------------- model
-def loss_and_grads(params: Params, cfg: TrainConfig, x: np.ndarray, y: np.ndarray
+def loss_and_grads(params: Params, cfg: TrainConfig, x: np.ndarray, y: np.ndarray,
+                   biases: Params | None = None, loads: Params | None = None
                    ) -> tuple[float, Params, int]:
     """Mean CE + sum of aux losses on one (micro)batch, every gradient, and how many
-    MoE assignments capacity dropped."""
+    MoE assignments capacity dropped. `biases`: each block's b by name (sigmoid-bias);
+    `loads`: each block's assignments per expert are added there."""
     h = x @ params["embed.weight"] + params["embed.bias"]
     tape, aux_total, dropped = [], 0.0, 0
     for i in range(cfg.layers):
         p = f"blocks.{i}"
         u, ln_cache = layer_norm(h, params[f"{p}.ln.weight"], params[f"{p}.ln.bias"])
         if cfg.model == "moe":
-            out, aux, cache = moe_ffn(params, p, u, cfg)
+            name = f"{p}.router.bias_balance"
+            out, aux, cache = moe_ffn(params, p, u, cfg, (biases or {}).get(name))
             aux_total, dropped = aux_total + aux, dropped + cache["dropped"]
+            if loads is not None:
+                loads[name] = loads.get(name, 0) + cache["load"]
         else:
             out, cache = ffn(params, p, u)
         tape.append((u, ln_cache, cache))
@@ -254,7 +301,8 @@ class Run:
     dropped: list[int] = field(default_factory=list)
 
 
-def step_gradient(params: Params, cfg: TrainConfig, step: int) -> tuple[float, Params, int]:
+def step_gradient(params: Params, cfg: TrainConfig, step: int, biases: Params | None = None,
+                  loads: Params | None = None) -> tuple[float, Params, int]:
     """Loss and gradient of one step: the mean over M contiguous microbatches."""
     x, y = make_batch(cfg.seed, step, cfg.batch, cfg.d_in, cfg.classes, cfg.dtype)
     size = cfg.batch // cfg.microbatches
@@ -262,7 +310,8 @@ def step_gradient(params: Params, cfg: TrainConfig, step: int) -> tuple[float, P
     grads = {name: np.zeros_like(value) for name, value in params.items()}
     for m in range(cfg.microbatches):
         rows = slice(m * size, (m + 1) * size)
-        loss, micro_grads, micro_dropped = loss_and_grads(params, cfg, x[rows], y[rows])
+        loss, micro_grads, micro_dropped = loss_and_grads(params, cfg, x[rows], y[rows],
+                                                          biases, loads)
         total += loss / cfg.microbatches
         dropped += micro_dropped
         for name, g in micro_grads.items():
@@ -288,9 +337,17 @@ def train(cfg: TrainConfig) -> Run:
     params = init_params(cfg, cfg.seed, cfg.dtype)
     run = Run([], {name: value.copy() for name, value in params.items()}, params)
     state: dict = {}
+    balanced = cfg.model == "moe" and cfg.router == "sigmoid-bias"
+    biases = {f"blocks.{i}.router.bias_balance": np.zeros(cfg.experts)
+              for i in range(cfg.layers)} if balanced else {}
     for step in range(cfg.steps):
-        loss, grads, dropped = step_gradient(params, cfg, step)
+        loads: Params = {}
+        loss, grads, dropped = step_gradient(params, cfg, step, biases, loads)
         update(params, grads, state, cfg, step + 1)
+        for name in biases:  # b_e += rate sign(mean load - load_e), the step's whole batch
+            biases[name] = biases[name] + cfg.bias_rate * np.sign(
+                loads[name].sum() / cfg.experts - loads[name])
         run.losses.append(loss)
         run.dropped.append(dropped)
+    run.final = {**params, **biases}
     return run

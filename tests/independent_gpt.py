@@ -72,6 +72,8 @@ def init_params(cfg: TrainConfig, seed: int, dtype: str = "float64") -> Params:
             draw(f"{p}.router.weight", (d, cfg.experts))
             for e in range(cfg.experts):
                 ffn_weights(f"{p}.experts.{e}", cfg.expert_d_ff)
+            for e in range(cfg.shared_experts):
+                ffn_weights(f"{p}.shared_experts.{e}", cfg.expert_d_ff)
         else:
             ffn_weights(p, cfg.d_ff)
     norm("ln_f")
@@ -131,10 +133,13 @@ def attention_backward(params: Params, p: str, dout: np.ndarray, cache: tuple, h
 
 
 # --------------------------------------------------------------- model
-def loss_and_grads(params: Params, cfg: TrainConfig, x: np.ndarray, y: np.ndarray
+def loss_and_grads(params: Params, cfg: TrainConfig, x: np.ndarray, y: np.ndarray,
+                   biases: Params | None = None, loads: Params | None = None
                    ) -> tuple[float, Params, int]:
     """Mean next-token CE over all B*T positions + the aux losses, every gradient, and
-    how many MoE assignments capacity dropped. x, y (B, T) token ids."""
+    how many MoE assignments capacity dropped. x, y (B, T) token ids. `biases`: each
+    block's b (sigmoid-bias), for the choice; `loads`: each block's assignments per
+    expert are added there."""
     B, T = x.shape
     d = cfg.d_model
     h = params["tok_embed.weight"][x] + params["pos_embed.weight"][None, :T]   # (B, T, d)
@@ -146,8 +151,11 @@ def loss_and_grads(params: Params, cfg: TrainConfig, x: np.ndarray, y: np.ndarra
         h = h + att
         u, ln2 = layer_norm(h.reshape(-1, d), params[f"{p}.ln2.weight"], params[f"{p}.ln2.bias"])
         if cfg.model == "gpt-moe":                            # the B*T positions are tokens
-            out, aux, ffn_cache = moe_ffn(params, p, u, cfg)
+            name = f"{p}.router.bias_balance"
+            out, aux, ffn_cache = moe_ffn(params, p, u, cfg, (biases or {}).get(name))
             aux_total, dropped = aux_total + aux, dropped + ffn_cache["dropped"]
+            if loads is not None:
+                loads[name] = loads.get(name, 0) + ffn_cache["load"]
         else:
             out, ffn_cache = ffn(params, p, u)
         tape.append((ln1, att_cache, u, ln2, ffn_cache))
@@ -205,18 +213,27 @@ def train(cfg: TrainConfig) -> Run:
     run = Run([], {name: value.copy() for name, value in params.items()}, params)
     state: dict = {}
     size = cfg.batch // cfg.microbatches
+    balanced = cfg.model == "gpt-moe" and cfg.router == "sigmoid-bias"
+    biases = {f"blocks.{i}.router.bias_balance": np.zeros(cfg.experts)
+              for i in range(cfg.layers)} if balanced else {}
     for step in range(cfg.steps):
         x, y = batch(cfg, step)
         total, dropped = 0.0, 0
         grads = {name: np.zeros_like(value) for name, value in params.items()}
+        loads: Params = {}
         for m in range(cfg.microbatches):
             rows = slice(m * size, (m + 1) * size)
-            loss, micro, micro_dropped = loss_and_grads(params, cfg, x[rows], y[rows])
+            loss, micro, micro_dropped = loss_and_grads(params, cfg, x[rows], y[rows],
+                                                        biases, loads)
             total += loss / cfg.microbatches
             dropped += micro_dropped
             for name, g in micro.items():
                 grads[name] += g / cfg.microbatches
         update(params, grads, state, cfg, step + 1)
+        for name in biases:  # b_e += rate sign(mean load - load_e), the step's whole batch
+            biases[name] = biases[name] + cfg.bias_rate * np.sign(
+                loads[name].sum() / cfg.experts - loads[name])
         run.losses.append(total)
         run.dropped.append(dropped)
+    run.final = {**params, **biases}
     return run

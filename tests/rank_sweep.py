@@ -4,8 +4,10 @@
 
 Rank 0 writes each run's dump to OUTDIR/<i>/, plus `memory.json`: every rank's
 measured bytes of parameters, gradients and optimizer state (a list by world
-rank; `RunResult.extras["memory"]`), and `scores.json`: every rank's attention
-score entries per block in the last forward (`extras["attention_scores"]`).
+rank; `RunResult.extras["memory"]`), `scores.json`: every rank's attention
+score entries per block in the last forward (`extras["attention_scores"]`), and
+`rank_gnorms.json`: every rank's global gradient norm of each step (`extras["gnorms"]`,
+with --clip-grad-norm).
 An exception on any rank aborts the job (as `python -m mpi4py` does) with that
 rank's traceback.
 """
@@ -38,10 +40,13 @@ def main() -> None:
         memory = world.gather(vars(result.extras["memory"]))
         # every rank's attention score entries per block (context parallelism's work)
         scores = world.gather(result.extras["attention_scores"])
+        # every rank's global gradient norm per step (--clip-grad-norm; [] without)
+        norms = world.gather(result.extras["gnorms"])
         if world.Get_rank() == 0:
             dump(out / str(i), cfg, result)
             (out / str(i) / "memory.json").write_text(json.dumps(memory))
             (out / str(i) / "scores.json").write_text(json.dumps(scores))
+            (out / str(i) / "rank_gnorms.json").write_text(json.dumps(norms))
 
 
 if __name__ == "__main__":

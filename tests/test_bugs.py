@@ -36,7 +36,8 @@ SMALL = dict(layers=4, d_in=8, d_model=16, batch=16, steps=2)
 SMALL_MOE = dict(SMALL, experts=4, top_k=2, expert_d_ff=16)
 SMALL_GPT = dict(layers=2, d_model=16, batch=8, seq_len=8, vocab=16, steps=2)
 # bugs whose run keeps the dp/tp copies of a parameter equal (the same mistake everywhere)
-SPLITS_REPLICAS = {"tp-copy-to-no-allreduce", "dp-stage-not-synced", "zero-no-allgather"}
+SPLITS_REPLICAS = {"tp-copy-to-no-allreduce", "dp-stage-not-synced", "zero-no-allgather",
+                   "moe-bias-local-load"}
 
 
 def fields(bug: bugs.Bug, **changes: object) -> dict:

@@ -26,7 +26,8 @@ def stopped(tmp_path_factory) -> dict[str, str | None]:
 
 def test_the_placement_bugs_are_the_expected_ones():
     assert PLACEMENT_BUGS == ["tp-copy-to-no-allreduce", "dp-stage-not-synced",
-                              "moe-aux-per-rank", "tp-vocab-loss-no-max", "cp-no-allgather"]
+                              "moe-aux-per-rank", "tp-vocab-loss-no-max", "cp-no-allgather",
+                              "zero-no-allgather"]
 
 
 @pytest.mark.parametrize("name", PLACEMENT_BUGS)
@@ -50,6 +51,10 @@ def test_the_lines_name_where_each_bug_is_made(stopped):
     assert "blocks.0.attn.k output is sharded along dim 1 over cp" in stopped["cp-no-allgather"]
     assert "an Allgather of K and V along T is missing" in stopped["cp-no-allgather"]
     assert "[at minipar/bugs_detours.py:" in stopped["cp-no-allgather"]   # the broken line
+    assert ("ZeRO's flat vector of the dense parameters is sharded along dim 0 over dp; "
+            "the next forward needs it replicated (an Allgather is missing)"
+            in stopped["zero-no-allgather"])
+    assert "[at minipar/parallel/zero.py:" in stopped["zero-no-allgather"]
 
 
 @pytest.mark.parametrize("name", [n for n in BUGS if n not in PLACEMENT_BUGS])

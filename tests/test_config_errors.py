@@ -53,6 +53,16 @@ CASES = [
     (["--lr", "-0.1"], "--lr"),
     (["--aux-coef=-inf"], "--aux-coef"),
     (["--model", "moe", "--capacity-factor", "0"], "--capacity-factor"),
+    # DeepSeek-V3 routing (minipar/routing.py)
+    (["--model", "moe", "--route-groups", "4", "--route-top-groups", "5"],
+     "--route-top-groups"),                                          # M > G
+    (["--model", "moe", "--experts", "6", "--route-groups", "4"], "--route-groups"),
+    (["--model", "moe", "--top-k", "4", "--route-groups", "4", "--route-top-groups", "1"],
+     "--top-k"),                                                     # 4 > the 2 experts of M
+    (["--model", "moe", "--router", "sigmoid-bias", "--aux-coef", "0.01"], "--aux-coef"),
+    (["--model", "moe", "--router", "sigmoid-bias", "--bias-rate=-0.001"], "--bias-rate"),
+    (["--model", "moe", "--bias-rate", "0.01"], "--bias-rate"),      # softmax has no b
+    (["--shared-experts", "1"], "--shared-experts"),                 # a dense model
     (["--steps", "two"], "--steps"),
     (["--zero", "4"], "--zero"),
     (["--dtype", "float16"], "--dtype"),
@@ -136,9 +146,18 @@ CASES = [
       "--microbatches", "2"], "--microbatches"),                     # needs M >= 2 pp
     (["--dp", "2", "--pp", "2", "--layers", "4", "--schedule", "dualpipe",
       "--microbatches", "4", "--zero", "1"], "--zero 0"),
+    # gradient clipping (clip.py) and ragged documents (documents.py)
+    (["--clip-grad-norm", "0"], "--clip-grad-norm"),
+    (["--clip-grad-norm", "-1"], "--clip-grad-norm"),
+    (["--clip-grad-norm", "nan"], "--clip-grad-norm"),
+    (["--clip-grad-norm", "inf"], "--clip-grad-norm"),
+    (["--model", "gpt", "--documents"], "--documents"),             # no --data to read
+    (["--model", "gpt", "--data", "{one_byte_documents}", "--documents"], "--documents"),
+    (["--documents"], "--documents"),                                # the MLP reads rows
 ]
 # Through the real launcher, at several world sizes: (ranks, case index).
-END_TO_END = [(4, 0), (2, 11), (1, 15), (2, 27), (2, 42), (2, 50), (2, 52), (2, 58)]
+END_TO_END = [(4, 0), (2, 11), (1, 15), (2, 27), (2, 42), (2, 50), (2, 52), (2, 58),
+              (2, len(CASES) - 5)]   # --clip-grad-norm nan
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +175,8 @@ def folders(tmp_path_factory):
     paths["empty"].write_text("")
     paths["short"].write_text("ten bytes!")                   # T + 1 = 33 are needed
     paths["text"].write_text("a text long enough for windows of 33 bytes. " * 4)
+    paths["one_byte_documents"] = root / "one_byte_documents.txt"   # none of 2 bytes
+    paths["one_byte_documents"].write_text("a\n\nb\n \n\nc\n")
     for name in ("unfinished", "truncated", "tampered", "garbled"):
         paths[name] = root / name
         shutil.copytree(good, paths[name])

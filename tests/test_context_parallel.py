@@ -154,7 +154,7 @@ def test_score_work_per_rank_shows_ring_imbalance_and_zigzag_balance(swept):
 
 def test_ledger_and_memory_are_the_formulas(swept):
     """Every rank's ledger entries (calls and elements) are timemodel.traffic's, cp's own
-    per mode (2 Allgathers / 2 (cp-1) Sendrecv / 4 Alltoalls forward per layer) and the
+    per mode (2 Allgathers / 2 (cp-1) Isend-Irecv / 4 Alltoalls forward per layer) and the
     gradient sync over dp x cp; its model-state bytes are costmodel.model_states'."""
     world, runs = swept
     for fields, run in zip(RUNS[world], runs):
@@ -163,8 +163,10 @@ def test_ledger_and_memory_are_the_formulas(swept):
 def test_the_cp_formulas_per_layer():
     """The per-layer counts the issue names, read off the formulas for one microbatch."""
     cfg = TrainConfig(**GPT, cp=4).resolved(4)
-    for mode, expected in {"ring": {("cp", "Sendrecv"): 6 * 3 + 2},
-                           "zigzag": {("cp", "Sendrecv"): 6 * 3 + 2},
+    # ring, zigzag: K, V posted ahead (Isend/Irecv) 2 x 3 steps forward and backward,
+    # dK, dV following them (Sendrecv) 2 x 3 steps and 2 home
+    ring = {("cp", "Isend"): 4 * 3, ("cp", "Irecv"): 4 * 3, ("cp", "Sendrecv"): 2 * 3 + 2}
+    for mode, expected in {"ring": ring, "zigzag": ring,
                            "ulysses": {("cp", "Alltoall"): 4 + 4},
                            "allgather": {("cp", "Allgather"): 2, ("cp", "Reduce_scatter"): 2}
                            }.items():
@@ -183,9 +185,15 @@ def test_each_mode_is_attention_on_the_whole_sequence(n):
 
 
 # the collectives of one call: forward, backward (cp ranks)
+# (the ring: K, V posted ahead under the compute by Isend/Irecv, forward and backward;
+# dK, dV following by Sendrecv, and home)
+def _ring(cp: int) -> tuple[dict, dict]:
+    ahead = {"Isend": 2 * (cp - 1), "Irecv": 2 * (cp - 1)}
+    return ahead, dict(ahead, Sendrecv=2 * (cp - 1) + 2)
+
+
 CALLS = {"allgather": lambda cp: ({"Allgather": 2}, {"Reduce_scatter": 2}),
-         "ring": lambda cp: ({"Sendrecv": 2 * (cp - 1)}, {"Sendrecv": 4 * (cp - 1) + 2}),
-         "zigzag": lambda cp: ({"Sendrecv": 2 * (cp - 1)}, {"Sendrecv": 4 * (cp - 1) + 2}),
+         "ring": _ring, "zigzag": _ring,
          "ulysses": lambda cp: ({"Alltoall": 4}, {"Alltoall": 4})}
 
 

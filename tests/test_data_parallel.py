@@ -30,6 +30,7 @@ from minipar.config import GRAD_SYNCS, TrainConfig
 from tests.conftest import assert_equivalent, reference
 from tests.mpi import lesson_run, minipar, sweep
 from tests.rank_tests import run_checks
+from tests.trace_checks import check_trace
 
 SMALL = {"layers": 4, "d_model": 16, "d_in": 8, "batch": 48, "steps": 3}
 BUCKET = 1000  # elements: the small model's fc weights (1024) each get a bucket of their own
@@ -92,12 +93,16 @@ def check_ledger(run: dict, cfg: dict, world: int, label: str) -> None:
 def test_every_grad_sync_equals_one_process_and_allreduces_the_parameter_count(world, tmp_path):
     plain = plain_configs(world)
     configs = plain + HYBRIDS.get(world, [])
-    runs = sweep(world, configs, tmp_path / "sweep", timeout=240)
+    traced = [dict(c, trace=str(tmp_path / f"trace{i}")) if world == 4 else c
+              for i, c in enumerate(configs)]   # 4 ranks: timelines too (trace_checks.py)
+    runs = sweep(world, traced, tmp_path / "sweep", timeout=240)
     for cfg, run in zip(configs, runs):
         label = f"n={world} {cfg}"
         assert_equivalent(run, reference(**cfg), label=label)
         if cfg in plain:
             check_ledger(run, cfg, world, label)
+        if world == 4:
+            check_trace(run["config"]["trace"], run, label)
 
 
 def test_bucket_arithmetic_of_the_test_itself():
@@ -235,7 +240,11 @@ def check_overlap_starts_buckets_in_backward(comm: object) -> None:
 def test_lesson_times_the_three_syncs_and_says_where():
     job, _ = lesson_run(8, "01_data_parallel.py")  # the run tests/test_lessons.py checks
     assert job.returncode == 0 and not job.timed_out, job.explain()
-    assert re.search(r"measured on 8 ranks sharing \d+ cores", job.stdout), job.stdout
-    timed = dict(re.findall(r"^ +(naive|bucketed|overlapped): +([\d.]+) ms", job.stdout, re.M))
+    # timed on as many ranks as there are cores, never more, and saying so
+    where = re.search(r"on dp = (\d+) \((\d+) ranks? on (\d+) cores?\)", job.stdout)
+    assert where and where[1] == where[2] and int(where[2]) <= int(where[3]), job.stdout
+    timed = dict(re.findall(r"^ +(naive|bucketed|overlapped): +([\d.]+) ms \([\d.]+\.\.[\d.]+ "
+                            r"over 7 repeats\)", job.stdout, re.M))
     assert set(timed) == {"naive", "bucketed", "overlapped"}, job.stdout
     assert all(float(ms) > 0 for ms in timed.values())
+    assert re.search(r"^  (fastest: \w+|within the spread: no fastest) ", job.stdout, re.M)

@@ -11,7 +11,17 @@ sweep the other choices take turns, so that each is met on many meshes: the cp m
 by 2 cp, Ulysses cp dividing the H/tp local heads), sequence parallelism where tp > 1
 (T/(cp tp) positions per rank), --recompute none/selective/full, SGD and Adam.
 
-Ledger: every rank's entries are timemodel.traffic's, on every mesh.
+Gradient clipping (clip.py) is on in every run, at a C below the step's norm (so it
+clips), and every rank's `gnorm` equals the one-process norm; two runs in five train on
+ragged documents (documents.py: padded rows, a loss mask, the mean over the global
+batch's valid positions), cp modes and pipelines included.
+
+Ledger: every rank's entries are timemodel.traffic's, on every mesh, plus clipping's one
+Allreduce of one number and the documents' count (clip.expected_ledger,
+documents.expected_ledger).
+
+Timelines: the 4-rank runs are traced (`--trace`), and every event of every trace is
+checked (tests/trace_checks.py), its last step's spans against its ledger.
 
 Tiny on purpose: d = 16, H = 8, T = 8, V = 16, one step. ONE `sweep` launch per world
 size (tests/mpi.py): 80 configs on 8 ranks, 34 on 4.
@@ -19,19 +29,27 @@ size (tests/mpi.py): 80 configs on 8 ranks, 34 on 4.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from minipar import clip, documents
 from minipar.config import TrainConfig, problems
 from minipar.costmodel import rank_shape
 from minipar.mesh import CP_MODES
 from minipar.parallel.pipeline_schedules import SCHEDULES, V_SHAPED
 from minipar.plan import minipar_workload, plan_of
+from minipar.results import relative_difference
 from minipar.timemodel import ledger_of, traffic
 from tests.conftest import assert_equivalent, reference
-from tests.mpi import sweep
+from tests.mpi import ROOT, sweep
+from tests.trace_checks import check_trace
 
 TINY = dict(model="gpt", d_model=16, heads=8, seq_len=8, vocab=16, d_ff=32, steps=1)
 RECOMPUTE = ("none", "selective", "full")
+CLIP = 1e-3   # below every run's first gradient norm: every run clips
+# every other run: ragged rows of short documents, byte ids (V = 256)
+DOCUMENTS = dict(data=str(ROOT / "lessons" / "documents.txt"), documents=True, vocab=256)
 
 
 def factorizations(world: int) -> list[tuple[int, int, int, int]]:
@@ -63,12 +81,30 @@ def configs(world: int) -> list[dict]:
                 layers=pp * (2 if two else virtual), microbatches=m, batch=dp * m,
                 cp_mode=cp_mode(cp, tp, turn),
                 sp=tp > 1 and (TINY["seq_len"] // cp) % tp == 0 and turn % 2 == 0,
-                recompute=RECOMPUTE[turn % 3],
+                recompute=RECOMPUTE[turn % 3], clip_grad_norm=CLIP,
+                **(DOCUMENTS if turn % 5 in (0, 2) else {}),
                 **(dict(optimizer="adam", lr=0.01) if turn % 2 else {})))
     return out
 
 
 CONFIGS = {n: configs(n) for n in (8, 4)}
+
+# gpt-moe with DeepSeek-V3 routing (minipar/routing.py) in the same jobs: sigmoid-bias and
+# its b (two steps, so that b steers the second), a shared expert, node-limited routing
+# (2 groups, 1 kept), dropless, over ep x the 4-D meshes (cp, attention TP with sp, a
+# pipeline, ZeRO over edp, recomputation)
+ROUTED_MOE = dict(TINY, model="gpt-moe", experts=4, expert_d_ff=16, top_k=2, steps=2,
+                  router="sigmoid-bias", bias_rate=0.001, shared_experts=1, route_groups=2,
+                  route_top_groups=1)
+ROUTED = {
+    4: [dict(ROUTED_MOE, dp=2, cp=2, ep=2, batch=2, recompute="full"),
+        dict(ROUTED_MOE, dp=2, tp=2, ep=2, batch=2, sp=True),
+        dict(ROUTED_MOE, dp=2, pp=2, ep=2, schedule="interleaved", virtual=2, layers=4,
+             microbatches=2, batch=4, optimizer="adam", lr=0.01),
+        dict(ROUTED_MOE, dp=2, cp=2, ep=2, batch=2, zero=1, cp_mode="ring")],
+    8: [dict(ROUTED_MOE, dp=2, cp=2, tp=2, ep=2, batch=2),
+        dict(ROUTED_MOE, dp=2, tp=2, pp=2, ep=2, layers=2, microbatches=2, batch=4)],
+}
 
 
 def label(fields: dict) -> str:
@@ -88,20 +124,65 @@ def test_the_sweep_covers_every_mesh_and_schedule():
         assert meshes == expected, n
         assert len(factorizations(n)) == {8: 20, 4: 10}[n]
         assert {c.cp_mode for c in resolved if c.cp > 1} == set(CP_MODES), n
+        ragged = [c for c in resolved if c.documents]          # on every kind of mesh too
+        assert {c.cp_mode for c in ragged if c.cp > 1} == set(CP_MODES), n
+        assert any(c.pp > 1 for c in ragged) and any(c.tp > 1 for c in ragged), n
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def swept(request, tmp_path_factory):
     """Every config of one world size, trained in one mpiexec job."""
     world = request.param
-    return world, sweep(world, CONFIGS[world], tmp_path_factory.mktemp(f"mesh{world}"),
-                        timeout=300)
+    folder = tmp_path_factory.mktemp(f"mesh{world}")
+    traced = [dict(c, trace=str(folder / f"trace{i}")) if world == TRACED else c
+              for i, c in enumerate(CONFIGS[world])]
+    return world, sweep(world, traced + ROUTED[world], folder, timeout=300)
+
+
+TRACED = 4  # the world size whose runs are traced
+
+
+def test_every_4d_mesh_trace_is_valid_and_is_its_ledger(swept):
+    """Every event of every trace: fields, phases, integer microseconds, nesting per
+    thread, both ends of every flow; each collective of the last step's ledger appears
+    in the trace once per call, with the same bytes (tests/trace_checks.py)."""
+    world, runs = swept
+    if world != TRACED:
+        pytest.skip("the 4-rank sweep is the traced one")
+    for fields, run in zip(CONFIGS[world], runs):
+        check_trace(run["config"]["trace"], run, label=f"{world} ranks {label(fields)}")
 
 
 def test_every_4d_mesh_equals_one_process(swept):
     world, runs = swept
-    for fields, run in zip(CONFIGS[world], runs):
+    for fields, run in zip(CONFIGS[world] + ROUTED[world], runs):
         assert_equivalent(run, reference(**fields), label=f"{world} ranks {label(fields)}")
+
+
+def test_every_rank_s_gnorm_is_the_one_process_norm(swept):
+    """Clipping was active (the norm above C) and each rank's norm of every step equals
+    the reference's (float64, 1e-9): tp, pp, cp, dp and dualpipe's two copies counted
+    once each."""
+    world, runs = swept
+    for fields, run in zip(CONFIGS[world], runs):
+        expected = reference(**fields).extras["gnorms"]
+        assert len(expected) == fields["steps"] and min(expected) > CLIP, label(fields)
+        per_rank = json.loads((run["job_folder"] / "rank_gnorms.json").read_text())
+        assert len(per_rank) == world, label(fields)
+        for rank, norms in enumerate(per_rank):
+            assert relative_difference(norms, expected) <= 1e-9, (
+                f"{world} ranks {label(fields)} rank {rank}: {norms} != {expected}")
+
+
+def test_routed_moe_configs_run_and_move_b():
+    """The ROUTED configs are accepted, and b is among the final arrays of each."""
+    for n, runs in ROUTED.items():
+        for fields in runs:
+            cfg = TrainConfig(**fields).resolved(n)
+            assert problems(cfg, n) == [], fields
+            final = reference(**fields).final
+            assert max(abs(final[f"blocks.{i}.router.bias_balance"]).max()
+                       for i in range(cfg.layers)) > 0, fields
 
 
 def test_every_4d_mesh_ledger_is_the_formulas(swept):
@@ -114,6 +195,12 @@ def test_every_4d_mesh_ledger_is_the_formulas(swept):
         for rank in range(world):
             predicted = ledger_of(traffic(w, plan, rank_shape(w, plan,
                                                               mesh.coords(rank)["pp"])))
+            extra = [clip.expected_ledger(cfg)] + (
+                [documents.expected_ledger(cfg.dp * cfg.cp)] if cfg.documents else [])
+            for entries in extra:   # one Allreduce of one number each, beside the model's
+                for key, (calls, elements) in entries.items():
+                    before = predicted.get(key, (0, 0))
+                    predicted[key] = (before[0] + calls, before[1] + elements)
             measured = {(r["group"], r["op"]): (r["calls"], r["elements"])
                         for r in run["ledger"] if r["rank"] == rank}
             assert measured == predicted, f"{world} ranks {label(fields)} rank {rank}"

@@ -8,8 +8,9 @@ block's load statistics match the same recomputation (and capacity really drops)
 
 The 4-rank job runs this file as its rank side
 (`mpiexec -n 4 python -m tests.test_expert_parallel SPEC OUT`): it trains the configs
-like `tests.mpi.sweep` and also writes every rank's load statistics, then probes one
-block directly (uniform routing, tape size against the number of tokens).
+like `tests.mpi.sweep` and also writes every rank's load statistics and the replica
+disagreements, then probes one block directly (uniform routing, tape size against the
+number of tokens).
 """
 
 from __future__ import annotations
@@ -48,6 +49,28 @@ FOUR = [
     dict(SMALL, dp=4, ep=2, top_k=2, capacity_factor=1.0, microbatches=2, steps=1),
     dict(SMALL, dp=4, ep=4, top_k=2, microbatches=2, optimizer="adam", steps=1),
 ]
+# DeepSeek-V3 routing (minipar/routing.py), in the same 4-rank job: sigmoid-bias with its
+# b, shared experts (split over tp with expert TP), node-limited routing with a group per
+# ep rank, dropless; over dp x ep, expert TP, a pipeline (zb-h1) and ZeRO-3 over edp
+ROUTED = [
+    dict(SMALL, dp=4, ep=2, top_k=3, router="sigmoid-bias", bias_rate=0.01, shared_experts=1,
+         route_groups=2, route_top_groups=1, steps=3),
+    dict(SMALL, dp=4, ep=2, top_k=3, steps=1),          # the same without the limit
+    dict(SMALL, dp=4, ep=4, router="sigmoid-bias", bias_rate=0.01, route_groups=4,
+         route_top_groups=2, microbatches=2, optimizer="adam", steps=3),
+    dict(SMALL, dp=2, tp=2, ep=2, router="sigmoid-bias", bias_rate=0.01, shared_experts=2,
+         steps=3),
+    dict(SMALL, dp=2, pp=2, ep=2, router="sigmoid-bias", bias_rate=0.01, shared_experts=1,
+         microbatches=2, schedule="zb-h1", steps=2),
+    dict(SMALL, dp=4, ep=2, zero=3, router="sigmoid-bias", bias_rate=0.01, shared_experts=1,
+         optimizer="adam", steps=2),
+]
+# b in a checkpoint: saved on dp x ep at step 2, resumed on dp x tp x ep to step 4
+# ("{ck}" is the job's checkpoint folder)
+ROUTED_CK = dict(SMALL, router="sigmoid-bias", bias_rate=0.003, shared_experts=1,
+                 route_groups=2, route_top_groups=1, optimizer="adam", lr=0.01)
+SAVE_RESUME = [dict(ROUTED_CK, dp=4, ep=2, steps=2, save="{ck}"),
+               dict(ROUTED_CK, dp=2, tp=2, ep=2, steps=4, resume="{ck}")]
 PROBE = nn.ModelConfig(model="moe", layers=1, d_in=8, d_model=16, experts=8, top_k=2,
                        expert_d_ff=32, capacity_factor=1.0, aux_coef=0.01)
 
@@ -107,6 +130,8 @@ def rank_main(spec: Path, out: Path) -> None:
         if world.Get_rank() == 0:
             dump(out / str(i), cfg, result)
             (out / str(i) / "expert_load.json").write_text(json.dumps(loads))
+            (out / str(i) / "replicas.json").write_text(
+                json.dumps(result.extras["replica_disagreements"]))
     probe = probe_block(world)
     if world.Get_rank() == 0:
         (out / "probe.json").write_text(json.dumps(probe))
@@ -123,12 +148,14 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The 4-rank job: dumps of FOUR, load statistics, and the block probe."""
     folder = tmp_path_factory.mktemp("ep4")
     spec = folder / "configs.json"
-    spec.write_text(json.dumps(FOUR))
-    job = launch(4, ["-m", "tests.test_expert_parallel", str(spec), str(folder)], timeout=120)
+    spec.write_text(json.dumps(FOUR + ROUTED + SAVE_RESUME).replace("{ck}",
+                                                                  str(folder / "ck")))
+    job = launch(4, ["-m", "tests.test_expert_parallel", str(spec), str(folder)], timeout=180)
     assert job.returncode == 0 and not job.timed_out, job.explain()
-    runs = [read_dump(folder / str(i)) for i in range(len(FOUR))]
+    runs = [read_dump(folder / str(i)) for i in range(len(FOUR + ROUTED + SAVE_RESUME))]
     for i, run in enumerate(runs):
         run["expert_load"] = json.loads((folder / str(i) / "expert_load.json").read_text())
+        run["replica_disagreements"] = json.loads((folder / str(i) / "replicas.json").read_text())
     return {"runs": runs, "probe": json.loads((folder / "probe.json").read_text())}
 
 
@@ -141,8 +168,66 @@ def test_equivalence_two_ranks_ep1(tmp_path):
 
 
 def test_equivalence_four_ranks(four):
-    run_equivalence(four["runs"], FOUR)
+    run_equivalence(four["runs"][:len(FOUR)], FOUR)
     assert all(run["ledger"] for run in four["runs"])
+
+
+def test_deepseek_routing_equals_one_process_b_included(four):
+    """Every ROUTED config equals one process (float64, 1e-9), the bias b of every block
+    among the final arrays; b moved, and its replicas on every rank are bitwise equal."""
+    runs = four["runs"][len(FOUR):]
+    run_equivalence(runs, ROUTED)
+    for fields, run in zip(ROUTED, runs):
+        if fields.get("router") == "sigmoid-bias":
+            b = [run["final"][f"blocks.{i}.router.bias_balance"] for i in range(2)]
+            assert max(np.abs(v).max() for v in b) > 0, fields
+        assert run["replica_disagreements"] == [], (fields, run["replica_disagreements"])
+
+
+def test_b_is_checkpointed_and_resumed_on_another_mesh(four):
+    """The manifest holds every block's b after step 2 (the one-process b, bit for bit);
+    the run resumed on dp x tp x ep equals one process over all 4 steps, b included
+    (it could not if b restarted from 0: b after step 2 is not 0)."""
+    from minipar import checkpoint
+
+    saved, resumed = four["runs"][-2:]
+    fields = {k: v for k, v in SAVE_RESUME[1].items() if k != "resume"}
+    manifest = checkpoint.read_manifest(saved["job_folder"].parent / "ck")
+    at_two = reference(**dict(fields, steps=2)).final
+    for i in range(2):
+        name = f"blocks.{i}.router.bias_balance"
+        assert np.array_equal(manifest["router_bias"][name], at_two[name])
+        assert np.abs(at_two[name]).max() > 0
+    assert_equivalent(resumed, reference(**fields), label="resumed on dp x tp x ep")
+    assert resumed["replica_disagreements"] == []
+
+    from minipar.generate import full_params  # generate --resume: b beside the parameters
+
+    held = full_params(TrainConfig(**dict(fields, resume=str(saved["job_folder"].parent
+                                                             / "ck"))).resolved(1))
+    assert all(np.array_equal(held[name], value)
+               for name, value in manifest["router_bias"].items())
+
+
+def test_node_limited_routing_reaches_at_most_m_groups(four):
+    """The routing ledger (expert_parallel.group_stats) of the last step: per rank and
+    block, the tokens and rows sent to each group (here a group is an ep rank). With
+    --route-top-groups 1 of 2 groups no token reaches more than one, so the tokens sent
+    across groups add up to at most M x tokens; the same model unlimited reaches both.
+    The rows per group are the dispatch's: the Alltoallv elements of the step are the
+    sent and received rows, twice each (forward and backward), times d."""
+    limited, unlimited = four["runs"][len(FOUR)], four["runs"][len(FOUR) + 1]
+    cfg = TrainConfig(**limited["config"]).resolved(4)
+    tokens = cfg.batch // cfg.dp
+    for rank, blocks in enumerate(limited["expert_load"]):
+        for stats in blocks:
+            assert stats["groups"] == 2 and stats["most_groups"] == 1, stats
+            assert sum(stats["tokens_to_group"]) <= cfg.route_top_groups * tokens
+            assert sum(stats["tokens_to_group"]) == tokens   # dropless: everyone goes
+            assert stats["rows_to_group"] == stats["sent"]   # a group is an ep rank
+        rows = sum(sum(s["sent"]) + sum(s["received"]) for s in blocks)
+        assert ledger_of(limited, rank, "Alltoallv", "ep")[1] == 2 * rows * cfg.d_model
+    assert max(s["most_groups"] for blocks in unlimited["expert_load"] for s in blocks) == 2
 
 
 def routing_plan(run: dict) -> list[dict]:
@@ -264,7 +349,12 @@ SPLIT = [dict(SMALL, tp=2, dp=2, ep=2, optimizer="adam", steps=2),
          dict(SMALL, tp=4, steps=2),
          dict(SMALL, tp=2, dp=2, top_k=1, microbatches=2, capacity_factor=1.0, steps=2),
          dict(SMALL, tp=2, pp=2, microbatches=2, optimizer="adam", steps=2),
-         dict(SMALL, tp=2, dp=2, ep=2, zero=3, optimizer="adam", steps=2)]
+         dict(SMALL, tp=2, dp=2, ep=2, zero=3, optimizer="adam", steps=2),
+         # --clip-grad-norm (clip.py) with experts split over tp and ep, on ZeRO's slices
+         # and on a pipeline: one Allreduce over the world, C below the norm (it clips)
+         dict(SMALL, tp=2, dp=2, ep=2, zero=1, microbatches=2, clip_grad_norm=0.01, steps=2),
+         dict(SMALL, tp=2, pp=2, microbatches=2, clip_grad_norm=0.01, optimizer="adam",
+              steps=2)]
 
 
 def test_experts_split_over_tp_equal_one_process_with_two_allreduces_per_block(tmp_path):
@@ -276,6 +366,10 @@ def test_experts_split_over_tp_equal_one_process_with_two_allreduces_per_block(t
     run_equivalence(runs, SPLIT)
     for fields, run in zip(SPLIT, runs):
         cfg = TrainConfig(**fields).resolved(4)
+        if cfg.clip_grad_norm is not None:  # it clipped, and the norm's one Allreduce
+            assert min(reference(**fields).extras["gnorms"]) > cfg.clip_grad_norm, fields
+            assert [(r["calls"], r["elements"]) for r in run["ledger"] if r["rank"] == 0
+                    and r["group"] == "world" and r["op"] == "Allreduce"] == [(1, 1)], fields
         mesh = cfg.mesh_shape()
         per_rank = [ledger_of(run, rank, "Allreduce", "tp") for rank in range(4)]
         blocks_here = cfg.layers // cfg.pp
@@ -300,7 +394,8 @@ def test_expert_tp_refusals():
 
 
 def test_lesson_runs_and_matches_one_process():
-    job, _ = lesson_run(8, "03_expert_parallel.py")  # the run tests/test_lessons.py checks
+    # the run tests/test_lessons.py checks (--quick: part 7a takes 40 steps, not 200)
+    job, _ = lesson_run(8, "03_expert_parallel.py", "--quick")
     assert job.returncode == 0 and not job.timed_out, job.explain()
     out = job.stdout
     assert "tokens sent from rank (row) to rank (column)" in out
@@ -321,6 +416,19 @@ def test_lesson_runs_and_matches_one_process():
     none, strong = (rows[10][0], rows[10][1]), (rows[10][4], rows[10][5])
     assert strong[0] < none[0] and strong[1] < none[1], rows[10]
     assert rows[40][4] < rows[0][4] and rows[40][5] < rows[40][1], rows[40]
+    # part 7a: the load per expert, measured; the bias holds the imbalance lowest
+    table = {int(step): [float(v) for v in cells.split()] for step, cells in
+             re.findall(r"^ +(\d+)((?: +\d+\.\d\d){3})$", out, re.M)}
+    assert sorted(table) == [0, 10, 20, 40], out
+    assert table[0][0] == table[0][1] == table[0][2]           # one router, three runs
+    assert table[40][2] < table[0][2] and table[40][2] < min(table[40][:2]), table
+    assert re.search(r"-> OK \(the bias balances best\)", out)
+    # part 7b: at most M hosts per token, and the deduplicated cross-host bytes fall
+    hosts = {int(m): (int(most), int(tokens), int(nbytes)) for m, most, tokens, nbytes in
+             re.findall(r"^ +(\d) +max (\d), mean [\d.]+ +(\d+) = +(\d+) bytes", out, re.M)}
+    assert sorted(hosts) == [1, 2] and hosts[1][0] == 1 and hosts[2][0] == 2, hosts
+    assert hosts[1][2] == hosts[1][1] * 16 * 8 and hosts[1][1] < hosts[2][1], hosts
+    assert "no token reaches more than 1 host -> OK" in out and "deepseek-v3" in out
 
 
 if __name__ == "__main__":

@@ -26,10 +26,11 @@ import pytest
 from minipar import bugs
 from tests.conftest import assert_equivalent, reference
 from tests.formulas import assert_ledger_and_memory_are_the_formulas
-from tests.mpi import sweep
+from tests.mpi import ROOT, sweep
 
 GPT = dict(model="gpt", layers=2, d_model=16, heads=2, seq_len=8, vocab=16, batch=8,
            steps=2, d_ff=32)
+DOCUMENTS = str(ROOT / "lessons" / "documents.txt")   # short ragged documents
 MOE = dict(GPT, model="gpt-moe", experts=4, expert_d_ff=16, aux_coef=0.1)
 ADAM = dict(optimizer="adam", lr=0.01)
 
@@ -79,8 +80,15 @@ BUGGED = [dict(GPT, dp=2, pp=2, microbatches=2, schedule="gpipe",
           dict(MOE, dp=4, ep=2, inject_bug="moe-aux-first-choice"),
           dict(MOE, dp=4, ep=2, capacity_factor=0.75, inject_bug="moe-aux-after-capacity"),
           dict(MOE, dp=4, ep=2, inject_bug="moe-aux-per-rank"),
+          dict(MOE, dp=4, ep=2, router="sigmoid-bias", bias_rate=0.01, aux_coef=0.0,
+               inject_bug="moe-bias-local-load"),
           dict(GPT, dp=2, cp=2, cp_mode="allgather", inject_bug="cp-no-allgather"),
-          dict(GPT, dp=2, cp=2, cp_mode="ring", inject_bug="cp-ring-no-lse-merge")]
+          dict(GPT, dp=2, cp=2, cp_mode="ring", inject_bug="cp-ring-no-lse-merge"),
+          dict(GPT, dp=2, pp=2, microbatches=2, clip_grad_norm=1e-3,
+               inject_bug="clip-local-norm"),
+          # ragged documents: every cp rank's positions a different count of valid ones
+          dict(GPT, dp=2, cp=2, cp_mode="zigzag", microbatches=2, data=DOCUMENTS,
+               documents=True, vocab=256, inject_bug="loss-mean-per-microbatch")]
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))

@@ -81,7 +81,9 @@ RUNS = {
 # (tests/test_placement_mesh.py).
 BUGGED = [dict(GPT, tp=2, inject_bug="tp-copy-to-no-allreduce", check_placements=False),
           dict(GPT, **REPLICATED, tp=2, inject_bug="tp-copy-to-no-allreduce",
-               check_placements=False)]
+               check_placements=False),
+          # the clipping norm counting the replicated pieces (LayerNorms, biases) twice
+          dict(GPT, tp=2, clip_grad_norm=1e-3, inject_bug="clip-replicated-counted-tp")]
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))

@@ -10,7 +10,8 @@ bytes each host's card moved are read from the kernel's counters around it:
 - `train --dp 2 --tp 2 --pp 2 --check` on both layouts of the README, 4 ranks per
   host: `-hosts a:4,b:4` (consecutive ranks: only pipeline traffic crosses) and
   `-hosts a,b` (round-robin: the tensor-parallel pairs straddle the hosts), the
-  second resuming the checkpoint the first saved;
+  second resuming the checkpoint the first saved, traced (`--trace`: every rank on one
+  time line, the far host's clock offset measured by ping-pong);
 - lesson 6 across the hosts;
 - a rank SIGKILLed on host b ends the whole job within seconds, nothing left running.
 
@@ -44,6 +45,7 @@ from tests.netns import (
     remove_leftovers,
     why_not,
 )
+from tests.trace_checks import check_trace
 
 REASON = why_not()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -198,9 +200,10 @@ def test_a_checkpoint_saved_on_one_layout_resumes_on_the_other(cluster, tmp_path
                                 "--dump", str(tmp_path / "first")], CONSECUTIVE)
     succeeded(first)
     second = run_on(cluster, 8, ["where", "train", *MESH, "--steps", "4", "--check",
-                                 "--resume", folder, "--dump", str(tmp_path / "second")],
-                    ROUND_ROBIN)
+                                 "--resume", folder, "--dump", str(tmp_path / "second"),
+                                 "--trace", str(tmp_path / "trace")], ROUND_ROBIN)
     succeeded(second)
+    check_trace_across_hosts(tmp_path / "trace", read_dump(tmp_path / "second"))
     assert first.hosts() == ["a"] * 4 + ["b"] * 4 and second.hosts() == ["a", "b"] * 4
     steps = re.findall(r"^step +(\d+)", second.job.stdout, flags=re.M)
     assert steps == ["3", "4"], second.job.explain()            # resumed after step 2
@@ -210,6 +213,26 @@ def test_a_checkpoint_saved_on_one_layout_resumes_on_the_other(cluster, tmp_path
     # ... and continues the saved run's losses bit for bit
     losses = [read_dump(tmp_path / name)["losses"] for name in ("first", "second")]
     assert losses[1][:2] == losses[0] and len(losses[1]) == 4
+
+
+def check_trace_across_hosts(folder: Path, dump: dict) -> None:
+    """The resumed run's --trace: every rank on one time line. Ranks on rank 0's host read
+    its clock (offset 0); the others measured theirs by ping-pong, and these simulated
+    hosts share one kernel clock, so what they measured is 0 within half a round trip;
+    every message's receive ends after its send began."""
+    doc = json.loads((folder / "trace.json").read_text())
+    info = doc["otherData"]["minipar"]
+    assert info["hosts"] == ["a", "b"] * 4, info["hosts"]
+    offsets = info["clock_offsets_us"]
+    assert [offsets[r] for r in range(0, 8, 2)] == [0.0] * 4, offsets
+    assert all(abs(offsets[r]) < 1000 for r in range(1, 8, 2)), offsets
+    labels = [e["args"]["labels"] for e in doc["traceEvents"] if e["name"] == "process_labels"]
+    assert sum("host b, clock offset" in label for label in labels) == 4, labels
+    check_trace(folder, dump, "two hosts")
+    sent = {e["id"]: e["ts"] for e in doc["traceEvents"] if e["ph"] == "s"}
+    late = [(e["id"], sent[e["id"]] - e["ts"]) for e in doc["traceEvents"]
+            if e["ph"] == "f" and e["ts"] + 1000 < sent[e["id"]]]
+    assert not late, f"receives before their sends (id, us): {late[:5]}"
 
 
 def test_a_lesson_across_hosts(cluster):

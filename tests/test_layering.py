@@ -26,24 +26,26 @@ PACKAGE = ROOT / "minipar"
 # Bottom first. A module may import from its own layer and every layer below it.
 LAYERS: list[set[str]] = [
     {"autograd", "fused", "attention", "nn", "gpt", "recompute", "optim", "data",  # core,
+     "documents",
      "memory", "shards", "threads", "placement_types", "placement_rules",   # no MPI
-     "placement_transformer", "placement", "refusal"},
-    {"comm", "mesh", "ring", "log", "watchdog"},                            # communication
+     "placement_transformer", "placement", "routing", "timing", "byte_units", "refusal"},
+    {"comm", "mesh", "ring", "log", "watchdog", "flight", "flight_report",  # communication
+     "trace"},
     {"parallel", "parallel.pipeline_instructions", "parallel.pipeline_v",
      "parallel.pipeline_layout", "parallel.pipeline_simulator",    # strategies
      "parallel.pipeline_schedules", "parallel.data_parallel",
      "parallel.zero", "parallel.tensor_parallel", "parallel.vocab_parallel",
-     "parallel.expert_parallel", "parallel.pipeline_parallel", "parallel.context_parallel"},
+     "parallel.expert_parallel", "parallel.pipeline_parallel", "parallel.context_parallel",
+     "kvcache"},
     {"config"},                                                             # the flags
     {"checkpoint_format", "checkpoint", "checkpoint_folder", "checkpoint_owner", "preflight",
-     "bugs_detours",
-     "bugs", "assemble"},
+     "bugs_detours", "bugs_hangs", "bugs", "assemble", "clip"},
     {"train"},                                                              # composition
-    {"results", "reshard"},
+    {"results", "reshard", "generate"},
     {"costmodel", "timemodel", "presets", "plan_workloads", "plan_search", "plan_report",
-     "plan", "plots_load", "plots", "report", "tour", "classroom", "exercises",
+     "plan", "plots_load", "plots_flight", "plots", "report", "tour", "classroom", "exercises",
      "exercises.regions", "exercises.units", "exercises.units_attention", "exercises.grade",
-     "exercises.command", "__main__", ""},                                  # on top
+     "exercises.command", "trace_report", "__main__", ""},                  # on top
 ]
 
 

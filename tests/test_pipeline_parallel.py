@@ -259,10 +259,14 @@ def test_lesson_shows_the_48_layer_example_bubble_memory_and_equivalence():
     assert "zb-v: simulator [8, 8, 8, 8], real run [8, 8, 8, 8]" in out
     assert "dualpipev: simulator [9, 9, 9, 9], real run [9, 9, 9, 9]" in out
     assert "dualpipe: simulator [5, 5, 5, 5], real run [5, 5, 5, 5]" in out
-    # the papers' per-rank bubble: M, 1f1b, zb-h1, zb-v, dualpipev, dualpipe (pp = 4)
-    bubbles = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\S+)\s+(\S+)$", out, re.M)
-    assert bubbles == [("6", "9", "3", "1", "-", "-"), ("7", "9", "3", "0", "-", "-"),
-                       ("8", "9", "3", "0", "6", "2"), ("16", "9", "3", "0", "6", "2")], out
+    # the papers' per-rank bubble: M, 1f1b, zb-h1, zb-v, dualpipev, dualpipe (pp = 4), in
+    # stage units: a V's chunk is half a stage (F = B = W = 0.5), DualPipe's a whole one
+    bubbles = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+(\S+)\s+(\S+)$", out,
+                         re.M)
+    assert bubbles == [("6", "9", "3", "0.5", "-", "-"), ("7", "9", "3", "0", "-", "-"),
+                       ("8", "9", "3", "0", "3", "2"), ("16", "9", "3", "0", "3", "2")], out
+    # one unit rule: at M = 8 ZB-V does 1F1B's work (3M = 24 units) in T = 25.5 against 33
+    assert "1f1b 33," in out and "zb-v 25.5," in out, out
     checks = re.findall(r"(\S+): bubble replayed .* in order: (\w+); max rel diff "
                         r"losses (\S+), params (\S+) -> (\w+)$", out, re.M)
     assert [c[0] for c in checks] == ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v",

@@ -115,6 +115,27 @@ def test_every_compute_runs_once_in_dependency_order(name):
                     assert at[vs, BACKWARD, mb].end <= at[vs, WEIGHT, mb].start
 
 
+def test_one_unit_rule_every_rank_does_m_stages_of_work_in_every_schedule():
+    """The unit rule (`UNIT_RULE`, `chunk_share`): a chunk costs its share of a stage,
+    so in every schedule each rank is busy exactly M (F + B + W) of a whole stage per
+    step -- 3M units in logical time, and so for other weights -- however its layers are
+    cut into chunks (interleaved V per rank, a V's two halves, DualPipe's two copies)."""
+    for weights in (LOGICAL, Costs(2, 3, 1)):
+        work = weights.forward + weights.backward + weights.weight
+        for name, pp, m, v in cases():
+            if weights is not LOGICAL and pp > 4:
+                continue
+            sim = simulate_schedule(name, pp, m, v, weights=weights)
+            busy = [0.0] * pp
+            for slot in sim.timeline:
+                busy[slot.stage] += slot.end - slot.start
+            assert busy == pytest.approx([m * work] * pp), (name, pp, m, v, weights)
+    assert simulator.chunk_share("zb-v") == simulator.chunk_share("dualpipev") == 0.5
+    assert simulator.chunk_share("interleaved", 3) == pytest.approx(1 / 3)
+    assert simulator.chunk_share("dualpipe") == simulator.chunk_share("1f1b") == 1.0
+    assert "share" in simulator.UNIT_RULE
+
+
 def test_sends_and_receives_match_pairwise_in_order():
     """Between every pair of neighbouring ranks, in each direction, the k-th send is
     the k-th receive (same microbatch, same boundary): MPI delivers messages of one
@@ -256,13 +277,14 @@ def test_zero_bubble_table_bubble_rates_for_equal_f_b_w():
 
 def test_dualpipev_idle_is_deepseek_v3_table_2_and_holds_pp_plus_1():
     """DualPipeV on pp ranks is DualPipe on PP = 2pp ranks folded in half: its worst rank
-    idles (PP/2-1)(F&B+B-3W), B the full backward, in logical time (F = B = W = 1, F&B =
-    F + B + W: nothing overlaps here); each rank holds at most PP + 1 = 2pp + 1
-    chunk-activations, and 1x the parameters (2 chunks of L/(2pp) blocks: L/pp)."""
+    idles (PP/2-1)(F&B+B-3W), B the full backward, in logical time (F = B = W, F&B =
+    F + B + W: nothing overlaps here; a chunk holds half a stage, so F = B = W = 1/2 in
+    stage units, F&B = 3/2, and B + W = 1 the full backward); each rank holds at most
+    PP + 1 = 2pp + 1 chunk-activations, and 1x the parameters (2 chunks of L/(2pp) blocks: L/pp)."""
     for pp in range(2, 9):
         for m in range(2 * pp, 2 * pp + 9):
             sim = simulate_schedule("dualpipev", pp, m)
-            big_pp, f_and_b, b, w = 2 * pp, 3, 2, 1
+            big_pp, f_and_b, b, w = 2 * pp, 1.5, 1, 0.5
             assert max(sim.idle) == (big_pp // 2 - 1) * (f_and_b + b - 3 * w), (pp, m)
             assert max(sim.peak_in_flight) == big_pp + 1, (pp, m)
             assert sim.peak_in_flight[0] == big_pp + 1
@@ -272,7 +294,8 @@ def test_zb_v_keeps_1f1b_memory_and_beats_zb_h1():
     """ZB-V (`pipeline_v.zb_v_orders`): at most 2 pp chunk-activations per rank (pp
     microbatches of a whole stage, 1F1B's memory) for every M; with F = B = W = 1 and
     M >= 2 pp - 1 no rank idles between its own first and last instruction -- the zero
-    bubble of Qi et al. -- so each rank's span is exactly its 6 M units of work, and the
+    bubble of Qi et al. -- so each rank's span is exactly its work, 2M chunks' F, B, W of
+    1/2 unit each: 3 M units, 1F1B's work (T = 3M against 1F1B's 3M + 3(pp-1)), and the
     bubble fraction is below ZB-H1's. Below the bound rank 0 cannot fill the first trip
     round the V (2 pp - 1 units) with forwards, and idles."""
     for pp in range(2, 9):
@@ -284,7 +307,8 @@ def test_zb_v_keeps_1f1b_memory_and_beats_zb_h1():
                 for s in range(pp):
                     mine = [slot for slot in zv.timeline if slot.stage == s]
                     span = max(x.end for x in mine) - min(x.start for x in mine)
-                    assert span == 6 * m, (pp, m, s)
+                    assert span == 3 * m, (pp, m, s)
+                assert zv.makespan < simulate_schedule("1f1b", pp, m).makespan, (pp, m)
                 assert zv.bubble < simulate_schedule("zb-h1", pp, m).bubble, (pp, m)
             else:
                 assert max(zv.idle) > 0, (pp, m)
@@ -302,7 +326,9 @@ def test_dualpipe_idle_is_deepseek_v3_table_2_with_twice_the_parameters():
             assert max(sim.idle) == (big_pp // 2 - 1) * (f_and_b + b - 3 * w), (big_pp, m)
             assert max(sim.peak_in_flight) == big_pp + 1, (big_pp, m)
             folded = simulate_schedule("dualpipev", big_pp // 2, m // 2)
-            assert max(sim.idle) == max(folded.idle)  # the mirror of DualPipeV's program
+            # the mirror of DualPipeV's program; a DualPipeV chunk on PP/2 ranks is half of
+            # its stage, so one DualPipe stage: its stage units weigh twice DualPipe's
+            assert max(sim.idle) == 2 * max(folded.idle)
     layers, pp = 16, 4
     assert blocks_per_rank("dualpipe", layers, pp) == 2 * blocks_per_rank("dualpipev",
                                                                           layers, pp)

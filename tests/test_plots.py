@@ -8,6 +8,7 @@ counts, curves), then saved and read back as a picture that is not blank.
 
 from __future__ import annotations
 
+import re
 import time
 
 import matplotlib.colors
@@ -17,6 +18,7 @@ import pytest
 from matplotlib.patches import Rectangle
 
 from minipar import classroom, nn, plots, plots_load
+from minipar.byte_units import byte_unit
 from minipar.memory import wire_formula
 from minipar.parallel.pipeline_schedules import (
     COMPUTE,
@@ -123,7 +125,7 @@ def test_ledger_bars_are_the_busiest_ranks_wire_bytes(runs, tmp_path):
     figure = plots.ledger_figure(ledger, sizes)
     heights = sorted(b.get_height() for b in figure.axes[0].patches)
     best = plots.busiest(ledger, sizes)
-    factor, unit = plots.byte_unit(max(r["wire"] for r in best.values()))
+    factor, unit = byte_unit(max(r["wire"] for r in best.values()))
     expected = sorted(0.75 * r["bytes"] / factor for r in best.values())  # (N-1)/N, N = 4
     assert heights == pytest.approx(expected)
     assert unit in figure.axes[0].get_ylabel() and "wire" in figure.axes[0].get_ylabel()
@@ -143,7 +145,7 @@ def test_compare_bars_show_zero3_at_one_and_a_half_dp(runs, tmp_path):
     assert sent["DP"]["dp"] == pytest.approx(wire_formula(psi_of(runs[3]), 4, 0) * 8)
     figure = plots.ledger_compare_figure(ledgers, sizes)
     ax = figure.axes[0]
-    factor, _ = plots.byte_unit(max(sum(per.values()) for per in sent.values()))
+    factor, _ = byte_unit(max(sum(per.values()) for per in sent.values()))
     labels = [t.get_text() for t in ax.get_yticklabels()]
     for label in ledgers:
         y = labels.index(label)
@@ -169,7 +171,7 @@ def test_memory_and_losses_are_what_the_ranks_measured(runs, tmp_path):
     zero = runs[2]
     figure = plots.memory_figure({"ZeRO-3": zero.memory})
     bars = figure.axes[0].patches
-    factor, _ = plots.byte_unit(max(m.total for m in zero.memory))
+    factor, _ = byte_unit(max(m.total for m in zero.memory))
     tops: dict[float, float] = {}  # each rank's stacked bar: its highest edge
     for b in bars:
         x = round(b.get_x(), 6)
@@ -192,7 +194,8 @@ def test_the_tour_writes_its_figures(tmp_path):
     assert "every strategy equals one process" in job.stdout
     names = {p.name for p in tmp_path.glob("*.png")}
     assert names == {"tour_ledger.png", "tour_memory.png", "tour_losses.png",
-                     "tour_pipeline.png", "tour_experts.png"}, names
+                     "tour_pipeline.png", "tour_experts.png", "tour_trace_pp.png"}, names
+    assert re.search(r"traced \(.*trace_pp\): bubble \d+\.\d%", job.stdout), job.stdout
     for name in names:
         assert_picture(tmp_path / name)
 
@@ -210,7 +213,7 @@ def test_memory_figure_stacks_saved_activations_on_top(runs, tmp_path):
     zero = runs[2]
     acts = [1000.0 * (r + 1) for r in range(len(zero.memory))]
     figure = plots.memory_figure({"ZeRO-3": zero.memory}, activations={"ZeRO-3": acts})
-    factor, _ = plots.byte_unit(max(m.total + a for m, a in zip(zero.memory, acts)))
+    factor, _ = byte_unit(max(m.total + a for m, a in zip(zero.memory, acts)))
     red = [b for b in figure.axes[0].patches
            if tuple(b.get_facecolor()[:3]) == matplotlib.colors.to_rgb(plots.ACTIVATION_COLOR)]
     assert [b.get_height() for b in red] == pytest.approx([a / factor for a in acts])
@@ -244,3 +247,13 @@ def test_context_parallel_groups_count_their_cp_ranks():
     assert plots.wire_bytes(record, sizes) == pytest.approx(1200)
     ring = {"op": "Sendrecv", "group": "cp", "elements": 10, "bytes": 80}
     assert plots.wire_bytes(ring, sizes) == 80
+
+
+def test_every_series_has_its_own_colour_and_marker():
+    """Lesson 8 draws 12 bugs: each one a colour and a marker no other series has (the
+    default cycle repeats its colours after 10)."""
+    styles = [plots.series_style(i) for i in range(12)]
+    assert len({s["color"] for s in styles}) == 12
+    assert len({s["marker"] for s in styles}) == 12
+    rgb = [matplotlib.colors.to_rgb(s["color"]) for s in styles]
+    assert len(set(rgb)) == 12

@@ -37,6 +37,7 @@ from tests.conftest import assert_equivalent, reference
 from tests.formulas import assert_ledger_and_memory_are_the_formulas
 from tests.mpi import sweep
 from tests.rank_tests import run_checks
+from tests.trace_checks import check_trace
 
 SMALL = {"layers": 4, "d_model": 16, "d_in": 8, "batch": 48, "steps": 3}
 EVEN = {"classes": 12}  # 8988 parameters: divisible by 3 and 4 (8954 with 10 classes is not)
@@ -124,11 +125,16 @@ def zero_configs(world: int) -> list[dict]:
     if world == 4:
         out += [dict(SMALL, dp=world, zero=3, optimizer=optimizer, microbatches=m)
                 for optimizer, m in (("adam", 1), ("sgd", 2))]
+        # --clip-grad-norm on the slices (clip.py): each rank's squares of its slice, one
+        # Allreduce over dp; C below the norm, so every step clips
+        out += [dict(SMALL, dp=world, zero=stage, optimizer="adam", microbatches=2,
+                     clip_grad_norm=CLIP) for stage in (1, 2, 3)]
     if world == 3:
         out += [dict(SMALL, **EVEN, dp=world, zero=stage, optimizer="adam") for stage in (1, 3)]
     return out
 
 
+CLIP = 0.01
 HYBRIDS = {8: [dict(SMALL, dp=2, tp=2, pp=2, zero=3, microbatches=2, optimizer="adam"),
                dict(SMALL, dp=4, pp=2, zero=2, microbatches=2, schedule="zb-h1"),
                dict(SMALL, dp=2, tp=4, zero=1, optimizer="adam")]}
@@ -155,9 +161,13 @@ def test_zero_equals_one_process_with_zeros_ledger(world, tmp_path):
     for cfg, run in zip(configs, runs):
         label = f"n={world} {cfg}"
         assert_equivalent(run, reference(**cfg), label=label)
+        if cfg.get("clip_grad_norm"):   # it clipped: the norm above C on every step
+            assert min(reference(**cfg).extras["gnorms"]) > cfg["clip_grad_norm"], label
         if cfg.get("tp", 1) * cfg.get("pp", 1) > 1:
             continue
         expected = expected_ledger(cfg)
+        if cfg.get("clip_grad_norm"):   # clip.py: one Allreduce of one number over dp
+            expected["Allreduce"] = (1, 1)
         for rank in range(world):
             mine = {r["op"]: (r["calls"], r["elements"])
                     for r in run["ledger"] if r["rank"] == rank and r["group"] == "dp"}
@@ -180,9 +190,11 @@ MOE_RUNS = [dict(MOE, dp=4, ep=2, zero=1, optimizer="adam", microbatches=2),
 
 
 def test_zero_with_experts_equals_one_process_ledger_and_memory_formulas(tmp_path):
-    runs = sweep(4, MOE_RUNS, tmp_path / "sweep", timeout=240)
+    traced = [dict(c, trace=str(tmp_path / f"trace{i}")) for i, c in enumerate(MOE_RUNS)]
+    runs = sweep(4, traced, tmp_path / "sweep", timeout=240)
     for cfg, run in zip(MOE_RUNS, runs):
         assert_equivalent(run, reference(**cfg), label=f"n=4 {cfg}")
+        check_trace(run["config"]["trace"], run, f"n=4 {cfg}")  # timelines (trace_checks.py)
         assert_ledger_and_memory_are_the_formulas(4, cfg, run)
         assert {r["group"] for r in run["ledger"] if r["op"] == "Reduce_scatter"} == (
             {"dp", "edp"} if cfg.get("ep", 1) < cfg["dp"] else {"dp"}), cfg

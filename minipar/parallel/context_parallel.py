@@ -8,10 +8,13 @@ the keys and values of every earlier position; four ways to bring them (docs/des
   allgather  (Llama 3, Dubey et al. 2024) Allgather K and V over cp, attend locally;
              backward: Reduce_scatter their gradients. 2 Allgathers per layer.
   ring       (Ring Attention, Liu et al. 2023) K, V blocks travel the ring, one
-             neighbour step at a time (Sendrecv), cp - 1 steps; each rank merges its
-             partial results with the log-sum-exp rule of online softmax; blocks the
-             causal mask hides entirely are skipped; in backward dK, dV travel with K, V
-             and take one last step home.
+             neighbour step at a time, cp - 1 steps; the next block's Isend/Irecv are
+             posted before the current block is computed and waited after it, so the
+             traffic hides under the compute (`Passing`; `train --trace` shows how
+             much); each rank merges its partial results with the log-sum-exp rule of
+             online softmax; blocks the causal mask hides entirely are skipped; in
+             backward K, V go ahead the same way, dK, dV follow once complete
+             (Sendrecv) and take one last step home.
   zigzag     the ring on 2 cp chunks, rank r holding chunks r and 2cp-1-r: an early and
              a late piece, so every rank skips the same number of masked blocks.
   ulysses    (DeepSpeed-Ulysses, Jacobs et al. 2023) an Alltoall turns q, k, v from
@@ -45,7 +48,7 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from minipar import attention, nn, placement
+from minipar import attention, nn, placement, trace
 from minipar.autograd import Tensor
 from minipar.comm import Group
 from minipar.mesh import CP_MODES as MODES
@@ -184,6 +187,26 @@ def pass_along(group: Group, block: np.ndarray) -> np.ndarray:
     # end exercise
 
 
+class Passing:
+    """Blocks on their way round the ring: Isend to the next rank and Irecv from the
+    previous one, posted before the current block is computed and waited after it
+    (`arrived`), so the traffic runs under the compute (Liu et al.'s overlap)."""
+
+    def __init__(self, group: Group, blocks: tuple[np.ndarray, ...]) -> None:
+        nxt, prev = (group.rank + 1) % group.size, (group.rank - 1) % group.size
+        self.sent = [np.ascontiguousarray(block) for block in blocks]  # kept until sent
+        self.received = [np.empty(block.shape, dtype=block.dtype) for block in blocks]
+        # block i (B, H, T/cp, dh) -> rank r+1 and rank r-1's block i -> me, tag i
+        self.requests = [group.Isend(block, nxt, tag=i) for i, block in enumerate(self.sent)]
+        self.requests += [group.Irecv(buf, prev, tag=i)
+                          for i, buf in enumerate(self.received)]
+
+    def arrived(self) -> list[np.ndarray]:
+        """Wait for every send and receive; the previous rank's blocks."""
+        trace.wait(self.requests, "Waitall of the ring's K, V blocks over cp")
+        return self.received
+
+
 def _block_forward(Q: np.ndarray, K: np.ndarray, V: np.ndarray, keep: np.ndarray,
                    scale: float) -> tuple[np.ndarray, np.ndarray]:
     """softmax(mask(Q K^T scale)) V of one block of keys, and its row log-sum-exp."""
@@ -220,12 +243,14 @@ def ring_attention(cpa: ContextParallelAttention, q: Tensor, k: Tensor, v: Tenso
     Out = np.zeros_like(Q)
     L = np.full(Q.shape[:-1], -np.inf, dtype=Q.dtype)           # (B, H, T/cp) row lse
     for step in range(cp):
-        if step > 0:  # the block I used goes on; the previous rank's arrives
-            K, V = pass_along(group, K), pass_along(group, V)
+        # the block I use goes on while I use it; the previous rank's arrives meanwhile
+        passing = Passing(group, (K, V)) if step + 1 < cp else None
         for a, b, keep in cpa.visible_blocks((me - step) % cp):    # masked blocks skipped
             o, lse = _block_forward(Q[:, :, a], K[:, :, b], V[:, :, b], keep, scale)
             _merge(Out[:, :, a], L[:, :, a], o, lse)
             cpa.count(Q.shape[0] * heads * (a.stop - a.start) * (b.stop - b.start))
+        if passing is not None:
+            K, V = passing.arrived()
 
     def backward(g: np.ndarray) -> None:
         G = _split_heads(g, heads)
@@ -233,9 +258,14 @@ def ring_attention(cpa: ContextParallelAttention, q: Tensor, k: Tensor, v: Tenso
         dQ = np.zeros_like(Q)
         Kb, Vb = (_split_heads(t, heads) for t in (keys, v.data))
         dK, dV = np.zeros_like(Kb), np.zeros_like(Vb)
+        ahead: Passing | None = None
         for step in range(cp):
-            if step > 0:  # the block and its gradient so far move on together
-                Kb, Vb, dK, dV = (pass_along(group, t) for t in (Kb, Vb, dK, dV))
+            if ahead is not None:  # the block's gradient so far follows it, complete now
+                dK, dV = pass_along(group, dK), pass_along(group, dV)
+                Kb, Vb = ahead.arrived()
+            # K, V go on ahead while this step computes (their gradients cannot: they
+            # are being added to)
+            ahead = Passing(group, (Kb, Vb)) if step + 1 < cp else None
             for a, b, keep in cpa.visible_blocks((me - step) % cp):
                 S = (Q[:, :, a] @ np.swapaxes(Kb[:, :, b], -1, -2)) * scale
                 P = np.exp(np.where(keep, S - L[:, :, a, None], -np.inf))  # masked: 0

@@ -43,7 +43,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import autograd as ag
-from minipar import placement, watchdog
+from minipar import placement, trace
 from minipar.autograd import Tensor
 from minipar.comm import Group
 from minipar.memory import ModelStates, measure
@@ -312,8 +312,8 @@ class OverlappedAllreduce(Hooks):
         for i in range(len(self.buckets)):
             if i not in started:
                 self._launch(i)
-        with watchdog.waiting("Waitall of the gradient buckets over dp"):
-            MPI.Request.Waitall([r for _, _, r in self.in_flight if r is not None])
+        trace.wait([r for _, _, r in self.in_flight if r is not None],
+                   "Waitall of the gradient buckets over dp")
         for i, flat, _ in self.in_flight:
             unpack(self.buckets[i], flat, 1.0 / self.mesh.shape.replicas)
         self._reset()
@@ -352,6 +352,7 @@ class DataParallel:
     `step()` synchronizes the gradients (naive, bucketed or overlapped), then updates."""
 
     stage = 0
+    clipper = None  # clip.Clipper with --clip-grad-norm: called after the sync
 
     def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer,
                  grad_sync: str = "bucketed", bucket_size: int = 65536,
@@ -373,6 +374,9 @@ class DataParallel:
             bucketed_allreduce(self.buckets, self.mesh, self.flats)
         else:
             self.started_in_backward = self.overlap.finish()
+        if self.clipper is not None:  # clip.py: the global norm, one scale on every rank
+            grads = [grad_or_zeros(p) for p in self.params]
+            self.clipper(list(zip(self.params, grads)), grads)
         self.optimizer.step([p.data for p in self.params], [p.grad for p in self.params])
 
     def materialize(self) -> None:

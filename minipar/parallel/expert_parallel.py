@@ -38,6 +38,14 @@ over tp of the (R, d) partial outputs (`reduce_from`) sums the shares before the
 of fc2 are added and the results go back; in the backward one Allreduce of (R, d) sums the
 input gradients (`copy_to`). Everything outside the experts is replicated over tp.
 
+DeepSeek-V3's routing (routing.py) changes step 1 only: sigmoid scores chosen by score
++ b (`--router sigmoid-bias`; b is whole on every rank, its load counted here and summed
+over dp x cp once per step by routing.update_biases), node-limited choice
+(`--route-groups G --route-top-groups M`; `group_stats` is the routing ledger: what
+each rank sends to each group). Shared experts (`--shared-experts S`) run on every
+rank's own tokens beside the exchange, replicated over ep (sync="dp"), split over tp
+like the routed experts when those are. Dispatch, experts and combine stay as above.
+
 Placements (placement.py, `--check-placements`): the tokens u are Shard(0) over dp;
 the dispatch and combine Alltoallv move whole rows (refusing a partial sum) and keep
 them a row shard; the router and LayerNorm are Replicate over dp, so their gradients
@@ -58,6 +66,7 @@ import numpy as np
 
 from minipar import autograd as ag
 from minipar import comm, fused, nn, placement
+from minipar import routing as moe_routing
 from minipar.autograd import Tensor
 from minipar.comm import Group
 from minipar.mesh import Mesh
@@ -70,19 +79,25 @@ from minipar.placement import Shard
 class Routing:
     """Where this rank's b local tokens go. Assignments are in token order, then slot."""
 
-    probs: Tensor          # (b, E) router probabilities
+    probs: Tensor          # (b, E) router scores: softmax probabilities, or sigmoids
     chosen: np.ndarray     # (b, k) expert ids, best first
     gates: Tensor          # (b k,) gate of each assignment, renormalized over the top k
     token_of: np.ndarray   # (b k,) assignment -> local token row
     expert_of: np.ndarray  # (b k,) assignment -> expert id
 
 
-def route(u: Tensor, router: Tensor, top_k: int) -> Routing:
-    """The reference router on the local tokens: softmax(u Wr), top-k, renormalized gates.
+def route(u: Tensor, router: Tensor, top_k: int, cfg: nn.ModelConfig | None = None,
+          bias: np.ndarray | None = None) -> Routing:
+    """The reference router on the local tokens (routing.py): softmax(u Wr), or
+    sigmoid(u Wr) chosen by s + b; top-k (inside the token's best groups when
+    node-limited); gates renormalized over the k chosen scores.
 
-    Routing is row by row, so a rank needs nothing but its own rows: no communication."""
-    probs = fused.softmax(u @ router)                            # (b, d) @ (d, E) -> (b, E)
-    chosen, token_of, expert_of, gates = nn.top_k_gates(probs, top_k)  # (b, k), 3 x (b k,)
+    Routing is row by row, so a rank needs nothing but its own rows (and b, which every
+    rank holds whole): no communication."""
+    kind = "softmax" if cfg is None else cfg.router
+    probs = moe_routing.scores(u, router, kind)                      # (b, d) @ (d, E) -> (b, E)
+    groups, top = (1, None) if cfg is None else (cfg.route_groups, cfg.route_top_groups)
+    chosen, token_of, expert_of, gates = moe_routing.route(probs, top_k, bias, groups, top)
     return Routing(probs, chosen, gates, token_of, expert_of)
 
 
@@ -174,17 +189,18 @@ class TensorParallelExpert(nn.Module):
     before b2: the shares of the tp ranks sum to Expert_e(u) - b2 (GELU is elementwise,
     so it runs on the column shard as it stands)."""
 
-    def __init__(self, full: dict[str, np.ndarray], name: str, tp: Group) -> None:
+    def __init__(self, full: dict[str, np.ndarray], name: str, tp: Group,
+                 sync: str = "edp") -> None:
         width = full[f"{name}.fc1.weight"].shape[1]
         part = slice(tp.rank * width // tp.size, (tp.rank + 1) * width // tp.size)
         self.fc1_weight = nn.Parameter(full[f"{name}.fc1.weight"][:, part],
                                        f"{name}.fc1.weight",
-                                       full_index=(slice(None), part), sync="edp")
+                                       full_index=(slice(None), part), sync=sync)
         self.fc1_bias = nn.Parameter(full[f"{name}.fc1.bias"][part], f"{name}.fc1.bias",
-                                     full_index=(part,), sync="edp")
+                                     full_index=(part,), sync=sync)
         self.fc2_weight = nn.Parameter(full[f"{name}.fc2.weight"][part], f"{name}.fc2.weight",
-                                       full_index=(part, slice(None)), sync="edp")
-        self.fc2_bias = nn.Parameter(full[f"{name}.fc2.bias"], f"{name}.fc2.bias", sync="edp")
+                                       full_index=(part, slice(None)), sync=sync)
+        self.fc2_bias = nn.Parameter(full[f"{name}.fc2.bias"], f"{name}.fc2.bias", sync=sync)
         placement.place(self.fc1_weight, tp, Shard(1))   # my columns of W1 (d, f_e)
         placement.place(self.fc1_bias, tp, Shard(0))     # and of b1 (f_e,)
         placement.place(self.fc2_weight, tp, Shard(0))   # my rows of W2 (f_e, d); b2 whole
@@ -306,6 +322,12 @@ class ExpertParallelBlock(nn.Module):
                             for e in mine]
         else:
             self.experts = [nn.ExpertFFN(full, f"{p}.experts.{e}", sync="edp") for e in mine]
+        # shared experts: every rank runs them on its own tokens, so they are replicated
+        # over ep like the router (sync="dp"); split over tp when the routed ones are
+        shared = [f"{p}.shared_experts.{s}" for s in range(cfg.shared_experts)]
+        self.shared = [TensorParallelExpert(full, name, mesh.tp, sync="dp") for name in shared] \
+            if self.split else [nn.ExpertFFN(full, name, sync="dp") for name in shared]
+        self.balance = moe_routing.balance_for(p, cfg.router, cfg.experts, full)
         self.last_stats: dict = {}
 
     def __call__(self, h: Tensor) -> tuple[Tensor, Tensor]:
@@ -317,7 +339,10 @@ class ExpertParallelBlock(nn.Module):
         transformer b = B/(M dp) * T positions (row, then position: dp rank r's tokens
         come after rank r-1's in the global token order, as capacity needs)."""
         cfg, experts = self.cfg, self.cfg.experts
-        routing = route(u, self.router, cfg.top_k)
+        routing = route(u, self.router, cfg.top_k, cfg,
+                        None if self.balance is None else self.balance.value)
+        if self.balance is not None:
+            self.balance.count(routing.expert_of)   # my tokens' share of the step's load
         tokens = u.shape[0] * self.dp_group.size                  # the global microbatch
         limit = nn.capacity(cfg.capacity_factor, cfg.top_k, tokens, experts)
         if self.layout is None:
@@ -336,16 +361,56 @@ class ExpertParallelBlock(nn.Module):
         else:
             y = run_local_experts(received, recv, self.experts)
         out = combine(y, routing, order, send, recv, self.ep_group, like=u)
+        if self.shared:
+            out = out + self.shared_ffn(u)
         aux = global_aux(routing.probs, counts, tokens, cfg, self.dp_group)
         if placement.ON:
             aux.name = f"{self.prefix} aux loss"  # named in placement messages
         self.last_stats = load_stats(counts, limit, kept, send, recv)
+        self.last_stats.update(group_stats(routing, kept, u.shape[0], cfg, self.ep_group.size))
         return out, aux
+
+    def shared_ffn(self, u: Tensor) -> Tensor:
+        """sum_s Shared_s(u) on my tokens u (b, d), no gate, no communication; split over
+        tp (each rank its columns of fc1 and rows of fc2, one Allreduce of the (b, d)
+        shares, then the fc2 biases), or whole on every rank."""
+        if not self.split:
+            total = self.shared[0](u)
+            for expert in self.shared[1:]:
+                total = total + expert(u)
+            return total
+        x = comm.copy_to(u, self.tp_group)        # backward: Allreduce of (b, d) over tp
+        share = self.shared[0].partial(x)
+        for expert in self.shared[1:]:
+            share = share + expert.partial(x)
+        total = comm.reduce_from(share, self.tp_group)  # the tp shares -> their sum (b, d)
+        for expert in self.shared:
+            total = total + expert.fc2_bias
+        return total
 
     def assignment_counts(self, routing: Routing, kept: np.ndarray) -> np.ndarray:
         """This rank's (token, slot) assignments per expert, for the aux loss's f: every
         routed one, whether capacity kept it or not (docs/design.md: drops still count)."""
         return np.bincount(routing.expert_of, minlength=self.cfg.experts)
+
+
+def group_stats(routing: Routing, kept: np.ndarray, tokens: int, cfg: nn.ModelConfig,
+                ep: int) -> dict:
+    """The routing ledger of one microbatch on this rank: the groups are node-limited
+    routing's G groups (or, without them, the ep ranks: one group per node). Per group,
+    `tokens_to_group[g]` = my tokens sending it at least one row through the dispatch
+    Alltoallv, `rows_to_group[g]` = the rows themselves; `most_groups` = the most groups
+    any one token reaches (at most --route-top-groups when node-limited)."""
+    groups = cfg.route_groups if cfg.route_groups > 1 else ep
+    ids = np.flatnonzero(kept)
+    reached = moe_routing.groups_reached(routing.token_of[ids], routing.expert_of[ids], tokens,
+                                     cfg.experts, groups)
+    per = cfg.experts // groups
+    return {"groups": groups,
+            "tokens_to_group": reached.sum(axis=0).tolist(),
+            "rows_to_group": np.bincount(routing.expert_of[ids] // per,
+                                         minlength=groups).tolist(),
+            "most_groups": int(reached.sum(axis=1).max()) if tokens else 0}
 
 
 def expected_alltoallv_elements(kept_assignments: int, d_model: int) -> int:

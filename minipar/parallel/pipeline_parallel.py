@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar import autograd as ag
-from minipar import placement, watchdog
+from minipar import flight, placement, trace
 from minipar.autograd import Tensor
 from minipar.nn import Model
 from minipar.parallel.pipeline_schedules import (
@@ -92,6 +92,9 @@ if TYPE_CHECKING:
     from minipar.comm import Group
 
 ACT_TAG, GRAD_TAG = 0, 1
+# the --trace spans of the compute instructions (B is "backward (B)" when split)
+SPAN_NAMES = {FORWARD: "forward", BACKWARD: "backward", WEIGHT: "backward (W)",
+              OVERLAPPED: "F&B"}
 
 
 # The last stage's loss of one microbatch from (logits, the chunk's aux loss or None,
@@ -162,20 +165,41 @@ class StageWorker:
         step loss (CE/M of its microbatches on the last stage, plus aux/M of its blocks)."""
         records = []  # plain tuples while the step runs (less work between instructions)
         clock, handlers = time.time, self.handlers  # wall clock: comparable between ranks
+        traced = trace.RECORDER is not None   # --trace: a span per compute instruction
         for ins in program:
+            flight.set_microbatch(ins.microbatch)  # the flight recorder's calls are tagged
             start = clock()
             cpu = time.thread_time()  # CPU time: what it cost, even on a shared core
-            handlers[ins.kind](ins)
+            if traced and ins.kind in SPAN_NAMES:
+                self.traced(ins)
+            else:
+                handlers[ins.kind](ins)
             records.append((ins, start, clock(), time.thread_time() - cpu))
         self.timeline += [{"rank": self.rank, "stage": self.stage, "kind": ins.kind,
                            "microbatch": ins.microbatch, "chunk": ins.chunk, "start": start,
                            "end": end, "cpu": cpu} for ins, start, end, cpu in records]
-        from mpi4py import MPI  # here: importing this file (bugs.py, the tests) needs no MPI
-
-        with watchdog.waiting("Waitall of the sends over pp"):
-            MPI.Request.Waitall([request for request, _ in self.sending.values()])
+        trace.wait([request for request, _ in self.sending.values()],
+                   "Waitall of the sends over pp")
         self.sending.clear()
         return self.loss
+
+    def traced(self, ins: Instruction) -> None:
+        """A compute instruction inside its --trace span (trace.py), and the activation
+        bytes it leaves held: a forward keeps its tape, the backward frees it (its W,
+        when the backward is split)."""
+        name = "backward (B)" if ins.kind == BACKWARD and self.split_backward \
+            else SPAN_NAMES[ins.kind]
+        with trace.span(name, microbatch=ins.microbatch, chunk=ins.chunk, kind=ins.kind):
+            self.handlers[ins.kind](ins)
+        forward, backward, weight = ins.parts() if ins.kind == OVERLAPPED else (
+            ins if ins.kind == FORWARD else None, ins if ins.kind == BACKWARD else None,
+            ins if ins.kind == WEIGHT else None)
+        if forward is not None:
+            trace.hold((forward.chunk, forward.microbatch),
+                       self.outputs[(forward.chunk, forward.microbatch)][0])
+        done = weight if weight is not None else None if self.split_backward else backward
+        if done is not None:
+            trace.release((done.chunk, done.microbatch))
 
     def where(self, chunk: int) -> int:
         """The virtual stage (position in the model) of this rank's chunk `chunk`."""
@@ -261,8 +285,9 @@ class StageWorker:
         else:
             roots = [(out, self.grads.pop(key))]        # (output, gradient received)
             roots += [(aux, self.aux_weight)] if aux is not None else []  # (aux, 1/M)
-            with watchdog.waiting("Wait of an activation send over pp"):
-                self.sending.pop((ACT_TAG, *key))[0].Wait()  # its gradient came back: sent
+            # its gradient came back: the activation was sent
+            trace.wait([self.sending.pop((ACT_TAG, *key))[0]],
+                       "Wait of an activation send over pp")
         if self.split_backward:  # B now (input gradients), W later (weight gradients)
             with ag.defer_weight_grads() as pending:
                 ag.backward_from(roots)

@@ -27,9 +27,10 @@ The schedules, each from its paper:
   (`compute_order`) and placed (`virtual_stage`: a V, or two opposite chains).
 
 Bubble, as measured here: run the instruction lists with F = 1 time unit and
-B = 2 for a stage's share of the model (B = W = 1 for the split schedules; a
-chunk of the interleaved schedule holds 1/V of a stage's layers, so it costs
-F = 1/V, B = 2/V), communication free (`Costs` weighs F, B, W and the F&B pair
+B = 2 for a stage's share of the model (B = W = 1 for the split schedules), one
+unit rule for every schedule: a chunk costs its share of a stage (`chunk_share`:
+an interleaved chunk holds 1/V of a stage's layers, F = 1/V, B = 2/V; a V's chunk
+half a stage, F = B = W = 1/2), communication free (`Costs` weighs F, B, W and the F&B pair
 otherwise). With T the time from the start to the moment the last stage
 finishes, the bubble fraction is
 
@@ -55,7 +56,8 @@ DualPipeV (pp-1)(F&B+B-2W) and DualPipe on PP ranks (PP/2-1)(F&B+B-2W) --
 DeepSeek-V3's table writes B for the *full* backward (our B + W) and PP for the
 ranks of DualPipe, the unfolded DualPipeV (PP = 2 pp): (PP/2-1)(F&B+B-3W). The
 simulator reproduces 1F1B's and ZB-H1's for any durations, ZB-V's, DualPipeV's
-and DualPipe's in logical time (F = B = W, F&B = F + B + W).
+and DualPipe's in logical time (F = B = W, F&B = F + B + W; for the V schedules F,
+B, W are a chunk's, half a stage's).
 
 Run the checks: `python -m pytest tests/test_pipeline_schedules.py`.
 """
@@ -279,14 +281,28 @@ def programs(name: str, pp: int, microbatches: int, virtual: int = 1
     return [schedule(name, pp, microbatches, s, virtual) for s in range(pp)]
 
 
+UNIT_RULE = "stage units: a stage's F = 1, B + W = 2; a chunk costs its share"
+
+
+def chunk_share(schedule: str, virtual: int = 1) -> float:
+    """The share of one stage's layers (a stage: 1/pp of the model) a chunk holds: 1/V
+    for interleaved (V pp chunks), 1/2 for the V schedules (2 pp chunks), 1 for DualPipe
+    (each of its two model copies cut into pp stages) and the one-chunk schedules."""
+    if schedule == "interleaved":
+        return 1.0 / virtual
+    return 0.5 if schedule in V_SHAPED else 1.0
+
+
 def costs(schedule: str, virtual: int = 1, weights: Costs = LOGICAL) -> dict[str, float]:
-    """Logical durations of one stage's share of the layers: F = 1, B = 2 (a backward
-    is two matmuls per forward one); the split schedules (ZB-H1, ZB-V, DualPipeV) cut
-    the backward into B = 1 (input gradient) and W = 1 (weights). An interleaved chunk
-    holds 1/V of a stage's layers, so it is charged 1/V of each: the same work per step
-    as 1F1B, in smaller pieces. `weights` sets other durations."""
+    """Logical durations, in stage units (`UNIT_RULE`), one rule for every schedule: a
+    stage's share of the layers costs F = 1, B = 2 (a backward is two matmuls per forward
+    one); the split schedules (ZB-H1, ZB-V, DualPipeV, DualPipe) cut the backward into
+    B = 1 (input gradient) and W = 1 (weights). A chunk is charged its `chunk_share` of
+    each: an interleaved chunk 1/V, a V's chunk 1/2 (F = B = W = 1/2, F&B = 3/2). So
+    every schedule does the same work per rank and step, M (F + B + W) = 3M units, in
+    pieces of different sizes. `weights` sets other durations for a whole stage."""
     durations = weights.durations(schedule in SPLIT_BACKWARD)
-    share = 1.0 / virtual if schedule == "interleaved" else 1.0
+    share = chunk_share(schedule, virtual)
     return {kind: share * d for kind, d in durations.items()}
 
 

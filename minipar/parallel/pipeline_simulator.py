@@ -253,12 +253,12 @@ def in_flight_peak(kinds: list[str]) -> int:
 
 # ------------------------------------------------------- a text Gantt chart
 def gantt(sim: Simulation, pp: int) -> list[str]:
-    """One line per stage, one cell per forward (a time unit; 1/V of one with V
-    chunks): `F3` forward of microbatch 3, `B3` backward (two cells when B = 2),
-    `W3` weight gradient, `.` idle. With model chunks, a letter names the chunk
-    (`F3a`, `F3b`); `F3a&B1b` an F&B step."""
+    """One line per stage, one cell per shortest instruction (a chunk's forward: one
+    stage unit, 1/V of one interleaved, 1/2 in a V): `F3` forward of microbatch 3,
+    `B3` backward (two cells when B = 2), `W3` weight gradient, `.` idle. With model
+    chunks, a letter names the chunk (`F3a`, `F3b`); `F3a&B1b` an F&B step."""
     chunks = max(slot.chunk for slot in sim.timeline) + 1
-    cell = min(slot.end - slot.start for slot in sim.timeline)  # 1, or 1/V interleaved
+    cell = min(slot.end - slot.start for slot in sim.timeline)  # 1, 1/V interleaved, 1/2 V
 
     def label(slot: Slot) -> str:
         def one(kind: str, microbatch: int, chunk: int) -> str:

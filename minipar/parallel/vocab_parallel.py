@@ -40,6 +40,7 @@ from mpi4py import MPI
 from minipar import attention, fused, placement
 from minipar.autograd import Tensor
 from minipar.comm import Group, reduce_from, reduce_scatter
+from minipar.documents import IGNORE
 from minipar.nn import LayerNorm, Module, Parameter
 from minipar.parallel.tensor_parallel import enter_region, shard
 from minipar.placement import Partial, Replicate, Shard
@@ -113,11 +114,13 @@ def parallel_cross_entropy(logits: Tensor, labels: np.ndarray, first: int, tp: G
                        "the sums of exps and target logits", tp, "sum")
     allreduce_statistic(stats, tp, MPI.SUM)                    # and target logits -> totals
     total, target = stats.data
-    out = np.asarray((np.log(total) - target).sum() * scale)
+    valid = labels != IGNORE   # --documents: padded positions add 0 (documents.py)
+    out = np.asarray((np.log(total[valid]) - target[valid]).sum() * scale)
 
     def backward(g: np.ndarray) -> None:
         d = e / total[:, None]
         d[rows[mine], local[mine]] -= 1.0
+        d[~valid] = 0.0
         logits.accumulate((d * (g * scale)).reshape(logits.shape), fresh=True)
     result = Tensor.from_op(out, (logits,), backward)
     if placement.ON:  # my columns in, whole statistics: the same loss on every tp rank

@@ -34,7 +34,13 @@ Placements (placement.py): every parameter is Replicate over dp as in plain data
 parallelism and its gradient Partial over dp; the Reduce_scatter turns the flat
 gradient into Shard(0) of its sum (each rank its slice), and the Allgather turns the
 updated slices back into Replicate parameters. `placement.summed` states the first
-transition for the parameters; the flat buffers themselves carry no placement.
+transition for the parameters. The flat parameter vector itself carries a placement too
+(`Space.values`, under `--check-placements`): Shard(0) over dp once the optimizer has
+updated my slice (the other slices are stale here), Replicate again after the
+Allgatherv; a step that ends with it still sharded stops with one line
+(`check_replicated`: `--inject-bug zero-no-allgather --check-placements`). Gradient
+clipping (clip.py) counts the gradient slices as what they are, Shard(0) over dp x cp:
+every rank its own numbers.
 
 Checkpoints (checkpoint.py) speak of parameters, not flat slices: each rank
 saves its slice as boxes of the full arrays it covers (`checkpoint_pieces`), and
@@ -53,6 +59,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import placement
+from minipar.autograd import Tensor
 from minipar.comm import Group
 from minipar.memory import FlatLayout, ModelStates, displacements, measure
 from minipar.mesh import Mesh
@@ -79,6 +86,9 @@ class Space:
         self.flat: np.ndarray | None = np.concatenate([p.data.ravel() for p in params])
         for p, view in zip(params, self.layout.views(self.flat)):
             p.data = view
+        kind = "expert" if any(p.sync == "edp" for p in params) else "dense"
+        # the flat vector as a tensor (no copy), carrying its placement over the group
+        self.values = Tensor(self.flat, name=f"ZeRO's flat vector of the {kind} parameters")
         self.shard: np.ndarray | None = None   # ZeRO-3: my slice, once `flat` is dropped
         self.grad_shard: np.ndarray | None = None  # ZeRO-2/3: my slice of the summed grads
         self.span: dict[int, tuple[int, int]] = {}  # piece -> (first, last) array index
@@ -121,6 +131,7 @@ class Zero1:
     is a view into its space's buffer), so the Allgather lands in them directly."""
 
     stage = 1
+    clipper = None  # clip.Clipper with --clip-grad-norm: called on my slices
 
     def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer) -> None:
         self.params = [p for chunk in chunks for p in chunk.parameters()]
@@ -140,6 +151,7 @@ class Zero1:
             placement.summed(space.params, space.group)  # Partial -> my slice of the sum
         self.update(shards)
         self.allgather_params()
+        self.check_replicated()
 
     def update(self, grad_shards: list[np.ndarray]) -> None:
         """g = (sum_i g_i) / dp on my slices, then the optimizer on my slices only: its
@@ -147,7 +159,13 @@ class Zero1:
         over edp, are divided by dp too (data_parallel.allreduce_gradients says why)."""
         for grad_shard in grad_shards:
             grad_shard /= self.dp
+        if self.clipper is not None:  # clip.py: my slices are Shard over dp x cp
+            pieces = [(p, shard[where]) for space, shard in zip(self.spaces, grad_shards)
+                      for p, _, where in self.shard_pieces(space)]
+            self.clipper(pieces, grad_shards, zero_sliced=True)
         self.optimizer.step(self.my_slices(), grad_shards)
+        for space in self.spaces:   # only my slice is new: the flat vector is Shard(0)
+            placement.place(space.values, space.group, placement.Shard(0))
 
     def allgather_params(self) -> None:
         """Every rank's updated slice to every rank, into the flat buffers behind `p.data`."""
@@ -162,6 +180,20 @@ class Zero1:
             space.group.Allgatherv(MPI.IN_PLACE, [space.flat, counts, displacements(counts),
                                                   _mpi_type(space.flat)])
             # end exercise
+            if placement.ON:  # every slice new on every rank: Shard(0) -> Replicate
+                placement.transition("the Allgatherv of the updated slices", space.values,
+                                     space.group, placement.Shard, placement.REPLICATED,
+                                     space.values)
+
+    def check_replicated(self) -> None:
+        """After the step: the next forward reads every parameter whole, so each flat
+        vector must be Replicate over its group again (placement.py; a no-op unless
+        `--check-placements`). Every rank of the group stops at the same step."""
+        if placement.ON:
+            for space in self.spaces:
+                for axis, found in placement.of(space.values).items():
+                    raise placement.refuse("the next forward", space.values, axis, found,
+                                           placement.REPLICATED)
 
     @staticmethod
     def shard_pieces(space: Space) -> list[tuple[Parameter, tuple[slice, ...], slice]]:
@@ -264,6 +296,7 @@ class Zero2(Zero1, Hooks):
     def step(self) -> None:
         self.update([space.grad_shard for space in self.spaces])
         self.allgather_params()
+        self.check_replicated()
         for space in self.spaces:
             space.grad_shard[...] = 0.0  # the next step accumulates afresh
 

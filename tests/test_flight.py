@@ -1,0 +1,242 @@
+"""The flight recorder: every hang ends with a verdict naming the ranks, the call and the line.
+
+Each injected hang (minipar/bugs_hangs.py) runs on 4 ranks with `--timeout 2` (the
+pipeline's in lesson 15's run, which tests/test_lessons.py makes anyway): the
+watchdog's one line must end with the verdict, which names the right ranks, op,
+axis and file:line, and every rank's dump must be in the --flight folder. A rank
+that leaves on its own, and one frozen (SIGSTOP: it cannot write), are named too. A clean run's
+records agree with its ledger, call for call; a SIGUSR1 dumps a live job. The
+verdict's logic is also tested on small hand-made dumps (no MPI), and bad input is
+one line and exit 2.
+
+    python -m pytest tests/test_flight.py
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from minipar import flight
+from minipar.bugs_hangs import HANGS
+from minipar.flight_report import FlightError, load, ranks_text, table, verdict
+from tests.mpi import ROOT, launch, lesson_run, read_dump
+
+SMALL = ["--layers", "2", "--d-model", "16", "--d-in", "8", "--batch", "16", "--steps", "1"]
+TIMEOUT = 2
+
+
+def flags_of(fields: dict) -> list[str]:
+    return [part for key, value in fields.items()
+            for part in (f"--{key.replace('_', '-')}", str(value))]
+
+
+def the_verdict(job: object, folder: Path) -> str:
+    """The one watchdog (or abort) line's verdict, after `; flight (DIR): `."""
+    marker = f"; flight ({folder}): "
+    lines = [line for line in job.stderr.splitlines() if marker in line]
+    assert len(lines) == 1, job.explain()
+    return lines[0].split(marker, 1)[1]
+
+
+LESSON_HANG = "hang-pp-both-recv"   # lesson 15 --quick runs it: its test reads that run
+
+
+@pytest.mark.parametrize("name", [name for name in HANGS if name != LESSON_HANG])
+def test_a_hang_ends_with_the_verdict_and_every_rank_dumps(name, tmp_path):
+    folder = tmp_path / "flight"
+    start = time.monotonic()
+    job = launch(4, ["-m", "minipar", "train", *SMALL, *flags_of(HANGS[name].flags),
+                     "--inject-bug", name, "--timeout", str(TIMEOUT), "--flight", str(folder)],
+                 timeout=60)
+    seconds = time.monotonic() - start
+    assert not job.timed_out and job.returncode != 0, job.explain()
+    assert seconds < TIMEOUT + 10 + 10, job.explain()   # + 10 s of start-up on a busy machine
+    watchdog = [line for line in job.stderr.splitlines() if "watchdog:" in line]
+    assert len(watchdog) == 1 and watchdog[0].startswith("minipar: error: watchdog: rank ")
+    said = the_verdict(job, folder)
+    for words in HANGS[name].names:
+        assert words in said, (words, said)
+    dumps = load(folder)
+    assert sorted(dumps) == [0, 1, 2, 3]                   # every live rank wrote its file
+    assert len({d["run"] for d in dumps.values()}) == 1
+    assert verdict(dumps) == said                          # `python -m minipar flight DIR`
+    assert "Traceback" not in job.stderr and "done:" not in job.stdout, job.explain()
+
+
+def test_the_pipeline_hang_of_lesson_15_ends_with_its_verdict_and_every_dump():
+    job, _ = lesson_run(4, "15_hangs.py", "--quick")   # the run tests/test_lessons.py makes
+    assert job.returncode == 0 and not job.timed_out, job.explain()
+    block = job.stdout.split(f"2.1 {LESSON_HANG} ", 1)[1]
+    line = next(x for x in block.splitlines() if x.strip().startswith("minipar: error: "
+                                                                      "watchdog: rank "))
+    said = next(x for x in block.splitlines() if x.strip().startswith("verdict: "))
+    for words in HANGS[LESSON_HANG].names:
+        assert words in said, (words, said)
+    ended = re.search(r"ended after ([\d.]+) s", block)
+    assert ended and float(ended.group(1)) < TIMEOUT + 10 + 10, block[:400]
+    assert "every rank's dump in the folder: [OK]" in block and "--timeout 2" in line
+
+
+@pytest.mark.parametrize("mode,names", [
+    ("exit", ("rank 2 left the job on its own (SystemExit(3))", "ranks 0,1,3 are in ")),
+    # SIGSTOP: alive but frozen, it writes nothing (a SIGKILLed rank would too, but MPICH's
+    # launcher then ends every rank at once, before any of them can write)
+    ("stop", ("rank 2 left no record", "ranks 0,1,3 are in ")),
+])
+def test_a_rank_that_leaves_or_freezes_is_named(tmp_path, mode, names):
+    folder = tmp_path / "flight"
+    job = launch(4, ["-m", "tests.rank_faults", "fault", f"{mode}:2:1", "train", *SMALL,
+                     "--dp", "4", "--timeout", str(TIMEOUT), "--flight", str(folder)],
+                 timeout=60)
+    assert not job.timed_out and job.returncode != 0, job.explain()
+    said = the_verdict(job, folder)
+    for words in names:
+        assert words in said, (words, said)
+    assert "Allreduce over dp" in said or "Allreduce over world" in said, said
+    assert sorted(load(folder)) == ([0, 1, 2, 3] if mode == "exit" else [0, 1, 3])
+
+
+CLEAN = [{"dp": 2, "tp": 2, "microbatches": 2, "layers": 2, "d_model": 16, "d_in": 8,
+          "batch": 16, "steps": 2},
+         {"model": "moe", "dp": 2, "pp": 2, "ep": 2, "microbatches": 2, "layers": 2,
+          "d_model": 16, "d_in": 8, "batch": 16, "steps": 2, "experts": 4}]
+
+
+def test_a_clean_runs_records_agree_with_its_ledger_and_a_signal_dumps_a_live_job(tmp_path):
+    spec = tmp_path / "configs.json"
+    spec.write_text(json.dumps(CLEAN))
+    job = launch(4, ["-m", "tests.rank_flight", str(spec), str(tmp_path)], timeout=120)
+    assert job.returncode == 0 and not job.timed_out, job.explain()
+    signalled = load(tmp_path / "signalled")
+    assert list(signalled) == [0] and signalled[0]["reason"] == "SIGUSR1"
+    assert signalled[0]["calls"], "the live dump holds the calls made so far"
+    for i, fields in enumerate(CLEAN):
+        ledger = read_dump(tmp_path / str(i))["ledger"]
+        dumps = load(tmp_path / str(i) / "flight")
+        assert sorted(dumps) == [0, 1, 2, 3]
+        for rank, dump in dumps.items():
+            last = [c for c in dump["calls"] if c["step"] == fields["steps"] and c["counted"]]
+            assert all(c["state"] != "started" for c in dump["calls"])   # nothing in flight
+            calls, elements = Counter(), Counter()
+            for c in last:
+                calls[(c["op"], c["axis"])] += 1
+                elements[(c["op"], c["axis"])] += c["elements"]
+            mine = [r for r in ledger if r["rank"] == rank]
+            assert {(r["op"], r["group"]): r["calls"] for r in mine} == dict(calls), (i, rank)
+            assert {(r["op"], r["group"]): r["elements"] for r in mine} == dict(elements)
+        assert "the records agree" in verdict(dumps), verdict(dumps)
+
+
+# ------------------------------------------------------------ no MPI from here on
+def fake_group(key: str) -> SimpleNamespace:
+    """What `flight.record` reads of a comm.Group, its key already known (no MPI)."""
+    return SimpleNamespace(name=key.split("{")[0], comm=None, _flight_key=key,
+                           ledger=SimpleNamespace(enabled=True))
+
+
+def made_dumps(tmp_path: Path, calls_by_rank: dict[int, list[tuple]], world: int,
+               stuck: dict[int, str]) -> Path:
+    """Write the dumps of ranks that made `calls_by_rank[r]` (group key, op, elements,
+    detail...); `stuck[r]` names the call rank r is still inside (the last one)."""
+    folder = tmp_path / "made"
+    for rank, calls in calls_by_rank.items():
+        flight.reset()
+        flight.STATE.rank, flight.STATE.world, flight.STATE.run = rank, world, "run-1"
+        for key, op, elements, *detail in calls:
+            flight.record(fake_group(key), op, elements, 8, tuple(detail))
+        if rank in stuck:
+            flight.watchdog._waiting = (time.monotonic() + 1, stuck[rank])
+        try:
+            flight.write(folder, "watchdog")
+        finally:
+            flight.watchdog._waiting = None
+    flight.reset()
+    return folder
+
+
+def test_a_collective_one_rank_never_entered_is_named(tmp_path):
+    calls = {r: [("dp{0,1,2}", "Allreduce", 64)] for r in range(3)}
+    calls[0].append(("dp{0,1,2}", "Allreduce", 64))          # rank 0 alone: one call more
+    for r in (1, 2):
+        calls[r].append(("world{0,1,2}", "Barrier", 0))
+    folder = made_dumps(tmp_path, calls, 3, {0: "Allreduce over dp", 1: "Barrier",
+                                             2: "Barrier"})
+    dumps = load(folder)
+    said = verdict(dumps)
+    assert "Allreduce over dp (call 2" in said and "never entered it" in said, said
+    assert "rank 0" in said and "ranks 1,2" in said, said
+    assert "<-- differs" not in table(dumps) and "Allreduce 64 test_flight.py:" in table(dumps)
+
+
+def test_counts_that_differ_and_a_send_never_received_are_named(tmp_path):
+    sizes = {0: 64, 1: 60}
+    folder = made_dumps(tmp_path, {r: [("tp{0,1}", "Allreduce", n)] for r, n in sizes.items()},
+                        2, {0: "Allreduce", 1: "Allreduce"})
+    said = verdict(load(folder))
+    assert said.startswith("counts differ in Allreduce over tp (call 1,"), said
+    assert "rank 0 has 64 elements, rank 1 has 60 elements" in said, said
+    folder = made_dumps(tmp_path / "p2p", {0: [("pp{0,1}", "Send", 8, 1, 0)],
+                                           1: [("pp{0,1}", "Allreduce", 1)]},
+                        2, {0: "Send", 1: "Allreduce"})
+    said = verdict(load(folder))
+    assert said.startswith("rank 0 is in Send to pp rank 1 (call 1,"), said
+    assert "rank 1 never entered the matching Recv: it is in Allreduce over pp" in said, said
+
+
+def test_a_posted_send_nobody_receives_is_named_while_its_rank_waits(tmp_path):
+    folder = made_dumps(tmp_path, {0: [("pp{0,1}", "Isend", 8, 1, 0)],
+                                   1: [("pp{0,1}", "Allreduce", 1)]},
+                        2, {0: "Waitall of the sends over pp", 1: "Allreduce over pp"})
+    said = verdict(load(folder))
+    assert said.startswith("rank 0 is in Waitall of the sends over pp, for its Isend to pp "
+                           "rank 1 (call 1,"), said
+    assert "rank 1 never entered the matching Recv: it is in Allreduce over pp" in said, said
+
+
+def test_ranks_are_named_compactly():
+    assert ranks_text([3]) == "rank 3"
+    assert ranks_text([2, 0, 1]) == "ranks 0-2"
+    assert ranks_text([0, 2, 3, 4, 7]) == "ranks 0,2-4,7"
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    good = made_dumps(tmp_path, {0: [("dp{0,1}", "Allreduce", 4)],
+                                 1: [("dp{0,1}", "Allreduce", 4)]}, 2, {})
+    text = (good / "rank1.json").read_text()
+    cases = {"empty": tmp_path / "empty", "missing": tmp_path / "nowhere"}
+    cases["empty"].mkdir()
+    for name, edit in {"truncated": lambda t: t[: len(t) // 2],
+                       "seq": lambda t: t.replace('"seq": 1', '"seq": "one"'),
+                       "rank": lambda t: t.replace('"rank": 1', '"rank": 7'),
+                       "members": lambda t: t.replace('"members": [0, 1]', '"members": [0, 9]'),
+                       "state": lambda t: t.replace('"completed"', '"lost"')}.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "rank0.json").write_text((good / "rank0.json").read_text())
+        edited = edit(text)
+        assert edited != text, name
+        (folder / "rank1.json").write_text(edited)
+        cases[name] = folder
+    for folder in cases.values():
+        with pytest.raises(FlightError):
+            load(folder)
+    run = subprocess.run([sys.executable, "-m", "minipar", "flight", str(cases["truncated"])],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stdout == "", run
+    assert run.stderr.startswith("minipar: error: ") and run.stderr.count("\n") == 1, run.stderr
+    assert "rank1.json is not a flight dump" in run.stderr
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    run = subprocess.run([sys.executable, "-m", "minipar", "train", "--flight", str(a_file),
+                          "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("minipar: error: --flight ") and "not a folder" in run.stderr

@@ -1,0 +1,205 @@
+"""`train --trace DIR` and `python -m minipar trace DIR`: timelines, measured.
+
+Every strategy's traces are checked where the strategies already run: the sweeps of
+tests/test_every_mesh.py (every 4-D mesh and schedule on 4 ranks), test_data_parallel.py
+(every grad sync) and test_zero.py (ZeRO with experts) trace their runs and call
+tests/trace_checks.py. Here: those checks fail on broken traces; the report's interval
+arithmetic against counting microseconds one by one; one pipeline run with an
+overlapped gradient sync read by the `trace` command (its numbers are `measure`'s, its
+plot a PNG, its simulated timeline the simulator's replay); and every refusal is one
+line and exit 2 (before the first step, for `train`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from minipar import preflight, trace_report
+from tests.mpi import lesson_run, minipar, read_dump
+from tests.trace_checks import check_events, check_trace
+
+SMALL = ["--layers", "4", "--d-model", "16", "--d-in", "8", "--batch", "16", "--steps", "2"]
+RUN = ["--dp", "2", "--pp", "2", "--microbatches", "4", "--grad-sync", "overlapped",
+       "--bucket-size", "300"]
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """One 4-rank run, dp 2 x pp 2 under 1F1B, overlapped gradient sync, traced."""
+    folder = tmp_path_factory.mktemp("traced")
+    job = minipar(4, ["train", *RUN, *SMALL, "--trace", str(folder / "trace"), "--dump",
+                      str(folder / "dump")], timeout=120)
+    assert job.returncode == 0, job.explain()
+    return folder
+
+
+def command(capsys, *args: str) -> tuple[int, str, str]:
+    """`python -m minipar trace ...` in this process (it needs no MPI): exit code, stdout,
+    stderr."""
+    code = trace_report.main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_run_is_valid_and_is_its_ledger(traced):
+    check_trace(traced / "trace", read_dump(traced / "dump"), "dp 2 pp 2 overlapped")
+
+
+def test_the_checks_fail_on_broken_traces(traced):
+    doc = json.loads((traced / "trace" / "trace.json").read_text())
+    check_events(doc, "as written")
+    xs = [i for i, e in enumerate(doc["traceEvents"]) if e["ph"] == "X"]
+    flows = [i for i, e in enumerate(doc["traceEvents"]) if e["ph"] == "s"]
+    assert xs and flows
+    breaks = {
+        "a float ts": lambda d: d["traceEvents"][xs[0]].update(ts=0.5),
+        "a negative dur": lambda d: d["traceEvents"][xs[0]].update(dur=-1),
+        "no args": lambda d: d["traceEvents"][xs[0]].pop("args"),
+        "an unknown phase": lambda d: d["traceEvents"][xs[0]].update(ph="B"),
+        "a flow without its end": lambda d: d["traceEvents"].pop(flows[0]),
+        "no process name": lambda d: d.update(traceEvents=[
+            e for e in d["traceEvents"] if e.get("name") != "process_name"]),
+    }
+
+    def overlapping(d: dict) -> None:   # a span crossing the end of the one before it
+        spans = [e for e in d["traceEvents"] if e["ph"] == "X" and e["dur"] > 2]
+        first = spans[0]
+        d["traceEvents"].append(dict(first, ts=first["ts"] + 1, dur=first["dur"] + 5))
+    breaks["overlapping spans on a thread"] = overlapping
+    for name, breaking in breaks.items():
+        broken = copy.deepcopy(doc)
+        breaking(broken)
+        with pytest.raises((AssertionError, KeyError)):
+            check_events(broken, name)
+
+
+def test_interval_arithmetic_is_counting_microseconds():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        def draw() -> list[tuple[int, int]]:
+            starts = rng.integers(0, 60, size=rng.integers(0, 6))
+            return [(int(s), int(s + rng.integers(0, 15))) for s in starts]
+
+        def covered(intervals: list[tuple[int, int]]) -> set[int]:
+            return {t for a, b in intervals for t in range(a, b)}
+        a, b = trace_report.union(draw()), trace_report.union(draw())
+        assert covered(trace_report.intersect(a, b)) == covered(a) & covered(b)
+        assert covered(trace_report.subtract(a, b)) == covered(a) - covered(b)
+        assert trace_report.length(a) == len(covered(a))
+
+
+def test_the_command_prints_measure_draws_and_simulates(traced, capsys):
+    folder = traced / "trace"
+    code, out, err = command(capsys, str(folder), "--plot", str(traced / "gantt.png"),
+                             "--simulated", str(traced / "simulated.json"))
+    assert code == 0, err
+    measured = trace_report.measure(trace_report.load(folder))
+    assert f"pipeline bubble (last step, measured): {measured.bubble:.1%}" in out
+    assert f"communication hidden under compute: {measured.hidden:.1%}" in out
+    assert 0 < measured.bubble < 1 and 0 <= measured.hidden <= 1
+    assert "longest wait: rank" in out and "waiting for rank" in out
+    for r in measured.ranks:   # compute + exposed comm + idle is the window
+        assert r.compute + (r.comm - r.hidden) + r.idle == measured.window
+    assert (traced / "gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sim = json.loads((traced / "simulated.json").read_text())
+    spans = [e for e in sim["traceEvents"] if e["ph"] == "X"]
+    assert all(isinstance(e["ts"], int) and e["dur"] >= 0 for e in spans)
+    assert len(spans) == 2 * 2 * 4   # pp stages x (F, B) x M microbatches
+    assert {e["pid"] for e in spans} == {0, 1}
+
+
+def test_trace_command_refuses_what_it_cannot_read(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "trace.json").write_text('{"traceEvents": [{"ph": "X", "na')
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"traceEvents": []}))
+    for folder, said in ((empty, "no trace.json"), (cut, "truncated or not JSON"),
+                         (other, "not a folder")):
+        code, _, err = command(capsys, str(folder))
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, (folder, err)
+        assert lines[0].startswith("minipar: error: ") and said in lines[0], lines
+
+
+def test_train_refuses_a_trace_folder_it_cannot_use(tmp_path, traced):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cases = {"exists and is not a folder": a_file,
+             "holds the trace of another run": traced / "trace"}
+    for said, folder in cases.items():
+        job = minipar(2, ["train", "--dp", "2", *SMALL, "--trace", str(folder)], timeout=60)
+        lines = job.stderr.strip().splitlines()
+        assert job.returncode == 2 and len(lines) == 1, job.explain()
+        assert lines[0].startswith("minipar: error: --trace") and said in lines[0], lines
+        assert "step" not in job.stdout, job.stdout   # before the first step
+    assert preflight.trace_problems(str(tmp_path / "new" / "folder")) == []
+
+
+def test_a_read_only_trace_folder_is_refused(tmp_path):
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)],
+                          capture_output=True, text=True, check=False)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    try:   # root passes os.access on a read-only mount: the probe is what catches it
+        job = minipar(2, ["train", "--dp", "2", *SMALL, "--trace", str(mount / "t")], 60)
+        lines = job.stderr.strip().splitlines()
+        assert job.returncode == 2 and len(lines) == 1, job.explain()
+        assert "--trace" in lines[0] and "not writable" in lines[0], lines
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_lesson_4_prints_the_numbers_of_its_trace():
+    """Lesson 4 traces its 1F1B run of M = 8 (--plot DIR: DIR/trace_1f1b) and prints the
+    bubble and the hidden share of that trace: trace_report.measure's, as `trace` prints."""
+    job, folder = lesson_run(4, "04_pipeline_parallel.py", "--quick")  # test_lessons' run
+    assert job.returncode == 0, job.explain()
+    measured = trace_report.measure(trace_report.load(folder / "trace_1f1b"))
+    line = next(x for x in job.stdout.splitlines() if "its trace (" in x)
+    assert f"M = 8 bubble {measured.bubble:.1%}, communication hidden under compute " \
+           f"{measured.hidden:.1%}" in line, line
+    assert "cores" in line and (folder / "04_trace_1f1b.png").exists()
+    check_events(json.loads((folder / "trace_1f1b" / "trace.json").read_text()), "lesson 4")
+
+
+def test_lesson_12_prints_how_much_of_the_ring_its_trace_hides():
+    """Lesson 12 traces its ring and zigzag runs (--plot DIR: DIR/trace_<mode>) and prints
+    the share of their cp traffic under compute: trace_report.measure's, per axis."""
+    job, folder = lesson_run(4, "12_context_parallel.py", "--quick")  # test_lessons' run
+    assert job.returncode == 0, job.explain()
+    for mode in ("ring", "zigzag"):
+        measured = trace_report.measure(trace_report.load(folder / f"trace_{mode}"))
+        assert 0 <= measured.hidden_by_axis["cp"] <= 1
+        assert f"{mode}: its cp traffic hidden under compute " \
+               f"{measured.hidden_by_axis['cp']:.1%}" in job.stdout, job.stdout[-2000:]
+        doc = json.loads((folder / f"trace_{mode}" / "trace.json").read_text())
+        check_events(doc, f"lesson 12 {mode}")
+        ops = {e["args"]["op"] for e in doc["traceEvents"]
+               if e["ph"] == "X" and e["cat"] == "comm" and e["args"]["axis"] == "cp"}
+        assert {"Isend", "Irecv", "Sendrecv"} <= ops, ops   # K, V posted ahead; dK, dV
+
+
+def test_lesson_1_prints_how_much_of_the_overlapped_sync_its_trace_hides():
+    """Lesson 1 (--plot DIR) traces an overlapped-sync training run into
+    DIR/trace_overlapped and prints the share of its dp traffic under compute."""
+    job, folder = lesson_run(8, "01_data_parallel.py")  # the run tests/test_lessons.py checks
+    assert job.returncode == 0, job.explain()
+    measured = trace_report.measure(trace_report.load(folder / "trace_overlapped"))
+    assert f"{measured.hidden_by_axis['dp']:.1%} of the dp Iallreduces' time ran under " \
+           "compute" in job.stdout, job.stdout[-2000:]
+    doc = json.loads((folder / "trace_overlapped" / "trace.json").read_text())
+    check_events(doc, "lesson 1")
+    assert any(e["ph"] == "X" and e["name"] == "Iallreduce" for e in doc["traceEvents"])
