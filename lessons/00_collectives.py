@@ -36,6 +36,7 @@ from mpi4py import MPI
 from minipar import ring
 from minipar.comm import Group, Ledger
 from minipar.log import run_collectively, say_in_order, verdict
+from minipar.preflight import lesson_arguments
 
 
 def banner(world: Group, title: str) -> None:
@@ -153,7 +154,7 @@ def ring_beside_mpi(comm: MPI.Comm) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write the figure here (PNG)")
-    args = parser.parse_args()
+    args = lesson_arguments(parser)   # --plot checked now, not at the end
     comm = MPI.COMM_WORLD
     world = Group(comm, "world", Ledger())
     allreduce(world)

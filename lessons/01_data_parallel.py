@@ -45,7 +45,7 @@ from mpi4py import MPI
 
 from minipar import nn, timing, trace_report
 from minipar.comm import Ledger
-from minipar.config import TrainConfig
+from minipar.config import ConfigError, TrainConfig
 from minipar.data import make_batch, shard_rows
 from minipar.log import run_collectively, say_in_order, verdict, wait_for_rank0
 from minipar.memory import wire_elements
@@ -57,6 +57,7 @@ from minipar.parallel.data_parallel import (
     install_hooks,
     make_buckets,
 )
+from minipar.preflight import lesson_arguments
 from minipar.threads import cores
 from minipar.train import train
 
@@ -170,11 +171,12 @@ def main() -> None:
     parser.add_argument("--bucket-size", type=int, default=2000, help="elements per bucket")
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per way (part 6)")
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write the figures here (PNG)")
-    args = parser.parse_args()
+    args = lesson_arguments(parser)   # --plot checked now, not at the end
     world = MPI.COMM_WORLD
     n = world.Get_size()
     if BATCH % n:
-        raise SystemExit(f"run on a rank count dividing {BATCH} (got {n})")
+        raise ConfigError(f"lesson 1 splits a batch of {BATCH} rows evenly: run it on a rank "
+                          f"count dividing {BATCH} (got {n})")
     mesh = Mesh(MeshShape(dp=n), world, Ledger())
     sizes = nn.ModelConfig() if args.full else nn.ModelConfig(layers=2, d_in=16, d_model=32,
                                                               d_ff=128)

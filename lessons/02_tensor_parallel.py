@@ -25,7 +25,6 @@ The code behind part 3: minipar/parallel/tensor_parallel.py.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +34,7 @@ from minipar import autograd as ag
 from minipar import fused, nn
 from minipar.byte_units import MiB
 from minipar.comm import Group, Ledger
-from minipar.config import TrainConfig, problems
+from minipar.config import ConfigError, TrainConfig, problems
 from minipar.log import run_collectively, say_in_order, verdict
 from minipar.memory import wire_elements
 from minipar.mesh import Mesh
@@ -45,6 +44,7 @@ from minipar.parallel.tensor_parallel import (
     parameter_count,
     shard,
 )
+from minipar.preflight import lesson_arguments
 from minipar.train import build_rank_model, train, train_reference
 
 
@@ -209,12 +209,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true", help="the source's exact sizes")
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
-    args = parser.parse_args()
+    args = lesson_arguments(parser)   # --plot checked now, not at the end
     world = MPI.COMM_WORLD
-    if world.Get_size() < 2:  # every rank sees the same size: all stop here, together
-        print("lesson 2 splits W over ranks: run it on 2 or more, "
-              "mpiexec -n 2 python lessons/02_tensor_parallel.py", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+    n = world.Get_size()
+    if n < 2 or 2048 % n:  # every rank sees the same size: all stop here, together
+        raise ConfigError(f"lesson 2 splits W's 2048 columns evenly over the ranks: run it on "
+                          f"a count dividing 2048 (got {n}): mpiexec -n 2 python "
+                          "lessons/02_tensor_parallel.py")
     tp = Group(world, "tp", Ledger())  # the whole world is one tensor-parallel group
     column_split(tp, args.full)
     two_layers(tp)

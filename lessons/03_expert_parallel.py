@@ -45,6 +45,7 @@ from minipar.comm import Ledger
 from minipar.log import run_collectively, verdict
 from minipar.mesh import Mesh, MeshShape
 from minipar.parallel.expert_parallel import ExpertParallelBlock, expected_alltoallv_elements
+from minipar.preflight import lesson_arguments
 from minipar.results import relative_difference
 
 comm = MPI.COMM_WORLD
@@ -408,7 +409,7 @@ def main() -> None:
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
     parser.add_argument("--quick", action="store_true",
                         help=f"part 7a: {QUICK_STEPS} steps instead of {BIAS_STEPS}")
-    args = parser.parse_args()
+    args = lesson_arguments(parser)   # --plot checked now, not at the end
     if size != 8:
         say("run with 8 ranks: mpiexec -n 8 python lessons/03_expert_parallel.py")
         sys.exit(2)

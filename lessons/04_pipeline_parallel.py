@@ -55,6 +55,7 @@ from minipar.parallel.pipeline_schedules import (
     replay,
     simulate_schedule,
 )
+from minipar.preflight import lesson_arguments
 from minipar.results import max_differences
 from minipar.threads import cores
 from minipar.train import RunResult, build_rank_model, train, train_reference
@@ -334,7 +335,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="narrower layers (tests)")
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
-    args = parser.parse_args()
+    args = lesson_arguments(parser)   # --plot checked now, not at the end
     if size not in (2, 4):  # M = 4 and 8 split in groups of pp; 48 layers in 2 pp chunks
         say("lesson 4 runs on 2 or 4 ranks: mpiexec -n 4 python lessons/04_pipeline_parallel.py")
         sys.exit(2)

@@ -49,6 +49,7 @@ from minipar.parallel.pipeline_schedules import (
     in_flight_peak,
     simulate_schedule,
 )
+from minipar.preflight import lesson_arguments
 from minipar.recompute import tape_bytes  # node outputs and what their closures hold
 from minipar.report import group_sizes, wire_bytes
 from minipar.results import max_differences
@@ -319,7 +320,7 @@ def figures(rows: dict[str, dict], held: dict[str, dict], folder: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
-    args = parser.parse_args()
+    args = lesson_arguments(parser)   # --plot checked now, not at the end
     if size != 4:
         say("lesson 5 compares TP and PP on 4 ranks: mpiexec -n 4 python lessons/05_tp_vs_pp.py")
         sys.exit(2)

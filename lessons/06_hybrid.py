@@ -38,6 +38,7 @@ from minipar.comm import Ledger
 from minipar.config import TrainConfig, problems
 from minipar.log import run_collectively, say_in_order, verdict
 from minipar.mesh import Mesh, MeshShape
+from minipar.preflight import lesson_arguments
 from minipar.report import ledger_table
 from minipar.results import max_differences
 from minipar.train import RunResult, train, train_reference
@@ -198,7 +199,7 @@ def figures(cfg: TrainConfig, result: RunResult, folder: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
-    args = parser.parse_args()
+    args = lesson_arguments(parser)   # --plot checked now, not at the end
     if size != 8:
         say("lesson 6 builds a 2 x 2 x 2 grid: mpiexec -n 8 python lessons/06_hybrid.py")
         sys.exit(2)

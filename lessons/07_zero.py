@@ -43,6 +43,7 @@ from minipar.memory import (
     wire_formula,
     zero_formula,
 )
+from minipar.preflight import lesson_arguments
 from minipar.train import train, train_reference
 
 NAMES = ["DP (stage 0)", "P_os (1)", "P_os+g (2)", "P_os+g+p (3)"]
@@ -120,7 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
-    args = parser.parse_args()
+    args = lesson_arguments(parser)   # --plot checked now, not at the end
     world = MPI.COMM_WORLD
     n = world.Get_size()
     # 8 classes: Psi = 34472, which 2, 4 and 8 ranks divide (try 3 ranks for uneven slices)

@@ -73,6 +73,7 @@ from minipar.bugs import BUGS, Bug
 from minipar.config import TrainConfig
 from minipar.log import run_collectively, verdict, wait_for_rank0
 from minipar.placement import PlacementError
+from minipar.preflight import lesson_arguments
 from minipar.results import relative_difference
 from minipar.train import RunResult, problems, train, train_reference
 
@@ -336,7 +337,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 steps on a tiny model")
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write the loss curves")
     parser.add_argument("--json", metavar="PATH", type=Path, help="write the findings")
-    args = parser.parse_args()
+    args = lesson_arguments(parser)   # --plot checked now, not at the end
     steps = 3 if args.quick else args.steps
     say(f"lesson 8 on {size} ranks: each bug injected into a correct run, {steps} steps")
     results: dict[str, dict] = {}

@@ -41,6 +41,7 @@ with ZeRO-1, the 405B only with cp = 1 (the full search also tries context paral
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -61,6 +62,7 @@ from minipar.plan import (
     transformer,
 )
 from minipar.plan_search import usable
+from minipar.preflight import folder_problems
 from minipar.presets import CLUSTERS, MODELS
 from minipar.timemodel import Timing, ledger_of, traffic
 
@@ -399,6 +401,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="smaller searches for sections 3 and 6 (for the tests)")
     args = parser.parse_args()
+    unwritable = folder_problems(args.plot) if args.plot is not None else []
+    if unwritable:   # now, not after every section has run
+        print(f"minipar: error: --plot {unwritable[0]}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     say(f"Assumptions: {H100.node_size} GPUs a node, {H100.gpu_memory / GB:g} GB of which "
         f"{USABLE / GB:g} usable (decimal GB, as the hardware sheet), "
         f"{H100.flops / 1e12:g} TFLOP/s at {H100.efficiency:.0%}, {H100.intra_bw / GB:g} "

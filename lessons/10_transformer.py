@@ -41,6 +41,7 @@ from minipar.config import TrainConfig
 from minipar.data import make_sequences, read_corpus, repeated_positions
 from minipar.documents import read_documents, valid_positions
 from minipar.log import run_collectively, verdict
+from minipar.preflight import lesson_arguments
 from minipar.results import max_differences
 from minipar.train import build_reference, step_batch, train, train_reference
 
@@ -104,7 +105,7 @@ def main() -> None:
                         help="the text file of part 3 (default: the repository's README)")
     parser.add_argument("--quick", action="store_true", help="fewer steps (for the tests)")
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
-    args = parser.parse_args()
+    args = lesson_arguments(parser)   # --plot checked now, not at the end
     world = MPI.COMM_WORLD
     n, rank = world.Get_size(), world.Get_rank()
     copy_steps, text_steps = (150, 40) if args.quick else (300, 300)

@@ -43,6 +43,7 @@ from minipar.log import run_collectively, say_in_order, verdict, wait_for_rank0
 from minipar.memory import wire_elements
 from minipar.mesh import Mesh
 from minipar.plan import minipar_workload, plan_of
+from minipar.preflight import lesson_arguments
 from minipar.recompute import gpt_block_activation_bytes, tape_bytes
 from minipar.results import TOLERANCE, max_differences, relative_difference
 from minipar.threads import cores
@@ -307,7 +308,7 @@ def figure(found: dict[str, dict[str, int]], path: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
-    args = parser.parse_args()
+    args = lesson_arguments(parser)   # --plot checked now, not at the end
     if size not in (2, 4):
         say("lesson 11 runs on 2 or 4 ranks (mpiexec -n 4 python lessons/11_transformer_tp.py)")
         raise SystemExit(2)

@@ -45,13 +45,14 @@ from mpi4py import MPI
 from minipar import nn, timing, trace_report
 from minipar.byte_units import KiB, format_bytes
 from minipar.comm import Ledger
-from minipar.config import TrainConfig
+from minipar.config import ConfigError, TrainConfig
 from minipar.costmodel import rank_shape
 from minipar.log import run_collectively, verdict
 from minipar.memory import wire_elements
 from minipar.mesh import Mesh, MeshShape
 from minipar.parallel import context_parallel as cpar
 from minipar.plan import minipar_workload, plan_of
+from minipar.preflight import lesson_arguments
 from minipar.report import group_sizes, wire_bytes
 from minipar.results import relative_difference
 from minipar.threads import cores
@@ -60,6 +61,7 @@ from minipar.train import (
     build_rank_model,
     context_positions,
     forward_backward,
+    problems,
     step_batch,
     train,
     train_reference,
@@ -216,16 +218,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter sequences")
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
-    args = parser.parse_args()
+    args = lesson_arguments(parser)   # --plot checked now, not at the end
     world = MPI.COMM_WORLD
     cp = world.Get_size()
     if cp < 2:
-        raise SystemExit("run it on 2 or more ranks: mpiexec -n 4 python "
-                         "lessons/12_context_parallel.py")
+        raise ConfigError("lesson 12 splits sequences over the ranks: run it on 2 or more, "
+                          "mpiexec -n 4 python lessons/12_context_parallel.py")
     heads = max(4, cp)  # Ulysses: cp divides H
     base = dict(model="gpt", layers=2, d_model=8 * heads, heads=heads,
                 seq_len=(8 if args.quick else 16) * cp, vocab=32, batch=2, steps=2,
                 d_ff=32)
+    for mode in MODES:   # every mode's refusal (Ulysses: cp must divide H) before the first
+        refusals = problems(TrainConfig(**base, cp=cp, cp_mode=mode).resolved(cp), cp)
+        if refusals:
+            raise ConfigError(f"lesson 12 on {cp} ranks, --cp-mode {mode}: {refusals[0]}")
     traces = {}   # --plot DIR: the ring and zigzag runs traced into DIR/trace_<mode>
     if args.plot:
         traces = {mode: args.plot / f"trace_{mode}" for mode in ("ring", "zigzag")}

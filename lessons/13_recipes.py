@@ -56,6 +56,7 @@ from minipar.costmodel import Plan
 from minipar.log import run_collectively, verdict, wait_for_rank0
 from minipar.parallel.pipeline_schedules import bubble_formula
 from minipar.plots_load import measured_bubble
+from minipar.preflight import lesson_arguments
 from minipar.report import group_sizes, wire_bytes
 from minipar.results import max_differences
 from minipar.train import train, train_reference
@@ -131,7 +132,7 @@ def figure(rows: list[tuple[str, dict[str, int]]], folder: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
-    args = parser.parse_args()
+    args = lesson_arguments(parser)   # --plot checked now, not at the end
     world = MPI.COMM_WORLD
     n, rank = world.Get_size(), world.Get_rank()
     if n != 8:

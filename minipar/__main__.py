@@ -22,9 +22,10 @@ import sys
 import traceback
 from pathlib import Path
 
-from minipar import checkpoint, preflight, watchdog
+from minipar import checkpoint, checkpoint_format, preflight, watchdog
 from minipar.bugs import listing
 from minipar.checkpoint import CheckpointError, FolderInUseError, holding
+from minipar.checkpoint_owner import NEW_RUN, ownership_problems
 from minipar.config import ConfigError, _Parser, config_from_args, make_parser
 from minipar.mesh import MeshShape
 from minipar.placement import PlacementError
@@ -168,6 +169,7 @@ def tour_command(argv: list[str]) -> int:
 def reshard_command(argv: list[str]) -> int:
     """`python -m minipar reshard SRC DST [--dp --tp --pp --ep --virtual --cp]`: rewrite a
     checkpoint for another mesh without training (one rank, no flags: the full state)."""
+    from minipar.config import size_problems as config_size_problems
     from minipar.reshard import reshard  # here: loads mpi4py.MPI, which `plan`/`bugs` never need
 
     world = _world()
@@ -179,19 +181,29 @@ def reshard_command(argv: list[str]) -> int:
         parser.add_argument(f"--{axis}", type=int, default=default,
                             help=f"the new mesh's {axis} (default: dp fills the job)"
                             if axis == "dp" else f"the new mesh's {axis}")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="microbatches per step on the new mesh (default: the saved "
+                        "run's, or the least the new mesh's schedule needs)")
     parser.add_argument("source", metavar="SRC", help="the checkpoint folder to read")
     parser.add_argument("destination", metavar="DST", help="the checkpoint folder to write")
     try:
         args = parser.parse_args(argv)
     except ConfigError as error:
         return fail(rank, str(error))
-    errors = [f"SRC {message}" for message in checkpoint.verify(args.source)]
+    errors = [f"SRC {message}" for message in preflight.path_problems(args.source)
+              or checkpoint.verify(args.source)]
     if not errors:
-        mesh = {axis: getattr(args, axis) for axis in ("dp", "tp", "pp", "ep", "virtual", "cp")}
+        mesh = {axis: getattr(args, axis) for axis in ("dp", "tp", "pp", "ep", "virtual", "cp",
+                                                         "microbatches")}
         manifest = checkpoint.read_manifest(Path(args.source))
         cfg = checkpoint.config_for(manifest, **mesh).resolved(size)
+        if args.microbatches is None and not config_size_problems(cfg, size):
+            cfg = checkpoint_format.for_mesh(cfg)   # derive what the new mesh needs
         errors = problems(cfg, size) + [f"DST {message}" for message in
                                          preflight.folder_problems(args.destination)]
+        if not errors:   # DST holds only this run's older steps (checkpoint_owner.py)
+            errors = ownership_problems(args.destination, manifest.get("run") or NEW_RUN,
+                                        checkpoint.model_of(cfg), manifest["step"], "DST")
     if errors:
         return fail(rank, errors[0])
     reshard(cfg, world, args.source, args.destination)
@@ -288,19 +300,25 @@ TALKING = ("train", "reshard", "tour", "generate")
 
 
 def main_leaving_together() -> int:
-    """`main_quiet_on_closed_pipe()`, where a SystemExit with a failing code inside a
-    command whose ranks talk is one rank leaving on its own (every rank leaving alike
-    returns an exit code from `main` instead): end the job, or its partners wait forever."""
+    """`main_quiet_on_closed_pipe()`, where a SystemExit inside a command whose ranks talk
+    is one rank leaving on its own, whatever its code, 0 included (every rank leaving
+    alike returns an exit code from `main` instead; only --help leaves by SystemExit on
+    every rank): end the job, or its partners wait forever."""
     try:
         return main_quiet_on_closed_pipe()
     except SystemExit as leaving:
-        if leaving.code in (None, 0) or sys.argv[1:2] not in [[name] for name in TALKING]:
+        helping = leaving.code in (None, 0) and {"-h", "--help"} & set(sys.argv[2:])
+        if helping or sys.argv[1:2] not in [[name] for name in TALKING]:
             raise
         from minipar.log import abort_all  # here: log.py loads mpi4py.MPI
 
+        if sys.stderr.closed:   # our reader left (a closed pipe): end the job quietly
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Abort(0)
         abort_all(f"minipar: rank {launcher_rank()} left on its own "
                   f"(SystemExit({leaving.code!r})) while its partners ran on: ending the job\n",
-                  leaving.code if isinstance(leaving.code, int) else 1)
+                  leaving.code if isinstance(leaving.code, int) and leaving.code else 1)
         raise
 
 

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar import checkpoint_folder as folders
+from minipar import checkpoint_owner as owner
 from minipar import nn
 from minipar.checkpoint_folder import atomic_write, fsync_folder  # noqa: F401
 
@@ -79,6 +80,7 @@ from minipar.checkpoint_format import (  # noqa: F401
     write_shard,
 )
 from minipar.config import TrainConfig
+from minipar.data import corpus_digest
 from minipar.mesh import Mesh
 from minipar.optim import Optimizer
 from minipar.shards import held_parts
@@ -120,9 +122,10 @@ def pieces_to_write(world: Group, params: Sequence[nn.Parameter]) -> list[int]:
 
 def save(folder: str | Path, cfg: TrainConfig, mesh: Mesh, updater: Updater,
          optimizer: Optimizer, step: int, losses: Sequence[float] = (),
-         keep: int = 2, router_bias: dict | None = None) -> str:
+         keep: int = 2, router_bias: dict | None = None, run: str | None = None) -> str:
     """Save this rank's params and optimizer state as a new step folder of `folder`; a
-    collective over `mesh.world`. Returns the step folder's name on every rank.
+    collective over `mesh.world`. Returns the step folder's name on every rank. `run` is
+    the id of the run this continues (`continued_run`); None draws a new one.
 
     `updater.checkpoint_pieces()` says what this rank holds: plain data parallelism its
     parameters and the optimizer's state for each; ZeRO the boxes of the full arrays its
@@ -153,7 +156,7 @@ def save(folder: str | Path, cfg: TrainConfig, mesh: Mesh, updater: Updater,
     outcome = None
     if world.rank == 0:
         outcome = _finish_save(root, Path(staging), token, cfg, step, optimizer.t, entries,
-                               losses, keep, held_before, router_bias)
+                               losses, keep, held_before, router_bias, run)
     # the published step folder, or why the save failed -> every rank
     name, error = world.bcast(outcome)
     if error:
@@ -200,15 +203,15 @@ def _start_save(root: Path, step: int) -> tuple[str | None, str | None, str | No
 
 def _finish_save(root: Path, staging: Path, token: str, cfg: TrainConfig, step: int,
                  optimizer_t: int, entries: list, losses: Sequence[float], keep: int,
-                 held_before: bool, router_bias: dict | None = None
-                 ) -> tuple[str | None, str | None]:
+                 held_before: bool, router_bias: dict | None = None,
+                 run: str | None = None) -> tuple[str | None, str | None]:
     """Rank 0: the manifest, a full read-back, the switch of `latest`; on any failure the
     staging folder is removed and `latest` stays. Returns (step folder, error)."""
     try:
         errors = [error for _, error in entries if error]
         if not errors:
             write_manifest(staging, cfg, step, optimizer_t, [e for e, _ in entries], losses,
-                           router_bias)
+                           router_bias, run)
             errors = verify(staging)
         if not errors:
             return folders.publish(root, staging, step, token, keep), None
@@ -288,12 +291,31 @@ def problems(cfg: TrainConfig) -> list[str]:
         # `holding`: here rank 1 could see the lock its own rank 0 just took)
         out += [f"--save {message}" for message in folder_problems(Path(cfg.save))]
     if cfg.resume:
-        errors = verify(cfg.resume)
+        from minipar.preflight import path_problems  # the same layer
+
+        errors = path_problems(cfg.resume) or verify(cfg.resume)
         if errors:
             return out + [f"--resume {errors[0]}"]
         out += [f"--resume {cfg.resume}: {m}" for m in mismatches(read_manifest(
             Path(cfg.resume)), cfg)]
+    if cfg.save and not out:   # the folder must hold only this run's older steps
+        out += owner.ownership_problems(cfg.save, continued_run(cfg.resume) or owner.NEW_RUN,
+                                        model_of(cfg), cfg.steps)
     return out
+
+
+def continued_run(resume: str | None) -> str | None:
+    """The run id a run resumed from `resume` continues (None: a fresh run, or a checkpoint
+    saved before manifests named their run)."""
+    if not resume:
+        return None
+    run = read_manifest(Path(resume)).get("run")
+    return run if isinstance(run, str) else None
+
+
+def model_of(cfg: TrainConfig) -> dict:
+    """The manifest's "model" for `cfg` (checkpoint_owner.model_id)."""
+    return owner.model_id(cfg.model, nn.canonical_shapes(cfg.model_config()))
 
 
 def folder_problems(folder: Path) -> list[str]:
@@ -318,7 +340,13 @@ def mismatches(manifest: dict, cfg: TrainConfig) -> list[str]:
     saved = manifest["config"]
     out = [f"saved with --{name.replace('_', '-')} {saved.get(name)}, this run has "
            f"{getattr(cfg, name)} (they must match)"
-           for name in MUST_MATCH if name in saved and saved[name] != getattr(cfg, name)]
+           for name in MUST_MATCH if name in saved and saved[name] != getattr(cfg, name)
+           and not (name == "data" and saved[name] and cfg.data and "data_sha256" in manifest)]
+    if cfg.data and saved.get("data") and isinstance(manifest.get("data_sha256"), str) \
+            and corpus_digest(cfg.data) != manifest["data_sha256"]:   # by content, not path
+        out.append(f"--data {cfg.data}: its bytes differ from the file the checkpoint was "
+                   f"trained on ({saved['data']}, sha256 {manifest['data_sha256'][:12]}...): "
+                   "the run would not continue the saved one")
     if cfg.steps <= manifest["step"]:
         out.append(f"--steps {cfg.steps} leaves nothing to do after the checkpoint's step "
                    f"{manifest['step']} (--steps is the total: use more than "

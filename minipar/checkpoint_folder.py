@@ -35,6 +35,8 @@ import socket
 import time
 from pathlib import Path
 
+from minipar import checkpoint_owner as owner
+
 LATEST = "latest"
 LOCK = ".lock"
 STEP_FOLDER = re.compile(r"^step-\d{6,}(-[0-9a-f]+)?$")
@@ -166,9 +168,15 @@ def staging_folder(root: Path, step: int, token: str) -> Path:
 def publish(root: Path, staging: Path, step: int, token: str, keep: int) -> str:
     """Move a complete, verified save into place and point `latest` at it: rename the
     staging folder to `step-NNNNNN` (a new name when that step was saved before), then
-    replace `latest` atomically. Older checkpoints beyond `keep` are removed after."""
+    replace `latest` atomically. Older checkpoints of the same run beyond `keep` are
+    removed after. `latest` never moves back to an older step (checkpoint_owner.py)."""
     if not still_ours(root, token):
         raise FolderError(f"{root}: its {LOCK} was taken by another job during this save; "
+                          "latest left as it was")
+    pointer = root / LATEST
+    current = pointer.read_text(errors="replace").strip() if pointer.is_file() else ""
+    if (owner.step_of(current) or 0) > step:
+        raise FolderError(f"{root}: {LATEST} names {current[:40]}, newer than step {step}: "
                           "latest left as it was")
     name = f"step-{step:06d}"
     if (root / name).exists():           # the same step saved again: never overwrite it
@@ -176,7 +184,7 @@ def publish(root: Path, staging: Path, step: int, token: str, keep: int) -> str:
     os.rename(staging, root / name)
     fsync_folder(root)
     atomic_write(root / LATEST, f"{name}\n".encode())   # the switch: one atomic rename
-    prune(root, keep, name)
+    prune(root, keep, name, owner.run_of(root / name))
     return name
 
 
@@ -209,10 +217,11 @@ def step_folders(root: Path) -> list[Path]:
     return sorted(found, key=published)
 
 
-def prune(root: Path, keep: int, current: str) -> None:
-    """Keep the newest `keep` checkpoints (always the one `latest` names); remove the rest,
-    and the staging folders of saves that died (the lock says none is running)."""
-    older = [p for p in step_folders(root) if p.name != current]
+def prune(root: Path, keep: int, current: str, run: str | None = None) -> None:
+    """Keep the newest `keep` checkpoints of the run `run` (always the one `latest` names);
+    remove its others, and the staging folders of saves that died (the lock says none is
+    running). Step folders of any other run, or whose run cannot be read, are kept."""
+    older = [p for p in step_folders(root) if p.name != current and owner.run_of(p) == run]
     for stale in older[:max(0, len(older) - (keep - 1))]:
         shutil.rmtree(stale, ignore_errors=True)
     for debris in root.glob(".staging-*"):   # ours was renamed: any other one is dead

@@ -30,16 +30,20 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from minipar import checkpoint_folder as folders
+from minipar import checkpoint_owner as owner
 from minipar import nn
 from minipar.checkpoint_folder import atomic_write
 from minipar.config import TrainConfig
+from minipar.data import corpus_digest
 
 FORMAT = "minipar-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -100,20 +104,25 @@ def write_shard(folder: Path, rank: int, world: int, pieces: Sequence[nn.Paramet
 
 def write_manifest(folder: Path, cfg: TrainConfig, step: int, optimizer_t: int,
                    entries: list[dict], losses: Sequence[float] = (),
-                   router_bias: dict | None = None) -> None:
+                   router_bias: dict | None = None, run: str | None = None) -> None:
     """The last file of a save: what was saved, from which mesh, every shard's checksum,
+    which run and model it belongs to (checkpoint_owner.py: `run` None draws a new id),
     and the manifest's own checksum (`seal`), so a hand edit of any field is caught.
     `router_bias`: the sigmoid-bias router's b of every block by name (routing.py), not
     a parameter and replicated everywhere, so kept whole here (JSON floats read back
     bit for bit)."""
     saved_config = {k: v for k, v in cfg.as_json().items() if k not in RUN_ONLY}
+    shapes = nn.canonical_shapes(cfg.model_config())
     manifest = {
         "format": FORMAT, "step": step, "optimizer_t": optimizer_t,
+        "run": run or owner.new_run_id(), "model": owner.model_id(cfg.model, shapes),
         "losses": list(losses),  # steps 1..step: a resumed run reports all S of them
         "mesh": {"world": len(entries), "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
                  "ep": cfg.ep, "virtual": cfg.virtual, "cp": cfg.cp},
         "config": saved_config,
-        "shapes": {k: list(v) for k, v in nn.canonical_shapes(cfg.model_config()).items()},
+        # --data by its contents: the same file spelled another way is the same data
+        "data_sha256": corpus_digest(cfg.data) if cfg.data else None,
+        "shapes": {k: list(v) for k, v in shapes.items()},
         "files": {e["file"]: {k: e[k] for k in ("rank", "bytes", "sha256")} for e in entries},
     }
     if router_bias:
@@ -150,7 +159,9 @@ def read_manifest(folder: Path) -> dict:
             raise ValueError("it fails its own sha256 check: edited since saved")
         _check_structure(manifest)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{folder}: {MANIFEST} is corrupt ({error})") from None
+        raise CheckpointError(f"{folder}: {MANIFEST} is corrupt ({str(error)[:120]})") from None
+    except RecursionError:   # JSON nested thousands deep: no manifest looks like that
+        raise CheckpointError(f"{folder}: {MANIFEST} is corrupt (nested too deep)") from None
     except OSError as error:
         raise CheckpointError(f"{folder}: cannot read {MANIFEST} ({error.strerror})") from None
     return manifest
@@ -230,7 +241,35 @@ def verify(folder: str | Path) -> list[str]:
         else:
             out += [f"{folder}: shard {name} {problem}" for problem in
                     shard_problems(io.BytesIO(data), manifest)[:1]]
+    if not out:
+        out += [f"{folder}: {problem}" for problem in coverage_problems(folder, manifest)]
     return out
+
+
+def coverage_problems(folder: Path, manifest: dict) -> list[str]:
+    """Whether the shards together hold every element of every array (a manifest resealed
+    without one shard lists only intact files, yet leaves a hole): read from each shard's
+    `meta`, no array loaded."""
+    covered = {name: np.zeros(shape, bool) for name, shape in manifest["shapes"].items()}
+    for name in sorted(manifest["files"]):
+        with np.load(folder / name, allow_pickle=False) as shard:
+            for piece in json.loads(shard["meta"].item())["pieces"]:
+                covered[piece["name"]][decode_index(piece["index"])] = True
+    missing = [name for name, mask in covered.items() if not mask.all()]
+    return [f"no shard holds all of {missing[0]} ({len(missing)} arrays incomplete)"
+            ] if missing else []
+
+
+def _array_header(shard: np.lib.npyio.NpzFile, key: str) -> tuple[np.dtype, tuple, int]:
+    """(dtype, shape, bytes stored) of one array of an open .npz, read from its npy header
+    alone: a header claiming 186 TiB is refused before anything is allocated."""
+    info = shard.zip.getinfo(f"{key}.npy")
+    with shard.zip.open(info) as handle:
+        version = np.lib.format.read_magic(handle)
+        read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                else np.lib.format.read_array_header_2_0)
+        shape, _, dtype = read(handle)
+    return dtype, shape, info.file_size
 
 
 def shard_problems(source: object, manifest: dict) -> list[str]:
@@ -248,12 +287,19 @@ def shard_problems(source: object, manifest: dict) -> list[str]:
                 full = tuple(manifest["shapes"][piece["name"]])
                 box = np.empty(full, np.bool_)[decode_index(piece["index"])].shape
                 for key in [f"{i}.data", *(f"{i}.{slot}" for slot in meta["slots"])]:
-                    array = shard[key]
-                    if array.dtype != dtype or array.shape != box:
-                        return [f"holds {piece['name']} ({key}) as {array.dtype} "
-                                f"{list(array.shape)}, the manifest says {dtype} {list(box)}"]
-    except (ValueError, KeyError, TypeError, IndexError, OSError) as error:
+                    kind, shape, stored = _array_header(shard, key)
+                    if kind != dtype or tuple(shape) != box:
+                        return [f"holds {piece['name']} ({key}) as {kind} "
+                                f"{list(shape)}, the manifest says {dtype} {list(box)}"]
+                    if stored < math.prod(box) * dtype.itemsize:
+                        return [f"holds {piece['name']} ({key}) in {stored} bytes, fewer "
+                                "than its shape needs"]
+                    if not np.isfinite(shard[key]).all():   # NaN or inf: no run resumes
+                        return [f"holds NaN or infinite numbers in {piece['name']} ({key})"]
+    except (ValueError, KeyError, TypeError, IndexError, OSError, AttributeError) as error:
         return [f"cannot be read ({type(error).__name__}: {str(error)[:80]})"]
+    except RecursionError:
+        return ["cannot be read (its meta is nested too deep)"]
     return []
 
 
@@ -261,7 +307,13 @@ def shard_problems(source: object, manifest: dict) -> list[str]:
 def config_for(manifest: dict, **mesh: int) -> TrainConfig:
     """The saved run's config with another mesh (`dp=.., tp=.., pp=.., ep=.., virtual=..`);
     `--steps` is the checkpoint's step (the total so far)."""
+    microbatches = mesh.pop("microbatches", None)
     fields = dict(manifest["config"], steps=int(manifest["step"]), zero=0, **mesh)
+    # how the new mesh lays out what it holds, not what was saved: derived again for it
+    fields["vocab_parallel"] = None                       # its default for the new tp
+    fields["sp"] = bool(fields.get("sp")) and fields.get("tp", 1) > 1
+    if microbatches is not None:
+        fields["microbatches"] = microbatches
     if fields.get("virtual", 1) > 1:
         fields["schedule"] = "interleaved"
     elif fields.get("schedule") in ("zb-v", "dualpipev", "dualpipe") \
@@ -269,3 +321,16 @@ def config_for(manifest: dict, **mesh: int) -> TrainConfig:
         fields["schedule"] = "1f1b"  # a V needs a pipeline; one stage runs any order
     known = set(TrainConfig.__dataclass_fields__)
     return TrainConfig(**{k: v for k, v in fields.items() if k in known})
+
+
+def for_mesh(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` (resolved) with the flags its mesh needs and the checkpoint does not fix,
+    derived: the interleaved schedule takes microbatches in groups of pp, so M becomes
+    the smallest multiple of pp that splits each dp rank's rows (M changes no saved
+    number: it only orders the work of a step)."""
+    if cfg.pp > 1 and cfg.schedule == "interleaved" and cfg.microbatches % cfg.pp:
+        rows = cfg.batch // cfg.dp
+        fits = [m for m in range(cfg.pp, rows + 1, cfg.pp) if rows % m == 0]
+        if fits:
+            return replace(cfg, microbatches=fits[0])
+    return cfg

@@ -17,6 +17,7 @@ from minipar.documents import documents_problem
 from minipar.mesh import CP_MODES, MeshShape
 from minipar.nn import GPT_MODELS, ModelConfig
 from minipar.parallel.pipeline_schedules import SCHEDULES, V_SHAPED
+from minipar.refusal import RefusalError
 from minipar.routing import DEFAULT_AUX_COEF, DEFAULT_BIAS_RATE, ROUTERS
 
 MODELS = ("mlp", "moe", *GPT_MODELS)
@@ -25,7 +26,7 @@ RECOMPUTE = ("none", "selective", "full")
 GRAD_SYNCS = ("naive", "bucketed", "overlapped")
 
 
-class ConfigError(Exception):
+class ConfigError(RefusalError):
     """A setting that cannot run; its message is one line naming the flag and the fix."""
 
 

@@ -23,6 +23,7 @@ T+1 bytes of a text file (`--data PATH`, V = 256), the window starts drawn from
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 
 import numpy as np
@@ -110,21 +111,58 @@ def repeated_positions(seq_len: int) -> np.ndarray:
     return np.arange(seq_len) >= (seq_len + 2) // 2 - 1
 
 
+DATA_LIMIT = 16 * 2**30      # --data files beyond this are refused before any reading
+MEMMAP_FROM = 64 * 2**20     # ... and from this size on mapped, not read: the windows a
+                             # step takes touch a few pages, never the whole file
+
+
 @functools.lru_cache(maxsize=4)
 def read_corpus(path: str) -> np.ndarray:
-    """The bytes of a text file as token ids 0..255 (uint8), read once per process."""
+    """The bytes of a text file as token ids 0..255 (uint8), read once per process; a
+    large file is memory-mapped (`np.memmap`), so only the windows drawn are read."""
+    if os.path.getsize(path) >= MEMMAP_FROM:
+        return np.memmap(path, dtype=np.uint8, mode="r")
     return np.fromfile(path, dtype=np.uint8)
 
 
+def corpus_digest(path: str) -> str:
+    """The sha256 of the file's bytes (what a checkpoint records of `--data`, so a resume
+    compares contents, not how the path was spelled); computed once per file version."""
+    state = os.stat(path)
+    return _digest(os.path.realpath(path), state.st_size, state.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def corpus_problem(path: str, seq_len: int) -> str | None:
-    """Why `--data path` cannot give windows of T+1 bytes, or None if it can."""
+    """Why `--data path` cannot give windows of T+1 bytes, or None if it can: no file, a
+    dangling link, not a regular file, empty, shorter than one window, larger than
+    DATA_LIMIT (checked by its size alone, before any byte is read)."""
     if not os.path.exists(path):
+        if os.path.islink(path):
+            return f"--data {path}: a link to {os.readlink(path)}, which does not exist"
         return f"--data {path}: no such file"
     if not os.path.isfile(path):
         return f"--data {path}: not a file"
-    size = os.path.getsize(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb"):
+            pass
+    except OSError as error:
+        return f"--data {path}: cannot be read ({error.strerror})"
     if size == 0:
         return f"--data {path}: the file is empty"
+    if size > DATA_LIMIT:
+        return (f"--data {path}: {size / 2**30:.3g} GiB is more than the "
+                f"{DATA_LIMIT / 2**30:.3g} GiB minipar reads as a corpus: take a part of it "
+                "(head -c)")
     if size < seq_len + 1:
         return (f"--data {path}: {size} bytes is shorter than one window of --seq-len + 1 = "
                 f"{seq_len + 1} bytes")

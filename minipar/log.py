@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 from mpi4py import MPI
 
+from minipar.refusal import RefusalError
+
 if TYPE_CHECKING:
     from minipar.comm import Group
 
@@ -76,6 +78,20 @@ def verdict(ok: bool, good: str = "OK", bad: str = "MISMATCH") -> str:
     return good if ok else bad
 
 
+def refuse_together(main: Callable[[], object]) -> Callable[[], object]:
+    """`main`, where a RefusalError (a setting every rank finds alike: the flags, the world
+    size, `train`'s own checks; config.ConfigError is one) is one line from rank 0 and
+    exit 2 on every rank."""
+    def refusing() -> object:
+        try:
+            return main()
+        except RefusalError as error:
+            if MPI.COMM_WORLD.Get_rank() == 0:
+                print(f"minipar: error: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+    return refusing
+
+
 def run_collectively(main: Callable[[], object]) -> None:
     """Run a lesson's `main` so that one failing rank takes the whole job down.
 
@@ -84,8 +100,9 @@ def run_collectively(main: Callable[[], object]) -> None:
     ranks would wait forever in a collective their partner never joins.
     `SystemExit` passes through untouched: every rank decides it alike (from the
     flags and the world size), so all leave together. After `main`, the ranks agree
-    on whether any `verdict` failed; if one did, every rank exits 1."""
-    abort_on_exception(main)
+    on whether any `verdict` failed; if one did, every rank exits 1. A ConfigError,
+    raised on every rank alike (`refuse_together`), is one line from rank 0, exit 2."""
+    abort_on_exception(refuse_together(main))
     wait_for_rank0(MPI.COMM_WORLD)  # asleep while rank 0 finishes alone (figures, reruns)
     # failed checks on any rank -> their count on every rank, so all exit alike
     failed = MPI.COMM_WORLD.allreduce(len(_FAILED))

@@ -69,6 +69,7 @@ from minipar.plan_workloads import (  # noqa: F401
     plan_of,
     transformer,
 )
+from minipar.preflight import file_problems
 from minipar.presets import CLUSTERS, MODELS, Cluster, Model
 from minipar.timemodel import Hardware
 
@@ -286,6 +287,8 @@ def plan_command(argv: list[str]) -> int:
             hw, errors = resolve_hardware(args)
         if not errors:
             errors = run_problems(args, m)
+        if not errors and args.json and args.json != "-":   # before the search, not after
+            errors = [f"--json {message}" for message in file_problems(args.json)]
         if not errors:
             w = transformer(m, args.global_batch, args.params)
     except (ConfigError, ValueError) as error:
@@ -316,11 +319,17 @@ def plan_command(argv: list[str]) -> int:
                    tuple(dict.fromkeys(args.recompute or RECOMPUTE)), fixed, schedules)
     if args.json:
         records = [plan_record(e, w, hw) for e in found.feasible]
-        text = json.dumps({"model": w.name, "gpus": args.gpus, "plans": records})
+        text = json.dumps({"model": w.name, "gpus": args.gpus, "plans": records,
+                           "bounded": found.bounded})
         if args.json == "-":
             print(text, flush=True)
             return 0
-        Path(args.json).write_text(text + "\n")
+        try:
+            Path(args.json).write_text(text + "\n")
+        except OSError as error:   # a device that filled up during the search
+            print(f"minipar: error: --json {args.json}: cannot write it ({error.strerror})",
+                  file=sys.stderr, flush=True)
+            return 1
     if named and (found.feasible or found.too_big):
         print(named_report(found, w, m, hw, args.gpus), flush=True)
     else:

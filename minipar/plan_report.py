@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from minipar.costmodel import Plan, Workload
-from minipar.plan_search import GB, MESH, Estimate, Search, distinct_meshes, usable
+from minipar.plan_search import GB, MESH, PRUNED, Estimate, Search, distinct_meshes, usable
 from minipar.plan_workloads import layer_sizes
 from minipar.presets import Model
 from minipar.timemodel import Hardware
@@ -131,8 +131,10 @@ def report(found: Search, w: Workload, m: Model, hw: Hardware, world: int, templ
     for rank, e in enumerate(fastest[:3], 1):
         first, *rest = explain(e, w, hw)
         lines += [f"#{rank}: {first}", *rest]
-    lines.append(f"{sum(found.rejected.values())} plans cannot run:")
+    lines.append(f"{sum(found.rejected.values())} plans cannot run ({PRUNED}):")
     lines += [f"  {count:7d}  {reason}" for reason, count in found.rejected.most_common()]
+    if found.bounded:
+        lines.append(f"note: {found.bounded}")
     if found.too_big:
         e = found.too_big[0]
         lines.append(f"  the closest miss: {e.plan.label()} needs {e.memory / GB:.1f} GB")

@@ -68,6 +68,16 @@ def shape_of(w: Workload, tp: int, pp: int, ep: int, virtual: int, stage: int) -
     return rank_shape(w, Plan(1, tp=tp, pp=pp, ep=ep, virtual=virtual), stage)
 
 
+def states_floor(w: Workload, plan: Plan) -> float:
+    """The least memory any microbatch count or recomputation of `plan`'s mesh and ZeRO
+    stage can need: its busiest rank's model states (and ZeRO-2/3's gathered piece),
+    activations left out. Above the GPU's memory, `search` prices none of them."""
+    whole = w.param_bytes * (plan.zero >= 3) + w.grad_bytes * (plan.zero >= 2)
+    return max(model_states(w, plan, shape).total + whole * max(shape.pieces)
+               for shape in (shape_of(w, plan.tp, plan.pp, plan.ep, plan.virtual, s)
+                             for s in representative_stages(w, plan)))
+
+
 def evaluate(w: Workload, hw: Hardware, plan: Plan) -> Estimate:
     """Memory first (a plan that does not fit is not timed), then the ledger of each
     representative rank, its wire bytes, and the step time."""
@@ -109,6 +119,7 @@ class Search:
     feasible: list[Estimate]
     too_big: list[Estimate]
     rejected: Counter
+    bounded: str = ""   # how the search was bounded (`BUDGET`), "" when it priced all
 
 
 def best_by(found: Search, axis: str) -> dict[int, Estimate]:
@@ -161,20 +172,106 @@ def mesh_problem(w: Workload, plan: Plan) -> str | None:
     return None
 
 
+PRUNED = ("meshes whose dp does not divide the batch, cp the sequence, tp the split sizes, "
+          "ep the experts, or with more stages than layers, are not enumerated: each "
+          "degree is drawn from the divisors of what it must divide")
+
+
+@lru_cache(maxsize=4096)
+def small_divisors(n: int) -> tuple[int, ...]:
+    """`divisors(n)`, cached: the meshes below ask for the same small numbers often."""
+    return tuple(divisors(n))
+
+
 def meshes(w: Workload, world: int, fixed: dict[str, int]) -> list[tuple[int, ...]]:
     """Every (dp, tp, pp, cp, ep) with dp tp pp cp = world, ep | tp cp dp (1 for a dense
-    model), that agrees with the `fixed` ones."""
-    moe = any(b.moe for b in w.blocks)
+    model), that agrees with the `fixed` ones and could run at all (`PRUNED`).
+
+    Never a loop over the divisors of `world` (a highly composite count like 735134400
+    has 1344, and the triples of them are millions): dp is drawn from the divisors of
+    gcd(world, batch), cp of the sequence length, pp counts up to the layers, and tp is
+    what is left, kept only if it divides every split size. So the work is bounded by
+    the model's sizes, whatever the GPU count."""
+    moe = [b for b in w.blocks if b.moe]
+    splits = math.gcd(*w.split_dims) if w.split_dims else 0     # 0: tp divides anything
+    experts = math.gcd(*(b.experts for b in moe)) if moe else 1
     out = []
-    for tp in divisors(world):
-        for cp in divisors(world // tp):
-            for pp in divisors(world // (tp * cp)):
-                dp = world // (tp * cp * pp)
-                for ep in divisors(tp * cp * dp) if moe else [1]:
+    for dp in small_divisors(math.gcd(world, w.batch)):
+        for cp in small_divisors(math.gcd(world // dp, w.seq_len)):
+            rest = world // (dp * cp)
+            for pp in range(1, min(w.layers, rest) + 1):
+                if rest % pp:
+                    continue
+                tp = rest // pp
+                if splits and splits % tp:
+                    continue
+                for ep in small_divisors(math.gcd(tp * cp * dp, experts)) if moe else (1,):
                     mesh = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
                     if all(mesh[k] == v for k, v in fixed.items() if k in mesh):
                         out.append((dp, tp, pp, cp, ep))
-    return out
+    return sorted(out, key=lambda m: (m[1], m[3], m[2], m[4]))   # tp, cp, pp, ep
+
+
+BUDGET = 25_000   # plans one search prices at most (a few seconds of pricing)
+SKIP_FROM = 1000  # from this many plans on, a mesh too big for its model states is skipped
+
+
+def microbatch_counts(w: Workload, dp: int, fixed: dict[str, int], ladder: bool
+                      ) -> list[int]:
+    """The M a mesh with this dp is priced with: every divisor of B/dp, or with `ladder`
+    a geometric ladder of them (the first, each next at least twice the last, the last)."""
+    counts = divisors(w.batch // dp) if w.batch % dp == 0 else [1]
+    if "microbatches" in fixed:
+        return [m for m in counts if m == fixed["microbatches"]] or [fixed["microbatches"]]
+    if not ladder:
+        return counts
+    kept = [counts[0]]
+    for m in counts[1:-1]:
+        if m >= 2 * kept[-1]:
+            kept.append(m)
+    return kept + [counts[-1]] if counts[-1] != kept[-1] else kept
+
+
+def bounded_plans(w: Workload, template: Plan, mesh_list: list[tuple[int, ...]],
+                  schedules: tuple[tuple[str, int], ...], fixed: dict[str, int], per_m: int,
+                  rejected: Counter) -> tuple[list[Plan], str]:
+    """The plans (mesh, schedule, M) to price, each `per_m` times (ZeRO stages x
+    recomputations), at most BUDGET in all, and a sentence saying how they were bounded
+    ("" when none was left out). The ones that cannot run are counted in `rejected`.
+    Past the budget, first the microbatch counts become a ladder; then the meshes are
+    taken in order of the cheapest wire (tp within a node first, then fewer cp, pp and
+    ep ranks) until the budget is spent."""
+    def runnable(ladder: bool, count: bool) -> list[Plan]:
+        out = []
+        for (dp, tp, pp, cp, ep), (schedule, virtual) in product(mesh_list, schedules):
+            for m in microbatch_counts(w, dp, fixed, ladder):
+                plan = replace(template, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=m,
+                               sp=template.sp and tp > 1, schedule=schedule, virtual=virtual)
+                problem = mesh_problem(w, plan)
+                if problem is None:
+                    out.append(plan)
+                elif count:
+                    rejected[problem] += per_m
+        return out
+
+    upper = per_m * len(schedules) * sum(len(microbatch_counts(w, mesh[0], fixed, False))
+                                         for mesh in mesh_list)   # before any rejection
+    if upper <= 8 * BUDGET:   # sorting out the ones that cannot run is cheap: do it first
+        everything = runnable(False, count=True)
+        if len(everything) * per_m <= BUDGET:
+            return everything, ""
+    plans = runnable(True, count=upper > 8 * BUDGET)
+    note = (f"the search was bounded: up to {upper} plans were too many to price in "
+            "seconds, so the microbatch counts were a ladder (each at least twice the last)")
+    if len(plans) * per_m <= BUDGET:
+        return plans, note
+    plans.sort(key=lambda p: (p.tp > 8, p.cp, p.pp, p.ep, p.tp))
+    kept = plans[:BUDGET // per_m]
+    meshes_kept = len({(p.dp, p.tp, p.pp, p.cp, p.ep) for p in kept})
+    meshes_all = len({(p.dp, p.tp, p.pp, p.cp, p.ep) for p in plans})
+    return kept, (f"{note}, and only {meshes_kept} of the {meshes_all} meshes, those with "
+                  "the least wire (tp within 8, then fewer cp, pp, ep ranks), were priced: "
+                  "fix a degree (--tp, --pp, --cp, --ep) or --microbatches to search the rest")
 
 
 def search(w: Workload, hw: Hardware, world: int, template: Plan | None = None,
@@ -190,26 +287,31 @@ def search(w: Workload, hw: Hardware, world: int, template: Plan | None = None,
     template, fixed = template or Plan(1), fixed or {}
     schedules = schedules or ((template.schedule, template.virtual),)
     found = Search([], [], Counter())
-    for (dp, tp, pp, cp, ep), (schedule, virtual) in product(meshes(w, world, fixed),
-                                                              schedules):
-        counts = divisors(w.batch // dp) if w.batch % dp == 0 else [1]
-        if "microbatches" in fixed:
-            counts = [m for m in counts if m == fixed["microbatches"]] or [fixed["microbatches"]]
-        for m in counts:
-            mesh = replace(template, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=m,
-                           sp=template.sp and tp > 1, schedule=schedule, virtual=virtual)
-            problem = mesh_problem(w, mesh)
-            if problem:
-                found.rejected[problem] += len(zero_stages) * len(recomputes)
+    plans, found.bounded = bounded_plans(w, template, meshes(w, world, fixed), schedules,
+                                         fixed, len(zero_stages) * len(recomputes),
+                                         found.rejected)
+    floors: dict[tuple, float] = {}   # (mesh, schedule, ZeRO stage) -> model states alone
+    closest = math.inf                # the least memory of a plan priced too big so far
+    skip = len(plans) * len(zero_stages) * len(recomputes) > SKIP_FROM
+    too_big = f"needs more than {usable(hw) / GB:g} GB per GPU"
+    for mesh in plans:
+        for zero in zero_stages:
+            key = (replace(mesh, microbatches=1), zero)
+            if skip and key not in floors:
+                floors[key] = states_floor(w, replace(mesh, zero=zero))
+            if skip and usable(hw) < floors[key] and closest <= floors[key]:
+                # too big before any activation, for every M and recomputation of this
+                # mesh, and no closer a miss than one priced already: none is priced
+                found.rejected[too_big] += len(recomputes)
                 continue
-            for zero in zero_stages:
-                for recompute in recomputes:
-                    estimate = evaluate(w, hw, replace(mesh, zero=zero, recompute=recompute))
-                    if estimate.timing is None:
-                        found.rejected[f"needs more than {usable(hw) / GB:g} GB per GPU"] += 1
-                        found.too_big.append(estimate)
-                    else:
-                        found.feasible.append(estimate)
+            for recompute in recomputes:
+                estimate = evaluate(w, hw, replace(mesh, zero=zero, recompute=recompute))
+                if estimate.timing is None:
+                    found.rejected[too_big] += 1
+                    found.too_big.append(estimate)
+                    closest = min(closest, estimate.memory)
+                else:
+                    found.feasible.append(estimate)
     found.feasible.sort(key=lambda e: (e.timing.total, e.memory))
     found.too_big.sort(key=lambda e: e.memory)
     return found

@@ -13,13 +13,17 @@ same verdict without talking:
   (`--capacity-factor 1e308`);
 - output folders: `--save`, `--dump`, `--plot` must name a folder this process can
   create files in, and not a file, and not "" (checked by `folder_problems`);
-  `--trace` also not one holding another run's trace (`trace_problems`).
+  `--trace` also not one holding another run's trace (`trace_problems`); every path
+  given (those and `--resume`) must not be a dangling link, a loop of links or a name
+  longer than the file system takes (`path_problems`).
 
     python -m minipar train --d-model 1000000000     # refused: one line, the estimate
 """
 
 from __future__ import annotations
 
+import argparse
+import errno
 import math
 import os
 import tempfile
@@ -30,6 +34,7 @@ if TYPE_CHECKING:
     from minipar.config import TrainConfig
 
 GiB = 2 ** 30
+NAME_MAX, PATH_MAX = 255, 4096   # Linux's limits on one name and on a whole path
 EXACT = 2 ** 53          # floats count exactly up to here; a capacity beyond it is nonsense
 
 
@@ -115,11 +120,46 @@ def overflow_problems(cfg: TrainConfig) -> list[str]:
     return out
 
 
+def path_problems(path: str | Path) -> list[str]:
+    """What about the name `path` itself makes it unusable, whatever it is for: a name
+    longer than the file system takes (one part, or the whole path), a symbolic link
+    that points nowhere (dangling) or back at itself (a loop), here or in a parent.
+    Pure reads of the file system (`lstat`, `readlink`): every rank agrees alone."""
+    text = os.fspath(path)
+    if len(os.fsencode(text)) >= PATH_MAX:
+        return [f"{text[:40]}...: the path is {len(os.fsencode(text))} bytes long, more "
+                f"than the {PATH_MAX - 1} a path may have"]
+    for part in Path(text).parts:
+        if len(os.fsencode(part)) > NAME_MAX:
+            return [f"{text[:40]}...: the name {part[:20]}... is {len(os.fsencode(part))} "
+                    f"bytes long, more than the {NAME_MAX} a file name may have"]
+    try:
+        os.stat(text)
+        return []
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return [f"{text}: a loop of symbolic links (one points back at itself)"]
+        if error.errno == errno.ENAMETOOLONG:
+            return [f"{text[:40]}...: the name is too long for this file system"]
+        if error.errno != errno.ENOENT:
+            return []   # ENOTDIR, EACCES, ...: the caller's own checks name them
+    here = Path(text)
+    for link in (here, *here.parents):   # the nearest part that is a link to nowhere
+        if os.path.islink(link) and not os.path.exists(link):
+            return [f"{text}: {link} is a symbolic link to {os.readlink(link)}, which does "
+                    "not exist (dangling)"]
+    return []
+
+
 def folder_problems(folder: str | Path) -> list[str]:
-    """Why files cannot be written into `folder`: an empty name, a file in the way (the
-    folder itself or a parent), a parent where this process cannot create files."""
+    """Why files cannot be written into `folder`: an empty name, an unusable name
+    (`path_problems`: too long, a dangling link, a loop), a file in the way (the folder
+    itself or a parent), a parent where this process cannot create files."""
     if isinstance(folder, str) and folder.strip() == "":   # (Path("") would mean ".")
         return ["needs a folder name (got an empty one)"]
+    unusable = path_problems(folder)
+    if unusable:
+        return unusable
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         return [f"{folder}: exists and is not a folder"]
@@ -134,6 +174,31 @@ def folder_problems(folder: str | Path) -> list[str]:
         os.unlink(probe)
     except OSError as error:
         return [f"{folder}: {parent} is not writable ({error.strerror})"]
+    return []
+
+
+def file_problems(path: str | Path) -> list[str]:
+    """Why a file cannot be written at `path` (e.g. `plan --json PATH`), found before the
+    work that fills it: an unusable name (`path_problems`), a folder in its place, a
+    missing parent, a parent this process cannot create files in."""
+    if isinstance(path, str) and path.strip() == "":
+        return ["needs a file name (got an empty one)"]
+    unusable = path_problems(path)
+    if unusable:
+        return unusable
+    path = Path(path)
+    if path.is_dir():
+        return [f"{path}: is a folder, not a file"]
+    if not path.parent.is_dir():
+        return [f"{path}: no folder {path.parent} to write it in"]
+    if path.exists() and not os.access(path, os.W_OK):
+        return [f"{path}: exists and is not writable"]
+    try:   # really try, as folder_problems does
+        handle, probe = tempfile.mkstemp(prefix=".minipar-probe-", dir=path.parent)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        return [f"{path}: {path.parent} is not writable ({error.strerror})"]
     return []
 
 
@@ -156,3 +221,17 @@ def output_problems(flags: dict[str, str | None]) -> list[str]:
     """`folder_problems` of every output flag given (`{"--dump": path, ...}`)."""
     return [f"{flag} {message}" for flag, path in flags.items() if path is not None
             for message in folder_problems(path)]
+
+
+def lesson_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """A lesson's `parser.parse_args()`, with its `--plot DIR` checked at once (a file, a
+    read-only folder, a dangling link: `folder_problems`), not after the lesson
+    ran: a ConfigError, which `run_collectively` turns into one line from rank 0."""
+    from minipar.config import ConfigError  # the layer below; imported here, when used
+
+    args = parser.parse_args()
+    if getattr(args, "plot", None) is not None:
+        problems = folder_problems(args.plot)
+        if problems:
+            raise ConfigError(f"--plot {problems[0]}")
+    return args

@@ -32,7 +32,7 @@ def reshard(cfg: TrainConfig, world: object, source: str | Path,
     chunks, updater = parallelize(cfg, mesh, saved.params, optimizer)
     params = [p for chunk in chunks for p in chunk.parameters()]
     step = checkpoint.restore_optimizer(optimizer, params, saved, updater)
-    checkpoint.save(destination, cfg, mesh, updater, optimizer, step,
+    checkpoint.save(destination, cfg, mesh, updater, optimizer, step,   # the same run, moved
                     losses=saved.manifest.get("losses", []),
-                    router_bias=saved.manifest.get("router_bias"))
+                    router_bias=saved.manifest.get("router_bias"), run=saved.manifest.get("run"))
     mesh.free()

@@ -288,10 +288,15 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
           ) -> RunResult:
     """Train `cfg` on the mesh it describes over the `world` communicator.
 
-    `cfg` must be resolved and free of `problems`: nothing here checks sizes again.
-    Every rank returns the losses; rank 0 also the full parameters (init and final)
-    and the ledger of the last step gathered from every rank.
+    `cfg` must be resolved. Its `problems` are checked here too, on every rank alike
+    before any communication (lessons and notebooks call this without the command line):
+    the first is raised as a ConfigError. Every rank returns the losses; rank 0 also the
+    full parameters (init and final) and the ledger of the last step from every rank.
     """
+    refusals = problems(cfg, world.Get_size())
+    if refusals:
+        raise config.ConfigError(refusals[0] + (f" (and {len(refusals) - 1} more)"
+                                                if len(refusals) > 1 else ""))
     if cfg.inject_bug:  # lesson 08: this same run with one piece swapped for a broken one
         with bugs.injected(cfg.inject_bug):
             return train(replace(cfg, inject_bug=None), world, on_step)
@@ -412,7 +417,8 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
     if cfg.save:  # every rank writes its shard; rank 0 the manifest, last
         with trace.span("checkpoint save", "checkpoint", folder=cfg.save):
             checkpoint.save(cfg.save, cfg, mesh, updater, updater.optimizer, cfg.steps,
-                            losses, keep=cfg.keep, router_bias=biases[0])
+                            losses, keep=cfg.keep, router_bias=biases[0],
+                            run=checkpoint.continued_run(cfg.resume))
     return RunResult(losses, init, final,
                      [r for rank in gathered for r in rank] if gathered else [],
                      {"replica_disagreements": disagreements,

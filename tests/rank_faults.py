@@ -45,8 +45,8 @@ def die(mode: str, rank: int, where: str, seconds: float = 60) -> None:
     print(f"rank {rank}: injected {mode} {where}", file=sys.stderr, flush=True)
     if mode == "raise":
         raise RuntimeError(f"injected failure on rank {rank} {where}")
-    if mode == "exit":
-        raise SystemExit(3)
+    if mode in ("exit", "exit0"):   # exit0: a rank that leaves alone "successfully"
+        raise SystemExit(0 if mode == "exit0" else 3)
     if mode == "interrupt":
         raise KeyboardInterrupt
     if mode == "sleep":

@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"autograd", "fused", "attention", "nn", "gpt", "recompute", "optim", "data",  # core,
      "documents",
      "memory", "shards", "threads", "placement_types", "placement_rules",   # no MPI
-     "placement_transformer", "placement", "routing", "timing", "byte_units"},
+     "placement_transformer", "placement", "routing", "timing", "byte_units", "refusal"},
     {"comm", "mesh", "ring", "log", "watchdog", "flight", "flight_report",  # communication
      "trace"},
     {"parallel", "parallel.pipeline_instructions", "parallel.pipeline_v",
@@ -38,8 +38,8 @@ LAYERS: list[set[str]] = [
      "parallel.expert_parallel", "parallel.pipeline_parallel", "parallel.context_parallel",
      "kvcache"},
     {"config"},                                                             # the flags
-    {"checkpoint_format", "checkpoint", "checkpoint_folder", "preflight", "bugs_detours",
-     "bugs_hangs", "bugs", "assemble", "clip"},
+    {"checkpoint_format", "checkpoint", "checkpoint_folder", "checkpoint_owner", "preflight",
+     "bugs_detours", "bugs_hangs", "bugs", "assemble", "clip"},
     {"train"},                                                              # composition
     {"results", "reshard", "generate"},
     {"costmodel", "timemodel", "presets", "plan_workloads", "plan_search", "plan_report",

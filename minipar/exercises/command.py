@@ -25,7 +25,42 @@ from minipar import exercises
 from minipar.exercises import regions
 
 VERDICT = "minipar: exercise verdict: "  # grade.VERDICT (grade.py loads MPI: not imported)
-TIMEOUT = 240  # seconds for a whole check job; the watchdog names a stuck call sooner
+TIMEOUT = 60  # seconds per check for the launcher; grade.py names where it is stuck at 40
+SHOWN_LINES = 20   # of the student's own output, at most this many lines are shown
+# The job's ranks import the student's folder alone: the installed package's import hook
+# (an editable install's finder) would fill in any module the folder lacks.
+ALONE = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' "
+         "not in repr(f)]; sys.path_hooks[:] = [h for h in sys.path_hooks if '__editable__' "
+         "not in repr(h)]; sys.path_importer_cache.clear(); sys.argv[0] = 'grade'; "
+         "runpy.run_module('minipar.exercises.grade', run_name='__main__', alter_sys=True)")
+
+
+def missing_files(folder: Path, names: list[str]) -> list[str]:
+    """The files of `names`' regions and the grader that folder/minipar lacks. Any other
+    module the job needs and does not find fails it as an import error naming the file
+    (`explain_crash`): with the installed package's hook gone (`ALONE`) nothing fills in."""
+    needed = {"exercises/grade.py", *(r.path for name in names
+                                      for r in regions.regions_of(name))}
+    return sorted(f"minipar/{path}" for path in needed
+                  if not (folder / "minipar" / path).is_file())
+
+
+def bounded(report: str, limit: int = SHOWN_LINES) -> str:
+    """The job's report with the student's own printing cut to `limit` lines (each to 300
+    characters): the graded lines ("exercise NAME: ..." and the verdict under it) stay
+    whole."""
+    lines, out, other = report.splitlines(), [], 0
+    for i, line in enumerate(lines):
+        graded = line.startswith("exercise ") or (
+            line.startswith("  ") and i and lines[i - 1].startswith("exercise "))
+        if graded:
+            out.append(line)
+        elif other < limit:
+            out.append(line if len(line) <= 300 else line[:300] + " ...")
+        other += not graded
+    if other > limit:
+        out.append(f"({other - limit} more lines the code printed are left out)")
+    return "\n".join(out)
 
 
 def mpiexec() -> str:
@@ -37,22 +72,35 @@ def mpiexec() -> str:
 
 
 def check(names: list[str], folder: Path, timeout: float = TIMEOUT) -> tuple[int, str]:
-    """Grade `names` against folder/minipar in one MPI job: (exit code, report)."""
+    """Grade `names` against folder/minipar in one MPI job: (exit code, report). The
+    launcher's limit is `timeout` seconds per check (grade.py's own deadline, shorter,
+    names the step and the call a rank is stuck in)."""
+    timeout = timeout * sum(len(exercises.get(name).checks) for name in names)
     if not (folder / "minipar" / "__init__.py").exists():
         return 2, f"{folder} holds no minipar/ (start one: python -m minipar exercise start)"
+    missing = missing_files(folder, names)
+    if missing:   # nothing falls back to the installed package: say what is not there
+        return 1, "\n".join(
+            [f"exercise {names[0]}: FAILED\n  your folder lacks {missing[0]}"
+             + (f" (and {len(missing) - 1} more files of the package)" if len(missing) > 1
+                else "") + ": the check runs your copy alone; start again with python -m "
+             "minipar exercise start NAME DIR"]
+            + [f"exercise {name}: not checked (the folder is incomplete)" for name in names[1:]])
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                MKL_NUM_THREADS="1", UCX_NET_DEVICES="lo", MPIEXEC_TIMEOUT=str(int(timeout)),
                PYTHONPATH=str(folder.resolve()))  # the student's minipar, not this one
-    command = [mpiexec(), "-n", str(exercises.RANKS), sys.executable, "-m",
-               "minipar.exercises.grade", *names]
+    command = [mpiexec(), "-n", str(exercises.RANKS), sys.executable, "-c", ALONE, *names]
     try:
         job = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True,
                              timeout=timeout + 10)
     except subprocess.TimeoutExpired:
-        return 1, f"the check job outlived {timeout} s: a rank waits in a collective forever"
-    report = job.stdout.strip()
-    if job.returncode not in (0, 1) or not report:
-        unreported = [name for name in names if f"exercise {name}:" not in report]
+        return 1, (f"exercise {names[0]}: FAILED\n  timeout: the check job ran past its "
+                   f"{timeout:g} s: a rank loops forever or waits in a call its partners "
+                   "never make")
+    report = bounded(job.stdout.strip())
+    unreported = [name for name in names if not re.search(
+        rf"^exercise {re.escape(name)}: (passed|FAILED)", report, flags=re.M)]
+    if unreported:   # the job ended (an abort: exit 1 too) before these reported
         lines = [report] if report else []
         lines.append(f"exercise {unreported[0]}: FAILED\n  "
                      + explain_crash(job.returncode, job.stderr))
@@ -71,13 +119,28 @@ def explain_crash(code: int, stderr: str) -> str:
                 "ranks' calls did not match. One rank made a collective call its partners "
                 "did not make, or with another size; every rank of a group must make the "
                 "same calls, in the same order, with the same counts")
+    lacking = re.search(r"No module named '(minipar(?:\.\w+)*)'", stderr)
+    name = re.search(r"cannot import name '(\w+)' from '(minipar(?:\.\w+)*)' \(\S*__init__\.py",
+                     stderr)
+    if lacking or name:   # the student's folder alone: a module it lacks is not found elsewhere
+        path = (lacking.group(1) if lacking else f"{name.group(2)}.{name.group(1)}"
+                ).replace(".", "/")
+        return (f"your folder lacks {path}.py (or the package {path}/): the check runs your "
+                "copy alone; start again with python -m minipar exercise start NAME DIR")
     verdict = [line for line in stderr.splitlines() if line.startswith(VERDICT)]
     if verdict:
         return verdict[0].removeprefix(VERDICT)
     stuck = [line for line in stderr.splitlines() if "watchdog:" in line]
     if stuck:
         return stuck[0].removeprefix("minipar: error: ")
-    tail = "\n".join(stderr.strip().splitlines()[-12:])
+    if "TIMED OUT" in stderr or "timeout" in stderr.lower() and code in (-9, 137, 255):
+        return ("timeout: the check job ran past its time limit: a rank loops forever or "
+                "waits in a call its partners never make")
+    tail = "\n".join(line[:300] for line in stderr.strip().splitlines()[-12:])
+    if code == 0:
+        return ("the job ended with exit 0 before any check reported: the code ended the "
+                "process early (sys.exit or os._exit at import?)" + (f":\n{tail}" if tail
+                                                                     else ""))
     return f"the check job ended (exit {code}):\n{tail}"
 
 

@@ -16,7 +16,9 @@ exercise, then the sentence.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -35,6 +37,8 @@ from minipar.results import TOLERANCE, relative_difference
 
 AGREE_SECONDS = 20.0
 STUCK_SECONDS = 30.0
+DEADLINE_SECONDS = float(os.environ.get("MINIPAR_EXERCISE_DEADLINE", "40"))  # one check at
+# most (tiny shapes take seconds); then the job ends, saying where it is stuck
 VERDICT = "minipar: exercise verdict: "  # how command.py finds a verdict in an ended job
 UNITS = {**units.UNITS, **units_attention.UNITS}   # unit check kind -> check(world)
 
@@ -135,6 +139,12 @@ def run_check(kind: str, fields: dict, world: MPI.Comm) -> str | None:
         if kind == "train":
             return check_train(fields, world)
         return UNITS[kind](world)
+    except SystemExit as leaving:   # sys.exit in a check's code: say so, in plain words
+        frames = traceback.extract_tb(leaving.__traceback__)
+        ours = [f for f in frames if "/minipar/" in f.filename] or frames
+        where = f"{ours[-1].filename.split('/minipar/')[-1]}:{ours[-1].lineno}"
+        return (f"rank {world.Get_rank()} called sys.exit({leaving.code!r}) at {where}: the "
+                "code must return its result, not end the process")
     except Exception as error:  # a stub, or a student's bug: the verdict, not a crash
         frames = traceback.extract_tb(error.__traceback__)
         ours = [f for f in frames if "/minipar/" in f.filename] or frames  # not numpy's
@@ -155,6 +165,34 @@ def agree(world: MPI.Comm, verdict: str | None) -> str | None:
     return next((v for v in world.allgather(verdict) if v is not None), None)
 
 
+def where_stuck(rank: int, seconds: float) -> str:
+    """The timeout's verdict: the step and the call (the watchdog's stamps), and the line
+    of the package the main thread is on (its innermost frame in minipar/)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    line = "?"
+    while frame is not None:
+        if "/minipar/" in frame.f_code.co_filename and "exercises/" not in \
+                frame.f_code.co_filename:
+            line = (f"{frame.f_code.co_filename.split('/minipar/')[-1]}:{frame.f_lineno} in "
+                    f"{frame.f_code.co_name}")
+            break
+        frame = frame.f_back
+    stamp = watchdog._waiting
+    call = f"waiting in {stamp[1]}" if stamp else "in no MPI call (computing, or a loop)"
+    return (f"timeout: after {seconds:g} s rank {rank} is still at {watchdog._doing}, {call}, "
+            f"at {line}: a loop that never ends, or a call its partners never make")
+
+
+def start_deadline(seconds: float, rank: int) -> threading.Timer:
+    """End the job with `where_stuck`'s verdict unless cancelled within `seconds`."""
+    def expire() -> None:
+        abort_all(f"{VERDICT}{where_stuck(rank, seconds)}\n")
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def main(names: list[str]) -> int:
     """Grade each exercise in turn; returns 0 if all passed, 1 otherwise."""
     world = MPI.COMM_WORLD
@@ -165,7 +203,9 @@ def main(names: list[str]) -> int:
         verdict = None
         for number, (kind, fields) in enumerate(exercise.checks, 1):
             what = flags(fields) if kind == "train" else f"the {kind} check"
+            deadline = start_deadline(DEADLINE_SECONDS, world.Get_rank())
             verdict = agree(world, run_check(kind, fields, world))
+            deadline.cancel()
             if verdict is not None:
                 verdict = f"check {number} of {len(exercise.checks)} ({what}): {verdict}"
                 break

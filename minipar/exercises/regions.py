@@ -92,9 +92,17 @@ def solution(name: str, package: Path = PACKAGE) -> str:
 def start(names: list[str], folder: Path, package: Path = PACKAGE) -> list[Path]:
     """Copy the package into folder/minipar with the regions of `names` stubbed; write
     folder/EXERCISE.txt (instructions and hints). Returns the files that hold a stub."""
+    from minipar.preflight import folder_problems  # a file, /dev/null, a dangling link...
+
+    unusable = folder_problems(folder)
+    if unusable:
+        raise ValueError(f"start {unusable[0]}")
     target = folder / "minipar"
     if target.exists():
         raise ValueError(f"{target} exists already: start an exercise in a new folder")
+    if (folder / "EXERCISE.txt").exists():   # never overwrite a file we did not write
+        raise ValueError(f"{folder / 'EXERCISE.txt'} exists already (not written by "
+                         "exercise start): start an exercise in a new folder")
     regions = [region for name in names for region in regions_of(name, package)]
     shutil.copytree(package, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     by_file: dict[str, list[Region]] = {}

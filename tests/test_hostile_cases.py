@@ -1,0 +1,417 @@
+"""The failure cases of a hostile pass, each a clean refusal or handled.
+
+A clean refusal is one line from rank 0 (`minipar: error: ...`), exit 2, before the
+first step; most cases here are one process (`python -m minipar` without a launcher,
+or a pure function in this process), the MPI ones grouped into few launches.
+
+    python -m pytest tests/test_hostile_cases.py
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from minipar import checkpoint
+from minipar import checkpoint_folder as folders
+from tests.mpi import ROOT, rank_env
+
+SMALL = ["--layers", "2", "--d-model", "16", "--d-in", "8", "--batch", "16",
+         "--optimizer", "adam"]
+
+
+def cli(*args: str, timeout: float = 60, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """`python -m minipar ARGS` as one process (no launcher)."""
+    return subprocess.run([sys.executable, "-m", "minipar", *args], cwd=cwd,
+                          env=rank_env(timeout), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def config(*flags: str, world: int = 1) -> object:
+    """The resolved TrainConfig of `train FLAGS` (no MPI: for the pure checks)."""
+    from minipar.config import config_from_args, make_parser
+
+    return config_from_args(make_parser().parse_args(list(flags))).resolved(world)
+
+
+def refusals(*flags: str, world: int = 1) -> list[str]:
+    """`train.problems` of `train FLAGS`: what every rank finds before the first step."""
+    from minipar.train import problems
+
+    return problems(config(*flags, world=world), world)
+
+
+def refused(job: subprocess.CompletedProcess, *words: str) -> str:
+    """Assert `job` is a clean refusal naming `words`; returns its line."""
+    lines = [line for line in job.stderr.splitlines() if line.strip()]
+    assert job.returncode == 2 and len(lines) == 1, (job.returncode, job.stdout, job.stderr)
+    assert lines[0].startswith("minipar: error: "), lines
+    assert "Traceback" not in job.stderr and "step    1" not in job.stdout, job.stdout
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+# ------------------------------------------------- 1. checkpoints belong to one run
+def test_a_folder_of_checkpoints_belongs_to_one_run(tmp_path):
+    """Another run, another model, an older resume or reshard into it: refused, and the
+    folder keeps every step; the run itself continues and prunes only its own steps."""
+    from minipar.checkpoint_owner import ownership_problems
+
+    ck = tmp_path / "ck"
+    assert cli("train", *SMALL, "--steps", "2", "--save", str(ck)).returncode == 0
+    run = checkpoint.read_manifest(ck)["run"]
+    refused(cli("train", *SMALL, "--steps", "2", "--save", str(ck)), "another run", run)
+    (line,) = refusals(*SMALL, "--layers", "3", "--steps", "2", "--save", str(ck))
+    assert "another model" in line, line
+    job = cli("train", *SMALL, "--steps", "4", "--resume", str(ck), "--save", str(ck))
+    assert job.returncode == 0, job.stderr                    # the same run, continued
+    assert checkpoint.read_manifest(ck)["run"] == run
+    (line,) = refusals(*SMALL, "--steps", "3", "--resume", str(ck / "step-000002"),
+                       "--save", str(ck))
+    assert "newer" in line and "step-000004" in line, line
+    older = checkpoint.read_manifest(ck / "step-000002")   # reshard's check of its DST
+    (line,) = ownership_problems(ck, older["run"], older["model"], older["step"], "DST")
+    assert line.startswith("DST") and "newer" in line, line
+    assert folders.latest(ck).name == "step-000004"
+    assert sorted(p.name for p in ck.glob("step-*")) == ["step-000002", "step-000004"]
+    assert checkpoint.verify(ck) == []
+
+
+def fake_save(root: Path, step: int, token: str, run: str | None) -> Path:
+    staging = folders.staging_folder(root, step, token)
+    staging.mkdir(parents=True)
+    (staging / "manifest.json").write_text(json.dumps({"step": step, "run": run}))
+    return staging
+
+
+def test_keep_prunes_only_the_writing_runs_steps_and_latest_never_moves_back(tmp_path):
+    token = folders.acquire(tmp_path)
+    try:
+        for step, run in ((1, "other"), (2, None), (3, "mine"), (4, "mine"), (5, "mine")):
+            folders.publish(tmp_path, fake_save(tmp_path, step, token, run), step, token,
+                            keep=1)
+            time.sleep(0.01)
+        assert sorted(p.name for p in folders.step_folders(tmp_path)) == [
+            "step-000001", "step-000002", "step-000005"]        # the others' steps kept
+        with pytest.raises(folders.FolderError, match="newer than step 4"):
+            folders.publish(tmp_path, fake_save(tmp_path, 4, token, "mine"), 4, token, keep=1)
+        assert folders.latest(tmp_path).name == "step-000005"
+    finally:
+        folders.release(tmp_path)
+
+
+# ------------------------------------------------- 2. --data compared by its bytes
+GPT = ["--model", "gpt", "--layers", "1", "--d-model", "8", "--heads", "2", "--seq-len", "8",
+       "--batch", "4", "--optimizer", "adam"]
+
+
+def test_resume_compares_the_data_by_its_bytes_not_its_spelling(tmp_path, monkeypatch):
+    text = tmp_path / "text.txt"
+    text.write_text("the same text, read byte by byte, window after window. " * 8)
+    ck = tmp_path / "ck"
+    assert cli("train", *GPT, "--data", str(text), "--steps", "1", "--save", str(ck),
+               ).returncode == 0
+    assert checkpoint.read_manifest(ck)["data_sha256"]
+    monkeypatch.chdir(tmp_path)                    # the same file, spelled relatively
+    assert refusals(*GPT, "--data", "text.txt", "--steps", "2", "--resume", str(ck)) == []
+    text.write_text("another text entirely, of the same kind and about as long.. " * 8)
+    (line,) = refusals(*GPT, "--data", "text.txt", "--steps", "2", "--resume", str(ck))
+    assert line.startswith("--resume") and "--data text.txt: its bytes differ" in line, line
+
+
+# ------------------------------------------------- 3. paths found unusable before step 1
+@pytest.fixture
+def bad_paths(tmp_path):
+    """A dangling link, a loop of links, a name too long, a file (not a folder)."""
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "a_file").write_text("x")
+    return {"dangling": tmp_path / "dangling", "loop": tmp_path / "loop",
+            "long": tmp_path / ("n" * 300), "under a dangling link": tmp_path / "dangling" / "x",
+            "a_file": tmp_path / "a_file"}
+
+
+WHY = {"dangling": "dangling", "loop": "loop of symbolic links", "long": "300 bytes long",
+       "under a dangling link": "dangling"}
+
+
+@pytest.mark.parametrize("case", sorted(WHY))
+def test_unusable_paths_are_named_for_folders_and_files(bad_paths, case):
+    from minipar.preflight import file_problems, folder_problems
+
+    for problems in (folder_problems(bad_paths[case]), file_problems(bad_paths[case])):
+        assert len(problems) == 1 and WHY[case] in problems[0], problems
+
+
+def test_every_path_flag_refuses_links_to_nowhere_and_loops(bad_paths, one_checkpoint):
+    refused(cli("train", *SMALL, "--steps", "2", "--dump", str(bad_paths["dangling"])),
+            "--dump", "dangling")
+    (line,) = refusals(*SMALL, "--steps", "2", "--resume", str(bad_paths["loop"]))
+    assert line.startswith("--resume") and "loop" in line, line
+    (line,) = refusals(*SMALL, "--steps", "2", "--save", str(bad_paths["long"]))
+    assert line.startswith("--save") and "300 bytes" in line, line
+    refused(cli("reshard", str(one_checkpoint), str(bad_paths["long"])), "DST", "300 bytes")
+
+
+def test_plan_json_is_checked_before_the_search(bad_paths, tmp_path, capsys):
+    from minipar.plan import plan_command
+
+    args = ["--preset", "llama3-8b", "--cluster", "h100", "--global-batch", "64", "--gpus",
+            "8", "--json"]
+    for target, why in ((tmp_path, "is a folder"), (tmp_path / "no" / "x.json", "no folder"),
+                        (bad_paths["dangling"], "dangling")):
+        assert plan_command([*args, str(target)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, captured
+        assert captured.err.startswith("minipar: error: --json") and why in captured.err
+    if Path("/dev/full").exists():   # a device that is full when the result is written
+        assert plan_command([*args, "/dev/full"]) == 1
+        assert "No space left on device" in capsys.readouterr().err
+
+
+def test_data_is_checked_by_its_size_before_reading_and_large_files_are_mapped(tmp_path):
+    import numpy as np
+
+    from minipar import data
+
+    huge = tmp_path / "huge.txt"
+    with open(huge, "wb") as handle:           # sparse: no disk used
+        handle.truncate(data.DATA_LIMIT + 1)
+    problem = data.corpus_problem(str(huge), 8)
+    assert problem and "GiB is more than the 16 GiB" in problem, problem
+    large = tmp_path / "large.txt"
+    with open(large, "wb") as handle:
+        handle.truncate(data.MEMMAP_FROM)
+    assert isinstance(data.read_corpus(str(large)), np.memmap)
+    x, y = data.make_text_windows(str(large), 0, 0, 4, 8)
+    assert x.shape == (4, 8) and not x.any()
+
+
+# ------------------------------------------------- 5. plan in seconds for any GPU count
+def test_plan_enumerates_only_meshes_that_can_run_whatever_the_gpu_count(capsys):
+    from minipar.__main__ import main
+    from minipar.plan import make_parser, resolve_model
+    from minipar.plan_search import meshes
+    from minipar.plan_workloads import transformer
+
+    args = make_parser().parse_args(["--preset", "deepseek-v3", "--global-batch", "15360"])
+    w = transformer(resolve_model(args)[0], 15360, None)
+    for gpus in (735134400, 10**9, 2**61 - 1):   # highly composite, a power of ten, prime
+        for dp, tp, pp, cp, _ in meshes(w, gpus, {}):
+            assert dp * tp * pp * cp == gpus and w.batch % dp == 0 and pp <= w.layers
+    assert len(meshes(w, 2048, {})) < 3000
+    assert main(["plan", "--preset", "llama3-8b", "--cluster", "h100", "--global-batch",
+                 "1024", "--gpus", "735134400"]) == 0
+    assert "0 plans fit" in capsys.readouterr().out
+
+
+def test_a_search_past_its_budget_is_bounded_and_says_so(monkeypatch):
+    from minipar import plan_search
+    from minipar.costmodel import Plan
+    from minipar.plan import make_parser, resolve_hardware, resolve_model
+    from minipar.plan_workloads import transformer
+
+    args = make_parser().parse_args(["--preset", "llama3-8b", "--cluster", "h100",
+                                     "--global-batch", "1024", "--gpus", "64"])
+    w = transformer(resolve_model(args)[0], 1024, None)
+    hw = resolve_hardware(args)[0]
+    monkeypatch.setattr(plan_search, "BUDGET", 400)
+    found = plan_search.search(w, hw, 64, Plan(1, sp=True), (0, 1), ("selective",))
+    assert len(found.feasible) + len(found.too_big) <= 400
+    assert "the search was bounded" in found.bounded and "fix a degree" in found.bounded
+    assert found.feasible and sum(found.rejected.values()) > 0
+
+
+# ------------------------------------------------- 4. crafted shards behind a resealed manifest
+def craft(step_folder: Path, how: str) -> None:
+    """Rewrite the one shard of `step_folder` the way `how` says, then fix its size and
+    checksum in the manifest and reseal it: only the contents' own checks stand in the way."""
+    import hashlib
+    import io
+    import zipfile
+
+    import numpy as np
+
+    shard = step_folder / checkpoint.shard_name(0, 1)
+    with np.load(shard) as opened:
+        arrays = {key: opened[key] for key in opened.files}
+    meta = json.loads(arrays["meta"].item())
+    if how == "deep meta":
+        arrays["meta"] = np.array("[" * 100_000 + "]" * 100_000)
+    elif how == "NaN data":
+        arrays["0.data"] = np.full_like(arrays["0.data"], np.nan)
+    elif how == "a missing piece":
+        meta["pieces"] = meta["pieces"][:-1]
+        arrays["meta"] = np.array(json.dumps(meta))
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    data = buffer.getvalue()
+    if how == "a huge npy header":   # "0.data" claims 2**44 float64: 128 TiB
+        header = {"descr": "<f8", "fortran_order": False, "shape": (2**44,)}
+        member = io.BytesIO()
+        np.lib.format.write_array_header_1_0(member, header)
+        rebuilt = io.BytesIO()
+        with zipfile.ZipFile(io.BytesIO(data)) as old, zipfile.ZipFile(rebuilt, "w") as new:
+            for info in old.infolist():
+                new.writestr(info.filename, member.getvalue() + b"\0" * 64
+                             if info.filename == "0.data.npy" else old.read(info))
+        data = rebuilt.getvalue()
+    shard.write_bytes(data)
+    manifest = json.loads((step_folder / "manifest.json").read_text())
+    manifest["files"][shard.name].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (step_folder / "manifest.json").write_text(json.dumps(checkpoint.seal(manifest)))
+
+
+CRAFTED = {"deep meta": "nested too deep", "a huge npy header": "the manifest says",
+           "NaN data": "NaN or infinite", "a missing piece": "no shard holds all of"}
+
+
+@pytest.fixture(scope="module")
+def one_checkpoint(tmp_path_factory):
+    ck = tmp_path_factory.mktemp("crafted") / "ck"
+    job = cli("train", *SMALL, "--steps", "1", "--save", str(ck))
+    assert job.returncode == 0, job.stderr
+    return ck
+
+
+@pytest.mark.parametrize("how", sorted(CRAFTED))
+def test_a_crafted_shard_is_one_line(one_checkpoint, tmp_path, how):
+    import shutil
+
+    copy = tmp_path / "ck"
+    shutil.copytree(one_checkpoint, copy)
+    craft(folders.latest(copy), how)
+    errors = checkpoint.verify(copy)
+    assert len(errors) == 1 and CRAFTED[how] in errors[0] and "\n" not in errors[0], errors
+    if how == "NaN data":   # through the command line: exit 2, before the first step
+        refused(cli("train", *SMALL, "--steps", "2", "--resume", str(copy)), "--resume",
+                CRAFTED[how])
+
+
+# ------------------------------------------------- 6. lessons get the command line's refusals
+LESSON_REFUSALS = {"10_transformer.py --quick": "--batch 16 is not divisible by --dp 3",
+                   "02_tensor_parallel.py": "lesson 2 splits W's 2048 columns",
+                   "12_context_parallel.py --quick": "--cp-mode ulysses",
+                   "01_data_parallel.py": "lesson 1 splits a batch of 1024",
+                   "03_expert_parallel.py --plot {a_file}": "--plot",
+                   "07_zero.py --plot {dangling}": "dangling"}
+
+
+def test_lessons_on_a_rank_count_they_cannot_use_refuse_in_one_line(tmp_path):
+    from tests.mpi import launch
+
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    cases = [case.format(a_file=tmp_path / "a_file", dangling=tmp_path / "dangling")
+             for case in LESSON_REFUSALS]
+    job = launch(3, ["-m", "tests.rank_lessons", str(tmp_path / "out"), *cases], 90)
+    assert job.returncode == 0 and not job.timed_out, job.explain()
+    ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(3)]
+    for i, expected in enumerate(LESSON_REFUSALS.values()):
+        for rank, records in enumerate(ranks):
+            record = records[i]
+            assert record["code"] == 2, record
+            lines = [line for line in record["stderr"].splitlines() if line.strip()]
+            if rank:
+                assert lines == [] and "MISMATCH" not in record["stdout"], record
+            else:
+                assert len(lines) == 1 and lines[0].startswith("minipar: error: "), record
+                assert expected in lines[0], (expected, lines)
+
+
+# ------------------------------------------------- 9. a rank leaving alone with SystemExit(0)
+def test_a_rank_leaving_alone_with_exit_0_ends_the_job_at_once():
+    from tests.mpi import launch
+
+    start = time.monotonic()
+    job = launch(2, ["-m", "tests.rank_faults", "fault", "exit0:1:2", "train", "--dp", "2",
+                     "--steps", "5", "--timeout", "0", *SMALL], 60)
+    assert not job.timed_out and time.monotonic() - start < 30, job.explain()
+    assert job.returncode != 0 and "done:" not in job.stdout, job.explain()
+    assert "rank 1 left on its own (SystemExit(0))" in job.stderr, job.explain()
+
+
+# ------------------------------------------------- 7. reshard derives what the new mesh needs
+def test_reshard_derives_the_flags_a_target_mesh_needs(tmp_path):
+    import numpy as np
+
+    from minipar.checkpoint_format import config_for, for_mesh
+    from minipar.train import problems
+    from tests.mpi import minipar
+
+    gpt = ["--model", "gpt", "--layers", "4", "--d-model", "16", "--heads", "2", "--seq-len",
+           "8", "--vocab", "16", "--batch", "8", "--optimizer", "adam"]
+    on_tp2 = {"config": config(*gpt, "--tp", "2", world=2).as_json(), "step": 1}
+    assert on_tp2["config"]["vocab_parallel"] is True
+    to_tp1 = config_for(on_tp2, tp=1).resolved(1)              # tp 2 -> 1: no vocab split
+    assert problems(to_tp1, 1) == [] and to_tp1.vocab_parallel is False
+    a, d = tmp_path / "a", tmp_path / "d"
+    assert cli("train", *gpt, "--steps", "1", "--save", str(a)).returncode == 0
+    interleaved = for_mesh(config_for(checkpoint.read_manifest(a), pp=2, virtual=2).resolved(2))
+    assert problems(interleaved, 2) == [] and interleaved.microbatches == 2   # M % pp = 0
+    job = minipar(2, ["reshard", str(a), str(d), "--pp", "2", "--virtual", "2"], 60)
+    assert job.returncode == 0, job.explain()
+    assert checkpoint.read_manifest(d)["config"]["microbatches"] == 2
+    assert checkpoint.verify(d) == []
+    saved = checkpoint.load(a)
+    for name, value in checkpoint.load(d).params.items():
+        assert np.array_equal(value, saved.params[name]), name
+
+
+# ------------------------------------------------- 8. exercises: the student's folder alone
+def test_exercise_start_never_overwrites_and_wants_a_folder(tmp_path):
+    from minipar.exercises.command import main
+
+    (tmp_path / "a_file").write_text("x")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "EXERCISE.txt").write_text("my own notes")
+    for target in (tmp_path / "a_file", Path("/dev/null"), mine):
+        assert main(["start", "dp-naive", str(target)]) == 2
+    assert (mine / "EXERCISE.txt").read_text() == "my own notes"
+    assert not (mine / "minipar").exists()
+
+
+def test_exercise_check_fails_a_folder_missing_a_file_naming_it(tmp_path):
+    from minipar.exercises import regions
+    from minipar.exercises.command import check
+
+    empty = tmp_path / "empty"
+    (empty / "minipar").mkdir(parents=True)
+    (empty / "minipar" / "__init__.py").write_text("")
+    code, report = check(["dp-naive"], empty)     # before any job: the exercise's own file
+    assert code == 1 and "lacks minipar/exercises/grade.py" in report, report
+    regions.start(["dp-naive"], tmp_path / "student")
+    (tmp_path / "student" / "minipar" / "train.py").unlink()
+    code, report = check(["dp-naive"], tmp_path / "student")   # the job's imports name it
+    assert code == 1 and "FAILED" in report and "lacks minipar/train.py" in report, report
+
+
+def test_exercise_check_bounds_the_output_names_sys_exit_and_a_timeout(tmp_path, monkeypatch):
+    from minipar.exercises import regions
+    from minipar.exercises.command import check
+
+    stubbed = regions.start(["dp-naive", "dp-bucketed"], tmp_path)
+    path = stubbed[0]
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if "raise NotImplementedError(\"exercise dp-naive" in line or \
+                "raise NotImplementedError('exercise dp-naive" in line:
+            lines[i] = line[:len(line) - len(line.lstrip())] + (
+                "import sys; [print('noise', j) for j in range(5000)]; sys.exit(0)")
+        elif "NotImplementedError" in line and "dp-bucketed" in line:
+            lines[i] = line[:len(line) - len(line.lstrip())] + "while True: pass"
+    path.write_text("\n".join(lines) + "\n")
+    monkeypatch.setenv("MINIPAR_EXERCISE_DEADLINE", "5")
+    code, report = check(["dp-naive", "dp-bucketed"], tmp_path)
+    assert code == 1 and len(report.splitlines()) < 40, report
+    assert "called sys.exit(0) at parallel/data_parallel.py" in report, report
+    assert "more lines the code printed are left out" in report, report
+    assert "timeout: after 5 s rank" in report and "at step 1 of" in report, report
+    assert "in bucketed_allreduce" in report, report
