@@ -53,7 +53,7 @@ from minipar.mesh import Mesh, MeshShape
 from minipar.parallel import context_parallel as cpar
 from minipar.plan import minipar_workload, plan_of
 from minipar.preflight import lesson_arguments
-from minipar.report import group_sizes, wire_bytes
+from minipar.report import RECEIVES, group_sizes, wire_bytes
 from minipar.results import relative_difference
 from minipar.threads import cores
 from minipar.timemodel import cp_traffic
@@ -126,11 +126,12 @@ def run_mode(base: dict, mode: str, world: MPI.Comm, trace: Path | None = None) 
 
 def predicted_wire_per_layer(cfg: TrainConfig) -> float:
     """The formula's cp wire bytes of one layer (timemodel.cp_traffic, each entry's buffer
-    put on the wire by the ring formulas, `memory.wire_elements`)."""
+    put on the wire by the ring formulas, `memory.wire_elements`; a receive puts nothing
+    on the wire: its message is the sender's Isend)."""
     w, plan = minipar_workload(cfg), plan_of(cfg)
     entries = cp_traffic(w, plan, rank_shape(w, plan, 0))
     return sum(wire_elements(t.op, t.elements, cfg.cp) * t.bytes / t.elements
-               for t in entries if t.elements) / cfg.layers
+               for t in entries if t.elements and t.op not in RECEIVES) / cfg.layers
 
 
 def table(runs: dict[str, dict], one: dict, alone: tuple[float, float], cp: int) -> None:

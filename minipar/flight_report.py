@@ -204,8 +204,9 @@ def position(dump: dict) -> str:
         return f"in {call_text(call)}"
     if dump.get("waiting"):
         return f"in {dump['waiting']['what']}"
-    if dump["reason"] == "abort" and dump["detail"]:
-        return f"gone ({dump['detail']})"
+    if dump["reason"] == "abort" and dump["detail"]:   # the rank that ends the job: its
+        why = re.sub(r"^minipar: (error: )?|: ending the job$", "", dump["detail"])  # own words
+        return f"ending the job ({why})"
     return "in no call (computing, or past its last call)"
 
 
