@@ -38,7 +38,7 @@ test: install lint
 # The several-hosts tests alone (also in `test`): two simulated hosts, each a network
 # namespace on a bridge, and real jobs across them. Root only; skipped, with the reason, if not.
 hosts-test: install
-	$(PY) -m pytest -q -rs tests/test_hosts.py
+	$(PY) -m pytest -q -rs tests/comm/test_hosts.py
 
 # The guided tour: every strategy on 8 ranks, one line each, checked against one process;
 # its figures go to build/tour.
@@ -60,7 +60,7 @@ lessons: install
 # at full size (MINIPAR_QUICK=0); the executed notebooks, outputs and figures in them, are
 # kept in build/notebooks/.
 notebooks: install
-	MINIPAR_QUICK=0 MINIPAR_NOTEBOOKS_OUT=build/notebooks $(PY) -m pytest -q tests/test_notebooks.py
+	MINIPAR_QUICK=0 MINIPAR_NOTEBOOKS_OUT=build/notebooks $(PY) -m pytest -q tests/teaching/test_notebooks.py
 	@echo "executed notebooks: build/notebooks/"
 
 # Speed figures, each a ratio measured side by side (writes bench/results.json).

@@ -26,8 +26,8 @@ from mpi4py import MPI
 
 from bench.dp_limit_rank import build
 from bench.timing import spread
-from minipar.config import TrainConfig
-from minipar.train import train_step
+from minipar.run.train import train_step
+from minipar.settings.config import TrainConfig
 
 SHAPE = dict(model="gpt", layers=2, d_model=128, d_ff=512, heads=4, seq_len=128, vocab=64,
              batch=8)

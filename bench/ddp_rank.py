@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as fn
 
 from bench.dp_rank import SHAPE
-from minipar import nn
-from minipar.data import make_batch
+from minipar.core import nn
+from minipar.core.data import make_batch
 
 
 class MLP(torch.nn.Module):

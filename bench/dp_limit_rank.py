@@ -37,15 +37,16 @@ from mpi4py import MPI
 
 from bench.dp_rank import SHAPE
 from bench.timing import spread
-from minipar import nn
-from minipar.comm import Ledger
-from minipar.config import TrainConfig
-from minipar.data import rank_rows
-from minipar.log import wait_for_rank0
-from minipar.mesh import Mesh
-from minipar.optim import make_optimizer
+from minipar.comm.collectives import Ledger
+from minipar.comm.job import wait_for_rank0
+from minipar.comm.mesh import Mesh
+from minipar.compose.parallelize import parallelize
+from minipar.core import nn
+from minipar.core.data import rank_rows
+from minipar.core.optim import make_optimizer
 from minipar.parallel.data_parallel import allreduce_gradients, bucketed_allreduce
-from minipar.train import forward_backward, parallelize, step_batch
+from minipar.run.train import forward_backward, step_batch
+from minipar.settings.config import TrainConfig
 
 BUCKETS = (16384, 65536, 262144, 1048576)  # elements (float64: 128 KB .. 8 MB)
 

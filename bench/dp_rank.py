@@ -13,8 +13,8 @@ import time
 
 from mpi4py import MPI
 
-from minipar.config import TrainConfig
-from minipar.train import train
+from minipar.run.train import train
+from minipar.settings.config import TrainConfig
 
 SHAPE = dict(layers=1, d_in=784, d_model=1024, d_ff=1024, classes=10, batch=256)
 

@@ -21,9 +21,9 @@ import time
 from mpi4py import MPI
 
 from bench.timing import spread
-from minipar import flight
-from minipar.config import TrainConfig
-from minipar.train import train
+from minipar.comm import flight
+from minipar.run.train import train
+from minipar.settings.config import TrainConfig
 
 FIELDS = {"tp": 2, "layers": 8, "d_model": 64, "d_in": 32, "batch": 32, "microbatches": 4,
           "steps": 3}

@@ -17,10 +17,10 @@ from bench.numpy_gpt import numpy_gpt_step
 from bench.numpy_mlp import numpy_step
 from bench.timing import against, interleaved, ratio
 from bench.torch_gpt import torch_gpt_step
-from minipar import attention, gpt, nn
-from minipar import autograd as ag
-from minipar.data import make_batch, make_sequences
-from minipar.optim import SGD
+from minipar.core import attention, gpt, nn
+from minipar.core import autograd as ag
+from minipar.core.data import make_batch, make_sequences
+from minipar.core.optim import SGD
 
 SHAPES = {"reference MLP (B=64, d=64, L=8)": dict(d_in=32, d_model=64, d_ff=256, layers=8,
                                                   classes=10, batch=64),
@@ -67,7 +67,7 @@ def autograd_vs_numpy(shape: dict, dtype: str, repeats: int) -> dict:
 def autograd_profile(dtype: str, steps: int) -> dict[str, float]:
     """Where a step of the reference MLP spends its time (cProfile's own time per
     function, summed by file): the tape's bookkeeping (autograd.py), the fused nodes'
-    NumPy work (fused.py, nn.py), the optimizer, NumPy's reductions called directly."""
+    NumPy work (core/fused_layers.py, nn.py), the optimizer, NumPy's reductions called directly."""
     import cProfile
     import pstats
 

@@ -33,9 +33,10 @@ import numpy as np
 from mpi4py import MPI
 
 from bench.timing import spread
-from minipar.config import TrainConfig
-from minipar.parallel.pipeline_schedules import bubble_formula, bubble_fraction, replay
-from minipar.train import train
+from minipar.parallel.pipeline.schedules import bubble_formula, replay
+from minipar.parallel.pipeline.simulator import bubble_fraction
+from minipar.run.train import train
+from minipar.settings.config import TrainConfig
 
 COMPUTE = ("F", "B", "W")
 

@@ -16,8 +16,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from minipar.comm import Group, Ledger
-from minipar.ring import ring_allreduce
+from minipar.comm.collectives import Group, Ledger
+from minipar.comm.ring import ring_allreduce
 
 SIZES = {"8 KB": 8 * 1024, "1 MB": 1024 * 1024, "16 MB": 16 * 1024 * 1024}
 

@@ -18,7 +18,7 @@ one MPI collective, and prints what it holds afterwards, rank by rank:
    as [A1_from_GPU1, A2_from_GPU2, ...]; what the call does, printed below, is
    that GPU j holds [Aj from GPU 1, Aj from GPU 2, ...].) Expert parallelism
    sends tokens to the rank that owns their expert this way.
-5. The ring Allreduce written by hand on Sendrecv (minipar/ring.py; Patarasuk
+5. The ring Allreduce written by hand on Sendrecv (minipar/comm/ring.py; Patarasuk
    and Yuan 2009), beside MPI's own, with the bytes the ledger counted beside
    the ring formula 2(N-1)/N of the buffer.
 
@@ -33,10 +33,10 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from minipar import ring
-from minipar.comm import Group, Ledger
-from minipar.log import run_collectively, say_in_order, verdict
-from minipar.preflight import lesson_arguments
+from minipar.comm import ring
+from minipar.comm.collectives import Group, Ledger
+from minipar.comm.job import run_collectively, say_in_order, verdict
+from minipar.settings.preflight import lesson_arguments
 
 
 def banner(world: Group, title: str) -> None:
@@ -98,7 +98,7 @@ def alltoall(world: Group, plot: Path | None = None) -> None:
     if plot is not None:  # every rank's chunks before and after -> rank 0, for the figure
         before, after = world.gather(chunks), world.gather(received)
         if world.rank == 0:
-            from minipar.plots import alltoall_figure, save
+            from minipar.teaching.plots import alltoall_figure, save
 
             path = save(alltoall_figure(np.array(before), np.array(after)),
                         plot / "00_alltoall.png")

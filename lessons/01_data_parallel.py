@@ -43,13 +43,13 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from minipar import nn, timing, trace_report
-from minipar.comm import Ledger
-from minipar.config import ConfigError, TrainConfig
-from minipar.data import make_batch, shard_rows
-from minipar.log import run_collectively, say_in_order, verdict, wait_for_rank0
-from minipar.memory import wire_elements
-from minipar.mesh import Mesh, MeshShape
+from minipar.comm.collectives import Ledger
+from minipar.comm.job import run_collectively, say_in_order, verdict, wait_for_rank0
+from minipar.comm.mesh import Mesh, MeshShape
+from minipar.core import nn, timing
+from minipar.core.data import make_batch, shard_rows
+from minipar.core.memory import wire_elements
+from minipar.core.threads import cores
 from minipar.parallel.data_parallel import (
     OverlappedAllreduce,
     allreduce_gradients,
@@ -57,9 +57,10 @@ from minipar.parallel.data_parallel import (
     install_hooks,
     make_buckets,
 )
-from minipar.preflight import lesson_arguments
-from minipar.threads import cores
-from minipar.train import train
+from minipar.run.train import train
+from minipar.settings.config import ConfigError, TrainConfig
+from minipar.settings.preflight import lesson_arguments
+from minipar.teaching import trace_report
 
 BATCH = 1024
 
@@ -225,8 +226,8 @@ def main() -> None:
     if args.plot:
         traced_overlap(sizes, args.bucket_size, args.plot / "trace_overlapped", world)
     if args.plot and mesh.rank == 0:
-        from minipar.plots import save
-        from minipar.plots_load import timing_figure
+        from minipar.teaching.load_plots import timing_figure
+        from minipar.teaching.plots import save
 
         path = save(timing_figure(times, f"forward + backward + gradient sync of {psi} "
                                   f"parameters on dp = {k} {timing.where(k)}, median of "
@@ -234,7 +235,8 @@ def main() -> None:
                     args.plot / "01_sync_time.png")
         print(f"figure: {path}", flush=True)
     if args.plot and mesh.rank == 0:
-        from minipar.plots import group_sizes, ledger_figure, save
+        from minipar.teaching.ledger_tables import group_sizes
+        from minipar.teaching.plots import ledger_figure, save
 
         path = save(ledger_figure(syncs, group_sizes(mesh.shape),
                                   f"three ways to sync {psi} gradients over dp = {n}: the same "
@@ -266,7 +268,7 @@ def traced_overlap(sizes: nn.ModelConfig, bucket_size: int, folder: Path,
           f"under compute; {n} ranks on {cores()} cores"
           + (" (oversubscribed: a rank waiting for a core looks idle)" if n > cores() else ""),
           flush=True)
-    from minipar.plots import save
+    from minipar.teaching.plots import save
 
     path = save(trace_report.figure(doc, f"overlapped gradient sync, dp = {n}: each bucket's "
                                          "Iallreduce from its start inside backward to the "

@@ -30,22 +30,23 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from minipar import autograd as ag
-from minipar import fused, nn
-from minipar.byte_units import MiB
-from minipar.comm import Group, Ledger
-from minipar.config import ConfigError, TrainConfig, problems
-from minipar.log import run_collectively, say_in_order, verdict
-from minipar.memory import wire_elements
-from minipar.mesh import Mesh
+from minipar.comm.collectives import Group, Ledger
+from minipar.comm.job import run_collectively, say_in_order, verdict
+from minipar.comm.mesh import Mesh
+from minipar.compose.parallelize import build_rank_model
+from minipar.core import autograd as ag
+from minipar.core import fused_layers, nn
+from minipar.core.byte_units import MiB
+from minipar.core.memory import wire_elements
 from minipar.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     parameter_count,
     shard,
 )
-from minipar.preflight import lesson_arguments
-from minipar.train import build_rank_model, train, train_reference
+from minipar.run.train import train, train_reference
+from minipar.settings.config import ConfigError, TrainConfig, problems
+from minipar.settings.preflight import lesson_arguments
 
 
 def banner(tp: Group, title: str) -> None:
@@ -96,7 +97,7 @@ def two_layers(tp: Group) -> None:
     x = rng.normal(size=(tokens, d))
     full = {"fc1.weight": rng.normal(size=(d, f)) / 8, "fc1.bias": rng.normal(size=f) / 8,
             "fc2.weight": rng.normal(size=(f, d)) / 16, "fc2.bias": rng.normal(size=d) / 8}
-    expected = fused.gelu(ag.Tensor(x @ full["fc1.weight"] + full["fc1.bias"])).data \
+    expected = fused_layers.gelu(ag.Tensor(x @ full["fc1.weight"] + full["fc1.bias"])).data \
         @ full["fc2.weight"] + full["fc2.bias"]
     ways = {
         "column + Allgather, column + Allgather": (
@@ -108,7 +109,7 @@ def two_layers(tp: Group) -> None:
     for name, (first, second) in ways.items():
         tp.ledger.reset()
         with ag.no_grad():                     # forward only: the backward mirrors it
-            z = second(fused.gelu(first(ag.Tensor(x))))
+            z = second(fused_layers.gelu(first(ag.Tensor(x))))
         entries = sorted(tp.ledger.entries.items())
         wire = sum(wire_elements(op, e.elements, n) for (op, _), e in entries)
         moved = ", ".join(f"{e.calls} x {op} ({e.elements} elements)" for (op, _), e in entries)
@@ -125,9 +126,9 @@ def rows_first_fails(tp: Group, x: np.ndarray, full: dict[str, np.ndarray]) -> N
     (tokens, d), f = x.shape, full["fc1.bias"].size
     rows = shard(d, n, k)
     share = x[:, rows] @ full["fc1.weight"][rows] + full["fc1.bias"] / n
-    gelu_of_shares = fused.gelu(ag.Tensor(share)).data
+    gelu_of_shares = fused_layers.gelu(ag.Tensor(share)).data
     tp.Allreduce(MPI.IN_PLACE, gelu_of_shares)  # GELU(share_k) (B, f) of every rank -> sum
-    wrong = float(np.max(np.abs(gelu_of_shares - fused.gelu(ag.Tensor(
+    wrong = float(np.max(np.abs(gelu_of_shares - fused_layers.gelu(ag.Tensor(
         x @ full["fc1.weight"] + full["fc1.bias"])).data)))
     if k == 0:
         print(f"why column first: GELU works on a column shard as it is, and that shard is\n"
@@ -229,8 +230,9 @@ def main() -> None:
               "(the figure's bars)", flush=True)
     memory(world)
     if args.plot and world.Get_rank() == 0:
-        from minipar.mesh import MeshShape
-        from minipar.plots import group_sizes, ledger_figure, save
+        from minipar.comm.mesh import MeshShape
+        from minipar.teaching.ledger_tables import group_sizes
+        from minipar.teaching.plots import ledger_figure, save
 
         path = save(ledger_figure(ledgers, group_sizes(MeshShape(dp=1, tp=world.Get_size())),
                                   f"one step on tp = {world.Get_size()} ranks: the tp wire "

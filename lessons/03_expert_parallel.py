@@ -12,7 +12,7 @@ block runs on 8 ranks (dp=8: 32 tokens each; ep=8: rank j holds experts 8j..8j+7
   5. the ledger: the Alltoallv volume beside k x tokens x d per direction;
   6. the aux loss at work: a short training run of the block with and without it,
      the imbalance and the dropped share step by step;
-  7. DeepSeek-V3's answers (minipar/routing.py): (a) balance without a loss, a bias b
+  7. DeepSeek-V3's answers (minipar/core/routing.py): (a) balance without a loss, a bias b
      on each expert's score moved against its load after every step: the load per
      expert over 200 steps with the aux loss, with the bias, with neither; (b)
      node-limited routing on two simulated hosts of 4 ranks: the bytes that cross
@@ -39,14 +39,14 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from minipar import autograd as ag
-from minipar import fused, nn, routing
-from minipar.comm import Ledger
-from minipar.log import run_collectively, verdict
-from minipar.mesh import Mesh, MeshShape
+from minipar.comm.collectives import Ledger
+from minipar.comm.job import run_collectively, verdict
+from minipar.comm.mesh import Mesh, MeshShape
+from minipar.core import autograd as ag
+from minipar.core import fused_layers, nn, routing
 from minipar.parallel.expert_parallel import ExpertParallelBlock, expected_alltoallv_elements
-from minipar.preflight import lesson_arguments
-from minipar.results import relative_difference
+from minipar.run.results import relative_difference
+from minipar.settings.preflight import lesson_arguments
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -184,7 +184,7 @@ def balance_run(coef: float, h: np.ndarray, r: np.ndarray) -> list[dict]:
     limit = nn.capacity(CAPACITY, TOP_K, TOKENS, EXPERTS)
     history = []
     for step in range(STEPS + 1):
-        probs = fused.softmax(block.ln(ag.Tensor(h)) @ block.router).data   # before the step
+        probs = fused_layers.softmax(block.ln(ag.Tensor(h)) @ block.router).data   # before the step
         counts = np.bincount(nn.route(probs, TOP_K).ravel(), minlength=EXPERTS)
         block.zero_grad()
         out, aux = block(ag.Tensor(h))
@@ -289,7 +289,7 @@ def bias_figure(loads: dict[str, np.ndarray], folder: Path) -> None:
     """Rank 0: imbalance step by step per balancer, and the final load per expert."""
     from matplotlib.figure import Figure
 
-    from minipar.plots import save
+    from minipar.teaching.plots import save
 
     figure = Figure(figsize=(11, 3.8), layout="constrained")
     left, right = figure.subplots(1, 2)
@@ -336,7 +336,7 @@ def node_limited(h: np.ndarray, r: np.ndarray) -> dict[int, dict] | None:
     mesh.free()
     if rank != 0:
         return None
-    from minipar.presets import MODELS
+    from minipar.planner.presets import MODELS
 
     v3 = MODELS["deepseek-v3"]
     say("", f"=== 7b. node-limited routing: {EXPERTS} experts on {size} ranks, top-"
@@ -358,7 +358,7 @@ def node_limited(h: np.ndarray, r: np.ndarray) -> dict[int, dict] | None:
         f"{limited['tokens'] * D_MODEL * 8} ({limited['tokens'] / free['tokens']:.0%})",
         "  the rows minipar's Alltoallv moves, one per (token, expert), barely change: a",
         "  token's 8 experts simply sit on one host now; the saving is in sending it once.",
-        "  at full size, the planner's `deepseek-v3` preset (minipar/presets.py): "
+        "  at full size, the planner's `deepseek-v3` preset (minipar/planner/presets.py): "
         f"{v3.experts} routed",
         f"  experts + {v3.shared_experts} shared of {v3.expert_d_ff}, {v3.top_k} per token, "
         "routed to at most 4 nodes of 8 GPUs:",
@@ -371,7 +371,7 @@ def node_figure(found: dict[int, dict], folder: Path) -> None:
     """Rank 0: bytes crossing the two hosts, with and without node-limited routing."""
     from matplotlib.figure import Figure
 
-    from minipar.plots import save
+    from minipar.teaching.plots import save
 
     figure = Figure(figsize=(7, 3.6), layout="constrained")
     ax = figure.subplots()
@@ -394,8 +394,8 @@ def node_figure(found: dict[int, dict], folder: Path) -> None:
 
 def plot_load(stats: dict, capacity: float | None, folder: Path) -> None:
     """Rank 0: the load of the block per expert and per rank, as a figure."""
-    from minipar.plots import save
-    from minipar.plots_load import expert_load_figure
+    from minipar.teaching.load_plots import expert_load_figure
+    from minipar.teaching.plots import save
 
     name = "no capacity" if capacity is None else f"capacity factor {capacity}"
     path = save(expert_load_figure(stats, f"{EXPERTS} experts on {size} ranks, top-{TOP_K}, "
@@ -460,8 +460,8 @@ def main() -> None:
     mesh.free()
     histories = the_balance(h, r)
     if args.plot and rank == 0:
-        from minipar.plots import save
-        from minipar.plots_load import balance_figure
+        from minipar.teaching.load_plots import balance_figure
+        from minipar.teaching.plots import save
 
         say("figure: " + str(save(balance_figure(histories, CAPACITY, f"{EXPERTS} experts, "
                                                  f"top-{TOP_K}, {TOKENS} tokens: training the "

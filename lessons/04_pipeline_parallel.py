@@ -26,9 +26,9 @@ GPU; the forward flows through them like a pipeline, and the price is the
   4. activation memory: how many microbatches a stage holds at once, every schedule;
   5. every schedule against one process: the largest relative difference.
 
-The code behind it: minipar/parallel/pipeline_schedules.py (schedules, simulator),
-minipar/parallel/pipeline_v.py (ZB-V, DualPipeV, DualPipe) and
-minipar/parallel/pipeline_parallel.py (the Send/Recv executor).
+The code behind it: minipar/parallel/pipeline/schedules.py (schedules, simulator),
+minipar/parallel/pipeline/v_schedules.py (ZB-V, DualPipeV, DualPipe) and
+minipar/parallel/pipeline/executor.py (the Send/Recv executor).
 """
 
 import argparse
@@ -38,27 +38,27 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from minipar import nn, timing, trace_report
-from minipar.comm import Ledger
-from minipar.config import TrainConfig, problems
-from minipar.log import run_collectively, say_in_order, verdict, wait_for_rank0
-from minipar.mesh import Mesh
-from minipar.parallel.pipeline_schedules import (
-    COMPUTE,
+from minipar.comm.collectives import Ledger
+from minipar.comm.job import run_collectively, say_in_order, verdict, wait_for_rank0
+from minipar.comm.mesh import Mesh
+from minipar.compose.parallelize import build_rank_model
+from minipar.core import nn, timing
+from minipar.core.threads import cores
+from minipar.parallel.pipeline.instructions import COMPUTE
+from minipar.parallel.pipeline.schedules import (
     SIMULATED_ONLY,
     UNIT_RULE,
     bubble_formula,
-    bubble_fraction,
     compute_order,
-    gantt,
-    in_flight_peak,
     replay,
     simulate_schedule,
 )
-from minipar.preflight import lesson_arguments
-from minipar.results import max_differences
-from minipar.threads import cores
-from minipar.train import RunResult, build_rank_model, train, train_reference
+from minipar.parallel.pipeline.simulator import bubble_fraction, gantt, in_flight_peak
+from minipar.run.results import max_differences
+from minipar.run.train import RunResult, train, train_reference
+from minipar.settings.config import TrainConfig, problems
+from minipar.settings.preflight import lesson_arguments
+from minipar.teaching import trace_report
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -236,7 +236,7 @@ def the_bubble(runs: dict, trace: Path | None = None) -> None:
     else:
         say("  the wall clock adds what the formula leaves out: every Send/Recv and Python call,",
             "  and other jobs on the machine. With a core per rank and microbatches big enough",
-            "  it follows the formula (tests/test_bubble.py: within 0.1 at M = 4 on 2 ranks);",
+            "  it follows the formula (tests/parallel/test_bubble.py: within 0.1 at M = 4 on 2 ranks);",
             "  as M grows each microbatch shrinks, those fixed costs do not, and it stays above.")
 
 
@@ -302,8 +302,8 @@ def the_check(runs: dict, microbatches: int = 8) -> None:
 def figures(runs: dict, folder: Path, microbatches: int = 8) -> None:
     """Rank 0: each schedule simulated beside its real run (Gantt charts), and the bubble
     against M: formulas, simulator, and the measured 1F1B runs of part 3."""
-    from minipar.plots import save
-    from minipar.plots_load import bubble_figure, gantt_figure, memory_figure
+    from minipar.teaching.load_plots import bubble_figure, gantt_figure, memory_figure
+    from minipar.teaching.plots import save
 
     for name, virtual in SCHEDULES:
         sim = simulate_schedule(name, size, microbatches, virtual)

@@ -36,24 +36,22 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from minipar import autograd as ag
-from minipar import nn, timing
-from minipar.byte_units import KiB
-from minipar.comm import Ledger
-from minipar.config import TrainConfig, problems
-from minipar.log import run_collectively, say_in_order, verdict
-from minipar.mesh import Mesh
-from minipar.parallel.pipeline_schedules import (
-    COMPUTE,
-    bubble_formula,
-    in_flight_peak,
-    simulate_schedule,
-)
-from minipar.preflight import lesson_arguments
-from minipar.recompute import tape_bytes  # node outputs and what their closures hold
-from minipar.report import group_sizes, wire_bytes
-from minipar.results import max_differences
-from minipar.train import RunResult, build_rank_model, train, train_reference
+from minipar.comm.collectives import Ledger
+from minipar.comm.job import run_collectively, say_in_order, verdict
+from minipar.comm.mesh import Mesh
+from minipar.compose.parallelize import build_rank_model
+from minipar.core import autograd as ag
+from minipar.core import nn, timing
+from minipar.core.byte_units import KiB
+from minipar.core.recompute import tape_bytes  # node outputs and what their closures hold
+from minipar.parallel.pipeline.instructions import COMPUTE
+from minipar.parallel.pipeline.schedules import bubble_formula, simulate_schedule
+from minipar.parallel.pipeline.simulator import in_flight_peak
+from minipar.run.results import max_differences
+from minipar.run.train import RunResult, train, train_reference
+from minipar.settings.config import TrainConfig, problems
+from minipar.settings.preflight import lesson_arguments
+from minipar.teaching.ledger_tables import group_sizes, wire_bytes
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -296,8 +294,8 @@ def conclusions(rows: dict[str, dict], bubbles: list[float]) -> None:
 def figures(rows: dict[str, dict], held: dict[str, dict], folder: Path) -> None:
     """Rank 0: what each mesh put on the wire per axis, and the parameter and peak
     saved-activation bytes of every rank."""
-    from minipar.memory import ModelStates
-    from minipar.plots import ledger_compare_figure, memory_figure, save
+    from minipar.core.memory import ModelStates
+    from minipar.teaching.plots import ledger_compare_figure, memory_figure, save
 
     tp, pp = rows["TP"]["wire"], rows["PP"]["wire"]
     say("figure: " + str(save(ledger_compare_figure(

@@ -10,7 +10,7 @@ Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
 Clusters"): every rank has a coordinate on each of the three axes, and talks on
 each axis to a different set of partners about a different thing.
 
-  1. the grid: rank = tp_rank + tp (dp_rank + dp pp_rank), tp fastest (minipar/mesh.py);
+  1. the grid: rank = tp_rank + tp (dp_rank + dp pp_rank), tp fastest (minipar/comm/mesh.py);
   2. who talks to whom: each rank asks its own three communicators who is in them,
      and they match the table;
   3. one training step's ledger, per rank and per axis, beside the formulas:
@@ -20,8 +20,8 @@ each axis to a different set of partners about a different thing.
   4. the same formulas over every way of cutting 8 ranks into dp x tp x pp;
   5. the run against one process.
 
-The code behind it: minipar/train.py (each rank builds its piece of the model from the
-full initial weights), tensor_parallel.py, pipeline_parallel.py, data_parallel.py.
+The code behind it: minipar/run/train.py (each rank builds its piece of the model from the
+full initial weights), tensor_parallel.py, parallel/pipeline/executor.py, data_parallel.py.
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from minipar import nn
-from minipar.comm import Ledger
-from minipar.config import TrainConfig, problems
-from minipar.log import run_collectively, say_in_order, verdict
-from minipar.mesh import Mesh, MeshShape
-from minipar.preflight import lesson_arguments
-from minipar.report import ledger_table
-from minipar.results import max_differences
-from minipar.train import RunResult, train, train_reference
+from minipar.comm.collectives import Ledger
+from minipar.comm.job import run_collectively, say_in_order, verdict
+from minipar.comm.mesh import Mesh, MeshShape
+from minipar.core import nn
+from minipar.run.results import max_differences
+from minipar.run.train import RunResult, train, train_reference
+from minipar.settings.config import TrainConfig, problems
+from minipar.settings.preflight import lesson_arguments
+from minipar.teaching.ledger_tables import ledger_table
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -178,10 +178,11 @@ def the_check(cfg: TrainConfig, result: RunResult) -> None:
 
 def figures(cfg: TrainConfig, result: RunResult, folder: Path) -> None:
     """Rank 0: the step's ledger per axis and operation, and the pipeline's timeline."""
-    from minipar.parallel.pipeline_schedules import replay, simulate_schedule
-    from minipar.plots import group_sizes, ledger_figure, save
-    from minipar.plots_load import gantt_figure
-    from minipar.threads import cores
+    from minipar.core.threads import cores
+    from minipar.parallel.pipeline.schedules import replay, simulate_schedule
+    from minipar.teaching.ledger_tables import group_sizes
+    from minipar.teaching.load_plots import gantt_figure
+    from minipar.teaching.plots import ledger_figure, save
 
     mesh = f"dp = tp = pp = 2, M = {cfg.microbatches}"
     say("figure: " + str(save(ledger_figure(result.ledger, group_sizes(cfg.mesh_shape()),

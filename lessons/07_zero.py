@@ -19,7 +19,7 @@ too. This lesson trains minipar's model with --zero 0, 1, 2, 3 and prints:
    GPUs with mixed-precision Adam (2 + 2 + K bytes, K = 12): 120 GB per GPU
    for DP, 31.4 with P_os, 16.6 with P_os+g, 1.9 with P_os+g+p.
 
-The code behind it: minipar/parallel/zero.py and minipar/memory.py.
+The code behind it: minipar/parallel/zero.py and minipar/core/memory.py.
 """
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from minipar import nn
-from minipar.byte_units import KiB
-from minipar.config import TrainConfig
-from minipar.log import run_collectively, verdict
-from minipar.memory import (
+from minipar.comm.job import run_collectively, verdict
+from minipar.core import nn
+from minipar.core.byte_units import KiB
+from minipar.core.memory import (
     ModelStates,
     optimizer_bytes_per_param,
     paper_example,
@@ -43,8 +42,9 @@ from minipar.memory import (
     wire_formula,
     zero_formula,
 )
-from minipar.preflight import lesson_arguments
-from minipar.train import train, train_reference
+from minipar.run.train import train, train_reference
+from minipar.settings.config import TrainConfig
+from minipar.settings.preflight import lesson_arguments
 
 NAMES = ["DP (stage 0)", "P_os (1)", "P_os+g (2)", "P_os+g+p (3)"]
 
@@ -100,8 +100,9 @@ def paper_table() -> None:
 def figures(measured: list[list[ModelStates]], ledgers: list[list[dict]], psi: int, n: int,
             optimizer: str, folder: Path) -> None:
     """Rank 0: every rank's bytes per stage beside the formula, and each stage's ledger."""
-    from minipar.mesh import MeshShape
-    from minipar.plots import group_sizes, ledger_figure, memory_figure, save
+    from minipar.comm.mesh import MeshShape
+    from minipar.teaching.ledger_tables import group_sizes
+    from minipar.teaching.plots import ledger_figure, memory_figure, save
 
     k = optimizer_bytes_per_param(optimizer, 8)
     formulas = {name: zero_formula(psi, n, stage, 8, 8, k) for stage, name in enumerate(NAMES)}

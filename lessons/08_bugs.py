@@ -6,7 +6,7 @@
     mpiexec -n 4 python lessons/08_bugs.py --quick                 # 3 steps, a tiny model
 
 Four ranks fit every bug (each needs at most two of dp, tp, pp, cp at 2); on 8 the
-data-parallel axis fills the rest. Each bug (minipar/bugs.py, `python -m
+data-parallel axis fills the rest. Each bug (minipar/bugs/catalog.py, `python -m
 minipar bugs`) is injected into an otherwise correct run with `--inject-bug`,
 and the lesson shows, for each:
 
@@ -22,7 +22,7 @@ and the lesson shows, for each:
      ledger      what each axis moved in the last step, against the correct run
                  (whose ledger lessons 6 and 7 proved equal to the formulas);
      memory      the bytes of parameters each rank holds, against the correct run;
-     placements  one step with `--check-placements` (minipar/placement.py): every
+     placements  one step with `--check-placements` (minipar/placement/__init__.py): every
                  op checks whether its tensors are replicated, sharded or partial
                  sums over each mesh axis, and a placement error stops the run at
                  the line where it is made -- before any loss is compared. A bug
@@ -34,7 +34,7 @@ and the lesson shows, for each:
    shipped case was found.
 
 Three of the bugs are about numbers every trainer reduces to ONE scalar, where a
-wrong count still gives a plausible number (minipar/clip.py, minipar/documents.py):
+wrong count still gives a plausible number (minipar/compose/clip.py, minipar/core/documents.py):
 
     clip-local-norm             each pipeline stage clips by the norm of its own
                                 gradients (the Allreduce of the squares left out):
@@ -52,8 +52,8 @@ None splits replicas (every rank of a group computes the same wrong scalar), non
 moves other bytes, none misplaces a tensor: only the comparison with one process
 finds them, from the first clipped (or ragged) step on.
 
-The code behind it: minipar/bugs.py (the registry), minipar/bugs_detours.py (the
-detours), minipar/train.py (the hook).
+The code behind it: minipar/bugs/catalog.py (the registry), minipar/bugs/detours.py (the
+detours), minipar/run/train.py (the hook).
 """
 
 from __future__ import annotations
@@ -68,14 +68,14 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from minipar import nn
-from minipar.bugs import BUGS, Bug
-from minipar.config import TrainConfig
-from minipar.log import run_collectively, verdict, wait_for_rank0
+from minipar.bugs.catalog import BUGS, Bug
+from minipar.comm.job import run_collectively, verdict, wait_for_rank0
+from minipar.core import nn
 from minipar.placement import PlacementError
-from minipar.preflight import lesson_arguments
-from minipar.results import relative_difference
-from minipar.train import RunResult, problems, train, train_reference
+from minipar.run.results import relative_difference
+from minipar.run.train import RunResult, problems, train, train_reference
+from minipar.settings.config import TrainConfig
+from minipar.settings.preflight import lesson_arguments
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -320,7 +320,7 @@ def summary(results: dict[str, dict]) -> None:
 
 def plot(folder: Path, results: dict[str, dict]) -> None:
     """Every bug's loss curve over its one-process curve, and their relative difference."""
-    from minipar import plots
+    from minipar.teaching import plots
 
     shown = {name: found for name, found in results.items() if "skipped" not in found}
     figure = plots.loss_figure({n: f["buggy"] for n, f in shown.items()},

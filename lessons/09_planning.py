@@ -8,9 +8,9 @@ The source text closes its comparison with rules of thumb: TP splits every layer
 talks in every forward and backward, so it is kept inside a node ("scaling is
 limited, usually 8-16 GPUs"); PP passes only activations, so it can cross nodes, but
 it has a bubble; EP is for MoE models, and its AllToAll is "very heavy"; data
-parallelism takes the rest. `minipar.plan` prices every way to split one training
+parallelism takes the rest. `minipar.planner.plan` prices every way to split one training
 step over the GPUs (`python -m minipar plan ...`) with the arithmetic that predicts
-minipar's own 8-rank runs exactly (tests/test_plan.py): ZeRO's model states,
+minipar's own 8-rank runs exactly (tests/planner/test_plan.py): ZeRO's model states,
 Megatron's activations, the ledger of every collective, the bubble formula. Here
 it is asked the source's questions about two models:
 
@@ -49,22 +49,22 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from minipar.costmodel import Plan, Workload, rank_shape
-from minipar.plan import (
+from minipar.planner.memory_cost import Plan, Workload, rank_shape
+from minipar.planner.plan_table import mfu
+from minipar.planner.presets import CLUSTERS, MODELS
+from minipar.planner.search import (
     GB,
     Estimate,
     best_by,
     divisors,
     evaluate,
     hardware,
-    mfu,
     search,
-    transformer,
+    usable,
 )
-from minipar.plan_search import usable
-from minipar.preflight import folder_problems
-from minipar.presets import CLUSTERS, MODELS
-from minipar.timemodel import Timing, ledger_of, traffic
+from minipar.planner.time_cost import Timing, ledger_of, traffic
+from minipar.planner.workloads import transformer
+from minipar.settings.preflight import folder_problems
 
 H100 = hardware(CLUSTERS["h100"], efficiency=0.5)
 USABLE = usable(H100)  # what a plan may use: the GPU's memory less the framework's headroom
@@ -222,10 +222,10 @@ def data_parallel() -> list[tuple[int, Estimate]]:
 
 def small_scale() -> None:
     """The same functions on minipar's own mesh dp=2 tp=2 pp=2: what rank 0 will hold and
-    send, which tests/test_plan.py compares with a real 8-rank run, exactly."""
-    from minipar.config import TrainConfig
-    from minipar.costmodel import model_states
-    from minipar.plan import minipar_workload, plan_of
+    send, which tests/planner/test_plan.py compares with a real 8-rank run, exactly."""
+    from minipar.planner.memory_cost import model_states
+    from minipar.planner.workloads import minipar_workload, plan_of
+    from minipar.settings.config import TrainConfig
 
     cfg = TrainConfig(layers=4, d_model=16, d_in=8, batch=16, optimizer="adam",
                       microbatches=2, dp=2, tp=2, pp=2).resolved(8)
@@ -239,7 +239,7 @@ def small_scale() -> None:
                            (calls, elements) in sorted(ledger_of(traffic(w, plan, shape)).items()))
         say(f"  stage {stage}: params {states.params} B, grads {states.grads} B, optimizer "
             f"{states.optimizer} B; ledger: {ledger}")
-    say("  tests/test_plan.py runs such meshes (DP with buckets, TP+PP, SP with ZeRO-1, "
+    say("  tests/planner/test_plan.py runs such meshes (DP with buckets, TP+PP, SP with ZeRO-1, "
         "ZeRO-3, interleaved ZeRO-2, MoE with EP and PP) on 8 ranks: every rank holds and "
         "sends exactly this.", "")
 
@@ -247,7 +247,8 @@ def small_scale() -> None:
 def llama3_405b(quick: bool = False) -> None:
     """The planner's report for the Llama 3 paper's 8192-GPU run, and where the mesh the
     paper ran (TP 8, PP 16, DP 64) comes in it (`quick`: only the plans with cp = 1)."""
-    from minipar.plan import RECOMPUTE, distinct_meshes, explain, report
+    from minipar.planner.plan_table import explain, report
+    from minipar.planner.search import RECOMPUTE, distinct_meshes
 
     model = MODELS["llama3-405b"]
     w = transformer(model, 2048)
@@ -418,7 +419,7 @@ def main() -> None:
     small_scale()
     llama3_405b(args.quick)
     if args.plot:
-        from minipar.plots import save
+        from minipar.teaching.plots import save
 
         figures = {"09_tp.png": axis_figure(tp, "tp", "TP inside a node: the 70B on 512 GPUs",
                                             limit=32),

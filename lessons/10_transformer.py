@@ -5,7 +5,7 @@
     mpiexec -n 2 python lessons/10_transformer.py --plot figures   # + 10_losses.png
 
 Every strategy so far split an MLP whose rows are examples. minipar's transformer
-(`--model gpt`, minipar/gpt.py and minipar/attention.py) has rows that are POSITIONS of
+(`--model gpt`, minipar/core/gpt.py and minipar/core/attention.py) has rows that are POSITIONS of
 a sequence, and one layer, attention, that mixes them. This lesson trains it with data
 parallelism over all the ranks and prints:
 
@@ -23,8 +23,8 @@ parallelism over all the ranks and prints:
    norm`): a few steps on dp x 2 microbatches against one process, and how ragged the
    batch was.
 
-The code behind it: minipar/gpt.py, minipar/attention.py, minipar/data.py,
-minipar/documents.py, minipar/clip.py.
+The code behind it: minipar/core/gpt.py, minipar/core/attention.py, minipar/core/data.py,
+minipar/core/documents.py, minipar/compose/clip.py.
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from minipar import autograd as ag
-from minipar.config import TrainConfig
-from minipar.data import make_sequences, read_corpus, repeated_positions
-from minipar.documents import read_documents, valid_positions
-from minipar.log import run_collectively, verdict
-from minipar.preflight import lesson_arguments
-from minipar.results import max_differences
-from minipar.train import build_reference, step_batch, train, train_reference
+from minipar.comm.job import run_collectively, verdict
+from minipar.core import autograd as ag
+from minipar.core.data import make_sequences, read_corpus, repeated_positions
+from minipar.core.documents import read_documents, valid_positions
+from minipar.run.results import max_differences
+from minipar.run.train import build_reference, step_batch, train, train_reference
+from minipar.settings.config import TrainConfig
+from minipar.settings.preflight import lesson_arguments
 
 ROOT = Path(__file__).resolve().parent.parent
 COPY = dict(model="gpt", layers=2, d_model=32, heads=2, seq_len=16, vocab=8, batch=16,
@@ -85,7 +85,7 @@ def figure(copy: list[float], text: list[float], floor: float, vocab: int,
            folder: Path) -> None:
     from matplotlib.figure import Figure
 
-    from minipar.plots import save
+    from minipar.teaching.plots import save
 
     fig = Figure(figsize=(11, 4), layout="constrained")
     left, right = fig.subplots(1, 2)

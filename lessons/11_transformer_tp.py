@@ -22,7 +22,7 @@ and Korthikanti et al. (2022) then cut its activation memory. On minipar's `gpt`
 5. Every setting above against one process (float64, relative 1e-9).
 
 The code: minipar/parallel/tensor_parallel.py (heads), vocab_parallel.py (vocabulary),
-minipar/recompute.py (recomputation and the tape's bytes).
+minipar/core/recompute.py (recomputation and the tape's bytes).
 """
 
 from __future__ import annotations
@@ -33,22 +33,23 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from minipar import nn, timing
-from minipar.autograd import Tensor
-from minipar.byte_units import KiB
-from minipar.comm import Ledger
-from minipar.config import TrainConfig, problems
-from minipar.costmodel import rank_shape
-from minipar.log import run_collectively, say_in_order, verdict, wait_for_rank0
-from minipar.memory import wire_elements
-from minipar.mesh import Mesh
-from minipar.plan import minipar_workload, plan_of
-from minipar.preflight import lesson_arguments
-from minipar.recompute import gpt_block_activation_bytes, tape_bytes
-from minipar.results import TOLERANCE, max_differences, relative_difference
-from minipar.threads import cores
-from minipar.timemodel import ledger_of, traffic
-from minipar.train import build_rank_model, make_block, step_batch, train, train_reference
+from minipar.comm.collectives import Ledger
+from minipar.comm.job import run_collectively, say_in_order, verdict, wait_for_rank0
+from minipar.comm.mesh import Mesh
+from minipar.compose.parallelize import build_rank_model, make_block
+from minipar.core import nn, timing
+from minipar.core.autograd import Tensor
+from minipar.core.byte_units import KiB
+from minipar.core.memory import wire_elements
+from minipar.core.recompute import gpt_block_activation_bytes, tape_bytes
+from minipar.core.threads import cores
+from minipar.planner.memory_cost import rank_shape
+from minipar.planner.time_cost import ledger_of, traffic
+from minipar.planner.workloads import minipar_workload, plan_of
+from minipar.run.results import TOLERANCE, max_differences, relative_difference
+from minipar.run.train import step_batch, train, train_reference
+from minipar.settings.config import TrainConfig, problems
+from minipar.settings.preflight import lesson_arguments
 
 SHAPE = dict(model="gpt", layers=2, d_model=64, heads=8, seq_len=32, vocab=256, batch=8,
              d_ff=256, steps=2)
@@ -244,7 +245,7 @@ def memory_and_time() -> dict[str, dict[str, int]]:
 
 def tape_bytes_single(cfg: TrainConfig) -> int:
     """One process's block on this rank: no communicator needed."""
-    from minipar import gpt
+    from minipar.core import gpt
 
     full = nn.init_params(cfg.model_config(), cfg.seed)
     ffn = gpt.reference_ffn(cfg.model_config(), full)(0)
@@ -252,7 +253,7 @@ def tape_bytes_single(cfg: TrainConfig) -> int:
                       attn=gpt.Attention(full, 0, cfg.heads,
                                          selective=cfg.recompute == "selective"))
     if cfg.recompute == "full":
-        from minipar.recompute import Recomputed
+        from minipar.core.recompute import Recomputed
 
         block = Recomputed(block)
     h = Tensor(np.random.default_rng(0).normal(size=(cfg.batch, cfg.seq_len, cfg.d_model)),
@@ -288,7 +289,7 @@ def figure(found: dict[str, dict[str, int]], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from minipar.plots import save
+    from minipar.teaching.plots import save
 
     fig, ax = plt.subplots(figsize=(7, 3.8))
     modes = ("none", "selective", "full")

@@ -42,30 +42,24 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from minipar import nn, timing, trace_report
-from minipar.byte_units import KiB, format_bytes
-from minipar.comm import Ledger
-from minipar.config import ConfigError, TrainConfig
-from minipar.costmodel import rank_shape
-from minipar.log import run_collectively, verdict
-from minipar.memory import wire_elements
-from minipar.mesh import Mesh, MeshShape
+from minipar.comm.collectives import Ledger
+from minipar.comm.job import run_collectively, verdict
+from minipar.comm.mesh import Mesh, MeshShape
+from minipar.compose.parallelize import build_rank_model, context_positions
+from minipar.core import nn, timing
+from minipar.core.byte_units import KiB, format_bytes
+from minipar.core.memory import wire_elements
+from minipar.core.threads import cores
 from minipar.parallel import context_parallel as cpar
-from minipar.plan import minipar_workload, plan_of
-from minipar.preflight import lesson_arguments
-from minipar.report import RECEIVES, group_sizes, wire_bytes
-from minipar.results import relative_difference
-from minipar.threads import cores
-from minipar.timemodel import cp_traffic
-from minipar.train import (
-    build_rank_model,
-    context_positions,
-    forward_backward,
-    problems,
-    step_batch,
-    train,
-    train_reference,
-)
+from minipar.planner.memory_cost import rank_shape
+from minipar.planner.time_cost import cp_traffic
+from minipar.planner.workloads import minipar_workload, plan_of
+from minipar.run.results import relative_difference
+from minipar.run.train import forward_backward, problems, step_batch, train, train_reference
+from minipar.settings.config import ConfigError, TrainConfig
+from minipar.settings.preflight import lesson_arguments
+from minipar.teaching import trace_report
+from minipar.teaching.ledger_tables import RECEIVES, group_sizes, wire_bytes
 
 MODES = ("allgather", "ring", "zigzag", "ulysses")
 
@@ -258,8 +252,8 @@ def main() -> None:
               f"{cores()} cores{' (oversubscribed)' if cp > cores() else ''})", flush=True)
     print("\nthe mesh: " + MeshShape(cp=cp).table().splitlines()[0], flush=True)
     if args.plot:
-        from minipar.plots import save
-        from minipar.plots_load import ring_blocks_figure
+        from minipar.teaching.load_plots import ring_blocks_figure
+        from minipar.teaching.plots import save
 
         print("figure:", save(ring_blocks_figure(
             ring_pictures(cfg, cp), cfg.seq_len,

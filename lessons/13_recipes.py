@@ -49,17 +49,17 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from minipar import plan, presets
-from minipar.byte_units import KiB, format_bytes
-from minipar.config import TrainConfig
-from minipar.costmodel import Plan
-from minipar.log import run_collectively, verdict, wait_for_rank0
-from minipar.parallel.pipeline_schedules import bubble_formula
-from minipar.plots_load import measured_bubble
-from minipar.preflight import lesson_arguments
-from minipar.report import group_sizes, wire_bytes
-from minipar.results import max_differences
-from minipar.train import train, train_reference
+from minipar.comm.job import run_collectively, verdict, wait_for_rank0
+from minipar.core.byte_units import KiB, format_bytes
+from minipar.parallel.pipeline.schedules import bubble_formula
+from minipar.planner import plan_table, presets, search, workloads
+from minipar.planner.memory_cost import Plan
+from minipar.run.results import max_differences
+from minipar.run.train import train, train_reference
+from minipar.settings.config import TrainConfig
+from minipar.settings.preflight import lesson_arguments
+from minipar.teaching.ledger_tables import group_sizes, wire_bytes
+from minipar.teaching.load_plots import measured_bubble
 
 TINY = dict(layers=4, d_model=16, heads=4, seq_len=16, vocab=16, batch=16, d_ff=32,
             steps=3, optimizer="adam", lr=0.01, microbatches=4, schedule="1f1b")
@@ -101,18 +101,18 @@ def ledger_per_axis(records: list[dict], rank: int, cfg: TrainConfig) -> dict[st
 
 def predicted(model: str, seq_len: int, cluster: str, batch: int, real: Plan) -> list[str]:
     """The planner's estimate of the real run: memory per GPU, wire volume, step time."""
-    w = plan.transformer(replace(presets.MODELS[model], seq_len=seq_len), batch)
-    hw = plan.hardware(presets.CLUSTERS[cluster])
-    estimate = plan.evaluate(w, hw, real)
+    w = workloads.transformer(replace(presets.MODELS[model], seq_len=seq_len), batch)
+    hw = search.hardware(presets.CLUSTERS[cluster])
+    estimate = search.evaluate(w, hw, real)
     return [f"  planner, {presets.MODELS[model].name} on {real.world} x "
             f"{presets.CLUSTERS[cluster].name}, sequences of {seq_len}:"] + [
-        "  " + line for line in plan.explain(estimate, w, hw)]
+        "  " + line for line in plan_table.explain(estimate, w, hw)]
 
 
 def figure(rows: list[tuple[str, dict[str, int]]], folder: Path) -> None:
     from matplotlib.figure import Figure
 
-    from minipar.plots import save
+    from minipar.teaching.plots import save
 
     fig = Figure(figsize=(9, 3.5), layout="constrained")
     ax = fig.subplots()

@@ -1,6 +1,6 @@
 """Lesson 15: when it hangs -- every rank's last calls, lined up, name the rank that disagrees.
 
-    mpiexec -n 4 python lessons/15_hangs.py                    # every hang of bugs_hangs.py
+    mpiexec -n 4 python lessons/15_hangs.py                    # every hang of bugs/hangs.py
     mpiexec -n 4 python lessons/15_hangs.py --quick --plot figures   # one hang; 15_hangs.png
 
 Wrong numbers are caught by the equivalence checks (lesson 8); no numbers at all --
@@ -18,17 +18,17 @@ size or line it came from. So every rank must keep the same order of loops:
 A collective inside `if rank == 0:`, a stage that receives before it sends, a
 call handed the wrong group, a buffer shorter than the counts announced: each
 leaves some rank waiting for a call that never comes. The watchdog (--timeout)
-sees only that this rank waits too long. The flight recorder (minipar/flight.py)
+sees only that this rank waits too long. The flight recorder (minipar/comm/flight.py)
 keeps every rank's last 1000 calls -- group, sequence number, op, elements,
 dtype, the line of strategy code that made the call, step, microbatch,
 started/completed -- and on a hang every rank writes them to `--flight DIR`;
-lined up by (group, sequence number) (minipar/flight_report.py) they name the
+lined up by (group, sequence number) (minipar/comm/flight_report.py) they name the
 first disagreement in one sentence, which ends the watchdog's line.
 
 The lesson, on 4 ranks:
 1. a healthy job asked for its records while it runs (SIGUSR1 to every rank, as
    `kill -USR1 <mpiexec's pid>` does from a shell): the records agree;
-2. each hang of minipar/bugs_hangs.py, run as its own job by rank 0 (a hang ends
+2. each hang of minipar/bugs/hangs.py, run as its own job by rank 0 (a hang ends
    the job it happens in): the watchdog's line, its verdict, checked against what
    the verdict must name, and the aligned records around it
    (`python -m minipar flight DIR --all`);
@@ -53,15 +53,15 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from minipar import flight
-from minipar.bugs import command
-from minipar.bugs_hangs import HANGS, Hang
-from minipar.classroom import mpiexec, rank_environment
-from minipar.config import TrainConfig
-from minipar.flight_report import load, run_of, table, verdict
-from minipar.log import run_collectively, say_in_order, wait_for_rank0
-from minipar.log import verdict as check
-from minipar.train import train
+from minipar.bugs.catalog import command
+from minipar.bugs.hangs import HANGS, Hang
+from minipar.comm import flight
+from minipar.comm.flight_report import load, run_of, table, verdict
+from minipar.comm.job import run_collectively, say_in_order, wait_for_rank0
+from minipar.comm.job import verdict as check
+from minipar.run.train import train
+from minipar.settings.config import TrainConfig
+from minipar.teaching.classroom import mpiexec, rank_environment
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -182,9 +182,9 @@ def py_spy_demo(folder: Path) -> None:
 
 
 def plot(path: Path, runs: dict[str, dict]) -> None:
-    """Each hang's last calls per rank (minipar/plots_flight.py)."""
-    from minipar import plots
-    from minipar.plots_flight import flight_figure
+    """Each hang's last calls per rank (minipar/teaching/flight_plots.py)."""
+    from minipar.teaching import plots
+    from minipar.teaching.flight_plots import flight_figure
 
     figure = flight_figure({name: (found["dumps"], found["verdict"])
                             for name, found in runs.items() if found["dumps"]},

@@ -30,7 +30,7 @@ The sections:
   5. a model trained on this repository's README (`--data`, on dp 2) completing a
      prompt on another mesh (tp 2), from its checkpoint.
 
-The command behind it: `python -m minipar generate` (minipar/generate.py, kvcache.py).
+The command behind it: `python -m minipar generate` (minipar/run/generate.py, kvcache.py).
 """
 
 from __future__ import annotations
@@ -44,19 +44,20 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from minipar import plan_search, plan_workloads, presets, timemodel, timing
-from minipar.byte_units import MiB
-from minipar.checkpoint import holding, load
-from minipar.comm import Ledger
-from minipar.config import TrainConfig
-from minipar.costmodel import Plan
-from minipar.generate import GenerateConfig, MeshResult, generate_on_mesh, reference, text_of
-from minipar.log import run_collectively, verdict, wait_for_rank0
-from minipar.mesh import Mesh
-from minipar.nn import init_params
-from minipar.results import relative_difference
-from minipar.threads import cores
-from minipar.train import train
+from minipar.checkpoint.save_load import holding, load
+from minipar.comm.collectives import Ledger
+from minipar.comm.job import run_collectively, verdict, wait_for_rank0
+from minipar.comm.mesh import Mesh
+from minipar.core import timing
+from minipar.core.byte_units import MiB
+from minipar.core.nn import init_params
+from minipar.core.threads import cores
+from minipar.planner import presets, search, time_cost, workloads
+from minipar.planner.memory_cost import Plan
+from minipar.run.generate import GenerateConfig, MeshResult, generate_on_mesh, reference, text_of
+from minipar.run.results import relative_difference
+from minipar.run.train import train
+from minipar.settings.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 # HBM bandwidth per GPU, bytes/s (NVIDIA datasheets: H100 SXM 3.35 TB/s, A100 80GB
@@ -146,8 +147,8 @@ def bytes_against_flops(fields: dict) -> None:
         print(f"    B = {batch:>3}: {moved / MiB:7.2f} MiB, {flops / 1e6:8.2f} MFLOP, "
               f"{flops / moved:6.2f} FLOP per byte")
     m = presets.MODELS["llama3-70b"]
-    w = plan_workloads.transformer(m, 1)
-    sizes = plan_workloads.layer_sizes(m)
+    w = workloads.transformer(m, 1)
+    sizes = workloads.layer_sizes(m)
     weights = w.params - m.vocab * m.d_model
     balance = presets.CLUSTERS["h100"].flops * 1e12 / HBM["h100"]
     print(f"  {m.name}, bf16, context 8192 (K and V {sizes['kv_width']} wide per layer, "
@@ -219,9 +220,9 @@ def decode_price(model: str, cluster: str, tp: int, pp: int, batch: int, context
     before its next can start, so a token takes pp stage times and a step of all rows
     max(M, pp) of them. Collectives and messages are priced by timemodel.seconds (the
     planner's alpha-beta, in-node or across nodes by the mesh's placement)."""
-    m, hw = presets.MODELS[model], plan_search.hardware(presets.CLUSTERS[cluster])
-    sizes = plan_workloads.layer_sizes(m)
-    params = plan_workloads.transformer(m, 1).params - m.vocab * m.d_model  # no lookup
+    m, hw = presets.MODELS[model], search.hardware(presets.CLUSTERS[cluster])
+    sizes = workloads.layer_sizes(m)
+    params = workloads.transformer(m, 1).params - m.vocab * m.d_model  # no lookup
     weights = 2 * params                                      # bf16 bytes
     plan = Plan(dp=1, tp=tp, pp=pp)
     M = min(batch, pp)
@@ -231,10 +232,10 @@ def decode_price(model: str, cluster: str, tp: int, pp: int, batch: int, context
     per_gpu = max((weights + cache) / (tp * pp) / HBM[cluster],
                   flops / (tp * pp) / (hw.flops * hw.efficiency))
     elements = int(rows * m.d_model)
-    tp_comm = timemodel.seconds(timemodel.Traffic(
+    tp_comm = time_cost.seconds(time_cost.Traffic(
         "tp", "Allreduce", 2 * m.layers // pp, 2 * m.layers // pp * elements,
         2 * m.layers // pp * elements * 2), plan, hw) if tp > 1 else 0.0
-    hop = timemodel.seconds(timemodel.Traffic("pp", "Recv", 1, elements, 2 * elements),
+    hop = time_cost.seconds(time_cost.Traffic("pp", "Recv", 1, elements, 2 * elements),
                             plan, hw) if pp > 1 else 0.0
     stage = per_gpu + tp_comm + hop                           # one microbatch, one stage
     token = pp * stage
@@ -312,7 +313,7 @@ def trained_completion(world: MPI.Comm, steps: int, quick: bool) -> None:
 def figure(first: dict, third: dict, fourth: list, folder: Path) -> None:
     from matplotlib.figure import Figure
 
-    from minipar.plots import save
+    from minipar.teaching.plots import save
 
     fig = Figure(figsize=(12, 3.8), layout="constrained")
     a, b, c = fig.subplots(1, 3)

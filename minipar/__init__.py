@@ -28,6 +28,6 @@ def reuse_freed_memory() -> bool:
 
 reuse_freed_memory()
 
-from minipar.threads import one_blas_thread  # noqa: E402  (after the allocator)
+from minipar.core.threads import one_blas_thread  # noqa: E402  (after the allocator)
 
 one_blas_thread()

@@ -22,18 +22,21 @@ import sys
 import traceback
 from pathlib import Path
 
-from minipar import checkpoint, checkpoint_format, preflight, watchdog
-from minipar.bugs import listing
-from minipar.checkpoint import CheckpointError, FolderInUseError, holding
-from minipar.checkpoint_owner import NEW_RUN, ownership_problems
-from minipar.config import ConfigError, _Parser, config_from_args, make_parser
-from minipar.mesh import MeshShape
+from minipar.bugs.catalog import listing
+from minipar.checkpoint import save_load, shard_files
+from minipar.checkpoint.owner import NEW_RUN, ownership_problems
+from minipar.checkpoint.save_load import FolderInUseError, holding
+from minipar.checkpoint.shard_files import CheckpointError
+from minipar.comm import watchdog
+from minipar.comm.mesh import MeshShape
 from minipar.placement import PlacementError
-from minipar.plan import plan_command as plan
-from minipar.report import ledger_table
-from minipar.results import check, dump
-from minipar.tour import main as tour
-from minipar.train import DivergedError, problems, train
+from minipar.planner.plan import plan_command as plan
+from minipar.run.results import check, dump
+from minipar.run.train import DivergedError, problems, train
+from minipar.settings import preflight
+from minipar.settings.config import ConfigError, Parser, config_from_args, make_parser
+from minipar.teaching.ledger_tables import ledger_table
+from minipar.teaching.tour import main as tour
 
 
 def _world():
@@ -80,11 +83,11 @@ def train_command(argv: list[str]) -> int:
                   + ("" if gnorm is None else f"  gnorm {gnorm:.6f}"), flush=True)
 
     if world.Get_size() > 1:   # the flight recorder's dumps (flight.py): on a hang, an
-        from minipar import flight  # abort or SIGUSR1 (here: arming it talks over MPI)
+        from minipar.comm import flight  # abort or SIGUSR1 (here: arming it talks over MPI)
 
         flight.arm(args.flight, world)
     if cfg.timeout and world.Get_size() > 1:   # a rank stuck in one call that long ends
-        from minipar.log import abort_all  # the job (here: log.py loads mpi4py.MPI)
+        from minipar.comm.job import abort_all  # the job (here: comm/job.py loads mpi4py.MPI)
 
         watchdog.start(cfg.timeout, rank, abort_all)
     try:
@@ -101,13 +104,13 @@ def train_command(argv: list[str]) -> int:
         if cfg.pp == 1:
             return fail(rank, str(error), code=1)
         coords = cfg.mesh_shape().coords(rank)
-        from minipar.log import abort_all  # here: log.py loads mpi4py.MPI
+        from minipar.comm.job import abort_all  # here: comm/job.py loads mpi4py.MPI
 
         abort_all(f"minipar: error: {error}\n" if coords["dp"] == coords["tp"] == 0 else "")
     finally:
         watchdog.stop()
     if world.Get_size() > 1:   # (an exception keeps it armed: the abort that follows dumps)
-        from minipar import flight
+        from minipar.comm import flight
 
         flight.disarm()
     if args.ledger and rank == 0:
@@ -116,7 +119,7 @@ def train_command(argv: list[str]) -> int:
         dump(Path(args.dump), cfg, result)
     verdict = 0
     if args.check:
-        from minipar.log import wait_for_rank0  # here: log.py loads mpi4py.MPI
+        from minipar.comm.job import wait_for_rank0  # here: comm/job.py loads mpi4py.MPI
 
         verdict = check(cfg, result) if rank == 0 else 0
         wait_for_rank0(world)  # the others asleep while rank 0 reruns the job alone
@@ -157,7 +160,7 @@ def mesh_command(argv: list[str]) -> int:
 
 def generate_command(argv: list[str]) -> int:
     """`python -m minipar generate ...`: prefill and decode with a KV cache (generate.py)."""
-    from minipar.generate import command  # here: the ranks talk (mpi4py.MPI)
+    from minipar.run.generate import command  # here: the ranks talk (mpi4py.MPI)
 
     return command(argv, _world())
 
@@ -169,12 +172,14 @@ def tour_command(argv: list[str]) -> int:
 def reshard_command(argv: list[str]) -> int:
     """`python -m minipar reshard SRC DST [--dp --tp --pp --ep --virtual --cp]`: rewrite a
     checkpoint for another mesh without training (one rank, no flags: the full state)."""
-    from minipar.config import size_problems as config_size_problems
-    from minipar.reshard import reshard  # here: loads mpi4py.MPI, which `plan`/`bugs` never need
+    from minipar.run.reshard import (
+        reshard,  # here: loads mpi4py.MPI, which `plan`/`bugs` never need
+    )
+    from minipar.settings.config import size_problems as config_size_problems
 
     world = _world()
     rank, size = world.Get_rank(), world.Get_size()
-    parser = _Parser(prog="python -m minipar reshard",
+    parser = Parser(prog="python -m minipar reshard",
                     description="Rewrite a checkpoint for the mesh of this job.")
     for axis, default in (("dp", None), ("tp", 1), ("pp", 1), ("ep", 1), ("virtual", 1),
                           ("cp", 1)):
@@ -191,19 +196,19 @@ def reshard_command(argv: list[str]) -> int:
     except ConfigError as error:
         return fail(rank, str(error))
     errors = [f"SRC {message}" for message in preflight.path_problems(args.source)
-              or checkpoint.verify(args.source)]
+              or shard_files.verify(args.source)]
     if not errors:
         mesh = {axis: getattr(args, axis) for axis in ("dp", "tp", "pp", "ep", "virtual", "cp",
                                                          "microbatches")}
-        manifest = checkpoint.read_manifest(Path(args.source))
-        cfg = checkpoint.config_for(manifest, **mesh).resolved(size)
+        manifest = shard_files.read_manifest(Path(args.source))
+        cfg = shard_files.config_for(manifest, **mesh).resolved(size)
         if args.microbatches is None and not config_size_problems(cfg, size):
-            cfg = checkpoint_format.for_mesh(cfg)   # derive what the new mesh needs
+            cfg = shard_files.for_mesh(cfg)   # derive what the new mesh needs
         errors = problems(cfg, size) + [f"DST {message}" for message in
                                          preflight.folder_problems(args.destination)]
-        if not errors:   # DST holds only this run's older steps (checkpoint_owner.py)
+        if not errors:   # DST holds only this run's older steps (checkpoint/owner.py)
             errors = ownership_problems(args.destination, manifest.get("run") or NEW_RUN,
-                                        checkpoint.model_of(cfg), manifest["step"], "DST")
+                                        save_load.model_of(cfg), manifest["step"], "DST")
     if errors:
         return fail(rank, errors[0])
     reshard(cfg, world, args.source, args.destination)
@@ -231,9 +236,9 @@ def plan_command(argv: list[str]) -> int:
 def flight_command(argv: list[str]) -> int:
     """`python -m minipar flight DIR [--all]`: the first disagreement among the ranks' last
     calls (flight_report.py, no MPI); bad input is one line and exit 2."""
-    from minipar.flight_report import FlightError, load, table, verdict
+    from minipar.comm.flight_report import FlightError, load, table, verdict
 
-    parser = _Parser(prog="python -m minipar flight",
+    parser = Parser(prog="python -m minipar flight",
                      description="Line up the flight recorder's dumps of a hung or aborted "
                      "job and name the first disagreement.")
     parser.add_argument("folder", metavar="DIR", help="the --flight folder (rank{r}.json)")
@@ -251,7 +256,7 @@ def flight_command(argv: list[str]) -> int:
 
 def trace_command(argv: list[str]) -> int:
     """`python -m minipar trace DIR [--plot FILE] [--simulated FILE]`: read a --trace run."""
-    from minipar.trace_report import main as trace_report  # matplotlib only when drawing
+    from minipar.teaching.trace_report import main as trace_report  # matplotlib only when drawing
 
     return trace_report(argv)
 
@@ -310,7 +315,7 @@ def main_leaving_together() -> int:
         helping = leaving.code in (None, 0) and {"-h", "--help"} & set(sys.argv[2:])
         if helping or sys.argv[1:2] not in [[name] for name in TALKING]:
             raise
-        from minipar.log import abort_all  # here: log.py loads mpi4py.MPI
+        from minipar.comm.job import abort_all  # here: comm/job.py loads mpi4py.MPI
 
         if sys.stderr.closed:   # our reader left (a closed pipe): end the job quietly
             from mpi4py import MPI
@@ -328,8 +333,8 @@ def run() -> None:
     talk (`main_leaving_together`); Ctrl-C is one line from each rank, exit 130."""
     world_size = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
     if world_size > 1:
-        # here, not at the top: log.py loads mpi4py.MPI, which one process never needs
-        from minipar.log import abort_on_exception
+        # here, not at the top: comm/job.py loads mpi4py.MPI, which one process never needs
+        from minipar.comm.job import abort_on_exception
 
         sys.exit(abort_on_exception(main_leaving_together, label="minipar: "))
     try:  # one process: no partner can be left waiting, the traceback and exit 1 suffice

@@ -6,9 +6,9 @@ import functools
 
 import numpy as np
 
-from minipar.config import TrainConfig
-from minipar.results import TOLERANCE, relative_difference
-from minipar.train import RunResult, train_reference
+from minipar.run.results import TOLERANCE, relative_difference
+from minipar.run.train import RunResult, train_reference
+from minipar.settings.config import TrainConfig
 
 RTOL = TOLERANCE["float64"]
 

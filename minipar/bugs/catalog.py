@@ -13,7 +13,7 @@ formula) and the bytes each rank holds.
     mpiexec -n 4 python -m minipar train --tp 2 --inject-bug tp-copy-to-no-allreduce --check
     mpiexec -n 4 python lessons/08_bugs.py                     # every bug, and its checks
 How a bug gets in: the correct code is never touched. Each bug's `detour`
-(bugs_detours.py, the broken code, each broken line marked `# BUG:`) returns the
+(bugs/detours.py, the broken code, each broken line marked `# BUG:`) returns the
 (module, name, replacement) swaps that break one thing; `train.train` applies
 them for the run when `--inject-bug NAME` is given (`injected` puts the
 originals back after, even on error), so a learner can diff the broken piece
@@ -30,13 +30,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from minipar.bugs_detours import (  # noqa: F401  (copy_to_without_allreduce: tests name it)
+from minipar.bugs.detours import (
     Swap,
     after_capacity,
     aux_per_rank,
     bias_from_local_load,
     clip_by_local_norm,
-    copy_to_without_allreduce,
     f_without_allreduce,
     first_choice_only,
     keys_not_gathered,
@@ -50,10 +49,10 @@ from minipar.bugs_detours import (  # noqa: F401  (copy_to_without_allreduce: te
     sum_not_mean,
     vocab_loss_without_max,
 )
-from minipar.bugs_hangs import HANGS, Hang
+from minipar.bugs.hangs import HANGS, Hang
 
 if TYPE_CHECKING:
-    from minipar.config import TrainConfig
+    from minipar.settings.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,7 @@ class Bug:
     strategy that shows it (dp left to fill the world). `seen` cites the public
     issue or pull request of a real project where this bug, or its closest
     relative, shipped -- or says that none was found and the bug is only plausible.
-    `unseen` says why placement checking (`--check-placements`, placement.py) cannot
+    `unseen` says why placement checking (`--check-placements`, placement/__init__.py) cannot
     see the bug -- it is about values, not placements; empty for a placement error,
     which that check stops at the line where it is made."""
 
@@ -111,7 +110,7 @@ def _cp(*modes: str) -> Callable[[TrainConfig], bool]:
 
 
 def _clip_split(cfg: TrainConfig) -> bool:
-    from minipar.clip import group_name  # the ranks holding different pieces, if any
+    from minipar.compose.clip import group_name  # the ranks holding different pieces, if any
 
     return cfg.clip_grad_norm is not None and group_name(cfg) is not None
 
@@ -327,7 +326,7 @@ def problems(cfg: TrainConfig) -> list[str]:
     name = cfg.inject_bug
     if name is None:
         return []
-    known = {**BUGS, **HANGS}  # the hangs (bugs_hangs.py) are injected the same way
+    known = {**BUGS, **HANGS}  # the hangs (bugs/hangs.py) are injected the same way
     if name not in known:
         return [f"--inject-bug {name} is not a known bug; choose one of: {', '.join(known)}"]
     bug = known[name]
@@ -368,7 +367,7 @@ def listing() -> str:
         lines += [f"\n{bug.name}  [{bug.strategy}]", f"  broken: {bug.broken}",
                   f"  needs:  {bug.requires}", f"  try:    {command(bug)}",
                   f"  seen:   {bug.seen}"]
-    lines.append(f"\n{len(HANGS)} hangs (bugs_hangs.py; lessons/15_hangs.py runs them all):")
+    lines.append(f"\n{len(HANGS)} hangs (bugs/hangs.py; lessons/15_hangs.py runs them all):")
     for hang in HANGS.values():
         lines += [f"\n{hang.name}  [{hang.strategy}]", f"  broken: {hang.broken}",
                   f"  needs:  {hang.requires}", f"  try:    {command(hang)}"]

@@ -4,14 +4,14 @@ What this file teaches: how a bug gets in without the correct code ever being
 touched. Each function below returns the (module, name, replacement) swaps that
 break one thing -- a subclass overriding one method, or a replacement function
 -- each broken line marked `# BUG:`, so a learner can diff the broken piece
-against the real one. bugs.py lists the bugs (what each breaks, which check
+against the real one. bugs/catalog.py lists the bugs (what each breaks, which check
 catches it, where it shipped) and applies a bug's swaps for one run
 (`bugs.injected`, used by `train.train` under `--inject-bug NAME`).
 
     mpiexec -n 4 python -m minipar train --tp 2 --inject-bug tp-copy-to-no-allreduce --check
 
 The detours import the parallel modules that load mpi4py.MPI when applied, not
-when this file is imported (`train.problems` asks bugs.py before any
+when this file is imported (`train.problems` asks bugs/catalog.py before any
 communication; the test process never loads MPI).
 """
 
@@ -22,14 +22,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from minipar import nn, placement
-from minipar.autograd import Tensor
-from minipar.parallel import pipeline_parallel as pipeline
+from minipar import placement
+from minipar.core import nn
+from minipar.core.autograd import Tensor
+from minipar.parallel.pipeline import executor as pipeline
 
 if TYPE_CHECKING:
-    from minipar.comm import Group
-    from minipar.mesh import Mesh
-    from minipar.optim import Optimizer
+    from minipar.comm.collectives import Group
+    from minipar.comm.mesh import Mesh
+    from minipar.core.optim import Optimizer
 
 Swap = tuple[object, str, object]  # (module, attribute, what stands in for it)
 
@@ -175,7 +176,7 @@ def aux_per_rank() -> list[Swap]:
 
 def bias_from_local_load() -> list[Swap]:
     """The sigmoid-bias router's b updated from each rank's own tokens (routing.py)."""
-    from minipar import routing
+    from minipar.core import routing
 
     def local_load(states: list[routing.BiasBalance], group: object) -> np.ndarray:
         # BUG: my tokens' counts only, never summed over dp x cp
@@ -203,7 +204,7 @@ def vocab_loss_without_max() -> list[Swap]:
 
 def keys_not_gathered() -> list[Swap]:
     """Context parallelism's allgather mode with its Allgather of K and V forgotten."""
-    from minipar import attention
+    from minipar.core import attention
     from minipar.parallel import context_parallel as cp  # here: loads mpi4py.MPI
 
     def local_attention(cpa: cp.ContextParallelAttention, q: Tensor, k: Tensor, v: Tensor,
@@ -246,7 +247,7 @@ def no_allgather() -> list[Swap]:
 def clip_by_local_norm() -> list[Swap]:
     """Each rank clips by the norm of its own pieces: the Allreduce of the squares left
     out (a pipeline stage, a tp rank, a ZeRO slice: each its own coefficient)."""
-    from minipar import clip
+    from minipar.compose import clip
 
     def global_norm(group: Group | None, squares: float) -> float:
         return float(np.sqrt(squares))  # BUG: my pieces' norm, not the whole model's
@@ -257,7 +258,7 @@ def clip_by_local_norm() -> list[Swap]:
 def replicated_counted_on_every_tp_rank() -> list[Swap]:
     """The norm counts a piece replicated over tp (a LayerNorm, a row-parallel bias) on
     every tp rank: tp times in the sum of squares."""
-    from minipar import clip
+    from minipar.compose import clip
 
     correct = clip.replicated_axes
 
@@ -270,7 +271,7 @@ def replicated_counted_on_every_tp_rank() -> list[Swap]:
 def loss_mean_per_microbatch() -> list[Swap]:
     """Each microbatch's CE is the mean over ITS OWN valid positions, not over those of
     the global batch: every microbatch (and rank) weighs the same, whatever its count."""
-    from minipar import documents
+    from minipar.core import documents
 
     def loss_weight(labels: np.ndarray, step_positions: int, step_valid: int) -> float:
         # BUG: my microbatch's positions over its valid ones, not the global batch's

@@ -14,8 +14,8 @@ branches:
 
     mpiexec -n 4 python -m minipar train --dp 4 --inject-bug hang-extra-allreduce --timeout 3
 
-As in bugs_detours.py, the correct code is never touched: each `detour` returns the
-(module, name, replacement) swaps, each broken line marked `# BUG:`; bugs.py applies
+As in bugs/detours.py, the correct code is never touched: each `detour` returns the
+(module, name, replacement) swaps, each broken line marked `# BUG:`; bugs/catalog.py applies
 them under `--inject-bug NAME`. `names` are what the verdict must say (the tests and
 lesson 15 check them). Pure to import: the detours load mpi4py.MPI when applied.
 """
@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from minipar.autograd import Tensor
-    from minipar.comm import Group
-    from minipar.config import TrainConfig
-    from minipar.mesh import Mesh
+    from minipar.comm.collectives import Group
+    from minipar.comm.mesh import Mesh
+    from minipar.core.autograd import Tensor
+    from minipar.settings.config import TrainConfig
 
 Swap = tuple[object, str, object]  # (module, attribute, what stands in for it)
 
@@ -75,7 +75,7 @@ def extra_allreduce() -> list[Swap]:
 # ------------------------------------------------------- both stages receive
 def both_receive_first() -> list[Swap]:
     """The first stage waits for its first gradient before sending its first activation."""
-    from minipar.parallel import pipeline_parallel as pipeline  # here: loads mpi4py.MPI
+    from minipar.parallel.pipeline import executor as pipeline  # here: loads mpi4py.MPI
 
     class ReceiveFirst(pipeline.StageWorker):
         def send_act(self, ins: pipeline.Instruction) -> None:
@@ -92,9 +92,9 @@ def both_receive_first() -> list[Swap]:
 def wrong_group() -> list[Swap]:
     """The last rank builds its row-parallel linears with the dp group instead of tp's (a
     constructor handed the wrong group): their Allreduce, at its usual line, goes to dp."""
-    from minipar import assemble
+    from minipar.compose import parallelize
 
-    correct = assemble.make_ffn_block
+    correct = parallelize.make_ffn_block
 
     def make_ffn_block(cfg: TrainConfig, model_cfg: object, mesh: Mesh, *args: object,
                        **kwargs: object) -> object:
@@ -103,15 +103,15 @@ def wrong_group() -> list[Swap]:
             block.fc2.tp = mesh.dp  # BUG: tp's partial sums handed the dp group
         return block
 
-    return [(assemble, "make_ffn_block", make_ffn_block)]
+    return [(parallelize, "make_ffn_block", make_ffn_block)]
 
 
 # --------------------------------------------------------- a shorter buffer
 def short_buffer() -> list[Swap]:
     """The last ep rank's dispatch leaves out the rows for ep rank 0 (count 0 sent), though
     the counts it announced (the Alltoall before) promise them."""
-    from minipar import autograd as ag
-    from minipar import comm
+    from minipar.comm import collectives
+    from minipar.core import autograd as ag
     from minipar.parallel import expert_parallel as ep  # here: loads mpi4py.MPI
 
     def dispatch(u: Tensor, token_rows: np.ndarray, send: np.ndarray, recv: np.ndarray,
@@ -121,7 +121,7 @@ def short_buffer() -> list[Swap]:
         if ep_group.rank == ep_group.size - 1:
             counts = counts.copy()
             counts[0] = 0  # BUG: ep rank 0's rows cut from the buffer; it waits for them
-        return comm.alltoallv(rows, ep_group, counts, recv.sum(axis=1))
+        return collectives.alltoallv(rows, ep_group, counts, recv.sum(axis=1))
 
     return [(ep, "dispatch", dispatch)]
 
@@ -139,7 +139,7 @@ _LIST = [
          "Allreduce the others already left, and they wait over world for rank 0",
          "--dp 2 or more with --zero 0 --grad-sync bucketed and no other axis",
          _dp_only, extra_allreduce, {"dp": 4},
-         ("MPI paired different calls as Allreduce over dp", "rank 0 made it at bugs_hangs.py:",
+         ("MPI paired different calls as Allreduce over dp", "rank 0 made it at bugs/hangs.py:",
           "ranks 1-3 made it at train.py:")),
     Hang("hang-pp-both-recv", "pp",
          "the first stage receives its first gradient before sending its first activation",
@@ -149,7 +149,7 @@ _LIST = [
          lambda cfg: cfg.pp > 1 and cfg.microbatches > 1 and cfg.schedule in
          ("gpipe", "1f1b"), both_receive_first, {"pp": 2, "microbatches": 2},
          ("ranks 0,1", "Recv from pp rank 1", "ranks 2,3", "Recv from pp rank 0",
-          "never sent that message", "bugs_hangs.py:", "pipeline_parallel.py:")),
+          "never sent that message", "bugs/hangs.py:", "parallel/pipeline/executor.py:")),
     Hang("hang-wrong-group", "tp",
          "the last rank's row-parallel linears built with the dp group instead of tp's",
          "its tp partner waits in the tp Allreduce it never enters; it waits in an Allreduce "
@@ -169,6 +169,6 @@ _LIST = [
          "longer match; either way a rank waits for good",
          "--model moe with --ep 2 or more", lambda cfg: cfg.model == "moe" and cfg.ep > 1,
          short_buffer, {"model": "moe", "ep": 2},
-         ("counts differ in Alltoallv over ep", "sends 0 elements to rank", "bugs_hangs.py:")),
+         ("counts differ in Alltoallv over ep", "sends 0 elements to rank", "bugs/hangs.py:")),
 ]
 HANGS: dict[str, Hang] = {hang.name: hang for hang in _LIST}

@@ -16,11 +16,11 @@ ZeRO keeps no per-parameter optimizer state: rank i of dp holds one flat slice
 of all its parameters, m and v. It saves that slice as boxes of the full arrays, so
 its shards read like any other; resuming, each rank cuts its own flat slice out of
 the full m and v (zero.py, `Zero1.slice_state`). What the files hold and how they
-are checked: checkpoint_format.py.
+are checked: checkpoint/shard_files.py.
 
 A save must never destroy the checkpoint it would replace: each save goes to
 a new step folder inside `--save DIR`, and `DIR/latest` is switched to it only
-once it is complete and verified (checkpoint_folder.py). In order:
+once it is complete and verified (checkpoint/step_folders.py). In order:
 
     1. rank 0 makes a staging folder (DIR/.staging-...) nothing points at;
     2. every rank writes its shard there atomically (temporary file, fsync, rename);
@@ -34,8 +34,8 @@ A crash anywhere before the last rename leaves `latest` where it was.
 Loading checks the manifest and every shard first, on every rank alone and before
 any communication (checkpoint_format.verify): a missing, truncated, tampered or
 hand-edited file is one clear error line, never a traceback. Saving and loading are
-this file; the format is checkpoint_format.py, the folders and the lock
-checkpoint_folder.py.
+this file; the format is checkpoint/shard_files.py, the folders and the lock
+checkpoint/step_folders.py.
 
     mpiexec -n 2 python -m minipar train --dp 2 --optimizer adam --lr 0.003 --steps 2 \
         --save ckpt
@@ -56,37 +56,30 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from minipar import checkpoint_folder as folders
-from minipar import checkpoint_owner as owner
-from minipar import nn
-from minipar.checkpoint_folder import atomic_write, fsync_folder  # noqa: F401
+from minipar.checkpoint import owner
+from minipar.checkpoint import step_folders as folders
 
 # the format, under the names callers use (checkpoint.verify, checkpoint.seal, ...)
-from minipar.checkpoint_format import (  # noqa: F401
-    FORMAT,
-    MANIFEST,
-    RUN_ONLY,
+from minipar.checkpoint.shard_files import (
     CheckpointError,
-    config_for,
     decode_index,
     encode_index,
     read_manifest,
     resolve,
-    seal,
-    shard_name,
     shard_problems,
     verify,
     write_manifest,
     write_shard,
 )
-from minipar.config import TrainConfig
-from minipar.data import corpus_digest
-from minipar.mesh import Mesh
-from minipar.optim import Optimizer
-from minipar.shards import held_parts
+from minipar.comm.mesh import Mesh
+from minipar.core import nn
+from minipar.core.data import corpus_digest
+from minipar.core.optim import Optimizer
+from minipar.core.shards import held_parts
+from minipar.settings.config import TrainConfig
 
 if TYPE_CHECKING:  # data_parallel.py loads mpi4py.MPI; checking a checkpoint needs none
-    from minipar.comm import Group
+    from minipar.comm.collectives import Group
     from minipar.parallel.data_parallel import Updater
 
 
@@ -291,7 +284,7 @@ def problems(cfg: TrainConfig) -> list[str]:
         # `holding`: here rank 1 could see the lock its own rank 0 just took)
         out += [f"--save {message}" for message in folder_problems(Path(cfg.save))]
     if cfg.resume:
-        from minipar.preflight import path_problems  # the same layer
+        from minipar.settings.preflight import path_problems  # the same layer
 
         errors = path_problems(cfg.resume) or verify(cfg.resume)
         if errors:
@@ -321,7 +314,7 @@ def model_of(cfg: TrainConfig) -> dict:
 def folder_problems(folder: Path) -> list[str]:
     """Why a checkpoint cannot be written to `folder` (preflight.py: not a folder, not
     writable, an empty name)."""
-    from minipar.preflight import folder_problems as problems_of  # the same layer
+    from minipar.settings.preflight import folder_problems as problems_of  # the same layer
 
     return problems_of(folder)
 

@@ -13,8 +13,8 @@ rows, the start of another: `shards.flat_boxes`), so its shards read like any ot
                                                every array's shape, every shard's sha256,
                                                and the manifest's own sha256 (`seal`)
 
-The manifest is the last file a save writes (checkpoint.py says in which order, and
-checkpoint_folder.py how the step folders, `latest` and the lock keep a failed save
+The manifest is the last file a save writes (checkpoint/save_load.py says in which order, and
+checkpoint/step_folders.py how the step folders, `latest` and the lock keep a failed save
 harmless). Reading it back checks everything before anything is used (`verify`): the
 manifest's own checksum, its structure, the shapes its config implies, and every
 shard's size, checksum, step, and each array's dtype and shape, on every rank alone
@@ -38,12 +38,12 @@ from pathlib import Path
 
 import numpy as np
 
-from minipar import checkpoint_folder as folders
-from minipar import checkpoint_owner as owner
-from minipar import nn
-from minipar.checkpoint_folder import atomic_write
-from minipar.config import TrainConfig
-from minipar.data import corpus_digest
+from minipar.checkpoint import owner
+from minipar.checkpoint import step_folders as folders
+from minipar.checkpoint.step_folders import atomic_write
+from minipar.core import nn
+from minipar.core.data import corpus_digest
+from minipar.settings.config import TrainConfig
 
 FORMAT = "minipar-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -106,7 +106,7 @@ def write_manifest(folder: Path, cfg: TrainConfig, step: int, optimizer_t: int,
                    entries: list[dict], losses: Sequence[float] = (),
                    router_bias: dict | None = None, run: str | None = None) -> None:
     """The last file of a save: what was saved, from which mesh, every shard's checksum,
-    which run and model it belongs to (checkpoint_owner.py: `run` None draws a new id),
+    which run and model it belongs to (checkpoint/owner.py: `run` None draws a new id),
     and the manifest's own checksum (`seal`), so a hand edit of any field is caught.
     `router_bias`: the sigmoid-bias router's b of every block by name (routing.py), not
     a parameter and replicated everywhere, so kept whole here (JSON floats read back

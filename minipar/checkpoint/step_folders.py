@@ -35,7 +35,7 @@ import socket
 import time
 from pathlib import Path
 
-from minipar import checkpoint_owner as owner
+from minipar.checkpoint import owner
 
 LATEST = "latest"
 LOCK = ".lock"
@@ -169,7 +169,7 @@ def publish(root: Path, staging: Path, step: int, token: str, keep: int) -> str:
     """Move a complete, verified save into place and point `latest` at it: rename the
     staging folder to `step-NNNNNN` (a new name when that step was saved before), then
     replace `latest` atomically. Older checkpoints of the same run beyond `keep` are
-    removed after. `latest` never moves back to an older step (checkpoint_owner.py)."""
+    removed after. `latest` never moves back to an older step (checkpoint/owner.py)."""
     if not still_ours(root, token):
         raise FolderError(f"{root}: its {LOCK} was taken by another job during this save; "
                           "latest left as it was")

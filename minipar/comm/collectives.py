@@ -27,7 +27,7 @@ What this file teaches, in two parts.
    On a group of one they communicate nothing, so a strategy with degree 1
    runs the reference math exactly.
 
-3. Placements (placement.py). Each operator is a transition of the placement of
+3. Placements (placement/__init__.py). Each operator is a transition of the placement of
    its tensor over the group's axis, checked when placement checking is on (the
    backward makes the conjugate transition, the other way round):
 
@@ -53,8 +53,9 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from minipar import flight, placement, trace, watchdog
-from minipar.autograd import Tensor
+from minipar import placement
+from minipar.comm import flight, trace, watchdog
+from minipar.core.autograd import Tensor
 from minipar.placement import Partial, Replicate, Shard
 
 

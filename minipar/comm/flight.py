@@ -11,7 +11,7 @@ keeps one a student can read:
 - `record` (called by `comm.Group._log`, the one layer every MPI call of minipar
   goes through) appends one tuple per call to a ring of the last 1000: the group
   (its axis and world ranks), a sequence number per group, the op, elements and
-  dtype, the call site (the first frame outside comm.py and autograd.py: the
+  dtype, the call site (the first frame outside comm/collectives.py and autograd.py: the
   strategy code that made the call), the step and microbatch, the start time;
   for point-to-point the peer, tag and how many messages this rank sent to /
   received from that peer so far; for Alltoallv both count vectors. Nothing is
@@ -56,15 +56,15 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
-from minipar import watchdog
-from minipar.flight_report import FORMAT, P2P_OPS, FlightError, run_of, verdict_of_folder
+from minipar.comm import watchdog
+from minipar.comm.flight_report import FORMAT, P2P_OPS, FlightError, run_of, verdict_of_folder
 
 CAPACITY = 1000                 # calls kept per rank
 GRACE = 2.0                     # seconds the first aborting rank waits for the others' files
 SETTLE = 1.0                    # seconds a signalled rank waits to settle inside a call
 DEFAULT_FOLDER = "minipar-flight"
 
-_SKIP = frozenset(str(Path(__file__).with_name(name)) for name in ("comm.py", "autograd.py",
+_SKIP = frozenset(str(Path(__file__).with_name(name)) for name in ("comm/collectives.py", "autograd.py",
                                                                    "flight.py"))
 NONBLOCKING = frozenset({"Isend", "Irecv", "Iallreduce"})   # posted, completed at a Wait
 P2P = " p2p"                                # suffix of a group's message counter

@@ -173,7 +173,7 @@ def _be(ranks: Iterable[int]) -> str:
 
 def call_text(call: dict) -> str:
     """`Allreduce over dp (call 9, step 1, data_parallel.py:167)`, `Recv from pp rank 0
-    (call 3, step 2, microbatch 1, pipeline_parallel.py:208)`."""
+    (call 3, step 2, microbatch 1, parallel/pipeline/executor.py:208)`."""
     op, axis = call["op"], call["axis"]
     if op in ("Send", "Isend"):
         what = f"{op} to {axis} rank {call['peer']}"

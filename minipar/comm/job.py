@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, TypeVar
 
 from mpi4py import MPI
 
-from minipar.refusal import RefusalError
+from minipar.core.refusal import RefusalError
 
 if TYPE_CHECKING:
-    from minipar.comm import Group
+    from minipar.comm.collectives import Group
 
 T = TypeVar("T")
 
@@ -142,7 +142,7 @@ def abort_all(text: str, code: int = 1) -> None:
     processes: without it, the failing rank's own explanation is sometimes lost.
     First the flight recorder, when armed, has every rank write its last calls and
     appends the verdict to `text` (flight.py)."""
-    from minipar import flight
+    from minipar.comm import flight
 
     text = flight.before_abort(text)
     sys.stderr.write(text)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from minipar.comm import Group, Ledger
+    from minipar.comm.collectives import Group, Ledger
 
 CP_MODES = ("allgather", "ring", "zigzag", "ulysses")  # --cp-mode (context_parallel.py)
 AXES = ("dp", "tp", "pp", "ep", "edp", "cp", "dp_cp", "edp_cp")
@@ -149,7 +149,9 @@ class Mesh:
     """
 
     def __init__(self, shape: MeshShape, world: object, ledger: Ledger) -> None:
-        from minipar.comm import Group  # here: comm.py loads mpi4py.MPI, MeshShape needs none
+        from minipar.comm.collectives import (
+            Group,  # here: comm/collectives.py loads mpi4py.MPI, MeshShape needs none
+        )
 
         self.shape = shape
         self.rank = world.Get_rank()

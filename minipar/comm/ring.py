@@ -24,7 +24,7 @@ chunks one element longer, as `np.array_split` does):
     pairwise_alltoall(v)  what I send minus what I keep for myself
 
 Run: `mpiexec -n 4 python lessons/00_collectives.py` shows them beside MPI's own;
-`pytest tests/test_ring.py` checks them for 1 to 8 ranks.
+`pytest tests/comm/test_ring.py` checks them for 1 to 8 ranks.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from minipar.comm import Group
+from minipar.comm.collectives import Group
 
 
 def chunk_offsets(counts: Sequence[int]) -> np.ndarray:

@@ -45,9 +45,9 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from minipar import watchdog
+from minipar.comm import watchdog
 
-# `Group` is comm.Group and `Mesh` mesh.Mesh: named, not imported (comm.py imports this
+# `Group` is comm.Group and `Mesh` mesh.Mesh: named, not imported (comm/collectives.py imports this
 # file, so importing them back, even only for the type checker, would close a cycle)
 Group = Mesh = object
 
@@ -299,7 +299,7 @@ def hold(key: tuple[int, int], output: object) -> None:
     microbatch would cost more than the rest of the tracing."""
     recorder = RECORDER
     if recorder is not None:
-        from minipar.recompute import tape_bytes  # here: only a traced run walks tapes
+        from minipar.core.recompute import tape_bytes  # here: only a traced run walks tapes
 
         chunk = ("tape", key[0])
         if chunk not in recorder.held:

@@ -6,7 +6,7 @@ What this file teaches: `--clip-grad-norm C` scales the whole model's gradient b
 
 the norm of the gradient one process would have (after the DP average). On a mesh
 no rank holds all of it, and some of what a rank holds other ranks hold too. The
-placements say which is which (placement.py's words):
+placements say which is which (placement/__init__.py's words):
 
     a piece Shard over an axis     (tp columns, a pipeline stage, an ep rank's experts,
                                    a ZeRO slice over dp x cp): every rank of that axis
@@ -23,7 +23,7 @@ the global norm (`global_norm`). Every rank then multiplies its gradients by the
 same coefficient, before the optimizer. The replicas of a group (dp ranks without
 ZeRO) compute the same sum from the same numbers, bit for bit.
 
-Two bugs of real trainers (lesson 08, bugs.py) are one line each here: clipping by
+Two bugs of real trainers (lesson 08, bugs/catalog.py) are one line each here: clipping by
 the norm of a rank's own pieces (no Allreduce: `clip-local-norm`), and counting a
 replicated piece on every tp rank (`clip-replicated-counted-tp`). The norm is off,
 so the coefficient is, and `--check` catches it on the first clipped step.
@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from minipar.comm import Group
-    from minipar.config import TrainConfig
-    from minipar.mesh import Mesh
-    from minipar.nn import Module, Parameter
+    from minipar.comm.collectives import Group
+    from minipar.comm.mesh import Mesh
+    from minipar.core.nn import Module, Parameter
+    from minipar.settings.config import TrainConfig
 
 EPS = 1e-6   # in the coefficient's denominator: C / (norm + EPS), as torch's clip_grad_norm_
 
@@ -144,7 +144,7 @@ def local_squares(pieces: Iterable[tuple[np.ndarray, frozenset[str]]],
 
 def global_norm(group: Group | None, squares: float) -> float:
     """sqrt of the sum of every rank's `squares` over the norm's group: ONE Allreduce."""
-    from minipar.comm import allreduce_sum  # here: comm.py loads mpi4py.MPI
+    from minipar.comm.collectives import allreduce_sum  # here: comm/collectives.py loads mpi4py.MPI
 
     if group is None:
         return float(np.sqrt(squares))
@@ -157,7 +157,7 @@ class Clipper:
     gradient sync and the optimizer. `norms` keeps each step's global norm."""
 
     def __init__(self, cfg: TrainConfig, mesh: Mesh, chunks: Sequence[Module]) -> None:
-        from minipar.nn import canonical_shapes
+        from minipar.core.nn import canonical_shapes
 
         self.cfg, self.max_norm = cfg, cfg.clip_grad_norm
         self.coords = mesh.coords

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from minipar import gpt, nn
-from minipar.config import TrainConfig
-from minipar.mesh import Mesh
-from minipar.optim import Optimizer
-from minipar.parallel import pipeline_schedules
-from minipar.recompute import Recomputed
+from minipar.comm.mesh import Mesh
+from minipar.core import gpt, nn
+from minipar.core.optim import Optimizer
+from minipar.core.recompute import Recomputed
+from minipar.parallel.pipeline import chunk_layout, schedules
+from minipar.settings.config import TrainConfig
 
 if TYPE_CHECKING:  # data_parallel.py loads mpi4py.MPI
     from minipar.parallel.data_parallel import Updater
@@ -69,10 +69,10 @@ def build_rank_model(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray]
     the mesh asks.
     """
     model_cfg = cfg.model_config()
-    chunks_here = pipeline_schedules.chunks_per_rank(cfg.schedule, cfg.virtual) \
+    chunks_here = schedules.chunks_per_rank(cfg.schedule, cfg.virtual) \
         if cfg.pp > 1 else 1
-    layout = pipeline_schedules.layout_of(cfg.schedule)
-    stages = cfg.pp if layout == pipeline_schedules.DUAL else cfg.pp * chunks_here
+    layout = schedules.layout_of(cfg.schedule)
+    stages = cfg.pp if layout == chunk_layout.DUAL else cfg.pp * chunks_here
     per_stage = cfg.layers // stages
     chunks = []
     enter = leave = None
@@ -99,7 +99,7 @@ def build_rank_model(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray]
         enter = leave = None  # under SP, the embedding's Reduce_scatter and the head's
         # Allgather are the residual stream's way in and out of its split along T
     for chunk in range(chunks_here):
-        v = pipeline_schedules.model_stage(cfg.pp, pipeline_schedules.virtual_stage(
+        v = chunk_layout.model_stage(cfg.pp, chunk_layout.virtual_stage(
             cfg.pp, mesh.coords["pp"], chunk, layout), layout)
         blocks = [make_block(cfg, model_cfg, mesh, full, i)
                   for i in range(v * per_stage, (v + 1) * per_stage)]
@@ -192,7 +192,7 @@ def make_updater(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     else:
         updater = zero.make_zero(cfg.zero, chunks, mesh, optimizer)
     if cfg.clip_grad_norm is not None:  # --clip-grad-norm: between the sync and the step
-        from minipar.clip import Clipper
+        from minipar.compose.clip import Clipper
 
         updater.clipper = Clipper(cfg, mesh, chunks)
     return updater

@@ -1,7 +1,7 @@
 """The transformer's own tape nodes: embedding lookup, the causal mask, and attention.
 
 What this file teaches: a sequence model needs three ops the MLP never did, each one
-node with its backward written beside it (as in fused.py):
+node with its backward written beside it (as in core/fused_layers.py):
 
     embedding   out[b, t] = W[ids[b, t]]                  dW[v] = sum of g where ids == v
     causal_mask S[i, j] = -inf where key j comes after query i     dS = g where kept, else 0
@@ -30,7 +30,7 @@ mesh, which Adam would turn into updates.
 Heads are an axis, never a Python loop: q, k, v arrive as (B, T, H*dh) -- the output of
 the q, k, v linears -- and are viewed as (B, H, T, dh) inside the node.
 
-The finite-difference checks of `tests/test_autograd.py` cover every op here.
+The finite-difference checks of `tests/core/test_autograd.py` cover every op here.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import math
 import numpy as np
 
 from minipar import placement as _pl
-from minipar.autograd import Tensor
+from minipar.core.autograd import Tensor
 
 
 # ------------------------------------------------------------- embedding

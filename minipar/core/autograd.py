@@ -15,15 +15,15 @@ Design choices a reader should notice:
 - Broadcasting in the forward becomes a sum over the broadcast axes in the
   backward (`_unbroadcast`).
 - The model's layers (`linear`, `layer_norm`, `gelu`, `cross_entropy`, ...)
-  are fused into one node each, in fused.py, so the tape's bookkeeping stays
+  are fused into one node each, in core/fused_layers.py, so the tape's bookkeeping stays
   small next to the matmuls.
-- Parallel code adds its own ops with `Tensor.from_op` (see `comm.py`): a
+- Parallel code adds its own ops with `Tensor.from_op` (see `comm/collectives.py`): a
   collective is just another node whose backward is another collective.
-- With placement checking on (placement.py), each op also gives its output the
+- With placement checking on (placement/__init__.py), each op also gives its output the
   placement its rule derives from the inputs' (`if _pl.ON:` below): replicated,
   sharded or partial over each mesh axis. Off, that is one flag test per op.
 
-Run the gradient checks: `python -m pytest tests/test_autograd.py`.
+Run the gradient checks: `python -m pytest tests/core/test_autograd.py`.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def defer_weight_grads() -> Iterator[list[Callable[[], None]]]:
         _DEFERRED = previous
 
 
-def _weight_grad(work: Callable[[], None]) -> None:
+def weight_grad(work: Callable[[], None]) -> None:
     """Run `work` now, or put it off when inside `defer_weight_grads()`."""
     if _DEFERRED is None:
         work()
@@ -85,7 +85,7 @@ class Tensor:
     run (`backward_from`), as nothing reads it after that.
     """
 
-    # `placement` (placement.py) is set only while placement checking is on
+    # `placement` (placement/__init__.py) is set only while placement checking is on
     __slots__ = ("_backward", "data", "grad", "name", "parents", "placement", "requires_grad")
     __array_priority__ = 100  # so ndarray + Tensor calls Tensor.__radd__
 
@@ -299,7 +299,7 @@ def add(a: TensorLike, b: TensorLike) -> Tensor:
         # b is the last to read g, which the walk frees after this closure: b may keep it
         b.accumulate(_unbroadcast(g, b.shape), fresh=a is not b)
     out = Tensor.from_op(a.data + b.data, (a, b), backward)
-    return _pl.follow(out, _pl.add("add", a, b), _pl._pname(a, b)) if _pl.ON else out
+    return _pl.follow(out, _pl.add("add", a, b), _pl.first_name(a, b)) if _pl.ON else out
 
 
 def sub(a: TensorLike, b: TensorLike) -> Tensor:
@@ -310,7 +310,7 @@ def sub(a: TensorLike, b: TensorLike) -> Tensor:
         a.accumulate(_unbroadcast(g, a.shape))
         b.accumulate(_unbroadcast(-g, b.shape), fresh=True)
     out = Tensor.from_op(a.data - b.data, (a, b), backward)
-    return _pl.follow(out, _pl.add("subtract", a, b), _pl._pname(a, b)) if _pl.ON else out
+    return _pl.follow(out, _pl.add("subtract", a, b), _pl.first_name(a, b)) if _pl.ON else out
 
 
 def mul(a: TensorLike, b: TensorLike) -> Tensor:
@@ -321,7 +321,7 @@ def mul(a: TensorLike, b: TensorLike) -> Tensor:
         a.accumulate(_unbroadcast(g * b.data, a.shape), fresh=True)
         b.accumulate(_unbroadcast(g * a.data, b.shape), fresh=True)
     out = Tensor.from_op(a.data * b.data, (a, b), backward)
-    return _pl.follow(out, _pl.mul("multiply", a, b), _pl._pname(a, b)) if _pl.ON else out
+    return _pl.follow(out, _pl.mul("multiply", a, b), _pl.first_name(a, b)) if _pl.ON else out
 
 
 def div(a: TensorLike, b: TensorLike) -> Tensor:
@@ -333,7 +333,7 @@ def div(a: TensorLike, b: TensorLike) -> Tensor:
         a.accumulate(_unbroadcast(g / b.data, a.shape), fresh=True)
         b.accumulate(_unbroadcast(-g * out / b.data, b.shape), fresh=True)
     result = Tensor.from_op(out, (a, b), backward)
-    return _pl.follow(result, _pl.mul("divide", a, b, divide=True), _pl._pname(a, b)) \
+    return _pl.follow(result, _pl.mul("divide", a, b, divide=True), _pl.first_name(a, b)) \
         if _pl.ON else result
 
 
@@ -458,7 +458,7 @@ def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
             t.accumulate(piece)
     out = Tensor.from_op(np.concatenate([t.data for t in tensors], axis=axis),
                          tuple(tensors), backward)
-    return _pl.follow(out, _pl.same(*tensors), _pl._pname(*tensors)) if _pl.ON else out
+    return _pl.follow(out, _pl.same(*tensors), _pl.first_name(*tensors)) if _pl.ON else out
 
 
 def split(a: Tensor, sections: int | Sequence[int], axis: int = 0) -> list[Tensor]:
@@ -483,10 +483,10 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         if a.requires_grad:
             a.accumulate(_unbroadcast(g @ np.swapaxes(b.data, -1, -2), a.shape), fresh=True)
         if b.requires_grad:
-            _weight_grad(lambda: b.accumulate(_matmul_weight_grad(a.data, g, b.shape),
+            weight_grad(lambda: b.accumulate(_matmul_weight_grad(a.data, g, b.shape),
                                               fresh=True))
     out = Tensor.from_op(a.data @ b.data, (a, b), backward)
-    return _pl.follow(out, _pl.matmul("matmul", a, b), _pl._pname(a, b)) if _pl.ON else out
+    return _pl.follow(out, _pl.matmul("matmul", a, b), _pl.first_name(a, b)) if _pl.ON else out
 
 
 def _matmul_weight_grad(a: np.ndarray, g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -18,7 +18,7 @@ bug of gradient accumulation (`--inject-bug loss-mean-per-microbatch`, lesson 08
 
 How the mask travels: inside a run the labels of padded positions are `IGNORE`
 (-1), so the mask rides along with y through every split (dp rows, cp positions,
-pipeline microbatches) with no new plumbing; the cross-entropies (fused.py,
+pipeline microbatches) with no new plumbing; the cross-entropies (core/fused_layers.py,
 vocab_parallel.py) give such positions zero loss and zero gradient, and take the
 mean over *all* the positions they see. `loss_weight` turns that mean into the
 masked one: a rank's CE term is multiplied by P / N (P the global batch's
@@ -35,7 +35,7 @@ import re
 
 import numpy as np
 
-from minipar.data import _row_streams, read_corpus
+from minipar.core.data import _row_streams, read_corpus
 
 IGNORE = -1   # the label of a padded position inside a run: no loss, no gradient
 _BLANK_LINE = re.compile(rb"\n[ \t\r]*\n")   # what separates two documents

@@ -26,8 +26,8 @@ needs a collective between the layers, composes the single-layer nodes instead
 (parallel/tensor_parallel.py).
 
 `linear` (and `residual_mlp`, for its two linears) leaves its weight gradients to
-`autograd._weight_grad`, so a zero-bubble pipeline can run them later
-(`autograd.defer_weight_grads`). The finite-difference checks of `tests/test_autograd.py`
+`autograd.weight_grad`, so a zero-bubble pipeline can run them later
+(`autograd.defer_weight_grads`). The finite-difference checks of `tests/core/test_autograd.py`
 cover every op here.
 """
 
@@ -38,8 +38,8 @@ import math
 import numpy as np
 
 from minipar import placement as _pl
-from minipar.autograd import Tensor, _weight_grad
-from minipar.documents import IGNORE
+from minipar.core.autograd import Tensor, weight_grad
+from minipar.core.documents import IGNORE
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -69,9 +69,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             weight.accumulate(rows.T @ grad_rows, fresh=True)   # (in, N) @ (N, out)
             if bias is not None:
                 bias.accumulate(grad_rows.sum(axis=0), fresh=True)
-        _weight_grad(weight_grads)
+        weight_grad(weight_grads)
     result = Tensor.from_op(out, parents, backward)
-    if _pl.ON:  # placement.py: data, column and row parallelism's rules, then the bias
+    if _pl.ON:  # placement/__init__.py: data, column and row parallelism's rules, then the bias
         layer = weight.name.removesuffix(".weight")
         _pl.follow(result, _pl.linear(f"{layer} linear", x, weight, bias), f"{layer} output")
     return result
@@ -150,7 +150,7 @@ def residual_mlp(h: Tensor, gamma: Tensor, beta: Tensor, w1: Tensor, b1: Tensor,
         forward    u = LN(h)   a = u W1 + b1   z = GELU(a)   out = h + z W2 + b2
         backward   dz = g W2^T, da = GELU'(a) dz, du = da W1^T, dh = g + LN'(du)
                    dW2 = z^T g, db2 = sum g, dW1 = u^T da, db1 = sum da (via
-                   `_weight_grad`, so ZB-H1 / ZB-V can put them off), dgamma, dbeta
+                   `weight_grad`, so ZB-H1 / ZB-V can put them off), dgamma, dbeta
 
     It keeps what the five nodes would, but the second linear's output (folded into
     `out` at once): u, x_hat, 1/sigma, a, z and GELU's tanh."""
@@ -172,14 +172,14 @@ def residual_mlp(h: Tensor, gamma: Tensor, beta: Tensor, w1: Tensor, b1: Tensor,
         def fc2_grads() -> None:
             w2.accumulate(z.T @ g_rows, fresh=True)
             b2.accumulate(g_rows.sum(axis=0), fresh=True)
-        _weight_grad(fc2_grads)
+        weight_grad(fc2_grads)
         da = _gelu_backward(dz, a, t)
         du = da @ w1.data.T                                                 # (N, f) @ (f, d)
 
         def fc1_grads() -> None:
             w1.accumulate(u.T @ da, fresh=True)
             b1.accumulate(da.sum(axis=0), fresh=True)
-        _weight_grad(fc1_grads)
+        weight_grad(fc1_grads)
         gamma.accumulate((du * x_hat).sum(axis=0), fresh=True)
         beta.accumulate(du.sum(axis=0), fresh=True)
         if h.requires_grad:                  # the residual's g plus the LayerNorm's
@@ -187,7 +187,7 @@ def residual_mlp(h: Tensor, gamma: Tensor, beta: Tensor, w1: Tensor, b1: Tensor,
             dh += g_rows
             h.accumulate(dh.reshape(shape), fresh=True)
     result = Tensor.from_op(out.reshape(shape), parents, backward)
-    if _pl.ON:  # placement.py: the five layers' rules in turn
+    if _pl.ON:  # placement/__init__.py: the five layers' rules in turn
         _pl.follow(result, _pl.residual_mlp(h, gamma, beta, w1, b1, w2, b2), h.name)
     return result
 

@@ -31,10 +31,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from minipar import attention, fused, nn, placement
-from minipar.autograd import Tensor
+from minipar import placement
+from minipar.core import attention, fused_layers, nn
+from minipar.core.autograd import Tensor
+from minipar.core.recompute import recomputed
 from minipar.placement import Shard
-from minipar.recompute import recomputed
 
 
 class Embedding(nn.Module):
@@ -94,7 +95,7 @@ class Attention(nn.Module):
     def __call__(self, h: Tensor) -> Tensor:
         a = self.enter(self.ln(h))                                # (B, T, d)
         q, v = self.q(a), self.v(a)                               # (B, T, d) @ (d, d) each
-        k = fused.linear(a, self.k.weight)                        # bk: inside attention
+        k = fused_layers.linear(a, self.k.weight)                        # bk: inside attention
         core = recomputed(self.core) if self.selective else self.core
         o = core(q, k, v, self.heads, key_bias=self.k.bias)       # (B, T, H dh)
         return h + self.proj(o)                                   # (B, T, d) @ (d, d)

@@ -23,7 +23,7 @@ When N_d does not divide Psi the counts differ by one (the first Psi mod N_d
 ranks take one more): no padding, the v-collectives (`Allgatherv`,
 `Reduce_scatter` with counts) carry slices of unequal size.
 
-Pure arithmetic, no MPI: `python -m pytest tests/test_zero.py`; the measured
+Pure arithmetic, no MPI: `python -m pytest tests/parallel/test_zero.py`; the measured
 table beside these formulas: `mpiexec -n 4 python lessons/07_zero.py`.
 """
 

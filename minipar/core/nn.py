@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minipar import autograd as ag
-from minipar import fused, routing
-from minipar.autograd import Tensor
+from minipar.core import autograd as ag
+from minipar.core import fused_layers, routing
+from minipar.core.autograd import Tensor
 
 
 class Parameter(Tensor):
@@ -184,7 +184,7 @@ class Linear(Module):
         self.bias = Parameter(full[f"{name}.bias"], f"{name}.bias", sync=sync)
 
     def __call__(self, x: Tensor) -> Tensor:
-        return fused.linear(x, self.weight, self.bias)
+        return fused_layers.linear(x, self.weight, self.bias)
 
 
 class LayerNorm(Module):
@@ -195,7 +195,7 @@ class LayerNorm(Module):
         self.bias = Parameter(full[f"{name}.bias"], f"{name}.bias")
 
     def __call__(self, x: Tensor) -> Tensor:
-        return fused.layer_norm(x, self.weight, self.bias)
+        return fused_layers.layer_norm(x, self.weight, self.bias)
 
 
 class Embed(Linear):
@@ -228,7 +228,7 @@ class DenseBlock(Module):
         One tape node (fused.residual_mlp) computing, with u = ln(h) (B, d),
 
             h + fc2(gelu(fc1(u)))        (B, d) @ (d, f) -> (B, f) @ (f, d) -> (B, d)"""
-        return fused.residual_mlp(h, self.ln.weight, self.ln.bias, self.fc1.weight,
+        return fused_layers.residual_mlp(h, self.ln.weight, self.ln.bias, self.fc1.weight,
                                   self.fc1.bias, self.fc2.weight, self.fc2.bias), None
 
 
@@ -356,7 +356,7 @@ class ExpertFFN(Module):
         self.fc2 = Linear(full, f"{name}.fc2", sync=sync)
 
     def __call__(self, u: Tensor) -> Tensor:
-        return self.fc2(fused.gelu(self.fc1(u)))
+        return self.fc2(fused_layers.gelu(self.fc1(u)))
 
 
 # -------------------------------------------------------------- the model
@@ -420,4 +420,4 @@ def output_loss(head: Module, logits: Tensor, y: np.ndarray) -> Tensor:
     `loss` when it holds only some of them (vocab_parallel.VocabParallelHead)."""
     if hasattr(head, "loss"):
         return head.loss(logits, y)
-    return fused.cross_entropy(logits, y)
+    return fused_layers.cross_entropy(logits, y)

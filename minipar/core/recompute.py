@@ -21,7 +21,7 @@ which dies as soon as the gradients have left.
 The forward run again is the same computation on the same numbers, so the gradients
 are bit for bit those without recomputation: `--check` holds on every mesh.
 
-Placements (placement.py, `--check-placements`): the first forward, without a tape,
+Placements (placement/__init__.py, `--check-placements`): the first forward, without a tape,
 is checked as any forward is, and the node's output takes the placements it derived.
 The replay in the backward is the same ops on the same placements: it runs with
 checking paused (`placement.paused`), so nothing is checked or recorded twice, and a
@@ -34,10 +34,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from minipar import autograd as ag
-from minipar import placement, routing
-from minipar.autograd import Tensor
-from minipar.nn import Module, Parameter
+from minipar import placement
+from minipar.core import autograd as ag
+from minipar.core import routing
+from minipar.core.autograd import Tensor
+from minipar.core.nn import Module, Parameter
 
 
 def recomputed(op: Callable[..., Tensor]) -> Callable[..., Tensor]:

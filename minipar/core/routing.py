@@ -40,8 +40,9 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from minipar import fused, placement
-from minipar.autograd import Tensor
+from minipar import placement
+from minipar.core import fused_layers
+from minipar.core.autograd import Tensor
 
 ROUTERS = ("softmax", "sigmoid-bias")
 DEFAULT_BIAS_RATE = 1e-3
@@ -67,7 +68,7 @@ def scores(u: Tensor, router: Tensor, kind: str) -> Tensor:
     """The router's scores of N tokens u (N, d) for E experts, (N, E): softmax(u Wr) for
     `softmax`, sigmoid(u Wr) (each expert on its own, no competition) for `sigmoid-bias`."""
     logits = u @ router                                     # (N, d) @ (d, E) -> (N, E)
-    return fused.softmax(logits) if kind == "softmax" else sigmoid(logits)
+    return fused_layers.softmax(logits) if kind == "softmax" else sigmoid(logits)
 
 
 # ------------------------------------------------------------------ choice

@@ -6,7 +6,7 @@ own coordinates. A tensor-parallel shard is a box of the full array (its
 [a, b) of the flattened parameters, which cuts rows in the middle. `flat_boxes`
 turns such a run into rectangular boxes, `in_full_array` moves a box of a local
 array into the full one. ZeRO (parallel/zero.py) uses both to say which parts of
-the full arrays its slice holds; checkpoints (checkpoint.py) store pieces that way,
+the full arrays its slice holds; checkpoints (checkpoint/save_load.py) store pieces that way,
 so a file means the same thing whatever mesh wrote it. Pure NumPy, no MPI.
 """
 
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from minipar.nn import Parameter
+    from minipar.core.nn import Parameter
 
 
 def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[slice, ...]]:

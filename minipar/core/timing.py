@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minipar.threads import cores
+from minipar.core.threads import cores
 
 WITHIN = "within the spread"
 

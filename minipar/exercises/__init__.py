@@ -86,7 +86,7 @@ EXERCISES = [
          _train(model="moe", dp=4, ep=2, grad_sync="bucketed", bucket_size=100)]),
     Exercise(
         "conjugate-f-g", "Tensor parallelism: the conjugate pair f and g",
-        "In comm.py write Megatron's f and g as autograd nodes (Tensor.from_op(data, "
+        "In comm/collectives.py write Megatron's f and g as autograd nodes (Tensor.from_op(data, "
         "parents, backward)). copy_to (f): forward identity, backward Allreduce(SUM) over "
         "the group of the output gradient (allreduce_sum), accumulated into x with "
         "fresh=True. reduce_from (g): forward Allreduce(SUM) of x.data over the group, "

@@ -27,13 +27,14 @@ import numpy as np
 from mpi4py import MPI
 
 import minipar
-from minipar import exercises, watchdog
-from minipar import train as training
-from minipar.config import TrainConfig
+from minipar import exercises
+from minipar.comm import watchdog
+from minipar.comm.job import abort_all
 from minipar.exercises import units, units_attention
-from minipar.log import abort_all
-from minipar.report import predicted_ledgers
-from minipar.results import TOLERANCE, relative_difference
+from minipar.run import train as training
+from minipar.run.results import TOLERANCE, relative_difference
+from minipar.settings.config import TrainConfig
+from minipar.teaching.ledger_tables import predicted_ledgers
 
 AGREE_SECONDS = 20.0
 STUCK_SECONDS = 30.0

@@ -92,7 +92,7 @@ def solution(name: str, package: Path = PACKAGE) -> str:
 def start(names: list[str], folder: Path, package: Path = PACKAGE) -> list[Path]:
     """Copy the package into folder/minipar with the regions of `names` stubbed; write
     folder/EXERCISE.txt (instructions and hints). Returns the files that hold a stub."""
-    from minipar.preflight import folder_problems  # a file, /dev/null, a dangling link...
+    from minipar.settings.preflight import folder_problems  # a file, /dev/null, a dangling link...
 
     unusable = folder_problems(folder)
     if unusable:

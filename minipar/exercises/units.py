@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from minipar.autograd import Tensor
-from minipar.comm import Group, Ledger, copy_to, reduce_from
-from minipar.parallel import pipeline_schedules as schedules
+from minipar.comm.collectives import Group, Ledger, copy_to, reduce_from
+from minipar.comm.ring import even_counts, ring_allgather, ring_allreduce, ring_reduce_scatter
+from minipar.core.autograd import Tensor
+from minipar.parallel.pipeline import instructions, schedules, simulator
 from minipar.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, shard
-from minipar.results import relative_difference
-from minipar.ring import even_counts, ring_allgather, ring_allreduce, ring_reduce_scatter
+from minipar.run.results import relative_difference
 
 CLOSE = 1e-12  # one rank's arithmetic against NumPy's on the same numbers
 
@@ -107,17 +107,17 @@ def check_schedule(world: MPI.Comm) -> str | None:
                 order = schedules.one_f_one_b_order(pp, microbatches, stage)
                 where = f"one_f_one_b_order(pp={pp}, microbatches={microbatches}, stage={stage})"
                 kinds = [ins.kind for ins in order]
-                for kind in (schedules.FORWARD, schedules.BACKWARD):
+                for kind in (instructions.FORWARD, instructions.BACKWARD):
                     seen = [ins.microbatch for ins in order if ins.kind == kind]
                     if seen != list(range(microbatches)):
                         return (f"{where}: its {kind}s are for microbatches {seen}, "
                                 "not 0..M-1 in order")
-                first_backward = kinds.index(schedules.BACKWARD)
+                first_backward = kinds.index(instructions.BACKWARD)
                 if first_backward != min(pp - stage, microbatches):
                     return (f"{where}: {first_backward} forward(s) before the first backward; "
                             f"1F1B warms up with pp - stage - 1 = {pp - stage - 1} and then "
                             "does one more forward")
-                peak = schedules.in_flight_peak(kinds)
+                peak = simulator.in_flight_peak(kinds)
                 if peak != min(pp - stage, microbatches):
                     return (f"{where}: {peak} microbatches alive at once; 1F1B keeps "
                             f"min(pp - stage, M) = {min(pp - stage, microbatches)}")

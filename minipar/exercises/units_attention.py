@@ -12,12 +12,12 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from minipar import attention, gpt
-from minipar.autograd import Tensor
-from minipar.comm import Group, Ledger
+from minipar.comm.collectives import Group, Ledger
+from minipar.core import attention, gpt
+from minipar.core.autograd import Tensor
 from minipar.parallel import context_parallel as cpar
 from minipar.parallel.tensor_parallel import TensorParallelAttention, shard
-from minipar.results import TOLERANCE, relative_difference
+from minipar.run.results import TOLERANCE, relative_difference
 
 CLOSE = TOLERANCE["float64"]  # the equivalence suite's own tolerance
 

@@ -29,7 +29,7 @@ rank's H/tp heads, so every exchange above moves (B, T/cp, H/tp dh) blocks insid
 group of its tp coordinate. Under recomputation (recompute.py) the forward runs again
 in the backward, exchange included: nothing gathered is kept (docs/design.md).
 
-Placements over cp (placement.py, `--check-placements`; docs/design.md, "Placements"):
+Placements over cp (placement/__init__.py, `--check-placements`; docs/design.md, "Placements"):
 activations are Shard(1), sharded along T. The Allgather makes K and V Replicate with
 their gradient summed (its backward Reduce_scatter); the ring node takes q, k, v all
 Shard(1) -- the block a rank holds at step s is rank r - s's shard, still sharded along
@@ -48,10 +48,12 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from minipar import attention, nn, placement, trace
-from minipar.autograd import Tensor
-from minipar.comm import Group
-from minipar.mesh import CP_MODES as MODES
+from minipar import placement
+from minipar.comm import trace
+from minipar.comm.collectives import Group
+from minipar.comm.mesh import CP_MODES as MODES
+from minipar.core import attention, nn
+from minipar.core.autograd import Tensor
 from minipar.placement import Replicate, Shard
 
 

@@ -6,7 +6,7 @@ slice's mean loss, and the full-batch gradient is their average,
 
     g = 1/dp * sum_i g_i          (batch 1024 on 8 ranks: 128 each, 1/8 sum)
 
-computed with Allreduce(SUM) and a division. In placements (placement.py): every
+computed with Allreduce(SUM) and a division. In placements (placement/__init__.py): every
 parameter is Replicate over dp, the batch rows Shard(0), so each g_i is a Partial
 over dp; the sync turns it into Replicate before the optimizer step, and says so
 (`placement.summed`: `train --check-placements` then checks no gradient was left
@@ -42,15 +42,16 @@ from typing import Protocol
 import numpy as np
 from mpi4py import MPI
 
-from minipar import autograd as ag
-from minipar import placement, trace
-from minipar.autograd import Tensor
-from minipar.comm import Group
-from minipar.memory import ModelStates, measure
-from minipar.mesh import Mesh
-from minipar.nn import Module, Parameter
-from minipar.optim import Optimizer
-from minipar.shards import held_parts
+from minipar import placement
+from minipar.comm import trace
+from minipar.comm.collectives import Group
+from minipar.comm.mesh import Mesh
+from minipar.core import autograd as ag
+from minipar.core.autograd import Tensor
+from minipar.core.memory import ModelStates, measure
+from minipar.core.nn import Module, Parameter
+from minipar.core.optim import Optimizer
+from minipar.core.shards import held_parts
 
 
 def grad_or_zeros(p: Parameter) -> np.ndarray:
@@ -199,7 +200,7 @@ def _marker(x: Tensor, hook: Callable[[], None], after_weight_grads: bool = Fals
     after the piece's weight gradients, whenever the schedule runs them."""
     def backward(g: np.ndarray) -> None:
         if after_weight_grads:
-            ag._weight_grad(hook)  # now, or queued behind the piece's weight gradients
+            ag.weight_grad(hook)  # now, or queued behind the piece's weight gradients
         else:
             hook()
         x.accumulate(g)

@@ -46,7 +46,7 @@ each rank sends to each group). Shared experts (`--shared-experts S`) run on eve
 rank's own tokens beside the exchange, replicated over ep (sync="dp"), split over tp
 like the routed experts when those are. Dispatch, experts and combine stay as above.
 
-Placements (placement.py, `--check-placements`): the tokens u are Shard(0) over dp;
+Placements (placement/__init__.py, `--check-placements`): the tokens u are Shard(0) over dp;
 the dispatch and combine Alltoallv move whole rows (refusing a partial sum) and keep
 them a row shard; the router and LayerNorm are Replicate over dp, so their gradients
 are Partial over dp (summed by the dp sync), and an expert's weights, used on the
@@ -64,12 +64,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minipar import autograd as ag
-from minipar import comm, fused, nn, placement
-from minipar import routing as moe_routing
-from minipar.autograd import Tensor
-from minipar.comm import Group
-from minipar.mesh import Mesh
+from minipar import placement
+from minipar.comm import collectives
+from minipar.comm.collectives import Group
+from minipar.comm.mesh import Mesh
+from minipar.core import autograd as ag
+from minipar.core import fused_layers, nn
+from minipar.core import routing as moe_routing
+from minipar.core.autograd import Tensor
 from minipar.parallel import context_parallel
 from minipar.placement import Shard
 
@@ -159,7 +161,7 @@ def dispatch(u: Tensor, token_rows: np.ndarray, send: np.ndarray, recv: np.ndarr
     # exercise: alltoall-dispatch
     rows = ag.take_rows(u, token_rows)                        # (S, d), one per assignment
     # tokens (S, d) -> the rank that owns their expert; (R, d) <- every rank of my ep group
-    return comm.alltoallv(rows, ep_group, send.sum(axis=1), recv.sum(axis=1))
+    return collectives.alltoallv(rows, ep_group, send.sum(axis=1), recv.sum(axis=1))
     # end exercise
 
 
@@ -207,8 +209,8 @@ class TensorParallelExpert(nn.Module):
 
     def partial(self, u: Tensor) -> Tensor:
         """(n, d) rows -> (n, d), this rank's share of the output (b2 not added)."""
-        z = fused.gelu(fused.linear(u, self.fc1_weight, self.fc1_bias))  # (n, f_e/tp)
-        return fused.linear(z, self.fc2_weight)                           # (n, d), a share
+        z = fused_layers.gelu(fused_layers.linear(u, self.fc1_weight, self.fc1_bias))  # (n, f_e/tp)
+        return fused_layers.linear(z, self.fc2_weight)                           # (n, d), a share
 
 
 def run_local_experts_split(received: Tensor, recv: np.ndarray,
@@ -219,10 +221,10 @@ def run_local_experts_split(received: Tensor, recv: np.ndarray,
     expert_of_row = np.repeat(np.tile(np.arange(local), recv.shape[0]), recv.ravel())  # (R,)
     by_expert = np.argsort(expert_of_row, kind="stable")      # rows grouped per expert
     bounds = np.cumsum(recv.sum(axis=0))[:-1]
-    x = comm.copy_to(received, tp)     # f: nothing moves; backward Allreduce of (R, d)
+    x = collectives.copy_to(received, tp)     # f: nothing moves; backward Allreduce of (R, d)
     shares = ag.concat([expert.partial(ag.take_rows(x, rows))
                         for expert, rows in zip(experts, np.split(by_expert, bounds))])
-    summed = comm.reduce_from(shares, tp)   # g: (R, d) shares of every tp rank -> their sum
+    summed = collectives.reduce_from(shares, tp)   # g: (R, d) shares of every tp rank -> their sum
     biases = ag.concat([ag.reshape(expert.fc2_bias, (1, -1)) for expert in experts])  # (l, d)
     picked = ag.take_rows(biases, expert_of_row[by_expert])  # (R, d): each row's own b2
     if placement.ON:  # placed as the rows it is added to; b2's gradient partial there
@@ -238,7 +240,7 @@ def combine(y: Tensor, routing: Routing, order: np.ndarray, send: np.ndarray,
             recv: np.ndarray, ep_group: Group, like: Tensor) -> Tensor:
     """Results back to their tokens' ranks, weighted by the gates, summed per token."""
     # expert outputs (R, d) -> the ranks their tokens came from; (S, d) in sending order
-    returned = comm.alltoallv(y, ep_group, recv.sum(axis=1), send.sum(axis=1))
+    returned = collectives.alltoallv(y, ep_group, recv.sum(axis=1), send.sum(axis=1))
     gate = ag.reshape(ag.take_rows(routing.gates, order), (-1, 1))   # (S, 1)
     zeros = Tensor(np.zeros_like(like.data))                  # (b, d)
     return ag.index_add(zeros, routing.token_of[order], returned * gate)
@@ -257,7 +259,7 @@ def global_aux(probs: Tensor, counts: np.ndarray, tokens: int, cfg: nn.ModelConf
     hands each rank the dp identical seeds, dp d aux/d P, and the later /dp restores it.
     An identity backward would leave the router's aux gradient dp times too small."""
     f = (counts / (tokens * cfg.top_k)).astype(probs.dtype)              # (E,)
-    p_sum = comm.sum_replicated(probs.sum(axis=0), dp_group)            # (E,) over all ranks
+    p_sum = collectives.sum_replicated(probs.sum(axis=0), dp_group)            # (E,) over all ranks
     p_mean = p_sum * (1.0 / tokens)
     return (p_mean * (cfg.aux_coef * cfg.experts * f)).sum()
 
@@ -352,7 +354,7 @@ class ExpertParallelBlock(nn.Module):
             kept = context_parallel.within_capacity(routing.expert_of, experts, limit,
                                                     self.dp_group, mine, every)
         # (E,) assignments per expert, every dp rank -> their sum (f; counts, no grad)
-        counts = comm.allreduce_sum(self.dp_group, self.assignment_counts(routing, kept))
+        counts = collectives.allreduce_sum(self.dp_group, self.assignment_counts(routing, kept))
         order, send = plan_dispatch(routing.expert_of, kept, experts, self.ep_group.size)
         recv = exchange_counts(send, self.ep_group)
         received = dispatch(u, routing.token_of[order], send, recv, self.ep_group)
@@ -379,11 +381,11 @@ class ExpertParallelBlock(nn.Module):
             for expert in self.shared[1:]:
                 total = total + expert(u)
             return total
-        x = comm.copy_to(u, self.tp_group)        # backward: Allreduce of (b, d) over tp
+        x = collectives.copy_to(u, self.tp_group)        # backward: Allreduce of (b, d) over tp
         share = self.shared[0].partial(x)
         for expert in self.shared[1:]:
             share = share + expert.partial(x)
-        total = comm.reduce_from(share, self.tp_group)  # the tp shares -> their sum (b, d)
+        total = collectives.reduce_from(share, self.tp_group)  # the tp shares -> their sum (b, d)
         for expert in self.shared:
             total = total + expert.fc2_bias
         return total

@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from minipar import attention, fused
-from minipar.autograd import Tensor
+from minipar.core import attention, fused_layers
+from minipar.core.autograd import Tensor
 
-if TYPE_CHECKING:  # comm.py loads mpi4py.MPI; the one-process cache needs none
-    from minipar.comm import Group
+if TYPE_CHECKING:  # comm/collectives.py loads mpi4py.MPI; the one-process cache needs none
+    from minipar.comm.collectives import Group
 
 
 class LayerCache:
@@ -148,7 +148,7 @@ def cached_attention(attn: object, h: Tensor, cache: LayerCache, positions: np.n
     heads = attn.heads
     a = attn.enter(attn.ln(h))                                    # (b, t, d)
     q, v = attn.q(a), attn.v(a)                                   # (b, t, H dh) each
-    k = fused.linear(a, attn.k.weight)                            # bk: added below
+    k = fused_layers.linear(a, attn.k.weight)                            # bk: added below
     keys = k.data + attn.k.bias.data                              # as attention.py does
     if store:
         cache.append(split_heads(keys, heads), split_heads(v.data, heads), positions)

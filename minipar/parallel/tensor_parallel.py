@@ -32,7 +32,7 @@ of (B, T, d) per block and microbatch; under SP the split region is cut along T
 (vocab_parallel.py). The MLP models' embedding and head stay replicated: their
 inputs are dense vectors and C is tiny, so there is nothing worth splitting.
 
-Placements over tp (placement.py), what `--check-placements` verifies: fc1's W and
+Placements over tp (placement/__init__.py), what `--check-placements` verifies: fc1's W and
 b are Shard(1) and Shard(0), fc2's W Shard(0), every other parameter Replicate. The
 LayerNorm output is Replicate, `copy_to` makes it Replicate with its gradient summed,
 fc1's output and GELU are Shard(1), fc2's product is a Partial sum, `reduce_from`
@@ -53,9 +53,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from minipar import attention, fused, gpt, placement
-from minipar.autograd import Tensor
-from minipar.comm import (
+from minipar import placement
+from minipar.comm.collectives import (
     Group,
     all_gather,
     copy_to,
@@ -64,7 +63,9 @@ from minipar.comm import (
     reduce_scatter,
     scatter_to,
 )
-from minipar.nn import LayerNorm, Module, Parameter
+from minipar.core import attention, fused_layers, gpt
+from minipar.core.autograd import Tensor
+from minipar.core.nn import LayerNorm, Module, Parameter
 from minipar.parallel.data_parallel import pack, unpack
 from minipar.placement import Shard
 
@@ -121,7 +122,7 @@ class ColumnParallelLinear(Module):
         # exercise: column-parallel
         if not self.entered:  # else x is inside the region already (shared by q, k, v)
             x = enter_region(x, self.tp, self.sequence_parallel, self.seq_axis)
-        y = fused.linear(x, self.weight, self.bias)   # (B, d) @ (d, f/tp) -> (B, f/tp)
+        y = fused_layers.linear(x, self.weight, self.bias)   # (B, d) @ (d, f/tp) -> (B, f/tp)
         if self.gather_output:
             y = gather_from(y, self.tp, axis=-1)   # (B, f/tp) of every rank -> Y (B, f)
         return y
@@ -157,7 +158,8 @@ class RowParallelLinear(Module):
         # exercise: row-parallel
         if not self.input_is_parallel:
             x = scatter_to(x, self.tp, axis=-1)    # keep my columns (B, f/tp); no message
-        partial = fused.linear(x, self.weight)        # (B, f/tp) @ (f/tp, d) -> (B, d), a share
+        # (B, f/tp) @ (f/tp, d) -> (B, d), a share
+        partial = fused_layers.linear(x, self.weight)
         if self.sequence_parallel:
             # shares (B, d) summed -> my rows (B/tp, d); the transformer's (B, T/tp, d)
             y = reduce_scatter(partial, self.tp, self.seq_axis)
@@ -190,7 +192,8 @@ class TensorParallelBlock(Module):
 
     def __call__(self, h: Tensor) -> tuple[Tensor, None]:
         u = self.ln(h)                  # (B, d) on every rank; SP: my rows (B/tp, d)
-        z = fused.gelu(self.fc1(u))     # f, then (B, d) @ (d, f/tp) -> (B, f/tp), GELU on the shard
+        # f, then (B, d) @ (d, f/tp) -> (B, f/tp), GELU on the shard
+        z = fused_layers.gelu(self.fc1(u))
         return h + self.fc2(z), None    # (B, f/tp) @ (f/tp, d), then g -> (B, d); SP: (B/tp, d)
 
     def partial_over_tp(self) -> list[Parameter]:

@@ -24,7 +24,7 @@ d z_v = (exp(z_v - m) / s - [v == y]) / N, no communication; the head's input
 gradient is a partial sum over the vocabulary, which the region's entry f sums
 (its backward Allreduce), as for any column-parallel linear.
 
-Placements over tp (placement.py, `--check-placements`): tok is Shard(0), the lookup
+Placements over tp (placement/__init__.py, `--check-placements`): tok is Shard(0), the lookup
 a Partial sum until its Allreduce (or Reduce_scatter along T); Wh and bh are Shard(1)
 and Shard(0), the logits Shard(2); the row max is a Partial("max") and the sums a
 Partial sum until `allreduce_statistic`, and the loss is Replicate over tp.
@@ -37,11 +37,12 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from minipar import attention, fused, placement
-from minipar.autograd import Tensor
-from minipar.comm import Group, reduce_from, reduce_scatter
-from minipar.documents import IGNORE
-from minipar.nn import LayerNorm, Module, Parameter
+from minipar import placement
+from minipar.comm.collectives import Group, reduce_from, reduce_scatter
+from minipar.core import attention, fused_layers
+from minipar.core.autograd import Tensor
+from minipar.core.documents import IGNORE
+from minipar.core.nn import LayerNorm, Module, Parameter
 from minipar.parallel.tensor_parallel import enter_region, shard
 from minipar.placement import Partial, Replicate, Shard
 
@@ -196,7 +197,7 @@ class VocabParallelHead(Module):
 
     def __call__(self, h: Tensor) -> Tensor:
         u = enter_region(self.ln_f(h), self.tp, self.sequence_parallel, axis=1)  # (B, T, d)
-        return fused.linear(u, self.weight, self.bias)         # (B, T, d) @ (d, V/tp)
+        return fused_layers.linear(u, self.weight, self.bias)         # (B, T, d) @ (d, V/tp)
 
     def loss(self, logits: Tensor, labels: np.ndarray) -> Tensor:
         """Mean over the B*T positions of CE(logits, y), from my vocabulary columns."""

@@ -30,7 +30,7 @@ over dp, the expert weights over edp (DeepSpeed-MoE's way). An MoE block's
 backward Reduce_scatters its router and LayerNorm over dp and its experts over
 edp; one optimizer step updates both slices.
 
-Placements (placement.py): every parameter is Replicate over dp as in plain data
+Placements (placement/__init__.py): every parameter is Replicate over dp as in plain data
 parallelism and its gradient Partial over dp; the Reduce_scatter turns the flat
 gradient into Shard(0) of its sum (each rank its slice), and the Allgather turns the
 updated slices back into Replicate parameters. `placement.summed` states the first
@@ -42,7 +42,7 @@ Allgatherv; a step that ends with it still sharded stops with one line
 clipping (clip.py) counts the gradient slices as what they are, Shard(0) over dp x cp:
 every rank its own numbers.
 
-Checkpoints (checkpoint.py) speak of parameters, not flat slices: each rank
+Checkpoints (checkpoint/save_load.py) speak of parameters, not flat slices: each rank
 saves its slice as boxes of the full arrays it covers (`checkpoint_pieces`), and
 on resume cuts its slice of Adam's m and v out of the full ones (`slice_state`),
 so a ZeRO run saved on dp=4 resumes on dp=3, on ZeRO-0, or on one process.
@@ -59,14 +59,14 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import placement
-from minipar.autograd import Tensor
-from minipar.comm import Group
-from minipar.memory import FlatLayout, ModelStates, displacements, measure
-from minipar.mesh import Mesh
-from minipar.nn import Module, Parameter
-from minipar.optim import Optimizer
+from minipar.comm.collectives import Group
+from minipar.comm.mesh import Mesh
+from minipar.core.autograd import Tensor
+from minipar.core.memory import FlatLayout, ModelStates, displacements, measure
+from minipar.core.nn import Module, Parameter
+from minipar.core.optim import Optimizer
+from minipar.core.shards import flat_boxes, in_full_array
 from minipar.parallel.data_parallel import Hooks, Piece, grad_or_zeros, install_hooks
-from minipar.shards import flat_boxes, in_full_array
 
 
 def _mpi_type(array: np.ndarray) -> MPI.Datatype:
@@ -187,7 +187,7 @@ class Zero1:
 
     def check_replicated(self) -> None:
         """After the step: the next forward reads every parameter whole, so each flat
-        vector must be Replicate over its group again (placement.py; a no-op unless
+        vector must be Replicate over its group again (placement/__init__.py; a no-op unless
         `--check-placements`). Every rank of the group stops at the same step."""
         if placement.ON:
             for space in self.spaces:

@@ -33,7 +33,7 @@ ep, ...) a tensor on a rank is one of
                           columns of logits needs its row max (Partial("max")) and sums
                           Allreduced -> Replicate
 
-and every collective is a *transition* (comm.py checks each one):
+and every collective is a *transition* (comm/collectives.py checks each one):
 
     Allreduce        Partial -> Replicate        (reduce_from, sum_replicated)
     Allgather(dim)   Shard(dim) -> Replicate     (gather_from, all_gather)
@@ -64,12 +64,12 @@ docs/design.md, "Placements", states every rule, the transformer's included.
 The algebra, one idea per file (this one is what every caller imports, and it
 re-exports the others' names: `placement.Shard`, `placement.linear`, ...):
 
-    placement_types.py        Replicate, Shard, Partial; the axes a group spans; the
+    placement/types.py        Replicate, Shard, Partial; the axes a group spans; the
                               one-line refusal
-    placement_rules.py        the rules of elementwise ops, x @ W, reductions, reshapes
-    placement_transformer.py  attention, ring attention, the lookup and the
+    placement/rules.py        the rules of elementwise ops, x @ W, reductions, reshapes
+    placement/transformer.py  attention, ring attention, the lookup and the
                               vocabulary-parallel loss, MoE's rows
-    placement.py (here)       the switch (`checking`, `ON`), declaring a placement
+    placement/__init__.py (here)       the switch (`checking`, `ON`), declaring a placement
                               (`place`, `follow`), the collectives' transitions and the
                               gradient sync (`summed`, `check_gradients`)
 """
@@ -79,8 +79,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 
-from minipar.placement_rules import (  # noqa: F401  (callers reach the rules from here)
-    _PARTIAL_GRADS,
+from minipar.placement.rules import (
+    PARTIAL_GRADIENTS,
     add,
     cross_entropy,
     layer_norm,
@@ -94,7 +94,7 @@ from minipar.placement_rules import (  # noqa: F401  (callers reach the rules fr
     same,
     transpose,
 )
-from minipar.placement_transformer import (  # noqa: F401
+from minipar.placement.transformer import (
     attention,
     embedding,
     picked_for,
@@ -103,8 +103,8 @@ from minipar.placement_transformer import (  # noqa: F401
     vocab_cross_entropy,
     vocab_lookup,
 )
-from minipar.placement_types import (  # noqa: F401
-    _SIZES,
+from minipar.placement.types import (
+    AXIS_SIZES,
     REPLICATED,
     AxisGroup,
     HasPlacement,
@@ -114,14 +114,64 @@ from minipar.placement_types import (  # noqa: F401
     Placements,
     Replicate,
     Shard,
-    _dim,
-    _pname,
     axes_of,
     axis_of,
+    first_name,
     get,
     of,
     refuse,
+    shard_dim,
 )
+
+__all__ = [  # the package's public face: every name a caller may take from here
+    "add",
+    "attention",
+    "axes_of",
+    "axis_of",
+    "AXIS_SIZES",
+    "AxisGroup",
+    "check_gradients",
+    "checking",
+    "cross_entropy",
+    "embedding",
+    "first_name",
+    "follow",
+    "get",
+    "HasPlacement",
+    "layer_norm",
+    "linear",
+    "loss",
+    "matmul",
+    "mul",
+    "nonlinear",
+    "of",
+    "ON",
+    "Partial",
+    "PARTIAL_GRADIENTS",
+    "paused",
+    "picked_for",
+    "place",
+    "Placement",
+    "PlacementError",
+    "Placements",
+    "reduce",
+    "refuse",
+    "Replicate",
+    "REPLICATED",
+    "reshape",
+    "residual_mlp",
+    "ring_attention",
+    "rows_exchanged",
+    "same",
+    "Shard",
+    "shard_dim",
+    "summed",
+    "transition",
+    "transpose",
+    "unsummed_gradient",
+    "vocab_cross_entropy",
+    "vocab_lookup",
+]
 
 ON = False  # checking on? Every op tests this one flag before doing anything here
 
@@ -133,19 +183,19 @@ def checking(enabled: bool = True, sizes: dict[str, int] | None = None) -> Itera
     `sizes`: each mesh axis's size (what a group spanning two axes needs to know)."""
     global ON
     previous, ON = ON, enabled
-    previous_sizes = dict(_SIZES)
-    _SIZES.clear()
-    _SIZES.update(sizes or {})
+    previous_sizes = dict(AXIS_SIZES)
+    AXIS_SIZES.clear()
+    AXIS_SIZES.update(sizes or {})
     _SUMMED.clear()
-    _PARTIAL_GRADS.clear()
+    PARTIAL_GRADIENTS.clear()
     try:
         yield
     finally:
         ON = previous
-        _SIZES.clear()
-        _SIZES.update(previous_sizes)
+        AXIS_SIZES.clear()
+        AXIS_SIZES.update(previous_sizes)
         _SUMMED.clear()
-        _PARTIAL_GRADS.clear()
+        PARTIAL_GRADIENTS.clear()
 
 
 @contextlib.contextmanager
@@ -208,7 +258,7 @@ def transition(op: str, x: HasPlacement, group: AxisGroup, needed: type | Placem
         found = get(x, axis)
         ok = isinstance(found, needed) if isinstance(needed, type) else \
             (found == needed or (isinstance(found, Shard) and isinstance(needed, Shard)
-                                 and _dim(found, x.ndim) == _dim(needed, x.ndim)))
+                                 and shard_dim(found, x.ndim) == shard_dim(needed, x.ndim)))
         if not ok:
             shown = {Replicate: REPLICATED, Partial: Partial(), Shard: "sharded"}.get(
                 needed, needed)
@@ -249,7 +299,7 @@ def unsummed_gradient(sizes: dict[str, int]) -> str | None:
     gives each group's size (nothing to sum on a group of one). Returns the line
     naming the first such gradient left partial, or None; clears the record."""
     try:
-        for key, (p, axes) in sorted(_PARTIAL_GRADS.items(), key=lambda kv: kv[1][0].name):
+        for key, (p, axes) in sorted(PARTIAL_GRADIENTS.items(), key=lambda kv: kv[1][0].name):
             for axis in sorted(axes):
                 group = (p.sync or axis) if axis == "dp" else axis
                 if sizes.get(group, 1) > 1 and group not in _SUMMED.get(key, set()):
@@ -258,5 +308,5 @@ def unsummed_gradient(sizes: dict[str, int]) -> str | None:
                             f"summed (an Allreduce over {group} is missing)")
         return None
     finally:
-        _PARTIAL_GRADS.clear()
+        PARTIAL_GRADIENTS.clear()
         _SUMMED.clear()

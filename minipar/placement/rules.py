@@ -1,7 +1,7 @@
 """The placement rules of the ops every model uses: elementwise, products, x @ W,
 reductions, reshapes.
 
-What this file teaches: each op takes its inputs' placements (placement_types.py)
+What this file teaches: each op takes its inputs' placements (placement/types.py)
 and derives its output's, or refuses with one line, and each rule is a fact of
 linear algebra:
 
@@ -19,8 +19,8 @@ linear algebra:
     reshape, .T      a shard moves with its dim
 
 A replicated operand that meets rows sharded over an axis gets a gradient that is
-a partial sum over it (`_grad_partial`): the rules record which parameters, and
-the gradient sync (placement.py) checks that each was summed. Callers reach these
+a partial sum over it (`grad_partial`): the rules record which parameters, and
+the gradient sync (placement/__init__.py) checks that each was summed. Callers reach these
 rules as `placement.add`, `placement.matmul`, ...; docs/design.md, "Placements".
 """
 
@@ -28,21 +28,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from minipar.placement_types import (
+from minipar.placement.types import (
     REPLICATED,
     HasPlacement,
     Partial,
     Placements,
     Replicate,
     Shard,
-    _axes,
-    _dim,
+    axes_among,
     get,
     of,
     refuse,
+    shard_dim,
 )
 
-_PARTIAL_GRADS: dict[int, tuple[object, set[str]]] = {}  # param id -> (param, axes)
+PARTIAL_GRADIENTS: dict[int, tuple[object, set[str]]] = {}  # param id -> (param, axes)
 
 
 # ------------------------------------------------------------ elementwise
@@ -51,7 +51,7 @@ def _broadcasts(t: HasPlacement, dim_from_end: int) -> bool:
     return -dim_from_end > t.ndim or t.shape[dim_from_end] == 1
 
 
-def _grad_partial(t: object, axis: str) -> None:
+def grad_partial(t: object, axis: str) -> None:
     """A replicated operand meets rows sharded over `axis`: its gradient is a partial
     sum over `axis`, and so is that of every replicated tensor it was computed from, up
     to the parameters (recorded: the sync must sum them) or to an operator whose
@@ -67,7 +67,7 @@ def _grad_partial(t: object, axis: str) -> None:
             continue
         if hasattr(node, "sync"):  # a Parameter
             if getattr(node, "requires_grad", False):
-                _PARTIAL_GRADS.setdefault(id(node), (node, set()))[1].add(axis)
+                PARTIAL_GRADIENTS.setdefault(id(node), (node, set()))[1].add(axis)
         else:
             stack.extend(getattr(node, "parents", ()))
 
@@ -78,13 +78,13 @@ def add(op: str, a: HasPlacement, b: HasPlacement) -> Placements:
     + Replicate is fine (the mean of a_k + c is mean(a_k) + c); anything else is refused.
     """
     out: Placements = {}
-    for axis in _axes(a, b):
+    for axis in axes_among(a, b):
         pa, pb = get(a, axis), get(b, axis)
         if isinstance(pa, Replicate) and isinstance(pb, Replicate):
             continue
         if isinstance(pa, Shard) and isinstance(pb, Shard) \
-                and _dim(pa, a.ndim) == _dim(pb, b.ndim):   # dims aligned from the end
-            out[axis] = Shard(_dim(pa, a.ndim))
+                and shard_dim(pa, a.ndim) == shard_dim(pb, b.ndim):   # dims aligned from the end
+            out[axis] = Shard(shard_dim(pa, a.ndim))
             continue
         if pa == pb and not isinstance(pa, Shard):
             out[axis] = pa
@@ -97,9 +97,9 @@ def add(op: str, a: HasPlacement, b: HasPlacement) -> Placements:
                 raise refuse(f"{op} with {y.name or 'a replicated term'}", x, axis, px,
                              REPLICATED)
             if isinstance(px, Shard) and isinstance(py, Replicate):
-                if _broadcasts(y, _dim(px, x.ndim)):
-                    out[axis] = Shard(_dim(px, x.ndim))   # counted from the end
-                    _grad_partial(y, axis)
+                if _broadcasts(y, shard_dim(px, x.ndim)):
+                    out[axis] = Shard(shard_dim(px, x.ndim))   # counted from the end
+                    grad_partial(y, axis)
                     break
                 raise refuse(f"{op} with {y.name or 'a whole tensor'} (whole along "
                              f"dim {px.dim})", x, axis, px, REPLICATED)
@@ -115,7 +115,7 @@ def mul(op: str, a: HasPlacement, b: HasPlacement, divide: bool = False) -> Plac
     times a replicated one stays Partial; two Partial factors are refused, and so is a
     Partial divisor (1/(a1+a2) != 1/a1 + 1/a2). Shards combine as in `add`."""
     out: Placements = {}
-    for axis in _axes(a, b):
+    for axis in axes_among(a, b):
         pa, pb = get(a, axis), get(b, axis)
         if isinstance(pa, Partial) and isinstance(pb, Partial):
             raise refuse(f"{op} by {b.name or 'another partial sum'} (also partial)",
@@ -160,7 +160,7 @@ def nonlinear(op: str, x: HasPlacement, over: int | None = None) -> Placements:
             raise refuse(op, x, axis, p, REPLICATED, f" ({op} is not linear: "
                          "an Allreduce is missing)")
         if over is not None and isinstance(p, Shard) and \
-                _dim(p, x.ndim) == (over - x.ndim if over >= 0 else over):
+                shard_dim(p, x.ndim) == (over - x.ndim if over >= 0 else over):
             raise refuse(f"{op} (along dim {over})", x, axis, p, REPLICATED,
                          " (it needs whole rows: an Allgather is missing)")
         out[axis] = p
@@ -174,8 +174,8 @@ def layer_norm(op: str, x: HasPlacement, gamma: HasPlacement, beta: HasPlacement
     out = nonlinear(op, x, over=-1)
     for axis, p in out.items():
         if isinstance(p, Shard):
-            _grad_partial(gamma, axis)
-            _grad_partial(beta, axis)
+            grad_partial(gamma, axis)
+            grad_partial(beta, axis)
     return out
 
 
@@ -184,14 +184,14 @@ def matmul(op: str, x: HasPlacement, w: HasPlacement) -> Placements:
     """x @ W with x (..., k), W (k, n): the placement rules of data, column and row
     parallelism (module docstring). Output (..., n)."""
     out: Placements = {}
-    for axis in _axes(x, w):
+    for axis in axes_among(x, w):
         px, pw = get(x, axis), get(w, axis)
-        dx, dw = _dim(px, x.ndim), _dim(pw, w.ndim)
+        dx, dw = shard_dim(px, x.ndim), shard_dim(pw, w.ndim)
         if isinstance(px, Replicate) and isinstance(pw, Replicate):
             continue
         if isinstance(px, Shard) and dx != -1 and isinstance(pw, Replicate):
             out[axis] = Shard(dx)                  # my rows times the whole W: my rows
-            _grad_partial(w, axis)                 # dW = x^T g sums over my rows only
+            grad_partial(w, axis)                 # dW = x^T g sums over my rows only
         elif isinstance(px, Replicate) and dw == -1:
             if not px.grad_summed:
                 raise refuse(f"{op} (W sharded by columns: its input gradient is only "
@@ -225,12 +225,12 @@ def linear(op: str, x: HasPlacement, w: HasPlacement, bias: HasPlacement | None
     out = matmul(op, x, w)
     if bias is None:
         return out
-    product = _Shaped(out, op.replace(" linear", "") + " product",
+    product = Shaped(out, op.replace(" linear", "") + " product",
                       x.ndim, (*x.shape[:-1], w.shape[-1]))
     return add(f"{op}: the bias add", product, bias)
 
 
-class _Shaped:
+class Shaped:
     """Placements with a name and a shape: an intermediate result no op returns."""
 
     def __init__(self, placement: Placements, name: str, ndim: int,
@@ -247,11 +247,11 @@ def residual_mlp(h: HasPlacement, gamma: HasPlacement, beta: HasPlacement,
         return weight.name.removesuffix(".weight")
 
     wide = (*h.shape[:-1], w1.shape[-1])
-    u = _Shaped(layer_norm(f"LayerNorm {named(gamma)}", h, gamma, beta),
+    u = Shaped(layer_norm(f"LayerNorm {named(gamma)}", h, gamma, beta),
                 f"{named(gamma)} output", h.ndim, h.shape)
-    a = _Shaped(linear(f"{named(w1)} linear", u, w1, b1), f"{named(w1)} output", h.ndim, wide)
-    z = _Shaped(nonlinear("GELU", a), a.name, h.ndim, wide)
-    f = _Shaped(linear(f"{named(w2)} linear", z, w2, b2), f"{named(w2)} output", h.ndim,
+    a = Shaped(linear(f"{named(w1)} linear", u, w1, b1), f"{named(w1)} output", h.ndim, wide)
+    z = Shaped(nonlinear("GELU", a), a.name, h.ndim, wide)
+    f = Shaped(linear(f"{named(w2)} linear", z, w2, b2), f"{named(w2)} output", h.ndim,
                 h.shape)
     return add("add", h, f)
 
@@ -342,7 +342,7 @@ def same(*tensors: HasPlacement, op: str = "concat") -> Placements:
         return {}
     first = labeled[0]
     for t in labeled[1:]:
-        for axis in _axes(first, t):
+        for axis in axes_among(first, t):
             if get(t, axis) != get(first, axis):
                 raise refuse(f"{op} with {first.name or 'a tensor'} "
                              f"({get(first, axis)} over {axis})", t, axis, get(t, axis),

@@ -2,7 +2,7 @@
 vocabulary-parallel loss, MoE's rows.
 
 What this file teaches: how tensor, context and expert parallelism keep the
-algebra of placement_rules.py on the ops the transformer adds, axis by axis:
+algebra of placement/rules.py on the ops the transformer adds, axis by axis:
 
     attention (one node)  q, k, v sharded alike by rows (dim 0) or by heads (the last
                           dim) -> the same; q sharded along positions (dim 1: context
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from minipar.placement_rules import _grad_partial, _Shaped, cross_entropy
-from minipar.placement_types import (
+from minipar.placement.rules import Shaped, cross_entropy, grad_partial
+from minipar.placement.types import (
     REPLICATED,
     AxisGroup,
     HasPlacement,
@@ -34,12 +34,12 @@ from minipar.placement_types import (
     Placements,
     Replicate,
     Shard,
-    _axes,
-    _dim,
+    axes_among,
     axis_of,
     get,
     of,
     refuse,
+    shard_dim,
 )
 
 
@@ -56,13 +56,13 @@ def attention(op: str, q: HasPlacement, k: HasPlacement, v: HasPlacement,
                            sums their gradient (context parallelism) -> positions
         Partial            refused: softmax is not linear."""
     out: Placements = {}
-    for axis in _axes(q, k, v, *([key_bias] if key_bias is not None else [])):
+    for axis in axes_among(q, k, v, *([key_bias] if key_bias is not None else [])):
         pq, pk, pv = get(q, axis), get(k, axis), get(v, axis)
         for x, p in ((q, pq), (k, pk), (v, pv)):
             if isinstance(p, Partial):
                 raise refuse(op, x, axis, p, REPLICATED, " (softmax is not linear: an "
                              "Allreduce is missing)")
-        dq = _dim(pq, q.ndim)
+        dq = shard_dim(pq, q.ndim)
         if dq == -2:                                          # my positions' queries
             for x, p in ((k, pk), (v, pv)):
                 if not (isinstance(p, Replicate) and p.grad_summed):
@@ -74,7 +74,7 @@ def attention(op: str, q: HasPlacement, k: HasPlacement, v: HasPlacement,
             out[axis] = Shard(1)
             continue
         for x, p in ((k, pk), (v, pv)):
-            if _dim(p, x.ndim) != dq or (dq is None and p != pq):
+            if shard_dim(p, x.ndim) != dq or (dq is None and p != pq):
                 raise refuse(f"{op} with {q.name or 'q'} ({pq} over {axis})", x, axis, p,
                              pq if not isinstance(pq, Replicate) else REPLICATED,
                              " (q, k and v must be split alike)")
@@ -99,7 +99,7 @@ def ring_attention(op: str, q: HasPlacement, k: HasPlacement, v: HasPlacement,
     Over the other axes, the rule of `attention`."""
     axis = axis_of(group)
     for x in (q, k, v):
-        if _dim(get(x, axis), x.ndim) != -2:
+        if shard_dim(get(x, axis), x.ndim) != -2:
             raise refuse(f"{op} over {axis}", x, axis, get(x, axis), Shard(1),
                          " (a ring passes blocks of positions)")
     others = {a: p for a, p in (("q", q), ("k", k), ("v", v))}
@@ -125,7 +125,7 @@ def embedding(op: str, weight: HasPlacement, ids: HasPlacement) -> Placements:
         if not isinstance(p, Shard):
             raise refuse(op, ids, axis, p, "sharded or replicated")
         out[axis] = p
-        _grad_partial(weight, axis)
+        grad_partial(weight, axis)
     return out
 
 
@@ -155,7 +155,7 @@ def vocab_cross_entropy(op: str, logits: HasPlacement, statistics: Iterable[HasP
     it whole; with them the loss is the same on every rank of tp (Replicate). Over the
     other axes, the rule of `cross_entropy` (rows sharded: a Partial(avg))."""
     axis = axis_of(tp)
-    if tp.size > 1 and _dim(get(logits, axis), logits.ndim) != -1:
+    if tp.size > 1 and shard_dim(get(logits, axis), logits.ndim) != -1:
         raise refuse(op, logits, axis, get(logits, axis), Shard(-1 % logits.ndim),
                      " (my columns of the vocabulary)")
     for stat in statistics:
@@ -169,7 +169,7 @@ def picked_for(op: str, table: HasPlacement, rows: HasPlacement) -> Placements:
     """Rows of a replicated table picked by one id per row of `rows` (each MoE row's
     own b2): placed as `rows` are, and the table's gradient is partial wherever they
     are sharded (the rule of `embedding`, with ids placed as the rows they label)."""
-    return embedding(op, table, _Shaped(dict(of(rows)), getattr(rows, "name", ""),
+    return embedding(op, table, Shaped(dict(of(rows)), getattr(rows, "name", ""),
                                         rows.ndim, rows.shape))
 
 

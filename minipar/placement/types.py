@@ -8,9 +8,9 @@ sync of context parallelism spans dp and cp at once), and a violation is one
 line, `refuse`: which tensor is what over which axis, what the op needs, what is
 missing, and the model line that called the op.
 
-The rules of the ops are in placement_rules.py (and placement_transformer.py
+The rules of the ops are in placement/rules.py (and placement/transformer.py
 for attention, the vocabulary-parallel lookup and loss, and MoE's rows); the
-switch, the collectives' transitions and the gradient sync in placement.py,
+switch, the collectives' transitions and the gradient sync in placement/__init__.py,
 which is the module every caller imports. docs/design.md, "Placements".
 """
 
@@ -84,17 +84,17 @@ class AxisGroup(Protocol):
 # and "edp": they are told from the plain groups by their size, dp cp). With cp = 1
 # the mesh hands out the dp group itself, and an axis of size 1 records nothing.
 _COMPOUND = {"dp_cp": ("dp", "cp"), "edp_cp": ("edp", "cp")}
-_SIZES: dict[str, int] = {}   # axis -> size, set by `checking` (unknown: taken as > 1)
+AXIS_SIZES: dict[str, int] = {}   # axis -> size, set by `checking` (unknown: taken as > 1)
 
 
 def axes_of(group: AxisGroup) -> tuple[str, ...]:
     """The mesh axes a group spans (one, or dp and cp for dp_cp) of size > 1."""
-    cp = _SIZES.get("cp", 1)
-    if group.name in ("dp", "edp") and cp > 1 and group.size == _SIZES.get(group.name, 1) * cp:
-        return tuple(a for a in (group.name, "cp") if _SIZES.get(a, 1) > 1)
+    cp = AXIS_SIZES.get("cp", 1)
+    if group.name in ("dp", "edp") and cp > 1 and group.size == AXIS_SIZES.get(group.name, 1) * cp:
+        return tuple(a for a in (group.name, "cp") if AXIS_SIZES.get(a, 1) > 1)
     if group.name not in _COMPOUND:
         return (group.name,) if group.size > 1 else ()
-    return tuple(a for a in _COMPOUND[group.name] if _SIZES.get(a, 2) > 1)
+    return tuple(a for a in _COMPOUND[group.name] if AXIS_SIZES.get(a, 2) > 1)
 
 
 def axis_of(group: AxisGroup) -> str:
@@ -117,17 +117,19 @@ def get(t: object, axis: str) -> Placement:
 
 
 # --------------------------------------------------------------- messages
-_INTERNAL = ("placement.py", "placement_types.py", "placement_rules.py",
-             "placement_transformer.py", "autograd.py", "fused.py", "comm.py", "attention.py")
-_HERE = os.path.dirname(os.path.abspath(__file__))
+# the files that implement ops and collectives, relative to the package folder
+_INTERNAL = ("placement/__init__.py", "placement/types.py", "placement/rules.py",
+             "placement/transformer.py", "core/autograd.py", "core/fused_layers.py",
+             "comm/collectives.py", "core/attention.py")
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _caller() -> str:
     """file:line of the model code that called the op (the first frame outside the
     files that implement ops and collectives)."""
     frame = sys._getframe(1)
-    while frame is not None and os.path.dirname(frame.f_code.co_filename) == _HERE \
-            and os.path.basename(frame.f_code.co_filename) in _INTERNAL:
+    while frame is not None and \
+            os.path.relpath(frame.f_code.co_filename, _PACKAGE) in _INTERNAL:
         frame = frame.f_back
     if frame is None:
         return "?"
@@ -154,15 +156,15 @@ def refuse(op: str, t: HasPlacement, axis: str, found: Placement, needed: Placem
                           f"[at {_caller()}]")
 
 
-def _dim(p: Placement, ndim: int) -> int | None:
+def shard_dim(p: Placement, ndim: int) -> int | None:
     """The sharded dim of `p` counted from the end (-1 = last), or None."""
     return (p.dim - ndim if p.dim >= 0 else p.dim) if isinstance(p, Shard) else None
 
 
-def _axes(*tensors: object) -> list[str]:
+def axes_among(*tensors: object) -> list[str]:
     return sorted({a for t in tensors for a in of(t)})
 
 
-def _pname(*tensors: object) -> str:
+def first_name(*tensors: object) -> str:
     return next((t.name for t in tensors if getattr(t, "name", "")), "")
 

@@ -17,8 +17,8 @@ the planner's answer at 2048 GPUs rests on the same arithmetic as minipar's 8 ra
                  5as/h attention scores. A stage holds as many microbatches at once as
                  its schedule has in flight (1F1B: pp - stage, GPipe: all M).
 
-What each rank sends in a step, and what the step costs in seconds: timemodel.py.
-Tested by `python -m pytest tests/test_plan.py`; used by `python -m minipar plan`.
+What each rank sends in a step, and what the step costs in seconds: planner/time_cost.py.
+Tested by `python -m pytest tests/planner/test_plan.py`; used by `python -m minipar plan`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from minipar.memory import ModelStates
-from minipar.parallel import pipeline_schedules
-from minipar.parallel.pipeline_schedules import compute_order, in_flight_peak
+from minipar.core.memory import ModelStates
+from minipar.parallel.pipeline import chunk_layout, schedules
+from minipar.parallel.pipeline.schedules import compute_order
+from minipar.parallel.pipeline.simulator import in_flight_peak
 
 Array = tuple[int, bool]  # (elements, split over tp?) of one parameter array
 
@@ -169,7 +170,7 @@ def stage_blocks(layers: int, stages: int, v: int) -> range:
 def chunks_per_rank(plan: Plan) -> int:
     """Model chunks a pipeline rank holds: V interleaved, 2 in a V (ZB-V, DualPipeV) and
     in DualPipe (two copies of the model)."""
-    return pipeline_schedules.chunks_per_rank(plan.schedule, plan.virtual) \
+    return schedules.chunks_per_rank(plan.schedule, plan.virtual) \
         if plan.pp > 1 else 1
 
 
@@ -177,17 +178,17 @@ def virtual_stages(plan: Plan, stage: int) -> list[int]:
     """The virtual stages pipeline rank `stage` runs: stage, stage + pp, ...; in a V
     (ZB-V, DualPipeV) stage and 2pp-1-stage; DualPipe's rank holds stage and
     pp-1-stage of a pp-stage model (of two copies)."""
-    layout = pipeline_schedules.layout_of(plan.schedule) if plan.pp > 1 \
-        else pipeline_schedules.LOOP
-    return [pipeline_schedules.model_stage(
-        plan.pp, pipeline_schedules.virtual_stage(plan.pp, stage, chunk, layout), layout)
+    layout = schedules.layout_of(plan.schedule) if plan.pp > 1 \
+        else chunk_layout.LOOP
+    return [chunk_layout.model_stage(
+        plan.pp, chunk_layout.virtual_stage(plan.pp, stage, chunk, layout), layout)
         for chunk in range(chunks_per_rank(plan))]
 
 
 def model_stages(plan: Plan) -> int:
     """How many runs of blocks the model is cut into: pp x chunks per rank, or pp for
     DualPipe (each rank holds two of the pp stages, of two copies)."""
-    two_way = plan.schedule in pipeline_schedules.TWO_WAY and plan.pp > 1
+    two_way = plan.schedule in schedules.TWO_WAY and plan.pp > 1
     return plan.pp if two_way else plan.pp * chunks_per_rank(plan)
 
 

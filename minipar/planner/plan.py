@@ -4,7 +4,7 @@ What this file teaches: the source text's comparison of DP, TP, EP and PP ends i
 rules of thumb -- TP inside a node (it "usually stops at 8-16 GPUs"), PP across
 nodes (mind the bubble), EP for MoE (AllToAll is "very heavy"), DP for the rest.
 Here they are checked, not believed: every mesh that fills the GPUs is priced by
-the cost model (costmodel.py: ZeRO's memory, Megatron's activations; timemodel.py:
+the cost model (planner/memory_cost.py: ZeRO's memory, Megatron's activations; planner/time_cost.py:
 the ledger of every collective, the bubble formula, an alpha-beta network) and the plans
 are ranked by step time; the ones that do not fit are counted by reason. The
 levers: the mesh (tp, cp, pp, dp, and ep over the tp x cp x dp ranks of a stage: TP
@@ -19,14 +19,14 @@ stated or derived, and printed.
         --dp 64 --tp 8 --pp 16                       # price the one Llama 3 ran
 
 The same arithmetic predicts minipar's own 8-rank runs exactly
-(`minipar_workload`, tests/test_plan.py), which is what licenses it at 2048 GPUs.
+(`minipar_workload`, tests/planner/test_plan.py), which is what licenses it at 2048 GPUs.
 
-The planner in four files, one idea each: plan_workloads.py (a model's sizes as the
-cost model's Workload: the formulas), plan_search.py (price a plan, search them
-all), plan_report.py (the table and the explanations), and this one, the command:
+The planner in four files, one idea each: planner/workloads.py (a model's sizes as the
+cost model's Workload: the formulas), planner/search.py (price a plan, search them
+all), planner/plan_table.py (the table and the explanations), and this one, the command:
 its flags, the refusals of a bad one, and the run. The names callers use
-(`from minipar.plan import transformer, search, ...`) are imported here from those
-files, so `minipar.plan` stays the one door to the planner.
+(`from minipar.planner.plan import transformer, search, ...`) are imported here from those
+files, so `minipar.planner.plan` stays the one door to the planner.
 """
 
 from __future__ import annotations
@@ -38,40 +38,28 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from minipar.config import ConfigError, _Parser  # _Parser: raises, one line
-from minipar.costmodel import Plan
-from minipar.parallel.pipeline_schedules import SCHEDULES, SIMULATED_ONLY
+from minipar.parallel.pipeline.schedules import SCHEDULES, SIMULATED_ONLY
+from minipar.planner.memory_cost import Plan
 
-# the planner's parts, under the names its callers use (lessons 09, 13, tests, report.py)
-from minipar.plan_report import (  # noqa: F401
-    STEP_TIME_ERROR,
-    explain,
-    mfu,
+# the planner's parts, under the names its callers use (lessons 09, 13, tests,
+# teaching/ledger_tables.py)
+from minipar.planner.plan_table import (
     named_report,
     plan_record,
     report,
 )
-from minipar.plan_search import (  # noqa: F401
-    GB,
+from minipar.planner.presets import CLUSTERS, MODELS, Cluster, Model
+from minipar.planner.search import (
     MESH,
     RECOMPUTE,
-    Estimate,
-    best_by,
-    distinct_meshes,
-    divisors,
-    evaluate,
     hardware,
     mesh_problem,
     search,
 )
-from minipar.plan_workloads import (  # noqa: F401
-    minipar_workload,
-    plan_of,
-    transformer,
-)
-from minipar.preflight import file_problems
-from minipar.presets import CLUSTERS, MODELS, Cluster, Model
-from minipar.timemodel import Hardware
+from minipar.planner.time_cost import Hardware
+from minipar.planner.workloads import transformer
+from minipar.settings.config import ConfigError, Parser  # Parser: raises, one line
+from minipar.settings.preflight import file_problems
 
 
 def count(text: str) -> float:
@@ -136,7 +124,7 @@ CLUSTER_FLAGS = {
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m minipar plan",
+    parser = Parser(prog="python -m minipar plan",
                      description="Rank every way to split a training step over the GPUs, "
                      "or price one plan you name.")
     add = parser.add_argument

@@ -5,21 +5,21 @@ says the mesh, the memory per GPU by part (parameters, gradients, optimizer,
 activations), the bytes each GPU puts on the wire per step by axis, the bubble, the
 step time and the MFU; `explain` spells out one plan in words (what fills its memory,
 what its step time is made of, or by how much it does not fit), and `describe` every
-size the planner used, stated or derived. The plans come from plan_search.py.
+size the planner used, stated or derived. The plans come from planner/search.py.
 """
 
 from __future__ import annotations
 
 import math
 
-from minipar.costmodel import Plan, Workload
-from minipar.plan_search import GB, MESH, PRUNED, Estimate, Search, distinct_meshes, usable
-from minipar.plan_workloads import layer_sizes
-from minipar.presets import Model
-from minipar.timemodel import Hardware
+from minipar.planner.memory_cost import Plan, Workload
+from minipar.planner.presets import Model
+from minipar.planner.search import GB, MESH, PRUNED, Estimate, Search, distinct_meshes, usable
+from minipar.planner.time_cost import Hardware
+from minipar.planner.workloads import layer_sizes
 
 # How far the step times may be off: the largest error against Megatron-LM's Table 1
-# (tests/test_plan.py checks every row against it), rounded up.
+# (tests/planner/test_plan.py checks every row against it), rounded up.
 STEP_TIME_ERROR = 0.25
 
 

@@ -2,7 +2,7 @@
 
 What this file teaches. A model is sized by a handful of published numbers (layers,
 width, heads, FFN width, vocabulary, sequence length, experts); every parameter count,
-activation byte and FLOP the planner uses follows from them (plan_workloads.py: `transformer`).
+activation byte and FLOP the planner uses follows from them (planner/workloads.py: `transformer`).
 A cluster is sized by four more: memory and peak FLOP/s per GPU, bandwidth inside a
 node and between nodes. Each preset below names where its numbers were published, so a
 reader can check them; `python -m minipar plan --preset NAME --cluster NAME` starts from

@@ -2,13 +2,13 @@
 
 What this file teaches: a plan (dp, tp, pp, cp, ep, the ZeRO stage, the microbatches,
 the recomputation, the pipeline schedule) is priced on its busiest ranks: memory
-first (costmodel.py: ZeRO's model states, Megatron's activations; a plan that does
+first (planner/memory_cost.py: ZeRO's model states, Megatron's activations; a plan that does
 not fit is not timed), then the ledger of every collective and the step time
-(timemodel.py: an alpha-beta network, the bubble formula). `search` prices every
+(planner/time_cost.py: an alpha-beta network, the bubble formula). `search` prices every
 mesh whose degrees multiply to the GPUs, every ZeRO stage, microbatch count,
 recomputation and schedule, ranks the plans that fit by step time, and counts the
 others by the reason they cannot run (`mesh_problem`, or the memory they need).
-The workload comes from plan_workloads.py; plan_report.py prints the result.
+The workload comes from planner/workloads.py; planner/plan_table.py prints the result.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import product
 
-from minipar.costmodel import (
+from minipar.core.memory import ModelStates, wire_elements
+from minipar.parallel.pipeline.schedules import bubble_formula
+from minipar.planner.memory_cost import (
     Plan,
     RankShape,
     Workload,
@@ -27,10 +29,8 @@ from minipar.costmodel import (
     rank_shape,
     stage_activations,
 )
-from minipar.memory import ModelStates, wire_elements
-from minipar.parallel.pipeline_schedules import bubble_formula
-from minipar.presets import Cluster
-from minipar.timemodel import Hardware, Timing, group_layout, step_timing, traffic
+from minipar.planner.presets import Cluster
+from minipar.planner.time_cost import Hardware, Timing, group_layout, step_timing, traffic
 
 GB = 1e9
 

@@ -1,6 +1,6 @@
 """The cost model behind `python -m minipar plan`, part two: what moves, and how long it takes.
 
-What this file teaches. Once a plan fits (costmodel.py: what each rank holds), the
+What this file teaches. Once a plan fits (planner/memory_cost.py: what each rank holds), the
 planner ranks it by the seconds of one step: what each rank sends, priced on the
 network, plus its compute and the time its pipeline idles. Each term is a formula
 this project checks against real runs:
@@ -17,7 +17,7 @@ this project checks against real runs:
                  at its slowest link). Nothing overlaps.
 
 Ranks are placed as mesh.py places them: tp fastest, then cp, then dp, then pp.
-Tested by `python -m pytest tests/test_plan.py`; used by `python -m minipar plan` and by
+Tested by `python -m pytest tests/planner/test_plan.py`; used by `python -m minipar plan` and by
 `python -m minipar train --ledger` (each ledger line beside its prediction).
 """
 
@@ -27,7 +27,9 @@ import math
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from minipar.costmodel import (
+from minipar.core.memory import ledger_formula, wire_elements
+from minipar.parallel.pipeline.schedules import TWO_WAY, V_SHAPED, bubble_formula
+from minipar.planner.memory_cost import (
     Array,
     Plan,
     RankShape,
@@ -36,8 +38,6 @@ from minipar.costmodel import (
     tokens_per_microbatch,
     virtual_stages,
 )
-from minipar.memory import ledger_formula, wire_elements
-from minipar.parallel.pipeline_schedules import TWO_WAY, V_SHAPED, bubble_formula
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ it, the activation bytes a token leaves per layer (Korthikanti et al. 2022,
 generalized to grouped-query attention, SwiGLU, MoE and FlashAttention-style
 attention), the FLOPs of attention. `transformer` builds the Workload of a published
 model (presets.py) in bf16 with Adam; `minipar_workload` builds minipar's own, exactly
-as its ranks hold it, which is how tests/test_plan.py checks the formulas against an
+as its ranks hold it, which is how tests/planner/test_plan.py checks the formulas against an
 8-rank run; `plan_of` is the Plan a `python -m minipar train` config runs. The rest of
-the planner: plan_search.py (price and search the plans), plan_report.py (print
+the planner: planner/search.py (price and search the plans), planner/plan_table.py (print
 them), plan.py (the command).
 """
 
@@ -19,11 +19,11 @@ import math
 
 import numpy as np
 
-from minipar.config import TrainConfig
-from minipar.costmodel import Block, Plan, Workload
-from minipar.memory import optimizer_bytes_per_param
-from minipar.nn import canonical_shapes
-from minipar.presets import Model
+from minipar.core.memory import optimizer_bytes_per_param
+from minipar.core.nn import canonical_shapes
+from minipar.planner.memory_cost import Block, Plan, Workload
+from minipar.planner.presets import Model
+from minipar.settings.config import TrainConfig
 
 
 def layer_sizes(m: Model) -> dict[str, int]:
@@ -112,7 +112,7 @@ def minipar_workload(cfg: TrainConfig) -> Workload:
     2d + 2fe; gpt-moe adds 6d per position (h, LN1, q, k, v, o) and its
     probabilities, H T per position: estimates. The dense transformer's block is
     exact: recompute.gpt_block_activation_bytes, every layout and recompute mode
-    (tests/test_gpt_tensor_parallel.py). The transformer's rows are its B*T positions
+    (tests/parallel/test_gpt_tensor_parallel.py). The transformer's rows are its B*T positions
     (seq_len = T)."""
     model = cfg.model_config()
     shapes = {name: math.prod(shape) for name, shape in canonical_shapes(model).items()}

@@ -47,10 +47,15 @@ from pathlib import Path
 
 import numpy as np
 
-from minipar import assemble, autograd, config, gpt, kvcache, nn, preflight, watchdog
-from minipar.config import ConfigError, TrainConfig
-from minipar.mesh import Mesh
-from minipar.results import TOLERANCE, relative_difference
+from minipar.checkpoint import shard_files
+from minipar.comm import watchdog
+from minipar.comm.mesh import Mesh
+from minipar.compose import parallelize
+from minipar.core import autograd, gpt, nn
+from minipar.parallel import kvcache
+from minipar.run.results import TOLERANCE, relative_difference
+from minipar.settings import config, preflight
+from minipar.settings.config import ConfigError, TrainConfig
 
 PAIR = np.dtype([("value", np.float64), ("index", np.int32)], align=True)  # MPI DOUBLE_INT
 
@@ -76,7 +81,7 @@ class GenerateConfig:
 
 def make_parser() -> argparse.ArgumentParser:
     """The train flags (model and mesh) with the generate ones."""
-    parser = config._Parser(prog="python -m minipar generate",
+    parser = config.Parser(prog="python -m minipar generate",
                             description="Generate tokens with a KV cache on a mesh of ranks.")
     config.add_train_flags(parser)
     parser.set_defaults(model="gpt", batch=1)
@@ -114,18 +119,17 @@ def config_from_args(args: argparse.Namespace, world_size: int
     prompt = parse_prompt(args)
     train_cfg = config.config_from_args(args)
     if args.resume:
-        from minipar import checkpoint  # reads files only
 
-        errors = checkpoint.verify(args.resume)
+        errors = shard_files.verify(args.resume)
         if errors:
             return None, [f"--resume {errors[0]}"]
-        saved = checkpoint.read_manifest(Path(args.resume))
+        saved = shard_files.read_manifest(Path(args.resume))
         if saved["config"].get("model") not in nn.GPT_MODELS:
             return None, [f"--resume {args.resume} holds a --model "
                           f"{saved['config'].get('model')} checkpoint: generate needs a "
                           "transformer (--model gpt or gpt-moe)"]
         mesh = {axis: getattr(args, axis) for axis in ("dp", "tp", "pp", "ep", "cp")}
-        train_cfg = replace(checkpoint.config_for(saved, **mesh), batch=args.batch,
+        train_cfg = replace(shard_files.config_for(saved, **mesh), batch=args.batch,
                             microbatches=1, steps=1, resume=args.resume, save=None,
                             timeout=args.timeout, schedule="1f1b", virtual=1, sp=False,
                             recompute="none", vocab_parallel=None,
@@ -254,7 +258,7 @@ def build_stage(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray]) -> St
     # the blocks as training builds them, without cp's attention strategy (the cache
     # does attention) and, with cp alone, with the tokens' FFN run locally
     plain = replace(cfg, cp=1)
-    blocks = [assemble.make_block(plain, model_cfg, mesh, full, i)
+    blocks = [parallelize.make_block(plain, model_cfg, mesh, full, i)
               for i in range(s * per_stage, (s + 1) * per_stage)]
     embed = head = None
     if cfg.tp > 1:
@@ -530,9 +534,9 @@ def dump(folder: Path, gcfg: GenerateConfig, full: dict[str, np.ndarray],
 def full_params(cfg: TrainConfig) -> dict[str, np.ndarray]:
     """The full model: the checkpoint's (`--resume`, saved on any mesh) or a seeded one."""
     if cfg.resume:
-        from minipar import checkpoint
+        from minipar.checkpoint import save_load
 
-        saved = checkpoint.load(cfg.resume)
+        saved = save_load.load(cfg.resume)
         # sigmoid-bias: every block's b (routing.py) beside the parameters, whole
         return {**saved.params, **{name: np.array(b) for name, b in
                                    saved.manifest.get("router_bias", {}).items()}}
@@ -548,8 +552,8 @@ def text_of(ids: np.ndarray) -> str:
 def command(argv: list[str], world: object) -> int:
     """`python -m minipar generate ...` on the ranks of `world`: refuse a bad setting
     (one line, exit 2, before any communication), generate, report, check."""
-    from minipar.comm import Ledger  # here: comm.py loads mpi4py.MPI
-    from minipar.log import wait_for_rank0
+    from minipar.comm.collectives import Ledger  # here: comm/collectives.py loads mpi4py.MPI
+    from minipar.comm.job import wait_for_rank0
 
     rank, size = world.Get_rank(), world.Get_size()
     try:
@@ -567,7 +571,7 @@ def command(argv: list[str], world: object) -> int:
     cfg = gcfg.train
     full = full_params(cfg)
     if cfg.timeout and size > 1:   # a rank stuck in one call that long ends the job
-        from minipar.log import abort_all
+        from minipar.comm.job import abort_all
 
         watchdog.start(cfg.timeout, rank, abort_all)
     mesh = Mesh(cfg.mesh_shape(), world, Ledger())

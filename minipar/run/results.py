@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from minipar.config import TrainConfig
-from minipar.documents import split_mask
-from minipar.train import RunResult, step_batch, train_reference
+from minipar.core.documents import split_mask
+from minipar.run.train import RunResult, step_batch, train_reference
+from minipar.settings.config import TrainConfig
 
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
 

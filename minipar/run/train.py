@@ -5,8 +5,8 @@ What this file teaches: the skeleton every strategy plugs into. One step is
     1. every rank computes the step's global batch from (seed, step) and keeps
        its rows (data.py);
     2. forward and backward over the microbatches: a plain loop, or the
-       pipeline schedule when pp > 1 (pipeline_parallel.py); tensor- and
-       expert-parallel blocks talk inside the model (comm.py);
+       pipeline schedule when pp > 1 (parallel/pipeline/executor.py); tensor- and
+       expert-parallel blocks talk inside the model (comm/collectives.py);
     3. gradients summed over the replicas of each weight and divided by dp
        (data_parallel.py);
     4. the optimizer updates what this rank holds (optim.py).
@@ -29,32 +29,20 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from minipar import autograd as ag
-from minipar import (
-    bugs,
-    checkpoint,
-    clip,
-    config,
-    documents,
-    flight,
-    gpt,
-    nn,
-    placement,
-    preflight,
-    routing,
-    trace,
-    watchdog,
-)
-from minipar.assemble import (  # noqa: F401  (callers import them from here too)
-    build_rank_model,
+from minipar import placement
+from minipar.bugs import catalog
+from minipar.checkpoint import save_load
+from minipar.comm import flight, trace, watchdog
+from minipar.comm.mesh import AXES as MESH_AXES
+from minipar.comm.mesh import Mesh
+from minipar.compose import clip
+from minipar.compose.parallelize import (
     context_positions,
-    make_block,
-    make_ffn_block,
-    make_updater,
     parallelize,
 )
-from minipar.config import TrainConfig
-from minipar.data import (
+from minipar.core import autograd as ag
+from minipar.core import documents, gpt, nn, routing
+from minipar.core.data import (
     local_rows,
     make_batch,
     make_sequences,
@@ -62,11 +50,11 @@ from minipar.data import (
     microbatch_rows,
     rank_rows,
 )
-from minipar.mesh import AXES as MESH_AXES
-from minipar.mesh import Mesh
-from minipar.optim import make_optimizer
-from minipar.parallel import pipeline_parallel, pipeline_schedules
-from minipar.shards import held_parts
+from minipar.core.optim import make_optimizer
+from minipar.core.shards import held_parts
+from minipar.parallel.pipeline import executor, schedules
+from minipar.settings import config, preflight
+from minipar.settings.config import TrainConfig
 
 if TYPE_CHECKING:  # data_parallel.py loads mpi4py.MPI; train_reference needs none
     from minipar.parallel.data_parallel import Updater
@@ -108,7 +96,7 @@ def blame(cfg: TrainConfig, first: bool) -> str:
 def nonfinite_count(mesh: Mesh, chunks: list[nn.Model], updater: Updater) -> int:
     """How many numbers of the model are NaN or infinite after the update, summed over
     every rank (each counts what it updates: ZeRO its flat slice, others what they hold)."""
-    from minipar.comm import allreduce_sum  # here: comm.py loads mpi4py.MPI
+    from minipar.comm.collectives import allreduce_sum  # here: comm/collectives.py loads mpi4py.MPI
 
     mine = getattr(updater, "my_slices", None)   # ZeRO: the flat slices this rank updates
     held = mine() if mine else [p.data for chunk in chunks for p in chunk.parameters()]
@@ -129,9 +117,9 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
     if not out:
         out += preflight.overflow_problems(cfg) + preflight.memory_problems(cfg, world_size)
     if cfg.inject_bug is not None and not config.size_problems(cfg, world_size):
-        out += bugs.problems(cfg)
+        out += catalog.problems(cfg)
     if not out and (cfg.save or cfg.resume):
-        out += checkpoint.problems(cfg)
+        out += save_load.problems(cfg)
     if not out and cfg.trace is not None:  # a file, read-only, another run's trace
         out += preflight.trace_problems(cfg.trace)
     return out
@@ -233,7 +221,7 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     """Forward and backward of every microbatch of this rank's rows `x, y` (its rows of
     the global batch, `data.rank_rows`: microbatch after microbatch); returns this
     rank's share of the step loss (sum over microbatches of loss/M). With pp > 1
-    the pipeline schedule decides the order (pipeline_parallel.py) and appends the
+    the pipeline schedule decides the order (parallel/pipeline/executor.py) and appends the
     wall-clock start/end of each of its instructions to `timeline`. `valid`: with
     --documents, the valid positions of the global batch (documents.global_valid)."""
     scale = 1.0 / cfg.microbatches
@@ -243,7 +231,7 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
         return 1.0 if valid is None else documents.loss_weight(labels, positions, valid)
     slices = [local_rows(cfg.batch, cfg.microbatches, cfg.dp, m)  # of this rank's rows
               for m in range(cfg.microbatches)]
-    # placements (placement.py): the rows of x are Shard(0) over dp (its positions
+    # placements (placement/__init__.py): the rows of x are Shard(0) over dp (its positions
     # Shard(1) over cp); so are those that cross a stage boundary, and under sequence
     # parallelism over tp as well (the transformer's positions, dim 1)
     gpt_model = cfg.model_config().is_gpt
@@ -261,18 +249,18 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
             return loss
 
         # looked up at call time: --inject-bug swaps pipeline_parallel.StageWorker
-        worker = pipeline_parallel.StageWorker(
+        worker = executor.StageWorker(
             mesh.pp, chunks, x, y, slices, last_stage_loss, scale, boundary_shape(cfg),
-            len(chunks), split_backward=cfg.schedule in pipeline_schedules.SPLIT_BACKWARD,
-            rank=mesh.rank, dtype=cfg.dtype, layout=pipeline_schedules.layout_of(cfg.schedule),
+            len(chunks), split_backward=cfg.schedule in schedules.SPLIT_BACKWARD,
+            rank=mesh.rank, dtype=cfg.dtype, layout=schedules.layout_of(cfg.schedule),
             rows_over=rows_over, boundary_rows_over=boundary_rows_over)
-        return pipeline_parallel.forward_backward(worker, cfg.schedule, cfg.microbatches,
+        return executor.forward_backward(worker, cfg.schedule, cfg.microbatches,
                                                   timeline)
     total = 0.0
     for m, rows in enumerate(slices):  # gradient accumulation: grads add up in .grad
         flight.set_microbatch(m)  # the flight recorder's calls of this microbatch
         with trace.span("forward", microbatch=m, chunk=0):
-            loss = microbatch_loss(chunks[0], pipeline_parallel.rows_of(
+            loss = microbatch_loss(chunks[0], executor.rows_of(
                 ag.Tensor(x[rows]), rows_over), y[rows], scale, weight(y[rows]))
         trace.hold((0, m), loss)  # --trace: the activations the tape keeps
         if placement.ON:  # what the gradient sync expects: at most a mean over dp (x cp)
@@ -298,14 +286,16 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
         raise config.ConfigError(refusals[0] + (f" (and {len(refusals) - 1} more)"
                                                 if len(refusals) > 1 else ""))
     if cfg.inject_bug:  # lesson 08: this same run with one piece swapped for a broken one
-        with bugs.injected(cfg.inject_bug):
+        with catalog.injected(cfg.inject_bug):
             return train(replace(cfg, inject_bug=None), world, on_step)
-    from minipar.comm import Ledger  # here: comm.py loads mpi4py.MPI, train_reference not
+    from minipar.comm.collectives import (
+        Ledger,  # here: comm/collectives.py loads mpi4py.MPI, train_reference not
+    )
 
     mesh = Mesh(cfg.mesh_shape(), world, Ledger())
     try:  # overflow shows up as a DivergedError line, not as NumPy warnings burying it
         with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"), \
-                placement.checking(cfg.check_placements,   # placement.py: on or off
+                placement.checking(cfg.check_placements,   # placement/__init__.py: on or off
                                    {axis: getattr(mesh, axis).size for axis in MESH_AXES}), \
                 trace.recording(cfg.trace, mesh, cfg.as_json()):  # --trace DIR: timelines
             return train_on_mesh(cfg, mesh, on_step)
@@ -317,7 +307,7 @@ def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
                   on_step: Callable[[int, float], None] | None = None) -> RunResult:
     """The body of `train` on a mesh already built (its communicators and ledger)."""
     # --resume: the full arrays assembled from any mesh's shards, sliced below like init
-    saved = checkpoint.load(cfg.resume) if cfg.resume else None
+    saved = save_load.load(cfg.resume) if cfg.resume else None
     full = saved.params if saved else nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
     optimizer = make_optimizer(cfg.optimizer, cfg.lr)
     chunks, updater = parallelize(cfg, mesh, full, optimizer)
@@ -325,7 +315,7 @@ def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
     params = [p for chunk in chunks for p in chunk.parameters()]
     init, _ = gather_full_params(mesh, params, cfg, values=full)  # (ZeRO-3 dropped p.data)
     # the saved optimizer state, cut as the updater keeps it (ZeRO: its flat slice)
-    start = checkpoint.restore_optimizer(optimizer, params, saved, updater) if saved else 0
+    start = save_load.restore_optimizer(optimizer, params, saved, updater) if saved else 0
     if saved:  # sigmoid-bias: every block's b as saved (replicated: any mesh takes it whole)
         routing.set_bias_values(chunks, saved.manifest.get("router_bias", {}))
     # the losses of the steps already taken (a resumed run reports all --steps of them)
@@ -360,7 +350,9 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
             p.grad = None
     valid = None
     if cfg.documents:  # N: the global batch's valid positions (documents.py), before
-        from minipar.comm import allreduce_sum  # backward (here: comm.py loads mpi4py.MPI)
+        from minipar.comm.collectives import (
+            allreduce_sum,  # backward (here: comm/collectives.py loads mpi4py.MPI)
+        )
 
         # my rows' (over dp) and positions' (over cp) count -> the global batch's, on every
         # rank; tp and pp ranks hold the labels of their dp x cp peers and sum alike
@@ -368,8 +360,8 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
                                                        dtype=np.int64))[0])
     local = forward_backward(cfg, mesh, chunks, x, y, timeline, valid)
     flight.set_microbatch(None)  # the syncs below belong to the whole step
-    if cfg.schedule in pipeline_schedules.TWO_WAY and cfg.pp > 1:  # DualPipe: copy + copy
-        pipeline_parallel.sum_the_two_copies(chunks, mesh.pp)
+    if cfg.schedule in schedules.TWO_WAY and cfg.pp > 1:  # DualPipe: copy + copy
+        executor.sum_the_two_copies(chunks, mesh.pp)
     if cfg.sp:  # LayerNorm / fc2-bias gradients of row shards: sum over tp first
         tensor_parallel.allreduce_sequence_parallel_grads(chunks, mesh.tp)
     # data parallelism: sum each weight's gradient over its replicas, divide by dp;
@@ -378,7 +370,7 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
     if cfg.router == "sigmoid-bias":  # b of every MoE block against the global load: one
         routing.update_biases(chunks, mesh.dp_cp, cfg.bias_rate)  # Allreduce over dp x cp
     ledger.enabled = False  # reporting the loss is not part of training's traffic
-    if placement.ON:  # no gradient left a partial sum by the syncs above (placement.py);
+    if placement.ON:  # no gradient left a partial sum by the syncs above (placement/__init__.py);
         # every rank learns of any rank's finding, so all stop at this same step
         problem = placement.unsummed_gradient({axis: getattr(mesh, axis).size
                                                for axis in ("dp", "tp", "ep", "edp", "cp")})
@@ -405,7 +397,7 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
     last_ledger = ledger.records(mesh.rank)
     ledger.enabled = False
     gathered = mesh.world.gather(last_ledger)
-    timelines = pipeline_parallel.gather_timeline(mesh.world, timeline)
+    timelines = executor.gather_timeline(mesh.world, timeline)
     memory = updater.memory()  # bytes of params, grads, optimizer state on this rank
     updater.materialize()  # ZeRO-3: gather every parameter whole before reading p.data
     params = [p for chunk in chunks for p in chunk.parameters()]
@@ -416,9 +408,9 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
         disagreements += biases[1]
     if cfg.save:  # every rank writes its shard; rank 0 the manifest, last
         with trace.span("checkpoint save", "checkpoint", folder=cfg.save):
-            checkpoint.save(cfg.save, cfg, mesh, updater, updater.optimizer, cfg.steps,
+            save_load.save(cfg.save, cfg, mesh, updater, updater.optimizer, cfg.steps,
                             losses, keep=cfg.keep, router_bias=biases[0],
-                            run=checkpoint.continued_run(cfg.resume))
+                            run=save_load.continued_run(cfg.resume))
     return RunResult(losses, init, final,
                      [r for rank in gathered for r in rank] if gathered else [],
                      {"replica_disagreements": disagreements,
@@ -448,7 +440,7 @@ def norms_of(updater: Updater) -> list[float]:
 def report_loss(mesh: Mesh, local: float) -> float:
     """The step loss on every rank: stage shares summed over pp, averaged over dp (and cp:
     each cp rank's share is the mean over its positions, the same number of them)."""
-    from minipar.comm import allreduce_sum  # here: comm.py loads mpi4py.MPI
+    from minipar.comm.collectives import allreduce_sum  # here: comm/collectives.py loads mpi4py.MPI
 
     value = allreduce_sum(mesh.pp, np.array([local]))
     return float(allreduce_sum(mesh.dp_cp, value)[0] / mesh.shape.replicas)

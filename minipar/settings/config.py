@@ -12,13 +12,13 @@ import argparse
 import math
 from dataclasses import asdict, dataclass, fields
 
-from minipar.data import corpus_problem
-from minipar.documents import documents_problem
-from minipar.mesh import CP_MODES, MeshShape
-from minipar.nn import GPT_MODELS, ModelConfig
-from minipar.parallel.pipeline_schedules import SCHEDULES, V_SHAPED
-from minipar.refusal import RefusalError
-from minipar.routing import DEFAULT_AUX_COEF, DEFAULT_BIAS_RATE, ROUTERS
+from minipar.comm.mesh import CP_MODES, MeshShape
+from minipar.core.data import corpus_problem
+from minipar.core.documents import documents_problem
+from minipar.core.nn import GPT_MODELS, ModelConfig
+from minipar.core.refusal import RefusalError
+from minipar.core.routing import DEFAULT_AUX_COEF, DEFAULT_BIAS_RATE, ROUTERS
+from minipar.parallel.pipeline.schedules import SCHEDULES, V_SHAPED
 
 MODELS = ("mlp", "moe", *GPT_MODELS)
 MOE_MODELS = ("moe", "gpt-moe")
@@ -64,12 +64,15 @@ class TrainConfig:
     grad_sync: str = "bucketed"       # plain DP's gradient sync (data_parallel.py)
     bucket_size: int = 65536          # elements per gradient bucket
     sp: bool = False
-    save: str | None = None           # checkpoint folder written at the end (checkpoint.py)
+    # checkpoint folder written at the end (checkpoint/save_load.py)
+    save: str | None = None
     resume: str | None = None         # checkpoint folder to start from, on any mesh
-    keep: int = 2                     # --save keeps this many step folders (checkpoint.py)
+    # --save keeps this many step folders (checkpoint/save_load.py)
+    keep: int = 2
     timeout: float = 300.0            # seconds a rank may wait in one call (watchdog.py)
-    inject_bug: str | None = None     # lesson 08: run with one deliberate bug (bugs.py)
-    check_placements: bool = False    # every op checks replicated/sharded/partial (placement.py)
+    inject_bug: str | None = None     # lesson 08: run with one deliberate bug (bugs/catalog.py)
+    # every op checks replicated/sharded/partial (placement/__init__.py)
+    check_placements: bool = False
     vocab: int | None = None          # the transformer's V: default 64, or 256 with --data
     seq_len: int = 32                 # T positions per sequence
     heads: int = 4                    # H attention heads, dividing d_model
@@ -130,7 +133,8 @@ class TrainConfig:
 
 def _dualpipe_problems(cfg: TrainConfig) -> list[str]:
     """DualPipe: two mirrored halves of the pipeline, half the microbatches fed from each
-    end, two copies of the model whose gradients the mirror ranks add (pipeline_v.py)."""
+    end, two copies of the model whose gradients the mirror ranks add
+    (parallel/pipeline/v_schedules.py)."""
     out = []
     if cfg.pp < 2 or cfg.pp % 2:
         out.append(f"--schedule dualpipe needs an even --pp, 2 or more (got {cfg.pp}): ranks "
@@ -430,7 +434,7 @@ def _data_parallel_problems(cfg: TrainConfig) -> list[str]:
 
 
 # ----------------------------------------------------------------- parsing
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse that raises instead of printing, so only rank 0 speaks."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -542,7 +546,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def make_parser(prog: str = "python -m minipar train") -> argparse.ArgumentParser:
-    parser = _Parser(prog=prog, description="Train the reference model on a mesh of ranks.")
+    parser = Parser(prog=prog, description="Train the reference model on a mesh of ranks.")
     add_train_flags(parser)
     return parser
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from minipar.config import TrainConfig
+    from minipar.settings.config import TrainConfig
 
 GiB = 2 ** 30
 NAME_MAX, PATH_MAX = 255, 4096   # Linux's limits on one name and on a whole path
@@ -206,7 +206,7 @@ def trace_problems(folder: str) -> list[str]:
     """Why `--trace folder` cannot be written (trace.py), before the first step: a file in
     the way, a folder this process cannot create files in, or one holding another run's
     trace (its files would be mixed with this run's, and the merged one replaced)."""
-    from minipar.trace import trace_files
+    from minipar.comm.trace import trace_files
 
     found = [f"--trace {message}" for message in folder_problems(folder)]
     if not found and Path(folder).is_dir():
@@ -227,7 +227,7 @@ def lesson_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
     """A lesson's `parser.parse_args()`, with its `--plot DIR` checked at once (a file, a
     read-only folder, a dangling link: `folder_problems`), not after the lesson
     ran: a ConfigError, which `run_collectively` turns into one line from rank 0."""
-    from minipar.config import ConfigError  # the layer below; imported here, when used
+    from minipar.settings.config import ConfigError  # the layer below; imported here, when used
 
     args = parser.parse_args()
     if getattr(args, "plot", None) is not None:

@@ -16,7 +16,7 @@ lessons/ use both:
 
 The rank side of `train` is this module run under mpiexec:
 
-    mpiexec -n 4 python -m minipar.classroom configs.json results.json [--no-reference]
+    mpiexec -n 4 python -m minipar.teaching.classroom configs.json results.json [--no-reference]
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from minipar.config import TrainConfig
-from minipar.memory import ModelStates
-from minipar.train import problems, train_reference
-from minipar.train import train as train_mesh
+from minipar.core.memory import ModelStates
+from minipar.run.train import problems, train_reference
+from minipar.run.train import train as train_mesh
+from minipar.settings.config import TrainConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: minipar/teaching/ -> root
 
 
 def mpiexec() -> str:
@@ -101,7 +101,7 @@ def train(n: int, configs: list[dict], timeout: float = 240, reference: bool = T
     with tempfile.TemporaryDirectory() as folder:
         spec, out = Path(folder) / "configs.json", Path(folder) / "results.json"
         spec.write_text(json.dumps(configs))
-        mpirun(n, "-m", "minipar.classroom", str(spec), str(out),
+        mpirun(n, "-m", "minipar.teaching.classroom", str(spec), str(out),
                *([] if reference else ["--no-reference"]), timeout=timeout, echo=False)
         results = json.loads(out.read_text())
     return [Run(TrainConfig(**r["cfg"]), r["losses"], r["reference"], r["ledger"],
@@ -159,7 +159,7 @@ def run_configs(configs: list[dict], out: Path, reference: bool = True) -> None:
     (with `reference`, beside each the losses of the same run in one process)."""
     from mpi4py import MPI  # here: the notebook side of this file runs without MPI
 
-    from minipar.log import wait_for_rank0
+    from minipar.comm.job import wait_for_rank0
 
     world = MPI.COMM_WORLD
     results = []
@@ -167,7 +167,7 @@ def run_configs(configs: list[dict], out: Path, reference: bool = True) -> None:
         cfg = TrainConfig(**fields).resolved(world.Get_size())
         errors = problems(cfg, world.Get_size())
         if errors:  # every rank finds the same problems: all stop together
-            raise SystemExit(f"minipar.classroom: {fields}: {errors[0]}")
+            raise SystemExit(f"minipar.teaching.classroom: {fields}: {errors[0]}")
         result = train_mesh(cfg, world)
         # each rank's bytes of params, grads and optimizer state -> rank 0 (small objects)
         memory = world.gather(asdict(result.extras["memory"]), root=0)
@@ -184,7 +184,7 @@ def run_configs(configs: list[dict], out: Path, reference: bool = True) -> None:
 
 
 if __name__ == "__main__":
-    from minipar.log import abort_on_exception  # loads mpi4py.MPI: only in a rank process
+    from minipar.comm.job import abort_on_exception  # loads mpi4py.MPI: only in a rank process
 
     # one failing rank stops them all, never a hang; a bad config exits every rank alike
     abort_on_exception(lambda: run_configs(json.loads(Path(sys.argv[1]).read_text()),

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
-from minipar.config import TrainConfig
-from minipar.costmodel import rank_shape
-from minipar.memory import wire_elements
-from minipar.mesh import MeshShape
-from minipar.plan import minipar_workload, plan_of
-from minipar.timemodel import ledger_of, traffic
+from minipar.comm.mesh import MeshShape
+from minipar.core.memory import wire_elements
+from minipar.planner.memory_cost import rank_shape
+from minipar.planner.time_cost import ledger_of, traffic
+from minipar.planner.workloads import minipar_workload, plan_of
+from minipar.settings.config import TrainConfig
 
 # Mesh axis -> the flag that sets its size (edp is dp/ep).
 _AXIS_SIZE = {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "cp": "cp"}
@@ -69,7 +69,7 @@ def sent_per_axis(records: Sequence[dict], sizes: Mapping[str, int]) -> dict[str
 
 
 def predicted_ledgers(cfg: TrainConfig) -> dict[int, dict[tuple[str, str], tuple[int, int]]]:
-    """Every rank's ledger as the formulas predict it (minipar.timemodel, the planner's
+    """Every rank's ledger as the formulas predict it (minipar.planner.time_cost, the planner's
     arithmetic): rank -> (group, op) -> (calls, elements)."""
     workload, plan, mesh = minipar_workload(cfg), plan_of(cfg), cfg.mesh_shape()
     return {rank: ledger_of(traffic(workload, plan, rank_shape(workload, plan,

@@ -30,15 +30,14 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Polygon, Rectangle
 
-from minipar.parallel.pipeline_schedules import (
-    COMPUTE,
+from minipar.parallel.pipeline.instructions import COMPUTE
+from minipar.parallel.pipeline.schedules import (
     SIMULATED_ONLY,
     UNIT_RULE,
-    Simulation,
     bubble_formula,
-    bubble_fraction,
     simulate_schedule,
 )
+from minipar.parallel.pipeline.simulator import Simulation, bubble_fraction
 
 KIND_COLORS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green", "F&B": "tab:purple"}
 KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient (ZB schedules)",

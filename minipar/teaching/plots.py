@@ -3,10 +3,10 @@ Alltoall, and the tour's figures; the shared helper `save` (bytes scaled by `byt
 
 What this file teaches: every number a lesson prints has a shape that is easier
 to see than to read, and three pictures check every strategy: the ledger
-(comm.py) is bytes per mesh axis and operation; ZeRO (Rajbhandari et al. 2020)
+(comm/collectives.py) is bytes per mesh axis and operation; ZeRO (Rajbhandari et al. 2020)
 cuts the bytes of each rank by stage; and a parallel run's loss curve lies on the
 single-process one. How busy each rank was (the pipeline's Gantt chart and bubble,
-the expert load) is drawn by plots_load.py.
+the expert load) is drawn by teaching/load_plots.py.
 
 Every function takes plain data (the records of `RunResult.ledger`,
 `memory.ModelStates`, step losses) and returns a matplotlib `Figure` built without
@@ -28,13 +28,13 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from minipar.byte_units import byte_unit
-from minipar.memory import ModelStates, optimizer_bytes_per_param
-from minipar.nn import canonical_shapes
-from minipar.parallel.pipeline_schedules import replay, simulate_schedule
-from minipar.plots_load import expert_load_figure, gantt_figure
-from minipar.report import RECEIVES, group_sizes, sent_per_axis, wire_bytes
-from minipar.threads import cores
+from minipar.core.byte_units import byte_unit
+from minipar.core.memory import ModelStates, optimizer_bytes_per_param
+from minipar.core.nn import canonical_shapes
+from minipar.core.threads import cores
+from minipar.parallel.pipeline.schedules import replay, simulate_schedule
+from minipar.teaching.ledger_tables import RECEIVES, group_sizes, sent_per_axis, wire_bytes
+from minipar.teaching.load_plots import expert_load_figure, gantt_figure
 
 AXIS_COLORS = {"dp": "tab:blue", "tp": "tab:orange", "pp": "tab:green", "ep": "tab:red",
                "edp": "tab:purple", "cp": "tab:brown", "world": "tab:gray"}

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from minipar.config import TrainConfig
-from minipar.preflight import output_problems
-from minipar.report import group_sizes, sent_per_axis
-from minipar.results import TOLERANCE, max_differences, relative_difference
-from minipar.train import problems, train, train_reference
+from minipar.run.results import TOLERANCE, max_differences, relative_difference
+from minipar.run.train import problems, train, train_reference
+from minipar.settings.config import TrainConfig
+from minipar.settings.preflight import output_problems
+from minipar.teaching.ledger_tables import group_sizes, sent_per_axis
 
 # (title, flags): the source text's strategies in its order, then what it leads to.
 STOPS: list[tuple[str, dict]] = [
@@ -75,7 +75,7 @@ def moved(ledger: list[dict], cfg: TrainConfig) -> str:
 def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI  # here: importing the tour (tests, `--help`) needs no MPI
 
-    from minipar.log import wait_for_rank0
+    from minipar.comm.job import wait_for_rank0
 
     parser = argparse.ArgumentParser(prog="python -m minipar tour")
     parser.add_argument("--plot", metavar="DIR", default=None, help="write figures here")
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{title:<58} [{mesh_name(cfg)}] on the wire {moved(result.ledger, cfg)}; "
                   f"vs one process: loss {loss_diff:.1e}, params rel {rel:.1e}", flush=True)
             if cfg.trace is not None:   # the measured timeline (trace_report.measure)
-                from minipar.trace_report import load, measure
+                from minipar.teaching.trace_report import load, measure
 
                 m = measure(load(cfg.trace))
                 print(f"{'':<5}traced ({cfg.trace}): bubble {m.bubble:.1%}, communication "
@@ -142,12 +142,12 @@ def main(argv: list[str] | None = None) -> int:
               f"minipar: error: the tour failed: worst relative difference {worst:.1e} "
               f"(tolerance {TOLERANCE['float64']:g}), {skipped} stop(s) skipped", flush=True)
         if args.plot:
-            from minipar.plots import tour_figures  # matplotlib loads only with --plot
+            from minipar.teaching.plots import tour_figures  # matplotlib loads only with --plot
 
             folder = tour_figures(Path(args.plot), stops)
             if traced is not None and (traced / "trace.json").exists():
-                from minipar.plots import save
-                from minipar.trace_report import figure, load
+                from minipar.teaching.plots import save
+                from minipar.teaching.trace_report import figure, load
 
                 save(figure(load(traced), "the tour's pipeline stop (dp 2 x pp 4, 1F1B), "
                                           "measured: train --trace"),

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minipar.trace import FILES
+from minipar.comm.trace import FILES
 
 Intervals = list[tuple[int, int]]
 PIPELINE = ("forward", "backward", "backward (B)", "backward (W)", "F&B")
@@ -185,7 +185,7 @@ def iv(event: dict) -> tuple[int, int]:
 def pipeline_bubble(doc: dict) -> float | None:
     """1 - busy / (ranks x T) over the last step's pipeline compute spans, as the
     simulator measures its own timeline; None when the run has no pipeline."""
-    from minipar.parallel.pipeline_simulator import bubble_fraction
+    from minipar.parallel.pipeline.simulator import bubble_fraction
 
     cfg = doc["otherData"]["minipar"]["config"]
     if cfg.get("pp", 1) < 2:
@@ -354,7 +354,7 @@ def simulated(doc: dict) -> dict:
     """The simulator's timeline of the same run in the same format: the schedule played
     with the last step's measured compute times (`pipeline_schedules.replay`, the
     slowest replica of each stage), communication free; one process per stage."""
-    from minipar.parallel.pipeline_schedules import replay
+    from minipar.parallel.pipeline.schedules import replay
 
     info = doc["otherData"]["minipar"]
     cfg = info["config"]
@@ -392,10 +392,10 @@ def simulated(doc: dict) -> dict:
 # ---------------------------------------------------------------- command
 def main(argv: Sequence[str]) -> int:
     """`python -m minipar trace DIR [--plot FILE] [--simulated FILE]` (no MPI)."""
-    from minipar.config import ConfigError, _Parser
-    from minipar.preflight import folder_problems
+    from minipar.settings.config import ConfigError, Parser
+    from minipar.settings.preflight import folder_problems
 
-    parser = _Parser(prog="python -m minipar trace",
+    parser = Parser(prog="python -m minipar trace",
                      description="Where each rank's time went in a --trace run.")
     parser.add_argument("folder", metavar="DIR", help="the --trace DIR of a run")
     parser.add_argument("--plot", metavar="FILE", help="draw the measured Gantt chart (PNG)")

@@ -1,10 +1,11 @@
-"""Lesson 8's bugs (minipar/bugs.py): every injected bug is caught, and without one nothing is.
+"""Lesson 8's bugs (minipar/bugs/catalog.py): every injected bug is caught, and without one nothing
+is.
 
 - Without MPI: the registry (at least 8 bugs, each explained), `python -m minipar
   bugs`, `train.problems` refusing an unknown name and a bug whose strategy the
   mesh does not use (one line naming --inject-bug), accepting each bug's own flags;
   `injected` puts back what it swapped, even after an error.
-- ONE sweep on 4 ranks (tests.mpi.sweep): each bug's run and the correct run of the
+- ONE sweep on 4 ranks (tests.harness.mpi.sweep): each bug's run and the correct run of the
   same mesh against the single-process reference (conftest). Every bug's run fails
   `assert_equivalent` -- the suite would catch it -- except tp-plain-linear, whose
   numbers are right and whose ledger lacks every tp Allreduce; every correct run
@@ -12,7 +13,7 @@
 - The lesson, `--quick` on 4 ranks (one more launch): every bug caught, the replica
   check firing exactly for the bugs that split replicas, the correct runs clean.
 
-    python -m pytest tests/test_bugs.py
+    python -m pytest tests/bugs/test_bugs.py
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from minipar import bugs, nn
 from minipar.__main__ import main
-from minipar.config import TrainConfig, config_from_args, make_parser
-from minipar.train import problems
+from minipar.bugs import catalog, detours
+from minipar.core import nn
+from minipar.run.train import problems
+from minipar.settings.config import TrainConfig, config_from_args, make_parser
 from tests.conftest import assert_equivalent, reference
-from tests.mpi import LESSON_FLAGS, lesson_run, sweep
+from tests.harness.mpi import LESSON_FLAGS, lesson_run, sweep
 
 WORLD = 4
 SMALL = dict(layers=4, d_in=8, d_model=16, batch=16, steps=2)
@@ -40,7 +42,7 @@ SPLITS_REPLICAS = {"tp-copy-to-no-allreduce", "dp-stage-not-synced", "zero-no-al
                    "moe-bias-local-load"}
 
 
-def fields(bug: bugs.Bug, **changes: object) -> dict:
+def fields(bug: catalog.Bug, **changes: object) -> dict:
     """The TrainConfig fields of `bug`'s demo run on the small model."""
     sizes = {"moe": SMALL_MOE, "gpt": SMALL_GPT}.get(bug.flags.get("model"), SMALL)
     return {**sizes, **bug.flags, **changes}
@@ -52,8 +54,8 @@ def ref_of(config: dict) -> object:
 
 # ------------------------------------------------------------ without MPI
 def test_registry_has_at_least_eight_explained_bugs():
-    assert len(bugs.BUGS) >= 8
-    for name, bug in bugs.BUGS.items():
+    assert len(catalog.BUGS) >= 8
+    for name, bug in catalog.BUGS.items():
         assert name == bug.name and re.fullmatch(r"[a-z0-9-]+", name)
         assert bug.strategy in ("dp", "tp", "pp", "ep", "zero", "cp"), name
         assert len(bug.broken) > 30 and len(bug.why) > 60 and bug.requires, name
@@ -62,7 +64,7 @@ def test_registry_has_at_least_eight_explained_bugs():
 def test_bugs_command_lists_every_bug_with_a_command(capsys):
     assert main(["bugs"]) == 0
     out = capsys.readouterr().out
-    for name, bug in bugs.BUGS.items():
+    for name, bug in catalog.BUGS.items():
         assert f"--inject-bug {name} --check" in out and bug.broken in out
 
 
@@ -75,7 +77,7 @@ def config(world: int = WORLD, *flags: str) -> TrainConfig:
 def test_an_unknown_bug_is_refused_in_one_line_naming_the_choices():
     errors = problems(config(WORLD, "--inject-bug", "off-by-one"), WORLD)
     assert len(errors) == 1 and errors[0].startswith("--inject-bug off-by-one")
-    assert all(name in errors[0] for name in bugs.BUGS) and "\n" not in errors[0]
+    assert all(name in errors[0] for name in catalog.BUGS) and "\n" not in errors[0]
 
 
 @pytest.mark.parametrize("flags,name", [
@@ -92,12 +94,12 @@ def test_an_unknown_bug_is_refused_in_one_line_naming_the_choices():
 ])
 def test_a_bug_the_mesh_cannot_show_is_refused(flags, name):
     errors = problems(config(WORLD, *flags, "--inject-bug", name), WORLD)
-    assert errors == [f"--inject-bug {name} needs {bugs.BUGS[name].requires}"]
+    assert errors == [f"--inject-bug {name} needs {catalog.BUGS[name].requires}"]
 
 
-@pytest.mark.parametrize("name", list(bugs.BUGS))
+@pytest.mark.parametrize("name", list(catalog.BUGS))
 def test_each_bug_fits_its_own_flags(name):
-    cfg = TrainConfig(**fields(bugs.BUGS[name], inject_bug=name)).resolved(WORLD)
+    cfg = TrainConfig(**fields(catalog.BUGS[name], inject_bug=name)).resolved(WORLD)
     assert problems(cfg, WORLD) == []
     assert problems(replace(cfg, inject_bug=None), WORLD) == []
 
@@ -106,8 +108,8 @@ def test_injected_puts_the_originals_back_even_after_an_error():
     from minipar.parallel import tensor_parallel
 
     original = tensor_parallel.copy_to
-    with pytest.raises(RuntimeError), bugs.injected("tp-copy-to-no-allreduce"):
-        assert tensor_parallel.copy_to is bugs.copy_to_without_allreduce
+    with pytest.raises(RuntimeError), catalog.injected("tp-copy-to-no-allreduce"):
+        assert tensor_parallel.copy_to is detours.copy_to_without_allreduce
         raise RuntimeError("a failing run")
     assert tensor_parallel.copy_to is original
 
@@ -116,9 +118,9 @@ def test_injected_puts_the_originals_back_even_after_an_error():
 def sweep_configs() -> list[tuple[str, dict]]:
     """(label, fields): each bug's run, its one-step run, and the correct run of each mesh."""
     out, clean = [], {}
-    for name, bug in bugs.BUGS.items():
+    for name, bug in catalog.BUGS.items():
         # the numbers of a broken run, so its placements go unchecked here (a placement
-        # bug would stop it): tests/test_bugs_placement.py checks those
+        # bug would stop it): tests/bugs/test_bugs_placement.py checks those
         out.append((name, fields(bug, inject_bug=name, check_placements=False)))
         out.append((f"{name} one step", fields(bug, inject_bug=name, steps=1,
                                                check_placements=False)))
@@ -134,7 +136,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     return {label: (dump, c) for (label, c), dump in zip(configs, dumps)}
 
 
-@pytest.mark.parametrize("name", [n for n in bugs.BUGS if n != "tp-plain-linear"])
+@pytest.mark.parametrize("name", [n for n in catalog.BUGS if n != "tp-plain-linear"])
 def test_each_bug_fails_the_equivalence_check(runs, name):
     run, config = runs[name]
     with pytest.raises(AssertionError):
@@ -159,7 +161,7 @@ def test_plain_linears_pass_the_equivalence_check_and_the_ledger_catches_them(ru
     run, config = runs["tp-plain-linear"]
     assert_equivalent(run, ref_of(config), label="plain linears compute the right numbers")
     correct = next(r for label, (r, c) in runs.items()
-                   if label.startswith("correct") and c == fields(bugs.BUGS["tp-plain-linear"]))
+                   if label.startswith("correct") and c == fields(catalog.BUGS["tp-plain-linear"]))
     rows = SMALL["batch"] // (WORLD // 2)                 # B/dp rows, M = 1
     blocks = SMALL["layers"]
     assert tp_allreduces(correct) == {r: (2 * blocks, 2 * blocks * rows * SMALL["d_model"])
@@ -204,7 +206,7 @@ def test_lesson_08_catches_every_bug_and_passes_every_correct_run():
     job, folder = lesson_run(WORLD, "08_bugs.py", "--quick", *LESSON_FLAGS["08_bugs.py"])
     assert job.returncode == 0 and not job.timed_out, job.explain()   # test_lessons' run
     found = json.loads((folder / "findings.json").read_text())
-    assert set(found) == set(bugs.BUGS)
+    assert set(found) == set(catalog.BUGS)
     for name, result in found.items():
         assert result["caught_by"], f"{name} was not caught"
         assert ("replicas" in result["caught_by"]) == (name in SPLITS_REPLICAS), name
@@ -212,7 +214,7 @@ def test_lesson_08_catches_every_bug_and_passes_every_correct_run():
         assert result["correct_replicas"] == [], name
         assert f"{name} [" in job.stdout and name in job.stdout
         # the placements column: a placement error is stopped, a bug about values is not
-        assert ("placements" in result["caught_by"]) == (not bugs.BUGS[name].unseen), name
+        assert ("placements" in result["caught_by"]) == (not catalog.BUGS[name].unseen), name
     assert found["tp-plain-linear"]["caught_by"] == ["ledger", "memory"]
     assert "caught by: NOTHING" not in job.stdout
 
@@ -220,6 +222,6 @@ def test_lesson_08_catches_every_bug_and_passes_every_correct_run():
 def test_every_bug_says_where_it_shipped_or_that_it_is_plausible():
     """Each bug cites a public issue or pull request (owner/repo#N) of a real project, or
     says plainly that no shipped case was found."""
-    for bug in bugs.BUGS.values():
+    for bug in catalog.BUGS.values():
         cited = re.search(r"\b[\w.-]+/[\w.-]+#\d+", bug.seen)
         assert cited or bug.seen.startswith("plausible"), (bug.name, bug.seen)

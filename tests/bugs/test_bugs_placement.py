@@ -1,4 +1,4 @@
-"""Placement checking against lesson 8's bugs (minipar/bugs.py): every bug that is a
+"""Placement checking against lesson 8's bugs (minipar/bugs/catalog.py): every bug that is a
 placement error is stopped in its first step with one line naming the tensor, the
 axis and the model line (or, for a gradient left partial, the parameter); every bug
 about values runs through, as its `unseen` says it must. One 4-rank job."""
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from minipar.bugs import BUGS
-from tests.mpi import launch, minipar
+from minipar.bugs.catalog import BUGS
+from tests.harness.mpi import launch, minipar
 
 WORLD = 4
 PLACEMENT_BUGS = [name for name, bug in BUGS.items() if not bug.unseen]
@@ -19,7 +19,7 @@ PLACEMENT_BUGS = [name for name, bug in BUGS.items() if not bug.unseen]
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory) -> dict[str, str | None]:
     out = tmp_path_factory.mktemp("bugs_placement") / "found.json"
-    job = launch(WORLD, ["-m", "tests.rank_bugs_placement", str(out)], timeout=240)
+    job = launch(WORLD, ["-m", "tests.harness.rank_bugs_placement", str(out)], timeout=240)
     assert job.returncode == 0 and not job.timed_out, job.explain()
     return json.loads(out.read_text())
 
@@ -50,7 +50,7 @@ def test_the_lines_name_where_each_bug_is_made(stopped):
     assert "[at minipar/parallel/vocab_parallel.py:" in stopped["tp-vocab-loss-no-max"]
     assert "blocks.0.attn.k output is sharded along dim 1 over cp" in stopped["cp-no-allgather"]
     assert "an Allgather of K and V along T is missing" in stopped["cp-no-allgather"]
-    assert "[at minipar/bugs_detours.py:" in stopped["cp-no-allgather"]   # the broken line
+    assert "[at minipar/bugs/detours.py:" in stopped["cp-no-allgather"]   # the broken line
     assert ("ZeRO's flat vector of the dense parameters is sharded along dim 0 over dp; "
             "the next forward needs it replicated (an Allgather is missing)"
             in stopped["zero-no-allgather"])

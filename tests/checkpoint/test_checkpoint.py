@@ -7,7 +7,7 @@ steps of one process (float64, relative 1e-9) for every pair of meshes built
 in this tree, and `python -m minipar reshard` moves a checkpoint between meshes
 without changing a bit.
 
-    python -m pytest tests/test_checkpoint.py
+    python -m pytest tests/checkpoint/test_checkpoint.py
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minipar import checkpoint, nn, shards
-from minipar.config import TrainConfig
-from minipar.optim import Adam
+from minipar.checkpoint import save_load, shard_files, step_folders
+from minipar.core import nn, shards
+from minipar.core.optim import Adam
+from minipar.settings.config import TrainConfig
 from tests.conftest import assert_equivalent, reference
-from tests.mpi import minipar, sweep
+from tests.harness.mpi import minipar, sweep
 
 MODELS = {
     "mlp": {"layers": 4, "d_model": 16, "d_in": 8, "batch": 16, "optimizer": "adam",
@@ -118,8 +119,8 @@ def two_rank_shards(folder: Path, cfg: TrainConfig) -> dict[str, np.ndarray]:
             elif rank == 0:
                 pieces.append(nn.Parameter(value, name))
         state = {"m": [2 * p.data for p in pieces], "v": [p.data ** 2 for p in pieces]}
-        entries.append(checkpoint.write_shard(folder, rank, 2, pieces, state, {"step": 3}))
-    checkpoint.write_manifest(folder, cfg, step=3, optimizer_t=3, entries=entries,
+        entries.append(shard_files.write_shard(folder, rank, 2, pieces, state, {"step": 3}))
+    shard_files.write_manifest(folder, cfg, step=3, optimizer_t=3, entries=entries,
                               losses=[2.5, 2.25, 2.0])
     return full
 
@@ -127,16 +128,16 @@ def two_rank_shards(folder: Path, cfg: TrainConfig) -> dict[str, np.ndarray]:
 def test_index_survives_json():
     for index in [None, (slice(None), slice(4, 8)), (slice(np.int64(2), 6),),
                   (3, slice(0, 2, 1))]:
-        spec = json.loads(json.dumps(checkpoint.encode_index(index)))
+        spec = json.loads(json.dumps(shard_files.encode_index(index)))
         expect = (Ellipsis,) if index is None else index
-        assert checkpoint.decode_index(spec) == expect
+        assert shard_files.decode_index(spec) == expect
 
 
 def test_shards_assemble_into_full_arrays_and_slice_for_another_mesh(tmp_path):
     cfg = small_config()
     full = two_rank_shards(tmp_path, cfg)
-    assert checkpoint.verify(tmp_path) == []
-    saved = checkpoint.load(tmp_path)
+    assert shard_files.verify(tmp_path) == []
+    saved = save_load.load(tmp_path)
     assert saved.step == 3 and saved.optimizer_t == 3
     assert list(saved.params) == list(full)
     for name, value in full.items():
@@ -150,7 +151,7 @@ def test_shards_assemble_into_full_arrays_and_slice_for_another_mesh(tmp_path):
     params = [nn.Parameter(saved.params[name][index], name, full_index=index),
               nn.Parameter(saved.params["head.bias"], "head.bias")]
     optimizer = Adam(0.01)
-    assert checkpoint.restore_optimizer(optimizer, params, saved) == 3 and optimizer.t == 3
+    assert save_load.restore_optimizer(optimizer, params, saved) == 3 and optimizer.t == 3
     assert np.array_equal(optimizer.m[0], 2 * full[name][index])
     assert np.array_equal(optimizer.v[0], full[name][index] ** 2)
     assert np.array_equal(optimizer.m[1], 2 * full["head.bias"])
@@ -188,16 +189,16 @@ def test_a_shard_missing_from_the_manifest_leaves_arrays_incomplete(tmp_path):
     cfg = small_config()
     two_rank_shards(tmp_path, cfg)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    del manifest["files"][checkpoint.shard_name(1, 2)]
-    (tmp_path / "manifest.json").write_text(json.dumps(checkpoint.seal(manifest)))
-    errors = checkpoint.verify(tmp_path)                     # what is listed is intact ...
+    del manifest["files"][shard_files.shard_name(1, 2)]
+    (tmp_path / "manifest.json").write_text(json.dumps(shard_files.seal(manifest)))
+    errors = shard_files.verify(tmp_path)                     # what is listed is intact ...
     assert len(errors) == 1 and "no shard holds all of" in errors[0], errors
-    with pytest.raises(checkpoint.CheckpointError, match="fc1.weight"):
-        checkpoint.load(tmp_path)                            # ... but half of fc1 is nowhere
+    with pytest.raises(shard_files.CheckpointError, match="fc1.weight"):
+        save_load.load(tmp_path)                            # ... but half of fc1 is nowhere
 
 
 def corrupt(folder: Path, how: str) -> None:
-    shard = folder / checkpoint.shard_name(1, 2)
+    shard = folder / shard_files.shard_name(1, 2)
     manifest = folder / "manifest.json"
     if how == "truncated":
         shard.write_bytes(shard.read_bytes()[:-100])
@@ -234,7 +235,7 @@ def edit(path: Path, what: str, reseal: bool) -> None:
         manifest["config"]["dtype"] = "float32"
     elif what == "a file name":
         manifest["files"]["../../etc/passwd"] = manifest["files"].popitem()[1]
-    path.write_text(json.dumps(checkpoint.seal(manifest) if reseal else manifest))
+    path.write_text(json.dumps(shard_files.seal(manifest) if reseal else manifest))
 
 
 REFUSALS = {"truncated": "truncated", "tampered": "sha256", "shard missing": "missing",
@@ -252,7 +253,7 @@ REFUSALS = {"truncated": "truncated", "tampered": "sha256", "shard missing": "mi
 def test_a_damaged_checkpoint_is_refused(tmp_path, how):
     two_rank_shards(tmp_path, small_config())
     corrupt(tmp_path, how)
-    errors = checkpoint.verify(tmp_path)
+    errors = shard_files.verify(tmp_path)
     assert errors and REFUSALS[how] in errors[0], errors
     assert all("\n" not in e and e.startswith(str(tmp_path)) for e in errors)
 
@@ -260,19 +261,19 @@ def test_a_damaged_checkpoint_is_refused(tmp_path, how):
 def test_a_damaged_checkpoint_cannot_be_loaded_either(tmp_path):
     two_rank_shards(tmp_path, small_config())
     edit(tmp_path / "manifest.json", "the dtype", reseal=True)
-    with pytest.raises(checkpoint.CheckpointError, match="as float64"):
-        checkpoint.load(tmp_path)
+    with pytest.raises(shard_files.CheckpointError, match="as float64"):
+        save_load.load(tmp_path)
 
 
 def test_atomic_write_keeps_the_old_file_when_the_rename_never_happens(tmp_path, monkeypatch):
     target = tmp_path / "file.bin"
-    checkpoint.atomic_write(target, b"old contents")
+    step_folders.atomic_write(target, b"old contents")
 
     def crash(*args: object) -> None:
         raise OSError("power cut")
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError):
-        checkpoint.atomic_write(target, b"new contents")
+        step_folders.atomic_write(target, b"new contents")
     assert target.read_bytes() == b"old contents"
 
 
@@ -347,7 +348,7 @@ def test_zero_saves_each_number_once_in_boxes_that_cut_rows(resumed):
     for i, (model, mesh, *_) in enumerate(RUNNABLE):
         if not mesh.get("zero"):
             continue
-        pieces = saved_pieces(checkpoint.resolve(root / f"pair{i}"))
+        pieces = saved_pieces(shard_files.resolve(root / f"pair{i}"))
         shapes = nn.canonical_shapes(TrainConfig(**MODELS[model]).resolved(1).model_config())
         assert sum(size for *_, size in pieces) == sum(
             int(np.prod(shape)) for shape in shapes.values()), mesh
@@ -361,20 +362,20 @@ def test_zero_saves_each_number_once_in_boxes_that_cut_rows(resumed):
 
 def test_resharded_checkpoint_holds_the_same_bits_and_continues(resumed):
     root, runs = resumed
-    original, full = checkpoint.load(root / "pair0"), checkpoint.load(root / "full")
-    assert [p.name for p in sorted(checkpoint.resolve(root / "full").glob("shard-*"))] == [
+    original, full = save_load.load(root / "pair0"), save_load.load(root / "full")
+    assert [p.name for p in sorted(shard_files.resolve(root / "full").glob("shard-*"))] == [
         "shard-00000-of-00001.npz"]
     assert full.step == original.step == 2
     for name, value in original.params.items():
         assert np.array_equal(full.params[name], value), name
         for slot in ("m", "v"):
             assert np.array_equal(full.state[slot][name], original.state[slot][name])
-    moved_folder = checkpoint.resolve(root / "moved")   # reshard writes a step folder too
+    moved_folder = shard_files.resolve(root / "moved")   # reshard writes a step folder too
     assert moved_folder.name == "step-000002"
     moved = json.loads((moved_folder / "manifest.json").read_text())
     assert moved["mesh"]["world"] == 2 and len(moved["files"]) == 2
     if moved["mesh"]["tp"] == 2:   # each tp rank wrote its own columns of every fc1
-        with np.load(moved_folder / checkpoint.shard_name(1, 2)) as shard:
+        with np.load(moved_folder / shard_files.shard_name(1, 2)) as shard:
             pieces = json.loads(shard["meta"].item())["pieces"]
         assert any(p["name"].endswith("fc1.weight") and p["index"] for p in pieces)
     first, second = runs[0][0], runs["reshard"][0]

@@ -8,7 +8,7 @@ seconds, `latest` still names step 2, it verifies, and a run resumes from it.
 Two jobs saving into one folder at once: the second is refused before its first
 step. Without MPI: the lock, the switch, `--keep` and the debris of dead saves.
 
-    python -m pytest tests/test_save_failures.py
+    python -m pytest tests/checkpoint/test_save_failures.py
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from minipar import checkpoint
-from minipar import checkpoint_folder as folders
-from tests.mpi import ROOT, launch, minipar, mpiexec, rank_env
+from minipar.checkpoint import save_load, shard_files
+from minipar.checkpoint import step_folders as folders
+from tests.harness.mpi import ROOT, launch, minipar, mpiexec, rank_env
 
 SMALL = ["--layers", "2", "--d-model", "16", "--d-in", "8", "--batch", "16",
          "--optimizer", "adam", "--dp", "2"]
@@ -35,21 +35,21 @@ SMALL = ["--layers", "2", "--d-model", "16", "--d-in", "8", "--batch", "16",
 def save_two_steps(folder: Path) -> None:
     job = minipar(2, ["train", *SMALL, "--steps", "2", "--save", str(folder)], 60)
     assert job.returncode == 0 and not job.timed_out, job.explain()
-    assert checkpoint.resolve(folder).name == "step-000002"
+    assert shard_files.resolve(folder).name == "step-000002"
 
 
 def faulty_save(folder: Path, spec: str) -> tuple[object, float]:
     """Resume from `folder` and save step 4 into it, with the fault `spec` injected."""
     start = time.monotonic()
-    job = launch(2, ["-m", "tests.rank_faults", "fault", spec, "train", *SMALL, "--steps", "4",
+    job = launch(2, ["-m", "tests.harness.rank_faults", "fault", spec, "train", *SMALL, "--steps", "4",
                      "--resume", str(folder), "--save", str(folder)], 60)
     return job, time.monotonic() - start
 
 
 def assert_step_two_survived(folder: Path) -> None:
-    assert checkpoint.verify(folder) == []
-    assert checkpoint.resolve(folder).name == "step-000002"
-    assert checkpoint.load(folder).step == 2
+    assert shard_files.verify(folder) == []
+    assert shard_files.resolve(folder).name == "step-000002"
+    assert save_load.load(folder).step == 2
     assert [p.name for p in folder.glob("step-*")] == ["step-000002"]   # no half switch
 
 
@@ -69,7 +69,7 @@ def test_a_save_cut_short_keeps_the_previous_checkpoint(tmp_path, spec):
         job = minipar(2, ["train", *SMALL, "--steps", "3", "--resume", str(folder),
                           "--save", str(folder)], 60)
         assert job.returncode == 0, job.explain()
-        assert checkpoint.resolve(folder).name == "step-000003"
+        assert shard_files.resolve(folder).name == "step-000003"
         assert not list(folder.glob(".staging-*"))
         assert sorted(p.name for p in folder.glob("step-*")) == ["step-000002", "step-000003"]
 
@@ -80,7 +80,7 @@ def test_ctrl_c_during_the_save_keeps_the_previous_checkpoint(tmp_path):
     folder = tmp_path / "ckpt"
     save_two_steps(folder)
     job = subprocess.Popen(
-        [mpiexec(), "-n", "2", sys.executable, "-m", "tests.rank_faults", "fault", "slowsave:0:5",
+        [mpiexec(), "-n", "2", sys.executable, "-m", "tests.harness.rank_faults", "fault", "slowsave:0:5",
          "train", *SMALL, "--steps", "4", "--resume", str(folder), "--save", str(folder)],
         cwd=ROOT, env=rank_env(60), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True)
@@ -130,7 +130,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(small_disk):
 def test_two_jobs_saving_into_one_folder_the_second_is_refused(tmp_path):
     folder = tmp_path / "ckpt"
     first = subprocess.Popen(
-        [mpiexec(), "-n", "2", sys.executable, "-m", "tests.rank_faults", "fault",
+        [mpiexec(), "-n", "2", sys.executable, "-m", "tests.harness.rank_faults", "fault",
          "slowsave:0:6", "train", *SMALL, "--steps", "2", "--save", str(folder)],
         cwd=ROOT, env=rank_env(60), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True)
@@ -147,7 +147,7 @@ def test_two_jobs_saving_into_one_folder_the_second_is_refused(tmp_path):
     lines = [line for line in second.stderr.splitlines() if line.strip()]
     assert second.returncode == 2 and len(lines) == 1, second.explain()
     assert "another job is saving here" in lines[0] and "step" not in second.stdout
-    assert checkpoint.verify(folder) == [] and checkpoint.load(folder).step == 2
+    assert shard_files.verify(folder) == [] and save_load.load(folder).step == 2
     assert not (folder / folders.LOCK).exists()      # released when the first job ended
 
 
@@ -204,5 +204,5 @@ def test_the_lock_refuses_a_live_owner_and_takes_over_a_dead_one(tmp_path):
 def test_latest_pointing_nowhere_is_one_line(tmp_path):
     for content, expected in (("step-000007", "missing"), ("../../etc", "not a step folder")):
         (tmp_path / folders.LATEST).write_text(content)
-        errors = checkpoint.verify(tmp_path)
+        errors = shard_files.verify(tmp_path)
         assert len(errors) == 1 and expected in errors[0], errors

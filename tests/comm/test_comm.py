@@ -1,4 +1,4 @@
-"""The autograd collectives and the ledger (minipar/comm.py).
+"""The autograd collectives and the ledger (minipar/comm/collectives.py).
 
 Conjugate pairs, checked THROUGH the collective on 1, 2, 3, 4 and 8 ranks: every
 rank holds its own input x_r and weights c_r, the loss is a sum over ranks of
@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.rank_tests import RANK_COUNTS, agree, suite_report
+from tests.harness.rank_tests import RANK_COUNTS, agree, suite_report
 
-COMM_PY = Path(__file__).resolve().parent.parent / "minipar" / "comm.py"
+COMM_PY = Path(__file__).resolve().parents[2] / "minipar" / "comm" / "collectives.py"
 FIRST_LINE = re.compile(r"^Forward: (?P<forward>.+?)\. Backward: (?P<backward>.+?)\.$")
 # the words a docstring may use for a direction -> the ledger op it sends (None: nothing)
 DIRECTION_OPS = {"identity": None, "split": None, "Allreduce": "Allreduce",
@@ -48,7 +48,7 @@ def direction_op(text: str) -> str | None:
 
 # ------------------------------------------------------------ tests without MPI
 def autograd_collectives() -> dict[str, str]:
-    """Every function of comm.py that builds a tape node (calls Tensor.from_op), and
+    """Every function of comm/collectives.py that builds a tape node (calls Tensor.from_op), and
     its docstring, read from the source (the pytest process never imports mpi4py.MPI)."""
     tree = ast.parse(COMM_PY.read_text())
     found = {}
@@ -76,12 +76,12 @@ def test_docstring_check_rejects_a_one_sided_line():
 
 @pytest.mark.parametrize("n", RANK_COUNTS)
 def test_conjugate_pairs_forward_and_backward_through_the_collective(n):
-    suite_report(n).assert_passed("tests.test_comm:check_conjugate_pairs")
+    suite_report(n).assert_passed("tests.comm.test_comm:check_conjugate_pairs")
 
 
 @pytest.mark.parametrize("n", RANK_COUNTS)
 def test_ledger_records_every_group_method(n):
-    suite_report(n).assert_passed("tests.test_comm:check_ledger_records")
+    suite_report(n).assert_passed("tests.comm.test_comm:check_ledger_records")
 
 
 # ------------------------------------------------------ rank side: the pairs
@@ -104,7 +104,7 @@ def a2a_counts(i: int, j: int) -> int:
 
 
 def cases(size: int, me: int) -> list[Case]:
-    from minipar import comm as c
+    from minipar.comm import collectives as c
 
     send = np.array([a2a_counts(me, j) for j in range(size)])
     recv = np.array([a2a_counts(i, me) for i in range(size)])
@@ -145,7 +145,7 @@ def weights(case: Case, shape: tuple[int, ...], world_rank: int, group_leader: i
 
 
 def local_loss(case: Case, group: object, x: np.ndarray, c: np.ndarray) -> float:
-    from minipar.autograd import Tensor
+    from minipar.core.autograd import Tensor
 
     y = case.call(Tensor(x), group).data
     return float(np.sum(c * np.tanh(y)))
@@ -156,7 +156,7 @@ def check_case(case: Case, index: int, group: object, helper: object, referee: o
     """Forward value, ledger records, and gradient by finite differences of one pair.
     `helper` is the same communicator as `group` with a ledger of its own (for the
     test's own traffic), `referee` the whole world."""
-    from minipar import autograd as ag
+    from minipar.core import autograd as ag
 
     me_world = referee.rank
     members = helper.allgather(me_world)  # world ranks of my group, in group order
@@ -185,7 +185,7 @@ def check_ledger_of_pair(case: Case, group: object, x: np.ndarray, y: np.ndarray
                          forward: dict, backward: dict) -> list[str]:
     """The ops the docstring names, with docs/design.md's sizes (Allreduce and Allgather count
     the result, Reduce_scatter and Alltoallv what goes in); nothing on a group of one."""
-    from minipar import comm
+    from minipar.comm import collectives as comm
 
     match = FIRST_LINE.match(getattr(comm, case.name).__doc__.splitlines()[0])
     problems = []
@@ -233,7 +233,7 @@ def check_conjugate_pairs(comm):
     when the world is odd), and on a group of one."""
     from mpi4py import MPI
 
-    from minipar.comm import Group, Ledger
+    from minipar.comm.collectives import Group, Ledger
 
     referee = Group(comm, "referee", Ledger())
     splits = [("world", comm), ("self", MPI.COMM_SELF)]
@@ -322,7 +322,7 @@ def ledger_cases(group: object) -> list[tuple[str, object, tuple[str, int, int]]
 def check_ledger_records(comm):
     """Each Group method, alone on a fresh ledger, leaves exactly one record of the
     expected (op, group, calls, elements, bytes); the totals and the records() format."""
-    from minipar.comm import Group, Ledger
+    from minipar.comm.collectives import Group, Ledger
 
     ledger = Ledger()
     group = Group(comm, "tp", ledger)

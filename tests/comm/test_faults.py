@@ -5,12 +5,12 @@ for all (`minipar.__main__.run`); a rank killed by SIGKILL gets no chance to say
 anything, and the launcher must end the others. Either way: a non-zero exit
 within 30 s, the failing rank named.
 A loss that becomes NaN or infinite stops every rank at the same step with one
-line naming it. (A save cut short: tests/test_save_failures.py.) And the same
+line naming it. (A save cut short: tests/checkpoint/test_save_failures.py.) And the same
 command run twice gives the same bits.
 
-The failures are injected by `tests/rank_faults.py` (the library has no hooks).
+The failures are injected by `tests/harness/rank_faults.py` (the library has no hooks).
 
-    python -m pytest tests/test_faults.py
+    python -m pytest tests/comm/test_faults.py
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.mpi import launch, minipar, train_dump
+from tests.harness.mpi import launch, minipar, train_dump
 
 SMALL = ["--layers", "2", "--d-model", "16", "--d-in", "8", "--batch", "16"]
 
@@ -29,7 +29,7 @@ SMALL = ["--layers", "2", "--d-model", "16", "--d-in", "8", "--batch", "16"]
 def faulty(n: int, spec: str, args: list[str]) -> tuple[object, float]:
     """Run `python -m minipar ARGS` on n ranks with one rank failing as `spec` says."""
     start = time.monotonic()
-    job = launch(n, ["-m", "tests.rank_faults", "fault", spec, *args], timeout=60)
+    job = launch(n, ["-m", "tests.harness.rank_faults", "fault", spec, *args], timeout=60)
     return job, time.monotonic() - start
 
 

@@ -1,7 +1,7 @@
 """The flight recorder: every hang ends with a verdict naming the ranks, the call and the line.
 
-Each injected hang (minipar/bugs_hangs.py) runs on 4 ranks with `--timeout 2` (the
-pipeline's in lesson 15's run, which tests/test_lessons.py makes anyway): the
+Each injected hang (minipar/bugs/hangs.py) runs on 4 ranks with `--timeout 2` (the
+pipeline's in lesson 15's run, which tests/teaching/test_lessons.py makes anyway): the
 watchdog's one line must end with the verdict, which names the right ranks, op,
 axis and file:line, and every rank's dump must be in the --flight folder. A rank
 that leaves on its own, and one frozen (SIGSTOP: it cannot write), are named too. A clean run's
@@ -9,7 +9,7 @@ records agree with its ledger, call for call; a SIGUSR1 dumps a live job. The
 verdict's logic is also tested on small hand-made dumps (no MPI), and bad input is
 one line and exit 2.
 
-    python -m pytest tests/test_flight.py
+    python -m pytest tests/comm/test_flight.py
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from minipar import flight
-from minipar.bugs_hangs import HANGS
-from minipar.flight_report import FlightError, load, ranks_text, table, verdict
-from tests.mpi import ROOT, launch, lesson_run, read_dump
+from minipar.bugs.hangs import HANGS
+from minipar.comm import flight
+from minipar.comm.flight_report import FlightError, load, ranks_text, table, verdict
+from tests.harness.mpi import ROOT, launch, lesson_run, read_dump
 
 SMALL = ["--layers", "2", "--d-model", "16", "--d-in", "8", "--batch", "16", "--steps", "1"]
 TIMEOUT = 2
@@ -73,7 +73,8 @@ def test_a_hang_ends_with_the_verdict_and_every_rank_dumps(name, tmp_path):
 
 
 def test_the_pipeline_hang_of_lesson_15_ends_with_its_verdict_and_every_dump():
-    job, _ = lesson_run(4, "15_hangs.py", "--quick")   # the run tests/test_lessons.py makes
+    # the run tests/teaching/test_lessons.py makes
+    job, _ = lesson_run(4, "15_hangs.py", "--quick")
     assert job.returncode == 0 and not job.timed_out, job.explain()
     block = job.stdout.split(f"2.1 {LESSON_HANG} ", 1)[1]
     line = next(x for x in block.splitlines() if x.strip().startswith("minipar: error: "
@@ -94,7 +95,7 @@ def test_the_pipeline_hang_of_lesson_15_ends_with_its_verdict_and_every_dump():
 ])
 def test_a_rank_that_leaves_or_freezes_is_named(tmp_path, mode, names):
     folder = tmp_path / "flight"
-    job = launch(4, ["-m", "tests.rank_faults", "fault", f"{mode}:2:1", "train", *SMALL,
+    job = launch(4, ["-m", "tests.harness.rank_faults", "fault", f"{mode}:2:1", "train", *SMALL,
                      "--dp", "4", "--timeout", str(TIMEOUT), "--flight", str(folder)],
                  timeout=60)
     assert not job.timed_out and job.returncode != 0, job.explain()
@@ -114,7 +115,7 @@ CLEAN = [{"dp": 2, "tp": 2, "microbatches": 2, "layers": 2, "d_model": 16, "d_in
 def test_a_clean_runs_records_agree_with_its_ledger_and_a_signal_dumps_a_live_job(tmp_path):
     spec = tmp_path / "configs.json"
     spec.write_text(json.dumps(CLEAN))
-    job = launch(4, ["-m", "tests.rank_flight", str(spec), str(tmp_path)], timeout=120)
+    job = launch(4, ["-m", "tests.harness.rank_flight", str(spec), str(tmp_path)], timeout=120)
     assert job.returncode == 0 and not job.timed_out, job.explain()
     signalled = load(tmp_path / "signalled")
     assert list(signalled) == [0] and signalled[0]["reason"] == "SIGUSR1"

@@ -1,8 +1,8 @@
 """Several hosts: the README's recipe run across simulated hosts, over TCP, not memory.
 
 Two hosts (a, b) and a head node are network namespaces on one bridge
-(`tests/netns.py`); `mpiexec` runs on the head node and reaches the hosts through
-`tests/netns_ssh`, the ssh stand-in. Each job prints where its ranks ran, and the
+(`tests/harness/netns.py`); `mpiexec` runs on the head node and reaches the hosts through
+`tests/harness/netns_ssh`, the ssh stand-in. Each job prints where its ranks ran, and the
 bytes each host's card moved are read from the kernel's counters around it:
 
 - 8 MiB sent from a rank on a to a rank on b cross both cards, and MPI says which
@@ -17,7 +17,7 @@ bytes each host's card moved are read from the kernel's counters around it:
 
 Skipped, with the reason, where namespaces cannot be made (not root, no `ip`).
 
-    make hosts-test            # or: sudo .venv/bin/python -m pytest -q tests/test_hosts.py
+    make hosts-test            # or: sudo .venv/bin/python -m pytest -q tests/comm/test_hosts.py
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.mpi import ROOT, Job, mpiexec, read_dump
-from tests.netns import (
+from tests.harness.mpi import ROOT, Job, mpiexec, read_dump
+from tests.harness.netns import (
     SimulatedHosts,
     kill_everything_in,
     our_links,
@@ -45,7 +45,7 @@ from tests.netns import (
     remove_leftovers,
     why_not,
 )
-from tests.trace_checks import check_trace
+from tests.harness.trace_checks import check_trace
 
 REASON = why_not()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -77,10 +77,10 @@ class HostJob:
 
 def run_on(cluster: SimulatedHosts, n: int, args: list[str], slots: list[int] | None,
            network: dict[str, str] = UCX, timeout: float = 90) -> HostJob:
-    """`mpiexec -hosts ... -n n python -m tests.rank_hosts ARGS` from the head node,
+    """`mpiexec -hosts ... -n n python -m tests.harness.rank_hosts ARGS` from the head node,
     killed (with everything on the hosts) if it outlives `timeout` seconds."""
     cmd = [*cluster.mpiexec(mpiexec(), slots), "-n", str(n), sys.executable,
-           "-m", "tests.rank_hosts", *args]
+           "-m", "tests.harness.rank_hosts", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                MKL_NUM_THREADS="1", MPIEXEC_TIMEOUT=str(int(timeout)), PYTHONPATH=str(ROOT),
                PYTHONFAULTHANDLER="1", **cluster.environment())
@@ -264,7 +264,7 @@ def test_a_failed_or_stopped_run_leaves_nothing_behind(how):
             "SIGTERM": "os.kill(os.getpid(), signal.SIGTERM)",
             "SIGKILL": "os.kill(os.getpid(), signal.SIGKILL)"}[how]
     child = subprocess.run([sys.executable, "-c", (
-        "import os, signal, subprocess, time\nfrom tests.netns import SimulatedHosts\n"
+        "import os, signal, subprocess, time\nfrom tests.harness.netns import SimulatedHosts\n"
         "with SimulatedHosts(2) as hosts:\n"
         "    subprocess.Popen(['ip', 'netns', 'exec', hosts.netns(0), 'sleep', '600'],\n"
         "                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"

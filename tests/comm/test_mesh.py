@@ -1,4 +1,4 @@
-"""The process grid (minipar/mesh.py): the pure table, the command that prints it, and
+"""The process grid (minipar/comm/mesh.py): the pure table, the command that prints it, and
 the communicators `Mesh` builds from it under MPI.
 
 The expected groups are written out here from the layout rule alone (tp fastest,
@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from minipar.mesh import AXES, MeshShape
-from tests.mpi import ROOT
-from tests.rank_tests import RANK_COUNTS, agree, suite_report
+from minipar.comm.mesh import AXES, MeshShape
+from tests.harness.mpi import ROOT
+from tests.harness.rank_tests import RANK_COUNTS, agree, suite_report
 
 
 def factorizations(world: int) -> list[tuple[int, int, int]]:
@@ -198,14 +198,14 @@ def test_a_mesh_that_does_not_fit_is_refused_in_one_line(args, words):
 # -------------------------------------------------------------- under MPI
 @pytest.mark.parametrize("n", RANK_COUNTS)
 def test_mesh_communicators_agree_with_the_table(n):
-    suite_report(n).assert_passed("tests.test_mesh:check_mesh_communicators")
+    suite_report(n).assert_passed("tests.comm.test_mesh:check_mesh_communicators")
 
 
 def check_mesh_communicators(comm):
     """For every mesh of this world size, each rank's communicator on every axis holds
     exactly the world ranks of its group in the pure table, in coordinate order."""
-    from minipar.comm import Group, Ledger
-    from minipar.mesh import Mesh
+    from minipar.comm.collectives import Group, Ledger
+    from minipar.comm.mesh import Mesh
 
     world = Group(comm, "world", Ledger())
     problems = []

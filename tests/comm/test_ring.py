@@ -1,4 +1,4 @@
-"""Hand-written ring and pairwise collectives (minipar/ring.py) against MPI's own.
+"""Hand-written ring and pairwise collectives (minipar/comm/ring.py) against MPI's own.
 
 On 1, 2, 3, 4 and 8 ranks, for buffers whose sizes do and do not divide by the
 number of ranks (including fewer elements than ranks), each hand-written
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.rank_tests import RANK_COUNTS, agree, suite_report
+from tests.harness.rank_tests import RANK_COUNTS, agree, suite_report
 
 SIZES = (1, 5, 7, 8, 13, 64, 1001)  # elements per buffer: odd, even, fewer than ranks
 CHECKS = ("check_ring_allreduce", "check_ring_reduce_scatter", "check_ring_allgather",
@@ -25,7 +25,7 @@ CHECKS = ("check_ring_allreduce", "check_ring_reduce_scatter", "check_ring_allga
 @pytest.mark.parametrize("n", RANK_COUNTS)
 @pytest.mark.parametrize("check", CHECKS)
 def test_hand_written_collective_equals_mpi_and_sends_its_formula(n, check):
-    suite_report(n).assert_passed(f"tests.test_ring:{check}")
+    suite_report(n).assert_passed(f"tests.comm.test_ring:{check}")
 
 
 def chunk_sizes(n: int, ranks: int) -> list[int]:
@@ -35,7 +35,7 @@ def chunk_sizes(n: int, ranks: int) -> list[int]:
 
 
 def test_chunk_sizes_and_the_average_ring_volume():
-    from minipar.ring import even_counts, ring_allreduce_elements
+    from minipar.comm.ring import even_counts, ring_allreduce_elements
 
     for ranks in range(1, 9):
         for n in (*SIZES, 0):
@@ -53,7 +53,7 @@ def test_chunk_sizes_and_the_average_ring_volume():
 def groups(comm):
     """The group the ring code uses (its ledger counts the Sendrecv calls) and one for
     MPI's own collective, on the same communicator."""
-    from minipar.comm import Group, Ledger
+    from minipar.comm.collectives import Group, Ledger
 
     ring_ledger = Ledger()
     return Group(comm, "ring", ring_ledger), Group(comm, "mpi", Ledger()), ring_ledger
@@ -74,7 +74,7 @@ def volume(label: str, got: tuple[int, int, int], calls: int, elements: int,
 
 def check_ring_allreduce(comm):
     """Sum = MPI's Allreduce; rank r sends 2n - c_r - c_(r+1) in 2(N-1) Sendrecv calls."""
-    from minipar.ring import ring_allreduce
+    from minipar.comm.ring import ring_allreduce
 
     ring, mpi, ledger = groups(comm)
     size, me = ring.size, ring.rank
@@ -101,7 +101,7 @@ def check_ring_allreduce(comm):
 
 def check_ring_reduce_scatter(comm):
     """My chunk of the sum = MPI's Reduce_scatter; rank r sends n - c_r in N-1 calls."""
-    from minipar.ring import ring_reduce_scatter
+    from minipar.comm.ring import ring_reduce_scatter
 
     ring, mpi, ledger = groups(comm)
     size, me = ring.size, ring.rank
@@ -122,7 +122,7 @@ def check_ring_reduce_scatter(comm):
 
 def check_ring_allgather(comm):
     """Every block in rank order = MPI's Allgather; each rank sends (N-1) blocks."""
-    from minipar.ring import ring_allgather
+    from minipar.comm.ring import ring_allgather
 
     ring, mpi, ledger = groups(comm)
     size, me = ring.size, ring.rank
@@ -141,7 +141,7 @@ def check_ring_allgather(comm):
 
 def check_pairwise_alltoall(comm):
     """out[i] = rank i's chunk for me = MPI's Alltoall; each rank sends all but its own."""
-    from minipar.ring import pairwise_alltoall
+    from minipar.comm.ring import pairwise_alltoall
 
     ring, mpi, ledger = groups(comm)
     size, me = ring.size, ring.rank
@@ -162,8 +162,8 @@ def check_pairwise_alltoall(comm):
 def check_pairwise_alltoallv(comm):
     """Uneven rows (zeros included) = comm.alltoallv_rows (MPI's Alltoallv); each rank
     sends every row except those it keeps for itself."""
-    from minipar.comm import alltoallv_rows
-    from minipar.ring import pairwise_alltoallv
+    from minipar.comm.collectives import alltoallv_rows
+    from minipar.comm.ring import pairwise_alltoallv
 
     ring, mpi, ledger = groups(comm)
     size, me = ring.size, ring.rank
@@ -188,7 +188,7 @@ def test_lesson_00_collectives_on_four_ranks():
     on each rank; every key line is recomputed here from the definitions."""
     import re
 
-    from tests.mpi import launch
+    from tests.harness.mpi import launch
 
     n = 4
     job = launch(n, ["-m", "mpi4py", "lessons/00_collectives.py"], timeout=60)

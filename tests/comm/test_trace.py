@@ -1,9 +1,9 @@
 """`train --trace DIR` and `python -m minipar trace DIR`: timelines, measured.
 
 Every strategy's traces are checked where the strategies already run: the sweeps of
-tests/test_every_mesh.py (every 4-D mesh and schedule on 4 ranks), test_data_parallel.py
+tests/parallel/test_every_mesh.py (every 4-D mesh and schedule on 4 ranks), test_data_parallel.py
 (every grad sync) and test_zero.py (ZeRO with experts) trace their runs and call
-tests/trace_checks.py. Here: those checks fail on broken traces; the report's interval
+tests/harness/trace_checks.py. Here: those checks fail on broken traces; the report's interval
 arithmetic against counting microseconds one by one; one pipeline run with an
 overlapped gradient sync read by the `trace` command (its numbers are `measure`'s, its
 plot a PNG, its simulated timeline the simulator's replay); and every refusal is one
@@ -20,9 +20,10 @@ import subprocess
 import numpy as np
 import pytest
 
-from minipar import preflight, trace_report
-from tests.mpi import lesson_run, minipar, read_dump
-from tests.trace_checks import check_events, check_trace
+from minipar.settings import preflight
+from minipar.teaching import trace_report
+from tests.harness.mpi import lesson_run, minipar, read_dump
+from tests.harness.trace_checks import check_events, check_trace
 
 SMALL = ["--layers", "4", "--d-model", "16", "--d-in", "8", "--batch", "16", "--steps", "2"]
 RUN = ["--dp", "2", "--pp", "2", "--microbatches", "4", "--grad-sync", "overlapped",
@@ -195,7 +196,8 @@ def test_lesson_12_prints_how_much_of_the_ring_its_trace_hides():
 def test_lesson_1_prints_how_much_of_the_overlapped_sync_its_trace_hides():
     """Lesson 1 (--plot DIR) traces an overlapped-sync training run into
     DIR/trace_overlapped and prints the share of its dp traffic under compute."""
-    job, folder = lesson_run(8, "01_data_parallel.py")  # the run tests/test_lessons.py checks
+    # the run tests/teaching/test_lessons.py checks
+    job, folder = lesson_run(8, "01_data_parallel.py")
     assert job.returncode == 0, job.explain()
     measured = trace_report.measure(trace_report.load(folder / "trace_overlapped"))
     assert f"{measured.hidden_by_axis['dp']:.1%} of the dp Iallreduces' time ran under " \

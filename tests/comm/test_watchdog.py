@@ -1,12 +1,12 @@
 """The watchdog: a rank stuck for --timeout seconds ends the whole job, naming where.
 
-With real processes (`tests/rank_faults.py` freezes one rank): a SIGSTOPped rank
+With real processes (`tests/harness/rank_faults.py` freezes one rank): a SIGSTOPped rank
 and a rank that sleeps inside a step, on a data-parallel and a pipeline mesh;
 the others wait in their collective or Recv until the watchdog ends the job with
 one line naming the step and the call. `--timeout 0` waits as long as it takes.
 Without MPI: the line itself, from the stamps.
 
-    python -m pytest tests/test_watchdog.py
+    python -m pytest tests/comm/test_watchdog.py
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from minipar import watchdog
-from tests.mpi import launch
+from minipar.comm import watchdog
+from tests.harness.mpi import launch
 
 SMALL = ["--layers", "2", "--d-model", "16", "--d-in", "8", "--batch", "16", "--steps", "5"]
 MESHES = {"dp": ["--dp", "2"], "pp": ["--pp", "2", "--microbatches", "2"]}
@@ -25,7 +25,7 @@ MESHES = {"dp": ["--dp", "2"], "pp": ["--pp", "2", "--microbatches", "2"]}
 
 def frozen(spec: str, flags: list[str]) -> tuple[object, float]:
     start = time.monotonic()
-    job = launch(2, ["-m", "tests.rank_faults", "fault", spec, "train", *SMALL, *flags], 60)
+    job = launch(2, ["-m", "tests.harness.rank_faults", "fault", spec, "train", *SMALL, *flags], 60)
     return job, time.monotonic() - start
 
 

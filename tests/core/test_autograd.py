@@ -6,7 +6,7 @@ every output element gets its own upstream gradient. Then the tape: gradient
 accumulation, broadcasting, `no_grad`, determinism, several roots, deferred
 weight gradients, and whole-model checks of the MLP and MoE losses.
 
-    python -m pytest tests/test_autograd.py
+    python -m pytest tests/core/test_autograd.py
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import inspect
 import numpy as np
 import pytest
 
-from minipar import attention, fused, nn
-from minipar import autograd as ag
-from minipar.autograd import Tensor
+from minipar.core import attention, fused_layers, nn
+from minipar.core import autograd as ag
+from minipar.core.autograd import Tensor
 
 RNG = np.random.default_rng(1234)
 
@@ -81,7 +81,7 @@ CASES = [
     ("log", "", ag.log, [positive(3, 4)]),
     ("tanh", "", ag.tanh, [normal(3, 4)]),
     ("sqrt", "", ag.sqrt, [positive(3, 4)]),
-    ("gelu", "", fused.gelu, [2 * normal(4, 5)]),
+    ("gelu", "", fused_layers.gelu, [2 * normal(4, 5)]),
     ("sum_", "all", lambda a: a.sum(), [normal(2, 3, 4)]),
     ("sum_", "axis0", lambda a: ag.sum_(a, 0), [normal(2, 3, 4)]),
     ("sum_", "axes02", lambda a: ag.sum_(a, (0, 2)), [normal(2, 3, 4)]),
@@ -110,30 +110,30 @@ CASES = [
     ("matmul", "batched", lambda a, b: a @ b, [normal(2, 3, 4), normal(2, 4, 5)]),
     ("matmul", "broadcast-batch", lambda a, b: ag.matmul(a, b),
      [normal(2, 1, 3, 4), normal(3, 4, 2)]),
-    ("linear", "bias", fused.linear, [normal(3, 4), normal(4, 5), normal(5)]),
-    ("linear", "sequence", fused.linear, [normal(2, 3, 4), normal(4, 5), normal(5)]),
-    ("linear", "no-bias", fused.linear, [normal(3, 4), normal(4, 5)]),
-    ("layer_norm", "2d", fused.layer_norm, [normal(3, 6), positive(6), normal(6)]),
-    ("layer_norm", "3d", fused.layer_norm, [normal(2, 3, 5), positive(5), normal(5)]),
-    ("residual_mlp", "2d", fused.residual_mlp,
+    ("linear", "bias", fused_layers.linear, [normal(3, 4), normal(4, 5), normal(5)]),
+    ("linear", "sequence", fused_layers.linear, [normal(2, 3, 4), normal(4, 5), normal(5)]),
+    ("linear", "no-bias", fused_layers.linear, [normal(3, 4), normal(4, 5)]),
+    ("layer_norm", "2d", fused_layers.layer_norm, [normal(3, 6), positive(6), normal(6)]),
+    ("layer_norm", "3d", fused_layers.layer_norm, [normal(2, 3, 5), positive(5), normal(5)]),
+    ("residual_mlp", "2d", fused_layers.residual_mlp,
      [normal(3, 4), positive(4), normal(4), normal(4, 6), normal(6), normal(6, 4), normal(4)]),
-    ("residual_mlp", "3d", fused.residual_mlp,
+    ("residual_mlp", "3d", fused_layers.residual_mlp,
      [normal(2, 3, 4), positive(4), normal(4), normal(4, 6), normal(6), normal(6, 4), normal(4)]),
-    ("softmax", "last", fused.softmax, [normal(3, 5)]),
-    ("softmax", "axis0", lambda a: fused.softmax(a, axis=0), [normal(3, 5)]),
-    ("log_softmax", "", fused.log_softmax, [normal(3, 5)]),
-    ("log_softmax", "axis0", lambda a: fused.log_softmax(a, axis=0), [normal(3, 5)]),
-    ("cross_entropy", "mean", lambda z: fused.cross_entropy(z, LABELS), [normal(4, 5)]),
-    ("cross_entropy", "scale", lambda z: fused.cross_entropy(z, LABELS, scale=0.37),
+    ("softmax", "last", fused_layers.softmax, [normal(3, 5)]),
+    ("softmax", "axis0", lambda a: fused_layers.softmax(a, axis=0), [normal(3, 5)]),
+    ("log_softmax", "", fused_layers.log_softmax, [normal(3, 5)]),
+    ("log_softmax", "axis0", lambda a: fused_layers.log_softmax(a, axis=0), [normal(3, 5)]),
+    ("cross_entropy", "mean", lambda z: fused_layers.cross_entropy(z, LABELS), [normal(4, 5)]),
+    ("cross_entropy", "scale", lambda z: fused_layers.cross_entropy(z, LABELS, scale=0.37),
      [normal(4, 5)]),
-    ("cross_entropy", "sequence", lambda z: fused.cross_entropy(z, LABELS.reshape(2, 2)),
+    ("cross_entropy", "sequence", lambda z: fused_layers.cross_entropy(z, LABELS.reshape(2, 2)),
      [normal(2, 2, 5)]),
     ("embedding", "repeated-ids", lambda w: attention.embedding(w, IDS), [normal(4, 3)]),
     ("embedding", "positions", lambda w: attention.embedding(w, np.array([3, 1, 2])),
      [normal(5, 2)]),
-    ("causal_mask", "through-softmax", lambda s: fused.softmax(
+    ("causal_mask", "through-softmax", lambda s: fused_layers.softmax(
         attention.causal_mask(s, np.arange(4), np.arange(4))), [normal(2, 4, 4)]),
-    ("causal_mask", "later-queries", lambda s: fused.softmax(
+    ("causal_mask", "later-queries", lambda s: fused_layers.softmax(
         attention.causal_mask(s, np.array([4, 5]), np.arange(2, 7))), [normal(2, 5)]),
     ("attention", "2-heads", lambda q, k, v: attention.attention(q, k, v, 2),
      [normal(2, 5, 6), normal(2, 5, 6), normal(2, 5, 6)]),
@@ -163,11 +163,12 @@ def test_op_gradient(op, label, fn, inputs):
 
 
 def test_every_op_has_a_gradient_check():
-    """A new op in autograd.py, fused.py or attention.py must come with its
+    """A new op in autograd.py, core/fused_layers.py or attention.py must come with its
     finite-difference case above."""
     tape_machinery = {"no_grad", "defer_weight_grads", "backward_from", "as_tensor",
-                      "allowed", "rows_summed_by_id"}   # plain NumPy helpers, no tape node
-    ops = {name for module in (ag, fused, attention) for name, f in vars(module).items()
+                      # plain NumPy helpers, no tape node
+                      "allowed", "rows_summed_by_id", "weight_grad"}
+    ops = {name for module in (ag, fused_layers, attention) for name, f in vars(module).items()
            if inspect.isfunction(f) and f.__module__ == module.__name__
            and not name.startswith("_")}
     missing = ops - tape_machinery - {op for op, *_ in CASES}
@@ -200,9 +201,9 @@ def test_broadcasting_backward_sums_over_broadcast_axes():
 def test_no_grad_builds_no_tape():
     x, w = Tensor(normal(2, 3), requires_grad=True), Tensor(normal(3, 4), requires_grad=True)
     with ag.no_grad():
-        y = fused.gelu(fused.linear(x, w)).sum()
+        y = fused_layers.gelu(fused_layers.linear(x, w)).sum()
     assert not y.requires_grad and y.parents == () and y._backward is None
-    z = fused.linear(x, w).sum()                     # the tape is back after the block
+    z = fused_layers.linear(x, w).sum()                     # the tape is back after the block
     assert z.requires_grad and z.parents
     assert not x.detach().requires_grad
 
@@ -255,7 +256,7 @@ def test_deferred_weight_gradients():
     def forward() -> tuple[Tensor, list[Tensor]]:
         x = Tensor(x0, requires_grad=True)
         ws = [Tensor(a, requires_grad=True) for a in (w1, b1, w2, w3)]
-        out = fused.linear(fused.gelu(fused.linear(x, ws[0], ws[1])), ws[2]) @ ws[3]
+        out = fused_layers.linear(fused_layers.gelu(fused_layers.linear(x, ws[0], ws[1])), ws[2]) @ ws[3]
         return out, [x, *ws]
 
     out, now = forward()
@@ -360,7 +361,7 @@ def test_attention_lse_merges_two_blocks_of_keys():
 def test_transformer_loss_gradient(model, sizes):
     """The transformer's loss: d loss / d (entries of every kind of weight) against central
     differences, with O(1) random weights so attention is far from uniform."""
-    from minipar import gpt
+    from minipar.core import gpt
 
     cfg = nn.ModelConfig(model=model, layers=2, d_model=8, d_ff=12, vocab=7, seq_len=5,
                          heads=2, experts=4, expert_d_ff=6, **sizes)

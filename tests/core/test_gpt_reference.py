@@ -1,13 +1,13 @@
 """minipar's single-process transformer against an independent implementation of docs/design.md.
 
 `train_reference` on `--model gpt` / `gpt-moe` (attention.py + gpt.py + nn.py + optim.py)
-is compared with `tests/independent_gpt.py`: plain NumPy, attention head by head,
+is compared with `tests/reference/independent_gpt.py`: plain NumPy, attention head by head,
 gradients by hand. Losses and final parameters must agree to relative 1e-9 after 3
 steps, dense and MoE (top-1/top-2, with and without capacity drops), SGD and Adam, one
 or two microbatches, and on byte windows of a text file. Then the data and the task:
 the copy task is deterministic and learnable only by looking back.
 
-    python -m pytest tests/test_gpt_reference.py
+    python -m pytest tests/core/test_gpt_reference.py
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import itertools
 import numpy as np
 import pytest
 
-from minipar import nn
-from minipar.config import TrainConfig
-from minipar.data import make_sequences, make_text_windows, repeated_positions
-from minipar.train import train_reference
-from tests import independent_gpt
+from minipar.core import nn
+from minipar.core.data import make_sequences, make_text_windows, repeated_positions
+from minipar.run.train import train_reference
+from minipar.settings.config import TrainConfig
 from tests.conftest import assert_equivalent
-from tests.mpi import ROOT
+from tests.harness.mpi import ROOT
+from tests.reference import independent_gpt
 
 SMALL = {"model": "gpt", "layers": 2, "d_model": 16, "heads": 2, "seq_len": 8, "vocab": 16,
          "batch": 8, "steps": 3, "d_ff": 24}
@@ -114,7 +114,7 @@ def test_attention_learns_to_look_back():
 
 
 def train_reference_model(cfg: TrainConfig) -> nn.Model:
-    from minipar.train import build_reference
+    from minipar.run.train import build_reference
 
     final = train_reference(cfg).final
     return build_reference(cfg, final)
@@ -124,8 +124,8 @@ def train_reference_model(cfg: TrainConfig) -> nn.Model:
 def test_float32_stays_float32_on_every_node(model):
     """Every value on the tape of a float32 transformer is float32 (a float64 constant
     anywhere would silently double the work), and it trains like float64."""
-    from minipar import autograd as ag
-    from minipar.train import build_reference, step_batch
+    from minipar.core import autograd as ag
+    from minipar.run.train import build_reference, step_batch
 
     fields = {**(MOE if model == "gpt-moe" else {}), "optimizer": "adam", "lr": 0.01}
     cfg = config(dtype="float32", **fields)

@@ -1,14 +1,14 @@
 """minipar's single-process reference against an independent implementation of docs/design.md.
 
 `train_reference` (autograd.py + nn.py + optim.py) is what every parallel run is
-compared with, so it is itself compared with `tests/independent.py`: plain NumPy
+compared with, so it is itself compared with `tests/reference/independent.py`: plain NumPy
 with hand-written gradients, sharing nothing with it but the data. Losses and
 final parameters must agree to relative 1e-9 after 4 steps, for the dense MLP
 and for MoE (top-1/top-2, with and without capacity drops), SGD and Adam, one
 or two microbatches. Then properties of the model itself: it learns, float32
 stays float32, and uniform routing gives an aux loss of exactly alpha.
 
-    python -m pytest tests/test_reference.py
+    python -m pytest tests/core/test_reference.py
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import itertools
 import numpy as np
 import pytest
 
-from minipar import autograd as ag
-from minipar import nn
-from minipar.config import TrainConfig
-from minipar.train import step_batch, train_reference
-from tests import independent
+from minipar.core import autograd as ag
+from minipar.core import nn
+from minipar.run.train import step_batch, train_reference
+from minipar.settings.config import TrainConfig
 from tests.conftest import assert_equivalent
+from tests.reference import independent
 
 SMALL = {"layers": 2, "d_in": 8, "d_model": 16, "d_ff": 40, "classes": 5, "batch": 16,
          "steps": 4}

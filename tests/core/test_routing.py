@@ -1,4 +1,4 @@
-"""DeepSeek-V3 routing (minipar/routing.py) in one process: the pieces, and the model.
+"""DeepSeek-V3 routing (minipar/core/routing.py) in one process: the pieces, and the model.
 
 - sigmoid: its gradient against finite differences, and no overflow at large |z|;
 - choice: top-k of s + b with ties to the lower id; node-limited choice keeps every
@@ -7,12 +7,12 @@
 - b: `bias_step` moves each b_e by rate towards balance; applied step after step on
   fixed skewed scores it drives the max/mean load down (what the bias is for);
 - the reference model (nn.MoEBlock under train_reference) with sigmoid-bias, shared
-  experts and node-limited routing equals tests/independent.py (and gpt-moe
-  tests/independent_gpt.py), written from the formulas with their own backward
+  experts and node-limited routing equals tests/reference/independent.py (and gpt-moe
+  tests/reference/independent_gpt.py), written from the formulas with their own backward
   (float64, rel 1e-9), b included;
 - the flags: which combinations run, which are refused (config.routing_problems).
 
-    python -m pytest tests/test_routing.py
+    python -m pytest tests/core/test_routing.py
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minipar import autograd as ag
-from minipar import nn, routing
-from minipar.config import TrainConfig, problems
-from minipar.train import train_reference
-from tests import independent, independent_gpt
+from minipar.core import autograd as ag
+from minipar.core import nn, routing
+from minipar.run.train import train_reference
+from minipar.settings.config import TrainConfig, problems
 from tests.conftest import assert_equivalent
+from tests.reference import independent, independent_gpt
 
 SMALL = {"model": "moe", "layers": 2, "d_in": 8, "d_model": 16, "classes": 5, "batch": 16,
          "experts": 8, "expert_d_ff": 12, "steps": 4}
@@ -134,7 +134,7 @@ def test_the_reference_equals_the_independent_implementation(fields):
 
 def test_the_transformer_equals_the_independent_implementation():
     """gpt-moe with sigmoid-bias, a shared expert and node-limited routing against
-    tests/independent_gpt.py (which routes with independent.moe_ffn)."""
+    tests/reference/independent_gpt.py (which routes with independent.moe_ffn)."""
     cfg = TrainConfig(model="gpt-moe", layers=2, d_model=16, heads=2, seq_len=6, vocab=12,
                       batch=4, experts=4, expert_d_ff=8, top_k=2, steps=3, microbatches=2,
                       router="sigmoid-bias", bias_rate=0.01, shared_experts=1,

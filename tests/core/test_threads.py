@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 
-from tests.mpi import launch
+from tests.harness.mpi import launch
 
 
 def test_each_rank_runs_one_blas_thread():
-    job = launch(2, ["-m", "tests.rank_threads"], timeout=60)
+    job = launch(2, ["-m", "tests.harness.rank_threads"], timeout=60)
     assert job.returncode == 0 and not job.timed_out, job.explain()
     lines = [line for line in job.stdout.splitlines() if line.startswith("[")]
     assert len(lines) == 1, job.explain()

@@ -1,4 +1,4 @@
-"""The verdict rule (minipar/timing.py): "faster" / "fastest" only outside the spread.
+"""The verdict rule (minipar/core/timing.py): "faster" / "fastest" only outside the spread.
 
 A candidate is faster than another only when its slowest repeat beats the other's
 fastest; overlapping spreads are "within the spread", whatever the medians say. And a
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from minipar import timing
+from minipar.core import timing
 
 
 def test_fastest_only_when_the_spreads_do_not_overlap():

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def mpiexec() -> str:
@@ -117,7 +117,7 @@ def sweep(n: int, configs: list[dict], folder: Path, timeout: float = 240) -> li
     folder.mkdir(parents=True, exist_ok=True)
     spec = folder / "configs.json"
     spec.write_text(json.dumps(configs))
-    job = launch(n, ["-m", "tests.rank_sweep", str(spec), str(folder)], timeout)
+    job = launch(n, ["-m", "tests.harness.rank_sweep", str(spec), str(folder)], timeout)
     assert job.returncode == 0 and not job.timed_out, job.explain()
     return [read_dump(folder / str(i)) for i in range(len(configs))]
 
@@ -130,7 +130,7 @@ LESSON_FLAGS = {"08_bugs.py": ("--json", "{plot}/findings.json")}
 
 def lesson_run(n: int, script: str, *flags: str, timeout: float = 240) -> tuple[Job, Path]:
     """`mpiexec -n n python lessons/<script> <flags> --plot DIR`, run once per pytest
-    session: tests/test_lessons.py (does it run and draw?) and a strategy's own tests
+    session: tests/teaching/test_lessons.py (does it run and draw?) and a strategy's own tests
     (does it print what it should?) read the same run. Returns the job and DIR."""
     key = (n, script, flags)
     if key not in _LESSON_RUNS:

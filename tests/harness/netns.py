@@ -3,9 +3,9 @@
 A cluster is hosts that share nothing but a network. Here each simulated host is a
 network namespace with one card, `eth0` (one end of a veth pair; the other end is on
 a bridge, the cluster's switch), an address in 198.18.0.0/24 (set aside for network
-tests, RFC 2544) and no other route; `tests/netns_ssh` enters it with its own hostname
+tests, RFC 2544) and no other route; `tests/harness/netns_ssh` enters it with its own hostname
 and IPC namespace. One more namespace, the head node, runs `mpiexec`, which starts
-one proxy on each host through `tests/netns_ssh` instead of ssh:
+one proxy on each host through `tests/harness/netns_ssh` instead of ssh:
 
     head 198.18.0.1 --+
     a    198.18.0.2 --+-- bridge      (nothing reaches this machine's own network)
@@ -16,7 +16,8 @@ do not meet, and removed by `SimulatedHosts.__exit__` even when a test fails or 
 is stopped with SIGTERM; what a killed run left behind is removed by the next one.
 Needs root and iproute2 (`ip`) and util-linux (`unshare`). By hand, as root:
 
-    python -m tests.netns            # build a, b; print the mpiexec line; Enter removes them
+    python -m tests.harness.netns            # build a, b; print the mpiexec line; Enter removes
+    them
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-LAUNCHER = ROOT / "tests" / "netns_ssh"
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCHER = ROOT / "tests" / "harness" / "netns_ssh"
 SUBNET = "198.18.0"          # .1 the head node, .2, .3, ... the hosts
 PREFIX = "mpx"               # + pid: interface names must stay under 16 characters
 
@@ -122,7 +123,7 @@ class SimulatedHosts:
                 signal.signal(sig, handler)
 
     def environment(self) -> dict[str, str]:
-        """What `tests/netns_ssh` needs to find each host (see its header)."""
+        """What `tests/harness/netns_ssh` needs to find each host (see its header)."""
         return {"MINIPAR_NETNS_HOSTS": " ".join(
             f"{address}={self.netns(i)}={self.names[i]}"
             for i, address in enumerate(self.hosts))}
@@ -213,7 +214,7 @@ def remove_leftovers() -> None:
 if __name__ == "__main__":
     reason = why_not()
     if reason:
-        sys.exit(f"tests.netns: {reason}")
+        sys.exit(f"tests.harness.netns: {reason}")
     with SimulatedHosts() as cluster:
         hosts = cluster.environment()["MINIPAR_NETNS_HOSTS"]
         line = cluster.mpiexec(str(Path(sys.executable).parent / "mpiexec"), [4, 4])

@@ -1,6 +1,6 @@
-"""Rank side of tests/test_gpt_tensor_parallel.py's memory test: one gpt block's tape.
+"""Rank side of tests/parallel/test_gpt_tensor_parallel.py's memory test: one gpt block's tape.
 
-    mpiexec -n 4 python -m tests.rank_activations OUT.json
+    mpiexec -n 4 python -m tests.harness.rank_activations OUT.json
 
 For tp in 1, 2, 4 (tp divides the world; the other ranks of the world build their own
 tp groups), with and without --sp, and each --recompute mode: build block 0 as train.py
@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from minipar import nn
-from minipar.autograd import Tensor
-from minipar.comm import Ledger
-from minipar.config import TrainConfig
-from minipar.mesh import Mesh
-from minipar.recompute import tape_bytes
-from minipar.train import make_block
+from minipar.comm.collectives import Ledger
+from minipar.comm.mesh import Mesh
+from minipar.compose.parallelize import make_block
+from minipar.core import nn
+from minipar.core.autograd import Tensor
+from minipar.core.recompute import tape_bytes
+from minipar.settings.config import TrainConfig
 
 SHAPE = dict(model="gpt", layers=2, d_model=16, heads=4, seq_len=8, vocab=16, batch=4,
              d_ff=48)
@@ -57,6 +57,6 @@ if __name__ == "__main__":
     try:
         main()
     except BaseException:
-        from minipar.log import abort_all
+        from minipar.comm.job import abort_all
 
         abort_all(f"rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")

@@ -1,8 +1,8 @@
-"""Rank side of tests/test_bugs_placement.py: one step of every bug's demo run with
+"""Rank side of tests/bugs/test_bugs_placement.py: one step of every bug's demo run with
 placement checking on, in one MPI job; rank 0 writes {bug: the line that stopped it,
 or null} to the JSON file given.
 
-    mpiexec -n 4 python -m tests.rank_bugs_placement OUT.json
+    mpiexec -n 4 python -m tests.harness.rank_bugs_placement OUT.json
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from minipar.bugs import BUGS
-from minipar.config import TrainConfig
-from minipar.log import abort_on_exception
+from minipar.bugs.catalog import BUGS
+from minipar.comm.job import abort_on_exception
 from minipar.placement import PlacementError
-from minipar.train import problems, train
-from tests.test_bugs import fields
+from minipar.run.train import problems, train
+from minipar.settings.config import TrainConfig
+from tests.bugs.test_bugs import fields
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
 """Rank side of the reliability tests: break one rank on purpose, or try many bad settings.
 
-    mpiexec -n 2 python -m tests.rank_faults fault raise:1:2 train --dp 2 --steps 4
-    mpiexec -n 2 python -m tests.rank_faults fault kill:1:2 train --dp 2 --steps 4
-    mpiexec -n 2 python -m tests.rank_faults fault killsave:1 train --dp 2 --save DIR
-    mpiexec -n 4 python -m tests.rank_faults settings cases.json OUTDIR
+    mpiexec -n 2 python -m tests.harness.rank_faults fault raise:1:2 train --dp 2 --steps 4
+    mpiexec -n 2 python -m tests.harness.rank_faults fault kill:1:2 train --dp 2 --steps 4
+    mpiexec -n 2 python -m tests.harness.rank_faults fault killsave:1 train --dp 2 --save DIR
+    mpiexec -n 4 python -m tests.harness.rank_faults settings cases.json OUTDIR
 
 `fault MODE:RANK[:STEP[:SECONDS]] ARGS...` runs `python -m minipar ARGS...` through its
 real entry point (`minipar.__main__.run`, which aborts every rank on an exception),
@@ -37,7 +37,8 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from minipar.log import abort_on_exception
+from minipar.checkpoint import shard_files
+from minipar.comm.job import abort_on_exception
 
 
 def die(mode: str, rank: int, where: str, seconds: float = 60) -> None:
@@ -57,26 +58,26 @@ def die(mode: str, rank: int, where: str, seconds: float = 60) -> None:
 
 def inject(spec: str) -> None:
     """Patch the library so that world rank RANK fails as `spec` = MODE:RANK[:STEP] says."""
-    from minipar import checkpoint
-    from minipar import train as training
+    from minipar.checkpoint import save_load
+    from minipar.run import train as training
 
     mode, rank, *step = spec.split(":")
     if int(rank) != MPI.COMM_WORLD.Get_rank():
         return
     if mode in ("killsave", "raisesave", "interruptsave", "slowsave"):
-        write = checkpoint.write_shard
+        write = shard_files.write_shard
 
         def write_shard(*args: object, **kwargs: object) -> dict:
             if mode == "slowsave":
                 time.sleep(float(step[0]))
                 return write(*args, **kwargs)
             die(mode.removesuffix("save"), int(rank), "while writing its checkpoint shard")
-        checkpoint.write_shard = write_shard
+        save_load.write_shard = write_shard
         return
     if mode == "killmanifest":
         def write_manifest(*args: object, **kwargs: object) -> None:
             die("kill", int(rank), "while writing the manifest")
-        checkpoint.write_manifest = write_manifest
+        save_load.write_manifest = write_manifest
         return
     original = training.step_batch
 

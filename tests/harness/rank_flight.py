@@ -1,6 +1,6 @@
-"""Rank side of tests/test_flight.py's clean runs: train, then dump the flight recorder.
+"""Rank side of tests/comm/test_flight.py's clean runs: train, then dump the flight recorder.
 
-    mpiexec -n 4 python -m tests.rank_flight configs.json OUTDIR
+    mpiexec -n 4 python -m tests.harness.rank_flight configs.json OUTDIR
 
 For each config (TrainConfig fields) every rank trains it and writes its flight records
 to OUTDIR/<i>/flight/rank<r>.json, and rank 0 the run's dump (ledger.json: every rank's
@@ -20,11 +20,11 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from minipar import flight
-from minipar.config import TrainConfig
-from minipar.log import abort_on_exception
-from minipar.results import dump
-from minipar.train import train
+from minipar.comm import flight
+from minipar.comm.job import abort_on_exception
+from minipar.run.results import dump
+from minipar.run.train import train
+from minipar.settings.config import TrainConfig
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
-"""Rank side of tests/test_generate.py: many generate runs (and the trainings that save
+"""Rank side of tests/run/test_generate.py: many generate runs (and the trainings that save
 their checkpoints) in ONE MPI job, start-up paid once.
 
-    mpiexec -n 4 python -m tests.rank_generate runs.json OUTDIR
+    mpiexec -n 4 python -m tests.harness.rank_generate runs.json OUTDIR
 
 `runs.json` is a list of {"train": {TrainConfig fields}} (train and --save: a checkpoint
 for later runs) or {"generate": [flags of python -m minipar generate]}. Rank 0 writes
@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from minipar.checkpoint import holding
-from minipar.comm import Ledger
-from minipar.config import TrainConfig
-from minipar.generate import config_from_args, full_params, generate_on_mesh, make_parser
-from minipar.log import abort_on_exception
-from minipar.mesh import Mesh
-from minipar.train import problems, train
+from minipar.checkpoint.save_load import holding
+from minipar.comm.collectives import Ledger
+from minipar.comm.job import abort_on_exception
+from minipar.comm.mesh import Mesh
+from minipar.run.generate import config_from_args, full_params, generate_on_mesh, make_parser
+from minipar.run.train import problems, train
+from minipar.settings.config import TrainConfig
 
 
 def main() -> None:

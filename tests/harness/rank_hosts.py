@@ -1,16 +1,16 @@
 """Rank side of the several-hosts tests: say where each rank runs, move bytes between hosts.
 
-    mpiexec ... -n 2 python -m tests.rank_hosts probe 8388608
-    mpiexec ... -n 8 python -m tests.rank_hosts where train --dp 2 --tp 2 --pp 2 --check
-    mpiexec ... -n 8 python -m tests.rank_hosts where fault kill:6:2 train --dp 2 ...
-    mpiexec ... -n 8 python -m tests.rank_hosts where lessons/06_hybrid.py
+    mpiexec ... -n 2 python -m tests.harness.rank_hosts probe 8388608
+    mpiexec ... -n 8 python -m tests.harness.rank_hosts where train --dp 2 --tp 2 --pp 2 --check
+    mpiexec ... -n 8 python -m tests.harness.rank_hosts where fault kill:6:2 train --dp 2 ...
+    mpiexec ... -n 8 python -m tests.harness.rank_hosts where lessons/06_hybrid.py
 
 Both first print, from rank 0, one line naming every rank's host in rank order
 (`hosts: a a a a b b b b`), from `MPI_Get_processor_name` (the host's hostname).
 `probe N` then sends N bytes from rank 0 to the last rank and checks that they
 arrived intact (`probe: N bytes 0 -> 1 intact`). `where ARGS...` runs
 `python -m minipar ARGS...` through its real entry point, and `where fault SPEC ARGS...`
-the same with one rank failing as `tests/rank_faults.py` says, and `where SCRIPT.py ARGS...`
+the same with one rank failing as `tests/harness/rank_faults.py` says, and `where SCRIPT.py ARGS...`
 runs a lesson script.
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar.__main__ import run
-from tests.rank_faults import inject
+from tests.harness.rank_faults import inject
 
 comm = MPI.COMM_WORLD
 

@@ -1,6 +1,6 @@
 """Run several lessons' `main` on every rank of one MPI job, recording how each ended.
 
-    mpiexec -n 3 python -m tests.rank_lessons OUTDIR "10_transformer.py --quick" ...
+    mpiexec -n 3 python -m tests.harness.rank_lessons OUTDIR "10_transformer.py --quick" ...
 
 Each lesson runs in-process as `run_collectively` would run it (its ConfigError one
 line from rank 0, exit 2: `log.refuse_together`); each rank writes OUTDIR/rank{r}.json,
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from minipar.log import refuse_together
+from minipar.comm.job import refuse_together
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,12 +1,12 @@
-"""Rank side of tests/test_placement_mesh.py: the transformer's placement bugs on a mesh.
+"""Rank side of tests/placement/test_placement_mesh.py: the transformer's placement bugs on a mesh.
 
 Each case trains one step of a small transformer on 2 ranks with placement checking on,
-with one piece swapped for a broken one (lesson 8's bugs of the transformer, minipar/bugs.py,
+with one piece swapped for a broken one (lesson 8's bugs of the transformer, minipar/bugs/catalog.py,
 and the vocabulary-parallel embedding without its Allreduce), and rank 0 writes
 {case: {"stopped": the line that stopped it, or null, "loss": the step loss or null}}
 to the JSON file given. "correct-*" cases run the same meshes unbroken.
 
-    mpiexec -n 2 python -m tests.rank_placement_mesh OUT.json
+    mpiexec -n 2 python -m tests.harness.rank_placement_mesh OUT.json
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from minipar.config import TrainConfig
-from minipar.log import abort_on_exception
+from minipar.comm.job import abort_on_exception
 from minipar.parallel import vocab_parallel
 from minipar.placement import PlacementError
-from minipar.train import problems, train
+from minipar.run.train import problems, train
+from minipar.settings.config import TrainConfig
 
 GPT = dict(model="gpt", layers=2, d_model=16, heads=4, seq_len=8, vocab=16, batch=4,
            d_ff=32, steps=1, check_placements=True)

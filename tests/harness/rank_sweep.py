@@ -1,6 +1,6 @@
-"""Rank side of `tests.mpi.sweep`: train several configs in one MPI job.
+"""Rank side of `tests.harness.mpi.sweep`: train several configs in one MPI job.
 
-    mpiexec -n 8 python -m tests.rank_sweep configs.json OUTDIR
+    mpiexec -n 8 python -m tests.harness.rank_sweep configs.json OUTDIR
 
 Rank 0 writes each run's dump to OUTDIR/<i>/, plus `memory.json`: every rank's
 measured bytes of parameters, gradients and optimizer state (a list by world
@@ -20,10 +20,10 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from minipar.config import TrainConfig
-from minipar.log import abort_on_exception
-from minipar.results import dump
-from minipar.train import problems, train
+from minipar.comm.job import abort_on_exception
+from minipar.run.results import dump
+from minipar.run.train import problems, train
+from minipar.settings.config import TrainConfig
 
 
 def main() -> None:

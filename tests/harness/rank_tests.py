@@ -2,7 +2,8 @@
 
 Rank side (what the tests launch, and what you run by hand to reproduce a failure):
 
-    mpiexec -n 4 python -m tests.rank_tests OUTDIR tests.test_ring:check_ring_allreduce ...
+    mpiexec -n 4 python -m tests.harness.rank_tests OUTDIR
+    tests.comm.test_ring:check_ring_allreduce ...
 
 Each rank runs the checks in order, each on a fresh duplicate of COMM_WORLD, and
 writes `OUTDIR/rank3.txt`: `START name`, then `PASS name seconds` or `FAIL name`
@@ -13,7 +14,7 @@ dumps every thread's stack into its file (`faulthandler`) and exits, which ends
 the job too: a deadlock fails in seconds and shows where each rank sits.
 
 Pytest side (never imports `mpi4py.MPI`): `run_checks(n, names)` launches the
-job through `tests.mpi.launch` and reads the files back into a `RankReport`;
+job through `tests.harness.mpi.launch` and reads the files back into a `RankReport`;
 `suite_report(n)` does it once per rank count for every check in `SUITE`, so the
 whole MPI unit suite costs one mpiexec start-up per rank count.
 """
@@ -34,19 +35,19 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.mpi import Job, launch, mpiexec
+from tests.harness.mpi import Job, launch, mpiexec
 
 # Every rank-side check of the MPI unit tests; each runs on 1, 2, 3, 4 and 8 ranks.
 SUITE = [
-    "tests.test_mesh:check_mesh_communicators",
-    "tests.test_comm:check_ledger_records",
-    "tests.test_comm:check_conjugate_pairs",
-    "tests.test_ring:check_ring_allreduce",
-    "tests.test_ring:check_ring_reduce_scatter",
-    "tests.test_ring:check_ring_allgather",
-    "tests.test_ring:check_pairwise_alltoall",
-    "tests.test_ring:check_pairwise_alltoallv",
-    "tests.test_context_parallel:check_context_parallel_attention",
+    "tests.comm.test_mesh:check_mesh_communicators",
+    "tests.comm.test_comm:check_ledger_records",
+    "tests.comm.test_comm:check_conjugate_pairs",
+    "tests.comm.test_ring:check_ring_allreduce",
+    "tests.comm.test_ring:check_ring_reduce_scatter",
+    "tests.comm.test_ring:check_ring_allgather",
+    "tests.comm.test_ring:check_pairwise_alltoall",
+    "tests.comm.test_ring:check_pairwise_alltoallv",
+    "tests.parallel.test_context_parallel:check_context_parallel_attention",
 ]
 RANK_COUNTS = (1, 2, 3, 4, 8)
 
@@ -69,9 +70,9 @@ def _resolve(name: str) -> object:
 def rank_main(argv: list[str]) -> None:
     from mpi4py import MPI
 
-    from minipar.log import abort_all
+    from minipar.comm.job import abort_all
 
-    parser = argparse.ArgumentParser(prog="python -m tests.rank_tests")
+    parser = argparse.ArgumentParser(prog="python -m tests.harness.rank_tests")
     parser.add_argument("outdir", type=Path)
     parser.add_argument("names", nargs="+", help="module:function, run in order")
     parser.add_argument("--stuck-after", type=float, default=60.0,
@@ -150,7 +151,7 @@ class RankReport:
 
     def rerun(self, name: str) -> str:
         return (f"OMP_NUM_THREADS=1 {shlex.quote(mpiexec())} -n {self.n} "
-                f"{shlex.quote(sys.executable)} -m tests.rank_tests /tmp/minipar-rerun {name}")
+                f"{shlex.quote(sys.executable)} -m tests.harness.rank_tests /tmp/minipar-rerun {name}")
 
     def problem(self, name: str) -> str | None:
         """None if every rank passed `name` (and the job ended cleanly), else the story."""
@@ -182,7 +183,7 @@ def run_checks(n: int, names: list[str], folder: Path, timeout: float = 120,
     """Launch `names` on n ranks in one job; read back every rank's verdicts."""
     folder.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    job = launch(n, ["-m", "tests.rank_tests", str(folder), *names,
+    job = launch(n, ["-m", "tests.harness.rank_tests", str(folder), *names,
                      "--stuck-after", str(stuck_after)], timeout)
     elapsed = time.perf_counter() - started
     verdicts = [read_rank_file(folder / f"rank{rank}.txt") for rank in range(n)]

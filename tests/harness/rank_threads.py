@@ -1,6 +1,6 @@
 """Rank side of test_threads: a BLAS started with 2 threads, then `import minipar`.
 
-    mpiexec -n 2 python -m tests.rank_threads
+    mpiexec -n 2 python -m tests.harness.rank_threads
 
 The variables are set to 2 before NumPy loads, as a launch line without them
 would leave OpenBLAS on a 2-core machine; each rank reports
@@ -24,7 +24,7 @@ before = {info["internal_api"]: info["num_threads"] for info in threadpool_info(
 from mpi4py import MPI  # noqa: E402
 
 import minipar  # noqa: E402, F401  (what every entry point imports first)
-from minipar.threads import blas_threads  # noqa: E402
+from minipar.core.threads import blas_threads  # noqa: E402
 
 after = blas_threads()
 mine = {"rank": MPI.COMM_WORLD.Get_rank(), "before": before, "after": after,

@@ -1,7 +1,7 @@
 """What every `--trace` folder must hold, checked without minipar's own code.
 
 `check_trace(folder, run)` is called by the sweeps that trace their runs
-(tests/test_every_mesh.py: every 4-D mesh and schedule of 4 ranks; test_data_parallel.py:
+(tests/parallel/test_every_mesh.py: every 4-D mesh and schedule of 4 ranks; test_data_parallel.py:
 every grad sync, overlap beside a pipeline and experts; test_zero.py: ZeRO 1-3 with
 experts). It reads `trace.json` as Perfetto would and asserts, for every event, the
 fields of its phase, integer non-negative microseconds, spans nesting on every thread,
@@ -93,7 +93,7 @@ def check_events(doc: dict, label: str) -> dict:
 
 
 def check_trace(folder: Path, run: dict, label: str = "") -> None:
-    """The merged trace of `run` (a `tests.mpi.read_dump` result) in `folder`."""
+    """The merged trace of `run` (a `tests.harness.mpi.read_dump` result) in `folder`."""
     doc = json.loads((Path(folder) / "trace.json").read_text())
     cfg = run["config"]
     threads = check_events(doc, label)

@@ -18,7 +18,7 @@ the same (2cp+1 quarter blocks), allgather and Ulysses the whole (masked) T x T.
 Each mode's attention on its own: outputs and the gradients of q, k, v and the key bias
 equal attention.attention on the whole sequence (rel 1e-12), with the collectives the
 formulas count per call, on 2, 3, 4 and 8 ranks (`check_context_parallel_attention`, in
-the MPI unit suite of tests/rank_tests.py).
+the MPI unit suite of tests/harness/rank_tests.py).
 
 Ledger: each rank's entries are the formulas of timemodel.traffic (cp_traffic per mode:
 ring 2 (cp-1) K and V blocks forward per layer, Ulysses 4 Alltoalls forward and 4
@@ -26,7 +26,7 @@ backward, allgather 2 Allgathers forward; blocks of (b, T/cp, d/tp); recomputati
 forward exchange more), tp's collectives on the rank's T/cp positions, and the gradient
 sync over dp x cp.
 
-One `sweep` launch per rank count (tests/mpi.py).
+One `sweep` launch per rank count (tests/harness/mpi.py).
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ import json
 import numpy as np
 import pytest
 
-from minipar.config import TrainConfig
-from minipar.costmodel import rank_shape
-from minipar.plan import minipar_workload, plan_of
-from minipar.timemodel import cp_traffic, ledger_of
+from minipar.planner.memory_cost import rank_shape
+from minipar.planner.time_cost import cp_traffic, ledger_of
+from minipar.planner.workloads import minipar_workload, plan_of
+from minipar.settings.config import TrainConfig
 from tests.conftest import assert_equivalent, reference
-from tests.formulas import assert_ledger_and_memory_are_the_formulas
-from tests.mpi import sweep
-from tests.rank_tests import RANK_COUNTS, agree, suite_report
+from tests.harness.mpi import sweep
+from tests.harness.rank_tests import RANK_COUNTS, agree, suite_report
+from tests.reference.formulas import assert_ledger_and_memory_are_the_formulas
 
 GPT = dict(model="gpt", layers=2, d_model=16, heads=4, seq_len=16, vocab=16, batch=4,
            steps=2, d_ff=32)
@@ -181,7 +181,7 @@ def test_the_cp_formulas_per_layer():
 # ------------------------------------------------- each mode's attention alone
 @pytest.mark.parametrize("n", RANK_COUNTS)
 def test_each_mode_is_attention_on_the_whole_sequence(n):
-    suite_report(n).assert_passed("tests.test_context_parallel:check_context_parallel_attention")
+    suite_report(n).assert_passed("tests.parallel.test_context_parallel:check_context_parallel_attention")
 
 
 # the collectives of one call: forward, backward (cp ranks)
@@ -201,9 +201,9 @@ def check_context_parallel_attention(comm):
     """Rank side: random q, k, v, key bias and output gradient of a whole sequence (the
     same on every rank); each rank keeps its positions, runs one mode, and compares its
     output and gradients with attention.attention on the whole sequence."""
-    from minipar import attention
-    from minipar.autograd import Tensor
-    from minipar.comm import Group, Ledger
+    from minipar.comm.collectives import Group, Ledger
+    from minipar.core import attention
+    from minipar.core.autograd import Tensor
     from minipar.parallel.context_parallel import ContextParallelAttention, positions
 
     cp = comm.Get_size()

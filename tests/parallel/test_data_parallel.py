@@ -6,15 +6,15 @@
 - The ledger of the last step: every rank Allreduces exactly its parameter count,
   in one call per parameter (naive) or one per bucket (bucketed, overlapped).
 - Hybrids (dp with pp, tp, ep; a zero-bubble schedule) stay equal to one process.
-- On the ranks themselves (`check_*`, run by `tests.rank_tests`): overlap starts
+- On the ranks themselves (`check_*`, run by `tests.harness.rank_tests`): overlap starts
   every bucket during backward, and only in the last microbatch's backward.
 - A batch not divisible by dp is refused by the CLI: one line, exit 2.
 - Each rank draws only its own rows of the batch (`data.rank_rows`), bitwise equal
   to those rows of the global batch, for the MLP data, the copy task and text windows;
   the buckets' reused flat buffers give the same gradients as new ones, bit for bit.
 
-Rank side by hand: `mpiexec -n 4 python -m tests.rank_tests /tmp/out
-tests.test_data_parallel:check_overlap_starts_buckets_in_backward`.
+Rank side by hand: `mpiexec -n 4 python -m tests.harness.rank_tests /tmp/out
+tests.parallel.test_data_parallel:check_overlap_starts_buckets_in_backward`.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from minipar import nn
-from minipar.config import GRAD_SYNCS, TrainConfig
+from minipar.core import nn
+from minipar.settings.config import GRAD_SYNCS, TrainConfig
 from tests.conftest import assert_equivalent, reference
-from tests.mpi import lesson_run, minipar, sweep
-from tests.rank_tests import run_checks
-from tests.trace_checks import check_trace
+from tests.harness.mpi import lesson_run, minipar, sweep
+from tests.harness.rank_tests import run_checks
+from tests.harness.trace_checks import check_trace
 
 SMALL = {"layers": 4, "d_model": 16, "d_in": 8, "batch": 48, "steps": 3}
 BUCKET = 1000  # elements: the small model's fc weights (1024) each get a bucket of their own
@@ -119,7 +119,7 @@ def test_bucket_arithmetic_of_the_test_itself():
 @pytest.mark.parametrize("batch,microbatches,dp", [(12, 1, 3), (24, 2, 3), (16, 4, 2)])
 def test_a_rank_draws_only_its_rows_bitwise_equal_to_the_global_batch(batch, microbatches,
                                                                        dp, tmp_path):
-    from minipar import data
+    from minipar.core import data
 
     text = tmp_path / "text.txt"
     text.write_bytes(bytes(range(256)) * 3)
@@ -181,7 +181,7 @@ def test_a_batch_not_divisible_by_dp_is_refused_in_one_line():
 
 
 def test_overlap_starts_every_bucket_in_the_last_backward(tmp_path):
-    name = "tests.test_data_parallel:check_overlap_starts_buckets_in_backward"
+    name = "tests.parallel.test_data_parallel:check_overlap_starts_buckets_in_backward"
     run_checks(4, [name], tmp_path, timeout=120).assert_passed(name)
 
 
@@ -190,13 +190,14 @@ def check_overlap_starts_buckets_in_backward(comm: object) -> None:
     """With 2 microbatches, no bucket starts in the first backward; all of them start
     in the second, each as soon as its pieces are done; and the synced gradient
     equals the bucketed sync of the same gradients."""
-    from minipar.comm import Ledger
-    from minipar.data import shard_rows
-    from minipar.mesh import Mesh
-    from minipar.optim import SGD
+    from minipar.comm.collectives import Ledger
+    from minipar.comm.mesh import Mesh
+    from minipar.compose.parallelize import build_rank_model, make_updater
+    from minipar.core.data import shard_rows
+    from minipar.core.optim import SGD
     from minipar.parallel.data_parallel import bucketed_allreduce
-    from minipar.train import build_rank_model, make_updater, microbatch_loss, step_batch
-    from tests.rank_tests import agree
+    from minipar.run.train import microbatch_loss, step_batch
+    from tests.harness.rank_tests import agree
 
     world = comm.Get_size()
     cfg = TrainConfig(**dict(SMALL, dp=world, microbatches=2, grad_sync="overlapped",
@@ -238,7 +239,7 @@ def check_overlap_starts_buckets_in_backward(comm: object) -> None:
 
 
 def test_lesson_times_the_three_syncs_and_says_where():
-    job, _ = lesson_run(8, "01_data_parallel.py")  # the run tests/test_lessons.py checks
+    job, _ = lesson_run(8, "01_data_parallel.py")  # the run tests/teaching/test_lessons.py checks
     assert job.returncode == 0 and not job.timed_out, job.explain()
     # timed on as many ranks as there are cores, never more, and saying so
     where = re.search(r"on dp = (\d+) \((\d+) ranks? on (\d+) cores?\)", job.stdout)

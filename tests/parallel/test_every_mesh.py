@@ -21,10 +21,10 @@ Allreduce of one number and the documents' count (clip.expected_ledger,
 documents.expected_ledger).
 
 Timelines: the 4-rank runs are traced (`--trace`), and every event of every trace is
-checked (tests/trace_checks.py), its last step's spans against its ledger.
+checked (tests/harness/trace_checks.py), its last step's spans against its ledger.
 
 Tiny on purpose: d = 16, H = 8, T = 8, V = 16, one step. ONE `sweep` launch per world
-size (tests/mpi.py): 80 configs on 8 ranks, 34 on 4.
+size (tests/harness/mpi.py): 80 configs on 8 ranks, 34 on 4.
 """
 
 from __future__ import annotations
@@ -33,17 +33,18 @@ import json
 
 import pytest
 
-from minipar import clip, documents
-from minipar.config import TrainConfig, problems
-from minipar.costmodel import rank_shape
-from minipar.mesh import CP_MODES
-from minipar.parallel.pipeline_schedules import SCHEDULES, V_SHAPED
-from minipar.plan import minipar_workload, plan_of
-from minipar.results import relative_difference
-from minipar.timemodel import ledger_of, traffic
+from minipar.comm.mesh import CP_MODES
+from minipar.compose import clip
+from minipar.core import documents
+from minipar.parallel.pipeline.schedules import SCHEDULES, V_SHAPED
+from minipar.planner.memory_cost import rank_shape
+from minipar.planner.time_cost import ledger_of, traffic
+from minipar.planner.workloads import minipar_workload, plan_of
+from minipar.run.results import relative_difference
+from minipar.settings.config import TrainConfig, problems
 from tests.conftest import assert_equivalent, reference
-from tests.mpi import ROOT, sweep
-from tests.trace_checks import check_trace
+from tests.harness.mpi import ROOT, sweep
+from tests.harness.trace_checks import check_trace
 
 TINY = dict(model="gpt", d_model=16, heads=8, seq_len=8, vocab=16, d_ff=32, steps=1)
 RECOMPUTE = ("none", "selective", "full")
@@ -89,7 +90,7 @@ def configs(world: int) -> list[dict]:
 
 CONFIGS = {n: configs(n) for n in (8, 4)}
 
-# gpt-moe with DeepSeek-V3 routing (minipar/routing.py) in the same jobs: sigmoid-bias and
+# gpt-moe with DeepSeek-V3 routing (minipar/core/routing.py) in the same jobs: sigmoid-bias and
 # its b (two steps, so that b steers the second), a shared expert, node-limited routing
 # (2 groups, 1 kept), dropless, over ep x the 4-D meshes (cp, attention TP with sp, a
 # pipeline, ZeRO over edp, recomputation)
@@ -145,7 +146,7 @@ TRACED = 4  # the world size whose runs are traced
 def test_every_4d_mesh_trace_is_valid_and_is_its_ledger(swept):
     """Every event of every trace: fields, phases, integer microseconds, nesting per
     thread, both ends of every flow; each collective of the last step's ledger appears
-    in the trace once per call, with the same bytes (tests/trace_checks.py)."""
+    in the trace once per call, with the same bytes (tests/harness/trace_checks.py)."""
     world, runs = swept
     if world != TRACED:
         pytest.skip("the 4-rank sweep is the traced one")

@@ -7,8 +7,8 @@ what routing implies, recomputed here from the dumped initial parameters. Stats:
 block's load statistics match the same recomputation (and capacity really drops).
 
 The 4-rank job runs this file as its rank side
-(`mpiexec -n 4 python -m tests.test_expert_parallel SPEC OUT`): it trains the configs
-like `tests.mpi.sweep` and also writes every rank's load statistics and the replica
+(`mpiexec -n 4 python -m tests.parallel.test_expert_parallel SPEC OUT`): it trains the configs
+like `tests.harness.mpi.sweep` and also writes every rank's load statistics and the replica
 disagreements, then probes one block directly (uniform routing, tape size against the
 number of tokens).
 """
@@ -23,11 +23,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minipar import autograd as ag
-from minipar import fused, nn
-from minipar.config import TrainConfig, problems
+from minipar.checkpoint import shard_files
+from minipar.core import autograd as ag
+from minipar.core import fused_layers, nn
+from minipar.settings.config import TrainConfig, problems
 from tests.conftest import assert_equivalent, reference
-from tests.mpi import launch, lesson_run, read_dump, sweep
+from tests.harness.mpi import launch, lesson_run, read_dump, sweep
 
 SMALL = {"model": "moe", "layers": 2, "d_in": 8, "d_model": 16, "batch": 32, "seed": 3}
 
@@ -49,7 +50,7 @@ FOUR = [
     dict(SMALL, dp=4, ep=2, top_k=2, capacity_factor=1.0, microbatches=2, steps=1),
     dict(SMALL, dp=4, ep=4, top_k=2, microbatches=2, optimizer="adam", steps=1),
 ]
-# DeepSeek-V3 routing (minipar/routing.py), in the same 4-rank job: sigmoid-bias with its
+# DeepSeek-V3 routing (minipar/core/routing.py), in the same 4-rank job: sigmoid-bias with its
 # b, shared experts (split over tp with expert TP), node-limited routing with a group per
 # ep rank, dropless; over dp x ep, expert TP, a pipeline (zb-h1) and ZeRO-3 over edp
 ROUTED = [
@@ -90,8 +91,8 @@ def count_nodes(root: ag.Tensor) -> int:
 def probe_block(world: object) -> dict:
     """One EP block (dp=4, ep=2) called directly: the aux loss with a zero router, and
     the tape size for b and 3b local tokens."""
-    from minipar.comm import Ledger
-    from minipar.mesh import Mesh, MeshShape
+    from minipar.comm.collectives import Ledger
+    from minipar.comm.mesh import Mesh, MeshShape
     from minipar.parallel.expert_parallel import ExpertParallelBlock
 
     mesh = Mesh(MeshShape(dp=world.Get_size(), ep=2), world, Ledger())
@@ -114,12 +115,12 @@ def probe_block(world: object) -> dict:
 
 
 def rank_main(spec: Path, out: Path) -> None:
-    """Train each config of `spec` (dump like tests.mpi.sweep, plus expert_load.json with
+    """Train each config of `spec` (dump like tests.harness.mpi.sweep, plus expert_load.json with
     every rank's load statistics), then write the block probe to probe.json."""
     from mpi4py import MPI
 
-    from minipar.results import dump
-    from minipar.train import train
+    from minipar.run.results import dump
+    from minipar.run.train import train
 
     world = MPI.COMM_WORLD
     for i, fields in enumerate(json.loads(spec.read_text())):
@@ -150,7 +151,7 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> dict:
     spec = folder / "configs.json"
     spec.write_text(json.dumps(FOUR + ROUTED + SAVE_RESUME).replace("{ck}",
                                                                   str(folder / "ck")))
-    job = launch(4, ["-m", "tests.test_expert_parallel", str(spec), str(folder)], timeout=180)
+    job = launch(4, ["-m", "tests.parallel.test_expert_parallel", str(spec), str(folder)], timeout=180)
     assert job.returncode == 0 and not job.timed_out, job.explain()
     runs = [read_dump(folder / str(i)) for i in range(len(FOUR + ROUTED + SAVE_RESUME))]
     for i, run in enumerate(runs):
@@ -188,11 +189,10 @@ def test_b_is_checkpointed_and_resumed_on_another_mesh(four):
     """The manifest holds every block's b after step 2 (the one-process b, bit for bit);
     the run resumed on dp x tp x ep equals one process over all 4 steps, b included
     (it could not if b restarted from 0: b after step 2 is not 0)."""
-    from minipar import checkpoint
 
     saved, resumed = four["runs"][-2:]
     fields = {k: v for k, v in SAVE_RESUME[1].items() if k != "resume"}
-    manifest = checkpoint.read_manifest(saved["job_folder"].parent / "ck")
+    manifest = shard_files.read_manifest(saved["job_folder"].parent / "ck")
     at_two = reference(**dict(fields, steps=2)).final
     for i in range(2):
         name = f"blocks.{i}.router.bias_balance"
@@ -201,7 +201,7 @@ def test_b_is_checkpointed_and_resumed_on_another_mesh(four):
     assert_equivalent(resumed, reference(**fields), label="resumed on dp x tp x ep")
     assert resumed["replica_disagreements"] == []
 
-    from minipar.generate import full_params  # generate --resume: b beside the parameters
+    from minipar.run.generate import full_params  # generate --resume: b beside the parameters
 
     held = full_params(TrainConfig(**dict(fields, resume=str(saved["job_folder"].parent
                                                              / "ck"))).resolved(1))
@@ -242,7 +242,7 @@ def routing_plan(run: dict) -> list[dict]:
         for m in range(cfg.microbatches):
             h = model.embed(ag.Tensor(x[m * rows:(m + 1) * rows]))
             for block in model.blocks:
-                probs = fused.softmax(block.ln(h) @ block.router).data
+                probs = fused_layers.softmax(block.ln(h) @ block.router).data
                 expert_of = nn.route(probs, cfg.top_k).ravel()
                 limit = nn.capacity(cfg.capacity_factor, cfg.top_k, rows, cfg.experts)
                 kept = nn.keep_within_capacity(expert_of, cfg.experts, limit)
@@ -394,7 +394,7 @@ def test_expert_tp_refusals():
 
 
 def test_lesson_runs_and_matches_one_process():
-    # the run tests/test_lessons.py checks (--quick: part 7a takes 40 steps, not 200)
+    # the run tests/teaching/test_lessons.py checks (--quick: part 7a takes 40 steps, not 200)
     job, _ = lesson_run(8, "03_expert_parallel.py", "--quick")
     assert job.returncode == 0 and not job.timed_out, job.explain()
     out = job.stdout
@@ -432,7 +432,7 @@ def test_lesson_runs_and_matches_one_process():
 
 
 if __name__ == "__main__":
-    from minipar.log import abort_on_exception  # loads mpi4py.MPI: only in a rank process
+    from minipar.comm.job import abort_on_exception  # loads mpi4py.MPI: only in a rank process
 
     # one rank failing aborts all, with its traceback
     abort_on_exception(lambda: rank_main(Path(sys.argv[1]), Path(sys.argv[2])))

@@ -14,19 +14,19 @@ bytes are what the planner's formulas predict for the transformer (plan.minipar_
 Alltoallv rows follow the router, so their sum over an ep group is checked, without
 capacity drops).
 
-Every bug of bugs.py that applies to these meshes, injected: the check catches each.
+Every bug of bugs/catalog.py that applies to these meshes, injected: the check catches each.
 
-One `sweep` launch per rank count (tests/mpi.py).
+One `sweep` launch per rank count (tests/harness/mpi.py).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from minipar import bugs
+from minipar.bugs import catalog
 from tests.conftest import assert_equivalent, reference
-from tests.formulas import assert_ledger_and_memory_are_the_formulas
-from tests.mpi import ROOT, sweep
+from tests.harness.mpi import ROOT, sweep
+from tests.reference.formulas import assert_ledger_and_memory_are_the_formulas
 
 GPT = dict(model="gpt", layers=2, d_model=16, heads=2, seq_len=8, vocab=16, batch=8,
            steps=2, d_ff=32)
@@ -70,8 +70,8 @@ RUNS = {
         dict(MOE, **ADAM, dp=4, ep=4, zero=3),                    # edp of one rank
         dict(MOE, **ADAM, dp=2, ep=2, pp=2, zero=1, microbatches=2)],
 }
-# Every bug of bugs.py that the transformer's meshes can show, each on 4 ranks: the
-# equivalence check must catch it (tp's bugs: tests/test_gpt_tensor_parallel.py).
+# Every bug of bugs/catalog.py that the transformer's meshes can show, each on 4 ranks: the
+# equivalence check must catch it (tp's bugs: tests/parallel/test_gpt_tensor_parallel.py).
 BUGGED = [dict(GPT, dp=2, pp=2, microbatches=2, schedule="gpipe",
                inject_bug="pp-one-input-buffer"),
           dict(GPT, dp=2, pp=2, microbatches=2, inject_bug="dp-stage-not-synced"),
@@ -96,7 +96,7 @@ def swept(request, tmp_path_factory):
     """Every config of one rank count, trained in one mpiexec job."""
     world = request.param
     # the broken runs are judged by their numbers: placement checking would stop some
-    # (tests/test_bugs_placement.py checks those)
+    # (tests/bugs/test_bugs_placement.py checks those)
     configs = RUNS[world] + ([{**c, "check_placements": False} for c in BUGGED]
                              if world == 4 else [])
     runs = sweep(world, configs, tmp_path_factory.mktemp(f"gpt{world}"), timeout=420)
@@ -113,7 +113,7 @@ def test_every_mesh_equals_one_process(swept):
 def test_every_injected_bug_is_caught(swept):
     world, runs = swept
     assert {bug["inject_bug"] for bug in BUGGED} == {
-        name for name, bug in bugs.BUGS.items() if bug.strategy != "tp"}
+        name for name, bug in catalog.BUGS.items() if bug.strategy != "tp"}
     for fields, run in zip(BUGGED, runs[len(RUNS[world]):]):
         clean = {k: v for k, v in fields.items() if k != "inject_bug"}
         with pytest.raises(AssertionError):

@@ -15,7 +15,7 @@ costmodel.model_states predict: the four tp collectives per block and microbatch
 vocabulary-parallel embedding's and the parallel cross-entropy's, SP's edges and its
 step Allreduce of partial gradients, recomputation's extra forward collectives.
 
-One `sweep` launch per rank count (tests/mpi.py).
+One `sweep` launch per rank count (tests/harness/mpi.py).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import json
 
 import pytest
 
-from minipar.config import TrainConfig
-from minipar.costmodel import rank_shape
-from minipar.plan import minipar_workload, plan_of
-from minipar.timemodel import ledger_of, traffic
+from minipar.planner.memory_cost import rank_shape
+from minipar.planner.time_cost import ledger_of, traffic
+from minipar.planner.workloads import minipar_workload, plan_of
+from minipar.settings.config import TrainConfig
 from tests.conftest import assert_equivalent, reference
-from tests.formulas import assert_ledger_and_memory_are_the_formulas
-from tests.mpi import sweep
+from tests.harness.mpi import sweep
+from tests.reference.formulas import assert_ledger_and_memory_are_the_formulas
 
 GPT = dict(model="gpt", layers=2, d_model=16, heads=4, seq_len=8, vocab=16, batch=8,
            steps=2, d_ff=32)
@@ -78,7 +78,7 @@ RUNS = {
 # Megatron's f without its backward Allreduce, on the transformer's attention and FFN
 # entries and the vocabulary-parallel head's: the check must catch it (2 ranks). Judged by
 # its numbers here; placement checking would stop it in the first forward
-# (tests/test_placement_mesh.py).
+# (tests/placement/test_placement_mesh.py).
 BUGGED = [dict(GPT, tp=2, inject_bug="tp-copy-to-no-allreduce", check_placements=False),
           dict(GPT, **REPLICATED, tp=2, inject_bug="tp-copy-to-no-allreduce",
                check_placements=False),
@@ -138,12 +138,12 @@ def test_activation_memory_is_the_formula(tmp_path):
     """One gpt block's tape bytes per rank (recompute.tape_bytes) equal
     recompute.gpt_block_activation_bytes for tp 1, 2, 4, with and without sp, for
     none / selective / full; and each mode keeps less than the one before."""
-    from minipar.recompute import gpt_block_activation_bytes
-    from tests.mpi import launch
-    from tests.rank_activations import SHAPE
+    from minipar.core.recompute import gpt_block_activation_bytes
+    from tests.harness.mpi import launch
+    from tests.harness.rank_activations import SHAPE
 
     out = tmp_path / "activations.json"
-    job = launch(4, ["-m", "tests.rank_activations", str(out)], timeout=120)
+    job = launch(4, ["-m", "tests.harness.rank_activations", str(out)], timeout=120)
     assert job.returncode == 0 and not job.timed_out, job.explain()
     found = json.loads(out.read_text())
     assert len(found) == 15
@@ -165,8 +165,8 @@ def test_the_planner_counts_a_block_as_the_tape_does():
     """costmodel.activation_bytes of minipar's gpt block (plan.minipar_workload) is
     recompute.gpt_block_activation_bytes (which the test above holds to the tape) on
     every layout and recompute mode."""
-    from minipar.costmodel import activation_bytes
-    from minipar.recompute import gpt_block_activation_bytes
+    from minipar.core.recompute import gpt_block_activation_bytes
+    from minipar.planner.memory_cost import activation_bytes
 
     shape = dict(GPT, d_ff=48, batch=4)
     tokens = shape["batch"] * shape["seq_len"]

@@ -14,7 +14,7 @@ microbatch per stage boundary, one gradient Allreduce of this rank's parameters)
 Lessons 05 (TP vs PP, 4 ranks) and 06 (the 3-D grid, 8 ranks) run and their numbers
 bear out the source text's claims.
 
-One `sweep` launch per rank count runs every config (tests/mpi.py).
+One `sweep` launch per rank count runs every config (tests/harness/mpi.py).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from minipar import nn
-from minipar.config import TrainConfig, problems
-from minipar.mesh import MeshShape
+from minipar.comm.mesh import MeshShape
+from minipar.core import nn
+from minipar.settings.config import TrainConfig, problems
 from tests.conftest import assert_equivalent, reference
-from tests.mpi import lesson_run, sweep
+from tests.harness.mpi import lesson_run, sweep
 
 SMALL = dict(layers=4, d_in=8, d_model=16, d_ff=32, batch=16, steps=2)
 MOE = dict(model="moe", experts=8, top_k=2, expert_d_ff=16, batch=32)
@@ -199,7 +199,7 @@ def table_row(out: str, title: str) -> list[float]:
 
 
 def test_lesson_05_measures_tp_against_pp():
-    job, _ = lesson_run(4, "05_tp_vs_pp.py")  # the run tests/test_lessons.py checks
+    job, _ = lesson_run(4, "05_tp_vs_pp.py")  # the run tests/teaching/test_lessons.py checks
     assert job.returncode == 0 and not job.timed_out, job.explain()
     out = job.stdout
     L, B, M, d = 8, 64, 4, 64  # the lesson's model
@@ -230,7 +230,7 @@ def test_lesson_05_measures_tp_against_pp():
 
 
 def test_lesson_06_shows_the_grid_partners_and_ledger_per_axis():
-    job, _ = lesson_run(8, "06_hybrid.py")  # the run tests/test_lessons.py checks
+    job, _ = lesson_run(8, "06_hybrid.py")  # the run tests/teaching/test_lessons.py checks
     assert job.returncode == 0 and not job.timed_out, job.explain()
     out = job.stdout
     shape = MeshShape(2, 2, 2)

@@ -14,15 +14,15 @@ from collections import defaultdict
 
 import pytest
 
-from minipar.config import TrainConfig, problems
-from minipar.mesh import MeshShape
-from minipar.train import boundary_shape
+from minipar.comm.mesh import MeshShape
+from minipar.run.train import boundary_shape
+from minipar.settings.config import TrainConfig, problems
 from tests.conftest import assert_equivalent, reference
-from tests.mpi import lesson_run, sweep
+from tests.harness.mpi import lesson_run, sweep
 
 SMALL = dict(layers=8, d_in=8, d_model=16, d_ff=32, batch=16, steps=2)
 MOE = dict(model="moe", experts=4, top_k=2, expert_d_ff=16)
-# the transformer (tests/test_gpt_parallel.py runs it under the other schedules)
+# the transformer (tests/parallel/test_gpt_parallel.py runs it under the other schedules)
 GPT = dict(model="gpt", d_model=16, heads=2, seq_len=8, vocab=16, batch=8, steps=2, d_ff=32)
 GPT_MOE = dict(GPT, model="gpt-moe", experts=4, expert_d_ff=16, aux_coef=0.1)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
@@ -236,7 +236,8 @@ def test_boundary_shape_is_a_microbatch_of_rows_by_d():
 
 # ----------------------------------------------------------------- the lesson
 def test_lesson_shows_the_48_layer_example_bubble_memory_and_equivalence():
-    job, _ = lesson_run(4, "04_pipeline_parallel.py", "--quick")  # tests/test_lessons.py's run
+    # tests/teaching/test_lessons.py's run
+    job, _ = lesson_run(4, "04_pipeline_parallel.py", "--quick")
     assert job.returncode == 0 and not job.timed_out, job.explain()
     out = job.stdout
     for rank, (first, last) in enumerate([(1, 12), (13, 24), (25, 36), (37, 48)]):

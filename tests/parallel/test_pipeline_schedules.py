@@ -1,7 +1,7 @@
 """Pipeline schedules as data, checked without MPI: every F and B exactly once and in
 dependency order, sends matching receives, bubble and memory against the formulas.
 
-Bubble, as defined in pipeline_schedules.py: with T the time the last stage
+Bubble, as defined in parallel/pipeline/schedules.py: with T the time the last stage
 finishes (F = 1, B = 2; ZB-H1 B = W = 1; communication free),
 bubble = (pp T - busy time of all stages) / (pp T).
 """
@@ -14,24 +14,12 @@ from fractions import Fraction
 
 import pytest
 
-from minipar.parallel import pipeline_schedules as simulator
-from minipar.parallel.pipeline_schedules import (
-    BACKWARD,
-    COMPUTE,
-    FORWARD,
-    WEIGHT,
-    Costs,
-    DeadlockError,
-    Instruction,
-    ScheduleError,
-    V,
-    gantt,
-    iter_messages,
-    layout_of,
-    programs,
-    simulate,
-    virtual_stage,
-)
+from minipar.parallel.pipeline import chunk_layout
+from minipar.parallel.pipeline import schedules as simulator
+from minipar.parallel.pipeline.chunk_layout import V, iter_messages, virtual_stage
+from minipar.parallel.pipeline.instructions import BACKWARD, COMPUTE, FORWARD, WEIGHT, Instruction
+from minipar.parallel.pipeline.schedules import layout_of, programs
+from minipar.parallel.pipeline.simulator import Costs, DeadlockError, ScheduleError, gantt, simulate
 
 LOGICAL = Costs()  # F = B = W = 1, F&B = 3
 PIPELINES = [(pp, m) for pp in range(2, 9) for m in range(1, 17)]
@@ -339,13 +327,13 @@ def blocks_per_rank(name: str, layers: int, pp: int) -> int:
     """Blocks a rank holds: its chunks, each one run of the model's `model_stage`s."""
     layout = layout_of(name)
     runs = pp if layout == "dual" else pp * simulator.chunks_per_rank(name)
-    chunks = {simulator.model_stage(pp, virtual_stage(pp, 0, c, layout), layout)
+    chunks = {chunk_layout.model_stage(pp, virtual_stage(pp, 0, c, layout), layout)
               for c in range(simulator.chunks_per_rank(name))}
     return len(chunks) * layers // runs
 
 
 def test_v_placement_puts_the_first_and_last_chunks_on_rank_0():
-    from minipar.parallel.pipeline_schedules import placement
+    from minipar.parallel.pipeline.chunk_layout import placement
 
     pp = 4
     assert [virtual_stage(pp, s, c, V) for s in range(pp) for c in (0, 1)] == \

@@ -11,7 +11,7 @@ Three kinds of checks:
 - bad settings are refused before any communication.
 
 The rank side of the piece tests is this file run under MPI:
-`mpiexec -n 4 python -m tests.test_tensor_parallel OUTDIR` (each rank writes
+`mpiexec -n 4 python -m tests.parallel.test_tensor_parallel OUTDIR` (each rank writes
 OUTDIR/rank<r>.npz). The pytest process itself never imports mpi4py.MPI.
 """
 
@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minipar import autograd as ag
-from minipar import nn
-from minipar.config import TrainConfig, problems
+from minipar.core import autograd as ag
+from minipar.core import nn
+from minipar.settings.config import TrainConfig, problems
 from tests.conftest import assert_equivalent, reference
-from tests.mpi import launch, lesson_run, minipar, sweep
+from tests.harness.mpi import launch, lesson_run, minipar, sweep
 
 SMALL = {"layers": 4, "d_model": 16, "d_in": 8, "batch": 16, "steps": 3}
 # (sp, optimizer, microbatches): every pair of choices appears for each tp
@@ -140,7 +140,7 @@ def rank_main(folder: Path) -> None:
     """Run the pieces on a tp group of 2 (split of the world) and of the whole world."""
     from mpi4py import MPI
 
-    from minipar.comm import Group, Ledger
+    from minipar.comm.collectives import Group, Ledger
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
@@ -174,7 +174,7 @@ def close(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def test_parallel_pieces_match_one_process_on_every_rank(tmp_path):
-    job = launch(4, ["-m", "tests.test_tensor_parallel", str(tmp_path)], timeout=120)
+    job = launch(4, ["-m", "tests.parallel.test_tensor_parallel", str(tmp_path)], timeout=120)
     assert job.returncode == 0 and not job.timed_out, job.explain()
     ref = reference_pieces()
     full = piece_params()
@@ -281,6 +281,6 @@ def test_tp_not_dividing_d_ff_is_refused():
 
 
 if __name__ == "__main__":
-    from minipar.log import abort_on_exception  # loads mpi4py.MPI: only in a rank process
+    from minipar.comm.job import abort_on_exception  # loads mpi4py.MPI: only in a rank process
 
     abort_on_exception(lambda: rank_main(Path(sys.argv[1])))

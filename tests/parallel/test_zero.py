@@ -1,4 +1,4 @@
-"""ZeRO stages 1-3 (minipar/parallel/zero.py) and the memory arithmetic (minipar/memory.py).
+"""ZeRO stages 1-3 (minipar/parallel/zero.py) and the memory arithmetic (minipar/core/memory.py).
 
 - Without MPI: the slices of a flat vector (unequal when dp does not divide it),
   ZeRO's memory formulas and the paper's worked example (7.5 B parameters on 64
@@ -13,8 +13,8 @@
 - On the ranks (`check_memory_accounting`): the bytes each rank holds equal the
   formulas, exactly.
 
-Rank side by hand: `mpiexec -n 4 python -m tests.rank_tests /tmp/out
-tests.test_zero:check_memory_accounting`.
+Rank side by hand: `mpiexec -n 4 python -m tests.harness.rank_tests /tmp/out
+tests.parallel.test_zero:check_memory_accounting`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minipar import nn
-from minipar.config import TrainConfig, problems
-from minipar.memory import (
+from minipar.core import nn
+from minipar.core.memory import (
     FlatLayout,
     ledger_formula,
     optimizer_bytes_per_param,
@@ -33,11 +32,12 @@ from minipar.memory import (
     wire_formula,
     zero_formula,
 )
+from minipar.settings.config import TrainConfig, problems
 from tests.conftest import assert_equivalent, reference
-from tests.formulas import assert_ledger_and_memory_are_the_formulas
-from tests.mpi import sweep
-from tests.rank_tests import run_checks
-from tests.trace_checks import check_trace
+from tests.harness.mpi import sweep
+from tests.harness.rank_tests import run_checks
+from tests.harness.trace_checks import check_trace
+from tests.reference.formulas import assert_ledger_and_memory_are_the_formulas
 
 SMALL = {"layers": 4, "d_model": 16, "d_in": 8, "batch": 48, "steps": 3}
 EVEN = {"classes": 12}  # 8988 parameters: divisible by 3 and 4 (8954 with 10 classes is not)
@@ -201,7 +201,7 @@ def test_zero_with_experts_equals_one_process_ledger_and_memory_formulas(tmp_pat
 
 
 def test_each_rank_holds_what_the_formulas_say(tmp_path):
-    name = "tests.test_zero:check_memory_accounting"
+    name = "tests.parallel.test_zero:check_memory_accounting"
     run_checks(4, [name], tmp_path, timeout=120).assert_passed(name)
 
 
@@ -211,7 +211,7 @@ def check_memory_accounting(comm: object) -> None:
     on both models. A sharded kind: rank r holds exactly counts[r]
     numbers (the formula's Psi/N when N divides Psi) and the ranks together exactly
     Psi. A replicated kind: every rank exactly the formula."""
-    from tests.rank_tests import agree
+    from tests.harness.rank_tests import agree
 
     found = []
     for extra, optimizer in (({}, "adam"), (EVEN, "adam")):
@@ -223,7 +223,7 @@ def check_memory_accounting(comm: object) -> None:
 
 
 def memory_problems(comm: object, fields: dict) -> list[str]:
-    from minipar.train import train
+    from minipar.run.train import train
 
     world, rank = comm.Get_size(), comm.Get_rank()
     measured = train(TrainConfig(**fields).resolved(world), comm).extras["memory"]

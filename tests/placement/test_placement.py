@@ -1,4 +1,4 @@
-"""The placement rules one by one (placement.py), in one process: no MPI.
+"""The placement rules one by one (placement/__init__.py), in one process: no MPI.
 
 Each test builds tensors, declares their placement over a named axis of some size
 (a stand-in group: a name and a size), runs one op and reads the output's placement,
@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from minipar import attention, fused, placement
-from minipar import autograd as ag
-from minipar.autograd import Tensor
-from minipar.nn import Parameter
+from minipar import placement
+from minipar.core import attention, fused_layers
+from minipar.core import autograd as ag
+from minipar.core.autograd import Tensor
+from minipar.core.nn import Parameter
 from minipar.placement import Partial, PlacementError, Replicate, Shard
 
 
@@ -126,7 +127,7 @@ def test_mul_refuses_two_partial_factors_and_a_partial_divisor():
             "b is a partial sum over tp", "as divisor")
 
 
-@pytest.mark.parametrize("op", [fused.gelu, ag.exp, ag.tanh, fused.softmax])
+@pytest.mark.parametrize("op", [fused_layers.gelu, ag.exp, ag.tanh, fused_layers.softmax])
 def test_nonlinear_ops_keep_shards_and_refuse_partial(op):
     assert placement.of(op(t((4, 3), tp=Shard(0)))) == {"tp": Shard(0)}
     refused(lambda: op(t((4, 3), "z", tp=Partial())), "z is a partial sum over tp",
@@ -134,16 +135,16 @@ def test_nonlinear_ops_keep_shards_and_refuse_partial(op):
 
 
 def test_a_normalization_refuses_a_shard_of_its_dim():
-    refused(lambda: fused.softmax(t((4, 3), "logits", tp=Shard(1))),
+    refused(lambda: fused_layers.softmax(t((4, 3), "logits", tp=Shard(1))),
             "logits is sharded along dim 1 over tp", "needs whole rows")
     gamma, beta = param((6,), "ln.weight"), param((6,), "ln.bias")
-    refused(lambda: fused.layer_norm(t((4, 6), "h", tp=Shard(1)), gamma, beta),
+    refused(lambda: fused_layers.layer_norm(t((4, 6), "h", tp=Shard(1)), gamma, beta),
             "LayerNorm ln", "h is sharded along dim 1 over tp")
 
 
 def test_layer_norm_on_rows_keeps_them_and_its_gain_gets_a_partial_gradient():
     gamma, beta = param((6,), "ln.weight"), param((6,), "ln.bias")
-    out = fused.layer_norm(t((4, 6), dp=Shard(0)), gamma, beta)
+    out = fused_layers.layer_norm(t((4, 6), dp=Shard(0)), gamma, beta)
     assert placement.of(out) == {"dp": Shard(0)} and out.name == "ln output"
     with pytest.raises(PlacementError, match="ln.bias's gradient is a partial sum over dp"):
         placement.check_gradients({"dp": 2})
@@ -152,27 +153,27 @@ def test_layer_norm_on_rows_keeps_them_and_its_gain_gets_a_partial_gradient():
 # -------------------------------------------------------- linear algebra
 def test_rows_times_a_replicated_weight_are_rows():                # data parallel
     w = param((3, 5), "fc.weight")
-    out = fused.linear(t((4, 3), dp=Shard(0)), w)
+    out = fused_layers.linear(t((4, 3), dp=Shard(0)), w)
     assert placement.of(out) == {"dp": Shard(0)} and out.name == "fc output"
 
 
 def test_replicated_times_columns_are_columns():                   # column parallel
     x = placement.place(t((4, 3)), TP, Replicate(grad_summed=True))
     w, b = param((3, 6), "fc1.weight", tp=Shard(1)), param((6,), "fc1.bias", tp=Shard(0))
-    assert placement.of(fused.linear(x, w, b)) == {"tp": Shard(1)}
+    assert placement.of(fused_layers.linear(x, w, b)) == {"tp": Shard(1)}
     assert placement.of(x @ w) == {"tp": Shard(1)}
 
 
 def test_columns_need_an_input_whose_gradient_is_summed():          # the missing copy_to
     w = param((3, 6), "fc1.weight", tp=Shard(1))
-    refused(lambda: fused.linear(t((4, 3), "ln output"), w),
+    refused(lambda: fused_layers.linear(t((4, 3), "ln output"), w),
             "ln output is replicated over tp", "its gradient summed",
             "a copy_to is missing")
 
 
 def test_columns_times_rows_are_a_partial_sum():                   # row parallel
     w = param((6, 3), "fc2.weight", tp=Shard(0))
-    assert placement.of(fused.linear(t((4, 6), tp=Shard(1)), w)) == {"tp": Partial()}
+    assert placement.of(fused_layers.linear(t((4, 6), tp=Shard(1)), w)) == {"tp": Partial()}
 
 
 def test_a_partial_input_times_a_replicated_weight_stays_partial():
@@ -181,7 +182,7 @@ def test_a_partial_input_times_a_replicated_weight_stays_partial():
 
 def test_the_bias_of_a_row_parallel_linear_refuses_its_partial_sum():
     w, b = param((6, 3), "blocks.3.fc2.weight", tp=Shard(0)), param((3,), "blocks.3.fc2.bias")
-    refused(lambda: fused.linear(t((4, 6), tp=Shard(1)), w, b),
+    refused(lambda: fused_layers.linear(t((4, 6), tp=Shard(1)), w, b),
             "blocks.3.fc2 product is a partial sum over tp", "the bias add",
             "an Allreduce is missing")
 
@@ -208,7 +209,7 @@ def test_a_mean_over_a_sharded_dim_is_a_partial_average():
 
 def test_a_loss_over_sharded_rows_is_a_partial_average_over_dp():
     logits = t((4, 5), dp=Shard(0))
-    loss = fused.cross_entropy(logits, np.zeros(4, dtype=int))
+    loss = fused_layers.cross_entropy(logits, np.zeros(4, dtype=int))
     assert placement.of(loss) == {"dp": Partial("avg")}
     placement.loss("the gradient sync", loss, DP)       # what the dp sync expects
     refused(lambda: placement.loss("the gradient sync", t((), "l", tp=Partial()), DP),
@@ -216,7 +217,7 @@ def test_a_loss_over_sharded_rows_is_a_partial_average_over_dp():
 
 
 def test_the_loss_needs_whole_rows_of_logits():
-    refused(lambda: fused.cross_entropy(t((4, 6), "logits", tp=Shard(1)), np.zeros(4, int)),
+    refused(lambda: fused_layers.cross_entropy(t((4, 6), "logits", tp=Shard(1)), np.zeros(4, int)),
             "logits is sharded along dim 1 over tp", "cross-entropy")
 
 
@@ -282,10 +283,10 @@ def test_rows_exchanged_refuse_a_partial_sum():
 
 def test_a_gradient_used_on_sharded_rows_must_be_summed():
     w = param((3, 5), "fc.weight")
-    fused.linear(t((4, 3), dp=Shard(0)), w)
+    fused_layers.linear(t((4, 3), dp=Shard(0)), w)
     placement.summed([w], DP)
     placement.check_gradients({"dp": 2})                 # summed: nothing to say
-    fused.linear(t((4, 3), dp=Shard(0)), w)
+    fused_layers.linear(t((4, 3), dp=Shard(0)), w)
     refused(lambda: placement.check_gradients({"dp": 2}),
             "fc.weight's gradient is a partial sum over dp", "an Allreduce over dp")
 
@@ -350,7 +351,7 @@ def test_attention_by_heads_refuses_a_whole_key_bias_and_unlike_splits():
 def test_the_output_projection_of_heads_is_row_parallel_then_reduced():
     o = t((2, 4, 8), "heads out", tp=Shard(2))
     proj = param((8, 8), "blocks.0.attn.proj.weight", tp=Shard(0))
-    partial = fused.linear(o, proj)
+    partial = fused_layers.linear(o, proj)
     assert placement.of(partial) == {"tp": Partial()}
     whole = placement.transition("reduce_from (an Allreduce)", partial, TP, Partial,
                                  Replicate(), Tensor(partial.data))
@@ -405,7 +406,7 @@ def test_shape_ops_keep_a_gradient_summed_by_the_region_entry():
     x = placement.place(t((6, 3)), TP, Replicate(grad_summed=True))   # out of copy_to
     w = param((3, 4), "experts.0.fc1.weight", tp=Shard(1))
     for picked in (ag.take_rows(x, np.array([0, 5])), x[1:3], ag.reshape(x, (3, 2, 3))):
-        assert placement.of(fused.linear(picked, w)) == {"tp": Shard(picked.ndim - 1)}
+        assert placement.of(fused_layers.linear(picked, w)) == {"tp": Shard(picked.ndim - 1)}
 
 
 def test_rows_picked_for_sharded_rows_are_placed_like_them():
@@ -465,11 +466,11 @@ def test_a_reshape_to_tokens_and_back_follows_the_positions():
 def test_the_sync_over_dp_x_cp_sums_both_axes_and_the_loss_may_average_both():
     with placement.checking(sizes={"dp": 2, "cp": 2}):
         w = param((3, 5), "fc.weight")
-        fused.linear(t((2, 4, 3), dp=Shard(0), cp=Shard(1)), w)
+        fused_layers.linear(t((2, 4, 3), dp=Shard(0), cp=Shard(1)), w)
         placement.summed([w], Axis("dp", 2))            # the plain dp group: cp is left
         refused(lambda: placement.check_gradients({"dp": 2, "cp": 2}),
                 "fc.weight's gradient is a partial sum over cp", "an Allreduce over cp")
-        fused.linear(t((2, 4, 3), dp=Shard(0), cp=Shard(1)), w)
+        fused_layers.linear(t((2, 4, 3), dp=Shard(0), cp=Shard(1)), w)
         placement.summed([w], Axis("dp", 4))            # mesh.dp_cp: named dp, dp x cp ranks
         placement.check_gradients({"dp": 2, "cp": 2})
         loss = t((), "the loss", dp=Partial("avg"), cp=Partial("avg"))
@@ -481,24 +482,24 @@ def test_the_sync_over_dp_x_cp_sums_both_axes_and_the_loss_may_average_both():
 # ------------------------------------------------------------- recomputation
 def test_a_recomputed_node_is_checked_once_in_the_forward_and_keeps_its_placement(
         monkeypatch):
-    from minipar.recompute import recomputed
+    from minipar.core.recompute import recomputed
 
     calls = []
     rule = placement.nonlinear
     monkeypatch.setattr(placement, "nonlinear", lambda *a, **k: calls.append(a[0]) or
                         rule(*a, **k))
     x = t((4, 3), "z", tp=Shard(1))
-    out = recomputed(fused.gelu)(x)
+    out = recomputed(fused_layers.gelu)(x)
     assert placement.of(out) == {"tp": Shard(1)} and calls == ["GELU"]
     out.backward(np.ones((4, 3)))                        # the replay: not checked again
     assert calls == ["GELU"] and x.grad is not None
-    refused(lambda: recomputed(fused.gelu)(t((4, 3), "fc1 sum", tp=Partial())),
+    refused(lambda: recomputed(fused_layers.gelu)(t((4, 3), "fc1 sum", tp=Partial())),
             "fc1 sum is a partial sum over tp", "GELU")  # not skipped: caught in forward
 
 
 def test_a_recomputed_block_records_the_partial_gradients_of_its_forward():
-    from minipar.nn import Module
-    from minipar.recompute import Recomputed
+    from minipar.core.nn import Module
+    from minipar.core.recompute import Recomputed
 
     class Block(Module):
         def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Placement checking on a mesh, against the transformer's bugs (tests/rank_placement_mesh.py,
+"""Placement checking on a mesh, against the transformer's bugs (tests/harness/rank_placement_mesh.py,
 one 2-rank job): each placement bug is stopped in its first forward with one line naming
 the tensor, the axis, the placement found, the one needed and the line of the model; a
 bug about values (the ring's merge without its log-sum-exp weights, ring and zigzag) runs
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.mpi import launch
+from tests.harness.mpi import launch
 
 PLACEMENT_BUGS = {
     "tp-copy-to-no-allreduce": ("blocks.0.ln1 output is replicated over tp",
@@ -24,14 +24,14 @@ PLACEMENT_BUGS = {
     "cp-no-allgather": ("blocks.0.attn.k output is sharded along dim 1 over cp",
                         "every query needs every earlier key",
                         "an Allgather of K and V along T is missing",
-                        "bugs_detours.py:"),
+                        "bugs/detours.py:"),
 }
 
 
 @pytest.fixture(scope="module")
 def found(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("placement_mesh") / "found.json"
-    job = launch(2, ["-m", "tests.rank_placement_mesh", str(out)], timeout=240)
+    job = launch(2, ["-m", "tests.harness.rank_placement_mesh", str(out)], timeout=240)
     assert job.returncode == 0 and not job.timed_out, job.explain()
     return json.loads(out.read_text())
 

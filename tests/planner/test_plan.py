@@ -29,8 +29,10 @@ from dataclasses import replace
 import pytest
 
 from minipar.__main__ import main
-from minipar.config import TrainConfig
-from minipar.costmodel import (
+from minipar.comm.mesh import MeshShape
+from minipar.core.memory import zero_formula
+from minipar.parallel.pipeline.schedules import simulate_schedule
+from minipar.planner.memory_cost import (
     Block,
     Plan,
     Workload,
@@ -39,21 +41,13 @@ from minipar.costmodel import (
     model_states,
     rank_shape,
 )
-from minipar.memory import zero_formula
-from minipar.mesh import MeshShape
-from minipar.parallel.pipeline_schedules import simulate_schedule
-from minipar.plan import (
-    STEP_TIME_ERROR,
-    distinct_meshes,
-    evaluate,
-    minipar_workload,
-    plan_of,
-    search,
-    transformer,
-)
-from minipar.presets import MEGATRON_TABLE_1, MODELS, Model
-from minipar.timemodel import Hardware, ledger_of, traffic
-from tests.mpi import ROOT, sweep
+from minipar.planner.plan_table import STEP_TIME_ERROR
+from minipar.planner.presets import MEGATRON_TABLE_1, MODELS, Model
+from minipar.planner.search import distinct_meshes, evaluate, search
+from minipar.planner.time_cost import Hardware, ledger_of, traffic
+from minipar.planner.workloads import minipar_workload, plan_of, transformer
+from minipar.settings.config import TrainConfig
+from tests.harness.mpi import ROOT, sweep
 
 GB = 1e9
 H100 = Hardware(80 * GB, 989e12, 0.5, 450 * GB, 50 * GB, 8, 5e-6)
@@ -363,7 +357,7 @@ def test_bad_flags_are_one_error_line(flags, named, capsys):
 
 
 def test_the_planner_imports_no_mpi():
-    probe = ("import sys, minipar.plan, minipar.costmodel, minipar.timemodel; "
+    probe = ("import sys, minipar.planner.plan, minipar.planner.memory_cost, minipar.planner.time_cost; "
              "print('mpi4py.MPI' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)

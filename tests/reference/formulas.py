@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 
-from minipar.config import TrainConfig
-from minipar.costmodel import model_states, rank_shape
-from minipar.plan import minipar_workload, plan_of
-from minipar.timemodel import ledger_of, traffic
+from minipar.planner.memory_cost import model_states, rank_shape
+from minipar.planner.time_cost import ledger_of, traffic
+from minipar.planner.workloads import minipar_workload, plan_of
+from minipar.settings.config import TrainConfig
 
 
 def assert_ledger_and_memory_are_the_formulas(world: int, fields: dict, run: dict) -> None:

@@ -3,9 +3,9 @@
 What this file teaches: how to trust a reference. minipar's single-process run
 (autograd.py + nn.py) is the ground truth every parallel strategy is compared with;
 this file is the ground truth *for that*. It is written from docs/design.md's formulas only,
-with no `minipar.autograd` and no `minipar.nn`: every gradient is the chain rule worked
+with no `minipar.core.autograd` and no `minipar.core.nn`: every gradient is the chain rule worked
 out on paper and typed in, layer by layer, in reverse. Only the batches come from
-`minipar.data` (they are an input, not math under test).
+`minipar.core.data` (they are an input, not math under test).
 
 It follows the papers docs/design.md follows: pre-LayerNorm residual MLP blocks, top-k routed
 experts with renormalized gates and a capacity limit (GShard), the load-balancing loss
@@ -15,7 +15,7 @@ chosen by s + b, b moved by rate * sign(mean load - load) after each step, node-
 choice inside the M groups of largest top-2 sum, shared experts added to every token.
 The MoE is vectorized per expert: each expert gathers its tokens with one index array.
 
-Used by `python -m pytest tests/test_reference.py`.
+Used by `python -m pytest tests/core/test_reference.py`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minipar.config import TrainConfig
-from minipar.data import make_batch
+from minipar.core.data import make_batch
+from minipar.settings.config import TrainConfig
 
 LN_EPS = 1e-5
 GELU_C = math.sqrt(2.0 / math.pi)

@@ -2,12 +2,12 @@
 
 What this file teaches: how to trust the transformer of minipar (gpt.py + attention.py
 + autograd). It is written from docs/design.md's formulas, "The transformer", with no
-`minipar.autograd`, `minipar.nn` or `minipar.gpt`: attention is computed head by head
+`minipar.core.autograd`, `minipar.core.nn` or `minipar.core.gpt`: attention is computed head by head
 from the column blocks of Wq, Wk, Wv exactly as the formula reads
 (q_h = a Wq[:, h dh:(h+1) dh] + bq[...]), and every gradient is the chain rule worked
 out on paper. The position-wise layers (LayerNorm, the dense FFN, the MoE FFN, Adam) are
-those of `tests/independent.py`, applied to the B*T positions as rows. Only the batches
-come from `minipar.data` (an input, not math under test).
+those of `tests/reference/independent.py`, applied to the B*T positions as rows. Only the batches
+come from `minipar.core.data` (an input, not math under test).
 
 The attention backward, per head, with P = softmax(S), G = d loss / d o:
     dV = P^T G,  dP = G V^T,  dS = P * (dP - rowsum(dP * P)),
@@ -15,7 +15,7 @@ The attention backward, per head, with P = softmax(S), G = d loss / d o:
 The key bias: S_ij gains q_i . bk, the same for every j, and the softmax over j ignores
 it, so d loss / d bk = sum_i rowsum(dS)_i q_i = 0 exactly (the rows of P sum to 1).
 
-Used by `python -m pytest tests/test_gpt_reference.py`.
+Used by `python -m pytest tests/core/test_gpt_reference.py`.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import math
 
 import numpy as np
 
-from minipar.config import TrainConfig
-from minipar.data import make_sequences, make_text_windows
-from tests.independent import (
+from minipar.core.data import make_sequences, make_text_windows
+from minipar.settings.config import TrainConfig
+from tests.reference.independent import (
     Params,
     Run,
     ffn,

@@ -3,10 +3,10 @@
 `--dump DIR` writes init/final params, the data, the losses, every flag and the
 ledger, and they equal the in-process reference; `--check` says OK; a bad
 setting is one `minipar: error:` line on stderr and exit code 2, never a
-traceback. The command runs in a subprocess with a timeout (`tests.mpi`): the
+traceback. The command runs in a subprocess with a timeout (`tests.harness.mpi`): the
 pytest process never imports `mpi4py.MPI`.
 
-    python -m pytest tests/test_cli.py
+    python -m pytest tests/run/test_cli.py
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import sys
 import numpy as np
 import pytest
 
-from minipar.config import TrainConfig
-from minipar.train import step_batch, train_reference
+from minipar.run.train import step_batch, train_reference
+from minipar.settings.config import TrainConfig
 from tests.conftest import assert_equivalent
-from tests.mpi import ROOT, minipar, read_dump
+from tests.harness.mpi import ROOT, minipar, read_dump
 
 FLAG_NAMES = ["model", "layers", "d_in", "d_model", "d_ff", "classes", "experts", "top_k",
               "expert_d_ff", "capacity_factor", "aux_coef", "batch", "microbatches", "steps",
@@ -162,7 +162,7 @@ def test_help_prints_once_with_text_for_every_flag(command):
 def test_these_tests_import_no_mpi():
     """What this file imports (the reference, the config, the launcher) starts no MPI:
     checked in a fresh interpreter, so other test files' imports cannot hide it."""
-    probe = "import sys, tests.test_cli; print('mpi4py.MPI' in sys.modules)"
+    probe = "import sys, tests.run.test_cli; print('mpi4py.MPI' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr

@@ -1,4 +1,5 @@
-"""Gradient clipping (minipar/clip.py) and ragged documents (minipar/documents.py), no MPI.
+"""Gradient clipping (minipar/compose/clip.py) and ragged documents (minipar/core/documents.py), no
+MPI.
 
 - The counting rule: on every mesh of 8 ranks (dp, cp, tp, pp, ep, ZeRO or not), every
   distinct piece of the gradient -- dense or expert, whole or cut over tp, a ZeRO slice
@@ -12,8 +13,8 @@
   the mask.
 
 The MPI side (every mesh equal to one process with clipping on, every rank's gnorm) is
-in the existing sweeps: tests/test_every_mesh.py, test_zero.py, test_expert_parallel.py;
-the bugs in tests/test_bugs.py, the refusals in tests/test_config_errors.py.
+in the existing sweeps: tests/parallel/test_every_mesh.py, test_zero.py, test_expert_parallel.py;
+the bugs in tests/bugs/test_bugs.py, the refusals in tests/run/test_config_errors.py.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from minipar import clip, documents, fused
-from minipar.autograd import Tensor
-from minipar.config import TrainConfig, problems
-from minipar.mesh import MeshShape
-from minipar.nn import Parameter
-from minipar.results import dump
-from minipar.train import train_reference
-from tests.mpi import ROOT, lesson_run
+from minipar.comm.mesh import MeshShape
+from minipar.compose import clip
+from minipar.core import documents, fused_layers
+from minipar.core.autograd import Tensor
+from minipar.core.nn import Parameter
+from minipar.run.results import dump
+from minipar.run.train import train_reference
+from minipar.settings.config import TrainConfig, problems
+from tests.harness.mpi import ROOT, lesson_run
 
 SAMPLE = str(ROOT / "lessons" / "documents.txt")
 GPT = dict(model="gpt", layers=2, d_model=16, heads=4, seq_len=8, d_ff=32, batch=8,
@@ -190,7 +192,7 @@ def test_masked_cross_entropy_counts_only_valid_positions():
     rng = np.random.default_rng(0)
     logits = Tensor(rng.normal(size=(2, 3, 5)), requires_grad=True)
     labels = np.array([[1, 4, documents.IGNORE], [0, documents.IGNORE, documents.IGNORE]])
-    loss = fused.cross_entropy(logits, labels)
+    loss = fused_layers.cross_entropy(logits, labels)
     loss.backward()
     flat = logits.data.reshape(-1, 5)
     keep = labels.reshape(-1) >= 0
@@ -209,8 +211,8 @@ def test_the_masked_loss_does_not_depend_on_the_microbatches():
         np.testing.assert_allclose(run.losses, runs[0].losses, rtol=1e-12)
         for name, value in runs[0].final.items():
             np.testing.assert_allclose(run.final[name], value, rtol=1e-9, atol=1e-14)
-    from minipar import bugs
-    with bugs.injected("loss-mean-per-microbatch"):
+    from minipar.bugs import catalog
+    with catalog.injected("loss-mean-per-microbatch"):
         broken = train_reference(TrainConfig(**GPT, microbatches=4).resolved(1))
     assert abs(broken.losses[0] - runs[0].losses[0]) > 1e-6
 
@@ -232,7 +234,7 @@ def test_dump_writes_the_mask_and_the_refusals(tmp_path):
 
 
 def test_lesson_10_trains_on_documents_like_one_process():
-    """Lesson 10's part 4 (the run tests/test_lessons.py makes, shared): the README's
+    """Lesson 10's part 4 (the run tests/teaching/test_lessons.py makes, shared): the README's
     paragraphs as ragged rows, clipped, on dp = 2 with 2 microbatches, equal to one
     process, its gnorm printed beside the reference's."""
     job, _ = lesson_run(2, "10_transformer.py", "--quick")

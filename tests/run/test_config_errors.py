@@ -1,7 +1,7 @@
 """Every bad setting is refused before any communication: one line, exit 2, every rank.
 
 The table below is run twice. All of it in ONE mpiexec job of 4 ranks
-(`tests/rank_faults.py settings`: each rank calls the command line in-process
+(`tests/harness/rank_faults.py settings`: each rank calls the command line in-process
 for every case and records its exit code and output), which checks each rank
 separately; and a few cases through `mpiexec ... python -m minipar train`
 itself, which checks what a user sees: the launcher's exit code and stderr.
@@ -10,7 +10,7 @@ A case must: exit 2 on every rank; print exactly one line, on rank 0's stderr,
 starting `minipar: error:` and naming the flag; print no traceback; take
 seconds.
 
-    python -m pytest tests/test_config_errors.py
+    python -m pytest tests/run/test_config_errors.py
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from minipar import checkpoint
-from tests.mpi import launch, minipar
+from minipar.checkpoint import shard_files
+from tests.harness.mpi import launch, minipar
 
 WORLD = 4
 SMALL = ["--layers", "2", "--d-model", "16", "--batch", "16", "--steps", "1"]
@@ -53,7 +53,7 @@ CASES = [
     (["--lr", "-0.1"], "--lr"),
     (["--aux-coef=-inf"], "--aux-coef"),
     (["--model", "moe", "--capacity-factor", "0"], "--capacity-factor"),
-    # DeepSeek-V3 routing (minipar/routing.py)
+    # DeepSeek-V3 routing (minipar/core/routing.py)
     (["--model", "moe", "--route-groups", "4", "--route-top-groups", "5"],
      "--route-top-groups"),                                          # M > G
     (["--model", "moe", "--experts", "6", "--route-groups", "4"], "--route-groups"),
@@ -180,11 +180,11 @@ def folders(tmp_path_factory):
     for name in ("unfinished", "truncated", "tampered", "garbled"):
         paths[name] = root / name
         shutil.copytree(good, paths[name])
-    step = checkpoint.resolve(good).name          # the step folder `latest` names
+    step = shard_files.resolve(good).name          # the step folder `latest` names
     (paths["unfinished"] / "latest").unlink()     # as if the save died before the switch
-    shard = paths["truncated"] / step / checkpoint.shard_name(0, 2)
+    shard = paths["truncated"] / step / shard_files.shard_name(0, 2)
     shard.write_bytes(shard.read_bytes()[:-1])
-    shard = paths["tampered"] / step / checkpoint.shard_name(0, 2)
+    shard = paths["tampered"] / step / shard_files.shard_name(0, 2)
     data = bytearray(shard.read_bytes())
     data[-200] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -202,7 +202,7 @@ def folders(tmp_path_factory):
             manifest["shapes"]["head.weight"] = [16, 11]
         else:
             manifest[key] = value
-        path.write_text(json.dumps(checkpoint.seal(manifest) if reseal else manifest))
+        path.write_text(json.dumps(shard_files.seal(manifest) if reseal else manifest))
     paths["locked"] = root / "locked"      # held by this (live) pytest process
     paths["locked"].mkdir()
     (paths["locked"] / ".lock").write_text(json.dumps(
@@ -221,7 +221,7 @@ def in_one_job(folders, tmp_path_factory):
     out = tmp_path_factory.mktemp("settings")
     spec = out / "cases.json"
     spec.write_text(json.dumps([case_flags(i, folders) for i in range(len(CASES))]))
-    job = launch(WORLD, ["-m", "tests.rank_faults", "settings", str(spec), str(out)], 120)
+    job = launch(WORLD, ["-m", "tests.harness.rank_faults", "settings", str(spec), str(out)], 120)
     assert job.returncode == 0 and not job.timed_out, job.explain()
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)}
 

@@ -4,9 +4,9 @@ process's full forward of every prefix (float64, 1e-9); the decode step's ledger
 cache's bytes per rank equal their formulas; a checkpoint saved on one mesh generates the
 same on others; bad input is one line and exit 2.
 
-All the mesh runs are two mpiexec jobs (tests/rank_generate.py loops over them).
+All the mesh runs are two mpiexec jobs (tests/harness/rank_generate.py loops over them).
 
-    python -m pytest -q tests/test_generate.py
+    python -m pytest -q tests/run/test_generate.py
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minipar import kvcache
-from minipar.config import ConfigError
-from minipar.generate import (
+from minipar.parallel import kvcache
+from minipar.run.generate import (
     choose,
     config_from_args,
     decode_ledger,
@@ -33,8 +32,9 @@ from minipar.generate import (
     reference,
     scores,
 )
-from minipar.results import relative_difference
-from tests.mpi import ROOT, launch
+from minipar.run.results import relative_difference
+from minipar.settings.config import ConfigError
+from tests.harness.mpi import ROOT, launch
 
 RTOL = 1e-9
 MODEL = ["--layers", "4", "--d-model", "16", "--heads", "4", "--vocab", "32",
@@ -94,7 +94,7 @@ def jobs(tmp_path_factory):
         folder = root / f"job{n}"
         folder.mkdir()
         (folder / "runs.json").write_text(json.dumps(runs))
-        job = launch(n, ["-m", "tests.rank_generate", str(folder / "runs.json"),
+        job = launch(n, ["-m", "tests.harness.rank_generate", str(folder / "runs.json"),
                          str(folder)], timeout=240)
         assert job.returncode == 0 and not job.timed_out, job.explain()
         first = len(runs) - len(labelled)

@@ -1,6 +1,6 @@
 """The MPI test harness fails fast and says where: a rank that raises, a rank that hangs.
 
-`tests.rank_tests` runs check functions on every rank; these tests inject the two
+`tests.harness.rank_tests` runs check functions on every rank; these tests inject the two
 ways an MPI program goes wrong and time how long the suite takes to notice.
 """
 
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import time
 
-from tests.mpi import launch
-from tests.rank_tests import run_checks
+from tests.harness.mpi import launch
+from tests.harness.rank_tests import run_checks
 
-OK = "tests.test_harness:check_allreduce_works"
-RAISES = "tests.test_harness:check_one_rank_raises"
-SKIPS = "tests.test_harness:check_one_rank_skips_a_collective"
+OK = "tests.run.test_harness:check_allreduce_works"
+RAISES = "tests.run.test_harness:check_one_rank_raises"
+SKIPS = "tests.run.test_harness:check_one_rank_skips_a_collective"
 BROKEN_RANK = 2
 
 
@@ -52,7 +52,7 @@ def test_an_exception_on_one_rank_fails_within_seconds(tmp_path):
     assert f"--- rank {BROKEN_RANK}: FAIL" in story
     assert f"RuntimeError: injected failure on rank {BROKEN_RANK}" in story
     assert f"-n 4 {report.rerun(RAISES).split(' -n 4 ')[1]}" in story
-    assert "-m tests.rank_tests" in report.rerun(RAISES) and RAISES in report.rerun(RAISES)
+    assert "-m tests.harness.rank_tests" in report.rerun(RAISES) and RAISES in report.rerun(RAISES)
 
 
 def test_a_deadlock_fails_via_the_timeout_instead_of_hanging(tmp_path):
@@ -75,7 +75,7 @@ def test_a_deadlock_fails_via_the_timeout_instead_of_hanging(tmp_path):
 def test_a_lesson_check_failing_on_one_rank_makes_every_rank_exit_1():
     """`log.verdict` remembers a failed check; `run_collectively` makes all ranks agree."""
     code = ("from mpi4py import MPI\n"
-            "from minipar.log import run_collectively, verdict\n"
+            "from minipar.comm.job import run_collectively, verdict\n"
             "def main():\n"
             "    print(verdict(MPI.COMM_WORLD.Get_rank() != 1), flush=True)\n"
             "run_collectively(main)\n")

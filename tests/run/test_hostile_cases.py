@@ -4,7 +4,7 @@ A clean refusal is one line from rank 0 (`minipar: error: ...`), exit 2, before 
 first step; most cases here are one process (`python -m minipar` without a launcher,
 or a pure function in this process), the MPI ones grouped into few launches.
 
-    python -m pytest tests/test_hostile_cases.py
+    python -m pytest tests/run/test_hostile_cases.py
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from minipar import checkpoint
-from minipar import checkpoint_folder as folders
-from tests.mpi import ROOT, rank_env
+from minipar.checkpoint import save_load, shard_files
+from minipar.checkpoint import step_folders as folders
+from tests.harness.mpi import ROOT, rank_env
 
 SMALL = ["--layers", "2", "--d-model", "16", "--d-in", "8", "--batch", "16",
          "--optimizer", "adam"]
@@ -34,14 +34,14 @@ def cli(*args: str, timeout: float = 60, cwd: Path = ROOT) -> subprocess.Complet
 
 def config(*flags: str, world: int = 1) -> object:
     """The resolved TrainConfig of `train FLAGS` (no MPI: for the pure checks)."""
-    from minipar.config import config_from_args, make_parser
+    from minipar.settings.config import config_from_args, make_parser
 
     return config_from_args(make_parser().parse_args(list(flags))).resolved(world)
 
 
 def refusals(*flags: str, world: int = 1) -> list[str]:
     """`train.problems` of `train FLAGS`: what every rank finds before the first step."""
-    from minipar.train import problems
+    from minipar.run.train import problems
 
     return problems(config(*flags, world=world), world)
 
@@ -61,26 +61,26 @@ def refused(job: subprocess.CompletedProcess, *words: str) -> str:
 def test_a_folder_of_checkpoints_belongs_to_one_run(tmp_path):
     """Another run, another model, an older resume or reshard into it: refused, and the
     folder keeps every step; the run itself continues and prunes only its own steps."""
-    from minipar.checkpoint_owner import ownership_problems
+    from minipar.checkpoint.owner import ownership_problems
 
     ck = tmp_path / "ck"
     assert cli("train", *SMALL, "--steps", "2", "--save", str(ck)).returncode == 0
-    run = checkpoint.read_manifest(ck)["run"]
+    run = shard_files.read_manifest(ck)["run"]
     refused(cli("train", *SMALL, "--steps", "2", "--save", str(ck)), "another run", run)
     (line,) = refusals(*SMALL, "--layers", "3", "--steps", "2", "--save", str(ck))
     assert "another model" in line, line
     job = cli("train", *SMALL, "--steps", "4", "--resume", str(ck), "--save", str(ck))
     assert job.returncode == 0, job.stderr                    # the same run, continued
-    assert checkpoint.read_manifest(ck)["run"] == run
+    assert shard_files.read_manifest(ck)["run"] == run
     (line,) = refusals(*SMALL, "--steps", "3", "--resume", str(ck / "step-000002"),
                        "--save", str(ck))
     assert "newer" in line and "step-000004" in line, line
-    older = checkpoint.read_manifest(ck / "step-000002")   # reshard's check of its DST
+    older = shard_files.read_manifest(ck / "step-000002")   # reshard's check of its DST
     (line,) = ownership_problems(ck, older["run"], older["model"], older["step"], "DST")
     assert line.startswith("DST") and "newer" in line, line
     assert folders.latest(ck).name == "step-000004"
     assert sorted(p.name for p in ck.glob("step-*")) == ["step-000002", "step-000004"]
-    assert checkpoint.verify(ck) == []
+    assert shard_files.verify(ck) == []
 
 
 def fake_save(root: Path, step: int, token: str, run: str | None) -> Path:
@@ -117,7 +117,7 @@ def test_resume_compares_the_data_by_its_bytes_not_its_spelling(tmp_path, monkey
     ck = tmp_path / "ck"
     assert cli("train", *GPT, "--data", str(text), "--steps", "1", "--save", str(ck),
                ).returncode == 0
-    assert checkpoint.read_manifest(ck)["data_sha256"]
+    assert shard_files.read_manifest(ck)["data_sha256"]
     monkeypatch.chdir(tmp_path)                    # the same file, spelled relatively
     assert refusals(*GPT, "--data", "text.txt", "--steps", "2", "--resume", str(ck)) == []
     text.write_text("another text entirely, of the same kind and about as long.. " * 8)
@@ -143,7 +143,7 @@ WHY = {"dangling": "dangling", "loop": "loop of symbolic links", "long": "300 by
 
 @pytest.mark.parametrize("case", sorted(WHY))
 def test_unusable_paths_are_named_for_folders_and_files(bad_paths, case):
-    from minipar.preflight import file_problems, folder_problems
+    from minipar.settings.preflight import file_problems, folder_problems
 
     for problems in (folder_problems(bad_paths[case]), file_problems(bad_paths[case])):
         assert len(problems) == 1 and WHY[case] in problems[0], problems
@@ -160,7 +160,7 @@ def test_every_path_flag_refuses_links_to_nowhere_and_loops(bad_paths, one_check
 
 
 def test_plan_json_is_checked_before_the_search(bad_paths, tmp_path, capsys):
-    from minipar.plan import plan_command
+    from minipar.planner.plan import plan_command
 
     args = ["--preset", "llama3-8b", "--cluster", "h100", "--global-batch", "64", "--gpus",
             "8", "--json"]
@@ -178,7 +178,7 @@ def test_plan_json_is_checked_before_the_search(bad_paths, tmp_path, capsys):
 def test_data_is_checked_by_its_size_before_reading_and_large_files_are_mapped(tmp_path):
     import numpy as np
 
-    from minipar import data
+    from minipar.core import data
 
     huge = tmp_path / "huge.txt"
     with open(huge, "wb") as handle:           # sparse: no disk used
@@ -196,9 +196,9 @@ def test_data_is_checked_by_its_size_before_reading_and_large_files_are_mapped(t
 # ------------------------------------------------- 5. plan in seconds for any GPU count
 def test_plan_enumerates_only_meshes_that_can_run_whatever_the_gpu_count(capsys):
     from minipar.__main__ import main
-    from minipar.plan import make_parser, resolve_model
-    from minipar.plan_search import meshes
-    from minipar.plan_workloads import transformer
+    from minipar.planner.plan import make_parser, resolve_model
+    from minipar.planner.search import meshes
+    from minipar.planner.workloads import transformer
 
     args = make_parser().parse_args(["--preset", "deepseek-v3", "--global-batch", "15360"])
     w = transformer(resolve_model(args)[0], 15360, None)
@@ -212,17 +212,17 @@ def test_plan_enumerates_only_meshes_that_can_run_whatever_the_gpu_count(capsys)
 
 
 def test_a_search_past_its_budget_is_bounded_and_says_so(monkeypatch):
-    from minipar import plan_search
-    from minipar.costmodel import Plan
-    from minipar.plan import make_parser, resolve_hardware, resolve_model
-    from minipar.plan_workloads import transformer
+    from minipar.planner import search
+    from minipar.planner.memory_cost import Plan
+    from minipar.planner.plan import make_parser, resolve_hardware, resolve_model
+    from minipar.planner.workloads import transformer
 
     args = make_parser().parse_args(["--preset", "llama3-8b", "--cluster", "h100",
                                      "--global-batch", "1024", "--gpus", "64"])
     w = transformer(resolve_model(args)[0], 1024, None)
     hw = resolve_hardware(args)[0]
-    monkeypatch.setattr(plan_search, "BUDGET", 400)
-    found = plan_search.search(w, hw, 64, Plan(1, sp=True), (0, 1), ("selective",))
+    monkeypatch.setattr(search, "BUDGET", 400)
+    found = search.search(w, hw, 64, Plan(1, sp=True), (0, 1), ("selective",))
     assert len(found.feasible) + len(found.too_big) <= 400
     assert "the search was bounded" in found.bounded and "fix a degree" in found.bounded
     assert found.feasible and sum(found.rejected.values()) > 0
@@ -238,7 +238,7 @@ def craft(step_folder: Path, how: str) -> None:
 
     import numpy as np
 
-    shard = step_folder / checkpoint.shard_name(0, 1)
+    shard = step_folder / shard_files.shard_name(0, 1)
     with np.load(shard) as opened:
         arrays = {key: opened[key] for key in opened.files}
     meta = json.loads(arrays["meta"].item())
@@ -265,7 +265,7 @@ def craft(step_folder: Path, how: str) -> None:
     shard.write_bytes(data)
     manifest = json.loads((step_folder / "manifest.json").read_text())
     manifest["files"][shard.name].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-    (step_folder / "manifest.json").write_text(json.dumps(checkpoint.seal(manifest)))
+    (step_folder / "manifest.json").write_text(json.dumps(shard_files.seal(manifest)))
 
 
 CRAFTED = {"deep meta": "nested too deep", "a huge npy header": "the manifest says",
@@ -287,7 +287,7 @@ def test_a_crafted_shard_is_one_line(one_checkpoint, tmp_path, how):
     copy = tmp_path / "ck"
     shutil.copytree(one_checkpoint, copy)
     craft(folders.latest(copy), how)
-    errors = checkpoint.verify(copy)
+    errors = shard_files.verify(copy)
     assert len(errors) == 1 and CRAFTED[how] in errors[0] and "\n" not in errors[0], errors
     if how == "NaN data":   # through the command line: exit 2, before the first step
         refused(cli("train", *SMALL, "--steps", "2", "--resume", str(copy)), "--resume",
@@ -304,13 +304,13 @@ LESSON_REFUSALS = {"10_transformer.py --quick": "--batch 16 is not divisible by 
 
 
 def test_lessons_on_a_rank_count_they_cannot_use_refuse_in_one_line(tmp_path):
-    from tests.mpi import launch
+    from tests.harness.mpi import launch
 
     (tmp_path / "a_file").write_text("x")
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     cases = [case.format(a_file=tmp_path / "a_file", dangling=tmp_path / "dangling")
              for case in LESSON_REFUSALS]
-    job = launch(3, ["-m", "tests.rank_lessons", str(tmp_path / "out"), *cases], 90)
+    job = launch(3, ["-m", "tests.harness.rank_lessons", str(tmp_path / "out"), *cases], 90)
     assert job.returncode == 0 and not job.timed_out, job.explain()
     ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(3)]
     for i, expected in enumerate(LESSON_REFUSALS.values()):
@@ -327,10 +327,10 @@ def test_lessons_on_a_rank_count_they_cannot_use_refuse_in_one_line(tmp_path):
 
 # ------------------------------------------------- 9. a rank leaving alone with SystemExit(0)
 def test_a_rank_leaving_alone_with_exit_0_ends_the_job_at_once():
-    from tests.mpi import launch
+    from tests.harness.mpi import launch
 
     start = time.monotonic()
-    job = launch(2, ["-m", "tests.rank_faults", "fault", "exit0:1:2", "train", "--dp", "2",
+    job = launch(2, ["-m", "tests.harness.rank_faults", "fault", "exit0:1:2", "train", "--dp", "2",
                      "--steps", "5", "--timeout", "0", *SMALL], 60)
     assert not job.timed_out and time.monotonic() - start < 30, job.explain()
     assert job.returncode != 0 and "done:" not in job.stdout, job.explain()
@@ -341,9 +341,9 @@ def test_a_rank_leaving_alone_with_exit_0_ends_the_job_at_once():
 def test_reshard_derives_the_flags_a_target_mesh_needs(tmp_path):
     import numpy as np
 
-    from minipar.checkpoint_format import config_for, for_mesh
-    from minipar.train import problems
-    from tests.mpi import minipar
+    from minipar.checkpoint.shard_files import config_for, for_mesh
+    from minipar.run.train import problems
+    from tests.harness.mpi import minipar
 
     gpt = ["--model", "gpt", "--layers", "4", "--d-model", "16", "--heads", "2", "--seq-len",
            "8", "--vocab", "16", "--batch", "8", "--optimizer", "adam"]
@@ -353,14 +353,14 @@ def test_reshard_derives_the_flags_a_target_mesh_needs(tmp_path):
     assert problems(to_tp1, 1) == [] and to_tp1.vocab_parallel is False
     a, d = tmp_path / "a", tmp_path / "d"
     assert cli("train", *gpt, "--steps", "1", "--save", str(a)).returncode == 0
-    interleaved = for_mesh(config_for(checkpoint.read_manifest(a), pp=2, virtual=2).resolved(2))
+    interleaved = for_mesh(config_for(shard_files.read_manifest(a), pp=2, virtual=2).resolved(2))
     assert problems(interleaved, 2) == [] and interleaved.microbatches == 2   # M % pp = 0
     job = minipar(2, ["reshard", str(a), str(d), "--pp", "2", "--virtual", "2"], 60)
     assert job.returncode == 0, job.explain()
-    assert checkpoint.read_manifest(d)["config"]["microbatches"] == 2
-    assert checkpoint.verify(d) == []
-    saved = checkpoint.load(a)
-    for name, value in checkpoint.load(d).params.items():
+    assert shard_files.read_manifest(d)["config"]["microbatches"] == 2
+    assert shard_files.verify(d) == []
+    saved = save_load.load(a)
+    for name, value in save_load.load(d).params.items():
         assert np.array_equal(value, saved.params[name]), name
 
 
@@ -390,7 +390,7 @@ def test_exercise_check_fails_a_folder_missing_a_file_naming_it(tmp_path):
     regions.start(["dp-naive"], tmp_path / "student")
     (tmp_path / "student" / "minipar" / "train.py").unlink()
     code, report = check(["dp-naive"], tmp_path / "student")   # the job's imports name it
-    assert code == 1 and "FAILED" in report and "lacks minipar/train.py" in report, report
+    assert code == 1 and "FAILED" in report and "lacks minipar/run/train.py" in report, report
 
 
 def test_exercise_check_bounds_the_output_names_sys_exit_and_a_timeout(tmp_path, monkeypatch):

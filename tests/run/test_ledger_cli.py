@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.mpi import minipar
+from tests.harness.mpi import minipar
 
 SMALL = ["--layers", "4", "--d-model", "16", "--d-in", "8", "--batch", "32", "--steps", "2"]
 MESHES = [

@@ -5,7 +5,7 @@ memory estimate refuses what the machine cannot hold, with the estimate in the
 line; folders that are files, under files, empty or read-only are refused (the
 read-only case on a real read-only tmpfs mount, where the machine allows one).
 
-    python -m pytest tests/test_preflight.py
+    python -m pytest tests/run/test_preflight.py
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import subprocess
 
 import pytest
 
-from minipar import nn, preflight
-from minipar.config import TrainConfig
+from minipar.core import nn
+from minipar.settings import preflight
+from minipar.settings.config import TrainConfig
 
 
 @pytest.mark.parametrize("fields", [{}, {"layers": 3, "d_ff": 10, "classes": 7},

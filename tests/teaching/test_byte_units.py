@@ -1,4 +1,4 @@
-"""One byte unit family (minipar/byte_units.py): KiB, MiB, GiB, 1024 apart, everywhere.
+"""One byte unit family (minipar/core/byte_units.py): KiB, MiB, GiB, 1024 apart, everywhere.
 
 The formatter's arithmetic, and a grep: no lesson, notebook or figure module prints
 "KB", "kB" or "MB" (decimal or ambiguous units). Decimal "GB" stays only where a paper
@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from minipar.byte_units import GiB, KiB, MiB, byte_unit, format_bytes
-from tests.mpi import ROOT
+from minipar.core.byte_units import GiB, KiB, MiB, byte_unit, format_bytes
+from tests.harness.mpi import ROOT
 
 AMBIGUOUS = re.compile(r"\b(KB|kB|MB|Kb|mb)\b")
 
@@ -29,7 +29,7 @@ def test_format_bytes_is_binary():
 
 @pytest.mark.parametrize("path", sorted((ROOT / "lessons").glob("*.py"))
                          + sorted((ROOT / "lessons").glob("*.ipynb"))
-                         + [ROOT / "minipar" / name for name in ("plots.py", "plots_load.py",
+                         + [ROOT / "minipar" / name for name in ("plots.py", "teaching/load_plots.py",
                                                                   "tour.py", "classroom.py")],
                          ids=lambda path: path.name)
 def test_no_lesson_or_figure_prints_decimal_or_ambiguous_bytes(path):

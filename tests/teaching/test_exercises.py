@@ -23,7 +23,7 @@ import pytest
 from minipar import exercises
 from minipar.exercises import regions
 from minipar.exercises.command import check
-from tests.mpi import ROOT
+from tests.harness.mpi import ROOT
 
 NAMES = [exercise.name for exercise in exercises.EXERCISES]
 ALONE = "row-parallel"  # its check runs through column-parallel's code: a copy of its own
@@ -65,7 +65,7 @@ def test_a_stub_carries_the_instructions_and_the_solution_is_the_real_code(tmp_p
     for line in regions.solution("dp-naive").splitlines()[1:]:
         assert line.strip() in source
     # everything else is a copy of the package as it is
-    ring = "ring.py"
+    ring = "comm/ring.py"
     assert (tmp_path / "minipar" / ring).read_text() == (regions.PACKAGE / ring).read_text()
     with pytest.raises(ValueError, match="exists already"):
         regions.start(["dp-naive"], tmp_path)

@@ -4,7 +4,7 @@ The rank count comes from the first run line of each lesson's docstring
 (`mpiexec -n 4 python lessons/02_tensor_parallel.py`); a lesson that has a
 `--quick` flag runs quick. Every lesson takes `--plot DIR` and must write at
 least one PNG there: a real picture, not a blank one. A strategy's own tests read
-what the same run printed (tests.mpi.lesson_run: one run per session).
+what the same run printed (tests.harness.mpi.lesson_run: one run per session).
 
 The same runs without pytest, at full size: `make lessons`.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.mpi import LESSON_FLAGS, ROOT, lesson_run
-from tests.test_plots import assert_picture
+from tests.harness.mpi import LESSON_FLAGS, ROOT, lesson_run
+from tests.teaching.test_plots import assert_picture
 
 LESSONS = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.py"))
 RUN_LINE = re.compile(r"mpiexec -n (\d+) python (?:-m mpi4py )?lessons/")

@@ -2,7 +2,7 @@
 
 Each notebook in lessons/ is executed with nbclient in a fresh kernel (cwd
 lessons/, a per-cell timeout), as a teacher would run it: its cells start real
-MPI ranks, as ipyparallel engines or as `mpiexec` jobs (minipar/classroom.py).
+MPI ranks, as ipyparallel engines or as `mpiexec` jobs (minipar/teaching/classroom.py).
 A cell that raises fails the test with the cell and its traceback. The
 repository keeps the notebooks without outputs.
 
@@ -24,10 +24,10 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from tests.mpi import ROOT
+from tests.harness.mpi import ROOT
 
 NOTEBOOKS = sorted((ROOT / "lessons").glob("*.ipynb"))
-CELL_TIMEOUT = 300  # seconds; minipar.classroom kills its own MPI jobs sooner
+CELL_TIMEOUT = 300  # seconds; minipar.teaching.classroom kills its own MPI jobs sooner
 
 
 def code_cells(notebook: nbformat.NotebookNode) -> list:

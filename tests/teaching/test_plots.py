@@ -17,16 +17,14 @@ import numpy as np
 import pytest
 from matplotlib.patches import Rectangle
 
-from minipar import classroom, nn, plots, plots_load
-from minipar.byte_units import byte_unit
-from minipar.memory import wire_formula
-from minipar.parallel.pipeline_schedules import (
-    COMPUTE,
-    bubble_formula,
-    bubble_fraction,
-    simulate_schedule,
-)
-from tests.mpi import minipar
+from minipar.core import nn
+from minipar.core.byte_units import byte_unit
+from minipar.core.memory import wire_formula
+from minipar.parallel.pipeline.instructions import COMPUTE
+from minipar.parallel.pipeline.schedules import bubble_formula, simulate_schedule
+from minipar.parallel.pipeline.simulator import bubble_fraction
+from minipar.teaching import classroom, load_plots, plots
+from tests.harness.mpi import minipar
 
 SMALL = dict(d_model=16, d_in=8, batch=32, steps=2)
 
@@ -60,7 +58,7 @@ def runs() -> list[classroom.Run]:
                                               ("zb-h1", 1)])
 def test_gantt_has_one_box_per_simulated_instruction(schedule, virtual, tmp_path):
     sim = simulate_schedule(schedule, 4, 8, virtual)
-    figure = plots_load.gantt_figure(sim)
+    figure = load_plots.gantt_figure(sim)
     ax = figure.axes[0]
     drawn = sorted((round(b.get_y() + 0.4), b.get_x(), b.get_x() + b.get_width())
                    for b in boxes(ax, 0.8))
@@ -70,7 +68,7 @@ def test_gantt_has_one_box_per_simulated_instruction(schedule, virtual, tmp_path
 
 
 def test_bubble_figure_draws_the_formulas_and_the_simulator(tmp_path):
-    figure = plots_load.bubble_figure(4, measured={4: 0.5, 8: 0.4})
+    figure = load_plots.bubble_figure(4, measured={4: 0.5, 8: 0.4})
     lines = figure.axes[0].get_lines()
     named = {(line.get_color(), line.get_linestyle()): line for line in lines}
     schedules = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
@@ -89,12 +87,12 @@ def test_real_pipeline_timeline_beside_the_simulator(runs, tmp_path):
     timeline = runs[0].extras["timeline"]
     compute = [r for r in timeline if r["kind"] in COMPUTE]
     assert len(compute) == 4 * 4 * 2  # 4 stages x 4 microbatches x (F, B)
-    figure = plots_load.gantt_figure(simulate_schedule("1f1b", 4, 4), timeline)
+    figure = load_plots.gantt_figure(simulate_schedule("1f1b", 4, 4), timeline)
     real = figure.axes[1]
     assert len(boxes(real, 0.8)) == len(compute)
     assert len(boxes(real, 0.18)) == sum(r["kind"].startswith("recv") for r in timeline)
     intervals = [(r["stage"], r["start"], r["end"]) for r in compute]
-    assert plots_load.measured_bubble(timeline) == pytest.approx(bubble_fraction(intervals, 4))
+    assert load_plots.measured_bubble(timeline) == pytest.approx(bubble_fraction(intervals, 4))
     assert_picture(plots.save(figure, tmp_path / "pipeline.png"))
 
 
@@ -157,7 +155,7 @@ def test_compare_bars_show_zero3_at_one_and_a_half_dp(runs, tmp_path):
 
 def test_expert_load_bars_are_the_routers_counts(runs, tmp_path):
     stats = runs[1].extras["expert_load"][0]
-    figure = plots_load.expert_load_figure(stats)
+    figure = load_plots.expert_load_figure(stats)
     left, right = figure.axes
     kept = [b.get_height() for b in left.patches if isinstance(b, Rectangle)
             and b.get_alpha() is None and b.get_width() == 0.8]
@@ -223,23 +221,23 @@ def test_memory_figure_stacks_saved_activations_on_top(runs, tmp_path):
 
 def test_timing_bars_are_medians_and_capacity_line_is_one_when_it_is_the_mean(tmp_path):
     times = {"naive": [3.0, 1.0, 2.0], "bucketed": [1.0, 1.5, 0.5]}
-    figure = plots_load.timing_figure(times, "measured")
+    figure = load_plots.timing_figure(times, "measured")
     bars = [b.get_height() for b in figure.axes[0].patches]
     assert bars == pytest.approx([2.0, 1.0])
     assert_picture(plots.save(figure, tmp_path / "timing.png"))
     # capacity factor 1 with 16 assignments on 4 experts: the limit IS the mean, one line
     stats = dict(routed=[8, 4, 2, 2], kept=[4, 4, 2, 2], limit=4, dropped=4, imbalance=2.0,
                  rank_load=[8, 4], rank_imbalance=4 / 3)
-    lines = plots_load.expert_load_figure(stats).axes[0].get_lines()
+    lines = load_plots.expert_load_figure(stats).axes[0].get_lines()
     assert len(lines) == 1 and "perfect balance" in lines[0].get_label()
     stats = dict(stats, limit=5, kept=[5, 4, 2, 2], dropped=3)
-    assert len(plots_load.expert_load_figure(stats).axes[0].get_lines()) == 2
+    assert len(load_plots.expert_load_figure(stats).axes[0].get_lines()) == 2
 
 
 def test_context_parallel_groups_count_their_cp_ranks():
     """Under cp the gradient Allreduce the ledger names `dp` runs over the dp x cp
     replicas: on dp 2 x cp 2 it puts 2 x 3/4 of its buffer on the wire, not 2 x 1/2."""
-    from minipar.mesh import MeshShape
+    from minipar.comm.mesh import MeshShape
 
     sizes = plots.group_sizes(MeshShape(dp=2, tp=1, pp=1, ep=2, cp=2))
     assert (sizes["dp"], sizes["cp"], sizes["edp"]) == (4, 2, 2)

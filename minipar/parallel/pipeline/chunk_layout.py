@@ -4,8 +4,9 @@ A schedule's chunks either loop round the ranks (1F1B, interleaved: rank s holds
 virtual stages s, s + pp, ...), sit in a V (ZB-V, DualPipeV: stages s and 2pp-1-s), or
 lie on two chains running opposite ways (DualPipe: two copies of the model). From the
 layout follow which virtual stage a chunk is, which rank holds a virtual stage, and so
-whom each send and receive talks to and what it carries. pipeline_schedules.py builds
-the programs on these; pipeline_simulator.py and the executor (pipeline_parallel.py)
+whom each send and receive talks to and what it carries. parallel/pipeline/schedules.py builds
+the programs on these; parallel/pipeline/simulator.py and the executor
+(parallel/pipeline/executor.py)
 follow them.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from minipar.parallel.pipeline_instructions import (
+from minipar.parallel.pipeline.instructions import (
     COMPUTE,
     RECV_ACT,
     RECV_GRAD,

@@ -13,8 +13,8 @@ rank k of the next (each holds the whole activation, or with --sp its rows).
 The order in which a stage runs forwards and backwards is the schedule
 (GPipe, Huang et al. 2019; 1F1B, PipeDream-flush, Narayanan et al. 2021;
 interleaved 1F1B, Megatron-LM; ZB-H1, Qi et al. 2023; the V-shaped ZB-V,
-DualPipeV and DualPipe of pipeline_v.py): a list computed by
-pipeline_schedules.py, which also simulates it. This file is only the worker
+DualPipeV and DualPipe of parallel/pipeline/v_schedules.py): a list computed by
+parallel/pipeline/schedules.py, which also simulates it. This file is only the worker
 that runs a list (ShallowSpeed's design):
 
     recv_act   Recv the input activation of (chunk, microbatch) from the previous rank
@@ -42,12 +42,12 @@ Why Isend and a blocking Recv: the simulator shows that with blocking sends
 (MPI's rendezvous protocol for large messages) 1F1B deadlocks -- stage 0 sends
 F2's activation while stage 1 sends B1's gradient, each waiting for the other's
 Recv. With Isend a rank waits only in Recv, and the simulator proves every
-Recv's message is sent (tests/test_pipeline_schedules.py, pp 2..8, M 1..16).
+Recv's message is sent (tests/parallel/test_pipeline_schedules.py, pp 2..8, M 1..16).
 Messages carry tag 0 (activation) or 1 (gradient); in each direction they are
 sent and received in the same order, which is how each Recv gets the right
 microbatch (MPI never lets two messages with the same tag overtake each other).
 
-Placements (placement.py): what crosses a stage boundary keeps the placement it had
+Placements (placement/__init__.py): what crosses a stage boundary keeps the placement it had
 (rows Shard(0) over dp; under sequence parallelism over tp too), declared again on
 the receiving side (`rows_of`); Send/Recv move it whole, so a partial sum is
 refused before it is sent.
@@ -64,14 +64,22 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from minipar import autograd as ag
-from minipar import flight, placement, trace
-from minipar.autograd import Tensor
-from minipar.nn import Model
-from minipar.parallel.pipeline_schedules import (
+from minipar import placement
+from minipar.comm import flight, trace
+from minipar.core import autograd as ag
+from minipar.core.autograd import Tensor
+from minipar.core.nn import Model
+from minipar.parallel.pipeline.chunk_layout import (
+    LOOP,
+    first_stage,
+    last_stage,
+    local_boundary,
+    peer,
+    virtual_stage,
+)
+from minipar.parallel.pipeline.instructions import (
     BACKWARD,
     FORWARD,
-    LOOP,
     OVERLAPPED,
     RECV_ACT,
     RECV_GRAD,
@@ -79,17 +87,12 @@ from minipar.parallel.pipeline_schedules import (
     SEND_GRAD,
     WEIGHT,
     Instruction,
-    first_stage,
-    last_stage,
-    local_boundary,
-    peer,
-    schedule,
-    virtual_stage,
 )
+from minipar.parallel.pipeline.schedules import schedule
 from minipar.placement import Shard
 
 if TYPE_CHECKING:
-    from minipar.comm import Group
+    from minipar.comm.collectives import Group
 
 ACT_TAG, GRAD_TAG = 0, 1
 # the --trace spans of the compute instructions (B is "backward (B)" when split)
@@ -146,7 +149,7 @@ class StageWorker:
         self.x, self.y = x, y
         self.split_backward = split_backward
         # the groups whose ranks hold other rows of the data / of a boundary activation
-        # (placement.py: Shard(0) over each; dp, and tp under sequence parallelism)
+        # (placement/__init__.py: Shard(0) over each; dp, and tp under sequence parallelism)
         self.rows_over, self.boundary_rows_over = rows_over, boundary_rows_over
         self.inputs: dict[tuple[int, int], Tensor] = {}
         self.outputs: dict[tuple[int, int], tuple[Tensor, Tensor | None]] = {}

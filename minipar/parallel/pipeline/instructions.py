@@ -1,14 +1,15 @@
 """The words of a pipeline schedule: the instructions a stage's program is made of.
 
 What this file teaches: the vocabulary shared by the schedules
-(pipeline_schedules.py: GPipe, 1F1B, interleaved, ZB-H1; pipeline_v.py: the V-shaped
+(parallel/pipeline/schedules.py: GPipe, 1F1B, interleaved, ZB-H1; parallel/pipeline/v_schedules.py:
+the V-shaped
 ZB-V, DualPipeV and the two-way DualPipe), the simulator that plays them and the
-executor that runs them (pipeline_parallel.py). A stage's program is a list of
+executor that runs them (parallel/pipeline/executor.py). A stage's program is a list of
 `Instruction`s: compute (F forward, B input gradient, W weight gradient, F&B an
 overlapped step) and messages (receive / send an activation or a gradient), each
 about one microbatch of one model chunk.
 
-Run the checks: `python -m pytest tests/test_pipeline_schedules.py`.
+Run the checks: `python -m pytest tests/parallel/test_pipeline_schedules.py`.
 """
 
 from __future__ import annotations

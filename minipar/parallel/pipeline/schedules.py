@@ -1,13 +1,13 @@
 """Pipeline schedules as data, and a simulator that plays them in logical time.
 
-(The simulator itself is pipeline_simulator.py, where the chunks sit and whom the
-messages go to pipeline_layout.py; their names are importable from here too.)
+(The simulator itself is parallel/pipeline/simulator.py, where the chunks sit and whom the
+messages go to parallel/pipeline/chunk_layout.py; their names are importable from here too.)
 
 What this file teaches: a pipeline schedule is nothing but, for each stage, an
 ordered list of instructions -- receive an activation, run a forward, send it
 on, receive a gradient, run a backward, send it back. Written as data, a
 schedule can be printed, simulated and tested without a single MPI process;
-the executor (pipeline_parallel.py) then runs the same list with Send/Recv.
+the executor (parallel/pipeline/executor.py) then runs the same list with Send/Recv.
 
 The schedules, each from its paper:
 
@@ -21,7 +21,7 @@ The schedules, each from its paper:
 - ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward is
   split into B (input gradient: the previous stage waits for it) and W (weight
   gradient: nobody waits for it); putting W off fills the cool-down bubble.
-- The V-shaped ones, two chunks per rank (pipeline_v.py): ZB-V (Qi et al. 2024),
+- The V-shaped ones, two chunks per rank (parallel/pipeline/v_schedules.py): ZB-V (Qi et al. 2024),
   zero bubble; DualPipeV (DeepSeek-V3), overlapped F&B steps; and DualPipe, the
   two-way pipeline with two copies of the model. Here they are only dispatched
   (`compute_order`) and placed (`virtual_stage`: a V, or two opposite chains).
@@ -59,16 +59,25 @@ simulator reproduces 1F1B's and ZB-H1's for any durations, ZB-V's, DualPipeV's
 and DualPipe's in logical time (F = B = W, F&B = F + B + W; for the V schedules F,
 B, W are a chunk's, half a stage's).
 
-Run the checks: `python -m pytest tests/test_pipeline_schedules.py`.
+Run the checks: `python -m pytest tests/parallel/test_pipeline_schedules.py`.
 """
 
 from __future__ import annotations
 
-from minipar.parallel.pipeline_instructions import (  # noqa: F401  (callers import them here)
+# the layout and the simulator live in their own files; callers import them from here too
+from minipar.parallel.pipeline.chunk_layout import (
+    DUAL,
+    LOOP,
+    V,
+    first_stage,
+    last_stage,
+    local_boundary,
+    virtual_stage,
+)
+from minipar.parallel.pipeline.instructions import (
     BACKWARD,
     COMPUTE,
     FORWARD,
-    OVERLAPPED,
     RECV_ACT,
     RECV_GRAD,
     SEND_ACT,
@@ -76,34 +85,12 @@ from minipar.parallel.pipeline_instructions import (  # noqa: F401  (callers imp
     WEIGHT,
     Instruction,
 )
-
-# the layout and the simulator live in their own files; callers import them from here too
-from minipar.parallel.pipeline_layout import (  # noqa: F401
-    DUAL,
-    LOOP,
-    V,
-    first_stage,
-    iter_messages,
-    last_stage,
-    local_boundary,
-    message,
-    model_stage,
-    peer,
-    placement,
-    virtual_stage,
-)
-from minipar.parallel.pipeline_simulator import (  # noqa: F401
+from minipar.parallel.pipeline.simulator import (
     Costs,
-    DeadlockError,
-    ScheduleError,
     Simulation,
-    Slot,
-    bubble_fraction,
-    gantt,
-    in_flight_peak,
     simulate,
 )
-from minipar.parallel.pipeline_v import dualpipe_order, dualpipev_order, zb_v_order
+from minipar.parallel.pipeline.v_schedules import dualpipe_order, dualpipev_order, zb_v_order
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev",  # `--schedule`
              "dualpipe")

@@ -4,7 +4,7 @@ Each stage runs its instructions in order; a compute instruction takes its cost,
 receive waits for its message, a send never blocks (Isend) unless asked to behave like
 a rendezvous Send. Out of it come the timeline, the bubble, each stage's idle time and
 the peak activations it held, and a text Gantt chart; a stuck program raises
-`DeadlockError`, a wrong one `ScheduleError`. pipeline_schedules.py gives it the
+`DeadlockError`, a wrong one `ScheduleError`. parallel/pipeline/schedules.py gives it the
 programs and the costs of each schedule (`simulate_schedule`, `replay`).
 """
 
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minipar.parallel.pipeline_instructions import (
+from minipar.parallel.pipeline.chunk_layout import LOOP, V, message, peer, placement, virtual_stage
+from minipar.parallel.pipeline.instructions import (
     BACKWARD,
     COMPUTE,
     FORWARD,
@@ -24,7 +25,6 @@ from minipar.parallel.pipeline_instructions import (
     WEIGHT,
     Instruction,
 )
-from minipar.parallel.pipeline_layout import LOOP, V, message, peer, placement, virtual_stage
 
 
 # ----------------------------------------------------------- the simulator

@@ -34,7 +34,7 @@ one waits for it), the put-off W's are what fills the gaps.
   DualPipeV's for pp/2 ranks and M/2 microbatches (`dualpipe_order`): its
   bubble is DeepSeek-V3's (PP/2-1)(F&B+B-3W), its activation memory PP + 1.
 
-Run the checks: `python -m pytest tests/test_pipeline_schedules.py`.
+Run the checks: `python -m pytest tests/parallel/test_pipeline_schedules.py`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 from collections import deque
 
-from minipar.parallel.pipeline_instructions import (
+from minipar.parallel.pipeline.instructions import (
     BACKWARD,
     FORWARD,
     OVERLAPPED,
@@ -192,7 +192,7 @@ def zb_v_orders(pp: int, microbatches: int) -> list[list[Instruction]]:
 
     The memory limit is 1F1B's: at most 2 pp chunk-activations per rank. With F = B =
     W = 1 and M >= 2 pp - 1 no rank idles between its first and last instruction
-    (tests/test_pipeline_schedules.py, pp 2..8): the first M's warm-up fills rank 0
+    (tests/parallel/test_pipeline_schedules.py, pp 2..8): the first M's warm-up fills rank 0
     until microbatch 1 comes back round the V (2 pp - 1 forwards), and the put-off W's
     cover every later wait, the cool-down's included.
     """
