@@ -50,13 +50,13 @@ from minipar.core import nn, timing
 from minipar.core.data import make_batch, shard_rows
 from minipar.core.memory import wire_elements
 from minipar.core.threads import cores
+from minipar.parallel.buckets import make_buckets
 from minipar.parallel.data_parallel import (
     OverlappedAllreduce,
     allreduce_gradients,
     bucketed_allreduce,
-    install_hooks,
-    make_buckets,
 )
+from minipar.parallel.dp_hooks import install_hooks
 from minipar.run.train import train
 from minipar.settings.config import ConfigError, TrainConfig
 from minipar.settings.preflight import lesson_arguments

@@ -236,7 +236,7 @@ def the_bubble(runs: dict, trace: Path | None = None) -> None:
     else:
         say("  the wall clock adds what the formula leaves out: every Send/Recv and Python call,",
             "  and other jobs on the machine. With a core per rank and microbatches big enough",
-            "  it follows the formula (tests/parallel/test_bubble.py: within 0.1 at M = 4 on 2 ranks);",
+            "  it follows the formula (test_bubble.py: within 0.1 at M = 4 on 2 ranks);",
             "  as M grows each microbatch shrinks, those fixed costs do not, and it stays above.")
 
 
@@ -302,7 +302,7 @@ def the_check(runs: dict, microbatches: int = 8) -> None:
 def figures(runs: dict, folder: Path, microbatches: int = 8) -> None:
     """Rank 0: each schedule simulated beside its real run (Gantt charts), and the bubble
     against M: formulas, simulator, and the measured 1F1B runs of part 3."""
-    from minipar.teaching.load_plots import bubble_figure, gantt_figure, memory_figure
+    from minipar.teaching.load_plots import bubble_figure, gantt_figure, in_flight_memory_figure
     from minipar.teaching.plots import save
 
     for name, virtual in SCHEDULES:
@@ -322,7 +322,7 @@ def figures(runs: dict, folder: Path, microbatches: int = 8) -> None:
     print("figure:", save(bubble_figure(size, schedules=every, measured=wall, replayed=again,
                                         measured_label=label), folder / "04_bubble.png"),
           flush=True)
-    print("figure:", save(memory_figure(size, microbatches, SCHEDULES, CHUNKS),
+    print("figure:", save(in_flight_memory_figure(size, microbatches, SCHEDULES, CHUNKS),
                           folder / "04_memory.png"), flush=True)
     doc = trace_report.load(folder / "trace_1f1b")   # the traced 1F1B run of part 3
     print("figure:", save(trace_report.figure(

@@ -207,11 +207,11 @@ def keys_not_gathered() -> list[Swap]:
     from minipar.core import attention
     from minipar.parallel import context_parallel as cp  # here: loads mpi4py.MPI
 
-    def local_attention(cpa: cp.ContextParallelAttention, q: Tensor, k: Tensor, v: Tensor,
+    def local_attention(cp_attention: cp.ContextParallelAttention, q: Tensor, k: Tensor, v: Tensor,
                         heads: int, key_bias: Tensor | None) -> Tensor:
         # BUG: my positions' queries against my positions' keys and values only
-        return attention.attention(q, k, v, heads, q_positions=cpa.positions,
-                                   k_positions=cpa.positions, key_bias=key_bias)
+        return attention.attention(q, k, v, heads, q_positions=cp_attention.positions,
+                                   k_positions=cp_attention.positions, key_bias=key_bias)
 
     return [(cp, "allgather_attention", local_attention)]
 

@@ -64,8 +64,9 @@ GRACE = 2.0                     # seconds the first aborting rank waits for the 
 SETTLE = 1.0                    # seconds a signalled rank waits to settle inside a call
 DEFAULT_FOLDER = "minipar-flight"
 
-_SKIP = frozenset(str(Path(__file__).with_name(name)) for name in ("comm/collectives.py", "autograd.py",
-                                                                   "flight.py"))
+_PACKAGE = Path(__file__).resolve().parent.parent  # minipar/
+_SKIP = frozenset(str(_PACKAGE / name) for name in ("comm/collectives.py", "core/autograd.py",
+                                                    "comm/flight.py"))
 NONBLOCKING = frozenset({"Isend", "Irecv", "Iallreduce"})   # posted, completed at a Wait
 P2P = " p2p"                                # suffix of a group's message counter
 

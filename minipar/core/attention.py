@@ -63,7 +63,7 @@ def embedding(weight: Tensor, ids: Tensor | np.ndarray) -> Tensor:
     Backward: the rows' gradients are scatter-added into dW, an id seen twice getting the
     sum. Vectorized: sort the positions by id, then one `np.add.reduceat` sums each run of
     equal ids (no loop over tokens). Integer ids have no gradient; given as a Tensor they
-    receive zeros, which tells whoever watches the ids' node (data_parallel.Piece's
+    receive zeros, which tells whoever watches the ids' node (dp_hooks.Piece's
     marker on a piece's input) that the lookup's backward has run."""
     given = ids if isinstance(ids, Tensor) else None
     ids = np.asarray(ids.data if given is not None else ids)

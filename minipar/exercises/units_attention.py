@@ -225,10 +225,10 @@ def ring_on(cp: Group, mode: str, arrays: tuple[np.ndarray, ...], reference: lis
     the key bias of the whole sequence, their gradients computed)."""
     q_full, k_full, v_full, bias, g_full = arrays
     me, T = cp.rank, q_full.shape[1]
-    cpa = cpar.ContextParallelAttention(cp, mode, T)
-    at = cpa.positions                                   # my global positions
+    cp_attention = cpar.ContextParallelAttention(cp, mode, T)
+    at = cp_attention.positions                                   # my global positions
     q, k, v = (Tensor(a[:, at].copy(), requires_grad=True) for a in (q_full, k_full, v_full))
-    out = cpa(q, k, v, H, Tensor(bias.copy(), requires_grad=True))
+    out = cp_attention(q, k, v, H, Tensor(bias.copy(), requires_grad=True))
     want = attention.attention(*(Tensor(a) for a in (q_full, k_full, v_full)), H,
                                key_bias=Tensor(bias)).data[:, at]
     where = f"{mode} attention (cp = {cp.size}, my positions {at.tolist()})"
@@ -241,8 +241,8 @@ def ring_on(cp: Group, mode: str, arrays: tuple[np.ndarray, ...], reference: lis
         if (problem := differs(f"{where}: {name} of my positions", me, got, ref[:, at])):
             return problem
     entries = q.shape[0] * H * visible_pairs(T, cp.size, me, mode)
-    if cpa.last_scores != entries:
-        return (f"{where}: rank {me} computed {cpa.last_scores} score entries, the causal "
+    if cp_attention.last_scores != entries:
+        return (f"{where}: rank {me} computed {cp_attention.last_scores} score entries, the causal "
                 f"skip leaves {entries}: a block of keys whose positions all come after "
                 "every query of the run must be skipped (keep.any() is False)")
     return None

@@ -52,7 +52,7 @@ from minipar import placement
 from minipar.comm import trace
 from minipar.comm.collectives import Group
 from minipar.comm.mesh import CP_MODES as MODES
-from minipar.core import attention, nn
+from minipar.core import attention
 from minipar.core.autograd import Tensor
 from minipar.placement import Replicate, Shard
 
@@ -102,13 +102,14 @@ def gather_sequence(x: Tensor, group: Group) -> Tensor:
                                 Replicate(grad_summed=True), result) if placement.ON else result
 
 
-def allgather_attention(cpa: ContextParallelAttention, q: Tensor, k: Tensor, v: Tensor,
+def allgather_attention(cp_attention: ContextParallelAttention, q: Tensor, k: Tensor, v: Tensor,
                         heads: int, key_bias: Tensor | None) -> Tensor:
     """Every rank gathers all keys and values, then attends with its own queries."""
-    keys, values = gather_sequence(k, cpa.group), gather_sequence(v, cpa.group)  # (B, T, .)
-    cpa.count(q.shape[0] * heads * q.shape[1] * keys.shape[1])
-    return attention.attention(q, keys, values, heads, q_positions=cpa.positions,
-                               k_positions=cpa.gathered_positions, key_bias=key_bias)
+    # (B, T, .)
+    keys, values = gather_sequence(k, cp_attention.group), gather_sequence(v, cp_attention.group)
+    cp_attention.count(q.shape[0] * heads * q.shape[1] * keys.shape[1])
+    return attention.attention(q, keys, values, heads, q_positions=cp_attention.positions,
+                               k_positions=cp_attention.gathered_positions, key_bias=key_bias)
 
 
 # --------------------------------------------------------------- 4. ulysses
@@ -152,18 +153,18 @@ def to_sequence(x: Tensor, group: Group) -> Tensor:
                                 Shard(1), out) if placement.ON else out
 
 
-def ulysses_attention(cpa: ContextParallelAttention, q: Tensor, k: Tensor, v: Tensor,
+def ulysses_attention(cp_attention: ContextParallelAttention, q: Tensor, k: Tensor, v: Tensor,
                       heads: int, key_bias: Tensor | None) -> Tensor:
     """Swap the sequence split for a head split, attend on whole sequences, swap back."""
-    group, cp = cpa.group, cpa.group.size
+    group, cp = cp_attention.group, cp_attention.group.size
     q_h, k_h, v_h = (to_heads(t, group) for t in (q, k, v))    # (B, T, H/cp dh) each
     width = q_h.shape[2]                                          # my heads' columns
     bias = None if key_bias is None else key_bias[group.rank * width:(group.rank + 1) * width]
     if placement.ON and bias is not None:  # my heads' slice of the key bias: a split
         placement.place(bias, group, Shard(0))
-    cpa.count(q.shape[0] * (heads // cp) * q_h.shape[1] ** 2)
-    o = attention.attention(q_h, k_h, v_h, heads // cp, q_positions=cpa.gathered_positions,
-                            k_positions=cpa.gathered_positions, key_bias=bias)
+    cp_attention.count(q.shape[0] * (heads // cp) * q_h.shape[1] ** 2)
+    o = attention.attention(q_h, k_h, v_h, heads // cp, q_positions=cp_attention.gathered_positions,
+                            k_positions=cp_attention.gathered_positions, key_bias=bias)
     return to_sequence(o, group)                                  # (B, T/cp, H dh)
 
 
@@ -233,12 +234,12 @@ def _merge(Out: np.ndarray, L: np.ndarray, o: np.ndarray, lse: np.ndarray) -> No
     # end exercise
 
 
-def ring_attention(cpa: ContextParallelAttention, q: Tensor, k: Tensor, v: Tensor,
+def ring_attention(cp_attention: ContextParallelAttention, q: Tensor, k: Tensor, v: Tensor,
                    heads: int, key_bias: Tensor | None) -> Tensor:
     """Ring attention as ONE node: K, V go round the ring in forward; K, V and their
     gradients dK, dV go round again in backward (FlashAttention's backward per block:
     P = exp(S - L), dV += P^T G, dS = P (G V^T - rowsum(G O)), dQ += dS K, dK += dS^T Q)."""
-    group, cp, me = cpa.group, cpa.group.size, cpa.group.rank
+    group, cp, me = cp_attention.group, cp_attention.group.size, cp_attention.group.rank
     keys = k.data if key_bias is None else k.data + key_bias.data
     Q, K, V = (_split_heads(t, heads) for t in (q.data, keys, v.data))  # (B, H, T/cp, dh)
     scale = 1.0 / math.sqrt(Q.shape[-1])   # a Python float: float32 stays float32
@@ -247,10 +248,10 @@ def ring_attention(cpa: ContextParallelAttention, q: Tensor, k: Tensor, v: Tenso
     for step in range(cp):
         # the block I use goes on while I use it; the previous rank's arrives meanwhile
         passing = Passing(group, (K, V)) if step + 1 < cp else None
-        for a, b, keep in cpa.visible_blocks((me - step) % cp):    # masked blocks skipped
+        for a, b, keep in cp_attention.visible_blocks((me - step) % cp):    # masked blocks skipped
             o, lse = _block_forward(Q[:, :, a], K[:, :, b], V[:, :, b], keep, scale)
             _merge(Out[:, :, a], L[:, :, a], o, lse)
-            cpa.count(Q.shape[0] * heads * (a.stop - a.start) * (b.stop - b.start))
+            cp_attention.count(Q.shape[0] * heads * (a.stop - a.start) * (b.stop - b.start))
         if passing is not None:
             K, V = passing.arrived()
 
@@ -268,7 +269,7 @@ def ring_attention(cpa: ContextParallelAttention, q: Tensor, k: Tensor, v: Tenso
             # K, V go on ahead while this step computes (their gradients cannot: they
             # are being added to)
             ahead = Passing(group, (Kb, Vb)) if step + 1 < cp else None
-            for a, b, keep in cpa.visible_blocks((me - step) % cp):
+            for a, b, keep in cp_attention.visible_blocks((me - step) % cp):
                 S = (Q[:, :, a] @ np.swapaxes(Kb[:, :, b], -1, -2)) * scale
                 P = np.exp(np.where(keep, S - L[:, :, a, None], -np.inf))  # masked: 0
                 dV[:, :, b] += np.swapaxes(P, -1, -2) @ G[:, :, a]
@@ -309,7 +310,7 @@ def visible_blocks(held: list[list[np.ndarray]], me: int, source: int
 # ------------------------------------------------------------ the strategy
 class ContextParallelAttention:
     """The attention of one block under context parallelism: called as
-    `cpa(q, k, v, heads, key_bias)` on this rank's (B, T/cp, H dh) in place of
+    `cp_attention(q, k, v, heads, key_bias)` on this rank's (B, T/cp, H dh) in place of
     attention.attention (gpt.Attention's `core`). `last_scores` counts the score
     entries (query, key pairs x B x heads) its latest forward computed."""
 
@@ -356,26 +357,3 @@ class TokenLayout:
         every = [token_index(np.arange(d * b, (d + 1) * b), self.seq_len, self.cp, c, self.mode)
                  for d in range(self.dp) for c in range(self.cp)]
         return every[self.me], every
-
-
-def within_capacity(expert_of: np.ndarray, experts: int, limit: int | None, group: Group,
-                    mine: np.ndarray, others: list[np.ndarray]) -> np.ndarray:
-    """Which of my (token, slot) assignments survive capacity, in GLOBAL token order
-    (row, then position, then slot) when the positions of a row are spread over cp.
-
-    A rank's tokens are not one contiguous run of that order any more, so a prefix count
-    cannot say what came before. Every rank's routing (k small ints per token) is
-    gathered instead; `others[g]` are the global token indices of dp_cp rank g
-    (`mine` = mine), so each rank rebuilds the whole microbatch's order and keeps its own.
-    """
-    if limit is None:
-        return np.ones(expert_of.shape, dtype=bool)
-    top_k = expert_of.size // mine.size
-    routed = np.empty((group.size, expert_of.size), dtype=np.int64)
-    group.Allgather(expert_of.astype(np.int64), routed)  # my expert ids -> every rank
-    slots = np.arange(top_k)
-    where = np.concatenate([(t[:, None] * top_k + slots).ravel() for t in others])
-    everything = np.empty(where.size, dtype=np.int64)
-    everything[where] = routed.ravel()                       # global assignment order
-    kept = nn.keep_within_capacity(everything, experts, limit)
-    return kept[(mine[:, None] * top_k + slots).ravel()]

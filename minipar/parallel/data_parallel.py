@@ -22,13 +22,9 @@ side, each equal to one process (`--grad-sync`):
    has produced all of its gradients, while backward goes on with earlier
    pieces of the model; the requests are waited just before the optimizer.
 
-How overlap knows a gradient is complete: each piece of the model (embedding,
-block, head) is wrapped in a `Piece`, which puts a marker node on its input in
-the autograd tape. Backward visits a node only after everything computed from
-it, so the marker's backward runs once the whole piece is done: its parameters'
-gradients for this microbatch are complete. After the last microbatch (gradient
-accumulation: one sync per step) the piece's buckets can go. ZeRO (zero.py)
-uses the same hooks to gather and drop parameters around each piece.
+How overlap knows a gradient is complete: dp_hooks.py (a `Piece` around each
+piece of the model, its marker nodes in the tape). The buckets and their flat
+buffers: buckets.py.
 
 Run it: `mpiexec -n 8 python lessons/01_data_parallel.py`, or
 `mpiexec -n 4 python -m minipar train --dp 4 --grad-sync overlapped --check --ledger`.
@@ -36,7 +32,7 @@ Run it: `mpiexec -n 8 python lessons/01_data_parallel.py`, or
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -46,20 +42,12 @@ from minipar import placement
 from minipar.comm import trace
 from minipar.comm.collectives import Group
 from minipar.comm.mesh import Mesh
-from minipar.core import autograd as ag
-from minipar.core.autograd import Tensor
 from minipar.core.memory import ModelStates, measure
 from minipar.core.nn import Module, Parameter
 from minipar.core.optim import Optimizer
 from minipar.core.shards import held_parts
-
-
-def grad_or_zeros(p: Parameter) -> np.ndarray:
-    """p.grad, or zeros if backward never reached p on this rank: every replica must
-    send the same buffers, or the collectives of different ranks would not match."""
-    if p.grad is None:
-        p.grad = np.zeros_like(p.data)
-    return p.grad
+from minipar.parallel.buckets import flat_buffers, grad_or_zeros, make_buckets, pack, unpack
+from minipar.parallel.dp_hooks import Hooks, Piece, install_hooks
 
 
 def _group(p: Parameter, mesh: Mesh) -> Group:
@@ -94,66 +82,6 @@ def allreduce_gradients(params: Sequence[Parameter], mesh: Mesh) -> None:
 
 
 # ----------------------------------------------------------- 2. bucketed
-def make_buckets(params: Sequence[Parameter], bucket_size: int) -> list[list[Parameter]]:
-    """Cut the parameters into buckets of at most `bucket_size` elements (a larger
-    parameter gets a bucket of its own), in reverse order: the last layer's
-    gradients are ready first. A bucket holds parameters of one sync group."""
-    buckets: list[list[Parameter]] = []
-    for sync in ("dp", "edp"):
-        current: list[Parameter] = []
-        count = 0
-        for p in reversed([p for p in params if p.sync == sync]):
-            if current and count + p.data.size > bucket_size:
-                buckets.append(current)
-                current, count = [], 0
-            current.append(p)
-            count += p.data.size
-        if current:
-            buckets.append(current)
-    return buckets
-
-
-def flat_buffers(buckets: Sequence[Sequence[Parameter]]) -> list[np.ndarray | None]:
-    """One flat buffer per bucket, allocated once and reused every step (no new
-    allocation per step; a bucket's buffer is in flight at most once per step). A bucket
-    of one parameter needs none: its gradient is already one contiguous array (`pack`)."""
-    return [None if len(bucket) == 1 else
-            np.empty(sum(p.data.size for p in bucket),
-                     dtype=np.result_type(*(p.data.dtype for p in bucket)))
-            for bucket in buckets]
-
-
-def pack(bucket: Sequence[Parameter], out: np.ndarray | None = None) -> np.ndarray:
-    """The bucket's gradients, copied one after another into one flat buffer: `out`
-    (from `flat_buffers`, reused) or a new one. One copy per gradient, no temporary.
-    A bucket of one parameter is its gradient itself, seen flat: no copy at all (the
-    large weights, a bucket each, cost the Allreduce alone)."""
-    if len(bucket) == 1 and grad_or_zeros(bucket[0]).flags.c_contiguous:
-        return bucket[0].grad.reshape(-1)                   # a view of p.grad
-    if out is None:
-        return np.concatenate([grad_or_zeros(p).ravel() for p in bucket])
-    start = 0
-    for p in bucket:
-        grad = grad_or_zeros(p)
-        out[start:start + grad.size].reshape(grad.shape)[...] = grad  # a view: one copy
-        start += grad.size
-    return out
-
-
-def unpack(bucket: Sequence[Parameter], flat: np.ndarray, scale: float) -> None:
-    """`scale * flat` back into the bucket's gradients (the inverse of `pack`), written
-    straight into each p.grad: one pass, no temporary array (in place when `flat` is a
-    view of the one gradient)."""
-    if len(bucket) == 1 and np.shares_memory(flat, bucket[0].grad):
-        if scale != 1.0:
-            bucket[0].grad *= scale
-        return
-    start = 0
-    for p in bucket:
-        np.multiply(flat[start:start + p.grad.size].reshape(p.grad.shape), scale, out=p.grad)
-        start += p.grad.size
-
-
 def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: Mesh,
                        flats: Sequence[np.ndarray] | None = None) -> None:
     """Bucketed DP: one in-place Allreduce per bucket, then divide by dp. `flats`: the
@@ -169,91 +97,6 @@ def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: Mesh,
             placement.summed(bucket, group)                 # Partial -> Replicate over dp
         unpack(bucket, flat, 1.0 / mesh.shape.replicas)
     # end exercise
-
-
-# ----------------------------------------------------- hooks around pieces
-class Hooks:
-    """What a strategy may do around each piece of the model; by default nothing."""
-
-    def before_forward(self, piece: Piece) -> None:
-        """Just before the piece computes (ZeRO-3: gather its parameters)."""
-
-    def after_forward(self, piece: Piece) -> None:
-        """Just after it (ZeRO-3: drop them again)."""
-
-    def before_backward(self, piece: Piece) -> None:
-        """Before any of the piece's backward runs (ZeRO-3: gather them again)."""
-
-    def after_backward(self, piece: Piece) -> None:
-        """After all of it: its parameters' gradients of this microbatch are complete."""
-
-
-_ALWAYS = Tensor(np.zeros(()), requires_grad=True)  # makes a marker part of the tape
-
-
-def _marker(x: Tensor, hook: Callable[[], None], after_weight_grads: bool = False) -> Tensor:
-    """Forward: identity. Backward: call `hook`, then pass the gradient on unchanged.
-    `_ALWAYS` as a second parent keeps the node on the tape even when x is data.
-
-    With `after_weight_grads`, the hook joins the queue of weight-gradient work when a
-    zero-bubble schedule puts that work off (autograd.defer_weight_grads): it then runs
-    after the piece's weight gradients, whenever the schedule runs them."""
-    def backward(g: np.ndarray) -> None:
-        if after_weight_grads:
-            ag.weight_grad(hook)  # now, or queued behind the piece's weight gradients
-        else:
-            hook()
-        x.accumulate(g)
-    out = Tensor.from_op(x.data, (x, _ALWAYS), backward)
-    return placement.follow(out, placement.of(x), x.name) if placement.ON else out
-
-
-class Piece(Module):
-    """A piece of the model (embedding, block or head) with hooks at its four edges.
-
-    Marker nodes on its input and outputs turn the autograd walk into events:
-    the output markers' backward runs before any of the piece's backward, the
-    input marker's after all of it. Other attributes are read through to the piece.
-    """
-
-    def __init__(self, inner: Module, hooks: Hooks) -> None:
-        self.inner = inner
-        self.hooks = hooks
-        self.own = inner.parameters()  # fixed once built; the hooks ask every microbatch
-
-    def parameters(self) -> list[Parameter]:
-        return self.own
-
-    def __getattr__(self, name: str) -> object:
-        if name == "inner":  # not set yet (e.g. while unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor | None]:
-        hooks = self.hooks
-        hooks.before_forward(self)
-        out = self.inner(_marker(x, lambda: hooks.after_backward(self), True))
-        hooks.after_forward(self)
-        outs = out if isinstance(out, tuple) else (out,)
-        marked = tuple(t if t is None else _marker(t, lambda: hooks.before_backward(self))
-                       for t in outs)  # a block returns (h, aux): both lead back here
-        return marked if isinstance(out, tuple) else marked[0]
-
-
-def install_hooks(chunks: Sequence[Module], hooks: Hooks) -> list[Piece]:
-    """Wrap every piece of every chunk (in place) in a `Piece` calling `hooks`;
-    returns the pieces in forward order."""
-    pieces: list[Piece] = []
-    for chunk in chunks:
-        if chunk.embed is not None:
-            chunk.embed = Piece(chunk.embed, hooks)
-            pieces.append(chunk.embed)
-        chunk.blocks = [Piece(block, hooks) for block in chunk.blocks]
-        pieces += chunk.blocks
-        if chunk.head is not None:
-            chunk.head = Piece(chunk.head, hooks)
-            pieces.append(chunk.head)
-    return pieces
 
 
 # ---------------------------------------------------------- 3. overlapped

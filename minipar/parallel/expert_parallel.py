@@ -142,6 +142,30 @@ def plan_dispatch(expert_of: np.ndarray, kept: np.ndarray, experts: int, ep: int
     return order, send
 
 
+def within_capacity_in_global_order(expert_of: np.ndarray, experts: int, limit: int | None,
+                                     group: Group, mine: np.ndarray,
+                                     others: list[np.ndarray]) -> np.ndarray:
+    """Which of my (token, slot) assignments survive capacity, in GLOBAL token order
+    (row, then position, then slot) when the positions of a row are spread over cp.
+
+    A rank's tokens are not one contiguous run of that order any more, so a prefix count
+    cannot say what came before. Every rank's routing (k small ints per token) is
+    gathered instead; `others[g]` are the global token indices of dp_cp rank g
+    (`mine` = mine), so each rank rebuilds the whole microbatch's order and keeps its own.
+    """
+    if limit is None:
+        return np.ones(expert_of.shape, dtype=bool)
+    top_k = expert_of.size // mine.size
+    routed = np.empty((group.size, expert_of.size), dtype=np.int64)
+    group.Allgather(expert_of.astype(np.int64), routed)  # my expert ids -> every rank
+    slots = np.arange(top_k)
+    where = np.concatenate([(t[:, None] * top_k + slots).ravel() for t in others])
+    everything = np.empty(where.size, dtype=np.int64)
+    everything[where] = routed.ravel()                       # global assignment order
+    kept = nn.keep_within_capacity(everything, experts, limit)
+    return kept[(mine[:, None] * top_k + slots).ravel()]
+
+
 def exchange_counts(send: np.ndarray, ep_group: Group) -> np.ndarray:
     """recv[i, l] = rows ep rank i will send me for my local expert l (one Alltoall)."""
     if ep_group.size == 1:
@@ -351,7 +375,7 @@ class ExpertParallelBlock(nn.Module):
             kept = within_capacity(routing.expert_of, experts, limit, self.dp_group)
         else:  # positions spread over cp: the global order from everyone's routing
             mine, every = self.layout.tokens(u.shape[0])
-            kept = context_parallel.within_capacity(routing.expert_of, experts, limit,
+            kept = within_capacity_in_global_order(routing.expert_of, experts, limit,
                                                     self.dp_group, mine, every)
         # (E,) assignments per expert, every dp rank -> their sum (f; counts, no grad)
         counts = collectives.allreduce_sum(self.dp_group, self.assignment_counts(routing, kept))

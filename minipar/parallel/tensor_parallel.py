@@ -66,7 +66,7 @@ from minipar.comm.collectives import (
 from minipar.core import attention, fused_layers, gpt
 from minipar.core.autograd import Tensor
 from minipar.core.nn import LayerNorm, Module, Parameter
-from minipar.parallel.data_parallel import pack, unpack
+from minipar.parallel.buckets import pack, unpack
 from minipar.placement import Shard
 
 

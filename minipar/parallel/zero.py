@@ -66,7 +66,8 @@ from minipar.core.memory import FlatLayout, ModelStates, displacements, measure
 from minipar.core.nn import Module, Parameter
 from minipar.core.optim import Optimizer
 from minipar.core.shards import flat_boxes, in_full_array
-from minipar.parallel.data_parallel import Hooks, Piece, grad_or_zeros, install_hooks
+from minipar.parallel.buckets import grad_or_zeros
+from minipar.parallel.dp_hooks import Hooks, Piece, install_hooks
 
 
 def _mpi_type(array: np.ndarray) -> MPI.Datatype:

@@ -198,7 +198,7 @@ def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
 
 
 # ------------------------------------------------------------------- memory
-def memory_figure(pp: int, microbatches: int, schedules: Sequence[tuple[str, int]],
+def in_flight_memory_figure(pp: int, microbatches: int, schedules: Sequence[tuple[str, int]],
                   chunks: dict[str, int]) -> Figure:
     """Activation memory per stage, as the simulator counts it: the peak number of
     (chunk, microbatch) activations a rank holds, in whole stages' worth (a chunk of

@@ -41,8 +41,8 @@ def save_two_steps(folder: Path) -> None:
 def faulty_save(folder: Path, spec: str) -> tuple[object, float]:
     """Resume from `folder` and save step 4 into it, with the fault `spec` injected."""
     start = time.monotonic()
-    job = launch(2, ["-m", "tests.harness.rank_faults", "fault", spec, "train", *SMALL, "--steps", "4",
-                     "--resume", str(folder), "--save", str(folder)], 60)
+    job = launch(2, ["-m", "tests.harness.rank_faults", "fault", spec, "train", *SMALL,
+                     "--steps", "4", "--resume", str(folder), "--save", str(folder)], 60)
     return job, time.monotonic() - start
 
 
@@ -80,7 +80,8 @@ def test_ctrl_c_during_the_save_keeps_the_previous_checkpoint(tmp_path):
     folder = tmp_path / "ckpt"
     save_two_steps(folder)
     job = subprocess.Popen(
-        [mpiexec(), "-n", "2", sys.executable, "-m", "tests.harness.rank_faults", "fault", "slowsave:0:5",
+        [mpiexec(), "-n", "2", sys.executable, "-m", "tests.harness.rank_faults", "fault",
+         "slowsave:0:5",
          "train", *SMALL, "--steps", "4", "--resume", str(folder), "--save", str(folder)],
         cwd=ROOT, env=rank_env(60), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True)

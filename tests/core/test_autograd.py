@@ -256,7 +256,8 @@ def test_deferred_weight_gradients():
     def forward() -> tuple[Tensor, list[Tensor]]:
         x = Tensor(x0, requires_grad=True)
         ws = [Tensor(a, requires_grad=True) for a in (w1, b1, w2, w3)]
-        out = fused_layers.linear(fused_layers.gelu(fused_layers.linear(x, ws[0], ws[1])), ws[2]) @ ws[3]
+        hidden = fused_layers.gelu(fused_layers.linear(x, ws[0], ws[1]))
+        out = fused_layers.linear(hidden, ws[2]) @ ws[3]
         return out, [x, *ws]
 
     out, now = forward()

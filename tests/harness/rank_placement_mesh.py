@@ -1,7 +1,8 @@
 """Rank side of tests/placement/test_placement_mesh.py: the transformer's placement bugs on a mesh.
 
 Each case trains one step of a small transformer on 2 ranks with placement checking on,
-with one piece swapped for a broken one (lesson 8's bugs of the transformer, minipar/bugs/catalog.py,
+with one piece swapped for a broken one (lesson 8's bugs of the transformer,
+minipar/bugs/catalog.py,
 and the vocabulary-parallel embedding without its Allreduce), and rank 0 writes
 {case: {"stopped": the line that stopped it, or null, "loss": the step loss or null}}
 to the JSON file given. "correct-*" cases run the same meshes unbroken.
@@ -22,9 +23,9 @@ from minipar.parallel import vocab_parallel
 from minipar.placement import PlacementError
 from minipar.run.train import problems, train
 from minipar.settings.config import TrainConfig
+from tests import shapes
 
-GPT = dict(model="gpt", layers=2, d_model=16, heads=4, seq_len=8, vocab=16, batch=4,
-           d_ff=32, steps=1, check_placements=True)
+GPT = dict(shapes.GPT, batch=4, steps=1, check_placements=True)
 
 
 def embedding_without_allreduce(x: object, group: object) -> object:

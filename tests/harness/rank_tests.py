@@ -151,7 +151,8 @@ class RankReport:
 
     def rerun(self, name: str) -> str:
         return (f"OMP_NUM_THREADS=1 {shlex.quote(mpiexec())} -n {self.n} "
-                f"{shlex.quote(sys.executable)} -m tests.harness.rank_tests /tmp/minipar-rerun {name}")
+                f"{shlex.quote(sys.executable)} -m tests.harness.rank_tests "
+                f"/tmp/minipar-rerun {name}")
 
     def problem(self, name: str) -> str | None:
         """None if every rank passed `name` (and the job ended cleanly), else the story."""

@@ -40,13 +40,13 @@ from minipar.planner.memory_cost import rank_shape
 from minipar.planner.time_cost import cp_traffic, ledger_of
 from minipar.planner.workloads import minipar_workload, plan_of
 from minipar.settings.config import TrainConfig
+from tests import shapes
 from tests.conftest import assert_equivalent, reference
 from tests.harness.mpi import sweep
 from tests.harness.rank_tests import RANK_COUNTS, agree, suite_report
 from tests.reference.formulas import assert_ledger_and_memory_are_the_formulas
 
-GPT = dict(model="gpt", layers=2, d_model=16, heads=4, seq_len=16, vocab=16, batch=4,
-           steps=2, d_ff=32)
+GPT = dict(shapes.GPT, seq_len=16, batch=4)   # 16 positions: 4 each over cp 4
 MOE = dict(GPT, model="gpt-moe", experts=4, expert_d_ff=16, aux_coef=0.1)
 ADAM = dict(optimizer="adam", lr=0.01)
 MODES = ("allgather", "ring", "zigzag", "ulysses")

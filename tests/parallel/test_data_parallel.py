@@ -144,7 +144,7 @@ def test_a_rank_draws_only_its_rows_bitwise_equal_to_the_global_batch(batch, mic
 
 
 def test_reused_bucket_buffers_give_the_same_bits_as_new_ones():
-    from minipar.parallel.data_parallel import flat_buffers, make_buckets, pack, unpack
+    from minipar.parallel.buckets import flat_buffers, make_buckets, pack, unpack
 
     rng = np.random.default_rng(0)
     params = [nn.Parameter(rng.normal(size=shape), name=str(i))

@@ -151,7 +151,8 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> dict:
     spec = folder / "configs.json"
     spec.write_text(json.dumps(FOUR + ROUTED + SAVE_RESUME).replace("{ck}",
                                                                   str(folder / "ck")))
-    job = launch(4, ["-m", "tests.parallel.test_expert_parallel", str(spec), str(folder)], timeout=180)
+    job = launch(4, ["-m", "tests.parallel.test_expert_parallel", str(spec), str(folder)],
+                 timeout=180)
     assert job.returncode == 0 and not job.timed_out, job.explain()
     runs = [read_dump(folder / str(i)) for i in range(len(FOUR + ROUTED + SAVE_RESUME))]
     for i, run in enumerate(runs):

@@ -24,12 +24,12 @@ from __future__ import annotations
 import pytest
 
 from minipar.bugs import catalog
+from tests import shapes
 from tests.conftest import assert_equivalent, reference
 from tests.harness.mpi import ROOT, sweep
 from tests.reference.formulas import assert_ledger_and_memory_are_the_formulas
 
-GPT = dict(model="gpt", layers=2, d_model=16, heads=2, seq_len=8, vocab=16, batch=8,
-           steps=2, d_ff=32)
+GPT = dict(shapes.GPT, heads=2)
 DOCUMENTS = str(ROOT / "lessons" / "documents.txt")   # short ragged documents
 MOE = dict(GPT, model="gpt-moe", experts=4, expert_d_ff=16, aux_coef=0.1)
 ADAM = dict(optimizer="adam", lr=0.01)

@@ -28,12 +28,12 @@ from minipar.planner.memory_cost import rank_shape
 from minipar.planner.time_cost import ledger_of, traffic
 from minipar.planner.workloads import minipar_workload, plan_of
 from minipar.settings.config import TrainConfig
+from tests import shapes
 from tests.conftest import assert_equivalent, reference
 from tests.harness.mpi import sweep
 from tests.reference.formulas import assert_ledger_and_memory_are_the_formulas
 
-GPT = dict(model="gpt", layers=2, d_model=16, heads=4, seq_len=8, vocab=16, batch=8,
-           steps=2, d_ff=32)
+GPT = shapes.GPT
 MOE = dict(GPT, model="gpt-moe", experts=4, expert_d_ff=16, aux_coef=0.1)
 MLP = dict(layers=4, d_model=16, d_ff=32, batch=16, steps=2)
 ADAM = dict(optimizer="adam", lr=0.01)

@@ -333,12 +333,12 @@ def blocks_per_rank(name: str, layers: int, pp: int) -> int:
 
 
 def test_v_placement_puts_the_first_and_last_chunks_on_rank_0():
-    from minipar.parallel.pipeline.chunk_layout import placement
+    from minipar.parallel.pipeline.chunk_layout import rank_and_chunk
 
     pp = 4
     assert [virtual_stage(pp, s, c, V) for s in range(pp) for c in (0, 1)] == \
         [0, 7, 1, 6, 2, 5, 3, 4]
-    assert all(placement(pp, virtual_stage(pp, s, c, V), V) == (s, c)
+    assert all(rank_and_chunk(pp, virtual_stage(pp, s, c, V), V) == (s, c)
                for s in range(pp) for c in (0, 1))
 
 

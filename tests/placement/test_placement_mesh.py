@@ -1,4 +1,4 @@
-"""Placement checking on a mesh, against the transformer's bugs (tests/harness/rank_placement_mesh.py,
+"""Placement checking on a mesh, against the transformer's bugs (rank_placement_mesh.py,
 one 2-rank job): each placement bug is stopped in its first forward with one line naming
 the tensor, the axis, the placement found, the one needed and the line of the model; a
 bug about values (the ring's merge without its log-sum-exp weights, ring and zigzag) runs

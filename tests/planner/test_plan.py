@@ -357,7 +357,8 @@ def test_bad_flags_are_one_error_line(flags, named, capsys):
 
 
 def test_the_planner_imports_no_mpi():
-    probe = ("import sys, minipar.planner.plan, minipar.planner.memory_cost, minipar.planner.time_cost; "
+    probe = ("import sys, minipar.planner.plan, minipar.planner.memory_cost, "
+             "minipar.planner.time_cost; "
              "print('mpi4py.MPI' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)

@@ -388,7 +388,7 @@ def test_exercise_check_fails_a_folder_missing_a_file_naming_it(tmp_path):
     code, report = check(["dp-naive"], empty)     # before any job: the exercise's own file
     assert code == 1 and "lacks minipar/exercises/grade.py" in report, report
     regions.start(["dp-naive"], tmp_path / "student")
-    (tmp_path / "student" / "minipar" / "train.py").unlink()
+    (tmp_path / "student" / "minipar" / "run" / "train.py").unlink()
     code, report = check(["dp-naive"], tmp_path / "student")   # the job's imports name it
     assert code == 1 and "FAILED" in report and "lacks minipar/run/train.py" in report, report
 

@@ -29,8 +29,8 @@ def test_format_bytes_is_binary():
 
 @pytest.mark.parametrize("path", sorted((ROOT / "lessons").glob("*.py"))
                          + sorted((ROOT / "lessons").glob("*.ipynb"))
-                         + [ROOT / "minipar" / name for name in ("plots.py", "teaching/load_plots.py",
-                                                                  "tour.py", "classroom.py")],
+                         + [ROOT / "minipar" / "teaching" / name for name in (
+                             "plots.py", "load_plots.py", "tour.py", "classroom.py")],
                          ids=lambda path: path.name)
 def test_no_lesson_or_figure_prints_decimal_or_ambiguous_bytes(path):
     hits = [f"{path.name}:{i}: {line.strip()}"

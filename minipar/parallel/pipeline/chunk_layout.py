@@ -39,7 +39,7 @@ def virtual_stage(pp: int, stage: int, chunk: int, layout: str = LOOP) -> int:
     return chunk * pp + stage
 
 
-def placement(pp: int, v: int, layout: str = LOOP) -> tuple[int, int]:
+def rank_and_chunk(pp: int, v: int, layout: str = LOOP) -> tuple[int, int]:
     """(rank, chunk) holding virtual stage v: the inverse of `virtual_stage`."""
     if layout == V:
         return (v, 0) if v < pp else (2 * pp - 1 - v, 1)
@@ -68,7 +68,8 @@ def last_stage(pp: int, v: int, chunks: int, layout: str = LOOP) -> bool:
 def local_boundary(pp: int, stage: int, boundary: int, layout: str = LOOP) -> bool:
     """Whether both sides of boundary b (virtual stages b, b + 1) are on this rank: the
     bottom of the V, where rank pp-1 hands its chunk 0's output to its chunk 1 itself."""
-    return layout == V and placement(pp, boundary, V)[0] == placement(pp, boundary + 1, V)[0]
+    return layout == V and \
+        rank_and_chunk(pp, boundary, V)[0] == rank_and_chunk(pp, boundary + 1, V)[0]
 
 
 def peer(kind: str, pp: int, stage: int, chunk: int = 0, layout: str = LOOP) -> int:
@@ -81,7 +82,7 @@ def peer(kind: str, pp: int, stage: int, chunk: int = 0, layout: str = LOOP) -> 
     downstream = kind in (SEND_ACT, RECV_GRAD)
     if layout != LOOP:
         v = virtual_stage(pp, stage, chunk, layout)
-        return placement(pp, v + 1 if downstream else v - 1, layout)[0]
+        return rank_and_chunk(pp, v + 1 if downstream else v - 1, layout)[0]
     return (stage + 1) % pp if downstream else (stage - 1) % pp
 
 

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minipar.parallel.pipeline.chunk_layout import LOOP, V, message, peer, placement, virtual_stage
+from minipar.parallel.pipeline.chunk_layout import (
+    LOOP,
+    V,
+    message,
+    peer,
+    rank_and_chunk,
+    virtual_stage,
+)
 from minipar.parallel.pipeline.instructions import (
     BACKWARD,
     COMPUTE,
@@ -138,8 +145,8 @@ class _Player:
         v = virtual_stage(self.pp, s, part.chunk, self.layout)
         step = {FORWARD: -1, BACKWARD: 1}.get(part.kind)
         if step and 0 <= v + step < 2 * self.pp and self.layout == V \
-                and placement(self.pp, v + step, V)[0] == s:
-            needs.append((s, part.kind, placement(self.pp, v + step, V)[1]))
+                and rank_and_chunk(self.pp, v + step, V)[0] == s:
+            needs.append((s, part.kind, rank_and_chunk(self.pp, v + step, V)[1]))
         for stage, kind, chunk in needs:
             if (stage, kind, chunk, part.microbatch) not in self.done:
                 raise ScheduleError(f"stage {s}: {part} before its {kind}"
