@@ -215,8 +215,8 @@ def main() -> None:
     n = world.Get_size()
     if n < 2 or 2048 % n:  # every rank sees the same size: all stop here, together
         raise ConfigError(f"lesson 2 splits W's 2048 columns evenly over the ranks: run it on "
-                          f"a count dividing 2048 (got {n}): mpiexec -n 2 python "
-                          "lessons/02_tensor_parallel.py")
+                          f"2 or more ranks, a count dividing 2048 (got {n}): mpiexec -n 2 "
+                          "python lessons/02_tensor_parallel.py")
     tp = Group(world, "tp", Ledger())  # the whole world is one tensor-parallel group
     column_split(tp, args.full)
     two_layers(tp)

@@ -64,9 +64,18 @@ GRACE = 2.0                     # seconds the first aborting rank waits for the 
 SETTLE = 1.0                    # seconds a signalled rank waits to settle inside a call
 DEFAULT_FOLDER = "minipar-flight"
 
-_PACKAGE = Path(__file__).resolve().parent.parent  # minipar/
+_PACKAGE = Path(__file__).parent.parent  # minipar/, spelled as the code objects spell it
 _SKIP = frozenset(str(_PACKAGE / name) for name in ("comm/collectives.py", "core/autograd.py",
                                                     "comm/flight.py"))
+
+
+def site_of(path: str) -> str:
+    """A call site's file as a learner finds it: its path inside the package
+    (`parallel/tensor_parallel.py`), or the file's name for code outside it (a lesson)."""
+    inside = os.path.relpath(path, _PACKAGE)
+    return os.path.basename(path) if inside.startswith("..") else inside
+
+
 NONBLOCKING = frozenset({"Isend", "Irecv", "Iallreduce"})   # posted, completed at a Wait
 P2P = " p2p"                                # suffix of a group's message counter
 
@@ -198,7 +207,7 @@ def records() -> list[dict]:
             "group": r["group"], "axis": r["group"].split("{")[0], "seq": r["seq"],
             "op": r["op"], "elements": int(r["elements"]),
             "dtype": dtype if isinstance(dtype, str) else f"{int(dtype)}-byte",
-            "site": f"{os.path.basename(r['file'])}:{r['line']}",
+            "site": f"{site_of(r['file'])}:{r['line']}",
             "step": _step_of(r["doing"]), "microbatch": r["microbatch"], "state": state,
             "t": round(r["t"], 6), "peer": list(r["peer"]) if isinstance(r["peer"], tuple)
             else r["peer"], "tag": r["tag"], "nth": list(r["nth"])

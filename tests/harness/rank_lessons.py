@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from minipar.comm.job import refuse_together
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

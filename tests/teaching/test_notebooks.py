@@ -66,7 +66,8 @@ def test_notebook_runs_and_draws(path, monkeypatch):
             folder = Path(out) if Path(out).is_absolute() else ROOT / out
             folder.mkdir(parents=True, exist_ok=True)
             nbformat.write(notebook, folder / path.name)
-    drawing = [cell for cell in code_cells(notebook) if "display(plots" in cell.source]
+    drawing = [cell for cell in code_cells(notebook)   # display(plots.x(..)), load_plots, ...
+               if "display(" in cell.source and "plots." in cell.source]
     for cell in drawing:
         images = [out for out in cell.outputs if "image/png" in out.get("data", {})]
         assert len(images) >= 1, f"{path.name}: no figure from {cell.source[:80]!r}"
