@@ -94,7 +94,8 @@ def solution(name: str, package: Path = PACKAGE) -> str:
 def start(names: list[str], folder: Path, package: Path = PACKAGE) -> list[Path]:
     """Copy the package into folder/minipar with the regions of `names` stubbed; write
     folder/EXERCISE.txt (instructions and hints) and folder/exercise.json (the names,
-    which `started_for` reads back so that check grades only these). Returns the files that hold a stub."""
+    which `started_for` reads back so that check grades only these). Returns the files
+    that hold a stub."""
     from minipar.settings.preflight import folder_problems  # a file, /dev/null, a dangling link...
 
     unusable = folder_problems(folder)
