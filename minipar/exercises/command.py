@@ -9,7 +9,8 @@
 `check` starts one MPI job (`mpiexec -n 4`, the launcher beside this Python or
 $MINIPAR_MPIEXEC) in DIR, so that DIR/minipar, the student's copy, is what the
 ranks import; it prints the job's report and exits 0 if every exercise passed,
-1 if one failed, 2 on bad arguments.
+1 if one failed, 2 on bad arguments (a name the folder was not started for among them:
+`start` records its names in DIR/exercise.json).
 """
 
 from __future__ import annotations
@@ -186,7 +187,15 @@ def main(argv: list[str]) -> int:
             if not names or len(rest) > 1:
                 raise ValueError("check NAME [NAME ...] [DIR]: the names are "
                                  + ", ".join(exercises.BY_NAME))
-            code, report = check(names, Path(rest[0] if rest else "."))
+            folder = Path(rest[0] if rest else ".")
+            held = regions.started_for(folder)
+            other = [name for name in names if held is not None and name not in held]
+            if other:
+                raise ValueError(f"{folder} was started for {', '.join(held) or 'nothing'}, "
+                                 f"not {', '.join(other)}: check "
+                                 f"{' '.join(held) or 'NAME'} {folder}, or start {other[0]} "
+                                 "in a new folder")
+            code, report = check(names, folder)
             if code == 2:
                 raise ValueError(report)
             print(report, flush=True)

@@ -10,6 +10,7 @@ unchanged with them in.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import textwrap
@@ -19,6 +20,7 @@ from pathlib import Path
 from minipar.exercises import BY_NAME, HINTS, get
 
 PACKAGE = Path(__file__).resolve().parent.parent   # the minipar package folder
+RECORD = "exercise.json"   # in a started folder: which exercises it holds
 START = re.compile(r"^(\s*)# exercise: ([\w-]+)\s*$")
 END = re.compile(r"^(\s*)# end exercise\s*$")
 
@@ -91,7 +93,9 @@ def solution(name: str, package: Path = PACKAGE) -> str:
 
 def start(names: list[str], folder: Path, package: Path = PACKAGE) -> list[Path]:
     """Copy the package into folder/minipar with the regions of `names` stubbed; write
-    folder/EXERCISE.txt (instructions and hints). Returns the files that hold a stub."""
+    folder/EXERCISE.txt (instructions and hints) and folder/exercise.json (the names,
+    which `started_for` reads back so that check grades only these). Returns the files
+    that hold a stub."""
     from minipar.settings.preflight import folder_problems  # a file, /dev/null, a dangling link...
 
     unusable = folder_problems(folder)
@@ -103,6 +107,9 @@ def start(names: list[str], folder: Path, package: Path = PACKAGE) -> list[Path]
     if (folder / "EXERCISE.txt").exists():   # never overwrite a file we did not write
         raise ValueError(f"{folder / 'EXERCISE.txt'} exists already (not written by "
                          "exercise start): start an exercise in a new folder")
+    if (folder / RECORD).exists():
+        raise ValueError(f"{folder / RECORD} exists already: start an exercise in a new "
+                         "folder")
     regions = [region for name in names for region in regions_of(name, package)]
     shutil.copytree(package, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     by_file: dict[str, list[Region]] = {}
@@ -121,4 +128,20 @@ def start(names: list[str], folder: Path, package: Path = PACKAGE) -> list[Path]
                      f"Where: {where}\n\nCheck: `python -m minipar exercise check {name} .`\n\n"
                      f"## Hint\n\n{(HINTS / f'{name}.md').read_text().strip()}\n")
     (folder / "EXERCISE.txt").write_text("\n".join(sheet))
+    (folder / RECORD).write_text(json.dumps({"exercises": list(names)}) + "\n")
     return [target / path for path in by_file]
+
+
+def started_for(folder: Path) -> list[str] | None:
+    """The exercises `start` wrote into folder/exercise.json, or None for a folder without
+    that record (a copy of the package made by hand): check grades a started folder only
+    for the exercises it was started for, since the others are not stubbed there."""
+    record = folder / RECORD
+    if not record.is_file():
+        return None
+    try:
+        names = json.loads(record.read_text())["exercises"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{record} is not the record exercise start writes: "
+                         "start an exercise in a new folder") from None
+    return [str(name) for name in names]

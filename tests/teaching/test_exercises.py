@@ -211,3 +211,15 @@ def test_calls_that_do_not_match_across_ranks_end_the_job_with_a_sentence(tmp_pa
     assert text.startswith("exercise dp-naive: FAILED"), text
     assert "the ranks' calls did not match" in text or "watchdog" in text, text
     assert "exercise dp-bucketed: not checked" in text, text
+
+
+def test_check_refuses_an_exercise_the_folder_was_not_started_for(tmp_path):
+    regions.start(["dp-naive"], tmp_path)
+    assert regions.started_for(tmp_path) == ["dp-naive"]
+    assert regions.started_for(tmp_path / "minipar") is None   # no record: a hand-made copy
+    run = [sys.executable, "-m", "minipar", "exercise", "check"]
+    bad = subprocess.run([*run, "dp-bucketed", str(tmp_path)], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert bad.stderr.startswith("minipar: error: ") and "started for dp-naive" in bad.stderr
+    assert "not dp-bucketed" in bad.stderr and bad.stdout == ""
