@@ -101,13 +101,14 @@ def causal_mask(scores: Tensor, q_positions: np.ndarray, k_positions: np.ndarray
 
 
 # ------------------------------------------------------------- attention
-def _heads(x: np.ndarray, heads: int) -> np.ndarray:
-    """(B, T, H*dh) -> (B, H, T, dh): the heads become a batch axis."""
+def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
+    """(B, T, H*dh) -> (B, H, T, dh): the heads become a batch axis (also the layout of
+    the ring's blocks and of the KV cache)."""
     b, t, width = x.shape
     return x.reshape(b, t, heads, width // heads).transpose(0, 2, 1, 3)
 
 
-def _merge_heads(x: np.ndarray) -> np.ndarray:
+def merge_heads(x: np.ndarray) -> np.ndarray:
     """(B, H, T, dh) -> (B, T, H*dh): concat_h(o_h)."""
     b, h, t, dh = x.shape
     return x.transpose(0, 2, 1, 3).reshape(b, t, h * dh)
@@ -117,7 +118,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, heads: int, q_positions: np.ndarra
              k_positions: np.ndarray | None, key_bias: Tensor | None) -> dict:
     """Scores, mask and softmax of every head at once; what both backward rules need."""
     keys = k.data if key_bias is None else k.data + key_bias.data
-    Q, K, V = (_heads(t, heads) for t in (q.data, keys, v.data))   # (B, H, T, dh)
+    Q, K, V = (split_heads(t, heads) for t in (q.data, keys, v.data))   # (B, H, T, dh)
     scale = 1.0 / math.sqrt(Q.shape[-1])   # a Python float: float32 stays float32
     q_positions = np.arange(Q.shape[2]) if q_positions is None else q_positions
     k_positions = np.arange(K.shape[2]) if k_positions is None else k_positions
@@ -140,9 +141,9 @@ def _accumulate_qk(q: Tensor, k: Tensor, c: dict, dS: np.ndarray, key_bias: Tens
     if key_bias is not None:
         key_bias.accumulate(np.zeros_like(key_bias.data), fresh=True)
     if q.requires_grad:
-        q.accumulate(_merge_heads(dS @ c["K"] * c["scale"]), fresh=True)
+        q.accumulate(merge_heads(dS @ c["K"] * c["scale"]), fresh=True)
     if k.requires_grad:
-        k.accumulate(_merge_heads(np.swapaxes(dS, -1, -2) @ c["Q"] * c["scale"]), fresh=True)
+        k.accumulate(merge_heads(np.swapaxes(dS, -1, -2) @ c["Q"] * c["scale"]), fresh=True)
 
 
 def _parents(q: Tensor, k: Tensor, v: Tensor | None, key_bias: Tensor | None
@@ -164,13 +165,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, heads: int,
     P = c["P"]
 
     def backward(g: np.ndarray) -> None:
-        G = _heads(g, heads)                                   # (B, H, Tq, dh)
+        G = split_heads(g, heads)                                   # (B, H, Tq, dh)
         if v.requires_grad:
-            v.accumulate(_merge_heads(np.swapaxes(P, -1, -2) @ G), fresh=True)
+            v.accumulate(merge_heads(np.swapaxes(P, -1, -2) @ G), fresh=True)
         dP = G @ np.swapaxes(c["V"], -1, -2)                   # (B, H, Tq, Tk)
         dS = P * (dP - (dP * P).sum(axis=-1, keepdims=True))
         _accumulate_qk(q, k, c, dS, key_bias)
-    out = Tensor.from_op(_merge_heads(P @ c["V"]), _parents(q, k, v, key_bias), backward)
+    out = Tensor.from_op(merge_heads(P @ c["V"]), _parents(q, k, v, key_bias), backward)
     return _pl.follow(out, _pl.attention("attention", q, k, v, key_bias), q.name) \
         if _pl.ON else out
 

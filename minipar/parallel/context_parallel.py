@@ -169,16 +169,6 @@ def ulysses_attention(cp_attention: ContextParallelAttention, q: Tensor, k: Tens
 
 
 # ------------------------------------------------------- 2-3. ring, zigzag
-def _split_heads(x: np.ndarray, heads: int) -> np.ndarray:
-    b, t, w = x.shape                          # (B, T, H dh) -> (B, H, T, dh)
-    return x.reshape(b, t, heads, w // heads).transpose(0, 2, 1, 3)
-
-
-def _merge_heads(x: np.ndarray) -> np.ndarray:
-    b, h, t, dh = x.shape                      # (B, H, T, dh) -> (B, T, H dh)
-    return x.transpose(0, 2, 1, 3).reshape(b, t, h * dh)
-
-
 def pass_along(group: Group, block: np.ndarray) -> np.ndarray:
     """One ring step: send my block to the next rank, receive the previous rank's."""
     # exercise: ring-attention
@@ -241,7 +231,7 @@ def ring_attention(cp_attention: ContextParallelAttention, q: Tensor, k: Tensor,
     P = exp(S - L), dV += P^T G, dS = P (G V^T - rowsum(G O)), dQ += dS K, dK += dS^T Q)."""
     group, cp, me = cp_attention.group, cp_attention.group.size, cp_attention.group.rank
     keys = k.data if key_bias is None else k.data + key_bias.data
-    Q, K, V = (_split_heads(t, heads) for t in (q.data, keys, v.data))  # (B, H, T/cp, dh)
+    Q, K, V = (attention.split_heads(t, heads) for t in (q.data, keys, v.data))  # (B, H, T/cp, dh)
     scale = 1.0 / math.sqrt(Q.shape[-1])   # a Python float: float32 stays float32
     Out = np.zeros_like(Q)
     L = np.full(Q.shape[:-1], -np.inf, dtype=Q.dtype)           # (B, H, T/cp) row lse
@@ -256,10 +246,10 @@ def ring_attention(cp_attention: ContextParallelAttention, q: Tensor, k: Tensor,
             K, V = passing.arrived()
 
     def backward(g: np.ndarray) -> None:
-        G = _split_heads(g, heads)
+        G = attention.split_heads(g, heads)
         D = (G * Out).sum(axis=-1)                       # rowsum(dP * P) = G . O
         dQ = np.zeros_like(Q)
-        Kb, Vb = (_split_heads(t, heads) for t in (keys, v.data))
+        Kb, Vb = (attention.split_heads(t, heads) for t in (keys, v.data))
         dK, dV = np.zeros_like(Kb), np.zeros_like(Vb)
         ahead: Passing | None = None
         for step in range(cp):
@@ -278,13 +268,13 @@ def ring_attention(cp_attention: ContextParallelAttention, q: Tensor, k: Tensor,
                 dK[:, :, b] += np.swapaxes(dS, -1, -2) @ Q[:, :, a] * scale
         # the block I hold belongs to the next rank: its finished dK, dV go home
         dK, dV = pass_along(group, dK), pass_along(group, dV)
-        q.accumulate(_merge_heads(dQ), fresh=True)
-        k.accumulate(_merge_heads(dK), fresh=True)
-        v.accumulate(_merge_heads(dV), fresh=True)
+        q.accumulate(attention.merge_heads(dQ), fresh=True)
+        k.accumulate(attention.merge_heads(dK), fresh=True)
+        v.accumulate(attention.merge_heads(dV), fresh=True)
         if key_bias is not None:  # softmax ignores q . bk, the same for every key: 0
             key_bias.accumulate(np.zeros_like(key_bias.data), fresh=True)
     parents = tuple(t for t in (q, k, v, key_bias) if t is not None)
-    out = Tensor.from_op(_merge_heads(Out), parents, backward)
+    out = Tensor.from_op(attention.merge_heads(Out), parents, backward)
     return placement.follow(out, placement.ring_attention("ring attention", q, k, v, group),
                             q.name) if placement.ON else out
 

@@ -82,18 +82,6 @@ def cache_bytes(layers: int, rows: int, heads: int, positions: int, dh: int,
     return 2 * layers * rows * heads * positions * dh * itemsize
 
 
-def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
-    """(b, t, H dh) -> (b, H, t, dh), the cache's layout."""
-    b, t, width = x.shape
-    return x.reshape(b, t, heads, width // heads).transpose(0, 2, 1, 3)
-
-
-def merge_heads(x: np.ndarray) -> np.ndarray:
-    """(b, H, t, dh) -> (b, t, H dh): concat_h(o_h), what the output projection takes."""
-    b, h, t, dh = x.shape
-    return x.transpose(0, 2, 1, 3).reshape(b, t, h * dh)
-
-
 def attend(Q: np.ndarray, K: np.ndarray, V: np.ndarray, q_positions: np.ndarray,
            k_positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """softmax(mask(Q K^T / sqrt(dh))) V over the keys held, and each row's log-sum-exp.
@@ -151,13 +139,14 @@ def cached_attention(attn: object, h: Tensor, cache: LayerCache, positions: np.n
     k = fused_layers.linear(a, attn.k.weight)                            # bk: added below
     keys = k.data + attn.k.bias.data                              # as attention.py does
     if store:
-        cache.append(split_heads(keys, heads), split_heads(v.data, heads), positions)
+        cache.append(attention.split_heads(keys, heads), attention.split_heads(v.data, heads),
+                     positions)
     if ring is not None:                                          # cp prefill: the ring
         o = ring(q, k, v, heads, key_bias=attn.k.bias).data       # (b, t, H dh)
     else:
         K, V, held = cache.held()
-        part, lse = attend(split_heads(q.data, heads), K, V, positions, held)
+        part, lse = attend(attention.split_heads(q.data, heads), K, V, positions, held)
         if cp is not None and cp.size > 1:                        # cp decode: merge parts
             part = merge_over(cp, part, lse)
-        o = merge_heads(part)
+        o = attention.merge_heads(part)
     return h + attn.proj(Tensor(o))                               # (b, t, d)
