@@ -12,7 +12,9 @@ to read (a notebook that fails is written too, up to the failing cell).
 
 The tests run the notebooks with $MINIPAR_QUICK=1 (unless it is set already): a
 notebook that reads it (its first cells say what it changes) does less of the same
-work, and says so in what it prints. `make notebooks` sets it to 0: full size.
+work, and says so in what it prints; a cell that runs a lesson script prints a line
+instead (tests/teaching/test_lessons.py runs every script). `make notebooks` sets it to
+0: full size, every cell as a teacher runs it.
 """
 
 from __future__ import annotations
