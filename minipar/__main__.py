@@ -30,13 +30,10 @@ from minipar.checkpoint.shard_files import CheckpointError
 from minipar.comm import watchdog
 from minipar.comm.mesh import MeshShape
 from minipar.placement import PlacementError
-from minipar.planner.plan import plan_command as plan
 from minipar.run.results import check, dump
 from minipar.run.train import DivergedError, problems, train
 from minipar.settings import preflight
 from minipar.settings.config import ConfigError, Parser, config_from_args, make_parser
-from minipar.teaching.ledger_tables import ledger_table
-from minipar.teaching.tour import main as tour
 
 
 def _world():
@@ -114,6 +111,8 @@ def train_command(argv: list[str]) -> int:
 
         flight.disarm()
     if args.ledger and rank == 0:
+        from minipar.teaching.ledger_tables import ledger_table  # loads the planner: only here
+
         print(ledger_table(result.ledger, cfg), flush=True)
     if args.dump and rank == 0:
         dump(Path(args.dump), cfg, result)
@@ -166,6 +165,8 @@ def generate_command(argv: list[str]) -> int:
 
 
 def tour_command(argv: list[str]) -> int:
+    from minipar.teaching.tour import main as tour  # here: a `train` rank never loads it
+
     return tour(argv)
 
 
@@ -230,7 +231,9 @@ def bugs_command(argv: list[str]) -> int:
 
 def plan_command(argv: list[str]) -> int:
     """`python -m minipar plan ...`: rank the ways to split a job at real scale (no MPI)."""
-    return plan(argv)
+    from minipar.planner.plan import plan_command  # here: a `train` rank never loads it
+
+    return plan_command(argv)
 
 
 def flight_command(argv: list[str]) -> int:
