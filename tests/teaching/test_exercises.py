@@ -26,8 +26,7 @@ import sys
 import pytest
 
 from minipar import exercises
-from minipar.exercises import regions
-from minipar.exercises import command
+from minipar.exercises import command, regions
 from minipar.exercises.command import check
 from tests.harness.mpi import ROOT
 
