@@ -82,7 +82,7 @@ def test_broken_markers_and_hints_are_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(exercises, "HINTS", tmp_path)
     for body in ("no steps", "before\n## Step 1\na", "## Step 1\na\n## Step 3\nb",
                  "## Step 1\na\n## Step 2\n"):
-        (tmp_path / "dp-naive.md").write_text(body)
+        exercises.get("dp-naive").hint_file.write_text(body)   # in tmp_path now
         with pytest.raises(ValueError, match="in order, each with its text"):
             exercises.get("dp-naive").hint_steps()
 
