@@ -13,19 +13,26 @@ exercise never drifts from it. `python -m minipar exercise check NAME DIR` runs 
 exercise's checks on the student's copy in one MPI job (grade.py): equivalence with
 one process (float64, relative 1e-9), the ledger against the formulas, the
 gradient checks; and prints passed, or the first mismatch in words a student can
-act on. Each exercise has a hint file in hints/, named after it. docs/design.md, "Exercises".
+act on, naming any region left as the stub or copied from the reference answer.
+Each exercise has a hint file in hints/, named after it, in numbered steps (`## Step
+1`, ...) that `python -m minipar exercise hint NAME [--step K]` reveals one at a
+time: a nudge first, the exact call shapes last, never the answer's code.
+docs/design.md, "Exercises".
 
     python -m minipar exercise list
     python -m minipar exercise start dp-naive ~/work && cd ~/work
+    python -m minipar exercise hint dp-naive            (then --step 2, ...)
     python -m minipar exercise check dp-naive .
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 HINTS = Path(__file__).resolve().parent / "hints"
+STEP = re.compile(r"^## Step (\d+)\s*$", flags=re.M)   # a hint file's step headings
 RANKS = 4  # every check runs on this many ranks: small, yet a ring of 4 and a 2 x 2 mesh
 
 # Tiny shapes for every training check: a few milliseconds a step.
@@ -49,6 +56,20 @@ class Exercise:
     @property
     def hint_file(self) -> Path:
         return HINTS / f"{self.name}.md"
+
+    def hint_steps(self) -> list[str]:
+        """The hint's steps in order, each without its heading: what `exercise hint`
+        reveals one at a time. Raises ValueError unless the file is `## Step 1`,
+        `## Step 2`, ... in order, each with text, and nothing before the first."""
+        text = self.hint_file.read_text()
+        parts = STEP.split(text)   # [before, "1", step 1, "2", step 2, ...]
+        numbers = [int(n) for n in parts[1::2]]
+        steps = [step.strip() for step in parts[2::2]]
+        if parts[0].strip() or numbers != list(range(1, len(numbers) + 1)) or \
+                not all(steps) or not steps:
+            raise ValueError(f"{self.hint_file.name}: a hint is '## Step 1', '## Step 2', "
+                             "... in order, each with its text")
+        return steps
 
 
 # The transformer's tiny shapes: 8 positions of a 16-token vocabulary, 4 heads of width 2.
@@ -159,8 +180,8 @@ EXERCISES = [
         "RowParallelLinear(full, f\"{p}.attn.proj\", tp, sequence_parallel=..., seq_axis=1): "
         "my heads' rows of Wo (d/tp, d), its partial sums added by g (one Allreduce of (B, "
         "T, d); with sequence parallelism a Reduce_scatter to (B, T/tp, d)). enter(a): "
-        "the one f shared by q, k and v: enter_region(a, self.tp, self.sequence_parallel, "
-        "axis=1) (forward identity, backward one Allreduce; with sequence parallelism an "
+        "the one f shared by q, k and v, enter_region over self.tp on the positions' axis 1 "
+        "(forward identity, backward one Allreduce; with sequence parallelism an "
         "Allgather of positions (B, T/tp, d) -> (B, T, d)).",
         [("heads", {}), _train_gpt(tp=2, dp=2), _train_gpt(tp=4, sp=True),
          _train_gpt(tp=2, cp=2, cp_mode="ring")]),

@@ -2,15 +2,18 @@
 
     python -m minipar exercise list
     python -m minipar exercise start NAME DIR       a copy of minipar with NAME stubbed
-    python -m minipar exercise hint NAME
+    python -m minipar exercise hint NAME [--step K] the hint's steps 1..K (K = 1 alone)
     python -m minipar exercise solution NAME        the project's own code of its regions
     python -m minipar exercise check NAME [NAME ...] [DIR]   (DIR defaults to .)
 
 `check` starts one MPI job (`mpiexec -n 4`, the launcher beside this Python or
 $MINIPAR_MPIEXEC) in DIR, so that DIR/minipar, the student's copy, is what the
-ranks import; it prints the job's report and exits 0 if every exercise passed,
-1 if one failed, 2 on bad arguments (a name the folder was not started for among them:
-`start` records its names in DIR/exercise.json).
+ranks import; it prints the job's report, with a line under an exercise for each
+of its regions that is left as the stub or copied from the reference answer
+(`regions.compare`), and exits 0 if every exercise passed, 1 if one failed, 3 if
+all passed but a region is the reference answer itself (the numbers pass on the
+library's own code, not on the student's), 2 on bad arguments (a name the folder
+was not started for among them: `start` records its names in DIR/exercise.json).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 from minipar import exercises
 from minipar.exercises import regions
 
+COPIED = 3   # check's exit code: every check passed, but some region is the reference answer
 VERDICT = "minipar: exercise verdict: "  # grade.VERDICT (grade.py loads MPI: not imported)
 TIMEOUT = 60  # seconds per check for the launcher; grade.py names where it is stuck at 40
 SHOWN_LINES = 20   # of the student's own output, at most this many lines are shown
@@ -75,7 +79,51 @@ def mpiexec() -> str:
 def check(names: list[str], folder: Path, timeout: float = TIMEOUT) -> tuple[int, str]:
     """Grade `names` against folder/minipar in one MPI job: (exit code, report). The
     launcher's limit is `timeout` seconds per check (grade.py's own deadline, shorter,
-    names the step and the call a rank is stuck in)."""
+    names the step and the call a rank is stuck in). Under each exercise's lines, one
+    line per region left as the stub or copied from the reference (`region_notes`); a
+    job whose every exercise passed exits `COPIED` instead of 0 if a region is a copy."""
+    code, report = run_job(names, folder, timeout)
+    if code == 2:
+        return code, report
+    notes = {name: region_notes(name, folder) for name in names}
+    copied = any(kind == "copied" for found in notes.values() for kind, _ in found)
+    return (COPIED if code == 0 and copied else code), annotate(report, notes)
+
+
+def region_notes(name: str, folder: Path) -> list[tuple[str, str]]:
+    """(kind, sentence) for each region of `name` in folder/minipar that is still the stub
+    or is the reference answer (`regions.compare`), in words a student and a teacher read."""
+    found = regions.compare(name, folder)
+    notes = []
+    for number, (region, kind) in enumerate(found, 1):
+        where = f"region {number} of {len(found)} (minipar/{region.path}:{region.first + 1})"
+        if kind == "stub":
+            notes.append((kind, f"{where} is left as the stub handed out: the check fails "
+                          f"until you write it; for help, python -m minipar exercise hint {name}"))
+        elif kind == "copied":
+            notes.append((kind, f"{where} is copied from the reference answer (the same code "
+                          "as exercise solution prints, up to spacing and comments): what "
+                          "passes there is the library's own code, not yours"))
+    return notes
+
+
+def annotate(report: str, notes: dict[str, list[tuple[str, str]]]) -> str:
+    """The report with each exercise's notes put under its lines (its `exercise NAME:`
+    line and the indented lines after it), two spaces in, like the verdict."""
+    out: list[str] = []
+    pending: list[str] = []
+    for line in report.splitlines():
+        if pending and not line.startswith("  "):
+            out, pending = out + pending, []
+        out.append(line)
+        name = next((n for n in notes if line.startswith(f"exercise {n}: ")), None)
+        if name is not None:
+            pending = [f"  {sentence}" for _, sentence in notes[name]]
+    return "\n".join(out + pending)
+
+
+def run_job(names: list[str], folder: Path, timeout: float = TIMEOUT) -> tuple[int, str]:
+    """`check`'s job alone: (exit code, report) of the grader run on folder/minipar."""
     timeout = timeout * sum(len(exercises.get(name).checks) for name in names)
     if not (folder / "minipar" / "__init__.py").exists():
         return 2, f"{folder} holds no minipar/ (start one: python -m minipar exercise start)"
@@ -145,6 +193,22 @@ def explain_crash(code: int, stderr: str) -> str:
     return f"the check job ended (exit {code}):\n{tail}"
 
 
+def hint(name: str, step: int = 1) -> str:
+    """Steps 1..`step` of the hint of `name`, each under its number, and a last line that
+    says how many there are and how to see the next. A ValueError (one line) for a step
+    that is not there."""
+    steps = exercises.get(name).hint_steps()
+    if not 1 <= step <= len(steps):
+        raise ValueError(f"the hint of {name} has steps 1 to {len(steps)}, not {step}")
+    shown = [f"Step {k} of {len(steps)}:\n{text}" for k, text in enumerate(steps[:step], 1)]
+    if step < len(steps):
+        shown.append(f"(step {step} of {len(steps)}; the next one: python -m minipar exercise "
+                     f"hint {name} --step {step + 1})")
+    else:
+        shown.append(f"(the last step of {len(steps)})")
+    return "\n\n".join(shown)
+
+
 def parser() -> argparse.ArgumentParser:
     """The `exercise` subcommands."""
     top = argparse.ArgumentParser(prog="python -m minipar exercise",
@@ -154,8 +218,11 @@ def parser() -> argparse.ArgumentParser:
     start = sub.add_parser("start", help="copy minipar to DIR with NAME's code stubbed")
     start.add_argument("name")
     start.add_argument("dir")
-    for action in ("hint", "solution"):
-        sub.add_parser(action).add_argument("name")
+    hint = sub.add_parser("hint", help="NAME's hint, one step at a time")
+    hint.add_argument("name")
+    hint.add_argument("--step", type=int, default=1, metavar="K",
+                      help="show steps 1..K (default 1)")
+    sub.add_parser("solution", help="the reference answer").add_argument("name")
     grade = sub.add_parser("check", help="grade NAME (several allowed) against DIR/minipar")
     grade.add_argument("args", nargs="+", metavar="NAME [NAME ...] [DIR]")
     return top
@@ -178,7 +245,7 @@ def main(argv: list[str]) -> int:
                   f"write your code in {', '.join(str(p) for p in stubbed)}, then run "
                   f"python -m minipar exercise check {args.name} {args.dir}")
         elif args.action == "hint":
-            print(exercises.get(args.name).hint_file.read_text().strip())
+            print(hint(args.name, args.step))
         elif args.action == "solution":
             print(regions.solution(args.name))
         else:

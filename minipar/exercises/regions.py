@@ -5,11 +5,14 @@ indentation of the code they hold. Its stub keeps the two markers and puts, in
 place of the code, the instructions as a comment and one `raise
 NotImplementedError(...)` carrying them, so a student sees the task both where
 they write and in the traceback. Markers are plain comments: the library runs
-unchanged with them in.
+unchanged with them in. `compare` reads a student's regions back and tells which one
+is still the stub and which one is the reference answer itself, by their syntax trees
+(so neither spacing nor comments hide a copy).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shutil
@@ -17,7 +20,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from minipar.exercises import BY_NAME, HINTS, get
+from minipar.exercises import BY_NAME, get
 
 PACKAGE = Path(__file__).resolve().parent.parent   # the minipar package folder
 RECORD = "exercise.json"   # in a started folder: which exercises it holds
@@ -81,11 +84,54 @@ def stub_lines(region: Region) -> list[str]:
     return [*comment, f"{region.indent}raise NotImplementedError({text!r})"]
 
 
+def normalized(lines: list[str]) -> str:
+    """The code of a region's lines as its syntax tree (`ast.dump`, dedented first), so
+    that two regions compare equal whatever their spacing, comments, line breaks or
+    quotes; their lines, stripped and without blank or comment lines, if they do not
+    parse on their own."""
+    code = textwrap.dedent("\n".join(lines))
+    try:
+        return ast.dump(ast.parse(code))
+    except SyntaxError:
+        return "\n".join(line.strip() for line in code.splitlines()
+                         if line.strip() and not line.strip().startswith("#"))
+
+
+def region_lines(region: Region, package: Path = PACKAGE) -> list[str]:
+    """The lines a region holds in `package` (without its two markers)."""
+    return (package / region.path).read_text().splitlines()[region.first:region.last]
+
+
+def compare(name: str, folder: Path, package: Path = PACKAGE) -> list[tuple[Region, str]]:
+    """(the student's region, what it is) for each region of exercise `name` in
+    folder/minipar: "stub" if it is still the stub `start` wrote, "copied" if it is the
+    reference answer (the package's own code), as `normalized` sees them, else "written".
+    The student's regions pair with the package's in order; a copy whose markers were
+    moved, removed or broken pairs with nothing: the list is empty."""
+    try:
+        theirs = regions_of(name, folder / "minipar")
+    except (ValueError, OSError, UnicodeDecodeError):
+        return []
+    ours = regions_of(name, package)
+    if [r.path for r in theirs] != [r.path for r in ours]:
+        return []
+    found = []
+    for mine, reference in zip(theirs, ours):
+        code = normalized(region_lines(mine, folder / "minipar"))
+        if code == normalized(stub_lines(reference)):
+            found.append((mine, "stub"))
+        elif code == normalized(region_lines(reference, package)):
+            found.append((mine, "copied"))
+        else:
+            found.append((mine, "written"))
+    return found
+
+
 def solution(name: str, package: Path = PACKAGE) -> str:
     """The reference solution: the project's own code of every region, with where it is."""
     parts = []
     for region in regions_of(name, package):
-        lines = (package / region.path).read_text().splitlines()[region.first:region.last]
+        lines = region_lines(region, package)
         parts.append(f"# minipar/{region.path}, lines {region.first + 1}-{region.last}\n"
                      + textwrap.dedent("\n".join(lines)))
     return "\n\n".join(parts)
@@ -93,7 +139,8 @@ def solution(name: str, package: Path = PACKAGE) -> str:
 
 def start(names: list[str], folder: Path, package: Path = PACKAGE) -> list[Path]:
     """Copy the package into folder/minipar with the regions of `names` stubbed; write
-    folder/EXERCISE.txt (instructions and hints) and folder/exercise.json (the names,
+    folder/EXERCISE.txt (the task, where, how to check it and how to ask for a hint, but
+    not the hint) and folder/exercise.json (the names,
     which `started_for` reads back so that check grades only these). Returns the files
     that hold a stub."""
     from minipar.settings.preflight import folder_problems  # a file, /dev/null, a dangling link...
@@ -124,9 +171,11 @@ def start(names: list[str], folder: Path, package: Path = PACKAGE) -> list[Path]
     for name in names:
         exercise = get(name)
         where = ", ".join(sorted({f"minipar/{r.path}" for r in regions if r.name == name}))
+        steps = len(exercise.hint_steps())
         sheet.append(f"# {exercise.title} (`{name}`)\n\n{exercise.instructions}\n\n"
                      f"Where: {where}\n\nCheck: `python -m minipar exercise check {name} .`\n\n"
-                     f"## Hint\n\n{(HINTS / f'{name}.md').read_text().strip()}\n")
+                     f"Stuck? `python -m minipar exercise hint {name}` gives a first hint; "
+                     f"`--step 2` ... `--step {steps}` say more, one step at a time.\n")
     (folder / "EXERCISE.txt").write_text("\n".join(sheet))
     (folder / RECORD).write_text(json.dumps({"exercises": list(names)}) + "\n")
     return [target / path for path in by_file]

@@ -10,6 +10,10 @@ repository keeps the notebooks without outputs.
 executed notebook, outputs and figures included, is written there for a teacher
 to read (a notebook that fails is written too, up to the failing cell).
 
+A cell that holds a student's answer (it begins `# Your answer`, exercises.ipynb)
+must start as a stub `exercise start` hands out, and its first run must print the
+check failing on it, the region named as left as the stub: never passing.
+
 The tests run the notebooks with $MINIPAR_QUICK=1 (unless it is set already): a
 notebook that reads it (its first cells say what it changes) does less of the same
 work, and says so in what it prints; a cell that runs a lesson script prints a line
@@ -19,6 +23,7 @@ instead (tests/teaching/test_lessons.py runs every script). `make notebooks` set
 
 from __future__ import annotations
 
+import ast
 import os
 from pathlib import Path
 
@@ -26,6 +31,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from minipar.exercises import regions
 from tests.harness.mpi import ROOT
 
 NOTEBOOKS = sorted((ROOT / "lessons").glob("*.ipynb"))
@@ -74,6 +80,22 @@ def test_notebook_runs_and_draws(path, monkeypatch):
         images = [out for out in cell.outputs if "image/png" in out.get("data", {})]
         assert len(images) >= 1, f"{path.name}: no figure from {cell.source[:80]!r}"
     assert drawing, f"{path.name} draws no figure"
+    answers = [cell for cell in code_cells(notebook) if cell.source.startswith("# Your answer")]
+    assert answers or path.stem != "exercises", "exercises.ipynb: no cell for an answer"
+    for cell in answers:
+        first_run_fails_as_the_stub(cell)
+
+
+def first_run_fails_as_the_stub(cell: nbformat.NotebookNode) -> None:
+    """An answer cell's text (its first string constant) is the stub of a region, as a
+    syntax tree, and what the cell printed is the check failing on that stub."""
+    written = next(node.value.value for node in ast.parse(cell.source).body
+                   if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant))
+    stubs = {regions.normalized(regions.stub_lines(region)) for region in regions.find_regions()}
+    assert regions.normalized(written.splitlines()) in stubs, cell.source[:200]
+    printed = "".join(out.get("text", "") for out in cell.outputs)
+    assert ": FAILED" in printed and "NotImplementedError" in printed, printed
+    assert "is left as the stub handed out" in printed and ": passed" not in printed, printed
 
 
 @pytest.mark.parametrize("name", ["05_tp_vs_pp", "07_zero", "08_bugs", "10_transformer",
