@@ -18,7 +18,7 @@ export MINIPAR_MPIEXEC := $(if $(findstring /,$(MPIEXEC)),$(abspath $(MPIEXEC)),
 RUFF_CONFIG := $(shell $(PYTHON) -c "import configparser as c; p = c.ConfigParser(); \
 	p.read('setup.cfg'); print(' '.join(\"--config '%s = %s'\" % kv for kv in p['tool:ruff'].items()))")
 
-.PHONY: install test lint hosts-test demo lessons notebooks bench clean
+.PHONY: install test test-fast lint hosts-test demo lessons notebooks bench clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,9 +31,20 @@ install: $(VENV)/.installed
 lint: install
 	$(PY) -m ruff check --output-format concise $(RUFF_CONFIG) minipar tests lessons bench
 
+# The whole suite; the 15 slowest tests are listed, then the total this machine took.
 test: install lint
 	@start=$$(date +%s); $(PY) -m pytest --durations=15 && \
-	  echo $$(( $$(date +%s) - start )) > bench/last_test_seconds
+	  seconds=$$(( $$(date +%s) - start )) && echo $$seconds > bench/last_test_seconds && \
+	  echo "make test: $$seconds s of pytest on $$(env -u OMP_NUM_THREADS nproc) cores"
+
+# The edit-run loop (about a minute here): the one-process units (core, placement, planner,
+# layering) and one 4-rank job that trains every strategy and mesh of four ranks (dp, cp,
+# tp, pp with every schedule, ep, ZeRO) against one process. Run `make test` before a commit.
+FAST := tests/core tests/placement tests/planner tests/test_layering.py \
+	tests/parallel/test_every_mesh.py
+test-fast: install lint
+	@start=$$(date +%s); $(PY) -m pytest $(FAST) -k "not 8]" && \
+	  echo "make test-fast: $$(( $$(date +%s) - start )) s of pytest on $$(env -u OMP_NUM_THREADS nproc) cores"
 
 # The several-hosts tests alone (also in `test`): two simulated hosts, each a network
 # namespace on a bridge, and real jobs across them. Root only; skipped, with the reason, if not.
