@@ -41,6 +41,7 @@ class MixedStep:
         self.scaler = precision.make_scaler(mixed, scale, window)
         self.vote = vote
         self.skipped_last = False   # did the last step skip its update?
+        self.history: list[tuple[float, bool]] = []  # per step: S it ran with, skipped?
 
     @property
     def scale(self) -> float:
@@ -52,12 +53,15 @@ class MixedStep:
         whether this step is skipped (fp16: any inf/NaN anywhere). Returns True = skip."""
         if self.scaler.static:         # bf16: S = 1, nothing to divide, nothing to vote
             self.skipped_last = False
+            self.history.append((1.0, False))
             return False
-        inverse = 1.0 / self.scaler.scale   # a power of two: the division is exact
+        used = self.scaler.scale
+        inverse = 1.0 / used           # a power of two: the division is exact
         for g in grads:
             g *= inverse
         found_inf = low_precision.any_nonfinite(self.vote, list(grads))
         self.skipped_last = self.scaler.update(found_inf)
+        self.history.append((used, self.skipped_last))
         return self.skipped_last
 
 

@@ -155,7 +155,10 @@ def train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | No
     gradients add up in `.grad`; one optimizer step follows. With --mixed the same
     steps in 16 bits (core/precision.py): master copies updated, the loss scaled by S.
     """
-    with precision.use(cfg.mixed, cfg.dtype):
+    if not cfg.mixed:
+        return _train_reference(cfg, on_step)
+    # fp16 overflow is expected (the loss scaler skips that step): no warnings for it
+    with precision.use(cfg.mixed, cfg.dtype), np.errstate(over="ignore", invalid="ignore"):
         return _train_reference(cfg, on_step)
 
 
@@ -459,9 +462,11 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
                       # --clip-grad-norm: each step's global gradient norm on this rank
                       "gnorms": norms_of(updater),
                       # --mixed: S after the last step and the steps skipped (parallel/mixed.py)
+                      # and each step's (S it ran with, skipped?) on this rank
                       **({} if scaler_of(updater) is None else
                          {"loss_scale": scaler_of(updater).scale,
-                          "skipped": scaler_of(updater).skipped}),
+                          "skipped": scaler_of(updater).skipped,
+                          "scale_history": updater.mixed.history}),
                       "memory": memory,  # memory.ModelStates of this rank, after the last step
                       # pipeline_parallel.gather_timeline: every rank's instructions of the
                       # last step with wall-clock start/end (rank 0; empty with pp = 1)

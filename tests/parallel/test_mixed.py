@@ -1,0 +1,138 @@
+"""Mixed precision (`--mixed bf16|fp16`, docs/design.md "Mixed precision") on a mesh.
+
+One mpiexec job of 4 ranks trains every config below; each is compared with the
+one-process run in the same precision under the tolerance derived in
+run/results.py (`mixed_tolerance`: from the unit roundoff and the step count), and:
+- the replica check ran on every rank after every step (train.replica_check raises
+  ReplicaError on all ranks at once, which would end the job: the sweep passing means
+  every copy of a replicated parameter, and S, was bitwise equal after every step);
+- the ledger counts 2 bytes per element for every 16-bit collective (ZeRO's Allgather,
+  and the gradient reduction under --grad-reduce-dtype low);
+- fp16 with a huge initial S overflows: every rank skips the same steps, S halves
+  until the gradients fit, and matches the one-process run's S and skips.
+
+    python -m pytest tests/parallel/test_mixed.py
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from minipar.core import precision
+from minipar.run.results import mixed_tolerance, moved_difference, relative_difference
+from minipar.run.train import ReplicaError, replica_check
+from minipar.settings.config import TrainConfig
+from tests.conftest import reference
+from tests.harness.mpi import sweep
+
+SMALL = dict(layers=2, d_model=16, batch=16, steps=3, microbatches=2)
+CONFIGS = [
+    dict(SMALL, mixed="bf16", grad_sync="naive"),
+    dict(SMALL, mixed="bf16", grad_sync="bucketed", optimizer="adam"),
+    dict(SMALL, mixed="bf16", grad_sync="overlapped", grad_reduce_dtype="low"),
+    dict(SMALL, mixed="bf16", zero=1, optimizer="adam"),
+    dict(SMALL, mixed="bf16", zero=2, grad_reduce_dtype="low"),
+    dict(SMALL, mixed="bf16", zero=3, optimizer="adam"),
+    dict(SMALL, mixed="fp16", grad_sync="bucketed", optimizer="adam", dtype="float32"),
+    dict(SMALL, mixed="fp16", zero=1, grad_reduce_dtype="low"),
+    dict(SMALL, mixed="fp16", zero=2, optimizer="adam"),
+    dict(SMALL, mixed="fp16", zero=3, grad_reduce_dtype="low"),
+    # S = 2^20: the scaled gradients overflow fp16 (max 65504) until S has halved; after
+    # 2 clean steps S doubles, and overflows again
+    dict(SMALL, mixed="fp16", zero=2, steps=6, loss_scale=2.0 ** 20, loss_scale_window=2),
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mixed")
+    return sweep(4, CONFIGS, folder, timeout=240)
+
+
+def label(cfg: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in cfg.items() if k not in SMALL)
+
+
+@pytest.mark.parametrize("index", range(len(CONFIGS)))
+def test_mixed_run_within_the_derived_tolerance(runs, index):
+    cfg, run = CONFIGS[index], runs[index]
+    ref = reference(**cfg)
+    loss_tol, param_tol = mixed_tolerance(TrainConfig(**cfg).resolved(4))
+    loss_rel = relative_difference(run["losses"], ref.losses)
+    moved, where = moved_difference(run["final"], ref.final, ref.init)
+    assert loss_rel <= loss_tol, f"{label(cfg)}: losses {loss_rel:.3g} > {loss_tol:.3g}"
+    assert moved <= param_tol, f"{label(cfg)}: {where} {moved:.3g} > {param_tol:.3g}"
+    # the masters are what ends up in final.npz: in --dtype, not rounded to 16 bits
+    low = precision.low_dtype(cfg["mixed"])
+    name = "blocks.0.fc1.weight"
+    assert run["final"][name].dtype == np.dtype(cfg.get("dtype", "float64")), label(cfg)
+    assert not np.array_equal(run["final"][name].astype(low).astype(np.float64),
+                              run["final"][name]), f"{label(cfg)}: masters look 16-bit"
+    # S and the skips: one value on every rank, the one-process run's
+    mixed = json.loads((run["job_folder"] / "rank_mixed.json").read_text())
+    assert all(m == mixed[0] for m in mixed), f"{label(cfg)}: ranks disagree on S: {mixed}"
+    assert (mixed[0]["loss_scale"], mixed[0]["skipped"]) == (
+        ref.extras["loss_scale"], ref.extras["skipped"]), label(cfg)
+
+
+@pytest.mark.parametrize("index", range(len(CONFIGS)))
+def test_16_bit_collectives_count_two_bytes(runs, index):
+    cfg, run = CONFIGS[index], runs[index]
+    low_reduce = cfg.get("grad_reduce_dtype") == "low"
+    for r in run["ledger"]:
+        if r["group"] == "world":   # the found_inf vote: one int32 flag
+            assert (r["op"], r["elements"], r["bytes"]) == ("Allreduce", 1, 4), r
+            continue
+        sixteen = r["op"] in ("Allgatherv",) or (low_reduce and r["op"] in (
+            "Allreduce", "Iallreduce", "Reduce_scatter"))
+        itemsize = 2 if sixteen else np.dtype(cfg.get("dtype", "float64")).itemsize
+        assert r["bytes"] == itemsize * r["elements"], f"{label(cfg)}: {r}"
+
+
+def test_fp16_overflow_skips_on_every_rank_together(runs):
+    cfg, run = CONFIGS[-1], runs[-1]
+    mixed = json.loads((run["job_folder"] / "rank_mixed.json").read_text())
+    histories = [m["scale_history"] for m in mixed]
+    assert all(h == histories[0] for h in histories), histories
+    skips = [skipped for _, skipped in histories[0]]
+    assert skips[0] and not all(skips), histories[0]   # overflowed first, then trained
+    scales = [scale for scale, _ in histories[0]]
+    for (s, skipped), nxt in zip(histories[0], scales[1:]):  # halved on a skip
+        assert nxt == s / 2 if skipped else nxt in (s, 2 * s), histories[0]
+    assert any(b == 2 * a for a, b in zip(scales, scales[1:])), histories[0]  # it grew
+    assert scales[0] == 2.0 ** 20 and mixed[0]["skipped"] == sum(skips)
+    # the skipped steps left the parameters alone: the loss of the step after a skip
+    # is computed from the same parameters, on other data, so only the count is checked
+    assert mixed[0]["skipped"] == reference(**cfg).extras["skipped"]
+
+
+def test_replica_check_stops_on_one_differing_copy():
+    """replica_check's verdict: the same on every rank, raised when two ranks' digests
+    of one parameter differ (a fake world hands back two ranks' digests)."""
+    w = np.ones((2, 2))
+    p = SimpleNamespace(name="w", full_index=None, data=w)
+    chunk = SimpleNamespace(parameters=lambda: [p])
+    updater = SimpleNamespace(mixed=SimpleNamespace(scaler=precision.LossScaler(4.0)),
+                              masters=None)
+
+    class World:
+        def __init__(self, other: np.ndarray) -> None:
+            self.other = other
+
+        def allgather(self, mine: dict) -> list[dict]:
+            p.data = self.other
+            theirs = {}
+            replica_check(SimpleNamespace(world=SimpleNamespace(
+                allgather=lambda d: theirs.update(d) or [d])), [chunk], updater, 1)
+            p.data = w
+            return [mine, theirs]
+
+    replica_check(SimpleNamespace(world=World(w.copy())), [chunk], updater, 1)
+    bumped = w.copy()
+    bumped[0, 0] = np.nextafter(1.0, 2.0)   # one ulp: bitwise different
+    with pytest.raises(ReplicaError, match="w on rank 1"):
+        replica_check(SimpleNamespace(world=World(bumped)), [chunk], updater, 1)
