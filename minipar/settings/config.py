@@ -448,7 +448,6 @@ def mixed_problems(cfg: TrainConfig) -> list[str]:
         (f"--cp {cfg.cp}", cfg.cp > 1), ("--sp", cfg.sp),
         (f"--recompute {cfg.recompute}", cfg.recompute != "none"),
         ("--clip-grad-norm", cfg.clip_grad_norm is not None),
-        ("--save", cfg.save is not None), ("--resume", cfg.resume is not None),
         ("--inject-bug", cfg.inject_bug is not None)) if used]
     if unbuilt:
         out.append(f"--mixed {cfg.mixed} is built for --model mlp with data parallelism and "

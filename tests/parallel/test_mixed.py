@@ -45,12 +45,20 @@ CONFIGS = [
     # 2 clean steps S doubles, and overflows again
     dict(SMALL, mixed="fp16", zero=2, steps=6, loss_scale=2.0 ** 20, loss_scale_window=2),
 ]
+# checkpoints hold the masters and S: 2 of the 6 steps above saved, then resumed on the
+# same mesh (bitwise the run above) and under another strategy (ZeRO-0: within the
+# tolerance, and the one-process run's S)
+RESUMES = [dict(CONFIGS[-1], steps=2, save="{ckpt}"),
+           dict(CONFIGS[-1], resume="{ckpt}"),
+           dict(CONFIGS[-1], zero=0, grad_sync="naive", resume="{ckpt}")]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mixed")
-    return sweep(4, CONFIGS, folder, timeout=240)
+    resumes = [{k: str(folder / "ckpt") if v == "{ckpt}" else v for k, v in c.items()}
+               for c in RESUMES]
+    return sweep(4, CONFIGS + resumes, folder, timeout=240)
 
 
 def label(cfg: dict) -> str:
@@ -94,7 +102,7 @@ def test_16_bit_collectives_count_two_bytes(runs, index):
 
 
 def test_fp16_overflow_skips_on_every_rank_together(runs):
-    cfg, run = CONFIGS[-1], runs[-1]
+    cfg, run = CONFIGS[-1], runs[len(CONFIGS) - 1]
     mixed = json.loads((run["job_folder"] / "rank_mixed.json").read_text())
     histories = [m["scale_history"] for m in mixed]
     assert all(h == histories[0] for h in histories), histories
@@ -136,3 +144,21 @@ def test_replica_check_stops_on_one_differing_copy():
     bumped[0, 0] = np.nextafter(1.0, 2.0)   # one ulp: bitwise different
     with pytest.raises(ReplicaError, match="w on rank 1"):
         replica_check(SimpleNamespace(world=World(bumped)), [chunk], updater, 1)
+
+
+def test_resume_continues_from_the_masters_and_s(runs):
+    whole, resumed, elsewhere = runs[len(CONFIGS) - 1], runs[-2], runs[-1]
+    assert resumed["losses"] == whole["losses"]      # the same mesh: bit for bit
+    for name, value in whole["final"].items():
+        assert np.array_equal(resumed["final"][name], value), name
+    cfg = CONFIGS[-1]
+    mixed = [json.loads((r["job_folder"] / "rank_mixed.json").read_text())[0]
+             for r in (whole, resumed, elsewhere)]
+    assert mixed[1]["scale_history"] == mixed[0]["scale_history"][2:]  # S went on
+    ref = reference(**cfg)                            # another mesh: within tolerance
+    for m in mixed:
+        assert (m["loss_scale"], m["skipped"]) == (ref.extras["loss_scale"],
+                                                   ref.extras["skipped"]), mixed
+    loss_tol, param_tol = mixed_tolerance(TrainConfig(**cfg).resolved(4))
+    assert relative_difference(elsewhere["losses"], ref.losses) <= loss_tol
+    assert moved_difference(elsewhere["final"], ref.final, ref.init)[0] <= param_tol
