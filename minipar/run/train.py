@@ -290,8 +290,10 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
         worker = executor.StageWorker(
             mesh.pp, chunks, x, y, slices, last_stage_loss, scale, boundary_shape(cfg),
             len(chunks), split_backward=cfg.schedule in schedules.SPLIT_BACKWARD,
-            rank=mesh.rank, dtype=cfg.dtype, layout=schedules.layout_of(cfg.schedule),
+            rank=mesh.rank, dtype=precision.LOW if cfg.mixed else cfg.dtype,  # 16-bit
+            layout=schedules.layout_of(cfg.schedule),    # activations between stages
             rows_over=rows_over, boundary_rows_over=boundary_rows_over)
+        worker.loss_scale = loss_scale
         return executor.forward_backward(worker, cfg.schedule, cfg.microbatches,
                                                   timeline)
     total = 0.0

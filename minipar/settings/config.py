@@ -444,14 +444,13 @@ def mixed_problems(cfg: TrainConfig) -> list[str]:
                            "has float32's range: it trains with S = 1)")
     unbuilt = [flag for flag, used in (
         (f"--model {cfg.model}", cfg.model != "mlp"), (f"--tp {cfg.tp}", cfg.tp > 1),
-        (f"--pp {cfg.pp}", cfg.pp > 1), (f"--ep {cfg.ep}", cfg.ep > 1),
-        (f"--cp {cfg.cp}", cfg.cp > 1), ("--sp", cfg.sp),
+        (f"--ep {cfg.ep}", cfg.ep > 1), (f"--cp {cfg.cp}", cfg.cp > 1), ("--sp", cfg.sp),
         (f"--recompute {cfg.recompute}", cfg.recompute != "none"),
         ("--clip-grad-norm", cfg.clip_grad_norm is not None),
         ("--inject-bug", cfg.inject_bug is not None)) if used]
     if unbuilt:
-        out.append(f"--mixed {cfg.mixed} is built for --model mlp with data parallelism and "
-                   f"ZeRO 0-3 so far: not with {', '.join(unbuilt)}")
+        out.append(f"--mixed {cfg.mixed} is built for --model mlp with data parallelism, "
+                   f"ZeRO 0-3 and pipelines so far: not with {', '.join(unbuilt)}")
     return out
 
 

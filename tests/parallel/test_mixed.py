@@ -7,7 +7,8 @@ run/results.py (`mixed_tolerance`: from the unit roundoff and the step count), a
   ReplicaError on all ranks at once, which would end the job: the sweep passing means
   every copy of a replicated parameter, and S, was bitwise equal after every step);
 - the ledger counts 2 bytes per element for every 16-bit collective (ZeRO's Allgather,
-  and the gradient reduction under --grad-reduce-dtype low);
+  the pipeline's activations and their gradients, and the gradient reduction under
+  --grad-reduce-dtype low), the master dtype's bytes for the rest;
 - fp16 with a huge initial S overflows: every rank skips the same steps, S halves
   until the gradients fit, and matches the one-process run's S and skips.
 
@@ -41,6 +42,14 @@ CONFIGS = [
     dict(SMALL, mixed="fp16", zero=1, grad_reduce_dtype="low"),
     dict(SMALL, mixed="fp16", zero=2, optimizer="adam"),
     dict(SMALL, mixed="fp16", zero=3, grad_reduce_dtype="low"),
+    # pipelines: 16-bit activations and activation gradients between the stages
+    dict(SMALL, mixed="fp16", dp=2, pp=2, layers=4, microbatches=4),
+    dict(SMALL, mixed="bf16", dp=2, pp=2, layers=4, microbatches=4, schedule="zb-h1"),
+    dict(SMALL, mixed="fp16", dp=2, pp=2, layers=4, microbatches=4, schedule="interleaved",
+         virtual=2, zero=1, optimizer="adam"),
+    dict(SMALL, mixed="bf16", dp=2, pp=2, layers=4, microbatches=4, schedule="dualpipe"),
+    dict(SMALL, mixed="fp16", pp=4, layers=4, microbatches=4, schedule="gpipe",
+         grad_reduce_dtype="low"),
     # S = 2^20: the scaled gradients overflow fp16 (max 65504) until S has halved; after
     # 2 clean steps S doubles, and overflows again
     dict(SMALL, mixed="fp16", zero=2, steps=6, loss_scale=2.0 ** 20, loss_scale_window=2),
@@ -95,7 +104,7 @@ def test_16_bit_collectives_count_two_bytes(runs, index):
         if r["group"] == "world":   # the found_inf vote: one int32 flag
             assert (r["op"], r["elements"], r["bytes"]) == ("Allreduce", 1, 4), r
             continue
-        sixteen = r["op"] in ("Allgatherv",) or (low_reduce and r["op"] in (
+        sixteen = r["op"] in ("Allgatherv", "Isend", "Recv") or (low_reduce and r["op"] in (
             "Allreduce", "Iallreduce", "Reduce_scatter"))
         itemsize = 2 if sixteen else np.dtype(cfg.get("dtype", "float64")).itemsize
         assert r["bytes"] == itemsize * r["elements"], f"{label(cfg)}: {r}"
