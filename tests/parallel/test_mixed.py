@@ -50,6 +50,10 @@ CONFIGS = [
     dict(SMALL, mixed="bf16", dp=2, pp=2, layers=4, microbatches=4, schedule="dualpipe"),
     dict(SMALL, mixed="fp16", pp=4, layers=4, microbatches=4, schedule="gpipe",
          grad_reduce_dtype="low"),
+    # tensor (and sequence) parallelism: fc2's partial sums added in the master dtype
+    dict(SMALL, mixed="bf16", dp=2, tp=2),
+    dict(SMALL, mixed="fp16", dp=2, tp=2, sp=True, zero=1),
+    dict(SMALL, mixed="bf16", tp=2, pp=2, layers=4, microbatches=4, sp=True),
     # S = 2^20: the scaled gradients overflow fp16 (max 65504) until S has halved; after
     # 2 clean steps S doubles, and overflows again
     dict(SMALL, mixed="fp16", zero=2, steps=6, loss_scale=2.0 ** 20, loss_scale_window=2),
@@ -99,14 +103,17 @@ def test_mixed_run_within_the_derived_tolerance(runs, index):
 @pytest.mark.parametrize("index", range(len(CONFIGS)))
 def test_16_bit_collectives_count_two_bytes(runs, index):
     cfg, run = CONFIGS[index], runs[index]
+    master = np.dtype(cfg.get("dtype", "float64")).itemsize
     low_reduce = cfg.get("grad_reduce_dtype") == "low"
     for r in run["ledger"]:
         if r["group"] == "world":   # the found_inf vote: one int32 flag
             assert (r["op"], r["elements"], r["bytes"]) == ("Allreduce", 1, 4), r
             continue
-        sixteen = r["op"] in ("Allgatherv", "Isend", "Recv") or (low_reduce and r["op"] in (
-            "Allreduce", "Iallreduce", "Reduce_scatter"))
-        itemsize = 2 if sixteen else np.dtype(cfg.get("dtype", "float64")).itemsize
+        moves_only = r["op"] in ("Allgatherv", "Allgather", "Isend", "Recv")  # 16-bit
+        # sums: DP/ZeRO's in 16 bits under --grad-reduce-dtype low; tp's partial sums
+        # (and DualPipe's gradient copies) in the master dtype
+        low_sum = low_reduce and r["group"] == "dp"
+        itemsize = 2 if moves_only or low_sum else master
         assert r["bytes"] == itemsize * r["elements"], f"{label(cfg)}: {r}"
 
 
