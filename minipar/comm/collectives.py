@@ -416,9 +416,10 @@ def alltoallv_rows(group: Group, x: np.ndarray, send_counts: np.ndarray,
     send_elems, recv_elems = send_counts * width, recv_counts * width
     send_displ = np.concatenate(([0], np.cumsum(send_elems)[:-1]))
     recv_displ = np.concatenate(([0], np.cumsum(recv_elems)[:-1]))
+    kind = MPI._typedict[_wire(send).dtype.char]  # --mixed: 16-bit rows as uint16 words
     # rows for rank j -> rank j; rows from rank i land at recv_displ[i]
-    group.Alltoallv([send, send_elems, send_displ, MPI._typedict[x.dtype.char]],
-                    [out, recv_elems, recv_displ, MPI._typedict[x.dtype.char]])
+    group.Alltoallv([_wire(send), send_elems, send_displ, kind],
+                    [_wire(out), recv_elems, recv_displ, kind])
     return out
 
 

@@ -443,14 +443,13 @@ def mixed_problems(cfg: TrainConfig) -> list[str]:
                 out.append(f"--{name.replace('_', '-')} applies to --mixed fp16 only (bf16 "
                            "has float32's range: it trains with S = 1)")
     unbuilt = [flag for flag, used in (
-        (f"--model {cfg.model}", cfg.model != "mlp"),
-        (f"--ep {cfg.ep}", cfg.ep > 1), (f"--cp {cfg.cp}", cfg.cp > 1),
+        (f"--model {cfg.model}", cfg.model not in ("mlp", "moe")),
+        (f"--cp {cfg.cp}", cfg.cp > 1),
         (f"--recompute {cfg.recompute}", cfg.recompute != "none"),
-        ("--clip-grad-norm", cfg.clip_grad_norm is not None),
         ("--inject-bug", cfg.inject_bug is not None)) if used]
     if unbuilt:
-        out.append(f"--mixed {cfg.mixed} is built for --model mlp with data, tensor (and "
-                   "sequence) parallelism, ZeRO 0-3 and pipelines so far: not with "
+        out.append(f"--mixed {cfg.mixed} is built for --model mlp and moe with data, tensor "
+                   "(and sequence) and expert parallelism, ZeRO 0-3 and pipelines so far: not with "
                    f"{', '.join(unbuilt)}")
     return out
 
