@@ -74,10 +74,14 @@ def train_command(argv: list[str]) -> int:
     if errors:
         return fail(rank, errors[0] + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
 
-    def progress(step: int, loss: float, gnorm: float | None = None) -> None:
+    def progress(step: int, loss: float, gnorm: float | None = None,
+                 scale: float | None = None, skipped: int | None = None) -> None:
         if rank == 0:  # gnorm: --clip-grad-norm's global gradient norm, before clipping
             print(f"step {step + 1:4d}  loss {loss:.6f}"
-                  + ("" if gnorm is None else f"  gnorm {gnorm:.6f}"), flush=True)
+                  + ("" if gnorm is None else f"  gnorm {gnorm:.6f}")
+                  # --mixed: the loss scale after this step and the steps skipped so far
+                  + ("" if scale is None else f"  S {scale:g}  skipped {skipped}"),
+                  flush=True)
 
     if world.Get_size() > 1:   # the flight recorder's dumps (flight.py): on a hang, an
         from minipar.comm import flight  # abort or SIGUSR1 (here: arming it talks over MPI)

@@ -55,6 +55,7 @@ from mpi4py import MPI
 
 from minipar import placement
 from minipar.comm import flight, trace, watchdog
+from minipar.core import precision
 from minipar.core.autograd import Tensor
 from minipar.placement import Partial, Replicate, Shard
 
@@ -118,6 +119,30 @@ def _size(buf: object) -> tuple[int, int]:
     return elements, array.itemsize
 
 
+def _moved(buf: object) -> object:
+    """A buffer argument as MPI is handed it: a 16-bit array (--mixed) as its uint16
+    view, also as the first entry of a buffer spec (whose datatype becomes uint16);
+    anything else as it is. Only for calls that move bytes: a sum must know the format
+    (comm/low_precision.py), so `_summed` refuses a 16-bit buffer under a built-in op."""
+    if isinstance(buf, np.ndarray):
+        return buf.view(np.uint16) if precision.is_low(buf.dtype) else buf
+    if isinstance(buf, (list, tuple)) and buf and isinstance(buf[0], np.ndarray) \
+            and precision.is_low(buf[0].dtype):
+        return [buf[0].view(np.uint16)] + [MPI.UINT16_T if isinstance(b, MPI.Datatype)
+                                           else b for b in buf[1:]]
+    return buf
+
+
+def _summed(buf: object, op: MPI.Op) -> object:
+    """A buffer of a reduction: a 16-bit array may only meet a user-defined operation
+    (low_precision.low_sum_op, handed its uint16 view): MPI.SUM on its words would add
+    bit patterns, not numbers."""
+    if isinstance(buf, np.ndarray) and precision.is_low(buf.dtype):
+        raise TypeError("a 16-bit buffer cannot be reduced with a built-in MPI operation: "
+                        "upcast it, or sum it in 16 bits (comm/low_precision.py)")
+    return buf
+
+
 # ------------------------------------------------------------------ group
 class Group:
     """An MPI communicator for one mesh axis that writes every call into the ledger.
@@ -159,43 +184,44 @@ class Group:
     # collectives on arrays; recorded sizes follow the ledger convention
     def Allreduce(self, sendbuf: object, recvbuf: np.ndarray, op: MPI.Op = MPI.SUM) -> None:
         with self._call("Allreduce", recvbuf, f"Allreduce over {self.name}"):
-            self.comm.Allreduce(sendbuf, recvbuf, op=op)
+            self.comm.Allreduce(_summed(sendbuf, op), _summed(recvbuf, op), op=op)
 
     def Iallreduce(self, sendbuf: object, recvbuf: np.ndarray,
                    op: MPI.Op = MPI.SUM) -> MPI.Request:
         with self._call("Iallreduce", recvbuf) as call:
-            request = self.comm.Iallreduce(sendbuf, recvbuf, op=op)
+            request = self.comm.Iallreduce(_summed(sendbuf, op), _summed(recvbuf, op), op=op)
         return trace.posted(call, request)
 
     def Allgather(self, sendbuf: object, recvbuf: object) -> None:
         with self._call("Allgather", recvbuf, f"Allgather over {self.name}"):
-            self.comm.Allgather(sendbuf, recvbuf)
+            self.comm.Allgather(_moved(sendbuf), _moved(recvbuf))
 
     def Allgatherv(self, sendbuf: object, recvbuf: object) -> None:
         with self._call("Allgatherv", recvbuf, f"Allgatherv over {self.name}"):
-            self.comm.Allgatherv(sendbuf, recvbuf)
+            self.comm.Allgatherv(_moved(sendbuf), _moved(recvbuf))
 
     def Reduce_scatter(self, sendbuf: object, recvbuf: object,
                        recvcounts: Sequence[int] | None = None, op: MPI.Op = MPI.SUM) -> None:
         with self._call("Reduce_scatter", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf,
                         f"Reduce_scatter over {self.name}"):
-            self.comm.Reduce_scatter(sendbuf, recvbuf, recvcounts, op=op)
+            self.comm.Reduce_scatter(_summed(sendbuf, op), _summed(recvbuf, op), recvcounts,
+                                     op=op)
 
     def Reduce_scatter_block(self, sendbuf: object, recvbuf: object,
                              op: MPI.Op = MPI.SUM) -> None:
         with self._call("Reduce_scatter", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf,
                         f"Reduce_scatter_block over {self.name}"):
-            self.comm.Reduce_scatter_block(sendbuf, recvbuf, op=op)
+            self.comm.Reduce_scatter_block(_summed(sendbuf, op), _summed(recvbuf, op), op=op)
 
     def Alltoall(self, sendbuf: object, recvbuf: object) -> None:
         with self._call("Alltoall", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf,
                         f"Alltoall over {self.name}"):
-            self.comm.Alltoall(sendbuf, recvbuf)
+            self.comm.Alltoall(_moved(sendbuf), _moved(recvbuf))
 
     def Alltoallv(self, sendbuf: object, recvbuf: object) -> None:
         with self._call("Alltoallv", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf,
                         f"Alltoallv over {self.name}", detail=(sendbuf, recvbuf)):
-            self.comm.Alltoallv(sendbuf, recvbuf)
+            self.comm.Alltoallv(_moved(sendbuf), _moved(recvbuf))
 
     def Exscan(self, sendbuf: object, recvbuf: object, op: MPI.Op = MPI.SUM) -> None:
         with self._call("Exscan", recvbuf, f"Exscan over {self.name}"):
@@ -203,27 +229,27 @@ class Group:
 
     def Bcast(self, buf: object, root: int = 0) -> None:
         with self._call("Bcast", buf, f"Bcast over {self.name}"):
-            self.comm.Bcast(buf, root=root)
+            self.comm.Bcast(_moved(buf), root=root)
 
     # point to point
     def Send(self, buf: object, dest: int, tag: int = 0) -> None:
         with self._call("Send", buf, f"Send to {self.name} rank {dest}", detail=(dest, tag),
                         dest=dest, tag=tag):
-            self.comm.Send(buf, dest=dest, tag=tag)
+            self.comm.Send(_moved(buf), dest=dest, tag=tag)
 
     def Recv(self, buf: object, source: int, tag: int = 0) -> None:
         with self._call("Recv", buf, f"Recv from {self.name} rank {source}",
                         detail=(source, tag), source=source, recvtag=tag):
-            self.comm.Recv(buf, source=source, tag=tag)
+            self.comm.Recv(_moved(buf), source=source, tag=tag)
 
     def Isend(self, buf: object, dest: int, tag: int = 0) -> MPI.Request:
         with self._call("Isend", buf, detail=(dest, tag), dest=dest, tag=tag) as call:
-            request = self.comm.Isend(buf, dest=dest, tag=tag)
+            request = self.comm.Isend(_moved(buf), dest=dest, tag=tag)
         return trace.posted(call, request)
 
     def Irecv(self, buf: object, source: int, tag: int = 0) -> MPI.Request:
         with self._call("Irecv", buf, detail=(source, tag), source=source, recvtag=tag) as call:
-            request = self.comm.Irecv(buf, source=source, tag=tag)
+            request = self.comm.Irecv(_moved(buf), source=source, tag=tag)
         return trace.posted(call, request)
 
     def Sendrecv(self, sendbuf: object, dest: int, recvbuf: object, source: int,
@@ -231,8 +257,9 @@ class Group:
         with self._call("Sendrecv", sendbuf, f"Sendrecv with {self.name} ranks {dest}/{source}",
                         detail=(dest, source, sendtag), dest=dest, source=source, tag=sendtag,
                         recvtag=recvtag):
-            self.comm.Sendrecv(sendbuf, dest=dest, sendtag=sendtag, recvbuf=recvbuf,
-                           source=source, recvtag=recvtag)
+            self.comm.Sendrecv(_moved(sendbuf), dest=dest, sendtag=sendtag,
+                               recvbuf=_moved(recvbuf),
+                               source=source, recvtag=recvtag)
 
     # small Python objects (pickled): counted as calls with no elements
     def bcast(self, obj: object, root: int = 0) -> object:
@@ -253,12 +280,26 @@ class Group:
 
 
 # --------------------------------------------------- array helpers (no autograd)
+def _wire(x: np.ndarray) -> np.ndarray:
+    """A 16-bit array as its uint16 view, the only way MPI can move bfloat16 (--mixed,
+    comm/low_precision.py); any other array as it is."""
+    return x.view(np.uint16) if precision.is_low(x.dtype) else x
+
+
+def _summable(x: np.ndarray) -> np.ndarray:
+    """What an MPI sum runs on: a 16-bit array upcast to the master dtype (partial sums
+    are added in the master dtype and rounded once after: docs/design.md, "Mixed
+    precision"); any other array as it is."""
+    return x.astype(precision.MASTER or np.float32) if precision.is_low(x.dtype) else x
+
+
 def allreduce_sum(group: Group, x: np.ndarray) -> np.ndarray:
-    """Sum `x` over the group into a new array."""
-    out = np.ascontiguousarray(x).copy()
+    """Sum `x` over the group into a new array (a 16-bit x: summed in the master dtype,
+    then rounded once)."""
+    out = np.ascontiguousarray(_summable(x)).copy()
     if group.size > 1:
         group.Allreduce(MPI.IN_PLACE, out, op=MPI.SUM)  # x from every rank -> their sum
-    return out
+    return out.astype(x.dtype, copy=False)
 
 
 def allgather_axis(group: Group, x: np.ndarray, axis: int) -> np.ndarray:
@@ -266,7 +307,8 @@ def allgather_axis(group: Group, x: np.ndarray, axis: int) -> np.ndarray:
     if group.size == 1:
         return x
     gathered = np.empty((group.size, *x.shape), dtype=x.dtype)
-    group.Allgather(np.ascontiguousarray(x), gathered)  # x (shape) -> (N, shape) on all
+    # x (shape) -> (N, shape) on all (--mixed: 16-bit words)
+    group.Allgather(_wire(np.ascontiguousarray(x)), _wire(gathered))
     return np.concatenate(list(gathered), axis=axis)
 
 
@@ -282,10 +324,10 @@ def reduce_scatter_rows(group: Group, x: np.ndarray, axis: int = 0) -> np.ndarra
     the transformer's sequence parallelism cuts positions, axis 1 of (B, T, d))."""
     if group.size == 1:
         return x
-    front = np.ascontiguousarray(np.moveaxis(x, axis, 0))  # MPI cuts the leading axis
-    out = np.empty((front.shape[0] // group.size, *front.shape[1:]), dtype=x.dtype)
+    front = np.ascontiguousarray(np.moveaxis(_summable(x), axis, 0))  # MPI cuts axis 0
+    out = np.empty((front.shape[0] // group.size, *front.shape[1:]), dtype=front.dtype)
     group.Reduce_scatter_block(front, out, op=MPI.SUM)     # (N b, ..) -> (b, ..)
-    return np.ascontiguousarray(np.moveaxis(out, 0, axis))
+    return np.ascontiguousarray(np.moveaxis(out, 0, axis)).astype(x.dtype, copy=False)
 
 
 # ------------------------------------------------------- autograd collectives
@@ -367,8 +409,11 @@ def reduce_scatter(x: Tensor, group: Group, axis: int = 0) -> Tensor:
     Placement: Partial -> Shard(axis)."""
     if group.size == 1:
         return x
+    # the gradient comes back as an Allgather: 16-bit words under --mixed (its values
+    # are 16-bit numbers even when x, a partial sum, was kept in the master dtype)
     out = Tensor.from_op(reduce_scatter_rows(group, x.data, axis), (x,),
-                         lambda g: x.accumulate(allgather_axis(group, g, axis), fresh=True))
+                         lambda g: x.accumulate(allgather_axis(
+                             group, precision.round_low(g), axis), fresh=True))
     return placement.transition("reduce_scatter (a Reduce_scatter)", x, group, Partial,
                                 Shard(axis % x.ndim), out) if placement.ON else out
 
@@ -397,9 +442,10 @@ def alltoallv_rows(group: Group, x: np.ndarray, send_counts: np.ndarray,
     send_elems, recv_elems = send_counts * width, recv_counts * width
     send_displ = np.concatenate(([0], np.cumsum(send_elems)[:-1]))
     recv_displ = np.concatenate(([0], np.cumsum(recv_elems)[:-1]))
+    kind = MPI._typedict[_wire(send).dtype.char]  # --mixed: 16-bit rows as uint16 words
     # rows for rank j -> rank j; rows from rank i land at recv_displ[i]
-    group.Alltoallv([send, send_elems, send_displ, MPI._typedict[x.dtype.char]],
-                    [out, recv_elems, recv_displ, MPI._typedict[x.dtype.char]])
+    group.Alltoallv([_wire(send), send_elems, send_displ, kind],
+                    [_wire(out), recv_elems, recv_displ, kind])
     return out
 
 

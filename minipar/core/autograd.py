@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from minipar import placement as _pl
+from minipar.core import precision as _mp
 
 _GRAD_ENABLED = True
 _DEFERRED: list[Callable[[], None]] | None = None  # weight-gradient work put off (zero bubble)
@@ -479,6 +480,9 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     Backward: dA = g B^T, dB = A^T g, each summed over the axes its operand was broadcast
     along. A 2-D weight under a (..., n, k) input gets the sum over every leading axis,
     computed as one (k, N) @ (N, m) matmul of the flattened rows."""
+    if _mp.LOW is not None:  # --mixed (core/precision.py): 16-bit operands, master sums
+        return _matmul_mixed(a, b)
+
     def backward(g: np.ndarray) -> None:
         if a.requires_grad:
             a.accumulate(_unbroadcast(g @ np.swapaxes(b.data, -1, -2), a.shape), fresh=True)
@@ -486,6 +490,23 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
             weight_grad(lambda: b.accumulate(_matmul_weight_grad(a.data, g, b.shape),
                                               fresh=True))
     out = Tensor.from_op(a.data @ b.data, (a, b), backward)
+    return _pl.follow(out, _pl.matmul("matmul", a, b), _pl.first_name(a, b)) if _pl.ON else out
+
+
+def _matmul_mixed(a: Tensor, b: Tensor) -> Tensor:
+    """`matmul` under the mixed-precision policy: the operands rounded to 16 bits, the
+    products summed in the master dtype, the result rounded once; dA and dB the same."""
+    low, up = _mp.to_low, _mp.upcast
+
+    def backward(g: np.ndarray) -> None:
+        g16 = up(low(g))
+        if a.requires_grad:
+            a.accumulate(low(_unbroadcast(g16 @ np.swapaxes(up(low(b.data)), -1, -2),
+                                          a.shape)), fresh=True)
+        if b.requires_grad:
+            weight_grad(lambda: b.accumulate(low(_matmul_weight_grad(
+                up(low(a.data)), g16, b.shape)), fresh=True))
+    out = Tensor.from_op(low(_mp.matmul(a.data, b.data)), (a, b), backward)
     return _pl.follow(out, _pl.matmul("matmul", a, b), _pl.first_name(a, b)) if _pl.ON else out
 
 

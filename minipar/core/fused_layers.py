@@ -38,18 +38,23 @@ import math
 import numpy as np
 
 from minipar import placement as _pl
+from minipar.core import precision as _mp
 from minipar.core.autograd import Tensor, weight_grad
 from minipar.core.documents import IGNORE
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+           partial: bool = False) -> Tensor:
     """y = x @ W + b, one fused node. Weights are (in, out); x is (rows, in) or, for a
     sequence model, (B, T, in): every leading axis counts as rows.
     Backward: dx = g W^T, dW = x^T g, db = sum_rows g (the sums run over all B*T rows).
     The rows are flattened to one (N, in) matrix first: one BLAS call, not one per row
-    of a stacked matmul."""
+    of a stacked matmul. `partial=True` (a row-parallel share, tensor_parallel.py): under
+    --mixed the output stays in the master dtype, to be summed over tp before rounding."""
+    if _mp.LOW is not None:  # --mixed: 16-bit operands, master sums, one rounding
+        return _linear_mixed(x, weight, bias, partial)
     xd, wd = x.data, weight.data
     flat = xd.ndim == 2                                          # (rows, in): no reshapes
     rows_in = xd if flat else xd.reshape(-1, xd.shape[-1])      # (N, in), a view
@@ -70,21 +75,63 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             if bias is not None:
                 bias.accumulate(grad_rows.sum(axis=0), fresh=True)
         weight_grad(weight_grads)
-    result = Tensor.from_op(out, parents, backward)
+    return _linear_placed(Tensor.from_op(out, parents, backward), x, weight, bias)
+
+
+def _linear_mixed(x: Tensor, weight: Tensor, bias: Tensor | None, partial: bool = False
+                  ) -> Tensor:
+    """`linear` under the mixed-precision policy (core/precision.py): every matmul
+    takes 16-bit operands and sums in the master dtype; the output, dx, dW and db are
+    each rounded once to 16 bits (dW and db then add into the master main gradient).
+    `partial`: the output is left unrounded in the master dtype (a partial sum)."""
+    shape = x.data.shape
+    rows_in = _mp.to_low(x.data).reshape(-1, shape[-1])                 # (N, in), 16-bit
+    out = _mp.matmul(rows_in, weight.data)                              # master sums
+    if bias is not None:
+        out += _mp.upcast(bias.data)
+    out = (out if partial else _mp.to_low(out)).reshape(*shape[:-1], out.shape[-1])
+    parents = (x, weight) if bias is None else (x, weight, bias)
+
+    def backward(g: np.ndarray) -> None:
+        grad_rows = _mp.to_low(g).reshape(-1, g.shape[-1])             # (N, out), 16-bit
+        if x.requires_grad:
+            dx = _mp.to_low(_mp.matmul(grad_rows, weight.data.T))
+            x.accumulate(dx.reshape(shape), fresh=True)
+
+        def weight_grads() -> None:
+            rows = _mp.to_low(x.data).reshape(-1, shape[-1])
+            weight.accumulate(_mp.to_low(_mp.matmul(rows.T, grad_rows)), fresh=True)
+            if bias is not None:
+                bias.accumulate(_mp.to_low(_mp.upcast(grad_rows).sum(axis=0)), fresh=True)
+        weight_grad(weight_grads)
+    return _linear_placed(Tensor.from_op(out, parents, backward), x, weight, bias)
+
+
+def _linear_placed(result: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """`result` of a linear, with its placement when checking."""
     if _pl.ON:  # placement/__init__.py: data, column and row parallelism's rules, then the bias
         layer = weight.name.removesuffix(".weight")
         _pl.follow(result, _pl.linear(f"{layer} linear", x, weight, bias), f"{layer} output")
     return result
 
 
+def round_low(a: Tensor) -> Tensor:
+    """a rounded to 16 bits under --mixed (core/precision.py), a itself without it.
+    Backward: the gradient passes unchanged (rounding is the identity to first order)."""
+    if _mp.LOW is None or a.data.dtype == _mp.LOW:
+        return a
+    result = Tensor.from_op(_mp.to_low(a.data), (a,), lambda g: a.accumulate(g))
+    return _pl.follow(result, _pl.of(a), a.name) if _pl.ON else result
+
+
 def gelu(a: Tensor) -> Tensor:
     """GELU, tanh form: 0.5 z (1 + tanh(sqrt(2/pi)(z + 0.044715 z^3))). One fused node."""
-    z = a.data
+    z = _mp.upcast(a.data)             # --mixed: computed in the master dtype, rounded
     out, t = _gelu_forward(z)
 
     def backward(g: np.ndarray) -> None:
-        a.accumulate(_gelu_backward(g, z, t), fresh=True)
-    result = Tensor.from_op(out, (a,), backward)
+        a.accumulate(_mp.round_low(_gelu_backward(_mp.upcast(g), z, t)), fresh=True)
+    result = Tensor.from_op(_mp.round_low(out), (a,), backward)
     return _pl.follow(result, _pl.nonlinear("GELU", a), a.name) if _pl.ON else result
 
 
@@ -92,15 +139,21 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-5) -> Ten
     """(x - mean) / sqrt(var + eps) * gamma + beta over the last axis (biased var).
     One fused node; the backward is the standard closed form
     dx = (g_hat - mean(g_hat) - x_hat mean(g_hat x_hat)) / sigma, g_hat = g gamma."""
-    out, x_hat, inv_sigma = _layer_norm_forward(x.data, gamma.data, beta.data, eps)
+    # --mixed (core/precision.py): statistics in the master dtype on upcast inputs, the
+    # output and the gradients rounded to 16 bits; without it upcast/round_low do nothing
+    up, rnd = _mp.upcast, _mp.round_low
+    out, x_hat, inv_sigma = _layer_norm_forward(up(x.data), up(gamma.data), up(beta.data),
+                                                eps)
 
     def backward(g: np.ndarray) -> None:
+        g = up(g)
         lead = tuple(range(g.ndim - 1))
-        gamma.accumulate((g * x_hat).sum(axis=lead), fresh=True)
-        beta.accumulate(g.sum(axis=lead), fresh=True)
+        gamma.accumulate(rnd((g * x_hat).sum(axis=lead)), fresh=True)
+        beta.accumulate(rnd(g.sum(axis=lead)), fresh=True)
         if x.requires_grad:
-            x.accumulate(_layer_norm_input_grad(g, gamma.data, x_hat, inv_sigma), fresh=True)
-    result = Tensor.from_op(out, (x, gamma, beta), backward)
+            x.accumulate(rnd(_layer_norm_input_grad(g, up(gamma.data), x_hat, inv_sigma)),
+                         fresh=True)
+    result = Tensor.from_op(rnd(out), (x, gamma, beta), backward)
     if _pl.ON:
         layer = gamma.name.removesuffix(".weight")
         _pl.follow(result, _pl.layer_norm(f"LayerNorm {layer}", x, gamma, beta),
@@ -154,6 +207,8 @@ def residual_mlp(h: Tensor, gamma: Tensor, beta: Tensor, w1: Tensor, b1: Tensor,
 
     It keeps what the five nodes would, but the second linear's output (folded into
     `out` at once): u, x_hat, 1/sigma, a, z and GELU's tanh."""
+    if _mp.LOW is not None:  # --mixed: the same block, rounded as core/precision.py says
+        return _residual_mlp_mixed(h, gamma, beta, w1, b1, w2, b2, eps)
     shape = h.data.shape
     rows = h.data.reshape(-1, shape[-1])                                    # (N, d), a view
     u, x_hat, inv_sigma = _layer_norm_forward(rows, gamma.data, beta.data, eps)
@@ -186,32 +241,95 @@ def residual_mlp(h: Tensor, gamma: Tensor, beta: Tensor, w1: Tensor, b1: Tensor,
             dh = _layer_norm_input_grad(du, gamma.data, x_hat, inv_sigma)
             dh += g_rows
             h.accumulate(dh.reshape(shape), fresh=True)
-    result = Tensor.from_op(out.reshape(shape), parents, backward)
+    return _residual_mlp_placed(Tensor.from_op(out.reshape(shape), parents, backward),
+                                h, gamma, beta, w1, b1, w2, b2)
+
+
+def _residual_mlp_placed(result: Tensor, h: Tensor, gamma: Tensor, beta: Tensor, w1: Tensor,
+                         b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
+    """`result` of a residual MLP block, with its placement when checking."""
     if _pl.ON:  # placement/__init__.py: the five layers' rules in turn
         _pl.follow(result, _pl.residual_mlp(h, gamma, beta, w1, b1, w2, b2), h.name)
     return result
 
 
+def _residual_mlp_mixed(h: Tensor, gamma: Tensor, beta: Tensor, w1: Tensor, b1: Tensor,
+                        w2: Tensor, b2: Tensor, eps: float) -> Tensor:
+    """`residual_mlp` under the mixed-precision policy (core/precision.py). Where each
+    value is rounded to 16 bits (L) or kept in the master dtype (M):
+
+        forward    u = L(LN_M(h))   a = L(u W1 + b1)   z = L(GELU_M(a))
+                   out = L(h + L(z W2 + b2))            (each matmul: M sums)
+        backward   g -> L; dz = L(g W2^T); da = L(GELU'_M(a) dz); du = L(da W1^T)
+                   dh = L(L(LN'_M(du)) + g); every weight gradient L(...) once"""
+    up, low, mm = _mp.upcast, _mp.to_low, _mp.matmul
+    shape = h.data.shape
+    rows = low(h.data).reshape(-1, shape[-1])                               # (N, d)
+    u, x_hat, inv_sigma = _layer_norm_forward(up(rows), up(gamma.data), up(beta.data), eps)
+    u = low(u)
+    a = mm(u, w1.data)
+    a += up(b1.data)
+    a = low(a)
+    z, t = _gelu_forward(up(a))
+    z = low(z)
+    out = mm(z, w2.data)
+    out += up(b2.data)
+    out = low(up(low(out)) + up(rows))                                      # the residual
+    parents = (h, gamma, beta, w1, b1, w2, b2)
+
+    def backward(g: np.ndarray) -> None:
+        g_rows = low(g).reshape(-1, shape[-1])                              # (N, d)
+        dz = low(mm(g_rows, w2.data.T))
+
+        def fc2_grads() -> None:
+            w2.accumulate(low(mm(z.T, g_rows)), fresh=True)
+            b2.accumulate(low(up(g_rows).sum(axis=0)), fresh=True)
+        weight_grad(fc2_grads)
+        da = low(_gelu_backward(up(dz), up(a), t))
+        du = up(low(mm(da, w1.data.T)))
+
+        def fc1_grads() -> None:
+            w1.accumulate(low(mm(u.T, da)), fresh=True)
+            b1.accumulate(low(up(da).sum(axis=0)), fresh=True)
+        weight_grad(fc1_grads)
+        gamma.accumulate(low((du * x_hat).sum(axis=0)), fresh=True)
+        beta.accumulate(low(du.sum(axis=0)), fresh=True)
+        if h.requires_grad:
+            dh = up(low(_layer_norm_input_grad(du, up(gamma.data), x_hat, inv_sigma)))
+            h.accumulate(low(dh + up(g_rows)).reshape(shape), fresh=True)
+    return _residual_mlp_placed(Tensor.from_op(out.reshape(shape), parents, backward),
+                                h, gamma, beta, w1, b1, w2, b2)
+
+
 # ------------------------------------------------------ softmax and losses
-def softmax(a: Tensor, axis: int = -1) -> Tensor:
-    """exp(a) / sum exp(a), stabilized. Backward: s * (g - sum(g s))."""
-    shifted = a.data - a.data.max(axis=axis, keepdims=True)
+def softmax(a: Tensor, axis: int = -1, master: bool = False) -> Tensor:
+    """exp(a) / sum exp(a), stabilized. Backward: s * (g - sum(g s)). Under --mixed the
+    output is rounded to 16 bits, unless `master` (the MoE router's probabilities, which
+    feed the gates and the aux loss, not a matmul, stay in the master dtype)."""
+    keep = (lambda x: x) if master else _mp.round_low
+    data = _mp.upcast(a.data)          # --mixed: in the master dtype, output rounded
+    shifted = data - data.max(axis=axis, keepdims=True)
     e = np.exp(shifted)
     s = e / e.sum(axis=axis, keepdims=True)
 
     def backward(g: np.ndarray) -> None:
-        a.accumulate(s * (g - (g * s).sum(axis=axis, keepdims=True)), fresh=True)
-    out = Tensor.from_op(s, (a,), backward)
+        g = _mp.upcast(g)
+        a.accumulate(_mp.round_low(s * (g - (g * s).sum(axis=axis, keepdims=True))),
+                     fresh=True)
+    out = Tensor.from_op(keep(s), (a,), backward)
     return _pl.follow(out, _pl.nonlinear("softmax", a, over=axis), a.name) if _pl.ON else out
 
 
 def log_softmax(a: Tensor, axis: int = -1) -> Tensor:
     """a - logsumexp(a). Backward: g - softmax(a) sum(g)."""
-    shifted = a.data - a.data.max(axis=axis, keepdims=True)
+    data = _mp.upcast(a.data)          # --mixed: in the master dtype, kept there
+    shifted = data - data.max(axis=axis, keepdims=True)
     out = shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
 
     def backward(g: np.ndarray) -> None:
-        a.accumulate(g - np.exp(out) * g.sum(axis=axis, keepdims=True), fresh=True)
+        g = _mp.upcast(g)
+        a.accumulate(_mp.round_low(g - np.exp(out) * g.sum(axis=axis, keepdims=True)),
+                     fresh=True)
     result = Tensor.from_op(out, (a,), backward)
     return _pl.follow(result, _pl.nonlinear("log_softmax", a, over=axis), a.name) \
         if _pl.ON else result
@@ -223,7 +341,8 @@ def cross_entropy(logits: Tensor, labels: np.ndarray, scale: float | None = None
     logits (N, C) with labels (N,), or (B, T, C) with labels (B, T): every position is a
     row, N = B*T. Passing the scale lets a data-parallel rank divide by the *global* batch.
     Backward: (softmax - onehot(y)) * scale."""
-    flat = logits.data.reshape(-1, logits.shape[-1])         # (N, C)
+    # --mixed: the loss in the master dtype on upcast logits; their gradient rounded
+    flat = _mp.upcast(logits.data).reshape(-1, logits.shape[-1])  # (N, C)
     labels = np.asarray(labels).reshape(-1)                  # (N,)
     scale = 1.0 / flat.shape[0] if scale is None else scale
     valid = labels != IGNORE           # --documents: padded positions count 0 (documents.py)
@@ -240,7 +359,7 @@ def cross_entropy(logits: Tensor, labels: np.ndarray, scale: float | None = None
         d[rows, labels] -= 1.0
         if rows.size < flat.shape[0]:
             d[~valid] = 0.0
-        logits.accumulate((d * (g * scale)).reshape(logits.shape), fresh=True)
+        logits.accumulate(_mp.round_low((d * (g * scale)).reshape(logits.shape)), fresh=True)
     result = Tensor.from_op(out, (logits,), backward)
     return _pl.follow(result, _pl.cross_entropy("cross-entropy", logits), "the loss") \
         if _pl.ON else result

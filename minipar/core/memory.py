@@ -101,10 +101,11 @@ class ModelStates:
     params: float
     grads: float
     optimizer: float
+    masters: float = 0.0   # --mixed: the master copy of the parameters (core/precision.py)
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer
+        return self.params + self.grads + self.optimizer + self.masters
 
 
 def optimizer_bytes_per_param(optimizer: str, itemsize: int) -> int:
@@ -131,14 +132,17 @@ def paper_example() -> list[ModelStates]:
 
 
 def measure(params: Iterable[np.ndarray | None], grads: Iterable[np.ndarray | None],
-            optimizer_state: dict[str, list[np.ndarray]]) -> ModelStates:
+            optimizer_state: dict[str, list[np.ndarray]],
+            masters: Iterable[np.ndarray | None] = ()) -> ModelStates:
     """Bytes a rank really holds: `nbytes` of its parameter, gradient and optimizer-state
     arrays (None for a dropped array). Pass each buffer once: views of one flat
-    buffer are counted through the buffer, not again through each view."""
+    buffer are counted through the buffer, not again through each view. `masters`:
+    under --mixed, the master parameters (the 16-bit compute copy is `params`)."""
     def nbytes(arrays: Iterable[np.ndarray | None]) -> int:
         return sum(a.nbytes for a in arrays if a is not None)
     return ModelStates(params=nbytes(params), grads=nbytes(grads),
-                       optimizer=nbytes(a for arrays in optimizer_state.values() for a in arrays))
+                       optimizer=nbytes(a for arrays in optimizer_state.values() for a in arrays),
+                       masters=nbytes(masters))
 
 
 # ----------------------------------------------------- the communication

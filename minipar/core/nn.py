@@ -30,6 +30,7 @@ import numpy as np
 
 from minipar.core import autograd as ag
 from minipar.core import fused_layers, routing
+from minipar.core import precision as _mp
 from minipar.core.autograd import Tensor
 
 
@@ -49,6 +50,17 @@ class Parameter(Tensor):
         super().__init__(np.array(data, copy=True), requires_grad=True, name=name)
         self.full_index = full_index
         self.sync = sync
+
+    def accumulate(self, g: np.ndarray, fresh: bool = False) -> None:
+        """Add `g` to the gradient. Under --mixed (core/precision.py) the gradient is the
+        *main gradient*: kept in the master dtype, each 16-bit contribution (one per use
+        and microbatch) added into it exactly as it came."""
+        if _mp.LOW is None or not self.requires_grad:
+            return super().accumulate(g, fresh)
+        if self.grad is None:
+            self.grad = np.asarray(g).astype(_mp.MASTER)
+        else:
+            self.grad += np.asarray(g).astype(_mp.MASTER, copy=False)
 
 
 class Module:

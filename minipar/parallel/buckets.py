@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from minipar.core import precision
 from minipar.core.nn import Parameter
 
 
@@ -21,7 +22,7 @@ def grad_or_zeros(p: Parameter) -> np.ndarray:
     """p.grad, or zeros if backward never reached p on this rank: every replica must
     send the same buffers, or the collectives of different ranks would not match."""
     if p.grad is None:
-        p.grad = np.zeros_like(p.data)
+        p.grad = np.zeros(p.data.shape, dtype=precision.grad_dtype(p.data.dtype))
     return p.grad
 
 
@@ -49,8 +50,9 @@ def flat_buffers(buckets: Sequence[Sequence[Parameter]]) -> list[np.ndarray | No
     allocation per step; a bucket's buffer is in flight at most once per step). A bucket
     of one parameter needs none: its gradient is already one contiguous array (`pack`)."""
     return [None if len(bucket) == 1 else
-            np.empty(sum(p.data.size for p in bucket),
-                     dtype=np.result_type(*(p.data.dtype for p in bucket)))
+            np.empty(sum(p.data.size for p in bucket),   # --mixed: the main gradients'
+                     dtype=precision.grad_dtype(np.result_type(*(p.data.dtype
+                                                                 for p in bucket))))
             for bucket in buckets]
 
 

@@ -39,7 +39,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import placement
-from minipar.comm import trace
+from minipar.comm import low_precision, trace
 from minipar.comm.collectives import Group
 from minipar.comm.mesh import Mesh
 from minipar.core.memory import ModelStates, measure
@@ -48,6 +48,7 @@ from minipar.core.optim import Optimizer
 from minipar.core.shards import held_parts
 from minipar.parallel.buckets import flat_buffers, grad_or_zeros, make_buckets, pack, unpack
 from minipar.parallel.dp_hooks import Hooks, Piece, install_hooks
+from minipar.parallel.mixed import MixedStep, cast_copies, sum_gradients
 
 
 def _group(p: Parameter, mesh: Mesh) -> Group:
@@ -57,7 +58,8 @@ def _group(p: Parameter, mesh: Mesh) -> Group:
 
 
 # ------------------------------------------------------------- 1. naive
-def allreduce_gradients(params: Sequence[Parameter], mesh: Mesh) -> None:
+def allreduce_gradients(params: Sequence[Parameter], mesh: Mesh,
+                        mixed: MixedStep | None = None) -> None:
     """Naive DP: one Allreduce per parameter, then divide by dp.
 
     A parameter replicated over all data-parallel ranks (`sync="dp"`) sums over
@@ -67,6 +69,7 @@ def allreduce_gradients(params: Sequence[Parameter], mesh: Mesh) -> None:
     one rank's *local mean* loss, of which there are dp in the global mean.
     With context parallelism every rank's loss is the mean over its positions, so
     the sum runs over the dp x cp ranks and is divided by dp cp (`mesh.shape.replicas`).
+    `mixed`: under --mixed, how the sum runs (parallel/mixed.py: master or 16-bit).
     """
     for p in params:
         if p.sync is None:
@@ -74,7 +77,10 @@ def allreduce_gradients(params: Sequence[Parameter], mesh: Mesh) -> None:
         # exercise: dp-naive
         grad, group = grad_or_zeros(p), _group(p, mesh)
         if group.size > 1:
-            group.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)  # g_i of every replica -> sum
+            if mixed is None:
+                group.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)  # g_i of every replica -> sum
+            else:  # --mixed: in the master dtype or in 16 bits (--grad-reduce-dtype)
+                sum_gradients(group, grad, mixed)
             placement.summed([p], group)                    # Partial -> Replicate over dp
         if mesh.shape.replicas > 1:
             grad /= mesh.shape.replicas
@@ -83,9 +89,11 @@ def allreduce_gradients(params: Sequence[Parameter], mesh: Mesh) -> None:
 
 # ----------------------------------------------------------- 2. bucketed
 def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: Mesh,
-                       flats: Sequence[np.ndarray] | None = None) -> None:
+                       flats: Sequence[np.ndarray] | None = None,
+                       mixed: MixedStep | None = None) -> None:
     """Bucketed DP: one in-place Allreduce per bucket, then divide by dp. `flats`: the
-    buckets' reused buffers (`flat_buffers`), or None for new ones."""
+    buckets' reused buffers (`flat_buffers`), or None for new ones. `mixed`: under
+    --mixed, how the sum runs (parallel/mixed.py: master or 16-bit)."""
     # exercise: dp-bucketed
     for i, bucket in enumerate(buckets):
         group = _group(bucket[0], mesh)
@@ -93,7 +101,10 @@ def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: Mesh,
             continue  # one replica and nothing to average: the gradients are final
         flat = pack(bucket, None if flats is None else flats[i])
         if group.size > 1:
-            group.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)  # a bucket of g_i -> its sum
+            if mixed is None:
+                group.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)  # a bucket of g_i -> its sum
+            else:  # --mixed: in the master dtype or in 16 bits (--grad-reduce-dtype)
+                sum_gradients(group, flat, mixed)
             placement.summed(bucket, group)                 # Partial -> Replicate over dp
         unpack(bucket, flat, 1.0 / mesh.shape.replicas)
     # end exercise
@@ -104,8 +115,11 @@ class OverlappedAllreduce(Hooks):
     """Overlapped DP: a bucket's Iallreduce starts when backward has finished every
     parameter in it for the last microbatch; `finish` waits for all of them."""
 
-    def __init__(self, buckets: list[list[Parameter]], mesh: Mesh, microbatches: int) -> None:
+    def __init__(self, buckets: list[list[Parameter]], mesh: Mesh, microbatches: int,
+                 mixed: MixedStep | None = None) -> None:
         self.buckets, self.mesh, self.microbatches = buckets, mesh, microbatches
+        # --grad-reduce-dtype low: each bucket travels as a 16-bit copy, summed in 16 bits
+        self.low = mixed.low if mixed is not None and mixed.reduce_low else None
         self.flats = flat_buffers(buckets)  # each bucket's buffer, reused every step
         self.bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
         self._reset()
@@ -114,6 +128,7 @@ class OverlappedAllreduce(Hooks):
         self.passes: dict[int, int] = {}                   # piece -> backward passes so far
         self.waiting = [len(bucket) for bucket in self.buckets]  # params not final yet
         self.in_flight: list[tuple[int, np.ndarray, MPI.Request | None]] = []
+        self.copies: dict[int, np.ndarray] = {}  # --mixed, low: bucket -> its 16-bit copy
 
     def before_backward(self, piece: Piece) -> None:
         self._progress()
@@ -143,7 +158,11 @@ class OverlappedAllreduce(Hooks):
         flat = pack(self.buckets[i], self.flats[i])
         group = _group(self.buckets[i][0], self.mesh)
         request = None
-        if group.size > 1:  # a bucket of g_i -> its sum, in the background
+        if group.size > 1 and self.low is not None:  # --mixed, low: a 16-bit copy travels
+            self.copies[i] = flat.astype(self.low)
+            request = low_precision.iallreduce_low(group, self.copies[i])
+            placement.summed(self.buckets[i], group)
+        elif group.size > 1:  # a bucket of g_i -> its sum, in the background
             request = group.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
             placement.summed(self.buckets[i], group)       # Partial -> Replicate over dp
         self.in_flight.append((i, flat, request))
@@ -159,6 +178,8 @@ class OverlappedAllreduce(Hooks):
         trace.wait([r for _, _, r in self.in_flight if r is not None],
                    "Waitall of the gradient buckets over dp")
         for i, flat, _ in self.in_flight:
+            if i in self.copies:     # the 16-bit sum back into the master-dtype buffer
+                flat[...] = self.copies[i]
             unpack(self.buckets[i], flat, 1.0 / self.mesh.shape.replicas)
         self._reset()
         return early
@@ -200,28 +221,58 @@ class DataParallel:
 
     def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer,
                  grad_sync: str = "bucketed", bucket_size: int = 65536,
-                 microbatches: int = 1) -> None:
+                 microbatches: int = 1, mixed: MixedStep | None = None) -> None:
         self.params = [p for chunk in chunks for p in chunk.parameters()]
         self.mesh, self.optimizer, self.grad_sync = mesh, optimizer, grad_sync
+        # --mixed (parallel/mixed.py): the optimizer updates master copies in --dtype;
+        # each p.data becomes the 16-bit compute copy, cast from its master after a step
+        self.mixed = mixed
+        self.masters: list[np.ndarray] | None = None
+        if mixed is not None:
+            self.masters = [p.data for p in self.params]
+            for p in self.params:
+                p.data = p.data.astype(mixed.low)
         self.buckets = make_buckets(self.params, bucket_size)
         self.flats = flat_buffers(self.buckets) if grad_sync == "bucketed" else None
         self.overlap = None
         self.started_in_backward = 0  # buckets the last step started during backward
         if grad_sync == "overlapped":
-            self.overlap = OverlappedAllreduce(self.buckets, mesh, microbatches)
+            self.overlap = OverlappedAllreduce(self.buckets, mesh, microbatches, mixed)
             install_hooks(chunks, self.overlap)
 
     def step(self) -> None:
         if self.grad_sync == "naive":
-            allreduce_gradients(self.params, self.mesh)
+            allreduce_gradients(self.params, self.mesh, self.mixed)
         elif self.grad_sync == "bucketed":
-            bucketed_allreduce(self.buckets, self.mesh, self.flats)
+            if self.mixed is None:  # (lesson 08's detour stands in with these arguments)
+                bucketed_allreduce(self.buckets, self.mesh, self.flats)
+            else:
+                bucketed_allreduce(self.buckets, self.mesh, self.flats, mixed=self.mixed)
         else:
             self.started_in_backward = self.overlap.finish()
+        if self.mixed is not None and self.mixed.unscale_and_vote(
+                [grad_or_zeros(p) for p in self.params]):
+            return  # fp16 overflow somewhere: every rank skips this update (S halved)
         if self.clipper is not None:  # clip.py: the global norm, one scale on every rank
             grads = [grad_or_zeros(p) for p in self.params]
             self.clipper(list(zip(self.params, grads)), grads)
-        self.optimizer.step([p.data for p in self.params], [p.grad for p in self.params])
+        if self.masters is None:
+            self.optimizer.step([p.data for p in self.params], [p.grad for p in self.params])
+            return
+        self.optimizer.step(self.masters, [p.grad for p in self.params])  # the masters,
+        cast_copies(self.masters, [p.data for p in self.params])     # then the 16-bit copy
+
+    def my_slices(self) -> list[np.ndarray]:
+        """The numbers this rank's optimizer updates: the masters under --mixed, else
+        the parameters themselves."""
+        return self.masters if self.masters is not None else [p.data for p in self.params]
+
+    def use_masters(self) -> None:
+        """Point every `p.data` at its master (the end of a --mixed run: what --check,
+        --dump and checkpoints read). No-op without --mixed."""
+        if self.masters is not None:
+            for p, master in zip(self.params, self.masters):
+                p.data = master
 
     def materialize(self) -> None:
         """Every parameter is already whole in `p.data` (ZeRO-3 must gather them)."""
@@ -229,7 +280,7 @@ class DataParallel:
     def memory(self) -> ModelStates:
         """Bytes of parameters, gradients and optimizer state this rank holds."""
         return measure([p.data for p in self.params], [p.grad for p in self.params],
-                       self.optimizer.state_arrays())
+                       self.optimizer.state_arrays(), self.masters or ())
 
     def checkpoint_pieces(self) -> tuple[list[Parameter], dict[str, list[np.ndarray]]]:
         """Every parameter as it is held (its `full_index`), with its optimizer state."""

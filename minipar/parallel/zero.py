@@ -59,6 +59,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import placement
+from minipar.comm import low_precision
 from minipar.comm.collectives import Group
 from minipar.comm.mesh import Mesh
 from minipar.core.autograd import Tensor
@@ -68,10 +69,11 @@ from minipar.core.optim import Optimizer
 from minipar.core.shards import flat_boxes, in_full_array
 from minipar.parallel.buckets import grad_or_zeros
 from minipar.parallel.dp_hooks import Hooks, Piece, install_hooks
+from minipar.parallel.mixed import MixedStep, cast_copies, reduce_scatter_gradients
 
 
 def _mpi_type(array: np.ndarray) -> MPI.Datatype:
-    return MPI._typedict[array.dtype.char]
+    return low_precision.mpi_type(array)  # a 16-bit array travels as uint16 words
 
 
 class Space:
@@ -79,12 +81,21 @@ class Space:
     replicas, sliced over that group. Dense weights (sync="dp") are replicated over the
     dp ranks; with MoE, expert weights (sync="edp") over the expert-data-parallel group
     only (the dp ranks holding the same experts), so they get a flat vector of their own,
-    sliced over edp (DeepSpeed-MoE's way). Each parameter's `data` is a view into `flat`."""
+    sliced over edp (DeepSpeed-MoE's way). Each parameter's `data` is a view into `flat`.
 
-    def __init__(self, params: list[Parameter], group: Group) -> None:
-        self.params, self.group = params, group
+    Under --mixed (`mixed`, parallel/mixed.py) `flat` is the 16-bit compute copy and
+    `master` my slice of the master copy in --dtype: the optimizer updates `master`, the
+    rank casts it into its slice of `flat`, and the Allgather moves 16-bit words."""
+
+    def __init__(self, params: list[Parameter], group: Group,
+                 mixed: MixedStep | None = None) -> None:
+        self.params, self.group, self.mixed = params, group, mixed
         self.layout = FlatLayout([p.data.shape for p in params], group.size, group.rank)
         self.flat: np.ndarray | None = np.concatenate([p.data.ravel() for p in params])
+        self.master: np.ndarray | None = None
+        if mixed is not None:  # my slice of the masters, then the flat copy in 16 bits
+            self.master = self.flat[self.layout.start:self.layout.stop].copy()
+            self.flat = self.flat.astype(mixed.low)
         for p, view in zip(params, self.layout.views(self.flat)):
             p.data = view
         kind = "expert" if any(p.sync == "edp" for p in params) else "dense"
@@ -95,7 +106,14 @@ class Space:
         self.span: dict[int, tuple[int, int]] = {}  # piece -> (first, last) array index
 
     def mine(self) -> np.ndarray:
-        """My slice of the flat parameters: the only numbers this rank updates."""
+        """My slice of the flat parameters: the only numbers this rank updates (under
+        --mixed, my slice of the masters)."""
+        if self.master is not None:
+            return self.master
+        return self.compute_slice()
+
+    def compute_slice(self) -> np.ndarray:
+        """My slice of the parameters the model computes with (16-bit under --mixed)."""
         if self.flat is None:
             return self.shard
         return self.flat[self.layout.start:self.layout.stop]
@@ -106,6 +124,9 @@ class Space:
             return grads.copy()
         # exercise: zero1
         counts = self.layout.overlap(a, b)
+        low = reduce_scatter_gradients(self.group, grads, counts, self.mixed)
+        if low is not None:  # --grad-reduce-dtype low: summed in 16 bits (parallel/mixed.py)
+            return low
         mine = np.empty(counts[self.layout.rank], dtype=grads.dtype)
         # [a, b) of every replica's g_i -> the sum, each rank receiving its slice of it
         self.group.Reduce_scatter(grads, mine, counts, op=MPI.SUM)
@@ -117,13 +138,14 @@ class Space:
         return self.layout.span(*self.span[id(piece)])
 
 
-def spaces_of(params: list[Parameter], mesh: Mesh) -> list[Space]:
+def spaces_of(params: list[Parameter], mesh: Mesh, mixed: MixedStep | None = None
+              ) -> list[Space]:
     """The flat vectors: dense weights over dp, expert weights (if any) over edp (with
     context parallelism over dp x cp and edp x cp: mesh.dp_cp, mesh.edp_cp)."""
     groups = {"dp": mesh.dp_cp, "edp": mesh.edp_cp}  # with cp, every cp coordinate too
     if any(p.sync not in groups for p in params):
         raise ValueError("ZeRO here shards parameters replicated over dp or edp only")
-    return [Space([p for p in params if p.sync == sync], group)
+    return [Space([p for p in params if p.sync == sync], group, mixed)
             for sync, group in groups.items() if any(p.sync == sync for p in params)]
 
 
@@ -134,11 +156,12 @@ class Zero1:
     stage = 1
     clipper = None  # clip.Clipper with --clip-grad-norm: called on my slices
 
-    def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer) -> None:
+    def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer,
+                 mixed: MixedStep | None = None) -> None:
         self.params = [p for chunk in chunks for p in chunk.parameters()]
         # the replicas: dp ranks, and with context parallelism dp x cp (mesh.dp_cp)
-        self.dp, self.optimizer = mesh.shape.replicas, optimizer
-        self.spaces = spaces_of(self.params, mesh)
+        self.dp, self.optimizer, self.mixed = mesh.shape.replicas, optimizer, mixed
+        self.spaces = spaces_of(self.params, mesh, mixed)
 
     def my_slices(self) -> list[np.ndarray]:
         """My slice of each flat vector: the only numbers this rank updates."""
@@ -150,23 +173,31 @@ class Zero1:
             grads = np.concatenate([grad_or_zeros(p).ravel() for p in space.params])  # (Psi,)
             shards.append(space.reduce_scatter(grads, 0, space.layout.total))
             placement.summed(space.params, space.group)  # Partial -> my slice of the sum
-        self.update(shards)
-        self.allgather_params()
+        if self.update(shards):
+            self.allgather_params()
         self.check_replicated()
 
-    def update(self, grad_shards: list[np.ndarray]) -> None:
+    def update(self, grad_shards: list[np.ndarray]) -> bool:
         """g = (sum_i g_i) / dp on my slices, then the optimizer on my slices only: its
         state (Adam's m and v) is created with their shapes. Expert gradients, summed
-        over edp, are divided by dp too (data_parallel.allreduce_gradients says why)."""
+        over edp, are divided by dp too (data_parallel.allreduce_gradients says why).
+        Under --mixed: the gradients unscaled, the step skipped by every rank if any saw
+        an overflow (returns False: nothing updated), the 16-bit slice cast from the
+        updated masters. Returns True when the parameters changed."""
         for grad_shard in grad_shards:
             grad_shard /= self.dp
+        if self.mixed is not None and self.mixed.unscale_and_vote(grad_shards):
+            return False  # fp16 overflow somewhere: every rank skips (S halved)
         if self.clipper is not None:  # clip.py: my slices are Shard over dp x cp
             pieces = [(p, shard[where]) for space, shard in zip(self.spaces, grad_shards)
                       for p, _, where in self.shard_pieces(space)]
             self.clipper(pieces, grad_shards, zero_sliced=True)
         self.optimizer.step(self.my_slices(), grad_shards)
+        if self.mixed is not None:  # my 16-bit slice cast from my updated masters
+            cast_copies(self.my_slices(), [space.compute_slice() for space in self.spaces])
         for space in self.spaces:   # only my slice is new: the flat vector is Shard(0)
             placement.place(space.values, space.group, placement.Shard(0))
+        return True
 
     def allgather_params(self) -> None:
         """Every rank's updated slice to every rank, into the flat buffers behind `p.data`."""
@@ -178,7 +209,8 @@ class Zero1:
             # exercise: zero1
             counts = space.layout.counts
             # my updated slice -> every replica; every other slice -> me, in place
-            space.group.Allgatherv(MPI.IN_PLACE, [space.flat, counts, displacements(counts),
+            space.group.Allgatherv(MPI.IN_PLACE, [low_precision.wire(space.flat), counts,
+                                                  displacements(counts),
                                                   _mpi_type(space.flat)])
             # end exercise
             if placement.ON:  # every slice new on every rank: Shard(0) -> Replicate
@@ -245,10 +277,31 @@ class Zero1:
     def materialize(self) -> None:
         """Every parameter is whole in `p.data` after each step (stage 3 overrides)."""
 
+    def use_masters(self) -> None:
+        """Point every `p.data` at its whole master (the end of a --mixed run: what
+        --check and --dump read): each rank's master slice Allgathered into a full
+        master-dtype flat vector per space. No-op without --mixed."""
+        if self.mixed is None:
+            return
+        for space in self.spaces:
+            whole = np.empty(space.layout.total, dtype=space.master.dtype)
+            counts = space.layout.counts
+            if space.group.size == 1:
+                whole[...] = space.master
+            else:  # my master slice -> every replica; theirs -> me
+                space.group.Allgatherv(space.master, [whole, counts, displacements(counts),
+                                                      _mpi_type(whole)])
+            for p, view in zip(space.params, space.layout.views(whole)):
+                p.data = view
+
+    def master_slices(self) -> list[np.ndarray]:
+        """The master slices this rank keeps (none without --mixed)."""
+        return [space.master for space in self.spaces if space.master is not None]
+
     def memory(self) -> ModelStates:
         """Bytes this rank holds: the flat parameters, full gradients, my optimizer state."""
         return measure([space.flat for space in self.spaces], [p.grad for p in self.params],
-                       self.optimizer.state_arrays())
+                       self.optimizer.state_arrays(), self.master_slices())
 
 
 class Zero2(Zero1, Hooks):
@@ -258,12 +311,13 @@ class Zero2(Zero1, Hooks):
 
     stage = 2
 
-    def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer) -> None:
-        super().__init__(chunks, mesh, optimizer)
+    def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer,
+                 mixed: MixedStep | None = None) -> None:
+        super().__init__(chunks, mesh, optimizer, mixed)
         self.pieces = install_hooks(chunks, self)
-        for space in self.spaces:
+        for space in self.spaces:  # --mixed: my slice of the main gradients, master dtype
             space.grad_shard = np.zeros(space.layout.counts[space.layout.rank],
-                                        dtype=space.flat.dtype)
+                                        dtype=space.mine().dtype)
             index = {id(p): j for j, p in enumerate(space.params)}
             covered = []
             for piece in self.pieces:
@@ -295,8 +349,8 @@ class Zero2(Zero1, Hooks):
             p.grad = None  # the full gradient is dropped: my slice of the sum stays
 
     def step(self) -> None:
-        self.update([space.grad_shard for space in self.spaces])
-        self.allgather_params()
+        if self.update([space.grad_shard for space in self.spaces]):
+            self.allgather_params()
         self.check_replicated()
         for space in self.spaces:
             space.grad_shard[...] = 0.0  # the next step accumulates afresh
@@ -306,7 +360,8 @@ class Zero2(Zero1, Hooks):
         optimizer state."""
         return measure([space.flat for space in self.spaces],
                        [space.grad_shard for space in self.spaces]
-                       + [p.grad for p in self.params], self.optimizer.state_arrays())
+                       + [p.grad for p in self.params], self.optimizer.state_arrays(),
+                       self.master_slices())
 
 
 class Zero3(Zero2):
@@ -315,10 +370,11 @@ class Zero3(Zero2):
 
     stage = 3
 
-    def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer) -> None:
-        super().__init__(chunks, mesh, optimizer)
-        for space in self.spaces:
-            space.shard = space.mine().copy()  # (Psi/N,): my slice, the only copy I keep
+    def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer,
+                 mixed: MixedStep | None = None) -> None:
+        super().__init__(chunks, mesh, optimizer, mixed)
+        for space in self.spaces:  # (Psi/N,): my slice, the only copy I keep (16-bit
+            space.shard = space.compute_slice().copy()  # under --mixed, beside the master)
             space.flat = None
         self.gathered: set[int] = set()
         for p in self.params:
@@ -335,9 +391,9 @@ class Zero3(Zero2):
             if space.group.size == 1:
                 whole[...] = space.shard[a:b]
             else:  # my part of the piece -> every replica; the other parts -> me
-                space.group.Allgatherv(space.shard[space.layout.mine(a, b)],
-                                       [whole, counts, displacements(counts),
-                                        _mpi_type(whole)])
+                space.group.Allgatherv(low_precision.wire(space.shard[space.layout.mine(a, b)]),
+                                       [low_precision.wire(whole), counts,
+                                        displacements(counts), _mpi_type(whole)])
             first, last = space.span[id(piece)]
             for p, view in zip(space.params[first:last + 1],
                                space.layout.views(whole, first, last)):
@@ -378,9 +434,12 @@ class Zero3(Zero2):
         """My slice of everything (and whatever piece is gathered at the moment)."""
         return measure([space.shard for space in self.spaces] + [p.data for p in self.params],
                        [space.grad_shard for space in self.spaces]
-                       + [p.grad for p in self.params], self.optimizer.state_arrays())
+                       + [p.grad for p in self.params], self.optimizer.state_arrays(),
+                       self.master_slices())
 
 
-def make_zero(stage: int, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer) -> Zero1:
-    """The ZeRO stage `stage` (1, 2 or 3) updater for this rank's chunks."""
-    return {1: Zero1, 2: Zero2, 3: Zero3}[stage](chunks, mesh, optimizer)
+def make_zero(stage: int, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer,
+              mixed: MixedStep | None = None) -> Zero1:
+    """The ZeRO stage `stage` (1, 2 or 3) updater for this rank's chunks (`mixed`: the
+    --mixed state, parallel/mixed.py)."""
+    return {1: Zero1, 2: Zero2, 3: Zero3}[stage](chunks, mesh, optimizer, mixed)

@@ -17,11 +17,13 @@ program can compare against.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from minipar.core import precision
 from minipar.core.documents import split_mask
 from minipar.run.train import RunResult, step_batch, train_reference
 from minipar.settings.config import TrainConfig
@@ -54,6 +56,67 @@ def max_differences(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple
     return worst_abs, worst_rel, where
 
 
+def roundings(cfg: TrainConfig) -> int:
+    """D: how many times a value is rounded to 16 bits on its way from the input to the
+    loss and back to a weight's gradient in the --mixed MLP (fused_layers.py): the
+    embedding's output, 5 per block forward (u, a, z, z W2 + b2, the residual sum), the
+    head's logits; backward the logits' gradient, the head's dx, 6 per block (g, dz, da,
+    du, LN's dx, dx + g), and the weight gradient itself. The transformer's attention
+    half adds 12 a block: forward LN, q/k/v, P, P V, the projection, the residual sum;
+    backward the same six. An MoE block is counted as a dense one."""
+    attention = 12 * cfg.layers if cfg.model_config().is_gpt else 0
+    return 2 + 5 * cfg.layers + 3 + 6 * cfg.layers + attention
+
+
+def mixed_tolerance(cfg: TrainConfig) -> tuple[float, float]:
+    """(losses, parameters): how far a --mixed run on a mesh may be from the one-process
+    run in the same precision (docs/design.md, "Mixed precision").
+
+    The derivation. Both runs compute every unrounded value in the master dtype; the
+    mesh sums some of them in another order, so before rounding they agree to about the
+    master's roundoff. Rounding to 16 bits keeps them equal except where the two values
+    straddle a rounding boundary: there they come out one ulp apart, 2u relative (u: the
+    unit roundoff, bf16 2^-8, fp16 2^-11). A gradient passes D = `roundings(cfg)`
+    roundings. Such straddles are rare and independent, so their effects add like a
+    random walk: a gradient's relative difference (2-norm) stays within 2 u sqrt(D),
+    the normalized layers carrying each unamplified. The loss, computed from parameters
+    that agree that well, through the forward's roundings: relative 2 u sqrt(D).
+    An SGD update is lr times the gradient, so one step's parameters differ by
+    e = 2 u sqrt(D) of the distance that step moved them; over `steps` steps the
+    differences add up and feed into the later gradients: a factor `steps`, parameters
+    compared against their movement from init (`moved_difference`).
+    Adam divides elementwise: its update lr m / sqrt(v) is lr sign(g) at first, so an
+    element whose gradient is within the difference e ||g|| / sqrt(n) of zero may flip
+    sign and move 2 lr the other way, however small the roundoff. About a fraction e
+    of the n elements lie that close to zero, so the update's relative 2-norm
+    difference is 2 sqrt(e) a step (the square root: Adam turns tiny gradient
+    differences into whole-step ones).
+    The MLP with L = 2: D = 27, bf16 e = 0.041 (losses), parameters 0.041 * steps
+    (SGD) or 0.41 * steps (Adam); fp16 e eight times less.
+    """
+    u = precision.unit_roundoff(cfg.mixed)
+    per_step = 2.0 * u * math.sqrt(roundings(cfg))
+    update = 2.0 * math.sqrt(per_step) if cfg.optimizer == "adam" else per_step
+    return per_step, update * cfg.steps
+
+
+def moved_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray],
+                     init: dict[str, np.ndarray]) -> tuple[float, str]:
+    """The largest ||a - b|| / ||b - init|| over the tensors (2-norms): parameters against
+    how far the reference moved them (a tensor that did not move must match exactly),
+    and the tensor where it is."""
+    worst, where = 0.0, ""
+    for name, ref in b.items():
+        if not ref.size:
+            continue
+        moved = float(np.linalg.norm(ref - init[name]))
+        diff = float(np.linalg.norm(a[name] - ref))
+        rel = diff / moved if moved > 0 else (0.0 if diff == 0 else float("inf"))
+        if rel > worst:
+            worst, where = rel, name
+    return worst, where
+
+
 def check(cfg: TrainConfig, result: RunResult) -> int:
     """`--check`: run the single-process reference in this process and compare (rank 0).
     Prints one line; returns the exit code (1 if either difference is above tolerance)."""
@@ -62,6 +125,8 @@ def check(cfg: TrainConfig, result: RunResult) -> int:
     loss_abs = float(np.max(np.abs(np.subtract(result.losses, taken))))
     loss_rel = relative_difference(result.losses, taken)
     param_abs, param_rel, where = max_differences(result.final, reference.final)
+    if cfg.mixed:
+        return check_mixed(cfg, result, reference, taken)
     tolerance = TOLERANCE[cfg.dtype]
     ok = loss_rel <= tolerance and param_rel <= tolerance
     norms = result.extras.get("gnorms") or []   # --clip-grad-norm: this rank's norms
@@ -75,6 +140,27 @@ def check(cfg: TrainConfig, result: RunResult) -> int:
           + f" -> {'OK' if ok else 'MISMATCH'} (tolerance {tolerance:g})", flush=True)
     for line in result.extras.get("replica_disagreements", [])[:5]:
         print(f"replicas disagree: {line}", flush=True)
+    return 0 if ok else 1
+
+
+def check_mixed(cfg: TrainConfig, result: RunResult, reference: RunResult,
+                taken: list[float]) -> int:
+    """`--check` of a --mixed run: the losses (relative) and the parameters (against
+    their movement) under `mixed_tolerance`; the loss scale S and the skipped steps
+    equal. One line; the exit code (1 if above)."""
+    loss_tol, param_tol = mixed_tolerance(cfg)
+    loss_rel = relative_difference(result.losses, taken)
+    param_moved, where = moved_difference(result.final, reference.final, reference.init)
+    same_scale = (result.extras.get("loss_scale"), result.extras.get("skipped")) == (
+        reference.extras["loss_scale"], reference.extras["skipped"])
+    ok = loss_rel <= loss_tol and param_moved <= param_tol and same_scale
+    print(f"check against one process in {cfg.mixed}: losses rel {loss_rel:.3e} "
+          f"(tolerance {loss_tol:.3g}); final params / their movement {param_moved:.3e} "
+          f"(tolerance {param_tol:.3g})" + (f" (worst: {where})" if where else "")
+          + f"; S {result.extras.get('loss_scale'):g} skipped {result.extras.get('skipped')}"
+          + ("" if same_scale else f" vs one process's S {reference.extras['loss_scale']:g} "
+             f"skipped {reference.extras['skipped']}")
+          + f" -> {'OK' if ok else 'MISMATCH'}", flush=True)
     return 0 if ok else 1
 
 

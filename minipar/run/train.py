@@ -41,7 +41,7 @@ from minipar.compose.parallelize import (
     parallelize,
 )
 from minipar.core import autograd as ag
-from minipar.core import documents, gpt, nn, routing
+from minipar.core import documents, gpt, nn, precision, routing
 from minipar.core.data import (
     local_rows,
     make_batch,
@@ -152,14 +152,31 @@ def train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | No
     """Train with one process: the ground truth for every parallel run.
 
     Gradient accumulation: each microbatch's loss is scaled by 1/M and its
-    gradients add up in `.grad`; one optimizer step follows.
+    gradients add up in `.grad`; one optimizer step follows. With --mixed the same
+    steps in 16 bits (core/precision.py): master copies updated, the loss scaled by S.
     """
+    if not cfg.mixed:
+        return _train_reference(cfg, on_step)
+    # fp16 overflow is expected (the loss scaler skips that step): no warnings for it
+    with precision.use(cfg.mixed, cfg.dtype), np.errstate(over="ignore", invalid="ignore"):
+        return _train_reference(cfg, on_step)
+
+
+def _train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | None
+                     ) -> RunResult:
+    """The body of `train_reference`, under the precision policy of `cfg`."""
     full = nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
     init = {k: v.copy() for k, v in full.items()}
     model = build_reference(cfg, full)
     params = model.parameters()
     optimizer = make_optimizer(cfg.optimizer, cfg.lr)
     losses, norms = [], []
+    # --mixed: the optimizer updates the masters; each p.data is the 16-bit copy
+    masters = [p.data for p in params] if cfg.mixed else None
+    if masters is not None:
+        for p in params:
+            p.data = precision.to_low(p.data)
+    scaler = precision.make_scaler(cfg.mixed, cfg.loss_scale, cfg.loss_scale_window)
     for step in range(cfg.steps):
         x, y = step_batch(cfg, step)
         model.zero_grad()
@@ -170,29 +187,48 @@ def train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | No
             rows = microbatch_rows(cfg.batch, cfg.microbatches, m)
             weight = 1.0 if valid is None else documents.loss_weight(y[rows], y.size, valid)
             loss = nn.loss_fn(model, x[rows], y[rows], weight) * (1.0 / cfg.microbatches)
-            loss.backward()
+            loss.backward(scaler.scale)   # S = 1 but for fp16
             total += loss.item()
+        if masters is not None and not scaler.static:  # fp16: unscale, skip on overflow
+            grads = [p.grad if p.grad is not None else np.zeros_like(m)
+                     for p, m in zip(params, masters)]
+            for g in grads:
+                g *= 1.0 / scaler.scale
+            if scaler.update(precision.nonfinite(grads)):
+                losses.append(total)
+                if on_step is not None:
+                    step_done(on_step, step, total, norms, scaler)
+                continue
         if cfg.clip_grad_norm is not None:  # the whole gradient's norm, then the scale
             norms.append(clip.clip_reference([p.grad for p in params], cfg.clip_grad_norm))
-        optimizer.step([p.data for p in params], [p.grad for p in params])
+        if masters is None:
+            optimizer.step([p.data for p in params], [p.grad for p in params])
+        else:  # the masters, then the 16-bit copies cast from them
+            optimizer.step(masters, [p.grad for p in params])
+            for p, master in zip(params, masters):
+                p.data = precision.to_low(master)
         if cfg.router == "sigmoid-bias":  # b moves against the step's load (routing.py)
             routing.update_biases(model, None, cfg.bias_rate)
         losses.append(total)
         if on_step is not None:
-            step_done(on_step, step, total, norms)
-    return RunResult(losses, init, {**{p.name: p.data.copy() for p in params},
+            step_done(on_step, step, total, norms, scaler if cfg.mixed else None)
+    final = masters if masters is not None else [p.data for p in params]
+    return RunResult(losses, init, {**{p.name: m.copy() for p, m in zip(params, final)},
                                     **routing.bias_values(model)},
-                     extras={"gnorms": norms})
+                     extras={"gnorms": norms, "loss_scale": scaler.scale,
+                             "skipped": scaler.skipped})
 
 
-def step_done(on_step: Callable[..., None], step: int, loss: float, norms: list[float]
-              ) -> None:
+def step_done(on_step: Callable[..., None], step: int, loss: float, norms: list[float],
+              scaler: precision.LossScaler | None = None) -> None:
     """Report a step: `on_step(step, loss)`, and with --clip-grad-norm also
-    `gnorm=` the step's global gradient norm (before clipping)."""
+    `gnorm=` the step's global gradient norm (before clipping); with --mixed also
+    `scale=` the loss scale S after the step and `skipped=` the steps skipped so far."""
+    extra = {} if scaler is None else {"scale": scaler.scale, "skipped": scaler.skipped}
     if norms:
-        on_step(step, loss, gnorm=norms[-1])
+        on_step(step, loss, gnorm=norms[-1], **extra)
     else:
-        on_step(step, loss)
+        on_step(step, loss, **extra)
 
 
 # ----------------------------------------------------------- the mesh run
@@ -217,13 +253,15 @@ def boundary_shape(cfg: TrainConfig) -> tuple[int, ...]:
 
 def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
                      x: np.ndarray, y: np.ndarray, timeline: list[dict] | None = None,
-                     valid: int | None = None) -> float:
+                     valid: int | None = None, loss_scale: float = 1.0) -> float:
     """Forward and backward of every microbatch of this rank's rows `x, y` (its rows of
     the global batch, `data.rank_rows`: microbatch after microbatch); returns this
     rank's share of the step loss (sum over microbatches of loss/M). With pp > 1
     the pipeline schedule decides the order (parallel/pipeline/executor.py) and appends the
     wall-clock start/end of each of its instructions to `timeline`. `valid`: with
-    --documents, the valid positions of the global batch (documents.global_valid)."""
+    --documents, the valid positions of the global batch (documents.global_valid).
+    `loss_scale`: S of --mixed fp16, the gradient backward starts from (the loss itself
+    is reported unscaled)."""
     scale = 1.0 / cfg.microbatches
     positions = cfg.batch * cfg.seq_len   # of the global batch: the masked loss's P
 
@@ -252,8 +290,10 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
         worker = executor.StageWorker(
             mesh.pp, chunks, x, y, slices, last_stage_loss, scale, boundary_shape(cfg),
             len(chunks), split_backward=cfg.schedule in schedules.SPLIT_BACKWARD,
-            rank=mesh.rank, dtype=cfg.dtype, layout=schedules.layout_of(cfg.schedule),
+            rank=mesh.rank, dtype=precision.LOW if cfg.mixed else cfg.dtype,  # 16-bit
+            layout=schedules.layout_of(cfg.schedule),    # activations between stages
             rows_over=rows_over, boundary_rows_over=boundary_rows_over)
+        worker.loss_scale = loss_scale
         return executor.forward_backward(worker, cfg.schedule, cfg.microbatches,
                                                   timeline)
     total = 0.0
@@ -266,7 +306,7 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
         if placement.ON:  # what the gradient sync expects: at most a mean over dp (x cp)
             placement.loss("the gradient sync", loss, mesh.dp_cp)
         with trace.span("backward", microbatch=m, chunk=0):
-            loss.backward()
+            loss.backward(loss_scale)
         trace.release((0, m))
         total += loss.item()
     return total
@@ -297,7 +337,8 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
         with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"), \
                 placement.checking(cfg.check_placements,   # placement/__init__.py: on or off
                                    {axis: getattr(mesh, axis).size for axis in MESH_AXES}), \
-                trace.recording(cfg.trace, mesh, cfg.as_json()):  # --trace DIR: timelines
+                trace.recording(cfg.trace, mesh, cfg.as_json()), \
+                precision.use(cfg.mixed, cfg.dtype):   # --mixed: 16-bit ops (precision.py)
             return train_on_mesh(cfg, mesh, on_step)
     finally:  # also when a step diverges: a sweep or a notebook builds many meshes
         mesh.free()
@@ -318,6 +359,8 @@ def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
     start = save_load.restore_optimizer(optimizer, params, saved, updater) if saved else 0
     if saved:  # sigmoid-bias: every block's b as saved (replicated: any mesh takes it whole)
         routing.set_bias_values(chunks, saved.manifest.get("router_bias", {}))
+    if saved and scaler_of(updater) is not None and "loss_scaler" in saved.manifest:
+        scaler_of(updater).load(saved.manifest["loss_scaler"])  # --mixed: S continues
     # the losses of the steps already taken (a resumed run reports all --steps of them)
     losses = list(saved.manifest.get("losses", [])) if saved else []
     timeline: list[dict] = []  # the pipeline's instructions of the last step, timed
@@ -327,7 +370,7 @@ def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
         with trace.step(step + 1):   # --trace: one span per step
             losses.append(train_step(cfg, mesh, chunks, updater, step, timeline))
         if on_step is not None:
-            step_done(on_step, step, losses[-1], norms_of(updater))
+            step_done(on_step, step, losses[-1], norms_of(updater), scaler_of(updater))
     watchdog.doing("the end of the run (gathering results, saving the checkpoint)")
     return finish(cfg, mesh, chunks, updater, losses, init, timeline)
 
@@ -358,7 +401,9 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
         # rank; tp and pp ranks hold the labels of their dp x cp peers and sum alike
         valid = int(allreduce_sum(mesh.dp_cp, np.array([documents.valid_positions(y)],
                                                        dtype=np.int64))[0])
-    local = forward_backward(cfg, mesh, chunks, x, y, timeline, valid)
+    scaler = scaler_of(updater)   # --mixed fp16: the backward starts from S
+    local = forward_backward(cfg, mesh, chunks, x, y, timeline, valid,
+                             1.0 if scaler is None else scaler.scale)
     flight.set_microbatch(None)  # the syncs below belong to the whole step
     if cfg.schedule in schedules.TWO_WAY and cfg.pp > 1:  # DualPipe: copy + copy
         executor.sum_the_two_copies(chunks, mesh.pp)
@@ -384,6 +429,8 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
     if broken:
         raise DivergedError(step + 1, cfg.steps, f"the update left {broken} numbers of the "
                             "ranks' parameters NaN or infinite", blame(cfg, first=False))
+    if cfg.mixed:  # every replica, and S, bitwise equal on every rank after every step
+        replica_check(mesh, chunks, updater, step + 1)
     ledger.enabled = True
     return loss
 
@@ -400,6 +447,8 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
     timelines = executor.gather_timeline(mesh.world, timeline)
     memory = updater.memory()  # bytes of params, grads, optimizer state on this rank
     updater.materialize()  # ZeRO-3: gather every parameter whole before reading p.data
+    if cfg.mixed:  # --mixed: what is read and saved from here on are the masters
+        updater.use_masters()
     params = [p for chunk in chunks for p in chunk.parameters()]
     final, disagreements = gather_full_params(mesh, params, cfg)
     biases = gather_biases(mesh, chunks)
@@ -410,12 +459,20 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
         with trace.span("checkpoint save", "checkpoint", folder=cfg.save):
             save_load.save(cfg.save, cfg, mesh, updater, updater.optimizer, cfg.steps,
                             losses, keep=cfg.keep, router_bias=biases[0],
-                            run=save_load.continued_run(cfg.resume))
+                            run=save_load.continued_run(cfg.resume),
+                            loss_scaler=None if scaler_of(updater) is None
+                            else scaler_of(updater).state())
     return RunResult(losses, init, final,
                      [r for rank in gathered for r in rank] if gathered else [],
                      {"replica_disagreements": disagreements,
                       # --clip-grad-norm: each step's global gradient norm on this rank
                       "gnorms": norms_of(updater),
+                      # --mixed: S after the last step and the steps skipped (parallel/mixed.py)
+                      # and each step's (S it ran with, skipped?) on this rank
+                      **({} if scaler_of(updater) is None else
+                         {"loss_scale": scaler_of(updater).scale,
+                          "skipped": scaler_of(updater).skipped,
+                          "scale_history": updater.mixed.history}),
                       "memory": memory,  # memory.ModelStates of this rank, after the last step
                       # pipeline_parallel.gather_timeline: every rank's instructions of the
                       # last step with wall-clock start/end (rank 0; empty with pp = 1)
@@ -429,6 +486,51 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
                       "attention_scores": [getattr(block.attn.core, "last_scores", None)
                                            for chunk in chunks for block in chunk.blocks
                                            if hasattr(block, "attn")]})
+
+
+class ReplicaError(RuntimeError):
+    """Two copies of a replicated parameter (or of the loss scale S) differ after a step
+    of a --mixed run. Raised on every rank at the same step (all read the same digests)."""
+
+
+def scaler_of(updater: Updater) -> precision.LossScaler | None:
+    """The loss scaler of a --mixed run (parallel/mixed.py), None without --mixed."""
+    mixed = getattr(updater, "mixed", None)
+    return None if mixed is None else mixed.scaler
+
+
+def replica_check(mesh: Mesh, chunks: list[nn.Model], updater: Updater, step: int) -> None:
+    """After a --mixed step: every copy of a replicated parameter, and S, bitwise equal
+    on every rank (docs/design.md, "Mixed precision").
+
+    How, cheaply: each rank hashes the bytes of what it holds, one 8-byte digest per
+    piece, keyed by (name, part of the full array): the 16-bit compute copy, and under
+    plain data parallelism the master too (ZeRO's master slices are no replicas); and
+    the bytes of S. One allgather of these small lists over the world, then every rank
+    checks every key alike, so a disagreement stops all ranks at the same step. A
+    piece ZeRO-3 has dropped is not held and not hashed (its flat shards are no
+    replicas either)."""
+    import hashlib
+
+    def digest(a: np.ndarray) -> str:
+        return hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=8).hexdigest()
+    mine = {}
+    masters = getattr(updater, "masters", None)
+    masters = masters if isinstance(masters, list) else None   # plain DP's whole masters
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    for i, p in enumerate(params):
+        if p.data.size:
+            mine[f"{p.name}{p.full_index or ''}"] = digest(p.data)
+            if masters is not None:
+                mine[f"master {p.name}{p.full_index or ''}"] = digest(masters[i])
+    mine["loss scale S"] = digest(np.array([scaler_of(updater).scale]))
+    seen: dict[str, tuple[str, int]] = {}
+    for rank, digests in enumerate(mesh.world.allgather(mine)):
+        for key, value in digests.items():
+            first = seen.setdefault(key, (value, rank))
+            if first[0] != value:
+                raise ReplicaError(f"step {step}: {key} on rank {rank} is not bitwise equal "
+                                   f"to its copy on rank {first[1]} (replicas must agree)")
 
 
 def norms_of(updater: Updater) -> list[float]:

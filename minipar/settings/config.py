@@ -89,6 +89,10 @@ class TrainConfig:
     trace: str | None = None          # a folder for every rank's timeline (trace.py)
     clip_grad_norm: float | None = None  # clip the global gradient norm to this (clip.py)
     documents: bool = False           # --data: one document a row, padded and masked
+    mixed: str | None = None          # bf16 or fp16 compute over --dtype masters (precision.py)
+    grad_reduce_dtype: str = "master"  # --mixed: DP/ZeRO reduce main grads, or a 16-bit copy
+    loss_scale: float = 65536.0       # --mixed fp16: the initial loss scale S (a power of 2)
+    loss_scale_window: int = 1000     # --mixed fp16: clean steps before S doubles
 
     def resolved(self, world_size: int) -> TrainConfig:
         """Fill the defaults that depend on other flags (d_ff, expert_d_ff, dp)."""
@@ -250,6 +254,7 @@ def size_problems(cfg: TrainConfig, world_size: int) -> list[str]:
     if cfg.bucket_size < 1:
         out.append(f"--bucket-size must be at least 1 element (got {cfg.bucket_size})")
     out += _transformer_problems(cfg)
+    out += mixed_problems(cfg)
     out += _recompute_problems(cfg)
     out += _clip_problems(cfg)
     if out:
@@ -406,6 +411,45 @@ def _transformer_tp_problems(cfg: TrainConfig) -> list[str]:
     return out
 
 
+MIXED = ("bf16", "fp16")
+GRAD_REDUCE_DTYPES = ("master", "low")
+
+
+def mixed_problems(cfg: TrainConfig) -> list[str]:
+    """--mixed and its flags: known values, a power-of-two loss scale, a window of at
+    least one step, the scaling flags with fp16 only, a 16-bit reduction with --mixed
+    only, no full-precision bug of lesson 08 (docs/design.md, "Mixed precision"). Every
+    model and strategy runs under it."""
+    out = []
+    defaults = TrainConfig()
+    if cfg.mixed is not None and cfg.mixed not in MIXED:
+        out.append(f"--mixed must be one of {', '.join(MIXED)} (got {cfg.mixed})")
+    if cfg.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+        out.append(f"--grad-reduce-dtype must be one of {', '.join(GRAD_REDUCE_DTYPES)} "
+                   f"(got {cfg.grad_reduce_dtype})")
+    if not (cfg.loss_scale > 0 and math.isfinite(cfg.loss_scale)) or \
+            math.frexp(cfg.loss_scale)[0] != 0.5:
+        out.append(f"--loss-scale must be a positive power of two, so scaling is exact "
+                   f"(got {cfg.loss_scale:g})")
+    if cfg.loss_scale_window < 1:
+        out.append(f"--loss-scale-window must be at least 1 step (got {cfg.loss_scale_window})")
+    if cfg.mixed is None:
+        if cfg.grad_reduce_dtype == "low":
+            out.append("--grad-reduce-dtype low reduces a 16-bit copy of the gradients: it "
+                       "needs --mixed bf16 or fp16")
+        return out
+    if cfg.inject_bug is not None and not cfg.inject_bug.startswith("mixed-"):
+        out.append(f"--inject-bug {cfg.inject_bug} is one of lesson 08's full-precision "
+                   f"bugs: run it without --mixed (the mixed-precision bugs are named "
+                   f"mixed-*)")
+    if cfg.mixed == "bf16":
+        for name in ("loss_scale", "loss_scale_window"):
+            if getattr(cfg, name) != getattr(defaults, name):
+                out.append(f"--{name.replace('_', '-')} applies to --mixed fp16 only (bf16 "
+                           "has float32's range: it trains with S = 1)")
+    return out
+
+
 def _recompute_problems(cfg: TrainConfig) -> list[str]:
     """--recompute: a known mode; selective needs attention."""
     if cfg.recompute not in RECOMPUTE:
@@ -538,6 +582,16 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
         help="transformer with --data: the file's documents (split at blank lines) are "
              "the rows, padded to --seq-len + 1 bytes; the loss is the mean over the "
              "valid positions of the global batch")
+    add("--mixed", choices=MIXED, default=None,
+        help="compute in 16 bits (bf16 or fp16) over master weights and optimizer state "
+             "in --dtype; 16-bit activations on the wire (core/precision.py)")
+    add("--grad-reduce-dtype", choices=GRAD_REDUCE_DTYPES, default=d.grad_reduce_dtype,
+        help="--mixed: the DP/ZeRO gradient reduction in the master dtype, or on a 16-bit "
+             "copy summed in 16 bits (half the bytes)")
+    add("--loss-scale", type=float, default=d.loss_scale, metavar="S",
+        help="--mixed fp16: the initial loss scale, a power of two (halved on overflow)")
+    add("--loss-scale-window", type=int, default=d.loss_scale_window, metavar="N",
+        help="--mixed fp16: clean steps after which the loss scale doubles")
     add("--inject-bug", metavar="NAME", default=None,
         help="break one thing on purpose (lesson 08); `python -m minipar bugs` lists them")
     add("--check-placements", action="store_true",

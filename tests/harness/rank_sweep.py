@@ -7,7 +7,8 @@ measured bytes of parameters, gradients and optimizer state (a list by world
 rank; `RunResult.extras["memory"]`), `scores.json`: every rank's attention
 score entries per block in the last forward (`extras["attention_scores"]`), and
 `rank_gnorms.json`: every rank's global gradient norm of each step (`extras["gnorms"]`,
-with --clip-grad-norm).
+with --clip-grad-norm), and `rank_mixed.json`: every rank's loss scale, skipped steps and
+per-step (S, skipped) history (--mixed; nulls without).
 An exception on any rank aborts the job (as `python -m mpi4py` does) with that
 rank's traceback.
 """
@@ -42,11 +43,15 @@ def main() -> None:
         scores = world.gather(result.extras["attention_scores"])
         # every rank's global gradient norm per step (--clip-grad-norm; [] without)
         norms = world.gather(result.extras["gnorms"])
+        # --mixed: every rank's S, skipped steps and per-step (S, skipped) history
+        mixed = world.gather({key: result.extras.get(key)
+                              for key in ("loss_scale", "skipped", "scale_history")})
         if world.Get_rank() == 0:
             dump(out / str(i), cfg, result)
             (out / str(i) / "memory.json").write_text(json.dumps(memory))
             (out / str(i) / "scores.json").write_text(json.dumps(scores))
             (out / str(i) / "rank_gnorms.json").write_text(json.dumps(norms))
+            (out / str(i) / "rank_mixed.json").write_text(json.dumps(mixed))
 
 
 if __name__ == "__main__":

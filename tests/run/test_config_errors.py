@@ -154,10 +154,26 @@ CASES = [
     (["--model", "gpt", "--documents"], "--documents"),             # no --data to read
     (["--model", "gpt", "--data", "{one_byte_documents}", "--documents"], "--documents"),
     (["--documents"], "--documents"),                                # the MLP reads rows
+    # mixed precision (core/precision.py, parallel/mixed.py)
+    (["--mixed", "fp8"], "--mixed"),                                 # not a 16-bit format
+    (["--mixed", "fp16", "--loss-scale", "0"], "--loss-scale"),
+    (["--mixed", "fp16", "--loss-scale", "1000"], "--loss-scale"),   # not a power of two
+    (["--mixed", "fp16", "--loss-scale-window", "0"], "--loss-scale-window"),
+    (["--grad-reduce-dtype", "low"], "--grad-reduce-dtype"),         # without --mixed
+    (["--mixed", "bf16", "--loss-scale", "1024"], "--loss-scale"),   # bf16 has no scaling
+    (["--mixed", "bf16", "--dp", "2", "--inject-bug", "dp-sum-not-mean"], "--inject-bug"),
+    # masters saved in float64, this run's in float32
+    (["--mixed", "bf16", "--dtype", "float32", "--optimizer", "adam", "--resume", "{good}",
+      "--steps", "4"],
+     "--dtype"),
+    (["--mixed", "bf16", "--optimizer", "adam", "--resume", "{good}", "--steps", "4"],
+     "--mixed"),                                                     # saved in full
 ]
 # Through the real launcher, at several world sizes: (ranks, case index).
 END_TO_END = [(4, 0), (2, 11), (1, 15), (2, 27), (2, 42), (2, 50), (2, 52), (2, 58),
-              (2, len(CASES) - 5)]   # --clip-grad-norm nan
+              (2, len(CASES) - 13),   # --clip-grad-norm nan
+              (2, len(CASES) - 8),    # --mixed fp8
+              (2, len(CASES) - 2)]    # --resume with masters of another --dtype
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,190 @@
+"""Mixed precision: 16-bit compute on top of master weights (`train --mixed {bf16,fp16}`).
+
+What this file teaches (docs/design.md, "Mixed precision"). A 16-bit float keeps 8
+(bfloat16) or 11 (float16) bits of significand, so every value it stores is the
+exact value times (1 + d) with |d| <= u, the unit roundoff:
+
+    bf16   u = 2^-8    8 exponent bits: float32's range, so no loss scaling
+    fp16   u = 2^-11   5 exponent bits: max 65504, gradients below 6e-8 flush to 0
+
+Training keeps the *master* copy of every parameter (and the optimizer state) in
+`--dtype` and computes with a 16-bit copy cast from it after each update. The rules
+every op of the model follows under the policy set here (`use`):
+
+- a matmul takes 16-bit operands, accumulates in the master dtype and rounds the
+  result once (`matmul`: NumPy has no bfloat16 BLAS, so the operands are upcast,
+  multiplied, and the result cast: what a tensor core does in hardware);
+- an elementwise op on 16-bit values rounds its output (`round_low`);
+- LayerNorm statistics, softmax, log-sum-exp and cross-entropy run in the master
+  dtype on upcast inputs (`upcast`), their outputs rounded where they feed a matmul;
+- a parameter's gradient is accumulated over microbatches in the master dtype (the
+  *main gradient*, `grad_dtype`).
+
+With no policy set (`LOW is None`, the default) every helper here is the identity
+or the plain `@`, so float64/float32 runs are bit for bit what they were.
+
+fp16's narrow range needs loss scaling: `LossScaler` multiplies the loss by S before
+backward; if a gradient overflows, every rank skips the step together and S halves;
+after `window` clean steps S doubles (Micikevicius et al. 2018).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import ml_dtypes
+import numpy as np
+
+LOW_DTYPES: dict[str, np.dtype] = {"bf16": np.dtype(ml_dtypes.bfloat16),
+                                   "fp16": np.dtype(np.float16)}
+UNIT_ROUNDOFF: dict[str, float] = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+
+LOW: np.dtype | None = None      # the compute dtype while a policy is on, else None
+MASTER: np.dtype | None = None   # the master dtype (--dtype) while a policy is on
+
+
+def low_dtype(name: str) -> np.dtype:
+    """`bf16` -> ml_dtypes.bfloat16, `fp16` -> numpy.float16."""
+    return LOW_DTYPES[name]
+
+
+def unit_roundoff(name: str) -> float:
+    """u of the 16-bit format: half the distance from 1 to the next number."""
+    return UNIT_ROUNDOFF[name]
+
+
+def name_of(dtype: np.dtype) -> str | None:
+    """The --mixed name of a 16-bit dtype (`bf16`, `fp16`), None for any other."""
+    for name, low in LOW_DTYPES.items():
+        if np.dtype(dtype) == low:
+            return name
+    return None
+
+
+def is_low(dtype: np.dtype) -> bool:
+    """Is `dtype` one of the 16-bit compute dtypes?"""
+    return name_of(dtype) is not None
+
+
+@contextlib.contextmanager
+def use(mixed: str | None, master: np.dtype | str) -> Iterator[None]:
+    """Inside this block the model's ops follow the mixed-precision rules with
+    `mixed` (`bf16`, `fp16`) as the compute dtype and `master` as the master dtype.
+    `mixed=None` leaves everything as it is (no policy)."""
+    global LOW, MASTER
+    previous = LOW, MASTER
+    if mixed is not None:
+        LOW, MASTER = low_dtype(mixed), np.dtype(master)
+    try:
+        yield
+    finally:
+        LOW, MASTER = previous
+
+
+# ------------------------------------------------------------------ casts
+def to_low(x: np.ndarray, dtype: np.dtype | None = None) -> np.ndarray:
+    """x rounded to the 16-bit dtype (round to nearest even); a 16-bit x is returned
+    as it is. `dtype` defaults to the policy's."""
+    dtype = LOW if dtype is None else dtype
+    x = np.asarray(x)
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def round_low(x: np.ndarray) -> np.ndarray:
+    """The output rule of an op: rounded to 16 bits under the policy, untouched
+    without one."""
+    return x if LOW is None else to_low(x)
+
+
+def upcast(x: np.ndarray) -> np.ndarray:
+    """x in the master dtype (exact: every 16-bit number is a float32/float64 one)
+    under the policy, untouched without one. For statistics and softmax."""
+    return x if LOW is None else np.asarray(x).astype(MASTER, copy=False)
+
+
+def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b. Under the policy: both operands rounded to 16 bits, the products summed
+    in the master dtype; the result is left in the master dtype, for the caller to
+    add a bias and then round once (`round_low`)."""
+    if LOW is None:
+        return a @ b
+    return to_low(a).astype(MASTER) @ to_low(b).astype(MASTER)
+
+
+def grad_dtype(data_dtype: np.dtype) -> np.dtype:
+    """The dtype of a parameter's (main) gradient: the master dtype under the policy,
+    else the parameter's own."""
+    return np.dtype(data_dtype) if LOW is None else MASTER
+
+
+# -------------------------------------------------------------- loss scaling
+class LossScaler:
+    """Dynamic loss scaling for fp16 (pure bookkeeping, no communication).
+
+    The loss is multiplied by `scale` before backward, so small gradients stay
+    above fp16's smallest number; the main gradients are divided by it before the
+    optimizer. `update(found_inf)` is called once per step with the verdict every
+    rank agreed on:
+
+        found_inf  -> skip this step, scale /= 2, the clean-step count restarts
+        clean      -> take it; after `window` clean steps in a row, scale *= 2
+
+    Scales stay powers of two, so multiplying and dividing by them is exact.
+    `LossScaler(1.0, window=0)` (bf16) never changes: `static=True`."""
+
+    def __init__(self, scale: float = 65536.0, window: int = 1000,
+                 static: bool = False) -> None:
+        if scale <= 0 or not is_power_of_two(scale):
+            raise ValueError(f"the loss scale must be a positive power of two, not {scale}")
+        self.scale = float(scale)
+        self.window = window
+        self.static = static
+        self.skipped = 0        # steps skipped so far
+        self.clean = 0          # clean steps since the last overflow or growth
+
+    def update(self, found_inf: bool) -> bool:
+        """Record this step's verdict; True means: skip this step's update."""
+        if self.static:
+            return False
+        if found_inf:
+            self.skipped += 1
+            self.clean = 0
+            self.scale = max(self.scale / 2.0, 2.0 ** -24)
+            return True
+        self.clean += 1
+        if self.window > 0 and self.clean >= self.window:
+            self.scale *= 2.0
+            self.clean = 0
+        return False
+
+    def state(self) -> dict:
+        """What a checkpoint keeps: the scale, the skips, the clean-step count."""
+        return {"scale": self.scale, "skipped": self.skipped, "clean": self.clean}
+
+    def load(self, state: dict) -> None:
+        """Continue from `state()` of a saved run."""
+        self.scale = float(state["scale"])
+        self.skipped = int(state["skipped"])
+        self.clean = int(state["clean"])
+
+
+def make_scaler(mixed: str | None, scale: float = 65536.0, window: int = 1000
+                ) -> LossScaler:
+    """The scaler `train` uses: dynamic for fp16, S = 1 for ever for bf16 and full
+    precision (bf16 has float32's range: nothing to rescue)."""
+    if mixed == "fp16":
+        return LossScaler(scale, window)
+    return LossScaler(1.0, 0, static=True)
+
+
+def is_power_of_two(x: float) -> bool:
+    """Is x = 2^k for an integer k (k may be negative)?"""
+    mantissa, _ = np.frexp(float(x))
+    return float(x) > 0 and np.isfinite(x) and mantissa == 0.5
+
+
+def nonfinite(arrays: list[np.ndarray]) -> bool:
+    """Does any of the arrays hold an inf or a NaN? (this rank's verdict, before the
+    MAX-Allreduce that makes it every rank's)."""
+    return any(a.size and not np.isfinite(a).all() for a in arrays)

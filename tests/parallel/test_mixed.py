@@ -1,0 +1,206 @@
+"""Mixed precision (`--mixed bf16|fp16`, docs/design.md "Mixed precision") on a mesh:
+the MLP and MoE models under DP (every sync), ZeRO 1-3, tp, sp, ep, every pipeline
+schedule, gradient clipping and checkpoints; the transformer (gpt, gpt-moe) with
+vocabulary, context (allgather/ring/zigzag/ulysses) parallelism and recomputation.
+
+One mpiexec job of 4 ranks trains every config below; each is compared with the
+one-process run in the same precision under the tolerance derived in
+run/results.py (`mixed_tolerance`: from the unit roundoff and the step count), and:
+- the replica check ran on every rank after every step (train.replica_check raises
+  ReplicaError on all ranks at once, which would end the job: the sweep passing means
+  every copy of a replicated parameter, and S, was bitwise equal after every step);
+- the ledger counts 2 bytes per element for every 16-bit collective (ZeRO's Allgather,
+  the pipeline's activations and their gradients, and the gradient reduction under
+  --grad-reduce-dtype low), the master dtype's bytes for the rest;
+- fp16 with a huge initial S overflows: every rank skips the same steps, S halves
+  until the gradients fit, and matches the one-process run's S and skips.
+
+    python -m pytest tests/parallel/test_mixed.py
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from minipar.core import precision
+from minipar.run.results import mixed_tolerance, moved_difference, relative_difference
+from minipar.run.train import ReplicaError, replica_check
+from minipar.settings.config import TrainConfig
+from tests.conftest import reference
+from tests.harness.mpi import sweep
+
+SMALL = dict(layers=2, d_model=16, batch=16, steps=3, microbatches=2)
+GPT = dict(model="gpt", layers=2, d_model=16, heads=2, seq_len=8, batch=8, steps=3)
+CONFIGS = [
+    dict(SMALL, mixed="bf16", grad_sync="naive"),
+    dict(SMALL, mixed="bf16", grad_sync="bucketed", optimizer="adam"),
+    dict(SMALL, mixed="bf16", grad_sync="overlapped", grad_reduce_dtype="low"),
+    dict(SMALL, mixed="bf16", zero=1, optimizer="adam"),
+    dict(SMALL, mixed="bf16", zero=2, grad_reduce_dtype="low"),
+    dict(SMALL, mixed="bf16", zero=3, optimizer="adam"),
+    dict(SMALL, mixed="fp16", grad_sync="bucketed", optimizer="adam", dtype="float32"),
+    dict(SMALL, mixed="fp16", zero=1, grad_reduce_dtype="low"),
+    dict(SMALL, mixed="fp16", zero=2, optimizer="adam"),
+    dict(SMALL, mixed="fp16", zero=3, grad_reduce_dtype="low"),
+    # pipelines: 16-bit activations and activation gradients between the stages
+    dict(SMALL, mixed="fp16", dp=2, pp=2, layers=4, microbatches=4),
+    dict(SMALL, mixed="bf16", dp=2, pp=2, layers=4, microbatches=4, schedule="zb-h1"),
+    dict(SMALL, mixed="fp16", dp=2, pp=2, layers=4, microbatches=4, schedule="interleaved",
+         virtual=2, zero=1, optimizer="adam"),
+    dict(SMALL, mixed="bf16", dp=2, pp=2, layers=4, microbatches=4, schedule="dualpipe"),
+    dict(SMALL, mixed="fp16", pp=4, layers=4, microbatches=4, schedule="gpipe",
+         grad_reduce_dtype="low"),
+    # tensor (and sequence) parallelism: fc2's partial sums added in the master dtype
+    dict(SMALL, mixed="bf16", dp=2, tp=2),
+    dict(SMALL, mixed="fp16", dp=2, tp=2, sp=True, zero=1),
+    dict(SMALL, mixed="bf16", tp=2, pp=2, layers=4, microbatches=4, sp=True),
+    # MoE: the router's probabilities and the aux loss in the master dtype, 16-bit
+    # tokens through the Alltoallv; and gradient clipping on the unscaled gradients
+    dict(SMALL, mixed="bf16", model="moe", experts=4, expert_d_ff=16, dp=4, ep=2),
+    dict(SMALL, mixed="fp16", model="moe", experts=4, expert_d_ff=16, dp=2, ep=2, pp=2,
+         zero=1, layers=4, microbatches=4),
+    dict(SMALL, mixed="fp16", dp=4, zero=2, clip_grad_norm=0.05),
+    dict(SMALL, mixed="bf16", dp=2, tp=2, clip_grad_norm=0.05, optimizer="adam"),
+    # the transformer: attention's scores and softmax in the master dtype, P and V 16-bit
+    # in P V; vocabulary parallelism, context parallelism (the ring's K/V blocks and
+    # Ulysses' Alltoalls as 16-bit words), gpt-moe with recomputation
+    dict(GPT, mixed="bf16", tp=2, cp=2, cp_mode="zigzag", sp=True),
+    dict(GPT, mixed="fp16", dp=2, cp=2, cp_mode="ring", zero=2),
+    dict(GPT, mixed="bf16", cp=2, pp=2, cp_mode="ulysses", microbatches=2),
+    dict(GPT, mixed="fp16", model="gpt-moe", experts=4, expert_d_ff=16, dp=2, ep=2, tp=2,
+         recompute="full"),
+    # S = 2^20: the scaled gradients overflow fp16 (max 65504) until S has halved; after
+    # 2 clean steps S doubles, and overflows again
+    dict(SMALL, mixed="fp16", zero=2, steps=6, loss_scale=2.0 ** 20, loss_scale_window=2),
+]
+# checkpoints hold the masters and S: 2 of the 6 steps above saved, then resumed on the
+# same mesh (bitwise the run above) and under another strategy (ZeRO-0: within the
+# tolerance, and the one-process run's S)
+RESUMES = [dict(CONFIGS[-1], steps=2, save="{ckpt}"),
+           dict(CONFIGS[-1], resume="{ckpt}"),
+           dict(CONFIGS[-1], zero=0, grad_sync="naive", resume="{ckpt}")]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mixed")
+    resumes = [{k: str(folder / "ckpt") if v == "{ckpt}" else v for k, v in c.items()}
+               for c in RESUMES]
+    return sweep(4, CONFIGS + resumes, folder, timeout=240)
+
+
+def label(cfg: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in cfg.items() if k not in SMALL or k == "model")
+
+
+@pytest.mark.parametrize("index", range(len(CONFIGS)))
+def test_mixed_run_within_the_derived_tolerance(runs, index):
+    cfg, run = CONFIGS[index], runs[index]
+    ref = reference(**cfg)
+    loss_tol, param_tol = mixed_tolerance(TrainConfig(**cfg).resolved(4))
+    loss_rel = relative_difference(run["losses"], ref.losses)
+    moved, where = moved_difference(run["final"], ref.final, ref.init)
+    assert loss_rel <= loss_tol, f"{label(cfg)}: losses {loss_rel:.3g} > {loss_tol:.3g}"
+    assert moved <= param_tol, f"{label(cfg)}: {where} {moved:.3g} > {param_tol:.3g}"
+    # the masters are what ends up in final.npz: in --dtype, not rounded to 16 bits
+    low = precision.low_dtype(cfg["mixed"])
+    name = "embed.weight" if "embed.weight" in run["final"] else "tok_embed.weight"
+    assert run["final"][name].dtype == np.dtype(cfg.get("dtype", "float64")), label(cfg)
+    assert not np.array_equal(run["final"][name].astype(low).astype(np.float64),
+                              run["final"][name]), f"{label(cfg)}: masters look 16-bit"
+    # S and the skips: one value on every rank, the one-process run's
+    mixed = json.loads((run["job_folder"] / "rank_mixed.json").read_text())
+    assert all(m == mixed[0] for m in mixed), f"{label(cfg)}: ranks disagree on S: {mixed}"
+    assert (mixed[0]["loss_scale"], mixed[0]["skipped"]) == (
+        ref.extras["loss_scale"], ref.extras["skipped"]), label(cfg)
+
+
+@pytest.mark.parametrize("index", range(len(CONFIGS)))
+def test_16_bit_collectives_count_two_bytes(runs, index):
+    cfg, run = CONFIGS[index], runs[index]
+    master = np.dtype(cfg.get("dtype", "float64")).itemsize
+    low_reduce = cfg.get("grad_reduce_dtype") == "low"
+    for r in run["ledger"]:
+        if r["op"] == "Allreduce" and r["elements"] == r["calls"]:
+            # scalars: the found_inf vote (int32, over the world), the clip's norm (float)
+            assert r["bytes"] in (4 * r["calls"], master * r["calls"]), r
+            continue
+        if r["op"] == "Alltoall" and r["group"] == "ep":   # MoE's token counts (int64)
+            assert r["bytes"] == 8 * r["elements"], r
+            continue
+        moves_only = r["op"] in ("Allgatherv", "Allgather", "Isend", "Irecv", "Recv",
+                                 "Sendrecv", "Alltoall", "Alltoallv")  # 16-bit words
+        if r["op"] == "Sendrecv" and r["group"] == "pp":   # DualPipe's gradient copies
+            moves_only = False
+        # sums: DP/ZeRO's in 16 bits under --grad-reduce-dtype low; tp's partial sums
+        # (and DualPipe's gradient copies) in the master dtype
+        low_sum = low_reduce and r["group"] == "dp"
+        itemsize = 2 if moves_only or low_sum else master
+        assert r["bytes"] == itemsize * r["elements"], f"{label(cfg)}: {r}"
+
+
+def test_fp16_overflow_skips_on_every_rank_together(runs):
+    cfg, run = CONFIGS[-1], runs[len(CONFIGS) - 1]
+    mixed = json.loads((run["job_folder"] / "rank_mixed.json").read_text())
+    histories = [m["scale_history"] for m in mixed]
+    assert all(h == histories[0] for h in histories), histories
+    skips = [skipped for _, skipped in histories[0]]
+    assert skips[0] and not all(skips), histories[0]   # overflowed first, then trained
+    scales = [scale for scale, _ in histories[0]]
+    for (s, skipped), nxt in zip(histories[0], scales[1:]):  # halved on a skip
+        assert nxt == s / 2 if skipped else nxt in (s, 2 * s), histories[0]
+    assert any(b == 2 * a for a, b in zip(scales, scales[1:])), histories[0]  # it grew
+    assert scales[0] == 2.0 ** 20 and mixed[0]["skipped"] == sum(skips)
+    # the skipped steps left the parameters alone: the loss of the step after a skip
+    # is computed from the same parameters, on other data, so only the count is checked
+    assert mixed[0]["skipped"] == reference(**cfg).extras["skipped"]
+
+
+def test_replica_check_stops_on_one_differing_copy():
+    """replica_check's verdict: the same on every rank, raised when two ranks' digests
+    of one parameter differ (a fake world hands back two ranks' digests)."""
+    w = np.ones((2, 2))
+    p = SimpleNamespace(name="w", full_index=None, data=w)
+    chunk = SimpleNamespace(parameters=lambda: [p])
+    updater = SimpleNamespace(mixed=SimpleNamespace(scaler=precision.LossScaler(4.0)),
+                              masters=None)
+
+    class World:
+        def __init__(self, other: np.ndarray) -> None:
+            self.other = other
+
+        def allgather(self, mine: dict) -> list[dict]:
+            p.data = self.other
+            theirs = {}
+            replica_check(SimpleNamespace(world=SimpleNamespace(
+                allgather=lambda d: theirs.update(d) or [d])), [chunk], updater, 1)
+            p.data = w
+            return [mine, theirs]
+
+    replica_check(SimpleNamespace(world=World(w.copy())), [chunk], updater, 1)
+    bumped = w.copy()
+    bumped[0, 0] = np.nextafter(1.0, 2.0)   # one ulp: bitwise different
+    with pytest.raises(ReplicaError, match="w on rank 1"):
+        replica_check(SimpleNamespace(world=World(bumped)), [chunk], updater, 1)
+
+
+def test_resume_continues_from_the_masters_and_s(runs):
+    whole, resumed, elsewhere = runs[len(CONFIGS) - 1], runs[-2], runs[-1]
+    assert resumed["losses"] == whole["losses"]      # the same mesh: bit for bit
+    for name, value in whole["final"].items():
+        assert np.array_equal(resumed["final"][name], value), name
+    cfg = CONFIGS[-1]
+    mixed = [json.loads((r["job_folder"] / "rank_mixed.json").read_text())[0]
+             for r in (whole, resumed, elsewhere)]
+    assert mixed[1]["scale_history"] == mixed[0]["scale_history"][2:]  # S went on
+    ref = reference(**cfg)                            # another mesh: within tolerance
+    for m in mixed:
+        assert (m["loss_scale"], m["skipped"]) == (ref.extras["loss_scale"],
+                                                   ref.extras["skipped"]), mixed
+    loss_tol, param_tol = mixed_tolerance(TrainConfig(**cfg).resolved(4))
+    assert relative_difference(elsewhere["losses"], ref.losses) <= loss_tol
+    assert moved_difference(elsewhere["final"], ref.final, ref.init)[0] <= param_tol
