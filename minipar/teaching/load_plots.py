@@ -249,13 +249,16 @@ def balance_figure(histories: dict[float, Sequence[dict]], capacity_factor: floa
     imbalance (max/mean assignments per expert) and the share of assignments dropped
     at capacity, step by step (`histories[coef]` = records with step, imbalance,
     dropped)."""
+    from minipar.teaching.plots import series_style  # plots imports this module
+
     figure = Figure(figsize=(11, 3.8), layout="constrained")
     left, right = figure.subplots(1, 2)
     for i, (coef, history) in enumerate(histories.items()):
         steps = [h["step"] for h in history]
         label = "no aux loss" if coef == 0 else f"aux coef {coef:g}"
-        left.plot(steps, [h["imbalance"] for h in history], color=f"C{i}", label=label)
-        right.plot(steps, [100 * h["dropped"] for h in history], color=f"C{i}", label=label)
+        style = dict(series_style(i), markevery=max(1, len(steps) // 10), markersize=5)
+        left.plot(steps, [h["imbalance"] for h in history], label=label, **style)
+        right.plot(steps, [100 * h["dropped"] for h in history], label=label, **style)
     left.axhline(1.0, color="black", ls=":", lw=1, label="perfect balance")
     left.set_ylim(0, None)
     left.set_ylabel("imbalance: max / mean assignments")
