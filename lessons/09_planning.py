@@ -392,7 +392,6 @@ def dp_figure(rows: list[tuple[int, Estimate]]) -> Figure:
     draw_time(ax, bars, "GPUs (tp and pp as the model needs, the rest dp)",
               scale={str(gpus): float(gpus) for gpus, _ in rows})
     ax.set_ylabel("GPU-seconds per step (flat = perfect scaling)")
-    ax.legend(fontsize=8, loc="upper left", ncol=3)
     twin = ax.twinx()
     twin.plot(np.arange(len(rows)), [100 * mfu(w, H100, g, e.timing.total) for g, e in rows],
               "D-", color="black")
@@ -405,8 +404,10 @@ def dp_figure(rows: list[tuple[int, Estimate]]) -> Figure:
     twin.set_yticks(np.arange(0, top + 1, 10))
     twin.set_ylabel("MFU, % (the line; at most the 50% efficiency)")
     figure.suptitle("DP for the rest: the 70B, global batch 1024 x 4096 tokens", fontsize=11)
-    twin.legend(handles=[Line2D([], [], color="black", marker="D", label="MFU (right axis)")],
-                fontsize=8, loc="upper right")
+    handles, _ = ax.get_legend_handles_labels()   # one legend, under the plot
+    ax.legend(handles=[*handles, Line2D([], [], color="black", marker="D",
+                                        label="MFU (right axis)")],
+              fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=6)
     return figure
 
 
