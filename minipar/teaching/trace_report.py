@@ -343,7 +343,7 @@ def figure(doc: dict, title: str = "") -> object:
     cfg = info["config"]
     ax.set_title((title + "\n" if title else "") + (
         f"measured: bubble {m.bubble:.1%}, " if m.bubble is not None else "measured: ")
-        + f"communication hidden under compute {m.hidden:.1%}{by_axis_text(m)}; {ranks} ranks on "
+        + f"communication hidden under compute {m.hidden:.1%}{by_axis_text(m)};\n{ranks} ranks on "
         f"{info.get('cores', '?')} cores" + (" (oversubscribed)" if info.get("cores")
                                              and ranks > info["cores"] else "")
         + f"; dp={cfg['dp']} tp={cfg['tp']} pp={cfg['pp']} cp={cfg.get('cp', 1)}",
