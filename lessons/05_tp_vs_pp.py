@@ -225,6 +225,11 @@ def the_table(rows: dict[str, dict]) -> None:
     say(*[row["check"] for row in rows.values()])
 
 
+def unbroken(values: list) -> str:
+    """`[4,3,2,1]`: a list without spaces, which a wrapped title keeps on one line."""
+    return "[" + ",".join(map(str, values)) + "]"
+
+
 def the_bubble(rows: dict[str, dict]) -> list[float]:
     """Part 3: PP's bubble for M = 1, 4, 8 (M = 4 is the run of part 2)."""
     say(f"\n=== 3. PP's bubble against microbatches (pp = {size}, 1F1B, the same batch)",
@@ -310,8 +315,8 @@ def figures(rows: dict[str, dict], held: dict[str, dict], folder: Path) -> None:
         {name: [ModelStates(params=p, grads=0, optimizer=0) for p in held[name]["params"]]
          for name in rows}, {name: whole for name in rows}, "the whole model's parameters",
         f"parameters and peak saved activations on each of the {size} ranks (1F1B, M = 4): "
-        f"microbatches alive at once per rank, TP {rows['TP']['flight']}, "  # unbroken lists
-        f"PP {rows['PP']['flight']}".replace(", ", ",").replace(",T", ", T").replace(",P", ", P"),
+        f"microbatches alive at once per rank, TP {unbroken(rows['TP']['flight'])}, "
+        f"PP {unbroken(rows['PP']['flight'])}",
         activations={name: row["acts_per_rank"] for name, row in rows.items()}),
         folder / "05_memory.png")))
 
