@@ -314,7 +314,7 @@ def figures(rows: dict[str, dict], held: dict[str, dict], folder: Path) -> None:
     say("figure: " + str(save(memory_figure(
         {name: [ModelStates(params=p, grads=0, optimizer=0) for p in held[name]["params"]]
          for name in rows}, {name: whole for name in rows}, "the whole model's parameters",
-        f"parameters and peak saved activations on each of the {size} ranks (1F1B, M = 4): "
+        f"parameters and peak saved activations on each of the {size} ranks (1F1B, M=4): "
         f"microbatches alive at once per rank, TP {unbroken(rows['TP']['flight'])}, "
         f"PP {unbroken(rows['PP']['flight'])}",
         activations={name: row["acts_per_rank"] for name, row in rows.items()}),
