@@ -290,7 +290,8 @@ def bias_figure(loads: dict[str, np.ndarray], folder: Path) -> None:
     """Rank 0: imbalance step by step per balancer, and the final load per expert."""
     from matplotlib.figure import Figure
 
-    from minipar.teaching.plots import save, series_style
+    from minipar.teaching.load_plots import series_style
+    from minipar.teaching.plots import save
 
     figure = Figure(figsize=(11, 3.8), layout="constrained")
     left, right = figure.subplots(1, 2)

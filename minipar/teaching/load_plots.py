@@ -77,6 +77,20 @@ def draw_gantt(ax: Axes, bars: Sequence[dict], row_names: dict[int, str], unit: 
     ax.set_title(title, fontsize=10)
 
 
+# 16 colours and 16 markers, both distinct for the first 16 series (matplotlib's cycle
+# has 10 colours: bug 11 would look like bug 1)
+SERIES_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
+                 "tab:pink", "tab:gray", "tab:olive", "tab:cyan", "black", "gold", "navy",
+                 "lime", "darkred", "teal")
+SERIES_MARKERS = "osD^v<>pP*hXd8H+"
+
+
+def series_style(i: int) -> dict:
+    """Line style of series i: its own colour AND its own marker (distinct up to 16)."""
+    return {"color": SERIES_COLORS[i % len(SERIES_COLORS)],
+            "marker": SERIES_MARKERS[i % len(SERIES_MARKERS)], "fillstyle": "none"}
+
+
 def gantt_legend(figure: Figure, kinds: Iterable[str], chunks: bool, waits: bool) -> None:
     names = dict(KIND_NAMES, B="backward: input gradient") if "W" in kinds else KIND_NAMES
     handles = [Patch(color=KIND_COLORS[k], label=names[k]) for k in ("F", "B", "W", "F&B")
@@ -249,8 +263,6 @@ def balance_figure(histories: dict[float, Sequence[dict]], capacity_factor: floa
     imbalance (max/mean assignments per expert) and the share of assignments dropped
     at capacity, step by step (`histories[coef]` = records with step, imbalance,
     dropped)."""
-    from minipar.teaching.plots import series_style  # plots imports this module
-
     figure = Figure(figsize=(11, 3.8), layout="constrained")
     left, right = figure.subplots(1, 2)
     for i, (coef, history) in enumerate(histories.items()):
