@@ -233,7 +233,7 @@ def unbroken(values: list) -> str:
 def the_bubble(rows: dict[str, dict]) -> list[float]:
     """Part 3: PP's bubble for M = 1, 4, 8 (M = 4 is the run of part 2)."""
     say(f"\n=== 3. PP's bubble against microbatches (pp = {size}, 1F1B, the same batch)",
-        "    M   formula   simulator   step ms: median (min..max over steps)   "
+        "    M   formula   simulator     step ms: median (min..max over steps)   "
         "against one process")
     bubbles, refs = [], {}
     for m in (1, 4, 8):
@@ -248,7 +248,7 @@ def the_bubble(rows: dict[str, dict]) -> list[float]:
         bubbles.append(sim)
         spread = timing.Spread.of(seconds).text(digits=1)
         say(f"  {m:3d}   {bubble_formula('1f1b', size, m):7.3f}   {sim:9.3f}   "
-            f"{spread:>38}   {check.split(': ')[-1]}")
+            f"{spread:>40}   {check.split(': ')[-1]}")
     say("  (the simulator plays the 1F1B programs with F = 1, B = 2 time units; the step",
         "   time holds more microbatches' fixed costs as M grows -- Python, Send/Recv --",
         f"   and these steps ran as {timing.where(size)[1:-1]}; lessons/04 compares the "
