@@ -47,6 +47,7 @@ from minipar.comm.collectives import Ledger
 from minipar.comm.job import run_collectively, say_in_order, verdict, wait_for_rank0
 from minipar.comm.mesh import Mesh, MeshShape
 from minipar.core import nn, timing
+from minipar.core.byte_units import format_bytes
 from minipar.core.data import make_batch, shard_rows
 from minipar.core.memory import wire_elements
 from minipar.core.threads import cores
@@ -102,7 +103,8 @@ def ledger_line(mesh: Mesh, psi: int) -> list[dict]:
             wire = wire_elements(op, entry.elements, n)
             print(f"  ledger (rank 0): {op} on {group}: {entry.calls} calls, "
                   f"{entry.elements} elements (the parameter count: {psi}); on the wire "
-                  f"{wire:.0f} = 2(N-1)/N x {psi} = {2 * (n - 1) / n * psi:.0f}", flush=True)
+                  f"{wire:.0f} elements ({format_bytes(8 * wire)}) = 2(N-1)/N x {psi} = "
+                  f"{2 * (n - 1) / n * psi:.0f}", flush=True)
     mesh.ledger.reset()
     return records
 

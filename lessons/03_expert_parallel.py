@@ -44,6 +44,7 @@ from minipar.comm.job import run_collectively, verdict
 from minipar.comm.mesh import Mesh, MeshShape
 from minipar.core import autograd as ag
 from minipar.core import fused_layers, nn, routing
+from minipar.core.byte_units import KiB, format_bytes
 from minipar.parallel.expert_parallel import ExpertParallelBlock, expected_alltoallv_elements
 from minipar.run.results import relative_difference
 from minipar.settings.preflight import lesson_arguments
@@ -289,13 +290,15 @@ def bias_figure(loads: dict[str, np.ndarray], folder: Path) -> None:
     """Rank 0: imbalance step by step per balancer, and the final load per expert."""
     from matplotlib.figure import Figure
 
+    from minipar.teaching.load_plots import series_style
     from minipar.teaching.plots import save
 
     figure = Figure(figsize=(11, 3.8), layout="constrained")
     left, right = figure.subplots(1, 2)
     width = 0.8 / len(loads)
     for i, (label, load) in enumerate(loads.items()):
-        left.plot(load.max(axis=1) / load.mean(axis=1), color=f"C{i}", label=label)
+        left.plot(load.max(axis=1) / load.mean(axis=1), label=label, markersize=5,
+                  markevery=max(1, len(load) // 10), **series_style(i))
         right.bar(np.arange(BIAS_EXPERTS) + (i - 1) * width, load[-1], width, color=f"C{i}",
                   label=label)
     left.axhline(1.0, color="black", ls=":", lw=1, label="perfect balance")
@@ -348,14 +351,15 @@ def node_limited(h: np.ndarray, r: np.ndarray) -> dict[int, dict] | None:
         f"{'rows to the other host':>23}")
     for top, f in found.items():
         reach = f"max {f['most']}, mean {f['mean']:.2f}"
-        say(f"  {top:>3} {reach:>22} {f['tokens']:>10} = {f['tokens'] * D_MODEL * 8:>6} bytes "
-            f"{f['rows']:>8} = {f['rows'] * D_MODEL * 8:>6} bytes")
+        tokens, rows = (format_bytes(f[key] * D_MODEL * 8) for key in ("tokens", "rows"))
+        say(f"  {top:>3} {reach:>22} {f['tokens']:>8} = {tokens:>9} {f['rows']:>10} = {rows:>9}")
     limited, free = found[1], found[HOSTS]
     say(f"  the ledger's check: with M = 1 no token reaches more than 1 host -> "
         f"{verdict(limited['most'] <= 1)}",
         "  cross-host bytes with each token sent once per host (DeepSeek-V3 forwards it",
-        f"  inside the node over NVLink): {free['tokens'] * D_MODEL * 8} -> "
-        f"{limited['tokens'] * D_MODEL * 8} ({limited['tokens'] / free['tokens']:.0%})",
+        f"  inside the node over NVLink): {format_bytes(free['tokens'] * D_MODEL * 8)} -> "
+        f"{format_bytes(limited['tokens'] * D_MODEL * 8)} "
+        f"({limited['tokens'] / free['tokens']:.0%})",
         "  the rows minipar's Alltoallv moves, one per (token, expert), barely change: a",
         "  token's 8 experts simply sit on one host now; the saving is in sending it once.",
         "  at full size, the planner's `deepseek-v3` preset (minipar/planner/presets.py): "
@@ -378,13 +382,13 @@ def node_figure(found: dict[int, dict], folder: Path) -> None:
     labels = [f"M = {top}" + (" (no limit)" if top == HOSTS else " (node-limited)")
               for top in found]
     x = np.arange(len(found))
-    ax.bar(x - 0.2, [f["tokens"] * D_MODEL * 8 for f in found.values()], 0.4,
+    ax.bar(x - 0.2, [f["tokens"] * D_MODEL * 8 / KiB for f in found.values()], 0.4,
            label="each token once per host (DeepSeek-V3)")
-    ax.bar(x + 0.2, [f["rows"] * D_MODEL * 8 for f in found.values()], 0.4,
+    ax.bar(x + 0.2, [f["rows"] * D_MODEL * 8 / KiB for f in found.values()], 0.4,
            label="one row per (token, expert) (minipar's Alltoallv)")
     ax.set_xticks(x, labels)
-    ax.set_ylabel("bytes sent to the other host, all ranks")
-    ax.set_ylim(0, 1.3 * max(f["rows"] * D_MODEL * 8 for f in found.values()))
+    ax.set_ylabel("KiB sent to the other host, all ranks\n(wire bytes of the dispatch)")
+    ax.set_ylim(0, 1.3 * max(f["rows"] * D_MODEL * 8 / KiB for f in found.values()))
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
     ax.set_title(f"{EXPERTS} experts on 2 hosts x 4 ranks, top-{HOST_TOP_K}, {TOKENS} "

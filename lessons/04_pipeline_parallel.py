@@ -268,7 +268,7 @@ def the_memory(runs: dict, microbatches: int = 8) -> None:
 # ----------------------------------------------------------- part 5: the check
 def the_check(runs: dict, microbatches: int = 8) -> None:
     say(f"\n=== 5. every schedule against one process (M = {microbatches}, "
-        f"{SMALL['steps']} SGD steps)")
+        f"{SMALL['steps']} SGD steps; the wall clock {timing.where(size)[1:-1]})")
     for name, virtual in SCHEDULES:
         wait_for_rank0(comm)  # the others asleep while rank 0 reran the last one alone
         cfg = config(name, microbatches, virtual)

@@ -225,24 +225,30 @@ def the_table(rows: dict[str, dict]) -> None:
     say(*[row["check"] for row in rows.values()])
 
 
+def unbroken(values: list) -> str:
+    """`[4,3,2,1]`: a list without spaces, which a wrapped title keeps on one line."""
+    return "[" + ",".join(map(str, values)) + "]"
+
+
 def the_bubble(rows: dict[str, dict]) -> list[float]:
     """Part 3: PP's bubble for M = 1, 4, 8 (M = 4 is the run of part 2)."""
     say(f"\n=== 3. PP's bubble against microbatches (pp = {size}, 1F1B, the same batch)",
-        "    M   formula   simulator   step ms (median)   against one process")
+        "    M   formula   simulator     step ms: median (min..max over steps)   "
+        "against one process")
     bubbles, refs = [], {}
     for m in (1, 4, 8):
         cfg = config(tp=1, pp=size, microbatches=m)
         if m == 4:
             row = rows.get("PP", {})
-            ms, check = row.get("ms"), row.get("check", "")
+            seconds, check = row.get("steps") or [0.0], row.get("check", "")
         else:
             result, seconds = timed_train(cfg)
-            ms = 1000 * float(np.median(seconds))
             check = checked("", cfg, result, refs) if rank == 0 else ""
         sim = simulate_schedule("1f1b", size, m).bubble
         bubbles.append(sim)
+        spread = timing.Spread.of(seconds).text(digits=1)
         say(f"  {m:3d}   {bubble_formula('1f1b', size, m):7.3f}   {sim:9.3f}   "
-            f"{ms or 0:16.1f}   {check.split(': ')[-1]}")
+            f"{spread:>40}   {check.split(': ')[-1]}")
     say("  (the simulator plays the 1F1B programs with F = 1, B = 2 time units; the step",
         "   time holds more microbatches' fixed costs as M grows -- Python, Send/Recv --",
         f"   and these steps ran as {timing.where(size)[1:-1]}; lessons/04 compares the "
@@ -308,9 +314,9 @@ def figures(rows: dict[str, dict], held: dict[str, dict], folder: Path) -> None:
     say("figure: " + str(save(memory_figure(
         {name: [ModelStates(params=p, grads=0, optimizer=0) for p in held[name]["params"]]
          for name in rows}, {name: whole for name in rows}, "the whole model's parameters",
-        f"parameters and peak saved activations on each of the {size} ranks (1F1B, M = 4): "
-        f"microbatches alive at once per rank, TP {rows['TP']['flight']}, "
-        f"PP {rows['PP']['flight']}",
+        f"parameters and peak saved activations on each of the {size} ranks (1F1B, M=4): "
+        f"microbatches alive at once per rank, TP {unbroken(rows['TP']['flight'])}, "
+        f"PP {unbroken(rows['PP']['flight'])}",
         activations={name: row["acts_per_rank"] for name, row in rows.items()}),
         folder / "05_memory.png")))
 

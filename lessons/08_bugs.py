@@ -297,17 +297,18 @@ def check_lines(cfg: TrainConfig, found: dict) -> dict[str, list[str]]:
 
 # ------------------------------------------------------------ the lesson
 def summary(results: dict[str, dict]) -> None:
+    wide = max([24, *map(len, results)])  # the longest bug name sets the first column
     say("\n=== every bug, and what caught it",
-        f"{'bug':<24} {'loss rel':>9} {'param rel':>9}  {'placements':<22}  caught by")
+        f"{'bug':<{wide}} {'loss rel':>9} {'param rel':>9}  {'placements':<22}  caught by")
     for name, found in results.items():
         if "skipped" in found:
-            say(f"{name:<24} {'skipped':>9}")
+            say(f"{name:<{wide}} {'skipped':>9}")
             continue
         worst = next(iter(found["final"].values()), 0.0)
         where = re.search(r"\[at (.*)\]", found["placement"] or "")
         stop = (where.group(1).split("/")[-1] if where else "grad sync") \
             if found["placement"] else "unseen"
-        say(f"{name:<24} {found['loss_rel']:>9.1e} {worst:>9.1e}  {stop:<22}  "
+        say(f"{name:<{wide}} {found['loss_rel']:>9.1e} {worst:>9.1e}  {stop:<22}  "
             f"{', '.join(found['caught_by']) or 'NOTHING'}")
     unseen = [n for n, f in results.items() if "skipped" not in f
               and not {"losses", "parameters"} & set(f["caught_by"])]

@@ -223,6 +223,7 @@ def data_parallel() -> list[tuple[int, Estimate]]:
 def small_scale() -> None:
     """The same functions on minipar's own mesh dp=2 tp=2 pp=2: what rank 0 will hold and
     send, which tests/planner/test_plan.py compares with a real 8-rank run, exactly."""
+    from minipar.core.byte_units import format_bytes
     from minipar.planner.memory_cost import model_states
     from minipar.planner.workloads import minipar_workload, plan_of
     from minipar.settings.config import TrainConfig
@@ -237,8 +238,11 @@ def small_scale() -> None:
         states = model_states(w, plan, shape)
         ledger = ", ".join(f"{group} {op} {calls}x ({elements} elements)" for (group, op),
                            (calls, elements) in sorted(ledger_of(traffic(w, plan, shape)).items()))
-        say(f"  stage {stage}: params {states.params} B, grads {states.grads} B, optimizer "
-            f"{states.optimizer} B; ledger: {ledger}")
+        held = {name: f"{n} bytes ({format_bytes(n)})" for name, n in
+                (("params", states.params), ("grads", states.grads),
+                 ("optimizer", states.optimizer))}
+        say(f"  stage {stage}: params {held['params']}, grads {held['grads']}, optimizer "
+            f"{held['optimizer']}; ledger: {ledger}")
     say("  tests/planner/test_plan.py runs such meshes (DP with buckets, TP+PP, SP with ZeRO-1, "
         "ZeRO-3, interleaved ZeRO-2, MoE with EP and PP) on 8 ranks: every rank holds and "
         "sends exactly this.", "")
@@ -364,13 +368,17 @@ def pp_figure(best: dict[int, Estimate], sweep: list[Estimate]) -> Figure:
     mesh = sweep[0].plan
     right.set_title(f"dp={mesh.dp} tp={mesh.tp} pp={mesh.pp}: the bubble (hatched) against M",
                     fontsize=10)
-    top = right.get_ylim()[1]  # the bubble in % on a right-hand axis: 100% at the top
-    right.plot(np.arange(len(sweep)), [top * e.bubble for e in sweep], "o-", color="black",
-               zorder=4, label="bubble (pp-1)/(M+pp-1), % (right axis)")
-    percent = right.secondary_yaxis("right", functions=(lambda s: 100 * s / top,
-                                                        lambda q: q * top / 100))
-    percent.set_ylabel("bubble, % of the pipeline's time")
-    right.legend(fontsize=8, loc="upper right")
+    # the bars in the lower 55% of the panel, the bubble line (its own % axis on the
+    # right) in the band above them: the line crosses no bar label
+    right.set_ylim(0, right.get_ylim()[1] / 0.55 * 0.8)
+    top, low, band = right.get_ylim()[1], 0.62, 0.35
+    right.plot(np.arange(len(sweep)), [top * (low + band * e.bubble) for e in sweep], "o-",
+               color="black", zorder=4, label="bubble (pp-1)/(M+pp-1), % (right axis)")
+    percent = right.secondary_yaxis("right", functions=(
+        lambda s: 100 * (s / top - low) / band, lambda q: top * (low + band * q / 100)))
+    percent.set_yticks(np.arange(0, 101, 25))
+    percent.set_ylabel("bubble, % of the pipeline's time (the line)")
+    right.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
     figure.suptitle("PP across nodes: the 70B on 512 GPUs", fontsize=11)
     return figure
 
@@ -384,15 +392,22 @@ def dp_figure(rows: list[tuple[int, Estimate]]) -> Figure:
     draw_time(ax, bars, "GPUs (tp and pp as the model needs, the rest dp)",
               scale={str(gpus): float(gpus) for gpus, _ in rows})
     ax.set_ylabel("GPU-seconds per step (flat = perfect scaling)")
-    ax.legend(fontsize=8, loc="upper left", ncol=3)
     twin = ax.twinx()
     twin.plot(np.arange(len(rows)), [100 * mfu(w, H100, g, e.timing.total) for g, e in rows],
               "D-", color="black")
-    twin.set_ylim(0, 100 * H100.efficiency * 1.25)
-    twin.set_ylabel("MFU, % (at most the 50% efficiency)")
+    # the MFU line in a band above the bars and their labels, so it crosses no number:
+    # the bars' axis grows by a third, the MFU axis's 0..50% fills its upper 35%
+    ax.set_ylim(0, 1.35 * ax.get_ylim()[1])
+    top = 100 * H100.efficiency
+    span = top / (0.97 - 0.65)              # 0% at 65% of the height, 50% at 97%
+    twin.set_ylim(-0.65 * span, 0.35 * span)
+    twin.set_yticks(np.arange(0, top + 1, 10))
+    twin.set_ylabel("MFU, % (the line; at most the 50% efficiency)")
     figure.suptitle("DP for the rest: the 70B, global batch 1024 x 4096 tokens", fontsize=11)
-    twin.legend(handles=[Line2D([], [], color="black", marker="D", label="MFU (right axis)")],
-                fontsize=8, loc="upper right")
+    handles, _ = ax.get_legend_handles_labels()   # one legend, under the plot
+    ax.legend(handles=[*handles, Line2D([], [], color="black", marker="D",
+                                        label="MFU (right axis)")],
+              fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=6)
     return figure
 
 

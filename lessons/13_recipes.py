@@ -50,6 +50,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar.comm.job import run_collectively, verdict, wait_for_rank0
+from minipar.core import timing
 from minipar.core.byte_units import KiB, format_bytes
 from minipar.parallel.pipeline.schedules import bubble_formula
 from minipar.planner import plan_table, presets, search, workloads
@@ -167,7 +168,8 @@ def main() -> None:
               + " ".join(format_bytes(t) for t in totals))
         formula = bubble_formula(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual)
         timeline = result.extras.get("timeline") or []
-        seen = f", measured {measured_bubble(timeline):.2f}" if timeline else ""
+        seen = (f", measured {measured_bubble(timeline):.2f} (wall clock, "
+                f"{timing.where(n)[1:-1]})" if timeline else "")
         print(f"  bubble: formula {formula:.2f} ({cfg.schedule}, pp {cfg.pp}, M "
               f"{cfg.microbatches}){seen}")
         print("\n".join(predicted(model, seq_len, cluster, batch, real)), flush=True)

@@ -152,7 +152,8 @@ def bytes_against_flops(fields: dict) -> None:
     weights = w.params - m.vocab * m.d_model
     balance = presets.CLUSTERS["h100"].flops * 1e12 / HBM["h100"]
     print(f"  {m.name}, bf16, context 8192 (K and V {sizes['kv_width']} wide per layer, "
-          f"grouped-query); an H100 does {balance:.0f} FLOPs per byte of HBM:")
+          f"grouped-query; GB = 1e9 bytes, as the datasheets); an H100 does {balance:.0f} FLOPs "
+          "per byte of HBM:")
     for batch in (1, 64, 512):
         moved, flops = decode_intensity(weights, sizes["kv_width"], m.layers, batch, 8192, 2,
                                         sizes["q_width"], m.layers)
@@ -251,7 +252,7 @@ def priced() -> list[tuple[str, dict]]:
              ("llama3-70b", "h100", 4, 2),
              ("llama3-405b", "h100", 16, 1), ("llama3-405b", "h100", 8, 2)]
     print("\n=== 4. priced at real scale (decode_price: the planner's H100 numbers, HBM "
-          f"{HBM['h100'] / 1e12:.2f} TB/s, context 4096, bf16)", flush=True)
+          f"{HBM['h100'] / 1e12:.2f} TB/s, context 4096, bf16; GB = 1e9 bytes)", flush=True)
     out = []
     for model, cluster, tp, pp in cases:
         for batch in (1, 64):

@@ -77,6 +77,20 @@ def draw_gantt(ax: Axes, bars: Sequence[dict], row_names: dict[int, str], unit: 
     ax.set_title(title, fontsize=10)
 
 
+# 16 colours and 16 markers, both distinct for the first 16 series (matplotlib's cycle
+# has 10 colours: bug 11 would look like bug 1)
+SERIES_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
+                 "tab:pink", "tab:gray", "tab:olive", "tab:cyan", "black", "gold", "navy",
+                 "lime", "darkred", "teal")
+SERIES_MARKERS = "osD^v<>pP*hXd8H+"
+
+
+def series_style(i: int) -> dict:
+    """Line style of series i: its own colour AND its own marker (distinct up to 16)."""
+    return {"color": SERIES_COLORS[i % len(SERIES_COLORS)],
+            "marker": SERIES_MARKERS[i % len(SERIES_MARKERS)], "fillstyle": "none"}
+
+
 def gantt_legend(figure: Figure, kinds: Iterable[str], chunks: bool, waits: bool) -> None:
     names = dict(KIND_NAMES, B="backward: input gradient") if "W" in kinds else KIND_NAMES
     handles = [Patch(color=KIND_COLORS[k], label=names[k]) for k in ("F", "B", "W", "F&B")
@@ -254,8 +268,9 @@ def balance_figure(histories: dict[float, Sequence[dict]], capacity_factor: floa
     for i, (coef, history) in enumerate(histories.items()):
         steps = [h["step"] for h in history]
         label = "no aux loss" if coef == 0 else f"aux coef {coef:g}"
-        left.plot(steps, [h["imbalance"] for h in history], color=f"C{i}", label=label)
-        right.plot(steps, [100 * h["dropped"] for h in history], color=f"C{i}", label=label)
+        style = dict(series_style(i), markevery=max(1, len(steps) // 10), markersize=5)
+        left.plot(steps, [h["imbalance"] for h in history], label=label, **style)
+        right.plot(steps, [100 * h["dropped"] for h in history], label=label, **style)
     left.axhline(1.0, color="black", ls=":", lw=1, label="perfect balance")
     left.set_ylim(0, None)
     left.set_ylabel("imbalance: max / mean assignments")

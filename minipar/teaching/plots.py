@@ -34,7 +34,7 @@ from minipar.core.nn import canonical_shapes
 from minipar.core.threads import cores
 from minipar.parallel.pipeline.schedules import replay, simulate_schedule
 from minipar.teaching.ledger_tables import RECEIVES, group_sizes, sent_per_axis, wire_bytes
-from minipar.teaching.load_plots import expert_load_figure, gantt_figure
+from minipar.teaching.load_plots import expert_load_figure, gantt_figure, series_style
 
 AXIS_COLORS = {"dp": "tab:blue", "tp": "tab:orange", "pp": "tab:green", "ep": "tab:red",
                "edp": "tab:purple", "cp": "tab:brown", "world": "tab:gray"}
@@ -192,18 +192,6 @@ def memory_figure(runs: dict[str, Sequence[ModelStates | dict]],
 
 
 # ------------------------------------------------------------------- losses
-# 16 colours and 16 markers, both distinct for the first 16 series (matplotlib's cycle
-# has 10 colours: bug 11 would look like bug 1)
-SERIES_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
-                 "tab:pink", "tab:gray", "tab:olive", "tab:cyan", "black", "gold", "navy",
-                 "lime", "darkred", "teal")
-SERIES_MARKERS = "osD^v<>pP*hXd8H+"
-
-
-def series_style(i: int) -> dict:
-    """Line style of series i: its own colour AND its own marker (distinct up to 16)."""
-    return {"color": SERIES_COLORS[i % len(SERIES_COLORS)],
-            "marker": SERIES_MARKERS[i % len(SERIES_MARKERS)], "fillstyle": "none"}
 
 
 def loss_figure(runs: dict[str, Sequence[float]], references: dict[str, Sequence[float]],

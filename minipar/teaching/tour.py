@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from minipar.core import timing
 from minipar.run.results import TOLERANCE, max_differences, relative_difference
 from minipar.run.train import problems, train, train_reference
 from minipar.settings.config import TrainConfig
@@ -129,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{title:<58} [{mesh_name(cfg)}] on the wire {moved(result.ledger, cfg)}; "
                   f"vs one process: loss {loss_diff:.1e}, params rel {rel:.1e}", flush=True)
             if cfg.trace is not None:   # the measured timeline (trace_report.measure)
-                from minipar.teaching.trace_report import load, measure
+                from minipar.teaching.trace_report import by_axis_text, load, measure
 
                 m = measure(load(cfg.trace))
                 print(f"{'':<5}traced ({cfg.trace}): bubble {m.bubble:.1%}, communication "
-                      f"hidden under compute {m.hidden:.1%}", flush=True)
+                      f"hidden under compute {m.hidden:.1%}{by_axis_text(m)}; wall clock "
+                      f"{timing.where(world.Get_size())[1:-1]}", flush=True)
         wait_for_rank0(world)  # the others asleep while rank 0 reruns the stop alone
     ok = worst <= TOLERANCE["float64"] and not skipped
     if rank == 0:

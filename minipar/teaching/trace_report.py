@@ -283,6 +283,14 @@ def report(doc: dict, measured: Measured | None = None) -> str:
     return "\n".join(lines)
 
 
+def by_axis_text(m: Measured) -> str:
+    """` (dp 8.3%, world 0.0%)`: the hidden share of each axis, when there are several
+    (the total alone would differ from what a lesson prints for one axis)."""
+    shares = m.hidden_by_axis
+    return (" (" + ", ".join(f"{a} {v:.1%}" for a, v in shares.items()) + ")"
+            if len(shares) > 1 else "")
+
+
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "backward (B)": "tab:orange",
           "backward (W)": "tab:green", "F&B": "tab:purple", "optimizer step": "tab:gray",
           "checkpoint save": "tab:brown"}
@@ -335,7 +343,7 @@ def figure(doc: dict, title: str = "") -> object:
     cfg = info["config"]
     ax.set_title((title + "\n" if title else "") + (
         f"measured: bubble {m.bubble:.1%}, " if m.bubble is not None else "measured: ")
-        + f"communication hidden under compute {m.hidden:.1%}; {ranks} ranks on "
+        + f"communication hidden under compute {m.hidden:.1%}{by_axis_text(m)};\n{ranks} ranks on "
         f"{info.get('cores', '?')} cores" + (" (oversubscribed)" if info.get("cores")
                                              and ranks > info["cores"] else "")
         + f"; dp={cfg['dp']} tp={cfg['tp']} pp={cfg['pp']} cp={cfg.get('cp', 1)}",

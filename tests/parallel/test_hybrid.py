@@ -220,11 +220,13 @@ def test_lesson_05_measures_tp_against_pp():
     assert simulated == [0.0, round(3 / 7, 3), round(1 / 5, 3)]
     for name in ("TP", "PP", "TP+PP"):
         assert re.search(rf"^{re.escape(name)} against one process: .* -> OK$", out, re.M), out
-    bubble = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s+losses .* -> OK$",
-                        out, re.M)
-    assert [int(m) for m, _, _ in bubble] == [1, 4, 8], out
-    for m, formula, simulator in bubble:
+    # each step time with its spread: median (min..max over the steps timed)
+    bubble = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+) ms \(([\d.]+)\.\."
+                        r"([\d.]+) over \d+ repeats\)\s+losses .* -> OK$", out, re.M)
+    assert [int(m) for m, *_ in bubble] == [1, 4, 8], out
+    for m, formula, simulator, median, low, high in bubble:
         assert formula == simulator == f"{3 / (int(m) + 3):.3f}"
+        assert float(low) <= float(median) <= float(high), (m, median, low, high)
     assert [float(b[2]) for b in bubble] == sorted((float(b[2]) for b in bubble), reverse=True)
     assert "TP bytes > PP bytes: True." in out and "; decreasing: True." in out, out
 

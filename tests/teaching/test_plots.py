@@ -255,3 +255,31 @@ def test_every_series_has_its_own_colour_and_marker():
     assert len({s["marker"] for s in styles}) == 12
     rgb = [matplotlib.colors.to_rgb(s["color"]) for s in styles]
     assert len(set(rgb)) == 12
+
+
+def test_balance_curves_differ_in_colour_and_marker(tmp_path):
+    """Lesson 3's aux-loss figure: each coefficient's curve has its own colour AND its own
+    marker, in both panels (told apart in grey print too), and draws the numbers given."""
+    histories = {coef: [dict(step=s, imbalance=4.0 - s * (1 + coef), dropped=0.1 * i)
+                        for s in range(3)] for i, coef in enumerate((0.0, 0.01, 0.1))}
+    figure = load_plots.balance_figure(histories, 1.0)
+    for ax in figure.axes[:2]:
+        curves = [line for line in ax.get_lines() if line.get_label() != "perfect balance"]
+        assert len(curves) == 3
+        assert len({line.get_marker() for line in curves}) == 3
+        assert len({matplotlib.colors.to_rgb(line.get_color()) for line in curves}) == 3
+    imbalance = [list(line.get_ydata()) for line in figure.axes[0].get_lines()[:3]]
+    assert imbalance[2] == pytest.approx([4.0, 2.9, 1.8])
+    assert_picture(plots.save(figure, tmp_path / "balance.png"))
+
+
+def test_trace_title_splits_the_hidden_share_by_axis():
+    """A trace's title gives the hidden share of every axis beside the total, so the
+    lesson's one-axis number (dp 8.3%) is found in the figure next to all traffic's 6.3%."""
+    from minipar.teaching.trace_report import Measured, by_axis_text
+
+    two = Measured(ranks=[], window=1, bubble=None, hidden=0.063,
+                   hidden_by_axis={"dp": 0.083, "world": 0.0})
+    assert by_axis_text(two) == " (dp 8.3%, world 0.0%)"
+    one = Measured(ranks=[], window=1, bubble=None, hidden=0.5, hidden_by_axis={"pp": 0.5})
+    assert by_axis_text(one) == ""
