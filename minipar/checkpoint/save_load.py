@@ -115,7 +115,8 @@ def pieces_to_write(world: Group, params: Sequence[nn.Parameter]) -> list[int]:
 
 def save(folder: str | Path, cfg: TrainConfig, mesh: Mesh, updater: Updater,
          optimizer: Optimizer, step: int, losses: Sequence[float] = (),
-         keep: int = 2, router_bias: dict | None = None, run: str | None = None) -> str:
+         keep: int = 2, router_bias: dict | None = None, run: str | None = None,
+         loss_scaler: dict | None = None) -> str:
     """Save this rank's params and optimizer state as a new step folder of `folder`; a
     collective over `mesh.world`. Returns the step folder's name on every rank. `run` is
     the id of the run this continues (`continued_run`); None draws a new one.
@@ -125,7 +126,9 @@ def save(folder: str | Path, cfg: TrainConfig, mesh: Mesh, updater: Updater,
     one flat slice covers (zero.py). Order of events (the module docstring): staging
     folder, shards, manifest, verify,
     switch. A failure anywhere raises CheckpointError on every rank, the previous
-    checkpoint untouched. `router_bias` (rank 0's): every block's b, into the manifest.
+    checkpoint untouched. `router_bias` (rank 0's): every block's b, into the manifest;
+    `loss_scaler` (--mixed): S and its counts, into the manifest (the parameters saved
+    are the masters: the updater's pieces under --mixed).
     """
     root, world = Path(folder), mesh.world
     held_before = root in folders._HELD
@@ -149,7 +152,7 @@ def save(folder: str | Path, cfg: TrainConfig, mesh: Mesh, updater: Updater,
     outcome = None
     if world.rank == 0:
         outcome = _finish_save(root, Path(staging), token, cfg, step, optimizer.t, entries,
-                               losses, keep, held_before, router_bias, run)
+                               losses, keep, held_before, router_bias, run, loss_scaler)
     # the published step folder, or why the save failed -> every rank
     name, error = world.bcast(outcome)
     if error:
@@ -197,14 +200,15 @@ def _start_save(root: Path, step: int) -> tuple[str | None, str | None, str | No
 def _finish_save(root: Path, staging: Path, token: str, cfg: TrainConfig, step: int,
                  optimizer_t: int, entries: list, losses: Sequence[float], keep: int,
                  held_before: bool, router_bias: dict | None = None,
-                 run: str | None = None) -> tuple[str | None, str | None]:
+                 run: str | None = None, loss_scaler: dict | None = None
+                 ) -> tuple[str | None, str | None]:
     """Rank 0: the manifest, a full read-back, the switch of `latest`; on any failure the
     staging folder is removed and `latest` stays. Returns (step folder, error)."""
     try:
         errors = [error for _, error in entries if error]
         if not errors:
             write_manifest(staging, cfg, step, optimizer_t, [e for e, _ in entries], losses,
-                           router_bias, run)
+                           router_bias, run, loss_scaler)
             errors = verify(staging)
         if not errors:
             return folders.publish(root, staging, step, token, keep), None
@@ -325,7 +329,7 @@ def folder_problems(folder: Path) -> list[str]:
 MUST_MATCH = ("model", "layers", "d_in", "d_model", "d_ff", "classes", "experts",
               "expert_d_ff", "top_k", "capacity_factor", "aux_coef", "batch", "seed",
               "optimizer", "dtype", "vocab", "seq_len", "heads", "data", "documents",
-              "shared_experts", "router")
+              "shared_experts", "router", "mixed")
 
 
 def mismatches(manifest: dict, cfg: TrainConfig) -> list[str]:

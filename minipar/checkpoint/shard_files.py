@@ -104,13 +104,15 @@ def write_shard(folder: Path, rank: int, world: int, pieces: Sequence[nn.Paramet
 
 def write_manifest(folder: Path, cfg: TrainConfig, step: int, optimizer_t: int,
                    entries: list[dict], losses: Sequence[float] = (),
-                   router_bias: dict | None = None, run: str | None = None) -> None:
+                   router_bias: dict | None = None, run: str | None = None,
+                   loss_scaler: dict | None = None) -> None:
     """The last file of a save: what was saved, from which mesh, every shard's checksum,
     which run and model it belongs to (checkpoint/owner.py: `run` None draws a new id),
     and the manifest's own checksum (`seal`), so a hand edit of any field is caught.
     `router_bias`: the sigmoid-bias router's b of every block by name (routing.py), not
     a parameter and replicated everywhere, so kept whole here (JSON floats read back
-    bit for bit)."""
+    bit for bit). `loss_scaler`: --mixed's S and its counts (precision.LossScaler.state),
+    the same on every rank."""
     saved_config = {k: v for k, v in cfg.as_json().items() if k not in RUN_ONLY}
     shapes = nn.canonical_shapes(cfg.model_config())
     manifest = {
@@ -128,6 +130,8 @@ def write_manifest(folder: Path, cfg: TrainConfig, step: int, optimizer_t: int,
     if router_bias:
         manifest["router_bias"] = {name: [float(x) for x in np.asarray(value)]
                                    for name, value in sorted(router_bias.items())}
+    if loss_scaler is not None:
+        manifest["loss_scaler"] = loss_scaler
     atomic_write(folder / MANIFEST, json.dumps(seal(manifest), indent=1).encode())
 
 

@@ -55,6 +55,7 @@ from mpi4py import MPI
 
 from minipar import placement
 from minipar.comm import flight, trace, watchdog
+from minipar.core import precision
 from minipar.core.autograd import Tensor
 from minipar.placement import Partial, Replicate, Shard
 
@@ -253,12 +254,26 @@ class Group:
 
 
 # --------------------------------------------------- array helpers (no autograd)
+def _wire(x: np.ndarray) -> np.ndarray:
+    """A 16-bit array as its uint16 view, the only way MPI can move bfloat16 (--mixed,
+    comm/low_precision.py); any other array as it is."""
+    return x.view(np.uint16) if precision.is_low(x.dtype) else x
+
+
+def _summable(x: np.ndarray) -> np.ndarray:
+    """What an MPI sum runs on: a 16-bit array upcast to the master dtype (partial sums
+    are added in the master dtype and rounded once after: docs/design.md, "Mixed
+    precision"); any other array as it is."""
+    return x.astype(precision.MASTER or np.float32) if precision.is_low(x.dtype) else x
+
+
 def allreduce_sum(group: Group, x: np.ndarray) -> np.ndarray:
-    """Sum `x` over the group into a new array."""
-    out = np.ascontiguousarray(x).copy()
+    """Sum `x` over the group into a new array (a 16-bit x: summed in the master dtype,
+    then rounded once)."""
+    out = np.ascontiguousarray(_summable(x)).copy()
     if group.size > 1:
         group.Allreduce(MPI.IN_PLACE, out, op=MPI.SUM)  # x from every rank -> their sum
-    return out
+    return out.astype(x.dtype, copy=False)
 
 
 def allgather_axis(group: Group, x: np.ndarray, axis: int) -> np.ndarray:
@@ -266,7 +281,8 @@ def allgather_axis(group: Group, x: np.ndarray, axis: int) -> np.ndarray:
     if group.size == 1:
         return x
     gathered = np.empty((group.size, *x.shape), dtype=x.dtype)
-    group.Allgather(np.ascontiguousarray(x), gathered)  # x (shape) -> (N, shape) on all
+    # x (shape) -> (N, shape) on all (--mixed: 16-bit words)
+    group.Allgather(_wire(np.ascontiguousarray(x)), _wire(gathered))
     return np.concatenate(list(gathered), axis=axis)
 
 
@@ -282,10 +298,10 @@ def reduce_scatter_rows(group: Group, x: np.ndarray, axis: int = 0) -> np.ndarra
     the transformer's sequence parallelism cuts positions, axis 1 of (B, T, d))."""
     if group.size == 1:
         return x
-    front = np.ascontiguousarray(np.moveaxis(x, axis, 0))  # MPI cuts the leading axis
-    out = np.empty((front.shape[0] // group.size, *front.shape[1:]), dtype=x.dtype)
+    front = np.ascontiguousarray(np.moveaxis(_summable(x), axis, 0))  # MPI cuts axis 0
+    out = np.empty((front.shape[0] // group.size, *front.shape[1:]), dtype=front.dtype)
     group.Reduce_scatter_block(front, out, op=MPI.SUM)     # (N b, ..) -> (b, ..)
-    return np.ascontiguousarray(np.moveaxis(out, 0, axis))
+    return np.ascontiguousarray(np.moveaxis(out, 0, axis)).astype(x.dtype, copy=False)
 
 
 # ------------------------------------------------------- autograd collectives
@@ -367,8 +383,11 @@ def reduce_scatter(x: Tensor, group: Group, axis: int = 0) -> Tensor:
     Placement: Partial -> Shard(axis)."""
     if group.size == 1:
         return x
+    # the gradient comes back as an Allgather: 16-bit words under --mixed (its values
+    # are 16-bit numbers even when x, a partial sum, was kept in the master dtype)
     out = Tensor.from_op(reduce_scatter_rows(group, x.data, axis), (x,),
-                         lambda g: x.accumulate(allgather_axis(group, g, axis), fresh=True))
+                         lambda g: x.accumulate(allgather_axis(
+                             group, precision.round_low(g), axis), fresh=True))
     return placement.transition("reduce_scatter (a Reduce_scatter)", x, group, Partial,
                                 Shard(axis % x.ndim), out) if placement.ON else out
 

@@ -33,7 +33,8 @@ _OPS: dict[str, MPI.Op] = {}
 
 def wire(x: np.ndarray) -> np.ndarray:
     """What MPI is handed: a 16-bit array as its uint16 view (the same memory, no copy);
-    any other array as it is."""
+    any other array as it is. (collectives.py's array helpers do the same for the
+    collectives inside the model.)"""
     return x.view(np.uint16) if precision.is_low(x.dtype) else x
 
 

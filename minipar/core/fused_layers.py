@@ -45,14 +45,16 @@ from minipar.core.documents import IGNORE
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+           partial: bool = False) -> Tensor:
     """y = x @ W + b, one fused node. Weights are (in, out); x is (rows, in) or, for a
     sequence model, (B, T, in): every leading axis counts as rows.
     Backward: dx = g W^T, dW = x^T g, db = sum_rows g (the sums run over all B*T rows).
     The rows are flattened to one (N, in) matrix first: one BLAS call, not one per row
-    of a stacked matmul."""
+    of a stacked matmul. `partial=True` (a row-parallel share, tensor_parallel.py): under
+    --mixed the output stays in the master dtype, to be summed over tp before rounding."""
     if _mp.LOW is not None:  # --mixed: 16-bit operands, master sums, one rounding
-        return _linear_mixed(x, weight, bias)
+        return _linear_mixed(x, weight, bias, partial)
     xd, wd = x.data, weight.data
     flat = xd.ndim == 2                                          # (rows, in): no reshapes
     rows_in = xd if flat else xd.reshape(-1, xd.shape[-1])      # (N, in), a view
@@ -76,16 +78,18 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return _linear_placed(Tensor.from_op(out, parents, backward), x, weight, bias)
 
 
-def _linear_mixed(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def _linear_mixed(x: Tensor, weight: Tensor, bias: Tensor | None, partial: bool = False
+                  ) -> Tensor:
     """`linear` under the mixed-precision policy (core/precision.py): every matmul
     takes 16-bit operands and sums in the master dtype; the output, dx, dW and db are
-    each rounded once to 16 bits (dW and db then add into the master main gradient)."""
+    each rounded once to 16 bits (dW and db then add into the master main gradient).
+    `partial`: the output is left unrounded in the master dtype (a partial sum)."""
     shape = x.data.shape
     rows_in = _mp.to_low(x.data).reshape(-1, shape[-1])                 # (N, in), 16-bit
     out = _mp.matmul(rows_in, weight.data)                              # master sums
     if bias is not None:
         out += _mp.upcast(bias.data)
-    out = _mp.to_low(out).reshape(*shape[:-1], out.shape[-1])           # rounded once
+    out = (out if partial else _mp.to_low(out)).reshape(*shape[:-1], out.shape[-1])
     parents = (x, weight) if bias is None else (x, weight, bias)
 
     def backward(g: np.ndarray) -> None:
@@ -109,6 +113,15 @@ def _linear_placed(result: Tensor, x: Tensor, weight: Tensor, bias: Tensor | Non
         layer = weight.name.removesuffix(".weight")
         _pl.follow(result, _pl.linear(f"{layer} linear", x, weight, bias), f"{layer} output")
     return result
+
+
+def round_low(a: Tensor) -> Tensor:
+    """a rounded to 16 bits under --mixed (core/precision.py), a itself without it.
+    Backward: the gradient passes unchanged (rounding is the identity to first order)."""
+    if _mp.LOW is None or a.data.dtype == _mp.LOW:
+        return a
+    result = Tensor.from_op(_mp.to_low(a.data), (a,), lambda g: a.accumulate(g))
+    return _pl.follow(result, _pl.of(a), a.name) if _pl.ON else result
 
 
 def gelu(a: Tensor) -> Tensor:

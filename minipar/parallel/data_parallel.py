@@ -127,9 +127,8 @@ class OverlappedAllreduce(Hooks):
     def _reset(self) -> None:
         self.passes: dict[int, int] = {}                   # piece -> backward passes so far
         self.waiting = [len(bucket) for bucket in self.buckets]  # params not final yet
-        # (bucket, its flat gradients, the request, the 16-bit copy in flight or None)
-        self.in_flight: list[tuple[int, np.ndarray, MPI.Request | None,
-                                   np.ndarray | None]] = []
+        self.in_flight: list[tuple[int, np.ndarray, MPI.Request | None]] = []
+        self.copies: dict[int, np.ndarray] = {}  # --mixed, low: bucket -> its 16-bit copy
 
     def before_backward(self, piece: Piece) -> None:
         self._progress()
@@ -151,36 +150,36 @@ class OverlappedAllreduce(Hooks):
         (MPICH's default) advances a nonblocking collective only inside MPI calls: a
         Test at each piece's edges hands it the wire between the pieces' backwards,
         instead of leaving all of it to the final Waitall. Changes no number."""
-        for _, _, request, _ in self.in_flight:
+        for _, _, request in self.in_flight:
             if request is not None:
                 request.Test()  # done: the request becomes MPI.REQUEST_NULL
 
     def _launch(self, i: int) -> None:
         flat = pack(self.buckets[i], self.flats[i])
         group = _group(self.buckets[i][0], self.mesh)
-        request, copy = None, None
+        request = None
         if group.size > 1 and self.low is not None:  # --mixed, low: a 16-bit copy travels
-            copy = flat.astype(self.low)
-            request = low_precision.iallreduce_low(group, copy)
+            self.copies[i] = flat.astype(self.low)
+            request = low_precision.iallreduce_low(group, self.copies[i])
             placement.summed(self.buckets[i], group)
         elif group.size > 1:  # a bucket of g_i -> its sum, in the background
             request = group.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
             placement.summed(self.buckets[i], group)       # Partial -> Replicate over dp
-        self.in_flight.append((i, flat, request, copy))
+        self.in_flight.append((i, flat, request))
 
     def finish(self) -> int:
         """Start any bucket backward did not (a parameter outside every piece), wait for
         all, divide by dp. Returns how many buckets had started during backward."""
         early = len(self.in_flight)
-        started = {i for i, _, _, _ in self.in_flight}
+        started = {i for i, _, _ in self.in_flight}
         for i in range(len(self.buckets)):
             if i not in started:
                 self._launch(i)
-        trace.wait([r for _, _, r, _ in self.in_flight if r is not None],
+        trace.wait([r for _, _, r in self.in_flight if r is not None],
                    "Waitall of the gradient buckets over dp")
-        for i, flat, _, copy in self.in_flight:
-            if copy is not None:     # the 16-bit sum back into the master-dtype buffer
-                flat[...] = copy
+        for i, flat, _ in self.in_flight:
+            if i in self.copies:     # the 16-bit sum back into the master-dtype buffer
+                flat[...] = self.copies[i]
             unpack(self.buckets[i], flat, 1.0 / self.mesh.shape.replicas)
         self._reset()
         return early

@@ -159,13 +159,14 @@ class RowParallelLinear(Module):
         if not self.input_is_parallel:
             x = scatter_to(x, self.tp, axis=-1)    # keep my columns (B, f/tp); no message
         # (B, f/tp) @ (f/tp, d) -> (B, d), a share
-        partial = fused_layers.linear(x, self.weight)
+        # (--mixed: the share stays in the master dtype, summed before one rounding)
+        partial = fused_layers.linear(x, self.weight, partial=True)
         if self.sequence_parallel:
             # shares (B, d) summed -> my rows (B/tp, d); the transformer's (B, T/tp, d)
             y = reduce_scatter(partial, self.tp, self.seq_axis)
         else:
             y = reduce_from(partial, self.tp)      # g: shares (B, d) of every rank -> their sum
-        return y + self.bias                       # the bias once, after the sum
+        return fused_layers.round_low(y) + self.bias  # the bias once, after the sum
         # end exercise
 
 

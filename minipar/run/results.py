@@ -78,16 +78,23 @@ def mixed_tolerance(cfg: TrainConfig) -> tuple[float, float]:
     random walk: a gradient's relative difference (2-norm) stays within 2 u sqrt(D),
     the normalized layers carrying each unamplified. The loss, computed from parameters
     that agree that well, through the forward's roundings: relative 2 u sqrt(D).
-    An update is lr times the gradient (Adam: m / sqrt(v), in 2-norm about as relative),
-    so one step's parameters differ by 2 u sqrt(D) of the distance that step moved them;
-    over `steps` steps the differences add up and feed into the later gradients: a
-    factor `steps`, parameters compared against their movement from init
-    (`moved_difference`). The MLP with L = 2: D = 27, bf16 0.041 (losses) and
-    0.041 * steps (parameters); fp16 eight times less.
+    An SGD update is lr times the gradient, so one step's parameters differ by
+    e = 2 u sqrt(D) of the distance that step moved them; over `steps` steps the
+    differences add up and feed into the later gradients: a factor `steps`, parameters
+    compared against their movement from init (`moved_difference`).
+    Adam divides elementwise: its update lr m / sqrt(v) is lr sign(g) at first, so an
+    element whose gradient is within the difference e ||g|| / sqrt(n) of zero may flip
+    sign and move 2 lr the other way, however small the roundoff. About a fraction e
+    of the n elements lie that close to zero, so the update's relative 2-norm
+    difference is 2 sqrt(e) a step (the square root: Adam turns tiny gradient
+    differences into whole-step ones).
+    The MLP with L = 2: D = 27, bf16 e = 0.041 (losses), parameters 0.041 * steps
+    (SGD) or 0.41 * steps (Adam); fp16 e eight times less.
     """
     u = precision.unit_roundoff(cfg.mixed)
     per_step = 2.0 * u * math.sqrt(roundings(cfg))
-    return per_step, per_step * cfg.steps
+    update = 2.0 * math.sqrt(per_step) if cfg.optimizer == "adam" else per_step
+    return per_step, update * cfg.steps
 
 
 def moved_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray],

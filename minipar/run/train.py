@@ -290,8 +290,10 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
         worker = executor.StageWorker(
             mesh.pp, chunks, x, y, slices, last_stage_loss, scale, boundary_shape(cfg),
             len(chunks), split_backward=cfg.schedule in schedules.SPLIT_BACKWARD,
-            rank=mesh.rank, dtype=cfg.dtype, layout=schedules.layout_of(cfg.schedule),
+            rank=mesh.rank, dtype=precision.LOW if cfg.mixed else cfg.dtype,  # 16-bit
+            layout=schedules.layout_of(cfg.schedule),    # activations between stages
             rows_over=rows_over, boundary_rows_over=boundary_rows_over)
+        worker.loss_scale = loss_scale
         return executor.forward_backward(worker, cfg.schedule, cfg.microbatches,
                                                   timeline)
     total = 0.0
@@ -357,6 +359,8 @@ def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
     start = save_load.restore_optimizer(optimizer, params, saved, updater) if saved else 0
     if saved:  # sigmoid-bias: every block's b as saved (replicated: any mesh takes it whole)
         routing.set_bias_values(chunks, saved.manifest.get("router_bias", {}))
+    if saved and scaler_of(updater) is not None and "loss_scaler" in saved.manifest:
+        scaler_of(updater).load(saved.manifest["loss_scaler"])  # --mixed: S continues
     # the losses of the steps already taken (a resumed run reports all --steps of them)
     losses = list(saved.manifest.get("losses", [])) if saved else []
     timeline: list[dict] = []  # the pipeline's instructions of the last step, timed
@@ -455,7 +459,9 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
         with trace.span("checkpoint save", "checkpoint", folder=cfg.save):
             save_load.save(cfg.save, cfg, mesh, updater, updater.optimizer, cfg.steps,
                             losses, keep=cfg.keep, router_bias=biases[0],
-                            run=save_load.continued_run(cfg.resume))
+                            run=save_load.continued_run(cfg.resume),
+                            loss_scaler=None if scaler_of(updater) is None
+                            else scaler_of(updater).state())
     return RunResult(losses, init, final,
                      [r for rank in gathered for r in rank] if gathered else [],
                      {"replica_disagreements": disagreements,

@@ -443,16 +443,15 @@ def mixed_problems(cfg: TrainConfig) -> list[str]:
                 out.append(f"--{name.replace('_', '-')} applies to --mixed fp16 only (bf16 "
                            "has float32's range: it trains with S = 1)")
     unbuilt = [flag for flag, used in (
-        (f"--model {cfg.model}", cfg.model != "mlp"), (f"--tp {cfg.tp}", cfg.tp > 1),
-        (f"--pp {cfg.pp}", cfg.pp > 1), (f"--ep {cfg.ep}", cfg.ep > 1),
-        (f"--cp {cfg.cp}", cfg.cp > 1), ("--sp", cfg.sp),
+        (f"--model {cfg.model}", cfg.model != "mlp"),
+        (f"--ep {cfg.ep}", cfg.ep > 1), (f"--cp {cfg.cp}", cfg.cp > 1),
         (f"--recompute {cfg.recompute}", cfg.recompute != "none"),
         ("--clip-grad-norm", cfg.clip_grad_norm is not None),
-        ("--save", cfg.save is not None), ("--resume", cfg.resume is not None),
         ("--inject-bug", cfg.inject_bug is not None)) if used]
     if unbuilt:
-        out.append(f"--mixed {cfg.mixed} is built for --model mlp with data parallelism and "
-                   f"ZeRO 0-3 so far: not with {', '.join(unbuilt)}")
+        out.append(f"--mixed {cfg.mixed} is built for --model mlp with data, tensor (and "
+                   "sequence) parallelism, ZeRO 0-3 and pipelines so far: not with "
+                   f"{', '.join(unbuilt)}")
     return out
 
 

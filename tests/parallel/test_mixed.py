@@ -7,7 +7,8 @@ run/results.py (`mixed_tolerance`: from the unit roundoff and the step count), a
   ReplicaError on all ranks at once, which would end the job: the sweep passing means
   every copy of a replicated parameter, and S, was bitwise equal after every step);
 - the ledger counts 2 bytes per element for every 16-bit collective (ZeRO's Allgather,
-  and the gradient reduction under --grad-reduce-dtype low);
+  the pipeline's activations and their gradients, and the gradient reduction under
+  --grad-reduce-dtype low), the master dtype's bytes for the rest;
 - fp16 with a huge initial S overflows: every rank skips the same steps, S halves
   until the gradients fit, and matches the one-process run's S and skips.
 
@@ -41,16 +42,36 @@ CONFIGS = [
     dict(SMALL, mixed="fp16", zero=1, grad_reduce_dtype="low"),
     dict(SMALL, mixed="fp16", zero=2, optimizer="adam"),
     dict(SMALL, mixed="fp16", zero=3, grad_reduce_dtype="low"),
+    # pipelines: 16-bit activations and activation gradients between the stages
+    dict(SMALL, mixed="fp16", dp=2, pp=2, layers=4, microbatches=4),
+    dict(SMALL, mixed="bf16", dp=2, pp=2, layers=4, microbatches=4, schedule="zb-h1"),
+    dict(SMALL, mixed="fp16", dp=2, pp=2, layers=4, microbatches=4, schedule="interleaved",
+         virtual=2, zero=1, optimizer="adam"),
+    dict(SMALL, mixed="bf16", dp=2, pp=2, layers=4, microbatches=4, schedule="dualpipe"),
+    dict(SMALL, mixed="fp16", pp=4, layers=4, microbatches=4, schedule="gpipe",
+         grad_reduce_dtype="low"),
+    # tensor (and sequence) parallelism: fc2's partial sums added in the master dtype
+    dict(SMALL, mixed="bf16", dp=2, tp=2),
+    dict(SMALL, mixed="fp16", dp=2, tp=2, sp=True, zero=1),
+    dict(SMALL, mixed="bf16", tp=2, pp=2, layers=4, microbatches=4, sp=True),
     # S = 2^20: the scaled gradients overflow fp16 (max 65504) until S has halved; after
     # 2 clean steps S doubles, and overflows again
     dict(SMALL, mixed="fp16", zero=2, steps=6, loss_scale=2.0 ** 20, loss_scale_window=2),
 ]
+# checkpoints hold the masters and S: 2 of the 6 steps above saved, then resumed on the
+# same mesh (bitwise the run above) and under another strategy (ZeRO-0: within the
+# tolerance, and the one-process run's S)
+RESUMES = [dict(CONFIGS[-1], steps=2, save="{ckpt}"),
+           dict(CONFIGS[-1], resume="{ckpt}"),
+           dict(CONFIGS[-1], zero=0, grad_sync="naive", resume="{ckpt}")]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mixed")
-    return sweep(4, CONFIGS, folder, timeout=240)
+    resumes = [{k: str(folder / "ckpt") if v == "{ckpt}" else v for k, v in c.items()}
+               for c in RESUMES]
+    return sweep(4, CONFIGS + resumes, folder, timeout=240)
 
 
 def label(cfg: dict) -> str:
@@ -82,19 +103,22 @@ def test_mixed_run_within_the_derived_tolerance(runs, index):
 @pytest.mark.parametrize("index", range(len(CONFIGS)))
 def test_16_bit_collectives_count_two_bytes(runs, index):
     cfg, run = CONFIGS[index], runs[index]
+    master = np.dtype(cfg.get("dtype", "float64")).itemsize
     low_reduce = cfg.get("grad_reduce_dtype") == "low"
     for r in run["ledger"]:
         if r["group"] == "world":   # the found_inf vote: one int32 flag
             assert (r["op"], r["elements"], r["bytes"]) == ("Allreduce", 1, 4), r
             continue
-        sixteen = r["op"] in ("Allgatherv",) or (low_reduce and r["op"] in (
-            "Allreduce", "Iallreduce", "Reduce_scatter"))
-        itemsize = 2 if sixteen else np.dtype(cfg.get("dtype", "float64")).itemsize
+        moves_only = r["op"] in ("Allgatherv", "Allgather", "Isend", "Recv")  # 16-bit
+        # sums: DP/ZeRO's in 16 bits under --grad-reduce-dtype low; tp's partial sums
+        # (and DualPipe's gradient copies) in the master dtype
+        low_sum = low_reduce and r["group"] == "dp"
+        itemsize = 2 if moves_only or low_sum else master
         assert r["bytes"] == itemsize * r["elements"], f"{label(cfg)}: {r}"
 
 
 def test_fp16_overflow_skips_on_every_rank_together(runs):
-    cfg, run = CONFIGS[-1], runs[-1]
+    cfg, run = CONFIGS[-1], runs[len(CONFIGS) - 1]
     mixed = json.loads((run["job_folder"] / "rank_mixed.json").read_text())
     histories = [m["scale_history"] for m in mixed]
     assert all(h == histories[0] for h in histories), histories
@@ -136,3 +160,21 @@ def test_replica_check_stops_on_one_differing_copy():
     bumped[0, 0] = np.nextafter(1.0, 2.0)   # one ulp: bitwise different
     with pytest.raises(ReplicaError, match="w on rank 1"):
         replica_check(SimpleNamespace(world=World(bumped)), [chunk], updater, 1)
+
+
+def test_resume_continues_from_the_masters_and_s(runs):
+    whole, resumed, elsewhere = runs[len(CONFIGS) - 1], runs[-2], runs[-1]
+    assert resumed["losses"] == whole["losses"]      # the same mesh: bit for bit
+    for name, value in whole["final"].items():
+        assert np.array_equal(resumed["final"][name], value), name
+    cfg = CONFIGS[-1]
+    mixed = [json.loads((r["job_folder"] / "rank_mixed.json").read_text())[0]
+             for r in (whole, resumed, elsewhere)]
+    assert mixed[1]["scale_history"] == mixed[0]["scale_history"][2:]  # S went on
+    ref = reference(**cfg)                            # another mesh: within tolerance
+    for m in mixed:
+        assert (m["loss_scale"], m["skipped"]) == (ref.extras["loss_scale"],
+                                                   ref.extras["skipped"]), mixed
+    loss_tol, param_tol = mixed_tolerance(TrainConfig(**cfg).resolved(4))
+    assert relative_difference(elsewhere["losses"], ref.losses) <= loss_tol
+    assert moved_difference(elsewhere["final"], ref.final, ref.init)[0] <= param_tol

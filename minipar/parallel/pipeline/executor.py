@@ -66,7 +66,9 @@ import numpy as np
 
 from minipar import placement
 from minipar.comm import flight, trace
+from minipar.comm.low_precision import wire
 from minipar.core import autograd as ag
+from minipar.core import precision
 from minipar.core.autograd import Tensor
 from minipar.core.nn import Model
 from minipar.parallel.pipeline.chunk_layout import (
@@ -157,6 +159,8 @@ class StageWorker:
         self.deferred: dict[tuple[int, int], list] = {}
         self.sending: dict[tuple[int, int, int], tuple[object, np.ndarray]] = {}  # Requests
         self.loss = 0.0
+        # --mixed fp16: S, what the backward of the loss (and of each aux loss) starts from
+        self.loss_scale = 1.0
         self.timeline: list[dict] = []
         self.handlers = {RECV_ACT: self.recv_act, FORWARD: self.forward,
                          SEND_ACT: self.send_act, RECV_GRAD: self.recv_grad,
@@ -231,8 +235,9 @@ class StageWorker:
     # ------------------------------------------------------------ messages
     def recv_act(self, ins: Instruction) -> None:
         buf = np.empty(self.shape, dtype=self.dtype)
-        # activation (B/(M dp), d) of this microbatch <- the previous stage
-        self.group.Recv(buf, source=self.peer(ins), tag=ACT_TAG)
+        # activation (B/(M dp), d) of this microbatch <- the previous stage (--mixed:
+        # 16-bit, as uint16 words: comm/low_precision.py)
+        self.group.Recv(wire(buf), source=self.peer(ins), tag=ACT_TAG)
         self.inputs[(ins.chunk, ins.microbatch)] = rows_of(
             Tensor(buf, requires_grad=True), self.boundary_rows_over)
 
@@ -240,21 +245,22 @@ class StageWorker:
         sent = self.outputs[(ins.chunk, ins.microbatch)][0]
         if placement.ON:  # the next stage takes it as whole rows: no partial sum may go
             placement.rows_exchanged("Send to the next stage", sent, self.group)
-        out = np.ascontiguousarray(sent.data)
+        out = np.ascontiguousarray(sent.data, dtype=self.dtype)
         # activation (B/(M dp), d) of this microbatch -> the next stage
-        request = self.group.Isend(out, dest=self.peer(ins), tag=ACT_TAG)
+        request = self.group.Isend(wire(out), dest=self.peer(ins), tag=ACT_TAG)
         self.sending[(ACT_TAG, ins.chunk, ins.microbatch)] = (request, out)
 
     def recv_grad(self, ins: Instruction) -> None:
         buf = np.empty(self.shape, dtype=self.dtype)
         # gradient (B/(M dp), d) of our output <- the next stage
-        self.group.Recv(buf, source=self.peer(ins), tag=GRAD_TAG)
+        self.group.Recv(wire(buf), source=self.peer(ins), tag=GRAD_TAG)
         self.grads[(ins.chunk, ins.microbatch)] = buf
 
     def send_grad(self, ins: Instruction) -> None:
-        grad = np.ascontiguousarray(self.inputs.pop((ins.chunk, ins.microbatch)).grad)
+        grad = np.ascontiguousarray(self.inputs.pop((ins.chunk, ins.microbatch)).grad,
+                                    dtype=self.dtype)
         # gradient (B/(M dp), d) of our input -> the previous stage
-        request = self.group.Isend(grad, dest=self.peer(ins),
+        request = self.group.Isend(wire(grad), dest=self.peer(ins),
                                    tag=GRAD_TAG)
         self.sending[(GRAD_TAG, ins.chunk, ins.microbatch)] = (request, grad)
 
@@ -280,14 +286,16 @@ class StageWorker:
     def backward(self, ins: Instruction) -> None:
         key = (ins.chunk, ins.microbatch)
         out, aux = self.outputs.pop(key)
+        scale = self.loss_scale                          # 1 but under --mixed fp16
         if self.is_last(ins.chunk):
-            roots = [(out, 1.0)]                         # out is the loss
+            roots = [(out, scale)]                       # out is the loss
         elif self.feeds_locally(ins.chunk):  # the V's bottom: chunk 1's input gradient
             grad = self.inputs.pop((ins.chunk + 1, ins.microbatch)).grad
-            roots = [(out, grad)] + ([(aux, self.aux_weight)] if aux is not None else [])
+            roots = [(out, grad)] + ([(aux, self.aux_weight * scale)] if aux is not None
+                                     else [])
         else:
             roots = [(out, self.grads.pop(key))]        # (output, gradient received)
-            roots += [(aux, self.aux_weight)] if aux is not None else []  # (aux, 1/M)
+            roots += [(aux, self.aux_weight * scale)] if aux is not None else []  # aux/M
             # its gradient came back: the activation was sent
             trace.wait([self.sending.pop((ACT_TAG, *key))[0]],
                        "Wait of an activation send over pp")
@@ -352,7 +360,8 @@ def sum_the_two_copies(chunks: list[Model], pp_group: Group) -> None:
     partner = pp_group.size - 1 - pp_group.rank
     mine = [p for chunk in chunks for p in chunk.parameters()]
     for p in mine:
-        p.grad = np.zeros_like(p.data) if p.grad is None else p.grad
+        p.grad = np.zeros(p.data.shape, dtype=precision.grad_dtype(p.data.dtype)) \
+            if p.grad is None else p.grad
     flat = np.concatenate([p.grad.ravel() for p in mine])     # chunk 0's, then chunk 1's
     received = np.empty_like(flat)
     # gradients of both copies held here (2 L/pp blocks) <-> the mirror rank pp-1-r
