@@ -288,8 +288,8 @@ def figures(per_param: dict, sums: dict, history: list, errors: dict, losses: di
     ax.axhline(18, color="0.5", ls="--", lw=1, label="Megatron's table: 18")
     ax.set_xticks(stages, STAGES)
     ax.set_ylabel("bytes per parameter on one rank")
-    ax.set_title(f"model states per parameter, Adam, dp = {n}: every measured point equals "
-                 "memory.bytes_per_param_held", fontsize=10)
+    ax.set_title(f"model states per parameter, Adam, dp = {n}\n(measured; each point "
+                 "equals memory.bytes_per_param_held; bf16 and fp16 coincide)", fontsize=10)
     legend_right(fig, ax)
     print("figure:", save(fig, folder / "14_bytes.png"), flush=True)
 
@@ -336,16 +336,24 @@ def figures(per_param: dict, sums: dict, history: list, errors: dict, losses: di
     legend_right(fig, ax)
     print("figure:", save(fig, folder / "14_allreduce_error.png"), flush=True)
 
-    fig = Figure(figsize=(9, 4.5), layout="constrained")
-    ax = fig.add_subplot()
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    ax, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    base = np.asarray(losses["float64"])
+    every = max(1, len(base) // 15)
     for i, (label, values) in enumerate(losses.items()):
-        ax.plot(np.arange(1, len(values) + 1), values, label=label, lw=1,
-                markevery=max(1, len(values) // 15), **series_style(i))
-    ax.set_yscale("log")
+        steps = np.arange(1, len(values) + 1)
+        ax.plot(steps, values, label=label, lw=1, markevery=every, **series_style(i))
+        if label != "float64":
+            right.plot(steps, np.maximum(np.abs(np.asarray(values) - base) / base, 1e-18),
+                       lw=1, markevery=every, **series_style(i))
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(f"the same model trained in float64, bf16 and fp16 (dp = {n})", fontsize=10)
-    legend_right(fig, ax)
+    right.set_yscale("log")
+    right.set_xlabel("step")
+    right.set_ylabel("|loss - float64 loss| / float64 loss")
+    right.set_title("how far the 16-bit runs drift", fontsize=10)
+    fig.legend(loc="outside right center", fontsize=8, frameon=False)
     print("figure:", save(fig, folder / "14_losses.png"), flush=True)
 
 
