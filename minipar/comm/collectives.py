@@ -119,6 +119,30 @@ def _size(buf: object) -> tuple[int, int]:
     return elements, array.itemsize
 
 
+def _moved(buf: object) -> object:
+    """A buffer argument as MPI is handed it: a 16-bit array (--mixed) as its uint16
+    view, also as the first entry of a buffer spec (whose datatype becomes uint16);
+    anything else as it is. Only for calls that move bytes: a sum must know the format
+    (comm/low_precision.py), so `_summed` refuses a 16-bit buffer under a built-in op."""
+    if isinstance(buf, np.ndarray):
+        return buf.view(np.uint16) if precision.is_low(buf.dtype) else buf
+    if isinstance(buf, (list, tuple)) and buf and isinstance(buf[0], np.ndarray) \
+            and precision.is_low(buf[0].dtype):
+        return [buf[0].view(np.uint16)] + [MPI.UINT16_T if isinstance(b, MPI.Datatype)
+                                           else b for b in buf[1:]]
+    return buf
+
+
+def _summed(buf: object, op: MPI.Op) -> object:
+    """A buffer of a reduction: a 16-bit array may only meet a user-defined operation
+    (low_precision.low_sum_op, handed its uint16 view): MPI.SUM on its words would add
+    bit patterns, not numbers."""
+    if isinstance(buf, np.ndarray) and precision.is_low(buf.dtype):
+        raise TypeError("a 16-bit buffer cannot be reduced with a built-in MPI operation: "
+                        "upcast it, or sum it in 16 bits (comm/low_precision.py)")
+    return buf
+
+
 # ------------------------------------------------------------------ group
 class Group:
     """An MPI communicator for one mesh axis that writes every call into the ledger.
@@ -160,43 +184,44 @@ class Group:
     # collectives on arrays; recorded sizes follow the ledger convention
     def Allreduce(self, sendbuf: object, recvbuf: np.ndarray, op: MPI.Op = MPI.SUM) -> None:
         with self._call("Allreduce", recvbuf, f"Allreduce over {self.name}"):
-            self.comm.Allreduce(sendbuf, recvbuf, op=op)
+            self.comm.Allreduce(_summed(sendbuf, op), _summed(recvbuf, op), op=op)
 
     def Iallreduce(self, sendbuf: object, recvbuf: np.ndarray,
                    op: MPI.Op = MPI.SUM) -> MPI.Request:
         with self._call("Iallreduce", recvbuf) as call:
-            request = self.comm.Iallreduce(sendbuf, recvbuf, op=op)
+            request = self.comm.Iallreduce(_summed(sendbuf, op), _summed(recvbuf, op), op=op)
         return trace.posted(call, request)
 
     def Allgather(self, sendbuf: object, recvbuf: object) -> None:
         with self._call("Allgather", recvbuf, f"Allgather over {self.name}"):
-            self.comm.Allgather(sendbuf, recvbuf)
+            self.comm.Allgather(_moved(sendbuf), _moved(recvbuf))
 
     def Allgatherv(self, sendbuf: object, recvbuf: object) -> None:
         with self._call("Allgatherv", recvbuf, f"Allgatherv over {self.name}"):
-            self.comm.Allgatherv(sendbuf, recvbuf)
+            self.comm.Allgatherv(_moved(sendbuf), _moved(recvbuf))
 
     def Reduce_scatter(self, sendbuf: object, recvbuf: object,
                        recvcounts: Sequence[int] | None = None, op: MPI.Op = MPI.SUM) -> None:
         with self._call("Reduce_scatter", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf,
                         f"Reduce_scatter over {self.name}"):
-            self.comm.Reduce_scatter(sendbuf, recvbuf, recvcounts, op=op)
+            self.comm.Reduce_scatter(_summed(sendbuf, op), _summed(recvbuf, op), recvcounts,
+                                     op=op)
 
     def Reduce_scatter_block(self, sendbuf: object, recvbuf: object,
                              op: MPI.Op = MPI.SUM) -> None:
         with self._call("Reduce_scatter", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf,
                         f"Reduce_scatter_block over {self.name}"):
-            self.comm.Reduce_scatter_block(sendbuf, recvbuf, op=op)
+            self.comm.Reduce_scatter_block(_summed(sendbuf, op), _summed(recvbuf, op), op=op)
 
     def Alltoall(self, sendbuf: object, recvbuf: object) -> None:
         with self._call("Alltoall", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf,
                         f"Alltoall over {self.name}"):
-            self.comm.Alltoall(sendbuf, recvbuf)
+            self.comm.Alltoall(_moved(sendbuf), _moved(recvbuf))
 
     def Alltoallv(self, sendbuf: object, recvbuf: object) -> None:
         with self._call("Alltoallv", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf,
                         f"Alltoallv over {self.name}", detail=(sendbuf, recvbuf)):
-            self.comm.Alltoallv(sendbuf, recvbuf)
+            self.comm.Alltoallv(_moved(sendbuf), _moved(recvbuf))
 
     def Exscan(self, sendbuf: object, recvbuf: object, op: MPI.Op = MPI.SUM) -> None:
         with self._call("Exscan", recvbuf, f"Exscan over {self.name}"):
@@ -204,27 +229,27 @@ class Group:
 
     def Bcast(self, buf: object, root: int = 0) -> None:
         with self._call("Bcast", buf, f"Bcast over {self.name}"):
-            self.comm.Bcast(buf, root=root)
+            self.comm.Bcast(_moved(buf), root=root)
 
     # point to point
     def Send(self, buf: object, dest: int, tag: int = 0) -> None:
         with self._call("Send", buf, f"Send to {self.name} rank {dest}", detail=(dest, tag),
                         dest=dest, tag=tag):
-            self.comm.Send(buf, dest=dest, tag=tag)
+            self.comm.Send(_moved(buf), dest=dest, tag=tag)
 
     def Recv(self, buf: object, source: int, tag: int = 0) -> None:
         with self._call("Recv", buf, f"Recv from {self.name} rank {source}",
                         detail=(source, tag), source=source, recvtag=tag):
-            self.comm.Recv(buf, source=source, tag=tag)
+            self.comm.Recv(_moved(buf), source=source, tag=tag)
 
     def Isend(self, buf: object, dest: int, tag: int = 0) -> MPI.Request:
         with self._call("Isend", buf, detail=(dest, tag), dest=dest, tag=tag) as call:
-            request = self.comm.Isend(buf, dest=dest, tag=tag)
+            request = self.comm.Isend(_moved(buf), dest=dest, tag=tag)
         return trace.posted(call, request)
 
     def Irecv(self, buf: object, source: int, tag: int = 0) -> MPI.Request:
         with self._call("Irecv", buf, detail=(source, tag), source=source, recvtag=tag) as call:
-            request = self.comm.Irecv(buf, source=source, tag=tag)
+            request = self.comm.Irecv(_moved(buf), source=source, tag=tag)
         return trace.posted(call, request)
 
     def Sendrecv(self, sendbuf: object, dest: int, recvbuf: object, source: int,
@@ -232,8 +257,9 @@ class Group:
         with self._call("Sendrecv", sendbuf, f"Sendrecv with {self.name} ranks {dest}/{source}",
                         detail=(dest, source, sendtag), dest=dest, source=source, tag=sendtag,
                         recvtag=recvtag):
-            self.comm.Sendrecv(sendbuf, dest=dest, sendtag=sendtag, recvbuf=recvbuf,
-                           source=source, recvtag=recvtag)
+            self.comm.Sendrecv(_moved(sendbuf), dest=dest, sendtag=sendtag,
+                               recvbuf=_moved(recvbuf),
+                               source=source, recvtag=recvtag)
 
     # small Python objects (pickled): counted as calls with no elements
     def bcast(self, obj: object, root: int = 0) -> object:
@@ -416,9 +442,10 @@ def alltoallv_rows(group: Group, x: np.ndarray, send_counts: np.ndarray,
     send_elems, recv_elems = send_counts * width, recv_counts * width
     send_displ = np.concatenate(([0], np.cumsum(send_elems)[:-1]))
     recv_displ = np.concatenate(([0], np.cumsum(recv_elems)[:-1]))
+    kind = MPI._typedict[_wire(send).dtype.char]  # --mixed: 16-bit rows as uint16 words
     # rows for rank j -> rank j; rows from rank i land at recv_displ[i]
-    group.Alltoallv([send, send_elems, send_displ, MPI._typedict[x.dtype.char]],
-                    [out, recv_elems, recv_displ, MPI._typedict[x.dtype.char]])
+    group.Alltoallv([_wire(send), send_elems, send_displ, kind],
+                    [_wire(out), recv_elems, recv_displ, kind])
     return out
 
 

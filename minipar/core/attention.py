@@ -40,7 +40,15 @@ import math
 import numpy as np
 
 from minipar import placement as _pl
+from minipar.core import precision as _mp
 from minipar.core.autograd import Tensor
+
+
+def _as16(x: np.ndarray) -> np.ndarray:
+    """Under --mixed (core/precision.py): x rounded to 16 bits and held in the master
+    dtype, a matmul operand whose products then sum in the master dtype. x itself
+    without the policy."""
+    return x if _mp.LOW is None else _mp.to_low(x).astype(_mp.MASTER)
 
 
 # ------------------------------------------------------------- embedding
@@ -71,8 +79,10 @@ def embedding(weight: Tensor, ids: Tensor | np.ndarray) -> Tensor:
 
     def backward(g: np.ndarray) -> None:
         flat_ids = ids.reshape(-1)
-        weight.accumulate(rows_summed_by_id(g.reshape(flat_ids.size, -1), flat_ids,
-                                            weight.data), fresh=True)
+        # --mixed: the rows summed in the master dtype, the sum rounded once
+        weight.accumulate(_mp.round_low(rows_summed_by_id(
+            _mp.upcast(g).reshape(flat_ids.size, -1), flat_ids, _mp.upcast(weight.data))),
+            fresh=True)
         if given is not None:
             given.accumulate(np.zeros(ids.shape, dtype=given.dtype), fresh=True)
     parents = (weight,) if given is None else (weight, given)
@@ -117,8 +127,10 @@ def merge_heads(x: np.ndarray) -> np.ndarray:
 def _forward(q: Tensor, k: Tensor, v: Tensor, heads: int, q_positions: np.ndarray | None,
              k_positions: np.ndarray | None, key_bias: Tensor | None) -> dict:
     """Scores, mask and softmax of every head at once; what both backward rules need."""
-    keys = k.data if key_bias is None else k.data + key_bias.data
-    Q, K, V = (split_heads(t, heads) for t in (q.data, keys, v.data))   # (B, H, T, dh)
+    keys = k.data if key_bias is None else _mp.round_low(k.data + key_bias.data)
+    # --mixed: 16-bit Q, K, V in the master dtype; scores, softmax and lse in the master
+    # dtype, P rounded to 16 bits where it meets V (`_as16`; plain arrays without it)
+    Q, K, V = (split_heads(_as16(t), heads) for t in (q.data, keys, v.data))  # (B,H,T,dh)
     scale = 1.0 / math.sqrt(Q.shape[-1])   # a Python float: float32 stays float32
     q_positions = np.arange(Q.shape[2]) if q_positions is None else q_positions
     k_positions = np.arange(K.shape[2]) if k_positions is None else k_positions
@@ -131,7 +143,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, heads: int, q_positions: np.ndarra
     P = E / np.where(total > 0, total, 1.0)                    # such a row is all zeros
     with np.errstate(divide="ignore"):
         lse = (row_max + np.log(total))[..., 0]                # (B, H, Tq); -inf if empty
-    return {"Q": Q, "K": K, "V": V, "P": P, "lse": lse, "scale": scale}
+    return {"Q": Q, "K": K, "V": V, "P": P, "lse": lse, "scale": scale, "P16": _as16(P)}
 
 
 def _accumulate_qk(q: Tensor, k: Tensor, c: dict, dS: np.ndarray, key_bias: Tensor | None
@@ -140,10 +152,12 @@ def _accumulate_qk(q: Tensor, k: Tensor, c: dict, dS: np.ndarray, key_bias: Tens
     bias gets its exact gradient, 0."""
     if key_bias is not None:
         key_bias.accumulate(np.zeros_like(key_bias.data), fresh=True)
+    dS = _as16(dS)             # --mixed: a 16-bit operand of the two matmuls below
     if q.requires_grad:
-        q.accumulate(merge_heads(dS @ c["K"] * c["scale"]), fresh=True)
+        q.accumulate(_mp.round_low(merge_heads(dS @ c["K"] * c["scale"])), fresh=True)
     if k.requires_grad:
-        k.accumulate(merge_heads(np.swapaxes(dS, -1, -2) @ c["Q"] * c["scale"]), fresh=True)
+        k.accumulate(_mp.round_low(merge_heads(np.swapaxes(dS, -1, -2) @ c["Q"]
+                                               * c["scale"])), fresh=True)
 
 
 def _parents(q: Tensor, k: Tensor, v: Tensor | None, key_bias: Tensor | None
@@ -165,13 +179,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, heads: int,
     P = c["P"]
 
     def backward(g: np.ndarray) -> None:
-        G = split_heads(g, heads)                                   # (B, H, Tq, dh)
+        G = split_heads(_as16(g), heads)                            # (B, H, Tq, dh)
         if v.requires_grad:
-            v.accumulate(merge_heads(np.swapaxes(P, -1, -2) @ G), fresh=True)
+            v.accumulate(_mp.round_low(merge_heads(np.swapaxes(c["P16"], -1, -2) @ G)),
+                         fresh=True)
         dP = G @ np.swapaxes(c["V"], -1, -2)                   # (B, H, Tq, Tk)
         dS = P * (dP - (dP * P).sum(axis=-1, keepdims=True))
         _accumulate_qk(q, k, c, dS, key_bias)
-    out = Tensor.from_op(merge_heads(P @ c["V"]), _parents(q, k, v, key_bias), backward)
+    out = Tensor.from_op(_mp.round_low(merge_heads(c["P16"] @ c["V"])),
+                         _parents(q, k, v, key_bias), backward)
     return _pl.follow(out, _pl.attention("attention", q, k, v, key_bias), q.name) \
         if _pl.ON else out
 

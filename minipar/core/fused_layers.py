@@ -302,8 +302,11 @@ def _residual_mlp_mixed(h: Tensor, gamma: Tensor, beta: Tensor, w1: Tensor, b1: 
 
 
 # ------------------------------------------------------ softmax and losses
-def softmax(a: Tensor, axis: int = -1) -> Tensor:
-    """exp(a) / sum exp(a), stabilized. Backward: s * (g - sum(g s))."""
+def softmax(a: Tensor, axis: int = -1, master: bool = False) -> Tensor:
+    """exp(a) / sum exp(a), stabilized. Backward: s * (g - sum(g s)). Under --mixed the
+    output is rounded to 16 bits, unless `master` (the MoE router's probabilities, which
+    feed the gates and the aux loss, not a matmul, stay in the master dtype)."""
+    keep = (lambda x: x) if master else _mp.round_low
     data = _mp.upcast(a.data)          # --mixed: in the master dtype, output rounded
     shifted = data - data.max(axis=axis, keepdims=True)
     e = np.exp(shifted)
@@ -313,7 +316,7 @@ def softmax(a: Tensor, axis: int = -1) -> Tensor:
         g = _mp.upcast(g)
         a.accumulate(_mp.round_low(s * (g - (g * s).sum(axis=axis, keepdims=True))),
                      fresh=True)
-    out = Tensor.from_op(_mp.round_low(s), (a,), backward)
+    out = Tensor.from_op(keep(s), (a,), backward)
     return _pl.follow(out, _pl.nonlinear("softmax", a, over=axis), a.name) if _pl.ON else out
 
 

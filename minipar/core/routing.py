@@ -68,7 +68,8 @@ def scores(u: Tensor, router: Tensor, kind: str) -> Tensor:
     """The router's scores of N tokens u (N, d) for E experts, (N, E): softmax(u Wr) for
     `softmax`, sigmoid(u Wr) (each expert on its own, no competition) for `sigmoid-bias`."""
     logits = u @ router                                     # (N, d) @ (d, E) -> (N, E)
-    return fused_layers.softmax(logits) if kind == "softmax" else sigmoid(logits)
+    # --mixed: the probabilities in the master dtype (core/precision.py)
+    return fused_layers.softmax(logits, master=True) if kind == "softmax" else sigmoid(logits)
 
 
 # ------------------------------------------------------------------ choice

@@ -39,7 +39,7 @@ from mpi4py import MPI
 
 from minipar import placement
 from minipar.comm.collectives import Group, reduce_from, reduce_scatter
-from minipar.core import attention, fused_layers
+from minipar.core import attention, fused_layers, precision
 from minipar.core.autograd import Tensor
 from minipar.core.documents import IGNORE
 from minipar.core.nn import LayerNorm, Module, Parameter
@@ -64,8 +64,10 @@ def vocab_lookup(weight: Tensor, ids: Tensor | np.ndarray, first: int,
 
     def backward(g: np.ndarray) -> None:
         # my positions' gradients (n, d) summed into their rows (n,)
-        weight.accumulate(attention.rows_summed_by_id(g[mine], local[mine], weight.data),
-                          fresh=True)
+        # (--mixed: summed in the master dtype, rounded once)
+        weight.accumulate(precision.round_low(attention.rows_summed_by_id(
+            precision.upcast(g[mine]), local[mine], precision.upcast(weight.data))),
+            fresh=True)
         if given is not None:
             given.accumulate(np.zeros(ids.shape, dtype=given.dtype), fresh=True)
     parents = (weight,) if given is None else (weight, given)
@@ -99,7 +101,8 @@ def parallel_cross_entropy(logits: Tensor, labels: np.ndarray, first: int, tp: G
     `first .. first + V/tp - 1` of the logits (..., V/tp): the same number on every rank
     of tp. Forward: Allreduce(MAX) of the row maxima, one Allreduce(SUM) of the sums of
     exps and target logits packed together. Backward: (softmax - onehot) on my columns."""
-    flat = logits.data.reshape(-1, logits.shape[-1])           # (N, V/tp)
+    # (--mixed: the loss and its statistics in the master dtype on upcast logits)
+    flat = precision.upcast(logits.data).reshape(-1, logits.shape[-1])   # (N, V/tp)
     labels = np.asarray(labels).reshape(-1)
     rows = np.arange(flat.shape[0])
     scale = 1.0 / flat.shape[0] if scale is None else scale
@@ -122,7 +125,8 @@ def parallel_cross_entropy(logits: Tensor, labels: np.ndarray, first: int, tp: G
         d = e / total[:, None]
         d[rows[mine], local[mine]] -= 1.0
         d[~valid] = 0.0
-        logits.accumulate((d * (g * scale)).reshape(logits.shape), fresh=True)
+        logits.accumulate(precision.round_low((d * (g * scale)).reshape(logits.shape)),
+                          fresh=True)
     result = Tensor.from_op(out, (logits,), backward)
     if placement.ON:  # my columns in, whole statistics: the same loss on every tp rank
         placement.follow(result, placement.vocab_cross_entropy(

@@ -61,8 +61,11 @@ def roundings(cfg: TrainConfig) -> int:
     loss and back to a weight's gradient in the --mixed MLP (fused_layers.py): the
     embedding's output, 5 per block forward (u, a, z, z W2 + b2, the residual sum), the
     head's logits; backward the logits' gradient, the head's dx, 6 per block (g, dz, da,
-    du, LN's dx, dx + g), and the weight gradient itself."""
-    return 2 + 5 * cfg.layers + 3 + 6 * cfg.layers
+    du, LN's dx, dx + g), and the weight gradient itself. The transformer's attention
+    half adds 12 a block: forward LN, q/k/v, P, P V, the projection, the residual sum;
+    backward the same six. An MoE block is counted as a dense one."""
+    attention = 12 * cfg.layers if cfg.model_config().is_gpt else 0
+    return 2 + 5 * cfg.layers + 3 + 6 * cfg.layers + attention
 
 
 def mixed_tolerance(cfg: TrainConfig) -> tuple[float, float]:

@@ -82,6 +82,8 @@ CASES = [
     ("tanh", "", ag.tanh, [normal(3, 4)]),
     ("sqrt", "", ag.sqrt, [positive(3, 4)]),
     ("gelu", "", fused_layers.gelu, [2 * normal(4, 5)]),
+    # without --mixed the identity (its rounding under the policy: test_precision.py)
+    ("round_low", "", lambda a: fused_layers.round_low(a) * a, [normal(3, 4)]),
     ("sum_", "all", lambda a: a.sum(), [normal(2, 3, 4)]),
     ("sum_", "axis0", lambda a: ag.sum_(a, 0), [normal(2, 3, 4)]),
     ("sum_", "axes02", lambda a: ag.sum_(a, (0, 2)), [normal(2, 3, 4)]),

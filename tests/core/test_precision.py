@@ -4,7 +4,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from minipar.core import precision
+from minipar.core import fused_layers, precision
+from minipar.core.autograd import Tensor
 
 
 def test_low_dtypes_and_unit_roundoff():
@@ -81,3 +82,34 @@ def test_nonfinite_sees_inf_and_nan_in_16_bits():
     with np.errstate(over="ignore"):
         assert precision.nonfinite([np.array([1e5]).astype(low)])   # overflows to inf
     assert precision.nonfinite([np.array([np.nan]).astype(precision.low_dtype("bf16"))])
+
+
+def test_round_low_node_rounds_forward_and_passes_the_gradient():
+    x = Tensor(np.random.default_rng(2).standard_normal((3, 4)), requires_grad=True)
+    with precision.use("bf16", "float64"):
+        y = fused_layers.round_low(x)
+        assert y.data.dtype == precision.low_dtype("bf16")
+        assert np.abs(y.data.astype(np.float64) - x.data).max() <= 2.0 ** -8 * np.abs(
+            x.data).max()
+        y.backward(np.ones((3, 4)))
+    assert np.array_equal(x.grad, np.ones((3, 4)))
+
+
+def test_mixed_linear_rounds_once_and_keeps_main_gradients_in_master():
+    from minipar.core.nn import Parameter
+
+    rng = np.random.default_rng(3)
+    x, w, b = rng.standard_normal((5, 4)), rng.standard_normal((4, 3)), rng.standard_normal(3)
+    low = precision.low_dtype("fp16")
+    with precision.use("fp16", "float32"):
+        weight, bias = Parameter(w.astype(low), "w"), Parameter(b.astype(low), "b")
+        out = fused_layers.linear(Tensor(x), weight, bias)
+        up = [a.astype(low).astype(np.float32) for a in (x, w, b)]
+        assert out.data.dtype == low
+        assert np.array_equal(out.data, (up[0] @ up[1] + up[2]).astype(low))
+        out.backward(np.ones((5, 3)))
+        out2 = fused_layers.linear(Tensor(x), weight, bias)   # a second microbatch
+        out2.backward(np.ones((5, 3)))
+    assert weight.grad.dtype == np.float32 and bias.grad.dtype == np.float32
+    once = (up[0].T @ np.ones((5, 3), dtype=np.float32)).astype(low).astype(np.float32)
+    assert np.array_equal(weight.grad, 2 * once)
