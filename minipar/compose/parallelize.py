@@ -191,11 +191,12 @@ def make_updater(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     # vote runs over the world, which holds every axis whose ranks hold different grads
     mixed = MixedStep(cfg.mixed, cfg.grad_reduce_dtype, cfg.loss_scale,
                       cfg.loss_scale_window, mesh.world) if cfg.mixed else None
+    extra = {} if mixed is None else {"mixed": mixed}  # (lesson 08's detours: no mixed)
     if cfg.zero == 0:
         updater = data_parallel.DataParallel(chunks, mesh, optimizer, cfg.grad_sync,
-                                             cfg.bucket_size, cfg.microbatches, mixed)
+                                             cfg.bucket_size, cfg.microbatches, **extra)
     else:
-        updater = zero.make_zero(cfg.zero, chunks, mesh, optimizer, mixed)
+        updater = zero.make_zero(cfg.zero, chunks, mesh, optimizer, **extra)
     if cfg.clip_grad_norm is not None:  # --clip-grad-norm: between the sync and the step
         from minipar.compose.clip import Clipper
 

@@ -418,7 +418,8 @@ GRAD_REDUCE_DTYPES = ("master", "low")
 def mixed_problems(cfg: TrainConfig) -> list[str]:
     """--mixed and its flags: known values, a power-of-two loss scale, a window of at
     least one step, the scaling flags with fp16 only, a 16-bit reduction with --mixed
-    only (docs/design.md, "Mixed precision"). Every model and strategy runs under it."""
+    only, no full-precision bug of lesson 08 (docs/design.md, "Mixed precision"). Every
+    model and strategy runs under it."""
     out = []
     defaults = TrainConfig()
     if cfg.mixed is not None and cfg.mixed not in MIXED:
@@ -437,6 +438,10 @@ def mixed_problems(cfg: TrainConfig) -> list[str]:
             out.append("--grad-reduce-dtype low reduces a 16-bit copy of the gradients: it "
                        "needs --mixed bf16 or fp16")
         return out
+    if cfg.inject_bug is not None and not cfg.inject_bug.startswith("mixed-"):
+        out.append(f"--inject-bug {cfg.inject_bug} is one of lesson 08's full-precision "
+                   f"bugs: run it without --mixed (the mixed-precision bugs are named "
+                   f"mixed-*)")
     if cfg.mixed == "bf16":
         for name in ("loss_scale", "loss_scale_window"):
             if getattr(cfg, name) != getattr(defaults, name):

@@ -161,6 +161,7 @@ CASES = [
     (["--mixed", "fp16", "--loss-scale-window", "0"], "--loss-scale-window"),
     (["--grad-reduce-dtype", "low"], "--grad-reduce-dtype"),         # without --mixed
     (["--mixed", "bf16", "--loss-scale", "1024"], "--loss-scale"),   # bf16 has no scaling
+    (["--mixed", "bf16", "--dp", "2", "--inject-bug", "dp-sum-not-mean"], "--inject-bug"),
     # masters saved in float64, this run's in float32
     (["--mixed", "bf16", "--dtype", "float32", "--optimizer", "adam", "--resume", "{good}",
       "--steps", "4"],
