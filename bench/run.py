@@ -10,6 +10,7 @@ against MPI's own; the pipeline's measured bubble against the formula; context
 parallelism's four modes against one rank on the same sequences (bench/cp_rank.py);
 the flight recorder's share of a call-heavy step (bench/flight_rank.py);
 a pipeline step traced (`--trace`) against the same step untraced (bench/trace_rank.py);
+a bf16 step against a float32 step, and their DP wire bytes (bench/mixed_rank.py);
 the test suite's last wall time. Prints one table and
 writes bench/results.json.
 """
@@ -88,6 +89,13 @@ def trace_cost(repeats: int) -> dict:
     """One pipeline step traced (`--trace`'s recorder on) against the same step untraced,
     interleaved in one 2-rank job (bench/trace_rank.py); the goal: at most 5% more."""
     return _mpi_json(2, "bench.trace_rank", [str(repeats)])
+
+
+def mixed_cost(repeats: int) -> dict:
+    """`--mixed bf16 --grad-reduce-dtype low` against float32 on the same model, dp = 2, in
+    one job (bench/mixed_rank.py): step time per repetition (goal <= 1.5) and the dp
+    wire bytes of a step (goal 0.5)."""
+    return _mpi_json(2, "bench.mixed_rank", [str(repeats)])
 
 
 def _has_torch() -> bool:
@@ -244,6 +252,17 @@ def main() -> None:
                  f"{tr['untraced']['step']['median'] * 1e3:.1f} ms, "
                  f"{tr['events_per_step']} spans per rank and step; fastest / fastest "
                  f"{tr['fastest traced/untraced']:.3f}")
+    results["mixed"] = mx = mixed_cost(repeats=4 if quick else 12)
+    q = mx["bf16/float32"]
+    lines.append(f"{'bf16 step / float32 step, MLP dp=2 (goal <= 1.5)':<58} "
+                 f"{q['median']:>8.3f}  [{q['min']:.2f}-{q['max']:.2f}] "
+                 f"{mx['bf16']['step']['median'] * 1e3:.1f} vs "
+                 f"{mx['float32']['step']['median'] * 1e3:.1f} ms; the master -> bf16 casts "
+                 f"after the update {mx['casts']['median'] * 1e3:.1f} ms (the matmuls' "
+                 f"operand casts, no bf16 BLAS in NumPy, are the rest)")
+    lines.append(f"{'  dp wire bytes, bf16 --grad-reduce-dtype low / float32 (goal 0.5)':<58} "
+                 f"{mx['wire bf16/float32']:>8.3f}  {mx['wire']['bf16'] / 2**20:.2f} vs "
+                 f"{mx['wire']['float32'] / 2**20:.2f} MiB per step")
     results["suite_seconds"] = suite_time()
     if results["suite_seconds"] is not None:
         lines.append(f"{'make test wall time, seconds (last run)':<58} "

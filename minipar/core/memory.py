@@ -113,16 +113,71 @@ def optimizer_bytes_per_param(optimizer: str, itemsize: int) -> int:
     return {"sgd": 0, "adam": 2 * itemsize}[optimizer]
 
 
+@dataclass(frozen=True)
+class BytesPerParam:
+    """What one parameter costs, by kind, before ZeRO divides anything.
+
+    `params` is the copy the model computes with (16-bit under --mixed, else the
+    master itself), `masters` the master copy --mixed adds (0 without it), `grads`
+    the (main) gradient, `optimizer` the optimizer's state (Adam: m and v)."""
+
+    params: float
+    grads: float
+    optimizer: float
+    masters: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.masters
+
+
+def bytes_per_param(optimizer: str = "adam", master_bytes: int = 4,
+                    low_bytes: int | None = 2, main_grad_bytes: int | None = None
+                    ) -> BytesPerParam:
+    """Bytes per parameter of a training recipe (docs/design.md, "Mixed precision").
+
+    `master_bytes`: the itemsize of --dtype; `low_bytes`: of the 16-bit compute copy
+    (None: no --mixed, the model computes with the master); `main_grad_bytes`: of the
+    gradient (default the master's). Adam with bf16, fp32 masters and fp32 main
+    gradients is Megatron's 2 + 4 + 4 + 8 = 18; with 16-bit gradients
+    (`main_grad_bytes=2`) the ZeRO paper's 2 + 2 + 12 = 16."""
+    grads = master_bytes if main_grad_bytes is None else main_grad_bytes
+    k = optimizer_bytes_per_param(optimizer, master_bytes)
+    if low_bytes is None:
+        return BytesPerParam(params=master_bytes, grads=grads, optimizer=k)
+    return BytesPerParam(params=low_bytes, grads=grads, optimizer=k, masters=master_bytes)
+
+
+def rank_states(per: BytesPerParam, whole: float, mine: float, stage: int) -> ModelStates:
+    """The one formula for a rank's model states, used by `zero_formula` (the memory
+    report) and by the planner (planner/memory_cost.py): each kind's bytes per parameter
+    times `whole` (the parameters every replica has) or `mine` (this rank's ZeRO slice
+    of them) as stage `stage` divides it. ZeRO shards the optimizer state and the
+    masters at stage >= 1 (the paper's K holds both), the gradients at >= 2, the
+    compute copy at 3."""
+    def part(bytes_each: float, sharded: bool) -> float:
+        return bytes_each * (mine if sharded else whole)
+    return ModelStates(params=part(per.params, stage >= 3),
+                       grads=part(per.grads, stage >= 2),
+                       optimizer=part(per.optimizer, stage >= 1),
+                       masters=part(per.masters, stage >= 1))
+
+
+def bytes_per_param_held(per: BytesPerParam, ranks: int, stage: int) -> float:
+    """Bytes a rank holds per parameter of the model under ZeRO stage `stage` over
+    `ranks` replicas: e.g. 18, then 4 + 4 + 14/N, 4 + 14/N, 18/N for bf16 Adam."""
+    return rank_states(per, 1.0, 1.0 / ranks, stage).total
+
+
 def zero_formula(psi: float, ranks: int, stage: int, param_bytes: float = 2,
-                 grad_bytes: float = 2, optimizer_bytes: float = 12) -> ModelStates:
+                 grad_bytes: float = 2, optimizer_bytes: float = 12,
+                 master_bytes: float = 0) -> ModelStates:
     """ZeRO's per-rank memory of model states (section 5.1): stage s shards the
     optimizer state (s >= 1), the gradients (s >= 2) and the parameters (s = 3)
-    over `ranks` data-parallel ranks. Defaults: the paper's mixed-precision Adam."""
-    def part(bytes_per_param: float, sharded: bool) -> float:
-        return bytes_per_param * psi / (ranks if sharded else 1)
-    return ModelStates(params=part(param_bytes, stage >= 3),
-                       grads=part(grad_bytes, stage >= 2),
-                       optimizer=part(optimizer_bytes, stage >= 1))
+    over `ranks` data-parallel ranks. Defaults: the paper's mixed-precision Adam
+    (its K = 12 holds the fp32 master; pass `master_bytes` to count it apart)."""
+    per = BytesPerParam(param_bytes, grad_bytes, optimizer_bytes, master_bytes)
+    return rank_states(per, psi, psi / ranks, stage)
 
 
 def paper_example() -> list[ModelStates]:

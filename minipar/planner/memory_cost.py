@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from minipar.core.memory import ModelStates
+from minipar.core.memory import BytesPerParam, ModelStates, rank_states
 from minipar.parallel.pipeline import chunk_layout, schedules
 from minipar.parallel.pipeline.schedules import compute_order
 from minipar.parallel.pipeline.simulator import in_flight_peak
@@ -99,10 +99,17 @@ class Workload:
     logit_bytes: float = 0.0    # bytes/token the loss keeps of the logits (fp32: 4 V)
     experts_over_tp: bool = True  # MoE: EP spans tp x dp, each tp rank routing its SP share
     #                               (False: minipar's, every tp rank runs the MoE FFN whole)
+    master_bytes: int = 0       # the master copy counted apart (--mixed; 0: inside K)
 
     @property
     def layers(self) -> int:
         return len(self.blocks)
+
+    @property
+    def per_param(self) -> BytesPerParam:
+        """Bytes per parameter by kind (memory.bytes_per_param builds the recipes)."""
+        return BytesPerParam(self.param_bytes, self.grad_bytes, self.optimizer_bytes,
+                             self.master_bytes)
 
     @property
     def params(self) -> int:
@@ -241,11 +248,7 @@ def model_states(w: Workload, plan: Plan, shape: RankShape, dp_rank: int = 0) ->
     mine = shard_of(dense, plan.replicas, dp_rank) + shard_of(experts, edp,
                                                               dp_rank // plan.ep % edp)
 
-    def held(bytes_per: int, sharded: bool) -> int:
-        return bytes_per * (mine if sharded else psi)
-    return ModelStates(params=held(w.param_bytes, plan.zero >= 3),
-                       grads=held(w.grad_bytes, plan.zero >= 2),
-                       optimizer=held(w.optimizer_bytes, plan.zero >= 1))
+    return rank_states(w.per_param, psi, mine, plan.zero)  # memory.py's one formula
 
 
 def shard_of(total: int, ranks: int, rank: int) -> int:

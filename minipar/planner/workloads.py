@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from minipar.core.memory import optimizer_bytes_per_param
+from minipar.core.memory import bytes_per_param
 from minipar.core.nn import canonical_shapes
 from minipar.planner.memory_cost import Block, Plan, Workload
 from minipar.planner.presets import Model
@@ -162,12 +162,14 @@ def minipar_workload(cfg: TrainConfig) -> Workload:
     vocab = bool(cfg.vocab_parallel)  # tok rows and the head's columns over tp
     split = {"tok_embed.weight", "head.weight", "head.bias"} if vocab else set()
     sp = cfg.sp and vocab  # partial over tp: pos rows of my positions, ln_f on them
+    # bytes per parameter: memory.bytes_per_param, the formula the memory report uses
+    per = bytes_per_param(cfg.optimizer, itemsize, 2 if cfg.mixed else None)
     return Workload(f"minipar {cfg.model}", tuple(blocks),
                     tuple((shapes[n], n in split) for n in first),
                     tuple((shapes[n], n in split) for n in last), d,
-                    cfg.batch, model.seq_len if model.is_gpt else 1, itemsize, itemsize,
-                    optimizer_bytes_per_param(cfg.optimizer, itemsize), itemsize, 8,
-                    cfg.bucket_size, split_dims=(f,) if cfg.model == "mlp" else (),
+                    cfg.batch, model.seq_len if model.is_gpt else 1, per.params, per.grads,
+                    per.optimizer, itemsize, 8, cfg.bucket_size, master_bytes=per.masters,
+                    split_dims=(f,) if cfg.model == "mlp" else (),
                     lookup_embedding=model.is_gpt, vocab_parallel=vocab,
                     sp_partial_embed=shapes["pos_embed.weight"] if sp else 0,
                     sp_partial_head=2 * d if sp else 0, experts_over_tp=False)

@@ -25,9 +25,12 @@ import pytest
 from minipar.core import nn
 from minipar.core.memory import (
     FlatLayout,
+    bytes_per_param,
+    bytes_per_param_held,
     ledger_formula,
     optimizer_bytes_per_param,
     paper_example,
+    rank_states,
     shard_counts,
     wire_formula,
     zero_formula,
@@ -66,6 +69,21 @@ def test_zero_paper_example_is_reproduced():
     """Rajbhandari et al., Figure 1: 7.5 B parameters, N_d = 64, K = 12, fp16."""
     totals = [round(states.total / 1e9, 1) for states in paper_example()]
     assert totals == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_bytes_per_parameter_of_mixed_precision_are_the_papers():
+    """Adam, bf16, fp32 masters and main gradients: Megatron's 2 + 4 + 4 + 8 = 18; with
+    16-bit main gradients the ZeRO paper's 2 + 2 + 12 = 16; ZeRO divides them over N."""
+    megatron = bytes_per_param("adam", 4, 2)
+    assert (megatron.params, megatron.masters, megatron.grads, megatron.optimizer) == (2, 4, 4, 8)
+    held = [bytes_per_param_held(megatron, 8, stage) for stage in range(4)]
+    assert held == [18, 2 + 4 + 12 / 8, 2 + 16 / 8, 18 / 8]
+    paper = bytes_per_param("adam", 4, 2, main_grad_bytes=2)
+    assert [bytes_per_param_held(paper, 64, s) for s in range(4)] == [
+        zero_formula(1, 64, s).total for s in range(4)] == [16, 4 + 12 / 64, 2 + 14 / 64, 0.25]
+    full = bytes_per_param("adam", 8, None)  # float64, no --mixed: 8 + 8 + 16, no masters
+    assert (full.total, full.masters) == (32, 0)
+    assert bytes_per_param("sgd", 4, 2).total == 2 + 4 + 4
 
 
 def test_formulas_shard_exactly_the_stage_kinds():
@@ -214,7 +232,11 @@ def check_memory_accounting(comm: object) -> None:
     from tests.harness.rank_tests import agree
 
     found = []
-    for extra, optimizer in (({}, "adam"), (EVEN, "adam")):
+    # float64 Adam; then --mixed (bf16 over float32 masters: Megatron's 18 bytes per
+    # parameter; fp16 over float64 masters, SGD: 2 + 8 + 8)
+    for extra, optimizer in (({}, "adam"), (EVEN, "adam"),
+                             (dict(EVEN, mixed="bf16", dtype="float32"), "adam"),
+                             (dict(mixed="fp16"), "sgd")):
         for stage in range(4):
             fields = dict(SMALL, **extra, steps=1, dp=comm.Get_size(), zero=stage,
                           optimizer=optimizer)
@@ -228,12 +250,17 @@ def memory_problems(comm: object, fields: dict) -> list[str]:
     world, rank = comm.Get_size(), comm.Get_rank()
     measured = train(TrainConfig(**fields).resolved(world), comm).extras["memory"]
     count, stage = psi(fields), fields["zero"]
-    per_param = {"params": 8, "grads": 8,
-                 "optimizer": optimizer_bytes_per_param(fields["optimizer"], 8)}
-    formula = zero_formula(count, world, stage, *per_param.values())
+    itemsize = np.dtype(fields.get("dtype", "float64")).itemsize
+    per = bytes_per_param(fields["optimizer"], itemsize, 2 if fields.get("mixed") else None)
+    per_param = {"params": per.params, "grads": per.grads, "optimizer": per.optimizer,
+                 "masters": per.masters}
+    formula = rank_states(per, count, count / world, stage)  # the planner's formula too
     found = []
+    if count % world == 0 and measured.total != bytes_per_param_held(per, world, stage) * count:
+        found.append(f"{fields}: {measured.total} bytes, formula "
+                     f"{bytes_per_param_held(per, world, stage)} per parameter")
     for kind, bytes_each in per_param.items():
-        sharded = stage >= {"params": 3, "grads": 2, "optimizer": 1}[kind]
+        sharded = stage >= {"params": 3, "grads": 2, "optimizer": 1, "masters": 1}[kind]
         value, want = getattr(measured, kind), getattr(formula, kind)
         together = sum(comm.allgather(value))  # every rank's bytes, summed
         numbers = shard_counts(count, world)[rank] if sharded else count

@@ -30,7 +30,7 @@ import pytest
 
 from minipar.__main__ import main
 from minipar.comm.mesh import MeshShape
-from minipar.core.memory import zero_formula
+from minipar.core.memory import bytes_per_param, bytes_per_param_held, zero_formula
 from minipar.parallel.pipeline.schedules import simulate_schedule
 from minipar.planner.memory_cost import (
     Block,
@@ -68,6 +68,27 @@ def test_zero_paper_example_through_the_planner():
         assert states.total == pytest.approx(zero_formula(7.5e9, 64, stage).total, rel=1e-12)
         totals.append(round(states.total / GB, 1))
     assert totals == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_planner_prices_the_mixed_precision_bytes_of_memory_py():
+    """The planner's bytes per parameter are memory.bytes_per_param_held's, stage by stage:
+    Megatron's bf16 recipe (18), the ZeRO paper's (16), float64 without --mixed (32);
+    and a `--mixed` train config's workload carries the 16-bit recipe."""
+    psi, n = 1_000_000, 8
+    for per in (bytes_per_param("adam", 4, 2), bytes_per_param("adam", 4, 2, 2),
+                bytes_per_param("adam", 8, None)):
+        w = Workload("1M", (Block(((psi, False),)),), (), (), 64, 8, param_bytes=per.params,
+                     grad_bytes=per.grads, optimizer_bytes=per.optimizer,
+                     master_bytes=per.masters)
+        for stage in range(4):
+            plan = Plan(dp=n, zero=stage)
+            states = model_states(w, plan, rank_shape(w, plan, 0))
+            assert states.total / psi == pytest.approx(
+                bytes_per_param_held(per, n, stage), rel=1e-12), (per, stage)
+    mixed = minipar_workload(TrainConfig(mixed="bf16", dtype="float32",
+                                         optimizer="adam").resolved(1))
+    assert mixed.per_param == bytes_per_param("adam", 4, 2)
+    assert mixed.per_param.total == 18
 
 
 FREE = replace(H100, intra_bw=1e30, inter_bw=1e30, latency=0.0)

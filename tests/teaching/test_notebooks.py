@@ -99,7 +99,8 @@ def first_run_fails_as_the_stub(cell: nbformat.NotebookNode) -> None:
 
 
 @pytest.mark.parametrize("name", ["05_tp_vs_pp", "07_zero", "08_bugs", "10_transformer",
-                                  "11_transformer_tp", "12_context_parallel"])
+                                  "11_transformer_tp", "12_context_parallel",
+                                  "14_mixed_precision"])
 def test_lesson_notebooks_ask_what_to_notice_and_check_exercises(name):
     """A notebook for a class: "what to notice" prompts, and exercises whose cells
     check the answer against what the ranks measured (an assert that can fail)."""
