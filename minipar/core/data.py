@@ -1,11 +1,11 @@
 """Deterministic synthetic data, and how a global batch is cut across ranks.
 
 What this file teaches: every rank can *compute* its rows of the global batch
-of a step from (seed, step) alone, so no data ever has to be sent. Each row i of
-the global batch is drawn from its own random stream (seed, step, i): a rank
-draws only the rows it holds (`rows=`), without the rest, and gets exactly the
-numbers those rows have in the global batch (docs/design.md, "The reference
-model", Data). The rule (same section): the global batch of B rows is cut into M
+of a step from (seed, step) alone, so no data ever has to be sent. Every number
+of the global batch is a hash of (seed, step, row, column) -- counter-based, no
+generator state -- so a rank draws only the rows it holds (`rows=`), all of them in
+one vectorized pass, and gets exactly the numbers those rows have in the global
+batch (docs/design.md, "The reference model", Data). The rule (same section): the global batch of B rows is cut into M
 contiguous microbatches, and each microbatch into dp contiguous pieces, piece r
 to data-parallel rank r. With M = 1, rank r holds rows r*B/dp .. (r+1)*B/dp - 1,
 as in the source text's example (1024 rows on 8 ranks: 128 each).
@@ -39,12 +39,97 @@ def _teacher(seed: int, d_in: int, classes: int) -> tuple[np.ndarray, np.ndarray
             rng.normal(size=(hidden, classes)) / np.sqrt(hidden))
 
 
-def _row_streams(seed: int, step: int, batch: int, rows: np.ndarray | None
-                 ) -> list[np.random.Generator]:
-    """One generator per requested row of the global batch: row i's stream is
-    (seed, step, i), whoever draws it and whatever else is drawn with it."""
-    wanted = range(batch) if rows is None else rows
-    return [np.random.default_rng([seed, step, int(i)]) for i in wanted]
+# ------------------------------------------------- counter-based random numbers
+# docs/design.md, Data: every number is a hash of (seed, step, row, column), so a
+# rank computes the rows it holds -- all of them at once, vectorized -- and gets
+# the bits they have in the global batch, whatever else it draws.
+_MASK = 2**64 - 1
+_GOLDEN = 0x9E3779B97F4A7C15          # the Weyl increment of splitmix64
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+def _mix_int(z: int) -> int:
+    """splitmix64's finalizer on one Python integer (mod 2^64): the scalar keys."""
+    z &= _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """The same finalizer on a uint64 array, in place (products wrap mod 2^64)."""
+    tmp = np.empty_like(z)
+    np.right_shift(z, _S30, out=tmp)
+    z ^= tmp
+    z *= _M1
+    np.right_shift(z, _S27, out=tmp)
+    z ^= tmp
+    z *= _M2
+    np.right_shift(z, _S31, out=tmp)
+    z ^= tmp
+    return z
+
+
+def _row_bits(seed: int, step: int, batch: int, rows: np.ndarray | None, count: int
+              ) -> np.ndarray:
+    """(rows, count) uint64: column c of row i is a hash of (seed, step, i, c) alone.
+
+    Row i's key is mix(key(seed, step) + (i + 1) G); its column c is
+    mix(row key + (c + 1) G) -- splitmix64's stream started at the row's key, every
+    row computed at once."""
+    base = _mix_int(_mix_int(seed * _GOLDEN + 1) + (step + 1) * _GOLDEN)
+    wanted = np.arange(batch) if rows is None else np.asarray(rows)
+    keys = wanted.astype(np.uint64) + np.uint64(1)
+    keys *= np.uint64(_GOLDEN)
+    keys += np.uint64(base)
+    _mix(keys)
+    columns = np.arange(1, count + 1, dtype=np.uint64)
+    columns *= np.uint64(_GOLDEN)
+    return _mix(keys[:, None] + columns)
+
+
+def row_uniforms(seed: int, step: int, batch: int, rows: np.ndarray | None, count: int
+                 ) -> np.ndarray:
+    """(rows, count) float64 uniforms in [0, 1): the top 53 bits of each hash * 2^-53."""
+    bits = _row_bits(seed, step, batch, rows, count)
+    bits >>= np.uint64(11)
+    uniforms = bits.astype(np.float64)
+    uniforms *= 2.0**-53
+    return uniforms
+
+
+def row_integers(seed: int, step: int, batch: int, rows: np.ndarray | None, count: int,
+                 high: int | np.ndarray) -> np.ndarray:
+    """(rows, count) int64 in [0, high): floor(u * high) of `row_uniforms`; `high` one
+    bound, or one per row ((rows, 1)). The bias is below high / 2^53."""
+    scaled = row_uniforms(seed, step, batch, rows, count) * high
+    return np.minimum(scaled.astype(np.int64), np.asarray(high) - 1)
+
+
+def row_normals(seed: int, step: int, batch: int, rows: np.ndarray | None, count: int
+                ) -> np.ndarray:
+    """(rows, count) float64 standard normals by Box-Muller: columns 2k and 2k+1 of a row
+    are r cos(theta) and r sin(theta) of ONE hash, counter k: its top 32 bits give
+    u1 in (0, 1), r = sqrt(-2 ln u1); its low 32 bits u2, theta = 2 pi u2. The logarithm
+    and the sine and cosine are evaluated in float32 (docs/design.md, Data: float64's are
+    many times slower here), so each normal carries float32's relative precision, about
+    1e-7 -- noise the synthetic task never sees."""
+    pairs = (count + 1) // 2
+    bits = _row_bits(seed, step, batch, rows, pairs)
+    low = (bits & np.uint64(0xFFFFFFFF)).astype(np.float32)
+    bits >>= np.uint64(32)
+    radius = bits.astype(np.float32)
+    radius += np.float32(0.5)
+    radius *= np.float32(2.0**-32)                               # u1 in (0, 1]
+    np.log(radius, out=radius)
+    radius *= np.float32(-2.0)
+    np.sqrt(radius, out=radius)
+    low *= np.float32(2.0**-32 * 2 * np.pi)                      # theta in [0, 2 pi)
+    out = np.empty((bits.shape[0], pairs, 2))
+    np.multiply(radius, np.cos(low), out=out[..., 0])
+    np.multiply(radius, np.sin(low), out=out[..., 1])
+    return out.reshape(bits.shape[0], 2 * pairs)[:, :count]
 
 
 def make_batch(seed: int, step: int, batch: int, d_in: int, classes: int,
@@ -56,7 +141,7 @@ def make_batch(seed: int, step: int, batch: int, d_in: int, classes: int,
 
     Depends on (seed, step) only, so a resumed run sees the same data.
     """
-    x = np.stack([rng.normal(size=d_in) for rng in _row_streams(seed, step, batch, rows)])
+    x = row_normals(seed, step, batch, rows, d_in)
     w1, w2 = _teacher(seed, d_in, classes)
     y = np.argmax(np.tanh(x @ w1) @ w2, axis=1)  # row by row: the teacher's label of each row
     return x.astype(dtype), y.astype(np.int64)
@@ -100,8 +185,7 @@ def make_sequences(seed: int, step: int, batch: int, seq_len: int, vocab: int,
     attention has learned to look back; the others stay at log V. Each sequence has its
     own stream (seed, step, row), so `rows` gives only those rows, as in `make_batch`."""
     half = (seq_len + 2) // 2
-    first = np.stack([rng.integers(0, vocab, size=half)
-                      for rng in _row_streams(seed, step, batch, rows)])
+    first = row_integers(seed, step, batch, rows, half, vocab)
     sequence = np.concatenate([first, first], axis=1)[:, :seq_len + 1]   # (B, T+1)
     return sequence[:, :-1].astype(np.int64), sequence[:, 1:].astype(np.int64)
 
@@ -175,7 +259,6 @@ def make_text_windows(path: str, seed: int, step: int, batch: int, seq_len: int,
     x = window[:, :T], y = window[:, 1:] (B, T), byte values as token ids (V = 256);
     with `rows`, only those windows, as in `make_batch`."""
     corpus = read_corpus(path)
-    starts = np.array([rng.integers(0, corpus.size - seq_len)            # window fits
-                       for rng in _row_streams(seed, step, batch, rows)])
+    starts = row_integers(seed, step, batch, rows, 1, corpus.size - seq_len)[:, 0]  # fits
     windows = corpus[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64)  # (B, T+1)
     return windows[:, :-1], windows[:, 1:]

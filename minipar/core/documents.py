@@ -35,7 +35,7 @@ import re
 
 import numpy as np
 
-from minipar.core.data import _row_streams, read_corpus
+from minipar.core.data import read_corpus, row_uniforms
 
 IGNORE = -1   # the label of a padded position inside a run: no loss, no gradient
 _BLANK_LINE = re.compile(rb"\n[ \t\r]*\n")   # what separates two documents
@@ -78,12 +78,11 @@ def make_documents(path: str, seed: int, step: int, batch: int, seq_len: int,
     With `rows`, only those rows, as in `data.make_batch`."""
     corpus = read_corpus(path)
     starts, lengths = read_documents(path)
-    picks = [(int(rng.integers(0, starts.size)), rng)
-             for rng in _row_streams(seed, step, batch, rows)]
-    doc = np.array([d for d, _ in picks], dtype=np.int64)
+    u = row_uniforms(seed, step, batch, rows, 2)          # (B, 2): the document, the offset
+    doc = np.minimum((u[:, 0] * starts.size).astype(np.int64), starts.size - 1)
     size = np.minimum(lengths[doc], seq_len + 1)                       # (B,) window bytes
-    first = starts[doc] + np.array([int(rng.integers(0, n - s + 1)) for (_, rng), n, s
-                                    in zip(picks, lengths[doc], size)], dtype=np.int64)
+    room = lengths[doc] - size + 1                                     # window starts
+    first = starts[doc] + np.minimum((u[:, 1] * room).astype(np.int64), room - 1)
     offsets = np.arange(seq_len + 1)
     inside = offsets < size[:, None]                                   # (B, T+1)
     where = np.minimum(first[:, None] + offsets, corpus.size - 1)

@@ -130,3 +130,42 @@ def test_uniform_routing_aux_loss_is_alpha(experts, top_k):
     h = ag.Tensor(np.random.default_rng(0).standard_normal((10, 8)))
     _, aux = block(h)
     assert abs(aux.item() - 0.37) <= 1e-15
+
+
+def test_counter_based_data_rows_are_the_same_in_any_split_and_well_distributed():
+    """Every number is a hash of (seed, step, row, column): a row drawn alone, in a
+    microbatch, in another mesh's shard or in a wider batch has the same bits; the
+    normals have mean 0 and variance 1, the uniforms lie in [0, 1) with variance 1/12,
+    the integers cover [0, n) evenly."""
+    from minipar.core import data
+
+    batch, d_in = 24, 9
+    whole = data.row_normals(4, 2, batch, None, d_in)
+    for microbatches, dp in [(1, 3), (2, 2), (4, 3), (3, 8)]:
+        if batch % (microbatches * dp):
+            continue
+        for r in range(dp):
+            rows = data.rank_rows(batch, microbatches, dp, r)
+            assert data.row_normals(4, 2, batch, rows, d_in).tobytes() == whole[rows].tobytes()
+            for m in range(microbatches):
+                piece = data.shard_rows(batch, microbatches, dp, m, r)
+                assert np.array_equal(whole[piece], data.row_normals(
+                    4, 2, batch, np.arange(batch)[piece], d_in))
+    assert np.array_equal(data.row_normals(4, 2, 2 * batch, None, d_in)[:batch], whole)
+    assert np.array_equal(data.row_normals(4, 2, batch, None, d_in + 3)[:, :d_in], whole)
+    x, y = data.make_batch(4, 2, batch, d_in, 5, rows=np.array([7, 3]))
+    full_x, full_y = data.make_batch(4, 2, batch, d_in, 5)
+    assert np.array_equal(x, full_x[[7, 3]]) and np.array_equal(y, full_y[[7, 3]])
+    assert not np.array_equal(whole, data.row_normals(4, 3, batch, None, d_in))   # step
+    assert not np.array_equal(whole, data.row_normals(5, 2, batch, None, d_in))   # seed
+
+    normals = data.row_normals(0, 0, 512, None, 256).ravel()          # 131072 numbers
+    assert abs(normals.mean()) < 5 / np.sqrt(normals.size)           # 5 standard errors
+    assert abs(normals.var() - 1) < 5 * np.sqrt(2 / normals.size)
+    assert abs(np.mean(np.abs(normals) < 1) - 0.6827) < 0.01        # the normal's shape
+    assert abs(np.corrcoef(normals[0::2], normals[1::2])[0, 1]) < 0.02   # a pair: independent
+    u = data.row_uniforms(0, 0, 512, None, 256)
+    assert u.min() >= 0 and u.max() < 1 and abs(u.mean() - 0.5) < 0.005
+    assert abs(u.var() - 1 / 12) < 0.002
+    counts = np.bincount(data.row_integers(0, 0, 512, None, 70, 7).ravel(), minlength=7)
+    assert counts.size == 7 and np.all(np.abs(counts / counts.sum() - 1 / 7) < 0.01)
