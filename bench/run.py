@@ -263,6 +263,13 @@ def main() -> None:
     lines.append(f"{'  dp wire bytes, bf16 --grad-reduce-dtype low / float32 (goal 0.5)':<58} "
                  f"{mx['wire bf16/float32']:>8.3f}  {mx['wire']['bf16'] / 2**20:.2f} vs "
                  f"{mx['wire']['float32'] / 2**20:.2f} MiB per step")
+    from bench import step_rate  # (a) data, (b) step against DGEMM, (c) against torch
+
+    with step_rate.one_blas_thread():
+        a = step_rate.data_vs_generator(repeats=10 if quick else 45)
+        b = step_rate.step_vs_dgemm(repeats=3 if quick else 9)
+    results["step_rate"] = {"data_vs_generator": a, "step_vs_dgemm": b}
+    lines.extend(step_rate.lines(a, b))
     results["suite_seconds"] = suite_time()
     if results["suite_seconds"] is not None:
         lines.append(f"{'make test wall time, seconds (last run)':<58} "
