@@ -1,14 +1,14 @@
 """Deterministic synthetic data, and how a global batch is cut across ranks.
 
-What this file teaches: every rank can *compute* its rows of the global batch
-of a step from (seed, step) alone, so no data ever has to be sent. Every number
-of the global batch is a hash of (seed, step, row, column) -- counter-based, no
-generator state -- so a rank draws only the rows it holds (`rows=`), all of them in
-one vectorized pass, and gets exactly the numbers those rows have in the global
-batch (docs/design.md, "The reference model", Data). The rule (same section): the
-global batch of B rows is cut into M contiguous microbatches, and each microbatch into dp contiguous pieces, piece r
-to data-parallel rank r. With M = 1, rank r holds rows r*B/dp .. (r+1)*B/dp - 1,
-as in the source text's example (1024 rows on 8 ranks: 128 each).
+What this file teaches: every rank can *compute* its rows of the global batch of a step
+from (seed, step) alone, so no data ever has to be sent. Every number of the global
+batch is a hash of (seed, step, row, column) -- counter-based, no generator state -- so
+a rank draws only the rows it holds (`rows=`), all of them in one vectorized pass, and
+gets exactly the numbers those rows have in the global batch (docs/design.md, "The
+reference model", Data). The rule (same section): the global batch of B rows is cut into
+M contiguous microbatches, and each microbatch into dp contiguous pieces, piece r to
+data-parallel rank r. With M = 1, rank r holds rows r*B/dp .. (r+1)*B/dp - 1, as in the
+source text's example (1024 rows on 8 ranks: 128 each).
 
 The task is learnable: labels come from a fixed random two-layer "teacher"
 network, so the loss visibly falls over a few hundred steps.
