@@ -125,7 +125,7 @@ def _moved(buf: object) -> object:
     anything else as it is. Only for calls that move bytes: a sum must know the format
     (comm/low_precision.py), so `_summed` refuses a 16-bit buffer under a built-in op."""
     if isinstance(buf, np.ndarray):
-        return buf.view(np.uint16) if precision.is_low(buf.dtype) else buf
+        return precision.wire(buf)
     if isinstance(buf, (list, tuple)) and buf and isinstance(buf[0], np.ndarray) \
             and precision.is_low(buf[0].dtype):
         return [buf[0].view(np.uint16)] + [MPI.UINT16_T if isinstance(b, MPI.Datatype)
@@ -280,12 +280,6 @@ class Group:
 
 
 # --------------------------------------------------- array helpers (no autograd)
-def _wire(x: np.ndarray) -> np.ndarray:
-    """A 16-bit array as its uint16 view, the only way MPI can move bfloat16 (--mixed,
-    comm/low_precision.py); any other array as it is."""
-    return x.view(np.uint16) if precision.is_low(x.dtype) else x
-
-
 def _summable(x: np.ndarray) -> np.ndarray:
     """What an MPI sum runs on: a 16-bit array upcast to the master dtype (partial sums
     are added in the master dtype and rounded once after: docs/design.md, "Mixed
@@ -308,7 +302,7 @@ def allgather_axis(group: Group, x: np.ndarray, axis: int) -> np.ndarray:
         return x
     gathered = np.empty((group.size, *x.shape), dtype=x.dtype)
     # x (shape) -> (N, shape) on all (--mixed: 16-bit words)
-    group.Allgather(_wire(np.ascontiguousarray(x)), _wire(gathered))
+    group.Allgather(precision.wire(np.ascontiguousarray(x)), precision.wire(gathered))
     return np.concatenate(list(gathered), axis=axis)
 
 
@@ -442,10 +436,10 @@ def alltoallv_rows(group: Group, x: np.ndarray, send_counts: np.ndarray,
     send_elems, recv_elems = send_counts * width, recv_counts * width
     send_displ = np.concatenate(([0], np.cumsum(send_elems)[:-1]))
     recv_displ = np.concatenate(([0], np.cumsum(recv_elems)[:-1]))
-    kind = MPI._typedict[_wire(send).dtype.char]  # --mixed: 16-bit rows as uint16 words
+    kind = MPI._typedict[precision.wire(send).dtype.char]  # --mixed: 16-bit rows as uint16 words
     # rows for rank j -> rank j; rows from rank i land at recv_displ[i]
-    group.Alltoallv([_wire(send), send_elems, send_displ, kind],
-                    [_wire(out), recv_elems, recv_displ, kind])
+    group.Alltoallv([precision.wire(send), send_elems, send_displ, kind],
+                    [precision.wire(out), recv_elems, recv_displ, kind])
     return out
 
 

@@ -27,15 +27,9 @@ from mpi4py import MPI
 
 from minipar.comm.collectives import Group
 from minipar.core import precision
+from minipar.core.precision import wire  # noqa: F401  (the uint16 view; no MPI in it)
 
 _OPS: dict[str, MPI.Op] = {}
-
-
-def wire(x: np.ndarray) -> np.ndarray:
-    """What MPI is handed: a 16-bit array as its uint16 view (the same memory, no copy);
-    any other array as it is. (collectives.py's array helpers do the same for the
-    collectives inside the model.)"""
-    return x.view(np.uint16) if precision.is_low(x.dtype) else x
 
 
 def mpi_type(x: np.ndarray) -> MPI.Datatype:

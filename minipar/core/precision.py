@@ -33,11 +33,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import ml_dtypes
 import numpy as np
 
-LOW_DTYPES: dict[str, np.dtype] = {"bf16": np.dtype(ml_dtypes.bfloat16),
-                                   "fp16": np.dtype(np.float16)}
+LOW_NAMES = ("bf16", "fp16")
 UNIT_ROUNDOFF: dict[str, float] = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 
 LOW: np.dtype | None = None      # the compute dtype while a policy is on, else None
@@ -45,8 +43,15 @@ MASTER: np.dtype | None = None   # the master dtype (--dtype) while a policy is 
 
 
 def low_dtype(name: str) -> np.dtype:
-    """`bf16` -> ml_dtypes.bfloat16, `fp16` -> numpy.float16."""
-    return LOW_DTYPES[name]
+    """`bf16` -> ml_dtypes.bfloat16, `fp16` -> numpy.float16. ml_dtypes is imported here,
+    on first use: loading it takes about a second, which a run without bf16 never pays."""
+    if name == "bf16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    if name == "fp16":
+        return np.dtype(np.float16)
+    raise KeyError(name)
 
 
 def unit_roundoff(name: str) -> float:
@@ -56,15 +61,25 @@ def unit_roundoff(name: str) -> float:
 
 def name_of(dtype: np.dtype) -> str | None:
     """The --mixed name of a 16-bit dtype (`bf16`, `fp16`), None for any other."""
-    for name, low in LOW_DTYPES.items():
-        if np.dtype(dtype) == low:
-            return name
+    dtype = np.dtype(dtype)
+    if dtype == np.float16:
+        return "fp16"
+    if dtype.name == "bfloat16":  # only exists once ml_dtypes is loaded (`low_dtype`)
+        return "bf16"
     return None
 
 
 def is_low(dtype: np.dtype) -> bool:
     """Is `dtype` one of the 16-bit compute dtypes?"""
     return name_of(dtype) is not None
+
+
+def wire(x: np.ndarray) -> np.ndarray:
+    """What MPI is handed: a 16-bit array as its uint16 view (the same memory, no copy);
+    any other array as it is. MPI has no bfloat16, but a collective that only moves
+    bytes does not need one (comm/low_precision.py; collectives.py's array helpers do
+    the same for the collectives inside the model)."""
+    return x.view(np.uint16) if is_low(x.dtype) else x
 
 
 @contextlib.contextmanager

@@ -66,7 +66,6 @@ import numpy as np
 
 from minipar import placement
 from minipar.comm import flight, trace
-from minipar.comm.low_precision import wire
 from minipar.core import autograd as ag
 from minipar.core import precision
 from minipar.core.autograd import Tensor
@@ -237,7 +236,7 @@ class StageWorker:
         buf = np.empty(self.shape, dtype=self.dtype)
         # activation (B/(M dp), d) of this microbatch <- the previous stage (--mixed:
         # 16-bit, as uint16 words: comm/low_precision.py)
-        self.group.Recv(wire(buf), source=self.peer(ins), tag=ACT_TAG)
+        self.group.Recv(precision.wire(buf), source=self.peer(ins), tag=ACT_TAG)
         self.inputs[(ins.chunk, ins.microbatch)] = rows_of(
             Tensor(buf, requires_grad=True), self.boundary_rows_over)
 
@@ -247,20 +246,20 @@ class StageWorker:
             placement.rows_exchanged("Send to the next stage", sent, self.group)
         out = np.ascontiguousarray(sent.data, dtype=self.dtype)
         # activation (B/(M dp), d) of this microbatch -> the next stage
-        request = self.group.Isend(wire(out), dest=self.peer(ins), tag=ACT_TAG)
+        request = self.group.Isend(precision.wire(out), dest=self.peer(ins), tag=ACT_TAG)
         self.sending[(ACT_TAG, ins.chunk, ins.microbatch)] = (request, out)
 
     def recv_grad(self, ins: Instruction) -> None:
         buf = np.empty(self.shape, dtype=self.dtype)
         # gradient (B/(M dp), d) of our output <- the next stage
-        self.group.Recv(wire(buf), source=self.peer(ins), tag=GRAD_TAG)
+        self.group.Recv(precision.wire(buf), source=self.peer(ins), tag=GRAD_TAG)
         self.grads[(ins.chunk, ins.microbatch)] = buf
 
     def send_grad(self, ins: Instruction) -> None:
         grad = np.ascontiguousarray(self.inputs.pop((ins.chunk, ins.microbatch)).grad,
                                     dtype=self.dtype)
         # gradient (B/(M dp), d) of our input -> the previous stage
-        request = self.group.Isend(wire(grad), dest=self.peer(ins),
+        request = self.group.Isend(precision.wire(grad), dest=self.peer(ins),
                                    tag=GRAD_TAG)
         self.sending[(GRAD_TAG, ins.chunk, ins.microbatch)] = (request, grad)
 
