@@ -31,7 +31,7 @@ from minipar.comm import watchdog
 from minipar.comm.mesh import MeshShape
 from minipar.placement import PlacementError
 from minipar.run.results import check, dump
-from minipar.run.train import DivergedError, problems, train
+from minipar.run.train import DivergedError, ReplicaError, problems, train
 from minipar.settings import preflight
 from minipar.settings.config import ConfigError, Parser, config_from_args, make_parser
 
@@ -97,8 +97,8 @@ def train_command(argv: list[str]) -> int:
     except CheckpointError as error:   # on every rank alike: the folder is taken (before the
         return fail(rank, str(error), code=2 if isinstance(error, FolderInUseError) else 1)  # first
         # step, exit 2), or a save failed (the previous checkpoint kept, exit 1)
-    except DivergedError as error:  # raised on every rank at the same step: no abort needed
-        return fail(rank, str(error), code=1)
+    except (DivergedError, ReplicaError) as error:  # raised on every rank at the same step:
+        return fail(rank, str(error), code=1)       # no abort needed
     except PlacementError as error:  # --check-placements: every rank of a stage runs the
         # same ops, so without a pipeline every rank raises it at the same op; a pipeline's
         # other stages may be waiting for this one: one line from its first rank, then abort

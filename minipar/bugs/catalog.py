@@ -38,15 +38,18 @@ from minipar.bugs.detours import (
     clip_by_local_norm,
     f_without_allreduce,
     first_choice_only,
+    found_inf_per_rank,
     keys_not_gathered,
     loss_mean_per_microbatch,
     merge_without_lse,
     no_allgather,
+    no_master_weights,
     one_input_buffer,
     plain_linears,
     replicated_counted_on_every_tp_rank,
     stage_left_out,
     sum_not_mean,
+    tp_partials_in_16_bits,
     vocab_loss_without_max,
 )
 from minipar.bugs.hangs import HANGS, Hang
@@ -319,6 +322,57 @@ _LIST += [
 ]
 BUGS: dict[str, Bug] = {bug.name: bug for bug in _LIST}
 
+# The mixed-precision bugs (--mixed, docs/design.md "Mixed precision"): their runs are
+# judged by the derived tolerance, the replica check and the ledger, not lesson 08's
+# 1e-9 (tests/parallel/test_mixed.py shows each caught).
+_MIXED = [
+    Bug("mp-found-inf-per-rank", "pp",
+        "fp16's overflow check decided by each rank from its own gradients: the MAX-"
+        "Allreduce of found_inf is left out",
+        "a pipeline stage whose gradients overflowed skips its update and halves S while "
+        "the other stage steps and keeps S: from then on the stages scale the loss by "
+        "different S, and the replica check stops the run at that step (S is one number "
+        "every rank must hold bitwise alike); the ledger is one Allreduce a step short",
+        "--mixed fp16 with --pp, --tp or --ep 2 or more (ranks holding different "
+        "gradients), --zero 0 and no --clip-grad-norm",
+        lambda cfg: cfg.mixed == "fp16" and cfg.zero == 0 and cfg.clip_grad_norm is None
+        and (cfg.pp > 1 or cfg.tp > 1 or cfg.ep > 1),
+        found_inf_per_rank,
+        {"mixed": "fp16", "pp": 2, "layers": 4, "microbatches": 2,
+         "loss_scale": 2.0 ** 20, "loss_scale_window": 2, "steps": 6},
+        "shipped: Megatron-Bridge's MIMO optimizer let one module grid's scaler halve "
+        "before the world-wide found_inf vote, so S differed across ranks "
+        "(NVIDIA-NeMo/Megatron-Bridge#5591); DeepSpeed's pipeline with 1-bit Adam hung when "
+        "one stage overflowed and another did not (deepspeedai/DeepSpeed#994)"),
+    Bug("mp-no-master-weights", "dp",
+        "the optimizer's update lands on the 16-bit copy: the master is set back to its "
+        "own 16-bit rounding after every step",
+        "the first rounding moves every weight by up to half a bf16 step (2^-9 of it), "
+        "more than a small update, and any later update smaller than that is rounded "
+        "away: at a small learning rate the parameters' movement from init is nothing like "
+        "the one-process run's (94x it at --lr 0.002) and the derived tolerance is "
+        "exceeded; every replica rounds alike, so the replica check and the ledger see "
+        "nothing",
+        "--mixed bf16 or fp16 with --zero 0",
+        lambda cfg: cfg.mixed is not None and cfg.zero == 0,
+        no_master_weights, {"mixed": "bf16", "lr": 0.002, "steps": 3},
+        "plausible: the reason mixed-precision training keeps fp32 masters "
+        "(Micikevicius et al., 'Mixed Precision Training', 2018)"),
+    Bug("mp-tp-partials-in-bf16", "tp",
+        "the row-parallel linear's tp shares rounded to 16 bits and Allreduced in 16 bits "
+        "(every partial sum rounded), not summed in the master dtype and rounded once",
+        "each block's output carries one more rounding per share: an error of the size of "
+        "the ones the derived tolerance already allows, so --check passes; what the "
+        "contract catches is the ledger: every tp Allreduce moves 2 bytes an element "
+        "where the formula (the master dtype's sum) says 4 or 8",
+        "--mixed bf16 or fp16 with --tp 2 or more without --sp, and not --model moe",
+        lambda cfg: cfg.mixed is not None and _tp(cfg),
+        tp_partials_in_16_bits, {"mixed": "bf16", "tp": 2},
+        "plausible: no shipped case found; many trainers sum tp shares in the compute "
+        "dtype by choice, minipar's contract (docs/design.md) sums them in the master one"),
+]
+MIXED_BUGS: dict[str, Bug] = {bug.name: bug for bug in _MIXED}
+
 
 def problems(cfg: TrainConfig) -> list[str]:
     """Why `cfg.inject_bug` cannot be injected into this run (empty if it can, or if no
@@ -326,7 +380,7 @@ def problems(cfg: TrainConfig) -> list[str]:
     name = cfg.inject_bug
     if name is None:
         return []
-    known = {**BUGS, **HANGS}  # the hangs (bugs/hangs.py) are injected the same way
+    known = {**BUGS, **MIXED_BUGS, **HANGS}  # the hangs (bugs/hangs.py) are injected alike
     if name not in known:
         return [f"--inject-bug {name} is not a known bug; choose one of: {', '.join(known)}"]
     bug = known[name]
@@ -336,7 +390,7 @@ def problems(cfg: TrainConfig) -> list[str]:
 @contextmanager
 def injected(name: str) -> Iterator[Bug | Hang]:
     """Apply bug `name`'s swaps for the body of the `with`, then put the originals back."""
-    bug = BUGS[name] if name in BUGS else HANGS[name]
+    bug = {**BUGS, **MIXED_BUGS, **HANGS}[name]
     swaps = bug.detour()
     originals = [(module, attribute, getattr(module, attribute))
                  for module, attribute, _ in swaps]
@@ -364,6 +418,12 @@ def listing() -> str:
     lines = [f"{len(BUGS)} bugs to inject with --inject-bug NAME "
              "(mpiexec -n 4 python lessons/08_bugs.py runs them all):"]
     for bug in BUGS.values():
+        lines += [f"\n{bug.name}  [{bug.strategy}]", f"  broken: {bug.broken}",
+                  f"  needs:  {bug.requires}", f"  try:    {command(bug)}",
+                  f"  seen:   {bug.seen}"]
+    lines.append(f"\n{len(MIXED_BUGS)} mixed-precision bugs (--mixed; judged by the derived "
+                 "tolerance, the replica check and the ledger):")
+    for bug in MIXED_BUGS.values():
         lines += [f"\n{bug.name}  [{bug.strategy}]", f"  broken: {bug.broken}",
                   f"  needs:  {bug.requires}", f"  try:    {command(bug)}",
                   f"  seen:   {bug.seen}"]

@@ -438,10 +438,10 @@ def mixed_problems(cfg: TrainConfig) -> list[str]:
             out.append("--grad-reduce-dtype low reduces a 16-bit copy of the gradients: it "
                        "needs --mixed bf16 or fp16")
         return out
-    if cfg.inject_bug is not None and not cfg.inject_bug.startswith("mixed-"):
+    if cfg.inject_bug is not None and not cfg.inject_bug.startswith("mp-"):
         out.append(f"--inject-bug {cfg.inject_bug} is one of lesson 08's full-precision "
                    f"bugs: run it without --mixed (the mixed-precision bugs are named "
-                   f"mixed-*)")
+                   f"mp-*)")
     if cfg.mixed == "bf16":
         for name in ("loss_scale", "loss_scale_window"):
             if getattr(cfg, name) != getattr(defaults, name):

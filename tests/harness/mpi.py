@@ -110,7 +110,8 @@ def read_dump(folder: Path) -> dict:
 def sweep(n: int, configs: list[dict], folder: Path, timeout: float = 240) -> list[dict]:
     """Run several training configs in ONE mpiexec job (start-up paid once).
 
-    Each config is a dict of TrainConfig fields; result i is read from folder/i.
+    Each config is a dict of TrainConfig fields; result i is read from folder/i
+    (`{"replica_error": text}` for a --mixed run the replica check stopped).
     Placement checking is on (`check_placements`) unless a config says otherwise.
     """
     configs = [{"check_placements": True, **c} for c in configs]
@@ -119,7 +120,9 @@ def sweep(n: int, configs: list[dict], folder: Path, timeout: float = 240) -> li
     spec.write_text(json.dumps(configs))
     job = launch(n, ["-m", "tests.harness.rank_sweep", str(spec), str(folder)], timeout)
     assert job.returncode == 0 and not job.timed_out, job.explain()
-    return [read_dump(folder / str(i)) for i in range(len(configs))]
+    return [{"replica_error": (folder / str(i) / "replica_error.txt").read_text()}
+            if (folder / str(i) / "replica_error.txt").exists() else read_dump(folder / str(i))
+            for i in range(len(configs))]
 
 
 _LESSON_RUNS: dict[tuple, tuple[Job, Path]] = {}

@@ -9,7 +9,9 @@ score entries per block in the last forward (`extras["attention_scores"]`), and
 `rank_gnorms.json`: every rank's global gradient norm of each step (`extras["gnorms"]`,
 with --clip-grad-norm), and `rank_mixed.json`: every rank's loss scale, skipped steps and
 per-step (S, skipped) history (--mixed; nulls without).
-An exception on any rank aborts the job (as `python -m mpi4py` does) with that
+A ReplicaError (--mixed: raised on every rank at the same step) is written to
+`replica_error.txt` in the run's folder, and the sweep goes on.
+Any other exception on any rank aborts the job (as `python -m mpi4py` does) with that
 rank's traceback.
 """
 
@@ -23,7 +25,7 @@ from mpi4py import MPI
 
 from minipar.comm.job import abort_on_exception
 from minipar.run.results import dump
-from minipar.run.train import problems, train
+from minipar.run.train import ReplicaError, problems, train
 from minipar.settings.config import TrainConfig
 
 
@@ -36,7 +38,13 @@ def main() -> None:
         errors = problems(cfg, world.Get_size())
         if errors:
             raise SystemExit(f"config {i} {fields}: {errors[0]}")
-        result = train(cfg, world)
+        try:
+            result = train(cfg, world)
+        except ReplicaError as error:   # raised on every rank at the same step: all go on
+            if world.Get_rank() == 0:
+                (out / str(i)).mkdir(parents=True, exist_ok=True)
+                (out / str(i) / "replica_error.txt").write_text(str(error))
+            continue
         # every rank's measured model-state bytes -> rank 0, for memory.json
         memory = world.gather(vars(result.extras["memory"]))
         # every rank's attention score entries per block (context parallelism's work)

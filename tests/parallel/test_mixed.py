@@ -12,6 +12,10 @@ run/results.py (`mixed_tolerance`: from the unit roundoff and the step count), a
 - the ledger counts 2 bytes per element for every 16-bit collective (ZeRO's Allgather,
   the pipeline's activations and their gradients, and the gradient reduction under
   --grad-reduce-dtype low), the master dtype's bytes for the rest;
+- the three mixed-precision bugs (bugs/catalog.py MIXED_BUGS), each beside the correct
+  run of its flags: found_inf decided per rank is stopped by the replica check, no
+  master weights exceed the derived tolerance, tp shares summed in 16 bits pass it
+  (one rounding more, of the size it allows) and the ledger shows their 2-byte words;
 - fp16 with a huge initial S overflows: every rank skips the same steps, S halves
   until the gradients fit, and matches the one-process run's S and skips.
 
@@ -26,9 +30,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from minipar.bugs.catalog import MIXED_BUGS
+from minipar.bugs.catalog import listing as catalog_listing
 from minipar.core import precision
 from minipar.run.results import mixed_tolerance, moved_difference, relative_difference
-from minipar.run.train import ReplicaError, replica_check
+from minipar.run.train import ReplicaError, problems, replica_check
 from minipar.settings.config import TrainConfig
 from tests.conftest import reference
 from tests.harness.mpi import sweep
@@ -85,12 +91,25 @@ RESUMES = [dict(CONFIGS[-1], steps=2, save="{ckpt}"),
            dict(CONFIGS[-1], zero=0, grad_sync="naive", resume="{ckpt}")]
 
 
+# the three mixed-precision bugs (bugs/catalog.py MIXED_BUGS), each beside the correct
+# run of its own flags, in the same job
+BUGS = {name: dict(SMALL, **bug.flags) for name, bug in MIXED_BUGS.items()}
+BUG_RUNS = [run for name, flags in BUGS.items()
+            for run in (dict(flags, inject_bug=name, check_placements=False), flags)]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mixed")
     resumes = [{k: str(folder / "ckpt") if v == "{ckpt}" else v for k, v in c.items()}
                for c in RESUMES]
-    return sweep(4, CONFIGS + resumes, folder, timeout=240)
+    return sweep(4, CONFIGS + resumes + BUG_RUNS, folder, timeout=300)
+
+
+def bug_runs(runs: list, name: str) -> tuple[dict, dict, dict]:
+    """(the buggy run, the correct run of the same flags, those flags)."""
+    i = len(CONFIGS) + len(RESUMES) + 2 * list(BUGS).index(name)
+    return runs[i], runs[i + 1], BUGS[name]
 
 
 def label(cfg: dict) -> str:
@@ -189,7 +208,7 @@ def test_replica_check_stops_on_one_differing_copy():
 
 
 def test_resume_continues_from_the_masters_and_s(runs):
-    whole, resumed, elsewhere = runs[len(CONFIGS) - 1], runs[-2], runs[-1]
+    whole, resumed, elsewhere = runs[len(CONFIGS) - 1], *runs[len(CONFIGS) + 1:len(CONFIGS) + 3]
     assert resumed["losses"] == whole["losses"]      # the same mesh: bit for bit
     for name, value in whole["final"].items():
         assert np.array_equal(resumed["final"][name], value), name
@@ -204,3 +223,68 @@ def test_resume_continues_from_the_masters_and_s(runs):
     loss_tol, param_tol = mixed_tolerance(TrainConfig(**cfg).resolved(4))
     assert relative_difference(elsewhere["losses"], ref.losses) <= loss_tol
     assert moved_difference(elsewhere["final"], ref.final, ref.init)[0] <= param_tol
+
+
+def within(run: dict, cfg: dict) -> tuple[bool, bool, str]:
+    """(losses within the derived tolerance, parameters within it, what was measured)."""
+    ref = reference(**cfg)
+    loss_tol, param_tol = mixed_tolerance(TrainConfig(**cfg).resolved(4))
+    loss_rel = relative_difference(run["losses"], ref.losses)
+    moved, where = moved_difference(run["final"], ref.final, ref.init)
+    return (loss_rel <= loss_tol, moved <= param_tol,
+            f"losses {loss_rel:.3g} (<= {loss_tol:.3g}?), {where} {moved:.3g} "
+            f"(<= {param_tol:.3g}?)")
+
+
+def test_found_inf_per_rank_is_stopped_by_the_replica_check(runs):
+    buggy, correct, cfg = bug_runs(runs, "mp-found-inf-per-rank")
+    # one stage overflowed alone, halved its S and skipped; the other stepped
+    assert "loss scale S" in buggy.get("replica_error", ""), buggy.keys()
+    assert "not bitwise equal" in buggy["replica_error"]
+    assert all(within(correct, cfg)[:2]), within(correct, cfg)[2]     # the vote: fine
+    mixed = json.loads((correct["job_folder"] / "rank_mixed.json").read_text())
+    assert mixed[0]["skipped"] >= 1 and all(m == mixed[0] for m in mixed), mixed
+
+
+def test_no_master_weights_exceeds_the_derived_tolerance(runs):
+    buggy, correct, cfg = bug_runs(runs, "mp-no-master-weights")
+    assert all(within(correct, cfg)[:2]), within(correct, cfg)[2]
+    losses_ok, params_ok, said = within(buggy, cfg)
+    assert not params_ok, f"the lost updates went unseen: {said}"
+
+
+def tp_allreduce_bytes(run: dict) -> set[int]:
+    """Bytes per element of the tp Allreduces in the last step's ledger."""
+    return {r["bytes"] // r["elements"] for r in run["ledger"]
+            if r["group"] == "tp" and r["op"] == "Allreduce" and r["elements"]}
+
+
+def test_tp_partials_in_16_bits_pass_the_tolerance_and_the_ledger_catches_them(runs):
+    buggy, correct, cfg = bug_runs(runs, "mp-tp-partials-in-bf16")
+    assert all(within(correct, cfg)[:2]), within(correct, cfg)[2]
+    # one more rounding a share: within what the tolerance allows (docs/design.md says
+    # why it cannot be otherwise), but measurably not the correct run
+    assert all(within(buggy, cfg)[:2]), within(buggy, cfg)[2]
+    assert buggy["losses"] != correct["losses"]
+    master = np.dtype(cfg.get("dtype", "float64")).itemsize
+    # per block one Allreduce forward (g: the shares) and one backward (f's gradient),
+    # the same elements: correct, both in the master dtype; the bug's forward ones in 2
+    assert tp_allreduce_bytes(correct) == {master}
+    assert tp_allreduce_bytes(buggy) == {(master + 2) // 2}
+    calls = {(r["rank"], r["calls"], r["elements"]) for r in correct["ledger"]
+             if r["group"] == "tp" and r["op"] == "Allreduce"}
+    assert calls == {(r["rank"], r["calls"], r["elements"]) for r in buggy["ledger"]
+                     if r["group"] == "tp" and r["op"] == "Allreduce"}
+
+
+@pytest.mark.parametrize("name", list(MIXED_BUGS))
+def test_a_mixed_bug_fits_its_flags_and_needs_mixed(name):
+    bug = MIXED_BUGS[name]
+    assert problems(TrainConfig(**BUGS[name], inject_bug=name).resolved(4), 4) == []
+    without = {k: v for k, v in BUGS[name].items()
+               if k not in ("mixed", "loss_scale", "loss_scale_window")}
+    assert problems(TrainConfig(**without, inject_bug=name).resolved(4), 4) == [
+        f"--inject-bug {name} needs {bug.requires}"]
+    lesson_8 = problems(TrainConfig(**BUGS[name], inject_bug="dp-sum-not-mean").resolved(4), 4)
+    assert any("lesson 08's full-precision bugs" in line for line in lesson_8), lesson_8
+    assert f"--inject-bug {name} --check" in catalog_listing()
