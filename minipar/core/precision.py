@@ -162,6 +162,7 @@ class LossScaler:
         """Record this step's verdict; True means: skip this step's update."""
         if self.static:
             return False
+        # exercise: loss-scaler
         if found_inf:
             self.skipped += 1
             self.clean = 0
@@ -172,6 +173,7 @@ class LossScaler:
             self.scale *= 2.0
             self.clean = 0
         return False
+        # end exercise
 
     def state(self) -> dict:
         """What a checkpoint keeps: the scale, the skips, the clean-step count."""

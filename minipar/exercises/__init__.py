@@ -163,6 +163,22 @@ EXERCISES = [
         "space.layout.counts.",
         [_train(dp=4, zero=1, optimizer="adam"), _train(dp=2, tp=2, zero=1)]),
     Exercise(
+        "loss-scaler", "Mixed precision: the loss scaler every rank agrees on",
+        "Two pieces of fp16 loss scaling. In core/precision.py LossScaler.update(found_inf): "
+        "on an overflow count a skipped step (self.skipped), restart the clean-step count "
+        "(self.clean = 0), halve self.scale (never below 2**-24) and return True (skip); "
+        "otherwise count a clean step, and after self.window clean steps in a row (window "
+        "> 0) double self.scale and restart the count; return False. In "
+        "comm/low_precision.py any_nonfinite(group, arrays): this rank's 0/1 verdict "
+        "(precision.nonfinite(arrays)) as a one-element int32 array, MAX-Allreduced in "
+        "place over the group (none on a group of one), returned as a bool: every rank "
+        "must skip the same steps.",
+        [("loss-scaler", {}),
+         # the stages overflow on different steps; the shapes of tests/parallel/test_mixed.py,
+         # where the mesh skips the steps one process skips (docs/design.md says when not)
+         _train(mixed="fp16", pp=2, microbatches=2, loss_scale=2.0 ** 20,
+                loss_scale_window=2, steps=6, d_in=32, d_model=16, classes=10)]),
+    Exercise(
         "ring-allreduce", "Collectives by hand: the ring Allreduce",
         "In ring.py write the two phases on group.Sendrecv (rank r sends right to r+1, "
         "receives from the left, r-1). reduce_scatter_in_ring: in N-1 steps, send the "

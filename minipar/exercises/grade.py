@@ -32,7 +32,12 @@ from minipar.comm import watchdog
 from minipar.comm.job import abort_all
 from minipar.exercises import units, units_attention
 from minipar.run import train as training
-from minipar.run.results import TOLERANCE, relative_difference
+from minipar.run.results import (
+    TOLERANCE,
+    mixed_tolerance,
+    moved_difference,
+    relative_difference,
+)
 from minipar.settings.config import TrainConfig
 from minipar.teaching.ledger_tables import predicted_ledgers
 
@@ -108,6 +113,9 @@ def check_train(fields: dict, world: MPI.Comm) -> str | None:
     with held_pieces() as pieces:
         result = training.train(cfg, world)
     reference = training.train_reference(cfg)  # tiny: every rank runs its own
+    if cfg.mixed:   # 16 bits: not 1e-9, the derived tolerance (run/results.py)
+        return world.bcast(mixed_verdict(cfg, result, reference)
+                           if world.Get_rank() == 0 else None)
     tolerance = TOLERANCE[cfg.dtype]
     first_loss = relative_difference(result.losses[:1], reference.losses[:1])
     bad = compare_params(pieces, reference.final, tolerance)
@@ -131,6 +139,30 @@ def check_train(fields: dict, world: MPI.Comm) -> str | None:
     else:
         verdict = None
     return world.bcast(verdict)
+
+
+def mixed_verdict(cfg: TrainConfig, result: training.RunResult,
+                  reference: training.RunResult) -> str | None:
+    """A --mixed check on rank 0: S and the skipped steps equal to one process's, losses
+    and the parameters' movement within the derived tolerance, then the ledger. (A
+    replica that differs, S above all, has stopped the run already: ReplicaError.)"""
+    got = (result.extras["loss_scale"], result.extras["skipped"])
+    want = (reference.extras["loss_scale"], reference.extras["skipped"])
+    if got != want:
+        return (f"after {cfg.steps} steps S is {got[0]:g} with {got[1]} step(s) skipped; one "
+                f"process says S {want[0]:g} with {want[1]} skipped: look at the scaler's "
+                "rule (halve and skip on an overflow, double after a window of clean steps)")
+    loss_tol, param_tol = mixed_tolerance(cfg)
+    loss_rel = relative_difference(result.losses, reference.losses)
+    if loss_rel > loss_tol:
+        return (f"the losses differ from one process by {loss_rel:.2e} relative, beyond the "
+                f"derived tolerance {loss_tol:.2e} of {cfg.mixed}")
+    moved, where = moved_difference(result.final, reference.final, reference.init)
+    if moved > param_tol:
+        return (f"after {cfg.steps} steps {where} differs from one process by {moved:.2e} of "
+                f"its movement, beyond the derived tolerance {param_tol:.2e}: was a step "
+                "taken that one process skipped, or skipped that it took?")
+    return compare_ledger(result.ledger, cfg)
 
 
 # ------------------------------------------------------------------ the driver

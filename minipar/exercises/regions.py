@@ -7,12 +7,15 @@ NotImplementedError(...)` carrying them, so a student sees the task both where
 they write and in the traceback. Markers are plain comments: the library runs
 unchanged with them in. `compare` reads a student's regions back and tells which one
 is still the stub and which one is the reference answer itself, by their syntax trees
-(so neither spacing nor comments hide a copy).
+(so neither spacing nor comments hide a copy). The answer's tree is kept as a digest in
+the started folder's record: `check` run inside that folder imports the student's own
+package, whose regions are no reference, and a digest tells nothing of the answer.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import re
 import shutil
@@ -97,6 +100,12 @@ def normalized(lines: list[str]) -> str:
                          if line.strip() and not line.strip().startswith("#"))
 
 
+def digest(code: str) -> str:
+    """A short digest of a region's normalized code: enough to recognize a copy of the
+    answer, nothing to read it from."""
+    return hashlib.blake2b(code.encode(), digest_size=16).hexdigest()
+
+
 def region_lines(region: Region, package: Path = PACKAGE) -> list[str]:
     """The lines a region holds in `package` (without its two markers)."""
     return (package / region.path).read_text().splitlines()[region.first:region.last]
@@ -112,19 +121,34 @@ def compare(name: str, folder: Path, package: Path = PACKAGE) -> list[tuple[Regi
         theirs = regions_of(name, folder / "minipar")
     except (ValueError, OSError, UnicodeDecodeError):
         return []
-    ours = regions_of(name, package)
-    if [r.path for r in theirs] != [r.path for r in ours]:
+    recorded = answers_of(folder).get(name)
+    if recorded is None:   # a copy made by hand: the package's own regions are the answer
+        ours = regions_of(name, package)
+        if [r.path for r in theirs] != [r.path for r in ours]:
+            return []
+        recorded = [(r.path, digest(normalized(region_lines(r, package)))) for r in ours]
+    if [r.path for r in theirs] != [path for path, _ in recorded]:
         return []
     found = []
-    for mine, reference in zip(theirs, ours):
+    for mine, (_, answer) in zip(theirs, recorded):
         code = normalized(region_lines(mine, folder / "minipar"))
-        if code == normalized(stub_lines(reference)):
+        if code == normalized(stub_lines(mine)):
             found.append((mine, "stub"))
-        elif code == normalized(region_lines(reference, package)):
+        elif digest(code) == answer:
             found.append((mine, "copied"))
         else:
             found.append((mine, "written"))
     return found
+
+
+def answers_of(folder: Path) -> dict[str, list[tuple[str, str]]]:
+    """name -> [(path, digest of the answer's code)] as `start` recorded them ({} for a
+    folder without a record, or an older one)."""
+    try:
+        answers = json.loads((folder / RECORD).read_text()).get("answers", {})
+        return {str(k): [(str(p), str(d)) for p, d in v] for k, v in answers.items()}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
 
 
 def solution(name: str, package: Path = PACKAGE) -> str:
@@ -140,7 +164,7 @@ def solution(name: str, package: Path = PACKAGE) -> str:
 def start(names: list[str], folder: Path, package: Path = PACKAGE) -> list[Path]:
     """Copy the package into folder/minipar with the regions of `names` stubbed; write
     folder/EXERCISE.txt (the task, where, how to check it and how to ask for a hint, but
-    not the hint) and folder/exercise.json (the names,
+    not the hint) and folder/exercise.json (the names and a digest of each answer,
     which `started_for` reads back so that check grades only these). Returns the files
     that hold a stub."""
     from minipar.settings.preflight import folder_problems  # a file, /dev/null, a dangling link...
@@ -177,7 +201,10 @@ def start(names: list[str], folder: Path, package: Path = PACKAGE) -> list[Path]
                      f"Stuck? `python -m minipar exercise hint {name}` gives a first hint; "
                      f"`--step 2` ... `--step {steps}` say more, one step at a time.\n")
     (folder / "EXERCISE.txt").write_text("\n".join(sheet))
-    (folder / RECORD).write_text(json.dumps({"exercises": list(names)}) + "\n")
+    answers = {name: [(r.path, digest(normalized(region_lines(r, package))))
+                      for r in regions_of(name, package)] for name in names}
+    (folder / RECORD).write_text(json.dumps({"exercises": list(names), "answers": answers})
+                                 + "\n")
     return [target / path for path in by_file]
 
 

@@ -181,5 +181,44 @@ def check_linears(world: MPI.Comm) -> str | None:
     return None
 
 
+def check_loss_scaler(world: MPI.Comm) -> str | None:
+    """LossScaler.update on a fixed run of verdicts against the rule written out here,
+    then low_precision.any_nonfinite on the world: an inf on one rank, a NaN on
+    another, and none, each must give every rank the same answer."""
+    from minipar.comm import low_precision
+    from minipar.core.precision import LossScaler
+
+    verdicts = [True, True, False, False, False, True, False, False, False, False, False]
+    scaler, scale, clean, skipped = LossScaler(1024.0, window=2), 1024.0, 0, 0
+    for step, found_inf in enumerate(verdicts, start=1):
+        skip = scaler.update(found_inf)
+        if found_inf:           # the rule: skip, halve, count again from zero
+            scale, clean, skipped = scale / 2, 0, skipped + 1
+        else:                   # take the step; `window` clean steps in a row double S
+            clean += 1
+            if clean == 2:
+                scale, clean = scale * 2, 0
+        got = (skip, scaler.scale, scaler.clean, scaler.skipped)
+        if got != (found_inf, scale, clean, skipped):
+            return (f"LossScaler.update at step {step} (found_inf={found_inf}, window 2, "
+                    f"S from 1024): returned {skip}, left S {scaler.scale:g}, clean "
+                    f"{scaler.clean}, skipped {scaler.skipped}; the rule says {found_inf}, "
+                    f"{scale:g}, {clean}, {skipped}")
+    group = Group(world, "world", Ledger())
+    rank, last = world.Get_rank(), world.Get_size() - 1
+    for where, holder, value in (("an inf on rank 1 alone", 1, np.inf),
+                                 ("a NaN on the last rank alone", last, np.nan),
+                                 ("no rank holding an inf or a NaN", None, 0.0)):
+        grads = [np.ones(3), np.ones((2, 2))]
+        if rank == holder:
+            grads[1][0, 1] = value
+        verdicts = world.allgather(bool(low_precision.any_nonfinite(group, grads)))
+        want = holder is not None
+        if verdicts != [want] * world.Get_size():
+            return (f"any_nonfinite with {where}: the ranks said {verdicts}, every rank "
+                    f"must say {want} (every rank skips the same steps)")
+    return None
+
+
 UNITS = {"conjugate": check_conjugate, "ring": check_ring, "schedule": check_schedule,
-         "linears": check_linears}
+         "linears": check_linears, "loss-scaler": check_loss_scaler}

@@ -72,9 +72,13 @@ def predicted_ledgers(cfg: TrainConfig) -> dict[int, dict[tuple[str, str], tuple
     """Every rank's ledger as the formulas predict it (minipar.planner.time_cost, the planner's
     arithmetic): rank -> (group, op) -> (calls, elements)."""
     workload, plan, mesh = minipar_workload(cfg), plan_of(cfg), cfg.mesh_shape()
-    return {rank: ledger_of(traffic(workload, plan, rank_shape(workload, plan,
-                                                               mesh.coords(rank)["pp"])))
-            for rank in range(mesh.world)}
+    out = {rank: ledger_of(traffic(workload, plan, rank_shape(workload, plan,
+                                                              mesh.coords(rank)["pp"])))
+           for rank in range(mesh.world)}
+    if cfg.mixed == "fp16" and mesh.world > 1:   # the loss scaler's found_inf vote: one
+        for ledger in out.values():              # MAX-Allreduce of one flag a step
+            ledger[("world", "Allreduce")] = (1, 1)   # (parallel/mixed.py)
+    return out
 
 
 def ledger_table(records: list[dict], cfg: TrainConfig) -> str:

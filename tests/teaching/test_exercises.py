@@ -302,3 +302,22 @@ def test_check_refuses_an_exercise_the_folder_was_not_started_for(tmp_path):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
     assert bad.stderr.startswith("minipar: error: ") and "started for dp-naive" in bad.stderr
     assert "not dp-bucketed" in bad.stderr and bad.stdout == ""
+
+
+def test_a_check_run_inside_the_started_folder_still_tells_a_copy_from_an_answer(tmp_path):
+    """`cd DIR && python -m minipar exercise check NAME .` imports DIR's own package: the
+    answer is known from the digests `start` recorded, not from that package's regions."""
+    folder = tmp_path / "work"
+    regions.start(["loss-scaler"], folder)
+    own = folder / "minipar"                   # what `import minipar` finds inside DIR
+    for path in ("core/precision.py", "comm/low_precision.py"):   # the answer put back
+        shutil.copy(regions.PACKAGE / path, own / path)
+    assert [kind for _, kind in regions.compare("loss-scaler", folder, package=own)] == [
+        "copied", "copied"]
+    mine = (own / "core/precision.py").read_text().replace(
+        "self.clean += 1", "self.clean = self.clean + 1")      # the same rule, written anew
+    (own / "core/precision.py").write_text(mine)
+    assert [kind for _, kind in regions.compare("loss-scaler", folder, package=own)] == [
+        "copied", "written"]
+    assert "answers" in (folder / regions.RECORD).read_text()
+    assert "self.clean" not in (folder / regions.RECORD).read_text()   # digests, no code
