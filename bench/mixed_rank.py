@@ -9,7 +9,8 @@ repetition takes one step of each, the order rotating; rank 0 writes the slowest
 rank's step per repetition for both, their ratio per repetition (goal <= 1.5: NumPy
 has no bfloat16 BLAS, so every 16-bit matmul upcasts its operands, multiplies in
 float32 and rounds the result: the casts are the whole difference), the time of the
-master -> 16-bit casts after the update alone, and the bytes the ledger records on
+master -> 16-bit casts after the update alone, the replica check every --mixed step
+runs (a CRC-32 of every piece and one allgather) alone, and the bytes the ledger records on
 the dp axis in one step (goal 0.5: the 16-bit gradient Allreduce).
 """
 
@@ -25,7 +26,7 @@ from mpi4py import MPI
 from bench.dp_limit_rank import build
 from bench.timing import spread
 from minipar.parallel.mixed import cast_copies
-from minipar.run.train import train_step
+from minipar.run.train import replica_check, train_step
 from minipar.settings.config import TrainConfig
 
 SHAPE = dict(layers=2, d_in=256, d_model=512, d_ff=512, classes=10, batch=256,
@@ -69,6 +70,12 @@ def main() -> None:
         start = time.perf_counter()
         cast_copies(updater.masters, params)
         casts.append(time.perf_counter() - start)
+    cfg, mesh, chunks, _ = setups["bf16"]   # the replica check of every --mixed step, alone
+    checks = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        replica_check(mesh, chunks, updater, 0)
+        checks.append(time.perf_counter() - start)
     everyone = world.gather(samples)
     if world.Get_rank() == 0:
         results: dict = {}
@@ -78,6 +85,7 @@ def main() -> None:
         results["bf16/float32"] = spread([b / f for b, f in zip(
             results["bf16"]["steps"], results["float32"]["steps"])])
         results["casts"] = spread(casts)
+        results["replica check"] = spread(checks)
         results["wire"] = wire
         results["wire bf16/float32"] = wire["bf16"] / wire["float32"]
         results["params"] = int(sum(np.prod(p.shape) for p in params))

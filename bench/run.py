@@ -257,9 +257,10 @@ def main() -> None:
     lines.append(f"{'bf16 step / float32 step, MLP dp=2 (goal <= 1.5)':<58} "
                  f"{q['median']:>8.3f}  [{q['min']:.2f}-{q['max']:.2f}] "
                  f"{mx['bf16']['step']['median'] * 1e3:.1f} vs "
-                 f"{mx['float32']['step']['median'] * 1e3:.1f} ms; the master -> bf16 casts "
-                 f"after the update {mx['casts']['median'] * 1e3:.1f} ms (the matmuls' "
-                 f"operand casts, no bf16 BLAS in NumPy, are the rest)")
+                 f"{mx['float32']['step']['median'] * 1e3:.1f} ms; in it the master -> bf16 "
+                 f"casts after the update {mx['casts']['median'] * 1e3:.1f} ms and the replica "
+                 f"check {mx['replica check']['median'] * 1e3:.1f} ms (the matmuls' operand "
+                 f"casts, no bf16 BLAS in NumPy, are most of the rest)")
     lines.append(f"{'  dp wire bytes, bf16 --grad-reduce-dtype low / float32 (goal 0.5)':<58} "
                  f"{mx['wire bf16/float32']:>8.3f}  {mx['wire']['bf16'] / 2**20:.2f} vs "
                  f"{mx['wire']['float32'] / 2**20:.2f} MiB per step")

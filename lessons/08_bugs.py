@@ -1,6 +1,6 @@
 """Lesson 8: bugs of the kinds real parallel trainers shipped, and the checks that catch them.
 
-    mpiexec -n 4 python lessons/08_bugs.py                         # all 16 bugs, 12 steps
+    mpiexec -n 4 python lessons/08_bugs.py                         # 16 bugs, 12 steps; 3 in 16 bits
     mpiexec -n 8 python lessons/08_bugs.py                         # the same, dp doubled
     mpiexec -n 4 python lessons/08_bugs.py --bug dp-sum-not-mean --plot figures
     mpiexec -n 4 python lessons/08_bugs.py --quick                 # 3 steps, a tiny model
@@ -52,6 +52,18 @@ None splits replicas (every rank of a group computes the same wrong scalar), non
 moves other bytes, none misplaces a tensor: only the comparison with one process
 finds them, from the first clipped (or ragged) step on.
 
+Then the three bugs of training in 16 bits (`--mixed`, lesson 14), judged as 16-bit runs
+are: the derived tolerance against one process in the same precision (not 1e-9), the
+replica check after every step (every copy, and the loss scale S, bitwise alike), and
+the bytes of the last step's ledger:
+
+    mp-found-inf-per-rank   fp16's overflow vote left out: a pipeline stage skips and
+                            halves S alone; the replica check stops the run there;
+    mp-no-master-weights    the update lands on the 16-bit copy: small updates vanish,
+                            the tolerance is exceeded many times over;
+    mp-tp-partials-in-bf16  tp's shares summed in 16 bits: one rounding more, inside the
+                            tolerance; the ledger shows the 2-byte words.
+
 The code behind it: minipar/bugs/catalog.py (the registry), minipar/bugs/detours.py (the
 detours), minipar/run/train.py (the hook).
 """
@@ -68,12 +80,12 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from minipar.bugs.catalog import BUGS, Bug
+from minipar.bugs.catalog import BUGS, MIXED_BUGS, Bug
 from minipar.comm.job import run_collectively, verdict, wait_for_rank0
 from minipar.core import nn
 from minipar.placement import PlacementError
-from minipar.run.results import relative_difference
-from minipar.run.train import RunResult, problems, train, train_reference
+from minipar.run.results import mixed_tolerance, moved_difference, relative_difference
+from minipar.run.train import ReplicaError, RunResult, problems, train, train_reference
 from minipar.settings.config import TrainConfig
 from minipar.settings.preflight import lesson_arguments
 
@@ -85,6 +97,7 @@ MOE = dict(MLP, experts=4, top_k=2, expert_d_ff=32)
 QUICK = dict(layers=4, d_in=8, d_model=16, batch=16)
 QUICK_MOE = dict(QUICK, experts=4, top_k=2, expert_d_ff=16)
 GPT = dict(layers=4, d_model=32, batch=16, seq_len=16, vocab=32)   # the transformer's bugs
+MIXED = dict(layers=2, d_model=16, batch=16, microbatches=2)   # the 16-bit bugs (both sizes)
 QUICK_GPT = dict(layers=2, d_model=16, batch=8, seq_len=8, vocab=16)
 CHECKS = ("losses", "parameters", "replicas", "ledger", "memory", "placements")
 ROUTED = ("Alltoallv",)  # MoE: how many rows go where depends on the router's choices
@@ -295,6 +308,77 @@ def check_lines(cfg: TrainConfig, found: dict) -> dict[str, list[str]]:
     return out
 
 
+# ------------------------------------------------------------ the 16-bit bugs
+def bytes_by_call(records: list[dict]) -> dict[tuple[str, str], int]:
+    """(group, op) -> bytes of rank 0's last-step ledger."""
+    out: dict[tuple[str, str], int] = defaultdict(int)
+    for r in records:
+        if r["rank"] == 0:
+            out[(r["group"], r["op"])] += r["bytes"]
+    return out
+
+
+def run_mixed_bug(bug: Bug) -> dict | None:
+    """The correct run and the run with the bug, in 16 bits; what the three checks of a
+    16-bit run find, on rank 0 (None elsewhere)."""
+    wait_for_rank0(comm)
+    cfg = TrainConfig(**{**MIXED, **bug.flags}).resolved(size)
+    clean = train(cfg, comm)
+    try:
+        buggy, stopped = train(replace(cfg, inject_bug=bug.name), comm), None
+    except ReplicaError as error:   # raised on every rank at the same step
+        buggy, stopped = None, str(error)
+    if rank != 0:
+        return None
+    ref = train_reference(cfg)
+    loss_tol, param_tol = mixed_tolerance(cfg)
+
+    def measured(run: RunResult) -> dict:
+        moved, where = moved_difference(run.final, ref.final, ref.init)
+        return {"loss_rel": relative_difference(run.losses, ref.losses), "moved": moved,
+                "where": where, "S": run.extras["loss_scale"],
+                "skipped": run.extras["skipped"]}
+    found = {"correct": measured(clean), "loss_tol": loss_tol, "param_tol": param_tol,
+             "one_process_S": (ref.extras["loss_scale"], ref.extras["skipped"]),
+             "replicas": stopped, "buggy": None if buggy is None else measured(buggy),
+             "ledger": [] if buggy is None else [
+                 f"{group} {op}: {a} -> {b} bytes" for (group, op), a in
+                 sorted(bytes_by_call(clean.ledger).items())
+                 for b in [bytes_by_call(buggy.ledger).get((group, op), 0)] if a != b]}
+    b = found["buggy"]
+    found["caught_by"] = [check for check, hit in (
+        ("losses", b is not None and b["loss_rel"] > loss_tol),
+        ("parameters", b is not None and b["moved"] > param_tol),
+        ("replicas", stopped is not None), ("ledger", bool(found["ledger"]))) if hit]
+    return found
+
+
+def show_mixed(index: int, bug: Bug, found: dict) -> None:
+    cfg = TrainConfig(**{**MIXED, **bug.flags}).resolved(size)
+    c, b = found["correct"], found["buggy"]
+    say(f"\n=== 16-bit {index}/{len(MIXED_BUGS)} {bug.name} [{bug.strategy}] on "
+        f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}, {cfg.mixed} over {cfg.dtype} masters, "
+        f"{cfg.steps} steps", f"broken: {bug.broken}",
+        f"the derived tolerance: losses {found['loss_tol']:.2g} relative, parameters "
+        f"{found['param_tol']:.2g} of their movement (run/results.py, mixed_tolerance)")
+    ok = c["loss_rel"] <= found["loss_tol"] and c["moved"] <= found["param_tol"] \
+        and (c["S"], c["skipped"]) == tuple(found["one_process_S"])
+    say(f"the correct run: losses {c['loss_rel']:.1e}, parameters {c['moved']:.1e} "
+        f"({c['where']}), S {c['S']:g} with {c['skipped']} skipped -> {verdict(ok)}")
+    if b is None:
+        say(f"  replicas    stopped: {found['replicas']}  [CAUGHT]")
+    else:
+        for check, value, tol in (("losses", b["loss_rel"], found["loss_tol"]),
+                                  ("parameters", b["moved"], found["param_tol"])):
+            mark = "CAUGHT" if check in found["caught_by"] else "-"
+            say(f"  {check:<11} {value:.1e} (tolerance {tol:.2g})  [{mark}]")
+        say("  replicas    every copy, and S, bitwise alike after every step  [-]")
+        mark = "CAUGHT" if found["ledger"] else "-"
+        say(f"  ledger      {'; '.join(found['ledger']) or 'the same bytes'}  [{mark}]")
+    caught = ", ".join(found["caught_by"]) or verdict(False, bad="NOTHING: this bug would ship")
+    say(f"caught by: {caught}", f"why: {bug.why}", f"seen: {bug.seen}")
+
+
 # ------------------------------------------------------------ the lesson
 def summary(results: dict[str, dict]) -> None:
     wide = max([24, *map(len, results)])  # the longest bug name sets the first column
@@ -349,10 +433,17 @@ def main() -> None:
             if "skipped" not in found:
                 show(index, BUGS[name], config(BUGS[name], steps, args.quick), found)
     summary(results)
+    mixed: dict[str, dict] = {}
+    if not args.bug:   # the 16-bit bugs, after lesson 8's own (all of them, or none)
+        for index, name in enumerate(MIXED_BUGS, start=1):
+            found = run_mixed_bug(MIXED_BUGS[name])
+            if rank == 0:
+                mixed[name] = found
+                show_mixed(index, MIXED_BUGS[name], found)
     if args.plot and rank == 0:
         plot(args.plot, results)
     if args.json and rank == 0:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps({**results, **mixed}, indent=1))
 
 
 if __name__ == "__main__":

@@ -363,7 +363,7 @@ _MIXED = [
         "(every partial sum rounded), not summed in the master dtype and rounded once",
         "each block's output carries one more rounding per share: an error of the size of "
         "the ones the derived tolerance already allows, so --check passes; what the "
-        "contract catches is the ledger: every tp Allreduce moves 2 bytes an element "
+        "contract catches is the ledger: every forward tp Allreduce moves 2 bytes an element "
         "where the formula (the master dtype's sum) says 4 or 8",
         "--mixed bf16 or fp16 with --tp 2 or more without --sp, and not --model moe",
         lambda cfg: cfg.mixed is not None and _tp(cfg),

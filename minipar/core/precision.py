@@ -115,7 +115,19 @@ def round_low(x: np.ndarray) -> np.ndarray:
 def upcast(x: np.ndarray) -> np.ndarray:
     """x in the master dtype (exact: every 16-bit number is a float32/float64 one)
     under the policy, untouched without one. For statistics and softmax."""
-    return x if LOW is None else np.asarray(x).astype(MASTER, copy=False)
+    return x if LOW is None else widen(np.asarray(x), MASTER)
+
+
+def widen(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """x as `dtype` (exact when x is 16-bit). bfloat16 is the top half of a float32, so
+    its widening is a shift of its 16-bit words into the high half of 32-bit ones: the
+    same bits ml_dtypes' cast gives, in about half its time."""
+    if x.dtype == dtype:
+        return x
+    if x.dtype.name == "bfloat16":
+        wide = (x.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return wide if dtype == np.float32 else wide.astype(dtype)
+    return x.astype(dtype)
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -124,7 +136,7 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     add a bias and then round once (`round_low`)."""
     if LOW is None:
         return a @ b
-    return to_low(a).astype(MASTER) @ to_low(b).astype(MASTER)
+    return widen(to_low(a), MASTER) @ widen(to_low(b), MASTER)
 
 
 def grad_dtype(data_dtype: np.dtype) -> np.dtype:

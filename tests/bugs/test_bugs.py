@@ -11,7 +11,9 @@ is.
   numbers are right and whose ledger lacks every tp Allreduce; every correct run
   passes. After ONE step, the tensors that differ are the ones the explanation names.
 - The lesson, `--quick` on 4 ranks (one more launch): every bug caught, the replica
-  check firing exactly for the bugs that split replicas, the correct runs clean.
+  check firing exactly for the bugs that split replicas, the correct runs clean; then
+  the three 16-bit bugs, each caught by the check the catalog names, their correct runs
+  within the derived tolerance.
 
     python -m pytest tests/bugs/test_bugs.py
 """
@@ -206,7 +208,8 @@ def test_lesson_08_catches_every_bug_and_passes_every_correct_run():
     job, folder = lesson_run(WORLD, "08_bugs.py", "--quick", *LESSON_FLAGS["08_bugs.py"])
     assert job.returncode == 0 and not job.timed_out, job.explain()   # test_lessons' run
     found = json.loads((folder / "findings.json").read_text())
-    assert set(found) == set(catalog.BUGS)
+    assert set(found) == set(catalog.BUGS) | set(catalog.MIXED_BUGS)
+    mixed = {name: found.pop(name) for name in catalog.MIXED_BUGS}
     for name, result in found.items():
         assert result["caught_by"], f"{name} was not caught"
         assert ("replicas" in result["caught_by"]) == (name in SPLITS_REPLICAS), name
@@ -217,11 +220,24 @@ def test_lesson_08_catches_every_bug_and_passes_every_correct_run():
         assert ("placements" in result["caught_by"]) == (not catalog.BUGS[name].unseen), name
     assert found["tp-plain-linear"]["caught_by"] == ["ledger", "memory"]
     assert "caught by: NOTHING" not in job.stdout
+    # the 16-bit bugs: each correct run within the derived tolerance, with one process's S
+    for name, result in mixed.items():
+        correct = result["correct"]
+        assert correct["loss_rel"] <= result["loss_tol"], name
+        assert correct["moved"] <= result["param_tol"], name
+        assert [correct["S"], correct["skipped"]] == result["one_process_S"], name
+        assert "16-bit" in job.stdout and f"{name} [" in job.stdout
+    assert mixed["mp-found-inf-per-rank"]["caught_by"] == ["replicas"]
+    assert "loss scale S" in mixed["mp-found-inf-per-rank"]["replicas"]
+    assert mixed["mp-no-master-weights"]["caught_by"] == ["parameters"]
+    assert mixed["mp-tp-partials-in-bf16"]["caught_by"] == ["ledger"]
+    assert any(line.startswith("tp Allreduce:") for line in
+               mixed["mp-tp-partials-in-bf16"]["ledger"])
 
 
 def test_every_bug_says_where_it_shipped_or_that_it_is_plausible():
     """Each bug cites a public issue or pull request (owner/repo#N) of a real project, or
     says plainly that no shipped case was found."""
-    for bug in catalog.BUGS.values():
+    for bug in [*catalog.BUGS.values(), *catalog.MIXED_BUGS.values()]:
         cited = re.search(r"\b[\w.-]+/[\w.-]+#\d+", bug.seen)
         assert cited or bug.seen.startswith("plausible"), (bug.name, bug.seen)

@@ -113,3 +113,15 @@ def test_mixed_linear_rounds_once_and_keeps_main_gradients_in_master():
     assert weight.grad.dtype == np.float32 and bias.grad.dtype == np.float32
     once = (up[0].T @ np.ones((5, 3), dtype=np.float32)).astype(low).astype(np.float32)
     assert np.array_equal(weight.grad, 2 * once)
+
+
+def test_widening_bf16_by_a_shift_is_ml_dtypes_cast():
+    """precision.widen: every bfloat16 bit pattern (all 65536, NaNs and infinities
+    among them) widens to the float32 and float64 ml_dtypes gives, bit for bit."""
+    bf16 = precision.low_dtype("bf16")
+    every = np.arange(2 ** 16, dtype=np.uint32).astype(np.uint16).view(bf16)
+    for dtype in (np.float32, np.float64):
+        with np.errstate(invalid="ignore"):   # signaling NaNs among the patterns
+            mine, theirs = precision.widen(every, np.dtype(dtype)), every.astype(dtype)
+        assert mine.dtype == dtype
+        assert np.array_equal(mine.view(np.uint8), theirs.view(np.uint8)), dtype
