@@ -3,17 +3,19 @@ same model, and the wire bytes of their DP gradient sync, in one job.
 
     mpiexec -n 2 python -m bench.mixed_rank REPEATS OUT.json
 
-Both runs (the MLP of bench/dp_rank.py's size, dp = 2, SGD) are built once: float32
-without --mixed, and `--mixed bf16 --dtype float32 --grad-reduce-dtype low`. Each
-repetition takes one step of each, the order rotating; rank 0 writes the slowest
-rank's step per repetition for both, their ratio per repetition (goal <= 1.5: NumPy
-has no bfloat16 BLAS, so every 16-bit matmul upcasts its operands, multiplies in
-float32 and rounds the result: the casts are the whole difference), the time of the
-master -> 16-bit casts after the update alone, the replica check every --mixed step
-runs (a CRC-32 of every piece and one allgather) alone, and the bytes the ledger records on
-the dp axis in one step (goal 0.5: the 16-bit gradient Allreduce).
+Three runs of the MLP of bench/dp_rank.py's size (dp = 2, SGD), each built and stepped
+as `train` does, under its precision policy: float32 without --mixed; `--mixed bf16
+--dtype float32` (the gradient Allreduce on the float32 main gradients, the default);
+and the same with `--grad-reduce-dtype low` (a 16-bit copy summed by the hand-written
+MPI.Op, a Python function MPI calls on every chunk it adds). Each repetition takes one
+step of each, the order rotating; rank 0 writes the slowest rank's step per
+repetition, the ratio of each bf16 run to the float32 one per repetition (goal <= 1.5:
+NumPy has no bfloat16 BLAS, so every 16-bit matmul widens its operands, multiplies in
+float32 and rounds the result), the time of the master -> 16-bit casts after the update
+alone, the replica check every --mixed step runs (a CRC-32 of every piece and one
+allgather) alone, and the bytes the ledger records on the dp axis in one step (goal
+0.5 with `low`: the 16-bit gradient Allreduce).
 """
-
 from __future__ import annotations
 
 import json
@@ -25,6 +27,7 @@ from mpi4py import MPI
 
 from bench.dp_limit_rank import build
 from bench.timing import spread
+from minipar.core import precision
 from minipar.parallel.mixed import cast_copies
 from minipar.run.train import replica_check, train_step
 from minipar.settings.config import TrainConfig
@@ -32,7 +35,8 @@ from minipar.settings.config import TrainConfig
 SHAPE = dict(layers=2, d_in=256, d_model=512, d_ff=512, classes=10, batch=256,
              optimizer="sgd")
 RUNS = {"float32": dict(dtype="float32"),
-        "bf16": dict(dtype="float32", mixed="bf16", grad_reduce_dtype="low")}
+        "bf16": dict(dtype="float32", mixed="bf16"),
+        "bf16 low": dict(dtype="float32", mixed="bf16", grad_reduce_dtype="low")}
 
 
 def dp_bytes(setup: tuple, world: MPI.Comm) -> int:
@@ -40,7 +44,8 @@ def dp_bytes(setup: tuple, world: MPI.Comm) -> int:
     cfg, mesh, chunks, updater = setup
     mesh.ledger.enabled = True
     mesh.ledger.reset()
-    train_step(cfg, mesh, chunks, updater, 0, [])
+    with precision.use(cfg.mixed, cfg.dtype):
+        train_step(cfg, mesh, chunks, updater, 0, [])
     moved = sum(r["bytes"] for r in mesh.ledger.records(mesh.rank) if r["group"] == "dp")
     mesh.ledger.enabled = False
     return world.bcast(moved)
@@ -50,17 +55,21 @@ def main() -> None:
     world = MPI.COMM_WORLD
     repeats, out = int(sys.argv[1]), sys.argv[2]
     n = world.Get_size()
-    setups = {name: build(TrainConfig(**SHAPE, **extra, dp=n).resolved(n), world)
-              for name, extra in RUNS.items()}
+    setups = {}
+    for name, extra in RUNS.items():   # built as `train` builds them: under the policy
+        cfg = TrainConfig(**SHAPE, **extra, dp=n).resolved(n)
+        with precision.use(cfg.mixed, cfg.dtype):
+            setups[name] = build(cfg, world)
     wire = {name: dp_bytes(setup, world) for name, setup in setups.items()}
     samples: dict[str, list[float]] = {name: [] for name in RUNS}
     names = list(RUNS)
     for rep in range(repeats + 2):  # the first two: warm-up, not kept
-        for name in names[rep % 2:] + names[:rep % 2]:
+        for name in names[rep % 3:] + names[:rep % 3]:
             cfg, mesh, chunks, updater = setups[name]
             world.Barrier()
             start = time.perf_counter()
-            train_step(cfg, mesh, chunks, updater, rep + 1, [])
+            with precision.use(cfg.mixed, cfg.dtype):   # as `train` runs a step (16-bit ops)
+                train_step(cfg, mesh, chunks, updater, rep + 1, [])
             if rep >= 2:
                 samples[name].append(time.perf_counter() - start)
     updater = setups["bf16"][3]   # the casts after the update, alone
@@ -82,12 +91,13 @@ def main() -> None:
         for name in samples:
             slowest = [max(r[name][i] for r in everyone) for i in range(repeats)]
             results[name] = {"steps": slowest, "step": spread(slowest)}
-        results["bf16/float32"] = spread([b / f for b, f in zip(
-            results["bf16"]["steps"], results["float32"]["steps"])])
+        for name in ("bf16", "bf16 low"):
+            results[f"{name}/float32"] = spread([b / f for b, f in zip(
+                results[name]["steps"], results["float32"]["steps"])])
         results["casts"] = spread(casts)
         results["replica check"] = spread(checks)
         results["wire"] = wire
-        results["wire bf16/float32"] = wire["bf16"] / wire["float32"]
+        results["wire bf16/float32"] = wire["bf16 low"] / wire["float32"]
         results["params"] = int(sum(np.prod(p.shape) for p in params))
         with open(out, "w") as f:
             json.dump(results, f)

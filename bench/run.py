@@ -253,7 +253,7 @@ def main() -> None:
                  f"{tr['events_per_step']} spans per rank and step; fastest / fastest "
                  f"{tr['fastest traced/untraced']:.3f}")
     results["mixed"] = mx = mixed_cost(repeats=4 if quick else 12)
-    q = mx["bf16/float32"]
+    q, ql = mx["bf16/float32"], mx["bf16 low/float32"]
     lines.append(f"{'bf16 step / float32 step, MLP dp=2 (goal <= 1.5)':<58} "
                  f"{q['median']:>8.3f}  [{q['min']:.2f}-{q['max']:.2f}] "
                  f"{mx['bf16']['step']['median'] * 1e3:.1f} vs "
@@ -261,8 +261,12 @@ def main() -> None:
                  f"casts after the update {mx['casts']['median'] * 1e3:.1f} ms and the replica "
                  f"check {mx['replica check']['median'] * 1e3:.1f} ms (the matmuls' operand "
                  f"casts, no bf16 BLAS in NumPy, are most of the rest)")
+    lines.append(f"{'  the same, --grad-reduce-dtype low (16-bit sum in Python)':<58} "
+                 f"{ql['median']:>8.3f}  [{ql['min']:.2f}-{ql['max']:.2f}] "
+                 f"{mx['bf16 low']['step']['median'] * 1e3:.1f} ms: the MPI.Op adding 16-bit "
+                 f"words is a Python function called per chunk")
     lines.append(f"{'  dp wire bytes, bf16 --grad-reduce-dtype low / float32 (goal 0.5)':<58} "
-                 f"{mx['wire bf16/float32']:>8.3f}  {mx['wire']['bf16'] / 2**20:.2f} vs "
+                 f"{mx['wire bf16/float32']:>8.3f}  {mx['wire']['bf16 low'] / 2**20:.2f} vs "
                  f"{mx['wire']['float32'] / 2**20:.2f} MiB per step")
     from bench import step_rate  # (a) data, (b) step against DGEMM, (c) against torch
 

@@ -58,9 +58,10 @@ class Parameter(Tensor):
         if _mp.LOW is None or not self.requires_grad:
             return super().accumulate(g, fresh)
         if self.grad is None:
-            self.grad = np.asarray(g).astype(_mp.MASTER)
+            wide = _mp.widen(np.asarray(g), _mp.MASTER)
+            self.grad = wide if wide is not g else wide.copy()
         else:
-            self.grad += np.asarray(g).astype(_mp.MASTER, copy=False)
+            self.grad += _mp.widen(np.asarray(g), _mp.MASTER)
 
 
 class Module:
