@@ -243,7 +243,8 @@ def loss_curves(base: dict, world: MPI.Comm, steps: int) -> dict[str, list[float
                                                   dtype="float32"),
             "fp16 (float32 masters)": TrainConfig(**base, steps=steps, dp=n, mixed="fp16",
                                                   dtype="float32")}
-    losses = {label: train(cfg.resolved(n), world).losses for label, cfg in runs.items()}
+    results = {label: train(cfg.resolved(n), world) for label, cfg in runs.items()}
+    losses = {label: result.losses for label, result in results.items()}
     if world.Get_rank() != 0:
         return losses
     print(f"\n=== 5. {steps} steps of the same model (dp = {n}), loss at a few steps and "
@@ -262,6 +263,14 @@ def loss_curves(base: dict, world: MPI.Comm, steps: int) -> dict[str, list[float
         print(f"{label:>24} " + " ".join(f"{losses[label][s]:>11.5f}" for s in marks)
               + f"   {off:>10.2e}   {diff:.2e} <= {tol:.2e} {verdict(diff <= tol)}",
               flush=True)
+        if cfg.mixed == "fp16":
+            mesh, alone = results[label].extras["skipped"], one.extras["skipped"]
+            print(f"{'':>24} steps skipped on overflow: {mesh} here, {alone} in one process"
+                  + ("" if mesh == alone else
+                     f": each rank's 16-bit gradients are those of its local mean, {n} times "
+                     "one process's per row, so near fp16's limit a rank overflows where one "
+                     "process does not; from that skip on the runs differ by a whole step "
+                     "(docs/design.md, when S matches one process)"), flush=True)
     return losses
 
 
