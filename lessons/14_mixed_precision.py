@@ -282,11 +282,20 @@ def figures(per_param: dict, sums: dict, history: list, errors: dict, losses: di
 
     from minipar.teaching.plots import save, series_style
 
-    def legend_right(figure: Figure, ax: object) -> None:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
+    def panel() -> tuple[Figure, object]:
+        fig = Figure(figsize=(9, 4.5), layout="constrained")
+        return fig, fig.add_subplot()
 
-    fig = Figure(figsize=(9, 4.5), layout="constrained")
-    ax = fig.add_subplot()
+    def finish(fig: Figure, ax: object, xlabel: str, ylabel: str, title: str,
+               name: str) -> None:
+        """Labels, the title, the legend right of the axes (over no data), the PNG."""
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
+        print("figure:", save(fig, folder / name), flush=True)
+
+    fig, ax = panel()
     stages = np.arange(4)
     for i, (label, values) in enumerate(per_param.items()):
         ax.plot(stages, values, label=f"{label}: measured", ls="-", markersize=8,
@@ -296,54 +305,39 @@ def figures(per_param: dict, sums: dict, history: list, errors: dict, losses: di
             label="ZeRO paper (16-bit grads): formula", **series_style(3))
     ax.axhline(18, color="0.5", ls="--", lw=1, label="Megatron's table: 18")
     ax.set_xticks(stages, STAGES)
-    ax.set_ylabel("bytes per parameter on one rank")
-    ax.set_title(f"model states per parameter, Adam, dp = {n}\n(measured; each point "
-                 "equals memory.bytes_per_param_held; bf16 and fp16 coincide)", fontsize=10)
-    legend_right(fig, ax)
-    print("figure:", save(fig, folder / "14_bytes.png"), flush=True)
+    finish(fig, ax, "", "bytes per parameter on one rank",
+           f"model states per parameter, Adam, dp = {n}\n(measured; each point equals "
+           "memory.bytes_per_param_held; bf16 and fp16 coincide)", "14_bytes.png")
 
-    fig = Figure(figsize=(9, 4.5), layout="constrained")
-    ax = fig.add_subplot()
+    fig, ax = panel()
     count = np.arange(1, 1001)
     ax.plot(count, 1 + 0.01 * count, color="0.5", lw=3, alpha=0.5, label="exact")
     for i, (label, path) in enumerate(sums.items()):
         ax.plot(count, path, label=label, markevery=50, **series_style(i))
-    ax.set_xlabel("additions of 0.01")
-    ax.set_ylabel("running sum, each addition rounded")
-    ax.set_title("1 + 0.01 + 0.01 + ...: bf16 stalls at 4, where 0.01 is under half its "
-                 "spacing", fontsize=10)
-    legend_right(fig, ax)
-    print("figure:", save(fig, folder / "14_resolution.png"), flush=True)
+    finish(fig, ax, "additions of 0.01", "running sum, each addition rounded",
+           "1 + 0.01 + 0.01 + ...: bf16 stalls at 4, where 0.01 is under half its spacing",
+           "14_resolution.png")
 
-    fig = Figure(figsize=(9, 4.5), layout="constrained")
-    ax = fig.add_subplot()
+    fig, ax = panel()
     steps = np.arange(1, len(history) + 1)
     scale = np.log2([s for s, _ in history])
     skips = np.array([skip for _, skip in history])
     ax.plot(steps, scale, label="S the step ran with", **series_style(0))
     ax.plot(steps[skips], scale[skips], ls="none", markersize=12, label="skipped (overflow)",
             **series_style(1))
-    ax.set_xlabel("step")
-    ax.set_ylabel("log2 S")
-    ax.set_title("fp16 dynamic loss scale of a real run: halved on every overflow, doubled "
-                 "after a window of clean steps", fontsize=10)
-    legend_right(fig, ax)
-    print("figure:", save(fig, folder / "14_loss_scale.png"), flush=True)
+    finish(fig, ax, "step", "log2 S", "fp16 dynamic loss scale of a real run: halved on "
+           "every overflow, doubled after a window of clean steps", "14_loss_scale.png")
 
-    fig = Figure(figsize=(9, 4.5), layout="constrained")
-    ax = fig.add_subplot()
+    fig, ax = panel()
     for i, (label, by_size) in enumerate(errors.items()):
         sizes = sorted(by_size)
         ax.plot(sizes, [by_size[k] for k in sizes], label=label, **series_style(i))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(sizes, [str(k) for k in sizes])
-    ax.set_xlabel("ranks in the Allreduce")
-    ax.set_ylabel("relative error vs the float64 sum")
-    ax.set_title("a gradient Allreduce: summed in 16 bits (MPI.Op.Create) vs in the master "
-                 "dtype", fontsize=10)
-    legend_right(fig, ax)
-    print("figure:", save(fig, folder / "14_allreduce_error.png"), flush=True)
+    finish(fig, ax, "ranks in the Allreduce", "relative error vs the float64 sum",
+           "a gradient Allreduce: summed in 16 bits (MPI.Op.Create) vs in the master dtype",
+           "14_allreduce_error.png")
 
     fig = Figure(figsize=(12, 4.5), layout="constrained")
     ax, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
