@@ -12,6 +12,9 @@ run/results.py (`mixed_tolerance`: from the unit roundoff and the step count), a
 - the ledger counts 2 bytes per element for every 16-bit collective (ZeRO's Allgather,
   the pipeline's activations and their gradients, and the gradient reduction under
   --grad-reduce-dtype low), the master dtype's bytes for the rest;
+- checkpoints: an fp16 run and a bf16 run saved after 2 steps resume bit for bit on
+  their own mesh and within the tolerance on another (ZeRO-0 from ZeRO-2; dp 4 with
+  ZeRO-1 from dp 2 x tp 2);
 - the three mixed-precision bugs (bugs/catalog.py MIXED_BUGS), each beside the correct
   run of its flags: found_inf decided per rank is stopped by the replica check, no
   master weights exceed the derived tolerance, tp shares summed in 16 bits pass it
@@ -89,6 +92,12 @@ CONFIGS = [
 RESUMES = [dict(CONFIGS[-1], steps=2, save="{ckpt}"),
            dict(CONFIGS[-1], resume="{ckpt}"),
            dict(CONFIGS[-1], zero=0, grad_sync="naive", resume="{ckpt}")]
+# and a bf16 run: 4 steps straight, 2 saved on dp 2 x tp 2, then resumed there and on
+# dp 4 with ZeRO-1
+BF16_RUN = dict(SMALL, mixed="bf16", dp=2, tp=2, steps=4)
+RESUMES += [BF16_RUN, dict(BF16_RUN, steps=2, save="{ckpt16}"),
+            dict(BF16_RUN, resume="{ckpt16}"),
+            dict(BF16_RUN, dp=4, tp=1, zero=1, resume="{ckpt16}")]
 
 
 # the three mixed-precision bugs (bugs/catalog.py MIXED_BUGS), each beside the correct
@@ -101,8 +110,8 @@ BUG_RUNS = [run for name, flags in BUGS.items()
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mixed")
-    resumes = [{k: str(folder / "ckpt") if v == "{ckpt}" else v for k, v in c.items()}
-               for c in RESUMES]
+    resumes = [{k: str(folder / v.strip("{}")) if str(v).startswith("{ckpt") else v
+                for k, v in c.items()} for c in RESUMES]
     return sweep(4, CONFIGS + resumes + BUG_RUNS, folder, timeout=300)
 
 
@@ -288,3 +297,15 @@ def test_a_mixed_bug_fits_its_flags_and_needs_mixed(name):
     lesson_8 = problems(TrainConfig(**BUGS[name], inject_bug="dp-sum-not-mean").resolved(4), 4)
     assert any("lesson 08's full-precision bugs" in line for line in lesson_8), lesson_8
     assert f"--inject-bug {name} --check" in catalog_listing()
+
+
+def test_a_bf16_run_resumes_bit_for_bit_on_its_mesh_and_within_the_tolerance_elsewhere(runs):
+    start = len(CONFIGS) + 3
+    whole, _, same, other = runs[start:start + 4]
+    assert same["losses"] == whole["losses"]           # the masters went on, bit for bit
+    for name, value in whole["final"].items():
+        assert np.array_equal(same["final"][name], value), name
+    ref = reference(**BF16_RUN)                        # another mesh: within the tolerance
+    loss_tol, param_tol = mixed_tolerance(TrainConfig(**BF16_RUN).resolved(4))
+    assert relative_difference(other["losses"], ref.losses) <= loss_tol
+    assert moved_difference(other["final"], ref.final, ref.init)[0] <= param_tol
