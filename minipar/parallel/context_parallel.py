@@ -52,7 +52,7 @@ from minipar import placement
 from minipar.comm import trace
 from minipar.comm.collectives import Group
 from minipar.comm.mesh import CP_MODES as MODES
-from minipar.core import attention
+from minipar.core import attention, precision
 from minipar.core.autograd import Tensor
 from minipar.placement import Replicate, Shard
 
@@ -92,11 +92,13 @@ def gather_sequence(x: Tensor, group: Group) -> Tensor:
     out = gathered.transpose(1, 0, 2, 3).reshape(b, cp * t, w)
 
     def backward(g: np.ndarray) -> None:
-        blocks = np.ascontiguousarray(g.reshape(b, cp, t, w).transpose(1, 0, 2, 3))
-        mine = np.empty((b, t, w), dtype=g.dtype)
+        low = precision.is_low(g.dtype)   # --mixed: summed in the master dtype, rounded once
+        wide = precision.widen(g, precision.MASTER) if low else g
+        blocks = np.ascontiguousarray(wide.reshape(b, cp, t, w).transpose(1, 0, 2, 3))
+        mine = np.empty((b, t, w), dtype=blocks.dtype)
         # (cp, B, T/cp, w) gradients of every rank's positions -> summed, mine to me
         group.Reduce_scatter_block(blocks, mine, op=MPI.SUM)
-        x.accumulate(mine, fresh=True)
+        x.accumulate(mine.astype(g.dtype) if low else mine, fresh=True)
     result = Tensor.from_op(out, (x,), backward)
     return placement.transition("the Allgather along T", x, group, Shard(1),
                                 Replicate(grad_summed=True), result) if placement.ON else result

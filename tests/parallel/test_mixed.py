@@ -82,6 +82,14 @@ CONFIGS = [
     dict(GPT, mixed="bf16", cp=2, pp=2, cp_mode="ulysses", microbatches=2),
     dict(GPT, mixed="fp16", model="gpt-moe", experts=4, expert_d_ff=16, dp=2, ep=2, tp=2,
          recompute="full"),
+    # the schedules and the cp mode not above: ZB-V and DualPipeV (V chunks), allgather
+    # cp; a 4-D mesh of the transformer (tp x pp with cp), gpt-moe's experts under ZeRO-1
+    dict(SMALL, mixed="bf16", pp=2, dp=2, layers=4, microbatches=4, schedule="zb-v"),
+    dict(SMALL, mixed="fp16", pp=2, dp=2, layers=4, microbatches=4, schedule="dualpipev",
+         zero=1),
+    dict(GPT, mixed="bf16", dp=2, cp=2, cp_mode="allgather", optimizer="adam"),
+    dict(GPT, mixed="fp16", tp=2, pp=2, microbatches=2, layers=4, zero=0),
+    dict(GPT, mixed="bf16", model="gpt-moe", experts=4, expert_d_ff=16, dp=4, ep=2, zero=1),
     # S = 2^20: the scaled gradients overflow fp16 (max 65504) until S has halved; after
     # 2 clean steps S doubles, and overflows again
     dict(SMALL, mixed="fp16", zero=2, steps=6, loss_scale=2.0 ** 20, loss_scale_window=2),
