@@ -24,7 +24,8 @@ Timelines: the 4-rank runs are traced (`--trace`), and every event of every trac
 checked (tests/harness/trace_checks.py), its last step's spans against its ledger.
 
 Tiny on purpose: d = 16, H = 8, T = 8, V = 16, one step. ONE `sweep` launch per world
-size (tests/harness/mpi.py): 80 configs on 8 ranks, 34 on 4.
+size (tests/harness/mpi.py): 80 configs on 8 ranks, 34 on 4; the 4-rank job trains its
+34 once more under --mixed (bf16, every third fp16), within the derived tolerance.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from minipar.parallel.pipeline.schedules import SCHEDULES, V_SHAPED
 from minipar.planner.memory_cost import rank_shape
 from minipar.planner.time_cost import ledger_of, traffic
 from minipar.planner.workloads import minipar_workload, plan_of
-from minipar.run.results import relative_difference
+from minipar.run.results import mixed_tolerance, moved_difference, relative_difference
 from minipar.settings.config import TrainConfig, problems
 from tests.conftest import assert_equivalent, reference
 from tests.harness.mpi import ROOT, sweep
@@ -108,6 +109,17 @@ ROUTED = {
 }
 
 
+# The 4-rank sweep once more in 16 bits, in the same job: every mesh and schedule, cp
+# mode, sp, recomputation, clipping and ragged documents under --mixed (two in three
+# bf16, the rest fp16), each within the derived tolerance of one process in the same
+# precision (run/results.py mixed_tolerance), the replica check after every step
+# (fp16 at S = 2^10: at the default 2^16 a rank's local-mean gradients, dp x cp times one
+# process's per position, overflow where one process's do not: docs/design.md)
+MIXED = {4: [dict(c, **(dict(mixed="fp16", loss_scale=1024.0) if i % 3 == 2 else
+                        dict(mixed="bf16"))) for i, c in enumerate(CONFIGS[4])],
+         8: []}
+
+
 def label(fields: dict) -> str:
     keys = ("dp", "cp", "tp", "pp", "schedule", "cp_mode", "sp", "recompute", "optimizer")
     return " ".join(f"{k}={fields[k]}" for k in keys if k in fields)
@@ -137,7 +149,7 @@ def swept(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"mesh{world}")
     traced = [dict(c, trace=str(folder / f"trace{i}")) if world == TRACED else c
               for i, c in enumerate(CONFIGS[world])]
-    return world, sweep(world, traced + ROUTED[world], folder, timeout=300)
+    return world, sweep(world, traced + ROUTED[world] + MIXED[world], folder, timeout=300)
 
 
 TRACED = 4  # the world size whose runs are traced
@@ -205,3 +217,17 @@ def test_every_4d_mesh_ledger_is_the_formulas(swept):
             measured = {(r["group"], r["op"]): (r["calls"], r["elements"])
                         for r in run["ledger"] if r["rank"] == rank}
             assert measured == predicted, f"{world} ranks {label(fields)} rank {rank}"
+
+
+def test_every_4d_mesh_of_4_ranks_in_16_bits_is_within_the_derived_tolerance(swept):
+    world, runs = swept
+    if not MIXED[world]:
+        pytest.skip("the 4-rank sweep carries the 16-bit runs")
+    for fields, run in zip(MIXED[world], runs[len(CONFIGS[world]) + len(ROUTED[world]):]):
+        ref = reference(**fields)
+        loss_tol, param_tol = mixed_tolerance(TrainConfig(**fields).resolved(world))
+        loss_rel = relative_difference(run["losses"], ref.losses)
+        moved, where = moved_difference(run["final"], ref.final, ref.init)
+        said = f"{fields['mixed']} {label(fields)}"
+        assert loss_rel <= loss_tol, f"{said}: losses {loss_rel:.3g} > {loss_tol:.3g}"
+        assert moved <= param_tol, f"{said}: {where} {moved:.3g} > {param_tol:.3g}"
