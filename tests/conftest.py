@@ -6,7 +6,12 @@ import functools
 
 import numpy as np
 
-from minipar.run.results import TOLERANCE, relative_difference
+from minipar.run.results import (
+    TOLERANCE,
+    mixed_tolerance,
+    moved_difference,
+    relative_difference,
+)
 from minipar.run.train import RunResult, train_reference
 from minipar.settings.config import TrainConfig
 
@@ -37,3 +42,15 @@ def assert_equivalent(run: dict, ref: RunResult, rtol: float = RTOL, label: str 
     for name, value in ref.final.items():
         rel = relative_difference(run["final"][name], value, floor=1e-12)
         assert rel <= rtol, f"{label}: {name} differs by {rel:.3e} (relative)"
+
+
+def assert_within_mixed_tolerance(run: dict, fields: dict, world: int, label: str = "") -> None:
+    """A --mixed run against one process in the same precision: losses and the
+    parameters' movement from init within run/results.py's derived tolerance."""
+    ref = reference(**fields)
+    loss_tol, param_tol = mixed_tolerance(TrainConfig(**fields).resolved(world))
+    loss_rel = relative_difference(run["losses"], ref.losses)
+    moved, where = moved_difference(run["final"], ref.final, ref.init)
+    said = f"{fields.get('mixed')} {label}"
+    assert loss_rel <= loss_tol, f"{said}: losses {loss_rel:.3g} > {loss_tol:.3g}"
+    assert moved <= param_tol, f"{said}: {where} {moved:.3g} > {param_tol:.3g}"

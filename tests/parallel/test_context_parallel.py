@@ -41,7 +41,7 @@ from minipar.planner.time_cost import cp_traffic, ledger_of
 from minipar.planner.workloads import minipar_workload, plan_of
 from minipar.settings.config import TrainConfig
 from tests import shapes
-from tests.conftest import assert_equivalent, reference
+from tests.conftest import assert_equivalent, assert_within_mixed_tolerance, reference
 from tests.harness.mpi import sweep
 from tests.harness.rank_tests import RANK_COUNTS, agree, suite_report
 from tests.reference.formulas import assert_ledger_and_memory_are_the_formulas
@@ -115,12 +115,27 @@ RUNS = {
 }
 
 
+# the 4-rank runs once more in bf16 (float64 masters), in the same job: every mode with
+# tp, sp, recomputation and MoE, the ring's K/V blocks and Ulysses' Alltoalls as 16 bits.
+# Not the capacity-limited MoE runs: there a rounding can move a token across the
+# capacity cut, a whole token's change that no rounding tolerance bounds (docs/design.md)
+BF16 = {n: [dict(c, mixed="bf16") for c in RUNS[n] if "capacity_factor" not in c]
+        if n == 4 else [] for n in RUNS}
+
+
 @pytest.fixture(scope="module", params=sorted(RUNS))
 def swept(request, tmp_path_factory):
     """Every config of one rank count, trained in one mpiexec job."""
     world = request.param
-    runs = sweep(world, RUNS[world], tmp_path_factory.mktemp(f"cp{world}"), timeout=480)
+    runs = sweep(world, RUNS[world] + BF16[world], tmp_path_factory.mktemp(f"cp{world}"),
+                 timeout=480)
     return world, runs
+
+
+def test_every_mode_of_4_ranks_in_bf16_is_within_the_derived_tolerance(swept):
+    world, runs = swept
+    for fields, run in zip(BF16[world], runs[len(RUNS[world]):]):
+        assert_within_mixed_tolerance(run, fields, world, f"{world} ranks {fields}")
 
 
 def test_every_mode_and_mesh_equals_one_process(swept):

@@ -27,7 +27,7 @@ import pytest
 
 from minipar.core import nn
 from minipar.settings.config import GRAD_SYNCS, TrainConfig
-from tests.conftest import assert_equivalent, reference
+from tests.conftest import assert_equivalent, assert_within_mixed_tolerance, reference
 from tests.harness.mpi import lesson_run, minipar, sweep
 from tests.harness.rank_tests import run_checks
 from tests.harness.trace_checks import check_trace
@@ -95,7 +95,11 @@ def test_every_grad_sync_equals_one_process_and_allreduces_the_parameter_count(w
     configs = plain + HYBRIDS.get(world, [])
     traced = [dict(c, trace=str(tmp_path / f"trace{i}")) if world == 4 else c
               for i, c in enumerate(configs)]   # 4 ranks: timelines too (trace_checks.py)
-    runs = sweep(world, traced, tmp_path / "sweep", timeout=240)
+    # and on 4 ranks every sync once more in bf16 (float64 masters), in the same job
+    low = [dict(c, mixed="bf16") for c in plain] if world == 4 else []
+    runs = sweep(world, traced + low, tmp_path / "sweep", timeout=240)
+    for cfg, run in zip(low, runs[len(configs):]):
+        assert_within_mixed_tolerance(run, cfg, world, f"n={world} {cfg}")
     for cfg, run in zip(configs, runs):
         label = f"n={world} {cfg}"
         assert_equivalent(run, reference(**cfg), label=label)

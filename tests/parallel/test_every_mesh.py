@@ -41,9 +41,9 @@ from minipar.parallel.pipeline.schedules import SCHEDULES, V_SHAPED
 from minipar.planner.memory_cost import rank_shape
 from minipar.planner.time_cost import ledger_of, traffic
 from minipar.planner.workloads import minipar_workload, plan_of
-from minipar.run.results import mixed_tolerance, moved_difference, relative_difference
+from minipar.run.results import relative_difference
 from minipar.settings.config import TrainConfig, problems
-from tests.conftest import assert_equivalent, reference
+from tests.conftest import assert_equivalent, assert_within_mixed_tolerance, reference
 from tests.harness.mpi import ROOT, sweep
 from tests.harness.trace_checks import check_trace
 
@@ -224,10 +224,4 @@ def test_every_4d_mesh_of_4_ranks_in_16_bits_is_within_the_derived_tolerance(swe
     if not MIXED[world]:
         pytest.skip("the 4-rank sweep carries the 16-bit runs")
     for fields, run in zip(MIXED[world], runs[len(CONFIGS[world]) + len(ROUTED[world]):]):
-        ref = reference(**fields)
-        loss_tol, param_tol = mixed_tolerance(TrainConfig(**fields).resolved(world))
-        loss_rel = relative_difference(run["losses"], ref.losses)
-        moved, where = moved_difference(run["final"], ref.final, ref.init)
-        said = f"{fields['mixed']} {label(fields)}"
-        assert loss_rel <= loss_tol, f"{said}: losses {loss_rel:.3g} > {loss_tol:.3g}"
-        assert moved <= param_tol, f"{said}: {where} {moved:.3g} > {param_tol:.3g}"
+        assert_within_mixed_tolerance(run, fields, world, label(fields))

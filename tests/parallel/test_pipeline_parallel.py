@@ -15,10 +15,9 @@ from collections import defaultdict
 import pytest
 
 from minipar.comm.mesh import MeshShape
-from minipar.run.results import mixed_tolerance, moved_difference, relative_difference
 from minipar.run.train import boundary_shape
 from minipar.settings.config import TrainConfig, problems
-from tests.conftest import assert_equivalent, reference
+from tests.conftest import assert_equivalent, assert_within_mixed_tolerance, reference
 from tests.harness.mpi import lesson_run, sweep
 
 SMALL = dict(layers=8, d_in=8, d_model=16, d_ff=32, batch=16, steps=2)
@@ -131,13 +130,8 @@ def test_schedule_equals_one_process(runs, n, index):
 
 def test_every_schedule_of_4_ranks_in_fp16_is_within_the_derived_tolerance(runs):
     for index, fields in enumerate(FP16[4]):
-        run = runs[4][len(CONFIGS[4]) + index]
-        ref = reference(**fields)
-        loss_tol, param_tol = mixed_tolerance(TrainConfig(**fields).resolved(4))
-        loss_rel = relative_difference(run["losses"], ref.losses)
-        moved, where = moved_difference(run["final"], ref.final, ref.init)
-        assert loss_rel <= loss_tol, f"fp16 {label(fields)}: losses {loss_rel:.3g}"
-        assert moved <= param_tol, f"fp16 {label(fields)}: {where} {moved:.3g} > {param_tol:.3g}"
+        assert_within_mixed_tolerance(runs[4][len(CONFIGS[4]) + index], fields, 4,
+                                      label(fields))
 
 
 def expected_messages(cfg: TrainConfig, stage: int) -> dict[str, int]:

@@ -27,7 +27,7 @@ import pytest
 from minipar.core import autograd as ag
 from minipar.core import nn
 from minipar.settings.config import TrainConfig, problems
-from tests.conftest import assert_equivalent, reference
+from tests.conftest import assert_equivalent, assert_within_mixed_tolerance, reference
 from tests.harness.mpi import launch, lesson_run, minipar, sweep
 
 SMALL = {"layers": 4, "d_model": 16, "d_in": 8, "batch": 16, "steps": 3}
@@ -65,7 +65,11 @@ def expected_tp_ledger(cfg: dict) -> dict[str, tuple[int, int]]:
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_training_equals_one_process_with_megatron_ledger(world, tmp_path):
     configs = configs_for(world)
-    runs = sweep(world, configs, tmp_path / "sweep", timeout=240)
+    # and on 4 ranks each config once more in bf16 (float64 masters), in the same job
+    low = [dict(c, mixed="bf16") for c in configs] if world == 4 else []
+    runs = sweep(world, configs + low, tmp_path / "sweep", timeout=240)
+    for cfg, run in zip(low, runs[len(configs):]):
+        assert_within_mixed_tolerance(run, cfg, world, f"n={world} {cfg}")
     for cfg, run in zip(configs, runs):
         label = f"n={world} {cfg}"
         assert_equivalent(run, reference(**cfg), label=label)

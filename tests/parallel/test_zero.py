@@ -35,9 +35,8 @@ from minipar.core.memory import (
     wire_formula,
     zero_formula,
 )
-from minipar.run.results import mixed_tolerance, moved_difference, relative_difference
 from minipar.settings.config import TrainConfig, problems
-from tests.conftest import assert_equivalent, reference
+from tests.conftest import assert_equivalent, assert_within_mixed_tolerance, reference
 from tests.harness.mpi import sweep
 from tests.harness.rank_tests import run_checks
 from tests.harness.trace_checks import check_trace
@@ -184,11 +183,7 @@ def test_zero_equals_one_process_with_zeros_ledger(world, tmp_path):
     configs = zero_configs(world) + HYBRIDS.get(world, [])
     runs = sweep(world, configs + FP16.get(world, []), tmp_path / "sweep", timeout=240)
     for cfg, run in zip(FP16.get(world, []), runs[len(configs):]):
-        loss_tol, param_tol = mixed_tolerance(TrainConfig(**cfg).resolved(world))
-        ref = reference(**cfg)
-        assert relative_difference(run["losses"], ref.losses) <= loss_tol, cfg
-        moved, where = moved_difference(run["final"], ref.final, ref.init)
-        assert moved <= param_tol, f"{cfg}: {where} {moved:.3g} > {param_tol:.3g}"
+        assert_within_mixed_tolerance(run, cfg, world, f"n={world} {cfg}")
     for cfg, run in zip(configs, runs):
         label = f"n={world} {cfg}"
         assert_equivalent(run, reference(**cfg), label=label)
