@@ -104,12 +104,14 @@ def moved_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray],
                      init: dict[str, np.ndarray]) -> tuple[float, str]:
     """The largest ||a - b|| / ||b - init|| over the tensors (2-norms): parameters against
     how far the reference moved them (a tensor that did not move must match exactly),
-    and the tensor where it is."""
+    and the tensor where it is. A tensor `init` lacks is state that starts at zero (the
+    sigmoid-bias router's b): its movement is measured from 0."""
     worst, where = 0.0, ""
     for name, ref in b.items():
         if not ref.size:
             continue
-        moved = float(np.linalg.norm(ref - init[name]))
+        moved = float(np.linalg.norm(ref - init[name])) if name in init else \
+            float(np.linalg.norm(ref))
         diff = float(np.linalg.norm(a[name] - ref))
         rel = diff / moved if moved > 0 else (0.0 if diff == 0 else float("inf"))
         if rel > worst:

@@ -317,3 +317,13 @@ def test_a_bf16_run_resumes_bit_for_bit_on_its_mesh_and_within_the_tolerance_els
     loss_tol, param_tol = mixed_tolerance(TrainConfig(**BF16_RUN).resolved(4))
     assert relative_difference(other["losses"], ref.losses) <= loss_tol
     assert moved_difference(other["final"], ref.final, ref.init)[0] <= param_tol
+
+
+def test_moved_difference_measures_state_without_an_initial_value_from_zero():
+    """The router's b is no parameter (init has none): its movement is measured from 0,
+    as it starts (`--check --mixed` with --router sigmoid-bias compares it too)."""
+    init = {"w": np.zeros(2)}
+    ref = {"w": np.array([1.0, 0.0]), "b": np.array([0.0, 2.0])}
+    mine = {"w": np.array([1.0, 0.0]), "b": np.array([0.0, 2.2])}
+    moved, where = moved_difference(mine, ref, init)
+    assert where == "b" and moved == pytest.approx(0.1)
