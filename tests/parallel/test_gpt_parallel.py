@@ -25,7 +25,7 @@ import pytest
 
 from minipar.bugs import catalog
 from tests import shapes
-from tests.conftest import assert_equivalent, reference
+from tests.conftest import assert_equivalent, assert_within_mixed_tolerance, reference
 from tests.harness.mpi import ROOT, sweep
 from tests.reference.formulas import assert_ledger_and_memory_are_the_formulas
 
@@ -91,6 +91,11 @@ BUGGED = [dict(GPT, dp=2, pp=2, microbatches=2, schedule="gpipe",
                documents=True, vocab=256, inject_bug="loss-mean-per-microbatch")]
 
 
+# the 4-rank meshes once more in bf16 (float64 masters), after the bugs, in the same job;
+# not the capacity-limited MoE runs (a token across the capacity cut is no rounding)
+BF16 = {4: [dict(c, mixed="bf16") for c in RUNS[4] if not c.get("capacity_factor")]}
+
+
 @pytest.fixture(scope="module", params=sorted(RUNS))
 def swept(request, tmp_path_factory):
     """Every config of one rank count, trained in one mpiexec job."""
@@ -99,8 +104,18 @@ def swept(request, tmp_path_factory):
     # (tests/bugs/test_bugs_placement.py checks those)
     configs = RUNS[world] + ([{**c, "check_placements": False} for c in BUGGED]
                              if world == 4 else [])
-    runs = sweep(world, configs, tmp_path_factory.mktemp(f"gpt{world}"), timeout=420)
+    runs = sweep(world, configs + BF16.get(world, []), tmp_path_factory.mktemp(f"gpt{world}"),
+                 timeout=420)
     return world, runs
+
+
+def test_every_mesh_of_4_ranks_in_bf16_is_within_the_derived_tolerance(swept):
+    world, runs = swept
+    if world not in BF16:
+        pytest.skip("the 4-rank job carries the bf16 runs")
+    start = len(RUNS[world]) + len(BUGGED)
+    for fields, run in zip(BF16[world], runs[start:]):
+        assert_within_mixed_tolerance(run, fields, world, f"{world} ranks {fields}")
 
 
 def test_every_mesh_equals_one_process(swept):
