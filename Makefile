@@ -18,7 +18,7 @@ export MINIPAR_MPIEXEC := $(if $(findstring /,$(MPIEXEC)),$(abspath $(MPIEXEC)),
 RUFF_CONFIG := $(shell $(PYTHON) -c "import configparser as c; p = c.ConfigParser(); \
 	p.read('setup.cfg'); print(' '.join(\"--config '%s = %s'\" % kv for kv in p['tool:ruff'].items()))")
 
-.PHONY: install test test-fast lint hosts-test demo lessons notebooks bench clean
+.PHONY: install bytecode test test-fast lint hosts-test demo lessons notebooks bench clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,11 +28,18 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 install: $(VENV)/.installed
 
+# Every module compiled to bytecode once, before a target starts ranks: an 8-rank job then has
+# 8 ranks read minipar's .pyc files instead of each compiling all of minipar again. Imports
+# alone never write the cache where PYTHONDONTWRITEBYTECODE is set (it is on some machines,
+# this one included); compileall writes it anyway, and redoes only the files that changed.
+bytecode: install
+	@$(PY) -m compileall -q minipar tests lessons bench > /dev/null
+
 lint: install
 	$(PY) -m ruff check --output-format concise $(RUFF_CONFIG) minipar tests lessons bench
 
 # The whole suite; the 15 slowest tests are listed, then the total this machine took.
-test: install lint
+test: bytecode lint
 	@start=$$(date +%s); $(PY) -m pytest --durations=15 && \
 	  seconds=$$(( $$(date +%s) - start )) && echo $$seconds > bench/last_test_seconds && \
 	  echo "make test: $$seconds s of pytest on $$(env -u OMP_NUM_THREADS nproc) cores"
@@ -42,24 +49,24 @@ test: install lint
 # tp, pp with every schedule, ep, ZeRO) against one process. Run `make test` before a commit.
 FAST := tests/core tests/placement tests/planner tests/test_layering.py \
 	tests/parallel/test_every_mesh.py
-test-fast: install lint
+test-fast: bytecode lint
 	@start=$$(date +%s); $(PY) -m pytest $(FAST) -k "not 8]" && \
 	  echo "make test-fast: $$(( $$(date +%s) - start )) s of pytest on $$(env -u OMP_NUM_THREADS nproc) cores"
 
 # The several-hosts tests alone (also in `test`): two simulated hosts, each a network
 # namespace on a bridge, and real jobs across them. Root only; skipped, with the reason, if not.
-hosts-test: install
+hosts-test: bytecode
 	$(PY) -m pytest -q -rs tests/comm/test_hosts.py
 
 # The guided tour: every strategy on 8 ranks, one line each, checked against one process;
 # its figures go to build/tour.
-demo: install
+demo: bytecode
 	$(MPIEXEC) -n 8 $(PY) -m minipar tour --plot build/tour
 
 # Every lesson script on the rank count of its docstring's run line, at full size; a lesson
 # that fails, or runs longer than 10 minutes, stops the target. Figures go to $(FIGURES).
 FIGURES ?= build/figures
-lessons: install
+lessons: bytecode
 	@for lesson in lessons/[0-9][0-9]_*.py; do \
 	  ranks=$$(grep -m1 -o 'mpiexec -n [0-9]*' $$lesson | grep -o '[0-9]*$$'); \
 	  echo "=== $$lesson on $${ranks:-1} rank(s)"; \
@@ -70,13 +77,14 @@ lessons: install
 # Every notebook in lessons/, executed headless in a fresh kernel (nbclient, per-cell timeout);
 # at full size (MINIPAR_QUICK=0); the executed notebooks, outputs and figures in them, are
 # kept in build/notebooks/.
-notebooks: install
+notebooks: bytecode
 	MINIPAR_QUICK=0 MINIPAR_NOTEBOOKS_OUT=build/notebooks $(PY) -m pytest -q tests/teaching/test_notebooks.py
 	@echo "executed notebooks: build/notebooks/"
 
 # Speed figures, each a ratio measured side by side (writes bench/results.json).
-bench: install
+bench: bytecode
 	$(PY) -m bench.run
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+	find minipar tests lessons bench -name __pycache__ -type d -prune -exec rm -rf {} +
