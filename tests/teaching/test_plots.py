@@ -35,7 +35,8 @@ def assert_picture(path: object) -> None:
     assert image.shape[0] >= 200 and image.shape[1] >= 300, (path, image.shape)
     ink = (image[..., :3] < 0.9).any(axis=-1).mean()  # share of pixels that are not white
     assert 0.01 < ink < 0.95, (path, ink)
-    colours = np.unique((image[..., :3] * 255).astype(np.uint8).reshape(-1, 3), axis=0)
+    rgb = (image[..., :3] * 255).astype(np.uint32)   # one integer per colour: a 1-D unique
+    colours = np.unique(rgb[..., 0] << 16 | rgb[..., 1] << 8 | rgb[..., 2])  # (axis=0: 50x slower)
     assert len(colours) > 10, path
 
 
