@@ -22,6 +22,7 @@ minipar/ with `ast` (no import runs, no tool beyond the standard library) and fa
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -278,8 +279,12 @@ def repository_text() -> dict[Path, str]:
 
 def repository_files() -> set[str]:
     """Every file of the checkout, as a path relative to the root."""
-    return {str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
-            if p.is_file() and not {".git", ".venv", "build", "__pycache__"} & set(p.parts)}
+    skipped = {".git", ".venv", "build", "__pycache__"}   # pruned, not walked and filtered
+    files = set()
+    for folder, subfolders, names in os.walk(ROOT):
+        subfolders[:] = [name for name in subfolders if name not in skipped]
+        files |= {str((Path(folder) / name).relative_to(ROOT)) for name in names}
+    return files
 
 
 def stale_python_mentions(text: str, files: set[str]) -> list[str]:
