@@ -388,7 +388,13 @@ def verdict(dumps: dict[int, dict]) -> str:
     candidates = [(when, 0, sentence) for when, sentence in _mismatches(dumps)]
     entered = _never_entered(dumps)
     if entered:
-        when, kind, text, _, _ = min(entered, key=lambda e: e[0])
+        # A rank that never entered a call because it waits in another call, one that a
+        # partner of its own never entered, is not the cause: the chain of waits ends at the
+        # cause. Started first is no guide alone (on shared cores the cause's own partner
+        # may be the last to be scheduled); when every wait is part of a cycle, all count.
+        causes = [e for e in entered
+                  if not e[4] <= set().union(*(o[3] for o in entered if o is not e))]
+        when, kind, text, _, _ = min(causes or entered, key=lambda e: e[0])
         same = [e for e in entered if e[1] == kind and e[2] == text]
         waiting = set().union(*(e[3] for e in same))
         absent = set().union(*(e[4] for e in same)) - waiting

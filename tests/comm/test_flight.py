@@ -14,6 +14,7 @@ one line and exit 2.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import subprocess
@@ -27,7 +28,7 @@ import pytest
 
 from minipar.bugs.hangs import HANGS
 from minipar.comm import flight
-from minipar.comm.flight_report import FlightError, load, ranks_text, table, verdict
+from minipar.comm.flight_report import FlightError, load, ranks_text, stuck, table, verdict
 from tests.harness.mpi import ROOT, launch, lesson_run, read_dump
 
 SMALL = ["--layers", "2", "--d-model", "16", "--d-in", "8", "--batch", "16", "--steps", "1"]
@@ -74,6 +75,11 @@ def test_a_hang_ends_with_the_verdict_and_every_rank_dumps(name, tmp_path):
     assert sorted(dumps) == [0, 1, 2, 3]                   # every live rank wrote its file
     assert len({d["run"] for d in dumps.values()}) == 1
     assert verdict(dumps) == said                          # `python -m minipar flight DIR`
+    for late in (r for r in dumps if stuck(dumps[r])):     # a rank scheduled last on busy
+        skewed = copy.deepcopy(dumps)                     # cores entered its call last:
+        stuck(skewed[late])["t"] = 1 + max(c["t"] for d in dumps.values() for c in d["calls"])
+        for words in HANGS[name].names:                   # the same culprit is named
+            assert words in verdict(skewed), (late, words, verdict(skewed))
     assert "done:" not in job.stdout, job.explain()
     # an MPI error: the traceback of the rank it hit (at most one per ep group), no more
     assert job.stderr.count("Traceback") <= (2 if mpi_failed else 0), job.explain()
