@@ -10,7 +10,7 @@ out on paper and typed in, layer by layer, in reverse. Only the batches come fro
 It follows the papers docs/design.md follows: pre-LayerNorm residual MLP blocks, top-k routed
 experts with renormalized gates and a capacity limit (GShard), the load-balancing loss
 `alpha * E * sum_e f_e P_e` (Switch Transformer), Adam with bias correction (Kingma & Ba),
-and DeepSeek-V3's routing (DESIGN, "MoE routing, DeepSeek-V3 style"): sigmoid scores
+and DeepSeek-V3's routing (docs/design.md, "MoE routing, DeepSeek-V3 style"): sigmoid scores
 chosen by s + b, b moved by rate * sign(mean load - load) after each step, node-limited
 choice inside the M groups of largest top-2 sum, shared experts added to every token.
 The MoE is vectorized per expert: each expert gathers its tokens with one index array.
