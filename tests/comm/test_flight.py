@@ -78,8 +78,9 @@ def test_a_hang_ends_with_the_verdict_and_every_rank_dumps(name, tmp_path):
     for late in (r for r in dumps if stuck(dumps[r])):     # a rank scheduled last on busy
         skewed = copy.deepcopy(dumps)                     # cores entered its call last:
         stuck(skewed[late])["t"] = 1 + max(c["t"] for d in dumps.values() for c in d["calls"])
+        said_late = verdict(skewed)
         for words in HANGS[name].names:                   # the same culprit is named
-            assert words in verdict(skewed), (late, words, verdict(skewed))
+            assert words in said_late, (late, words, said_late)
     assert "done:" not in job.stdout, job.explain()
     # an MPI error: the traceback of the rank it hit (at most one per ep group), no more
     assert job.stderr.count("Traceback") <= (2 if mpi_failed else 0), job.explain()
