@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,7 @@ def launch(n: int, python_args: list[str], timeout: float = 60) -> Job:
     """Run `mpiexec -n n python <python_args>` from the repository root, killing the
     whole job if it outlives `timeout` seconds."""
     cmd = [mpiexec(), "-n", str(n), sys.executable, *python_args]
+    started = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=rank_env(timeout), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -82,7 +84,17 @@ def launch(n: int, python_args: list[str], timeout: float = 60) -> Job:
         out, err = proc.communicate()
         timed_out = True
     command = "OMP_NUM_THREADS=1 " + " ".join(shlex.quote(c) for c in cmd)
+    log_launch(n, python_args, time.perf_counter() - started)
     return Job(proc.returncode, out, err, command, timed_out)
+
+
+def log_launch(n: int, python_args: list[str], seconds: float) -> None:
+    """With $MINIPAR_LAUNCH_LOG set, append one JSON line per MPI job (the test that
+    launched it, ranks, arguments, wall seconds): where the suite's launches go."""
+    if os.environ.get("MINIPAR_LAUNCH_LOG"):
+        with open(os.environ["MINIPAR_LAUNCH_LOG"], "a") as log:
+            log.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "n": n,
+                                  "args": python_args[:4], "seconds": round(seconds, 3)}) + "\n")
 
 
 def minipar(n: int, args: list[str], timeout: float = 60) -> Job:
