@@ -40,7 +40,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar.comm.collectives import Ledger
-from minipar.comm.job import run_collectively, verdict
+from minipar.comm.job import run_collectively, verdict, wait_for_rank0
 from minipar.comm.mesh import Mesh, MeshShape
 from minipar.core import autograd as ag
 from minipar.core import fused_layers, nn, routing
@@ -422,6 +422,7 @@ def main() -> None:
     say(f"{EXPERTS} experts on {size} ranks, {EXPERTS // size} each; {TOKENS} tokens, "
         f"{TOKENS // size} per rank; top-{TOP_K} routing; d={D_MODEL}", "")
     for capacity in (None, CAPACITY):
+        wait_for_rank0(comm)  # the others asleep while rank 0 reports (reruns, a figure)
         cfg = config(capacity)
         full = nn.init_params(cfg, seed=0)
         gathered = run_block(cfg, mesh, full, h, r)
@@ -461,6 +462,7 @@ def main() -> None:
         say("")
         if args.plot:
             plot_load(stats[0], capacity, args.plot)
+    wait_for_rank0(comm)
     mesh.free()
     histories = the_balance(h, r)
     if args.plot and rank == 0:
@@ -471,6 +473,7 @@ def main() -> None:
                                                  f"top-{TOP_K}, {TOKENS} tokens: training the "
                                                  f"router with and without the aux loss"),
                                   args.plot / "03_aux_balance.png")))
+    wait_for_rank0(comm)
     loads = the_bias(h, r, QUICK_STEPS if args.quick else BIAS_STEPS)
     found = node_limited(h, r)
     if args.plot and rank == 0:

@@ -53,6 +53,7 @@ from minipar.comm.job import run_collectively, verdict, wait_for_rank0
 from minipar.core import timing
 from minipar.core.byte_units import KiB, format_bytes
 from minipar.parallel.pipeline.schedules import bubble_formula
+from minipar.parallel.pipeline.simulator import measured_bubble
 from minipar.planner import plan_table, presets, search, workloads
 from minipar.planner.memory_cost import Plan
 from minipar.run.results import max_differences
@@ -60,7 +61,6 @@ from minipar.run.train import train, train_reference
 from minipar.settings.config import TrainConfig
 from minipar.settings.preflight import lesson_arguments
 from minipar.teaching.ledger_tables import group_sizes, wire_bytes
-from minipar.teaching.load_plots import measured_bubble
 
 TINY = dict(layers=4, d_model=16, heads=4, seq_len=16, vocab=16, batch=16, d_ff=32,
             steps=3, optimizer="adam", lr=0.01, microbatches=4, schedule="1f1b")

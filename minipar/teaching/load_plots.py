@@ -27,6 +27,7 @@ from textwrap import fill
 
 import numpy as np
 from matplotlib.axes import Axes
+from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Polygon, Rectangle
 
@@ -37,7 +38,7 @@ from minipar.parallel.pipeline.schedules import (
     bubble_formula,
     simulate_schedule,
 )
-from minipar.parallel.pipeline.simulator import Simulation, bubble_fraction
+from minipar.parallel.pipeline.simulator import Simulation, measured_bubble
 
 KIND_COLORS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green", "F&B": "tab:purple"}
 KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient (ZB schedules)",
@@ -57,24 +58,48 @@ def draw_gantt(ax: Axes, bars: Sequence[dict], row_names: dict[int, str], unit: 
                title: str) -> None:
     """One row per rank, one box per instruction: F blue, B orange, W green, the
     microbatch number inside (1-based); a second model chunk hatched; a thin grey
-    strip where a rank sat in a receive. White space is the bubble."""
+    strip where a rank sat in a receive. White space is the bubble.
+
+    The boxes of one look (colour, height, hatch) are one PolyCollection: a figure of a
+    few thousand instructions is a handful of artists to lay out and draw, not one
+    Rectangle each (`gantt_boxes` reads them back)."""
     end = max(bar["end"] for bar in bars)
+    looks: dict[tuple, list] = {}
     for bar in bars:
-        y, width = bar["row"], bar["end"] - bar["start"]
+        y, start, stop = bar["row"], bar["start"], bar["end"]
         if bar["kind"] not in COMPUTE:  # waiting for a message
-            ax.barh(y, width, left=bar["start"], height=0.18, color="0.6")
-            continue
-        ax.barh(y, width, left=bar["start"], height=0.8, color=KIND_COLORS[bar["kind"]],
-                edgecolor="white", linewidth=0.6, hatch="///" if bar["chunk"] else None)
-        if width > 0.022 * end:  # room for the number
-            ax.text(bar["start"] + width / 2, y, str(bar["microbatch"] + 1), ha="center",
-                    va="center", fontsize=7, color="white")
+            look, half = ("0.6", 0.18, None), 0.09
+        else:
+            look, half = (KIND_COLORS[bar["kind"]], 0.8, "///" if bar["chunk"] else None), 0.4
+            if stop - start > 0.022 * end:  # room for the number
+                label = ax.text((start + stop) / 2, y, str(bar["microbatch"] + 1), ha="center",
+                                va="center", fontsize=7, color="white")
+                label.set_in_layout(False)  # inside its box: nothing for the layout to fit
+        looks.setdefault(look, []).append(
+            [(start, y - half), (start, y + half), (stop, y + half), (stop, y - half)])
+    for (color, height, hatch), corners in looks.items():
+        compute = height == 0.8
+        ax.add_collection(PolyCollection(
+            np.array(corners, dtype=float), facecolors=color, hatch=hatch, label=color,
+            edgecolors="white" if compute else "none", linewidths=0.6 if compute else 0))
     rows = sorted(row_names)
     ax.set_yticks(rows, [row_names[r] for r in rows])
     ax.set_ylim(max(rows) + 0.6, min(rows) - 0.6)
     ax.set_xlim(0, end)
     ax.set_xlabel(f"time ({unit})")
     ax.set_title(title, fontsize=10)
+
+
+def gantt_boxes(ax: Axes, height: float) -> list[tuple[float, float, float]]:
+    """The boxes `draw_gantt` drew of one height (0.8 an instruction, 0.18 a wait), as
+    (row, start, end): read back from the collections, to check a figure against its data."""
+    found = []
+    for collection in ax.collections:
+        for path in collection.get_paths():
+            (x0, y0), (x1, y1) = path.vertices.min(axis=0), path.vertices.max(axis=0)
+            if abs((y1 - y0) - height) < 1e-9:
+                found.append((round((y0 + y1) / 2), float(x0), float(x1)))
+    return found
 
 
 # 16 colours and 16 markers, both distinct for the first 16 series (matplotlib's cycle
@@ -145,13 +170,6 @@ def gantt_figure(sim: Simulation, timeline: Sequence[dict] | None = None,
     if title:
         figure.suptitle(title, fontsize=11)
     return figure
-
-
-def measured_bubble(timeline: Sequence[dict]) -> float:
-    """Idle share of rank-time in a real timeline, 1 - busy / (ranks * T), as the
-    simulator measures it (`pipeline_schedules.bubble_fraction`)."""
-    busy = [(r["rank"], r["start"], r["end"]) for r in timeline if r["kind"] in COMPUTE]
-    return bubble_fraction(busy, len({rank for rank, _, _ in busy}))
 
 
 # ------------------------------------------------------------------- bubble

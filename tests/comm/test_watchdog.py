@@ -32,21 +32,22 @@ def frozen(spec: str, flags: list[str]) -> tuple[object, float]:
 @pytest.mark.parametrize("spec,mesh", [("stop:1:2", "dp"), ("sleep:1:2:60", "dp"),
                                        ("sleep:0:3:60", "pp")])
 def test_a_stuck_rank_ends_the_job_within_the_timeout(spec, mesh):
-    job, seconds = frozen(spec, [*MESHES[mesh], "--timeout", "3"])
+    job, seconds = frozen(spec, [*MESHES[mesh], "--timeout", "2"])
     assert not job.timed_out and job.returncode != 0 and seconds < 20, job.explain()
     lines = [line for line in job.stderr.splitlines() if "watchdog" in line]
     assert lines and all(line.startswith("minipar: error: watchdog: rank ") for line in lines)
     step = spec.split(":")[2]
-    named = re.search(rf"waited \d+ s in (\w+) .* at step {step} of 5 .*--timeout 3", lines[0])
+    named = re.search(rf"waited \d+ s in (\w+) .* at step {step} of 5 .*--timeout 2", lines[0])
     assert named, job.explain()
     assert named.group(1) in ("Allreduce", "Recv", "Send", "Waitall", "Wait"), lines[0]
     assert "done:" not in job.stdout and "Traceback" not in job.stderr, job.explain()
 
 
 def test_timeout_zero_waits_for_a_slow_rank():
-    job, seconds = frozen("sleep:1:2:4", [*MESHES["dp"], "--timeout", "0"])
+    """A rank 3 s late in a step: longer than the --timeout 2 that ends the jobs above."""
+    job, seconds = frozen("sleep:1:2:3", [*MESHES["dp"], "--timeout", "0"])
     assert job.returncode == 0 and "done: 5 steps" in job.stdout, job.explain()
-    assert seconds >= 4 and "watchdog" not in job.stderr
+    assert seconds >= 3 and "watchdog" not in job.stderr
 
 
 def test_the_line_names_the_call_and_the_step():

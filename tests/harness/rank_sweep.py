@@ -23,7 +23,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from minipar.comm.job import abort_on_exception
+from minipar.comm.job import abort_on_exception, wait_for_rank0
 from minipar.run.results import dump
 from minipar.run.train import ReplicaError, problems, train
 from minipar.settings.config import TrainConfig
@@ -60,6 +60,7 @@ def main() -> None:
             (out / str(i) / "scores.json").write_text(json.dumps(scores))
             (out / str(i) / "rank_gnorms.json").write_text(json.dumps(norms))
             (out / str(i) / "rank_mixed.json").write_text(json.dumps(mixed))
+        wait_for_rank0(world)  # the others asleep while rank 0 writes (not spinning in the next)
 
 
 if __name__ == "__main__":

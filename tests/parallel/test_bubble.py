@@ -18,8 +18,8 @@ Two claims, each from real MPI runs of minipar's pipeline:
 from __future__ import annotations
 
 from minipar.parallel.pipeline.schedules import bubble_formula, replay
+from minipar.parallel.pipeline.simulator import measured_bubble
 from minipar.teaching import classroom
-from minipar.teaching.load_plots import measured_bubble
 
 MARGIN = 0.10         # wall clock, 2 ranks, absolute bubble fraction
 REPLAY_MARGIN = 0.06  # replayed CPU times, 4 ranks on 2 cores

@@ -22,7 +22,7 @@ from minipar.core.byte_units import byte_unit
 from minipar.core.memory import wire_formula
 from minipar.parallel.pipeline.instructions import COMPUTE
 from minipar.parallel.pipeline.schedules import bubble_formula, simulate_schedule
-from minipar.parallel.pipeline.simulator import bubble_fraction
+from minipar.parallel.pipeline.simulator import bubble_fraction, measured_bubble
 from minipar.teaching import classroom, load_plots, plots
 from tests.harness.mpi import minipar
 
@@ -38,11 +38,6 @@ def assert_picture(path: object) -> None:
     rgb = (image[..., :3] * 255).astype(np.uint32)   # one integer per colour: a 1-D unique
     colours = np.unique(rgb[..., 0] << 16 | rgb[..., 1] << 8 | rgb[..., 2])  # (axis=0: 50x slower)
     assert len(colours) > 10, path
-
-
-def boxes(ax: object, height: float) -> list[Rectangle]:
-    return [p for p in ax.patches if isinstance(p, Rectangle) and
-            abs(p.get_height() - height) < 1e-9]
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +56,7 @@ def test_gantt_has_one_box_per_simulated_instruction(schedule, virtual, tmp_path
     sim = simulate_schedule(schedule, 4, 8, virtual)
     figure = load_plots.gantt_figure(sim)
     ax = figure.axes[0]
-    drawn = sorted((round(b.get_y() + 0.4), b.get_x(), b.get_x() + b.get_width())
-                   for b in boxes(ax, 0.8))
+    drawn = sorted(load_plots.gantt_boxes(ax, 0.8))
     assert drawn == sorted((s.stage, s.start, s.end) for s in sim.timeline)
     assert f"{sim.bubble:.1%}" in ax.get_title()
     assert_picture(plots.save(figure, tmp_path / "gantt.png"))
@@ -90,10 +84,12 @@ def test_real_pipeline_timeline_beside_the_simulator(runs, tmp_path):
     assert len(compute) == 4 * 4 * 2  # 4 stages x 4 microbatches x (F, B)
     figure = load_plots.gantt_figure(simulate_schedule("1f1b", 4, 4), timeline)
     real = figure.axes[1]
-    assert len(boxes(real, 0.8)) == len(compute)
-    assert len(boxes(real, 0.18)) == sum(r["kind"].startswith("recv") for r in timeline)
+    assert sorted(load_plots.gantt_boxes(real, 0.8)) == sorted(
+        (r["rank"], 1000 * r["start"], 1000 * r["end"]) for r in compute)
+    assert len(load_plots.gantt_boxes(real, 0.18)) == sum(
+        r["kind"].startswith("recv") for r in timeline)
     intervals = [(r["stage"], r["start"], r["end"]) for r in compute]
-    assert load_plots.measured_bubble(timeline) == pytest.approx(bubble_fraction(intervals, 4))
+    assert measured_bubble(timeline) == pytest.approx(bubble_fraction(intervals, 4))
     assert_picture(plots.save(figure, tmp_path / "pipeline.png"))
 
 

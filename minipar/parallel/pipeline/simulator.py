@@ -245,6 +245,13 @@ def bubble_fraction(intervals: list[tuple[int, float, float]], stages: int) -> f
     return 1.0 - busy / (stages * (end - begin))
 
 
+def measured_bubble(timeline: list[dict]) -> float:
+    """Idle share of rank-time in a real run's timeline (`RunResult.extras["timeline"]`):
+    `bubble_fraction` over its compute instructions, one stage per rank that computed."""
+    busy = [(r["rank"], r["start"], r["end"]) for r in timeline if r["kind"] in COMPUTE]
+    return bubble_fraction(busy, len({rank for rank, _, _ in busy}))
+
+
 def in_flight_peak(kinds: list[str]) -> int:
     """Peak number of microbatches alive on a stage whose compute ran in this order:
     alive from its F until its B (or its W, when the schedule has W's)."""
