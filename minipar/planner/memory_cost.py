@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from minipar.core.memory import BytesPerParam, ModelStates, rank_states
 from minipar.parallel.pipeline import chunk_layout, schedules
@@ -111,19 +111,19 @@ class Workload:
         return BytesPerParam(self.param_bytes, self.grad_bytes, self.optimizer_bytes,
                              self.master_bytes)
 
-    @property
+    @cached_property  # a search asks thousands of times; the fields are frozen
     def params(self) -> int:
         per_block = sum(sum(s for s, _ in b.arrays) + b.experts * sum(b.expert)
                         for b in self.blocks)
         head = self.head[1:] if self.tied_head else self.head  # tied: its matrix is embed's
         return per_block + sum(s for s, _ in self.embed + head)
 
-    @property
+    @cached_property
     def active_params(self) -> int:
         """Parameters one token passes through: k of the E routed experts."""
         return self.params - sum((b.experts - b.top_k) * sum(b.expert) for b in self.blocks)
 
-    @property
+    @cached_property
     def flop_params(self) -> int:
         """Parameters one token multiplies by: the active ones but a looked-up embedding."""
         return (self.active_params - (sum(s for s, _ in self.embed) if self.lookup_embedding
@@ -266,12 +266,15 @@ def tokens_per_microbatch(w: Workload, plan: Plan) -> int:
 @lru_cache(maxsize=4096)
 def in_flight(schedule: str, pp: int, microbatches: int, stage: int, virtual: int = 1) -> int:
     """Most (chunk, microbatch) pairs whose activations `stage` holds at once: GPipe
-    all M, 1F1B min(pp - stage, M) (PipeDream-flush), others counted from the schedule's
-    own instruction order (pipeline_schedules.in_flight_peak)."""
+    all M, 1F1B min(pp - stage, M) (PipeDream-flush), interleaved its warm-up plus the
+    one forward before the first backward, min(pp - stage + (V - 1) pp, V M); others
+    counted from the schedule's own instruction order (pipeline_schedules.in_flight_peak)."""
     if schedule == "gpipe":
         return microbatches
     if schedule == "1f1b":
         return min(pp - stage, microbatches)
+    if schedule == "interleaved":  # the searches ask for thousands of (pp, M, V): no order
+        return min(pp - stage + (virtual - 1) * pp, virtual * microbatches)
     order = compute_order(schedule, pp, microbatches, stage, virtual)
     return in_flight_peak([ins.kind for ins in order])
 

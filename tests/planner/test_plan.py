@@ -134,9 +134,11 @@ def test_zero_bubble_table(pp, m):
 
 
 @pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
-                                         ("zb-h1", 1)])
+                                         ("interleaved", 3), ("zb-h1", 1)])
 def test_microbatches_in_flight_are_the_simulators(schedule, v):
-    for pp, m in [(2, 2), (4, 4), (4, 8), (3, 6)]:
+    """The closed forms (GPipe, 1F1B, interleaved) and the counted peaks (ZB-H1) against
+    the simulator playing the schedule."""
+    for pp, m in [(2, 2), (4, 4), (4, 8), (3, 6), (2, 8), (8, 8)]:
         peaks = simulate_schedule(schedule, pp, m, v).peak_in_flight
         assert [in_flight(schedule, pp, m, s, v) for s in range(pp)] == peaks, (pp, m)
 

@@ -408,10 +408,10 @@ def test_exercise_check_bounds_the_output_names_sys_exit_and_a_timeout(tmp_path,
         elif "NotImplementedError" in line and "dp-bucketed" in line:
             lines[i] = line[:len(line) - len(line.lstrip())] + "while True: pass"
     path.write_text("\n".join(lines) + "\n")
-    monkeypatch.setenv("MINIPAR_EXERCISE_DEADLINE", "5")
+    monkeypatch.setenv("MINIPAR_EXERCISE_DEADLINE", "3")
     code, report = check(["dp-naive", "dp-bucketed"], tmp_path)
     assert code == 1 and len(report.splitlines()) < 40, report
     assert "called sys.exit(0) at parallel/data_parallel.py" in report, report
     assert "more lines the code printed are left out" in report, report
-    assert "timeout: after 5 s rank" in report and "at step 1 of" in report, report
+    assert "timeout: after 3 s rank" in report and "at step 1 of" in report, report
     assert "in bucketed_allreduce" in report, report
