@@ -57,6 +57,12 @@ def assert_within_mixed_tolerance(run: dict, fields: dict, world: int, label: st
     assert moved <= param_tol, f"{said}: {where} {moved:.3g} > {param_tol:.3g}"
 
 
+def pytest_collection_modifyitems(items: list) -> None:
+    """The notebook runs' tests go last: the longer the rest of the suite, the more of the
+    background runner's work is done by the time they read it (tests/harness/background.py)."""
+    items.sort(key=lambda item: getattr(item, "originalname", "") == "test_notebook_runs_and_draws")
+
+
 def pytest_collection_finish(session) -> None:
     """The selected notebooks start running in the background, beside the suite
     (tests/teaching/test_notebooks.py, tests/harness/background.py)."""
@@ -65,7 +71,9 @@ def pytest_collection_finish(session) -> None:
     if paths and not session.config.option.collectonly:
         from tests.teaching import test_notebooks
 
-        test_notebooks.start_background(paths)
+        paths = [path for path in paths if path.stem not in test_notebooks.FOREGROUND]
+        if paths:
+            test_notebooks.start_background(paths)
 
 
 def pytest_sessionfinish(session) -> None:
