@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import sys
 
 import numpy as np
 
@@ -55,34 +54,3 @@ def assert_within_mixed_tolerance(run: dict, fields: dict, world: int, label: st
     said = f"{fields.get('mixed')} {label}"
     assert loss_rel <= loss_tol, f"{said}: losses {loss_rel:.3g} > {loss_tol:.3g}"
     assert moved <= param_tol, f"{said}: {where} {moved:.3g} > {param_tol:.3g}"
-
-
-def pytest_collection_modifyitems(items: list) -> None:
-    """The notebook runs' tests go last: the longer the rest of the suite, the more of the
-    background runner's work is done by the time they read it (tests/harness/background.py)."""
-    items.sort(key=lambda item: getattr(item, "originalname", "") == "test_notebook_runs_and_draws")
-
-
-def pytest_collection_finish(session) -> None:
-    """The selected notebooks start running in the background, beside the suite
-    (tests/teaching/test_notebooks.py, tests/harness/background.py)."""
-    paths = [item.callspec.params["path"] for item in session.items
-             if getattr(item, "originalname", "") == "test_notebook_runs_and_draws"]
-    if paths and not session.config.option.collectonly:
-        from tests.teaching import test_notebooks
-
-        paths = [path for path in paths if path.stem not in test_notebooks.FOREGROUND]
-        if paths:
-            test_notebooks.start_background(paths)
-
-
-def pytest_sessionfinish(session) -> None:
-    notebooks = sys.modules.get("tests.teaching.test_notebooks")
-    if notebooks is not None:
-        notebooks.stop_background()
-
-
-def pytest_terminal_summary(terminalreporter) -> None:
-    notebooks = sys.modules.get("tests.teaching.test_notebooks")
-    if notebooks is not None and notebooks.background_summary():
-        terminalreporter.write_line(notebooks.background_summary())

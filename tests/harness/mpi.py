@@ -24,8 +24,6 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.harness import background
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -67,25 +65,24 @@ def launch(n: int, python_args: list[str], timeout: float = 60) -> Job:
     whole job if it outlives `timeout` seconds."""
     cmd = [mpiexec(), "-n", str(n), sys.executable, *python_args]
     started = time.perf_counter()
-    with background.held():  # the notebooks running beside the suite wait meanwhile
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=rank_env(timeout), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout + 5)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=3)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-            out, err = proc.communicate()
-            timed_out = True
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=rank_env(timeout), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout + 5)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=3)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        out, err = proc.communicate()
+        timed_out = True
     command = "OMP_NUM_THREADS=1 " + " ".join(shlex.quote(c) for c in cmd)
     log_launch(n, python_args, time.perf_counter() - started)
     return Job(proc.returncode, out, err, command, timed_out)

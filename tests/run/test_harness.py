@@ -6,14 +6,8 @@ ways an MPI program goes wrong and time how long the suite takes to notice.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-from tests.harness import background
-from tests.harness.background import Background
 from tests.harness.mpi import launch
 from tests.harness.rank_tests import run_checks
 
@@ -91,55 +85,3 @@ def test_a_lesson_check_failing_on_one_rank_makes_every_rank_exit_1():
     assert "1 check(s) failed" in job.stderr, job.explain()
     healthy = launch(3, ["-c", code.replace("!= 1", ">= 0")], timeout=60)
     assert healthy.returncode == 0, healthy.explain()
-
-
-# ------------------------------------------------- the background job (notebooks)
-TICKER = """
-import subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", '''
-import sys, time
-while True:
-    open(sys.argv[1], "a").write("c"); time.sleep(0.01)
-''', sys.argv[1] + ".child"])
-while True:
-    open(sys.argv[1], "a").write("p"); time.sleep(0.01)
-"""
-
-
-def test_a_background_job_and_its_children_stop_while_the_suite_runs_a_job(tmp_path):
-    """tests/harness/background.py: the job and the process it started (a kernel leaves
-    the job's group; the tree is stopped, not the group) stand still while the suite
-    runs a process of its own, go on once it has none, and end with the session."""
-    ticks = tmp_path / "ticks"
-    job = Background([sys.executable, "-c", TICKER, str(ticks)], dict(os.environ),
-                     tmp_path / "log")
-    try:
-        child = Path(f"{ticks}.child")
-        deadline = time.monotonic() + 20
-        while not (child.exists() and ticks.exists()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert child.exists(), (tmp_path / "log").read_text()
-
-        def sizes() -> tuple[int, int]:
-            return ticks.stat().st_size, child.stat().st_size
-
-        sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
-        time.sleep(0.5)                      # the referee has seen the child by now
-        stopped = sizes()
-        time.sleep(0.5)
-        assert sizes() == stopped, "the job ran beside the suite's own process"
-        sleeper.wait()
-        time.sleep(0.5)
-        assert all(a > b for a, b in zip(sizes(), stopped)), "the job did not go on"
-        with background.held():               # a job the suite starts: stopped at once
-            time.sleep(0.05)
-            held = sizes()
-            time.sleep(0.3)
-            assert sizes() == held
-        assert job.stopped_seconds >= 1.0
-    finally:
-        everyone = background.tree(job.proc.pid)
-        job.close()
-    time.sleep(0.2)
-    assert not [pid for pid in everyone if Path(f"/proc/{pid}").exists()
-                and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]]

@@ -19,33 +19,19 @@ notebook that reads it (its first cells say what it changes) does less of the sa
 work, and says so in what it prints; a cell that runs a lesson script prints a line
 instead (tests/teaching/test_lessons.py runs every script). `make notebooks` sets it to
 0: full size, every cell as a teacher runs it.
-
-The notebooks run in the background (tests/harness/background.py), one after another
-in one process started when the session's tests are collected (`start_background`,
-tests/conftest.py), on the core the rest of the suite leaves idle; each test waits for
-its notebook's result, read from the executed notebook the runner writes. The runner
-is this file: `python -m tests.teaching.test_notebooks OUT NOTEBOOK...`.
 """
 
 from __future__ import annotations
 
 import ast
 import os
-import re
-import shutil
-import sys
-import tempfile
-import time
-import traceback
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
 
 from minipar.exercises import regions
-from tests.harness.background import Background
 from tests.harness.mpi import ROOT
 
 NOTEBOOKS = sorted((ROOT / "lessons").glob("*.ipynb"))
@@ -73,115 +59,21 @@ def test_notebook_is_stored_without_outputs(path):
             f"{path.name}: strip the outputs before committing (cell {cell.source[:60]!r})")
 
 
-def execute(path: Path) -> tuple[nbformat.NotebookNode, str]:
-    """Run a notebook in a fresh kernel (cwd lessons/): the executed notebook and, if a
-    cell raised, nbclient's account of it (the cell and its traceback), else ''. With
-    $MINIPAR_NOTEBOOKS_OUT set, the executed notebook is also kept there for a teacher
-    (up to the failing cell)."""
-    notebook = nbformat.read(path, as_version=4)
-    client = NotebookClient(notebook, timeout=CELL_TIMEOUT, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
-    error = ""
-    try:
-        client.execute()
-    except CellExecutionError as failed:  # names the cell and carries its traceback
-        error = str(failed)
-    except Exception:  # noqa: BLE001 - a kernel that died or timed out: the test's to report
-        error = traceback.format_exc()
-    out = os.environ.get("MINIPAR_NOTEBOOKS_OUT")
-    if out:
-        folder = Path(out) if Path(out).is_absolute() else ROOT / out
-        folder.mkdir(parents=True, exist_ok=True)
-        nbformat.write(notebook, folder / path.name)
-    return notebook, error
-
-
-def run_all(out: Path, paths: list[Path]) -> None:
-    """The background runner: each notebook executed in turn, written to OUT/<name> with
-    its error beside it (OUT/<stem>.error); OUT/<stem>.done, written last, says it is
-    there to read."""
-    os.environ.setdefault("MINIPAR_QUICK", "1")  # the kernels inherit the environment
-    for path in paths:
-        started = time.monotonic()
-        notebook, error = execute(path)
-        print(f"{path.name}: {time.monotonic() - started:.1f} s"
-              + (", FAILED" if error else ""), flush=True)   # the runner's log
-        nbformat.write(notebook, out / path.name)
-        (out / f"{path.stem}.error").write_text(error)
-        (out / f"{path.stem}.done").touch()
-
-
-_BACKGROUND: dict[str, object] = {}
-# run where their test is, not in the background, for their short wall-clock deadlines,
-# which a stopped job's clock keeps counting (tests/harness/background.py): 15_hangs's jobs
-# end by a 2 s watchdog; 00 and 02 wait at most 120 s for their ipyparallel engines (in
-# one full run, stopped four fifths of the time, one engine of four missed it)
-FOREGROUND = {"00_collectives", "02_tensor_parallel", "15_hangs"}
-RAN = re.compile(r"\S+\.ipynb: ([\d.]+) s")   # a line of the runner's log
-
-
-def start_background(paths: list[Path]) -> None:
-    """Start the runner for `paths` beside the suite, writing into a fresh temporary
-    folder (tests/conftest.py calls this once the tests are collected);
-    `stop_background` ends it with the session and removes the folder."""
-    out = Path(tempfile.mkdtemp(prefix="minipar-notebooks-"))
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    job = Background([sys.executable, "-m", "tests.teaching.test_notebooks", str(out),
-                      *map(str, paths)], env, out / "runner.log")
-    _BACKGROUND.update(job=job, out=out, paths={path.stem for path in paths})
-
-
-def background_summary() -> str:
-    """One line for the end of the session: what the runner did and how long the suite
-    kept it stopped ('' if it never started)."""
-    if "out" not in _BACKGROUND:
-        return ""
-    if "summary" not in _BACKGROUND:
-        log = _BACKGROUND["out"] / "runner.log"
-        done = [RAN.match(line) for line in (log.read_text() if log.exists() else "").splitlines()]
-        seconds = sum(float(ran.group(1)) for ran in done if ran)
-        done = [ran for ran in done if ran]
-        job = _BACKGROUND["job"]
-        _BACKGROUND["summary"] = (
-            f"notebooks in the background: {len(done)} of {len(_BACKGROUND['paths'])} run, "
-            f"{seconds:.0f} s of wall clock, stopped {job.stopped_seconds:.0f} s of it while "
-            "the suite ran processes of its own")
-    return _BACKGROUND["summary"]
-
-
-def stop_background() -> None:
-    """End the runner (and its kernels) and remove its folder: the end of the session."""
-    if "job" in _BACKGROUND:
-        background_summary()
-        _BACKGROUND.pop("job").close()
-        shutil.rmtree(_BACKGROUND["out"], ignore_errors=True)
-
-
-def result(path: Path) -> tuple[nbformat.NotebookNode, str]:
-    """The executed notebook and its error: the background runner's, waited for, if it
-    has this notebook; else executed here and now."""
-    job = _BACKGROUND.get("job")
-    if job is None or path.stem not in _BACKGROUND["paths"]:
-        return execute(path)
-    out = _BACKGROUND["out"]
-    if not job.wait_for(out / f"{path.stem}.done", timeout=CELL_TIMEOUT * 4):
-        log = (out / "runner.log").read_text()[-4000:]
-        pytest.fail(f"{path.name}: the background runner ended or stalled before it "
-                    f"(stopped {job.stopped_seconds:.0f} s while the suite ran jobs)\n{log}")
-    error = (out / f"{path.stem}.error").read_text()
-    if error:
-        error += (f"\n(run in the background; stopped {job.stopped_seconds:.0f} s in all "
-                  "while the suite ran its own processes)")
-    return nbformat.read(out / path.name, as_version=4), error
-
-
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
 def test_notebook_runs_and_draws(path, monkeypatch):
     if "MINIPAR_QUICK" not in os.environ:  # the kernel inherits the environment
         monkeypatch.setenv("MINIPAR_QUICK", "1")
-    notebook, error = result(path)
-    if error:
-        pytest.fail(f"{path.name}: a cell failed\n{error}", pytrace=False)
+    notebook = nbformat.read(path, as_version=4)
+    client = NotebookClient(notebook, timeout=CELL_TIMEOUT, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    out = os.environ.get("MINIPAR_NOTEBOOKS_OUT")
+    try:
+        client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
+    finally:
+        if out:  # the executed notebook, kept for a teacher (`make notebooks`)
+            folder = Path(out) if Path(out).is_absolute() else ROOT / out
+            folder.mkdir(parents=True, exist_ok=True)
+            nbformat.write(notebook, folder / path.name)
     drawing = [cell for cell in code_cells(notebook)   # display(plots.x(..)), load_plots, ...
                if "display(" in cell.source and "plots." in cell.source]
     for cell in drawing:
@@ -221,7 +113,3 @@ def test_lesson_notebooks_ask_what_to_notice_and_check_exercises(name):
     for i in exercises:  # the code cell after each exercise checks the answer
         check = notebook.cells[i + 1]
         assert check.cell_type == "code" and "assert" in check.source, (name, i)
-
-
-if __name__ == "__main__":
-    run_all(Path(sys.argv[1]), [Path(arg) for arg in sys.argv[2:]])
