@@ -60,15 +60,16 @@ def unit_roundoff(name: str) -> float:
     return UNIT_ROUNDOFF[name]
 
 
+BY_TYPE_NAME = {"float16": "fp16", "bfloat16": "bf16"}   # the 16-bit type's class -> --mixed name
+
+
 def name_of(dtype: np.dtype) -> str | None:
     """The --mixed name of a 16-bit dtype (`bf16`, `fp16`), None for any other.
     Asked of every array a collective or a gradient accumulation meets, so it looks at
     the type's class name (bfloat16 only exists once ml_dtypes is loaded, `low_dtype`),
     not at `dtype.name`, which NumPy builds anew on every call (about 2 us)."""
     dtype = np.dtype(dtype)
-    if dtype.itemsize != 2:
-        return None
-    return {"float16": "fp16", "bfloat16": "bf16"}.get(dtype.type.__name__)
+    return BY_TYPE_NAME.get(dtype.type.__name__) if dtype.itemsize == 2 else None
 
 
 def is_low(dtype: np.dtype) -> bool:
