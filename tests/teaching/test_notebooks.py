@@ -19,12 +19,19 @@ notebook that reads it (its first cells say what it changes) does less of the sa
 work, and says so in what it prints; a cell that runs a lesson script prints a line
 instead (tests/teaching/test_lessons.py runs every script). `make notebooks` sets it to
 0: full size, every cell as a teacher runs it.
+
+The notebooks run as many at a time as the machine has cores (at most four), each in
+its own kernel, from threads of this process: much of a notebook's time is one kernel's
+Python (imports, figures) while a core sits idle, so on 2 cores the 16 notebooks take
+about 60 s two at a time against 85 s one by one. Each test waits for its own notebook.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -36,6 +43,7 @@ from tests.harness.mpi import ROOT
 
 NOTEBOOKS = sorted((ROOT / "lessons").glob("*.ipynb"))
 CELL_TIMEOUT = 300  # seconds; minipar.teaching.classroom kills its own MPI jobs sooner
+AT_ONCE = max(1, min(4, len(os.sched_getaffinity(0))))  # notebooks running at a time
 
 
 def code_cells(notebook: nbformat.NotebookNode) -> list:
@@ -59,21 +67,50 @@ def test_notebook_is_stored_without_outputs(path):
             f"{path.name}: strip the outputs before committing (cell {cell.source[:60]!r})")
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
-def test_notebook_runs_and_draws(path, monkeypatch):
-    if "MINIPAR_QUICK" not in os.environ:  # the kernel inherits the environment
-        monkeypatch.setenv("MINIPAR_QUICK", "1")
+def execute(path: Path) -> nbformat.NotebookNode:
+    """Run one notebook top to bottom in a fresh kernel (cwd: its folder); raises
+    CellExecutionError, naming the cell, if any cell fails, with the kernel's own stderr
+    as a note (kept out of the suite's output: the kernel outlives any one test's capture).
+    With $MINIPAR_NOTEBOOKS_OUT the executed notebook (up to a failing cell) is written
+    there for a teacher."""
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(notebook, timeout=CELL_TIMEOUT, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
     out = os.environ.get("MINIPAR_NOTEBOOKS_OUT")
     try:
-        client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
+        with tempfile.TemporaryFile("w+") as kernel_stderr:
+            try:
+                client.execute(stderr=kernel_stderr)
+            except Exception as error:
+                kernel_stderr.seek(0)
+                error.add_note("the kernel's stderr:\n" + kernel_stderr.read()[-4000:])
+                raise
     finally:
-        if out:  # the executed notebook, kept for a teacher (`make notebooks`)
+        if out:
             folder = Path(out) if Path(out).is_absolute() else ROOT / out
             folder.mkdir(parents=True, exist_ok=True)
             nbformat.write(notebook, folder / path.name)
+    return notebook
+
+
+@pytest.fixture(scope="module")
+def executions(request) -> dict[Path, Future]:
+    """Every notebook this session selected, started AT_ONCE at a time, in collection
+    order; the kernels inherit MINIPAR_QUICK=1 unless it is set already."""
+    chosen = [item.callspec.params["path"] for item in request.session.items
+              if getattr(item, "originalname", "") == "test_notebook_runs_and_draws"]
+    with pytest.MonkeyPatch.context() as patch, ThreadPoolExecutor(AT_ONCE) as pool:
+        if "MINIPAR_QUICK" not in os.environ:
+            patch.setenv("MINIPAR_QUICK", "1")
+        futures = {path: pool.submit(execute, path) for path in chosen}
+        yield futures
+        for future in futures.values():   # stopped early (-x): drop what has not started
+            future.cancel()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_notebook_runs_and_draws(path, executions):
+    notebook = executions[path].result()
     drawing = [cell for cell in code_cells(notebook)   # display(plots.x(..)), load_plots, ...
                if "display(" in cell.source and "plots." in cell.source]
     for cell in drawing:
