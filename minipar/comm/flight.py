@@ -26,7 +26,8 @@ keeps one a student can read:
   our own, which writes the dump.
 - When one rank's watchdog fires or any rank aborts (`log.abort_all` calls
   `before_abort`): that rank writes its `rank{r}.json`, sends SIGUSR1 to every
-  other rank on its host, waits a short grace for their files, reads them all
+  other rank on its host, waits a short grace for their files (not for a rank
+  of this host that is stopped or gone: it writes none), reads them all
   (flight_report.py), and ends its error line with the verdict before MPI_Abort
   ends the job. Only the first rank to get there speaks (an O_EXCL lock file);
   a second one dumps and waits to be ended. Across hosts, SIGUSR1 reaches only
@@ -340,12 +341,30 @@ def _signal_local_peers() -> None:
 
 
 def _wait_for_dumps(deadline: float) -> None:
-    """Until every rank's file of this run is in the folder, or the deadline."""
+    """Until every rank's file of this run is in the folder, or the deadline; a rank of
+    this host that can write none (stopped, or gone) is not waited for."""
     while time.monotonic() < deadline:
-        if all(run_of(STATE.folder / f"rank{r}.json") == STATE.run
+        if all(run_of(STATE.folder / f"rank{r}.json") == STATE.run or _cannot_dump(r)
                for r in range(STATE.world)):
             return
         time.sleep(0.05)
+
+
+def _cannot_dump(rank: int) -> bool:
+    """A rank of this host whose process is gone, a zombie, or stopped (SIGSTOP: state
+    T in /proc/<pid>/stat) writes no file however long we wait. Anything else, and
+    every rank on another host, may still write one (a rank a debugger holds, state t,
+    is let go again)."""
+    host, pid = STATE.peers[rank]
+    if rank == STATE.rank or host != socket.gethostname() or not os.path.exists("/proc/self"):
+        return False
+    try:   # the state follows the command's closing parenthesis: "pid (comm) S ..."
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "Z", "X")
 
 
 def before_abort(text: str) -> str:

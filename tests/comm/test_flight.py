@@ -120,6 +120,34 @@ def test_a_rank_that_leaves_or_freezes_is_named(tmp_path, mode, names):
     assert sorted(load(folder)) == ([0, 1, 2, 3] if mode == "exit" else [0, 1, 3])
 
 
+def test_the_grace_does_not_wait_for_a_rank_that_is_stopped_or_gone(monkeypatch):
+    """The speaking rank waits for a peer's file only while the peer can still write one:
+    a process of this host that is stopped (SIGSTOP) or gone never will."""
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        monkeypatch.setattr(flight.STATE, "peers", [(flight.socket.gethostname(), 1),
+                                                     (flight.socket.gethostname(), peer.pid),
+                                                     ("another-host", peer.pid)])
+        monkeypatch.setattr(flight.STATE, "rank", 0)
+        assert [flight._cannot_dump(r) for r in range(3)] == [False, False, False]
+        peer.send_signal(flight.signal.SIGSTOP)
+        for _ in range(100):   # the kernel marks it stopped within moments
+            if flight._cannot_dump(1):
+                break
+            time.sleep(0.01)
+        assert flight._cannot_dump(1) and not flight._cannot_dump(2)
+        peer.send_signal(flight.signal.SIGCONT)
+        for _ in range(100):
+            if not flight._cannot_dump(1):
+                break
+            time.sleep(0.01)
+        assert not flight._cannot_dump(1)
+    finally:
+        peer.kill()
+        peer.wait()
+    assert flight._cannot_dump(1) and not flight._cannot_dump(2)   # reaped: gone
+
+
 CLEAN = [{"dp": 2, "tp": 2, "microbatches": 2, "layers": 2, "d_model": 16, "d_in": 8,
           "batch": 16, "steps": 2},
          {"model": "moe", "dp": 2, "pp": 2, "ep": 2, "microbatches": 2, "layers": 2,
