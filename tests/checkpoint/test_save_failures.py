@@ -129,10 +129,12 @@ def test_a_full_disk_keeps_the_previous_checkpoint(small_disk):
 
 
 def test_two_jobs_saving_into_one_folder_the_second_is_refused(tmp_path):
-    folder = tmp_path / "ckpt"
+    """The first job holds its save (rank 0 inside its shard) until the second has been
+    refused: the two overlap however slow the machine is."""
+    folder, release = tmp_path / "ckpt", tmp_path / "release"
     first = subprocess.Popen(
         [mpiexec(), "-n", "2", sys.executable, "-m", "tests.harness.rank_faults", "fault",
-         "slowsave:0:6", "train", *SMALL, "--steps", "2", "--save", str(folder)],
+         f"holdsave:0:{release}", "train", *SMALL, "--steps", "2", "--save", str(folder)],
         cwd=ROOT, env=rank_env(60), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True)
     try:
@@ -140,6 +142,7 @@ def test_two_jobs_saving_into_one_folder_the_second_is_refused(tmp_path):
         while not (folder / folders.LOCK).exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         second = minipar(2, ["train", *SMALL, "--steps", "3", "--save", str(folder)], 60)
+        release.touch()
         _, err = first.communicate(timeout=60)
     finally:
         if first.poll() is None:

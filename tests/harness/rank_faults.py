@@ -14,7 +14,8 @@ notice), `stop` sends itself SIGSTOP (alive but frozen: only a watchdog can tell
 `sleep` sleeps SECONDS (default 60) inside the step. During a save: `killsave`,
 `raisesave` and `interruptsave` (KeyboardInterrupt, what Ctrl-C raises) hit RANK
 while it writes its checkpoint shard, `killmanifest` while rank 0 writes the
-manifest, and `slowsave` makes RANK take SECONDS to write its shard. The failing
+manifest, `slowsave` makes RANK take SECONDS to write its shard, and `holdsave`
+(`holdsave:RANK:FILE`) holds RANK there until FILE exists (at most 60 s). The failing
 rank first prints one line naming itself. The patching happens here, in the test
 helper: the library has no fault hooks.
 
@@ -64,12 +65,17 @@ def inject(spec: str) -> None:
     mode, rank, *step = spec.split(":")
     if int(rank) != MPI.COMM_WORLD.Get_rank():
         return
-    if mode in ("killsave", "raisesave", "interruptsave", "slowsave"):
+    if mode in ("killsave", "raisesave", "interruptsave", "slowsave", "holdsave"):
         write = shard_files.write_shard
 
         def write_shard(*args: object, **kwargs: object) -> dict:
             if mode == "slowsave":
                 time.sleep(float(step[0]))
+                return write(*args, **kwargs)
+            if mode == "holdsave":   # until the test says: FILE (a path without ':')
+                deadline = time.monotonic() + 60
+                while not os.path.exists(step[0]) and time.monotonic() < deadline:
+                    time.sleep(0.02)
                 return write(*args, **kwargs)
             die(mode.removesuffix("save"), int(rank), "while writing its checkpoint shard")
         save_load.write_shard = write_shard
