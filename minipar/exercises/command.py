@@ -50,6 +50,22 @@ def missing_files(folder: Path, names: list[str]) -> list[str]:
                   if not (folder / "minipar" / path).is_file())
 
 
+# MPICH's launcher prints this block on stdout when it cleans up after a rank it had to
+# kill: the job's own sentence (`explain_crash`) already says what happened, in words.
+LAUNCHER_BANNER = re.compile(
+    r"^=+\n(?:=   .*\n)+=+\n"
+    r"(?:YOUR APPLICATION TERMINATED WITH THE EXIT STRING:.*\n)?"
+    r"(?:This typically refers to a problem with your application\..*\n)?"
+    r"(?:Please see the FAQ page for debugging suggestions.*(?:\n|$))?", re.M)
+
+
+def without_launcher_banner(stdout: str) -> str:
+    """The job's stdout without mpiexec's "BAD TERMINATION" block (and the three lines
+    after it), which hydra prints there, between the ranks' own lines, when a rank ends
+    by a signal in a job that is already going down."""
+    return LAUNCHER_BANNER.sub("", stdout)
+
+
 def bounded(report: str, limit: int = SHOWN_LINES) -> str:
     """The job's report with the student's own printing cut to `limit` lines (each to 300
     characters): the graded lines ("exercise NAME: ..." and the verdict under it) stay
@@ -146,7 +162,7 @@ def run_job(names: list[str], folder: Path, timeout: float = TIMEOUT) -> tuple[i
         return 1, (f"exercise {names[0]}: FAILED\n  timeout: the check job ran past its "
                    f"{timeout:g} s: a rank loops forever or waits in a call its partners "
                    "never make")
-    report = bounded(job.stdout.strip())
+    report = bounded(without_launcher_banner(job.stdout).strip())
     unreported = [name for name in names if not re.search(
         rf"^exercise {re.escape(name)}: (passed|FAILED)", report, flags=re.M)]
     if unreported:   # the job ended (an abort: exit 1 too) before these reported
