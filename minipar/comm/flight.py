@@ -384,7 +384,9 @@ def before_abort(text: str) -> str:
         try:
             os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:   # another rank speaks: wait for its abort to end us
-            if reason != "watchdog":   # a traceback, a rank leaving: still said
+            # a traceback, a rank leaving: still said; the watchdog's line and MPI's error
+            # (one per rank of the group it hit) are the speaker's alone
+            if "Traceback" in text or (reason == "abort" and " MPI error: " not in text):
                 sys.stderr.write(text)
                 sys.stderr.flush()
             time.sleep(GRACE + 5)

@@ -10,13 +10,15 @@ make it so: every rank sends its text to one rank, which prints them in order.
     verdict(ok)                        # "OK" or "MISMATCH", and a failed check is counted
     run_collectively(main)             # a lesson's entry: one failing rank stops them all,
                                        # and a failed check makes every rank exit 1
-    abort_on_exception(main)           # any rank program: one failing rank stops them all
+    abort_on_exception(main)           # any rank program: one failing rank stops them all;
+                                       # an error MPI raises is one line and the verdict
 
 Used by the lessons: `mpiexec -n 4 python lessons/00_collectives.py`.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -67,14 +69,14 @@ def say_in_order(comm: Group | MPI.Comm, text: str) -> None:
 
 
 _FAILED: list[str] = []  # the checks this process saw fail (see `verdict`)
+_PASSED: list[str] = []  # and the ones it saw pass
 
 
 def verdict(ok: bool, good: str = "OK", bad: str = "MISMATCH") -> str:
     """The word a lesson prints after a check, and the check remembered: when a lesson
     run through `run_collectively` saw any check fail, every rank exits 1, so a lesson
-    that stops proving what it claims fails `make lessons` and the tests."""
-    if not ok:
-        _FAILED.append(bad)
+    that stops proving what it claims fails `make course` and the tests."""
+    (_PASSED if ok else _FAILED).append(good if ok else bad)
     return good if ok else bad
 
 
@@ -106,6 +108,9 @@ def run_collectively(main: Callable[[], object]) -> None:
     wait_for_rank0(MPI.COMM_WORLD)  # asleep while rank 0 finishes alone (figures, reruns)
     # failed checks on any rank -> their count on every rank, so all exit alike
     failed = MPI.COMM_WORLD.allreduce(len(_FAILED))
+    passed = MPI.COMM_WORLD.allreduce(len(_PASSED), op=MPI.MAX)  # the rank that checked most
+    if MPI.COMM_WORLD.Get_rank() == 0:   # the line `make course` counts (tests/course.py)
+        print(f"lesson checks: {passed} passed, {failed} failed", flush=True)
     if failed:
         if MPI.COMM_WORLD.Get_rank() == 0:
             print(f"{failed} check(s) failed", file=sys.stderr, flush=True)
@@ -128,11 +133,46 @@ def abort_on_exception(main: Callable[[], T], label: str = "") -> T:
         abort_all(f"{label}rank {MPI.COMM_WORLD.Get_rank()} interrupted (Ctrl-C): ending the "
                   "job\n", 130)
         raise SystemExit(130) from None
+    except MPI.Exception as error:  # MPI's own error inside a call: a verdict, not a trace
+        shown = traceback.format_exc() if os.environ.get("MINIPAR_TRACEBACK") == "1" else ""
+        abort_all(shown + mpi_error_line(error, MPI.COMM_WORLD.Get_rank()) + "\n")
+        raise SystemExit(1) from None
     except BaseException:
         abort_all(f"{label}rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
         # MPI_Abort may return before the launcher ends this rank: leave without letting
         # Python print the same traceback a second time
         raise SystemExit(1) from None
+
+
+def mpi_error_line(error: BaseException, rank: int) -> str:
+    """The one line of an exception MPI raised inside a call (a message truncated, counts
+    that differ): `minipar: error: MPI error: rank 2 in Alltoallv over ep at step 1 of 1:
+    Message truncated ...`. The call and the step come from the watchdog's stamps, kept on
+    the exception as it left the call (watchdog.waiting); `abort_all` ends the line with
+    the flight verdict, as it does the watchdog's. MINIPAR_TRACEBACK=1 adds the traceback."""
+    from minipar.comm import watchdog
+
+    what, where = getattr(error, "minipar_call", ("an MPI call", watchdog._doing))
+    return f"minipar: error: MPI error: rank {rank} in {what} at {where}: {mpi_error_text(error)}"
+
+
+def mpi_error_text(error: BaseException) -> str:
+    """What MPI says went wrong, in one line, with the error class's name. MPICH reports a
+    failed message of a collective as MPI_ERR_IN_STATUS ("See the MPI_ERROR field ..."),
+    which a program cannot read back from mpi4py's collectives: in minipar it means a
+    message longer than its receive, counts that differ."""
+    try:
+        kind = error.Get_error_class()
+        said = error.Get_error_string()
+    except (AttributeError, MPI.Exception):
+        return str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+    names = [name for name in dir(MPI) if name.startswith("ERR_") and name != "ERR_LASTCODE"
+             and getattr(MPI, name) == kind]
+    name = f"MPI_{names[0]}" if names else f"MPI error class {kind}"
+    if kind == MPI.ERR_IN_STATUS:
+        said = "Message truncated or mismatched (counts differ between sender and receiver)"
+    first = said.strip().splitlines()[0] if said.strip() else "no text"
+    return f"{first} ({name})"
 
 
 def abort_all(text: str, code: int = 1) -> None:

@@ -41,6 +41,12 @@ def waiting(what: str) -> Iterator[None]:
     _waiting = (time.monotonic(), what)
     try:
         yield
+    except BaseException as error:
+        # an error MPI raised inside the call keeps where it happened, for its one line
+        # (comm/job.py `mpi_error_line`): the stamp itself is gone once we leave
+        with contextlib.suppress(AttributeError, TypeError):
+            error.minipar_call = (what, _doing)
+        raise
     finally:
         _waiting = None
 
