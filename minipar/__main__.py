@@ -71,6 +71,9 @@ def train_command(argv: list[str]) -> int:
             errors = preflight.output_problems({"--dump": args.dump, "--flight": args.flight})
     except ConfigError as error:
         errors = [str(error)]
+    from minipar.comm.job import agreed  # every rank's refusal reaches every rank (job.py)
+
+    errors = agreed(world, errors, ["train", *argv])
     if errors:
         return fail(rank, errors[0] + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
 
@@ -214,6 +217,9 @@ def reshard_command(argv: list[str]) -> int:
         if not errors:   # DST holds only this run's older steps (checkpoint/owner.py)
             errors = ownership_problems(args.destination, manifest.get("run") or NEW_RUN,
                                         save_load.model_of(cfg), manifest["step"], "DST")
+    from minipar.comm.job import agreed  # every rank's refusal reaches every rank (job.py)
+
+    errors = agreed(world, errors, ["reshard", *argv])
     if errors:
         return fail(rank, errors[0])
     reshard(cfg, world, args.source, args.destination)

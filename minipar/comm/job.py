@@ -10,6 +10,7 @@ make it so: every rank sends its text to one rank, which prints them in order.
     verdict(ok)                        # "OK" or "MISMATCH", and a failed check is counted
     run_collectively(main)             # a lesson's entry: one failing rank stops them all,
                                        # and a failed check makes every rank exit 1
+    agreed(world, errors, argv)        # a command's refusal on any rank reaches all of them
     abort_on_exception(main)           # any rank program: one failing rank stops them all;
                                        # an error MPI raises is one line and the verdict
 
@@ -92,6 +93,45 @@ def refuse_together(main: Callable[[], object]) -> Callable[[], object]:
                 print(f"minipar: error: {error}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
     return refusing
+
+
+def agreed(world: MPI.Comm, errors: list[str], settings: object) -> list[str]:
+    """The refusals of a command after every rank parsed its flags, the same verdict on
+    every rank: one allgather over `world`, the first collective of the command.
+
+    Each rank checks its own flags and files alone (a `--data` path present on one host
+    only, a launch whose ranks were given different flags): without this, a rank that
+    refuses leaves, and the ones that accepted wait forever in their first collective.
+    Here every rank hands in its first refusal and its `settings` (the command line);
+    if any rank refused, or a rank's settings differ from rank 0's, every rank gets a
+    non-empty list back (so every rank exits 2) whose first line is what rank 0 prints:
+    its own refusal, else "rank 1 refused: --layers must be at least 1", else the rank
+    whose settings differ, by name. On one rank: `errors`, no communication."""
+    if world.Get_size() == 1:
+        return errors
+    mine = None if not errors else errors[0] + (
+        f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
+    everyone = world.allgather((mine, settings))
+    if errors and world.Get_rank() == 0:
+        return errors                      # rank 0's own refusal, said as on one rank
+    refusing = [(r, said) for r, (said, _) in enumerate(everyone) if said is not None]
+    if refusing:
+        r, said = refusing[0]
+        others = f" (and {len(refusing) - 1} more rank(s))" if len(refusing) > 1 else ""
+        return [f"rank {r} refused: {said}{others}"]
+    differ = [r for r, (_, theirs) in enumerate(everyone) if theirs != everyone[0][1]]
+    if differ:
+        r = differ[0]
+        return [f"rank {r} was launched with other settings than rank 0 (every rank of a "
+                f"job runs the same command): rank {r}: {_shown(everyone[r][1])}; rank 0: "
+                f"{_shown(everyone[0][1])}"]
+    return []
+
+
+def _shown(settings: object, limit: int = 160) -> str:
+    """A command line in a refusal, cut to `limit` characters."""
+    text = " ".join(settings) if isinstance(settings, (list, tuple)) else str(settings)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def run_collectively(main: Callable[[], object]) -> None:

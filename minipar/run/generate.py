@@ -551,9 +551,10 @@ def text_of(ids: np.ndarray) -> str:
 # ------------------------------------------------------------- the command
 def command(argv: list[str], world: object) -> int:
     """`python -m minipar generate ...` on the ranks of `world`: refuse a bad setting
-    (one line, exit 2, before any communication), generate, report, check."""
+    (one line from rank 0, exit 2 on every rank, when any rank refuses: one allgather, the
+    first communication), generate, report, check."""
     from minipar.comm.collectives import Ledger  # here: comm/collectives.py loads mpi4py.MPI
-    from minipar.comm.job import wait_for_rank0
+    from minipar.comm.job import agreed, wait_for_rank0
 
     rank, size = world.Get_rank(), world.Get_size()
     try:
@@ -563,6 +564,7 @@ def command(argv: list[str], world: object) -> int:
             errors = preflight.output_problems({"--dump": args.dump})
     except ConfigError as error:
         gcfg, errors = None, [str(error)]
+    errors = agreed(world, errors, ["generate", *argv])   # any rank's refusal reaches all
     if errors:
         if rank == 0:
             more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""

@@ -415,3 +415,32 @@ def test_exercise_check_bounds_the_output_names_sys_exit_and_a_timeout(tmp_path,
     assert "more lines the code printed are left out" in report, report
     assert "timeout: after 3 s rank" in report and "at step 1 of" in report, report
     assert "in bucketed_allreduce" in report, report
+
+
+# ------------------------------------------------- 10. a refusal on one rank reaches them all
+def test_a_refusal_or_other_settings_on_one_rank_end_every_rank_with_its_line(tmp_path):
+    """Ranks given different flags (an MPMD launch; ranks seeing different files, a --data
+    path on one host only, end alike): the ranks agree before their first collective,
+    rank 0 says which rank refused and why, every rank exits 2 (they waited forever)."""
+    from tests.harness.mpi import launch
+
+    base = ["--dp", "2", "--steps", "100000", "--timeout", "0", *SMALL]
+    gen = ["generate", "--prompt-ids", "1,2", "--dp", "2", "--batch", "2"]
+    cases = {"rank 1 refused: --layers must be at least 1":
+             [["train", *base], ["train", *base, "--layers", "0"]],
+             "rank 1 was launched with other settings than rank 0":
+             [["train", *base], ["train", *base, "--seed", "3"]],
+             "rank 1 refused: --new-tokens must be at least 1":
+             [[*gen, "--new-tokens", "2"], [*gen, "--new-tokens", "0"]]}
+    spec = tmp_path / "cases.json"
+    spec.write_text(json.dumps(list(cases.values())))
+    start = time.monotonic()
+    job = launch(2, ["-m", "tests.harness.rank_commands", str(tmp_path / "out"), str(spec)], 60)
+    assert job.returncode == 0 and not job.timed_out, job.explain()
+    assert time.monotonic() - start < 30, job.explain()
+    ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(2)]
+    for i, expected in enumerate(cases):
+        assert [ranks[r][i]["code"] for r in range(2)] == [2, 2], (expected, ranks)
+        assert ranks[1][i]["stderr"] == "", ranks[1][i]
+        lines = ranks[0][i]["stderr"].splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"minipar: error: {expected}"), lines
