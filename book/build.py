@@ -1,0 +1,658 @@
+"""`make book`: the course as a static site in build/book/, from the executed notebooks.
+
+What this file teaches: a book whose every figure comes from a run made at build time
+can still lie, if it shows a run that failed. So the pages are written only from
+notebooks that passed, by one rule (`failures`), and the build stops on the first
+notebook that breaks it, naming the notebook, the cell and why:
+
+- a cell raised (an `error` output: a lesson's `mpiexec` job that exited non-zero, a
+  notebook's own `assert` on what the ranks measured, a timeout);
+- a code cell never ran (the run stopped before it: nbclient writes a failing notebook
+  up to the failing cell);
+- an output says `N check(s) failed` (what a lesson script prints when any of its
+  checks failed: minipar/comm/job.py, `verdict`);
+- the notebook is missing from build/notebooks/, or its code differs from lessons/ (it
+  ran an older copy of the lesson).
+
+The pages, in the table of contents' order: the README's "Start here" and "Words used
+throughout"; one page per lesson, 00 to the last (a lesson with no notebook shows its
+script's docstring and its command); the exercises; docs/design.md; then the strategies
+in the order of the reading index of minipar/parallel/__init__.py, every named class and
+function linked to its line in a source page of the book. Each lesson page says which
+command produced its figures and links the strategies and the minipar calls it uses to
+their lines.
+
+    python book/build.py                  # build/notebooks -> build/book
+    python book/build.py --notebooks DIR --out DIR
+
+Exit 2 with one line when the executed notebooks are not there (run `make course`);
+exit 1 with the reasons when a notebook is refused or mkdocs fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import base64
+import os
+import datetime as dt
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BOOK = ROOT / "book"
+FAILED_CHECKS = re.compile(r"\b\d+ check\(s\) failed")
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+FOLD_LINES = 40   # a text output longer than this is shown folded (still searchable)
+NOTEBOOK_COMMAND = ("MINIPAR_QUICK=0 MINIPAR_NOTEBOOKS_OUT=build/notebooks "
+                    ".venv/bin/python -m pytest -q tests/teaching/test_notebooks.py -k {stem}")
+
+
+class Refused(Exception):
+    """A notebook the book will not show: its own checks failed, or it is not there."""
+
+
+# ----------------------------------------------------------------- the failure rule
+def failures(notebook: dict, source: dict | None = None) -> list[str]:
+    """Why an executed notebook (nbformat's dict) must not become a page: one line per
+    reason, [] when it passed. `source`, the notebook as stored in lessons/, adds a
+    reason when the executed copy ran other code."""
+    reasons = []
+    for number, cell in enumerate(notebook.get("cells", []), start=1):
+        if cell.get("cell_type") != "code":
+            continue
+        text = cell_text(cell)
+        if text.strip() and cell.get("execution_count") is None:
+            reasons.append(f"cell {number} never ran (the run stopped before it)")
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "error":
+                reasons.append(f"cell {number} raised {output.get('ename')}: "
+                               f"{ANSI.sub('', str(output.get('evalue', '')))[:200]}")
+            found = FAILED_CHECKS.search(output_text(output))
+            if found:
+                reasons.append(f"cell {number} printed {found.group(0)!r}")
+    if source is not None:
+        ran = [cell_text(c) for c in notebook.get("cells", []) if c.get("cell_type") == "code"]
+        kept = [cell_text(c) for c in source.get("cells", []) if c.get("cell_type") == "code"]
+        if ran != kept:
+            reasons.append("its code differs from lessons/ (it ran an older copy: run "
+                           "make course again)")
+    return reasons
+
+
+def cell_text(cell: dict) -> str:
+    source = cell.get("source", "")
+    return "".join(source) if isinstance(source, list) else source
+
+
+def output_text(output: dict) -> str:
+    """The text an output shows: a stream's, or a display's text/plain."""
+    text = output.get("text")
+    if text is None:
+        text = output.get("data", {}).get("text/plain", "")
+    return "".join(text) if isinstance(text, list) else str(text)
+
+
+# ----------------------------------------------------------------- source and symbols
+@dataclass
+class Sources:
+    """The repository files the pages link to; each becomes a page `src/<path>.md`."""
+
+    used: set[str] = field(default_factory=set)
+    _defs: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def resolve(self, name: str, bases: tuple[str, ...] = ("minipar/parallel/", "minipar/",
+                                                           "")) -> str | None:
+        for base in bases:
+            if (ROOT / (base + name)).is_file():
+                return base + name
+        return None
+
+    def defs(self, path: str) -> dict[str, int]:
+        """Line of every class, function, method and module constant of a .py file."""
+        if path not in self._defs:
+            lines: dict[str, int] = {}
+            tree = ast.parse((ROOT / path).read_text())
+            for node in tree.body:
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    lines.setdefault(node.name, node.lineno)
+                    for inner in getattr(node, "body", []):
+                        if isinstance(inner, ast.FunctionDef | ast.AsyncFunctionDef):
+                            lines.setdefault(inner.name, inner.lineno)
+                elif isinstance(node, ast.Assign):
+                    for target in node.targets:
+                        if isinstance(target, ast.Name):
+                            lines.setdefault(target.id, node.lineno)
+            self._defs[path] = lines
+        return self._defs[path]
+
+    def link(self, path: str, line: int | None, here: str) -> str:
+        """Relative link from page `here` to `path` (at `line`) in the book."""
+        self.used.add(path)
+        target = relative(here, f"src/{path}.md")
+        return target + (f"#__codelineno-0-{line}" if line else "")
+
+
+def relative(here: str, target: str) -> str:
+    depth = here.count("/")
+    return "../" * depth + target
+
+
+@dataclass
+class Entry:
+    """One strategy of the reading index: its name, text, symbols and lessons."""
+
+    title: str
+    text: str
+    symbols: list[tuple[str, str, int]]     # (name, path, line)
+    files: list[str]
+    lessons: list[str]
+    tests: list[str]
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^a-z0-9]+", "-", self.title.lower()).strip("-")
+
+
+def reading_index(sources: Sources) -> tuple[str, list[Entry], str]:
+    """minipar/parallel/__init__.py's docstring as (introduction, entries, closing)."""
+    doc = ast.get_docstring(ast.parse((ROOT / "minipar/parallel/__init__.py").read_text()))
+    lines = doc.splitlines()
+    entries, intro, closing = [], [], []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        if line and not line.startswith(" ") and nxt.startswith("    "):
+            body = []
+            i += 1
+            while i < len(lines) and lines[i].startswith("    "):
+                body.append(lines[i].strip())
+                i += 1
+            entries.append(parse_entry(line.strip(), " ".join(body), sources))
+            continue
+        (closing if entries else intro).append(line)
+        i += 1
+    return "\n".join(intro).strip(), entries, "\n".join(closing).strip()
+
+
+PY_FILE = re.compile(r"(?<![\w/])((?:[\w.]+/)*\w+\.py)\b")
+
+
+def parse_entry(title: str, text: str, sources: Sources) -> Entry:
+    code, _, rest = text.partition("Lesson")
+    lessons = re.findall(r"\b(\d\d_\w+)", rest.split("Tests:")[0])
+    tests = PY_FILE.findall(rest.partition("Tests:")[2])
+    symbols, files = [], []
+    mentions = list(PY_FILE.finditer(code))
+    for k, mention in enumerate(mentions):
+        path = sources.resolve(mention.group(1))
+        if path is None:
+            continue
+        files.append(path)
+        end = mentions[k + 1].start() if k + 1 < len(mentions) else len(code)
+        defs = sources.defs(path)
+        for word in dict.fromkeys(re.findall(r"\b[A-Za-z_]\w+\b", code[mention.end():end])):
+            if word in defs:
+                symbols.append((word, path, defs[word]))
+    return Entry(title, text, symbols, files, lessons, tests)
+
+
+def readme_rows() -> list[tuple[str, list[str], str]]:
+    """README's "Where each strategy lives": (strategy, code files, lesson column)."""
+    section = readme_section("## Where each strategy lives")
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0] not in ("strategy", "---") and "`" in cells[1]:
+            files = re.findall(r"`([\w/.]+\.(?:py|md))`", cells[1])
+            rows.append((cells[0], files, cells[2]))
+    return rows
+
+
+def readme_section(heading: str) -> str:
+    """The README's text under `heading`, up to the next heading of its level or above
+    (a `#` line inside a fenced block is not a heading)."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    level = len(heading.split()[0])
+    start = lines.index(heading) + 1
+    inside, taken = False, []
+    for line in lines[start:]:
+        if line.lstrip().startswith("```"):
+            inside = not inside
+        marks = len(line) - len(line.lstrip("#"))
+        if not inside and 1 <= marks <= level and line[marks:marks + 1] == " ":
+            break
+        taken.append(line)
+    return "\n".join(taken)
+
+
+# ----------------------------------------------------------------- pages
+@dataclass
+class Lesson:
+    stem: str               # 03_expert_parallel
+    script: Path | None
+    notebook: Path | None   # lessons/<stem>.ipynb
+
+    @property
+    def number(self) -> str:
+        return self.stem[:2]
+
+    @property
+    def page(self) -> str:
+        return f"lessons/{self.stem}.md"
+
+    def ranks(self) -> int | None:
+        if self.script is None:
+            return None
+        found = re.search(r"mpiexec -n (\d+)", self.script.read_text())
+        return int(found.group(1)) if found else None
+
+    def run_line(self) -> str:
+        ranks = self.ranks()
+        launch = f".venv/bin/mpiexec -n {ranks} " if ranks else ""
+        return f"{launch}.venv/bin/python lessons/{self.stem}.py --plot build/figures"
+
+
+def lessons() -> list[Lesson]:
+    stems = sorted({p.stem for p in (ROOT / "lessons").glob("[0-9][0-9]_*.py")}
+                   | {p.stem for p in (ROOT / "lessons").glob("[0-9][0-9]_*.ipynb")})
+    return [Lesson(stem, path if (path := ROOT / f"lessons/{stem}.py").exists() else None,
+                   path if (path := ROOT / f"lessons/{stem}.ipynb").exists() else None)
+            for stem in stems]
+
+
+def fence(text: str, info: str = "") -> str:
+    """`text` in a fenced block whose fence no line of it can close."""
+    longest = max([len(run) for run in re.findall(r"`+", text)] + [2])
+    ticks = "`" * (longest + 1)
+    return f"{ticks}{info}\n{text.rstrip()}\n{ticks}\n"
+
+
+def indent(text: str) -> str:
+    return textwrap.indent(text, "    ", lambda line: True)
+
+
+def when_executed(notebook: dict) -> str:
+    stamps = [cell.get("metadata", {}).get("execution", {}).get("iopub.execute_input")
+              for cell in notebook.get("cells", [])]
+    stamps = [s for s in stamps if s]
+    if not stamps:
+        return ""
+    first = dt.datetime.fromisoformat(min(stamps).replace("Z", "+00:00"))
+    return first.strftime("%Y-%m-%d %H:%M UTC")
+
+
+def calls_of(code_cells: list[str], sources: Sources) -> list[tuple[str, str, int]]:
+    """The minipar classes and functions a notebook's code calls: (module.name, path, line),
+    found from its `from minipar.x import y` / `import minipar.x as y` lines."""
+    modules: dict[str, str] = {}     # local name -> module path
+    names: dict[str, str] = {}       # local name -> path of the module defining it
+    found: dict[str, tuple[str, int]] = {}
+    trees = []
+    for code in code_cells:
+        lines = [line for line in code.splitlines() if not line.lstrip().startswith(("%", "!"))]
+        try:
+            trees.append(ast.parse("\n".join(lines)))
+        except SyntaxError:
+            continue
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minipar"):
+                for alias in node.names:
+                    dotted = f"{node.module}.{alias.name}".replace(".", "/")
+                    module = sources.resolve(dotted + ".py", ("",)) or sources.resolve(
+                        dotted + "/__init__.py", ("",))
+                    if module:
+                        modules[alias.asname or alias.name] = module
+                    else:
+                        parent = sources.resolve(node.module.replace(".", "/") + ".py", ("",))
+                        if parent:
+                            names[alias.asname or alias.name] = parent
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id in modules:
+                path = modules[node.value.id]
+                line = sources.defs(path).get(node.attr)
+                if line:
+                    found[f"{node.value.id}.{node.attr}"] = (path, line)
+            elif isinstance(node, ast.Name) and node.id in names:
+                path = names[node.id]
+                line = sources.defs(path).get(node.id)
+                if line:
+                    found[node.id] = (path, line)
+    return sorted((name, path, line) for name, (path, line) in found.items())
+
+
+def strategy_table(here: str, entries: list[Entry], rows: list[tuple[str, list[str], str]],
+                   calls: list[tuple[str, str, int]], sources: Sources) -> str:
+    out = []
+    if entries:
+        out.append("**The strategies of this lesson, in the code** (the reading index of "
+                   f"[minipar/parallel]({relative(here, 'code/index.md')})):\n")
+        out.append("| strategy | class or function | source |\n|---|---|---|")
+        for entry in entries:
+            strategy = f"[{entry.title}]({relative(here, f'code/{entry.slug}.md')})"
+            for name, path, line in entry.symbols:
+                out.append(f"| {strategy} | `{name}` | "
+                           f"[{path}:{line}]({sources.link(path, line, here)}) |")
+                strategy = ""
+        out.append("")
+    if rows:
+        out.append("**Also read** (README, \"Where each strategy lives\"): " + "; ".join(
+            f"{name}: " + ", ".join(f"[{p}]({sources.link(p, 1, here)})" for p in files)
+            for name, files, _ in rows) + "\n")
+    if calls:
+        out.append("**What this page calls**: " + ", ".join(
+            f"[`{name}`]({sources.link(path, line, here)}) ({Path(path).name}:{line})"
+            for name, path, line in calls) + "\n")
+    return "\n".join(out)
+
+
+def lesson_rows(lesson: Lesson, rows: list[tuple[str, list[str], str]]
+                ) -> list[tuple[str, list[str], str]]:
+    number = int(lesson.number)
+    return [row for row in rows if number in {int(n) for n in re.findall(r"\b\d\d?\b", row[2])}
+            and all(sources_exist(row[1]))]
+
+
+def sources_exist(files: list[str]) -> list[bool]:
+    return [(ROOT / f).is_file() for f in files]
+
+
+def notebook_page(lesson: Lesson, notebook: dict, sources: Sources, entries: list[Entry],
+                  rows: list, docs: Path) -> str:
+    """One lesson's page: its cells in order, each figure a PNG beside the page."""
+    here = lesson.page
+    figures = docs / "lessons" / "figures"
+    figures.mkdir(parents=True, exist_ok=True)
+    code = [cell_text(c) for c in notebook["cells"] if c.get("cell_type") == "code"]
+    header = provenance(lesson, notebook) + "\n" + strategy_table(
+        here, [e for e in entries if lesson.stem in e.lessons], lesson_rows(lesson, rows),
+        calls_of(code, sources), sources)
+    parts, figure_count, placed = [], 0, False
+    for number, cell in enumerate(notebook["cells"], start=1):
+        text = cell_text(cell)
+        if cell.get("cell_type") == "markdown":
+            if not placed and text.lstrip().startswith("# "):
+                title, _, rest = text.lstrip().partition("\n")
+                parts += [title + "\n", header, rest]
+                placed = True
+            else:
+                parts.append(text)
+            continue
+        if cell.get("cell_type") != "code" or not text.strip():
+            continue
+        parts.append(fence(text, f'python title="In [{cell.get("execution_count")}]"'))
+        pending: list[str] = []
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            image = next((kind for kind in ("image/png", "image/svg+xml") if kind in data), None)
+            if image is None:
+                pending.append(ANSI.sub("", output_text(output)))
+                continue
+            parts.append(text_block(pending))
+            pending = []
+            figure_count += 1
+            suffix = "png" if image == "image/png" else "svg"
+            name = f"{lesson.stem}-{number:02d}-{figure_count}.{suffix}"
+            payload = data[image]
+            payload = "".join(payload) if isinstance(payload, list) else payload
+            blob = base64.b64decode(payload) if suffix == "png" else payload.encode()
+            (figures / name).write_bytes(blob)
+            parts.append(f"![Lesson {lesson.number}, figure {figure_count}](figures/{name})\n\n"
+                         f"*Figure {figure_count}: drawn by In [{cell.get('execution_count')}]"
+                         " above.*\n")
+        parts.append(text_block(pending))
+    if not placed:
+        parts.insert(0, f"# Lesson {lesson.number}\n\n{header}\n")
+    return "\n".join(part for part in parts if part)
+
+
+def text_block(texts: list[str]) -> str:
+    text = "".join(texts).rstrip()
+    if not text:
+        return ""
+    lines = text.count("\n") + 1
+    if lines <= FOLD_LINES:
+        return fence(text, "text")
+    return f'??? example "Output: {lines} lines (click to open)"\n\n' + indent(fence(text, "text"))
+
+
+def provenance(lesson: Lesson, notebook: dict | None) -> str:
+    """The box under a lesson's title: what ran, how, when; that it passed."""
+    lines = []
+    if notebook is not None:
+        when = when_executed(notebook)
+        lines.append(f"Every output and figure below is from the notebook "
+                     f"`lessons/{lesson.stem}.ipynb`, executed at full size"
+                     + (f" on {when}" if when else "") + " by `make course`; every cell "
+                     "ran and none of its checks failed. The command that produced them:")
+        lines.append(fence(NOTEBOOK_COMMAND.format(stem=lesson.stem), "sh"))
+    if lesson.script is not None:
+        lines.append("The lesson's script, from the repository root "
+                     f"([its source]({relative(lesson.page, f'src/lessons/{lesson.stem}.py.md')})):")
+        lines.append(fence(lesson.run_line(), "sh"))
+    return "!!! info \"How this page was made\"\n\n" + indent("\n\n".join(lines)) + "\n"
+
+
+def script_page(lesson: Lesson, sources: Sources, entries: list[Entry], rows: list) -> str:
+    """A lesson with no notebook: its docstring, its command, its strategies."""
+    here = lesson.page
+    doc = ast.get_docstring(ast.parse(lesson.script.read_text())) or ""
+    title, _, rest = doc.partition("\n")
+    sources.link(f"lessons/{lesson.stem}.py", None, here)
+    return "\n".join([
+        f"# {title.strip()}\n",
+        provenance(lesson, None),
+        "This lesson has no notebook: it is a script, run by `make course` (and `make "
+        "lessons`) at full size; its text is below, its output is what the command above "
+        "prints.\n",
+        strategy_table(here, [e for e in entries if lesson.stem in e.lessons],
+                       lesson_rows(lesson, rows), [], sources),
+        fence(rest.strip("\n"), "text"),
+    ])
+
+
+def exercises_page(sources: Sources) -> str:
+    """Every exercise: its title, instructions, where its region is, its hints folded."""
+    sys.path.insert(0, str(ROOT))
+    from minipar.exercises import EXERCISES
+    from minipar.exercises.regions import find_regions
+
+    here = "exercises/index.md"
+    regions = find_regions()
+    out = ["# Exercises\n",
+           "Each exercise stubs a marked region of minipar's own code (`# exercise: NAME`); "
+           "the equivalence checks grade a student's version against one process.\n",
+           fence("python -m minipar exercise list\n"
+                 "python -m minipar exercise start dp-naive ~/work && cd ~/work\n"
+                 "python -m minipar exercise hint dp-naive            # then --step 2, ...\n"
+                 "python -m minipar exercise check dp-naive .", "sh")]
+    for exercise in EXERCISES:
+        out.append(f"## {exercise.name}: {exercise.title}\n")
+        out.append(exercise.instructions + "\n")
+        where = [r for r in regions if r.name == exercise.name]
+        if where:
+            out.append("The region to rewrite: " + ", ".join(
+                f"[minipar/{r.path}:{r.first}]({sources.link('minipar/' + r.path, r.first, here)})"
+                for r in where) + "\n")
+        steps = exercise.hint_steps() if exercise.hint_file.exists() else []
+        for k, step in enumerate(steps, start=1):
+            out.append(f'??? tip "Hint, step {k}"\n\n' + indent(step.strip()) + "\n")
+    return "\n".join(out)
+
+
+def strategy_page(entry: Entry, sources: Sources, lesson_pages: dict[str, str]) -> str:
+    here = f"code/{entry.slug}.md"
+    out = [f"# {entry.title[0].upper() + entry.title[1:]}\n", f"> {entry.text}\n",
+           "| class or function | source |\n|---|---|"]
+    out += [f"| `{name}` | [{path}:{line}]({sources.link(path, line, here)}) |"
+            for name, path, line in entry.symbols]
+    out.append("")
+    out.append("**Files**: " + ", ".join(f"[{p}]({sources.link(p, 1, here)})"
+                                          for p in entry.files) + "\n")
+    if entry.lessons:
+        out.append("**Lessons**: " + ", ".join(
+            f"[{stem}]({relative(here, lesson_pages[stem])})" if stem in lesson_pages
+            else stem for stem in entry.lessons) + "\n")
+    tests = [t for t in entry.tests if (ROOT / t).is_file()]
+    if tests:
+        out.append("**Tests**: " + ", ".join(f"[{t}]({sources.link(t, 1, here)})"
+                                              for t in tests) + "\n")
+    return "\n".join(out)
+
+
+def code_index_page(intro: str, entries: list[Entry], closing: str) -> str:
+    out = ["# The strategies in code\n", fence(intro, "text"), "| strategy | read |\n|---|---|"]
+    for entry in entries:
+        names = ", ".join(f"`{name}`" for name, _, _ in entry.symbols[:6])
+        out.append(f"| [{entry.title}]({entry.slug}.md) | {names} |")
+    out += ["", fence(closing, "text")]
+    return "\n".join(out)
+
+
+def source_page(path: str) -> str:
+    text = (ROOT / path).read_text()
+    lexer = "python" if path.endswith(".py") else "text"
+    return ("---\nsearch:\n  exclude: true\n---\n\n"
+            f"# {path}\n\n" + fence(text, f'{lexer} linenums="1"'))
+
+
+def design_page() -> str:
+    """docs/design.md, its links to repository files made plain text (the book has no
+    copy of them), its images beside it."""
+    text = (ROOT / "docs/design.md").read_text()
+    return re.sub(r"\[([^\]]+)\]\((?!#|https?:|images/)([^)]+)\)", r"\1 (`\2`)", text)
+
+
+# ----------------------------------------------------------------- the build
+def write_pages(notebooks: Path, docs: Path, only: list[str] | None = None) -> list:
+    """Every page into `docs`; returns the nav. Raises Refused (every reason of every
+    notebook) before writing anything when a notebook did not pass. `only`: the lessons
+    to keep (their numbers, or "exercises"), the others left out of the book."""
+    import json
+
+    course = [lesson for lesson in lessons() if not only or lesson.number in only]
+    executed: dict[str, dict] = {}
+    refused = []
+    wanted = [lesson.stem for lesson in course if lesson.notebook] + (
+        ["exercises"] if (ROOT / "lessons/exercises.ipynb").exists()
+        and (not only or "exercises" in only) else [])
+    for stem in wanted:
+        path = notebooks / f"{stem}.ipynb"
+        if not path.exists():
+            refused.append(f"{path}: missing (make course executes every notebook)")
+            continue
+        notebook = json.loads(path.read_text())
+        stored = json.loads((ROOT / f"lessons/{stem}.ipynb").read_text())
+        refused += [f"{path}: {reason}" for reason in failures(notebook, stored)]
+        executed[stem] = notebook
+    if refused:
+        raise Refused("\n".join(refused))
+
+    if docs.exists():
+        shutil.rmtree(docs)
+    (docs / "lessons").mkdir(parents=True)
+    sources = Sources()
+    intro, entries, closing = reading_index(sources)
+    rows = readme_rows()
+
+    start = readme_section("## Start here").split("### Words used throughout")[0]
+    (docs / "index.md").write_text(
+        "# Start here\n\n" + (ROOT / "README.md").read_text().split("\n## ")[0]
+        .split("\n", 1)[1].strip() + "\n\n" + start.strip() + "\n\n"
+        "The lessons follow, one page each, every output and figure from a run of this "
+        "book's build that passed its own checks.\n")
+    (docs / "words.md").write_text("# Words used throughout\n\n"
+                                   + readme_section("### Words used throughout").strip() + "\n")
+    lesson_nav, lesson_pages = [], {}
+    for lesson in course:
+        if lesson.notebook:
+            text = notebook_page(lesson, executed[lesson.stem], sources, entries, rows, docs)
+        else:
+            text = script_page(lesson, sources, entries, rows)
+        (docs / lesson.page).write_text(text)
+        lesson_pages[lesson.stem] = lesson.page
+        lesson_nav.append({f"{lesson.number} {lesson.stem[3:].replace('_', ' ')}":
+                           lesson.page})
+    (docs / "exercises").mkdir()
+    (docs / "exercises/index.md").write_text(exercises_page(sources))
+    exercise_nav = [{"The exercises": "exercises/index.md"}]
+    if "exercises" in executed:
+        fake = Lesson("exercises", None, ROOT / "lessons/exercises.ipynb")
+        text = notebook_page(fake, executed["exercises"], sources, [], [], docs)
+        text = text.replace("figures/", "../lessons/figures/")
+        (docs / "exercises/notebook.md").write_text(text)
+        exercise_nav.append({"For teachers (notebook)": "exercises/notebook.md"})
+    (docs / "design.md").write_text(design_page())
+    shutil.copytree(ROOT / "docs/images", docs / "images")
+    (docs / "code").mkdir()
+    (docs / "code/index.md").write_text(code_index_page(intro, entries, closing))
+    for entry in entries:
+        (docs / f"code/{entry.slug}.md").write_text(strategy_page(entry, sources, lesson_pages))
+    for path in sorted(sources.used):
+        page = docs / "src" / f"{path}.md"
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text(source_page(path))
+    shutil.copy(BOOK / "book.css", docs / "book.css")
+    return [{"Start here": "index.md"}, {"Words used throughout": "words.md"},
+            {"Lessons": lesson_nav}, {"Exercises": exercise_nav},
+            {"Design": "design.md"},
+            {"The strategies in code": [{"Reading order": "code/index.md"}] + [
+                {entry.title: f"code/{entry.slug}.md"} for entry in entries]}]
+
+
+def build(notebooks: Path, out: Path, work: Path, only: list[str] | None = None) -> int:
+    """Write the pages into work/docs and run mkdocs into `out`; returns mkdocs' exit code."""
+    import yaml
+
+    nav = write_pages(notebooks, work / "docs", only)
+    config = (BOOK / "mkdocs.yml").read_text() + "\n" + yaml.safe_dump({
+        "docs_dir": str(work / "docs"), "site_dir": str(out),
+        "hooks": [str(BOOK / "hooks.py")], "nav": nav}, sort_keys=False, allow_unicode=True)
+    (work / "mkdocs.yml").write_text(config)
+    if out.exists():
+        shutil.rmtree(out)
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+                           "-f", str(work / "mkdocs.yml")], cwd=ROOT,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--notebooks", type=Path, default=ROOT / "build/notebooks",
+                        help="the executed notebooks (make course writes them)")
+    parser.add_argument("--out", type=Path, default=ROOT / "build/book", help="the site")
+    parser.add_argument("--work", type=Path, default=ROOT / "build/book-src",
+                        help="the pages written before mkdocs reads them")
+    parser.add_argument("--only", metavar="NN,NN", help="a book of these lessons only "
+                        "(numbers, or 'exercises'): while writing one lesson")
+    args = parser.parse_args(argv)
+    if not any(args.notebooks.glob("*.ipynb")):
+        print(f"book: no executed notebooks in {args.notebooks}: run `make course` first",
+              file=sys.stderr)
+        return 2
+    try:
+        code = build(args.notebooks.resolve(), args.out.resolve(), args.work.resolve(),
+                     args.only.split(",") if args.only else None)
+    except Refused as refused:
+        print("book: refused, a notebook's own checks failed (no page shows a run that did "
+              f"not pass):\n{refused}", file=sys.stderr)
+        return 1
+    if code != 0:
+        print(f"book: mkdocs failed (exit {code})", file=sys.stderr)
+        return 1
+    pages = len(list(args.out.rglob("*.html")))
+    print(f"book: {pages} pages in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
