@@ -19,16 +19,21 @@ Inference"; the JAX scaling book's inference chapters):
 
 The sections:
 
-  1. prefill against decode, measured (one process): time per token of each, the
-     median and range of several runs, and the cores they ran on;
-  2. decode's bytes per token (parameters + cache) against its FLOPs, by formula, here
-     and for Llama 3 70B;
-  3. tp 2 against pp 2 on this machine: one prompt (latency per token) and B prompts
-     (throughput), each run checked against one process's full forwards (no cache);
+  1. prefill against decode, measured (one process, one prompt: B = 1): time per
+     token of each, the median and range of several runs, and the cores they ran on;
+  2. decode's bytes per token (parameters + cache) against its FLOPs, by formula, for
+     section 1's model and for Llama 3 70B;
+  3. tp 2 against pp 2 on this machine, the same model: one prompt (latency per token)
+     and B = 8 prompts (throughput), each run checked against one process's full
+     forwards (no cache);
   4. the same comparison priced at real scale with the planner's cluster numbers
-     (`decode_price`: one function over timemodel and presets);
+     (`decode_price` of minipar/planner/serving.py, what `python -m minipar plan
+     --serve` ranks layouts by), at B = 1 and B = 64;
   5. a model trained on this repository's README (`--data`, on dp 2) completing a
      prompt on another mesh (tp 2), from its checkpoint.
+
+Sections 1-3 use one toy model (MODEL below: d = 256, 4 layers, float64); `--quick`
+a smaller one (d = 64, 2 layers) and fewer runs, and says so in its headings.
 
 The command behind it: `python -m minipar generate` (minipar/run/generate.py, kvcache.py).
 """
@@ -52,18 +57,21 @@ from minipar.core import timing
 from minipar.core.byte_units import MiB
 from minipar.core.nn import init_params
 from minipar.core.threads import cores
-from minipar.planner import presets, search, time_cost, workloads
-from minipar.planner.memory_cost import Plan
+from minipar.planner import presets, search, workloads
+from minipar.planner.serving import DecodePrice, decode_price
 from minipar.run.generate import GenerateConfig, MeshResult, generate_on_mesh, reference, text_of
 from minipar.run.results import relative_difference
 from minipar.run.train import train
 from minipar.settings.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-# HBM bandwidth per GPU, bytes/s (NVIDIA datasheets: H100 SXM 3.35 TB/s, A100 80GB
-# 2.04 TB/s; the H800 keeps the H100's memory). The planner's presets carry FLOP/s and
-# link speeds; decode is priced by this one more number.
-HBM = {"h100": 3.35e12, "h800": 3.35e12, "dgx-a100-80gb": 2.04e12}
+# One toy model for sections 1-3: big enough (3.2 M float64 weights, 25 MiB) that a
+# decode step's reads spill out of the caches, small enough for a few seconds of runs.
+# B = 1 in section 1: one prompt; section 3 adds B = 8.
+MODEL = dict(model="gpt", layers=4, d_model=256, heads=4, seq_len=96, vocab=64, batch=1)
+QUICK_MODEL = dict(MODEL, layers=2, d_model=64)
+H100 = search.hardware(presets.CLUSTERS["h100"])   # the planner's numbers, HBM included
+STEPS = 200   # section 5: training steps on README.md
 
 
 def spread(values: list[float]) -> tuple[float, float, float]:
@@ -99,26 +107,33 @@ def config(fields: dict, prompt: int, new: int, world: int, **mesh: int) -> Gene
 
 
 # ------------------------------------------------------------ 1. prefill, decode
-def prefill_against_decode(fields: dict, repeats: int, prompt: int, new: int) -> dict:
-    """Rank 0 alone: `repeats` runs, each's prefill time per prompt token and median
-    decode step (one token per row)."""
-    gcfg = config(fields, prompt, new, 1)
-    full = init_params(gcfg.train.model_config(), 0)
-    run(gcfg, MPI.COMM_SELF, full)                       # warm up
-    prefill, decode = [], []
-    for _ in range(repeats):
-        seconds = run(gcfg, MPI.COMM_SELF, full).seconds
-        prefill.append(seconds[0] / prompt)
-        decode.append(float(np.median(seconds[1:])))
-    p, d = spread(prefill), spread(decode)
-    cfg = gcfg.train
-    print(f"\n=== 1. prefill against decode, one process (d = {cfg.d_model}, L = "
-          f"{cfg.layers}, prompt {prompt}, {new} new tokens, B = 1; {repeats} runs on "
-          f"1 rank of {cores()} cores, the other rank asleep)", flush=True)
-    print(f"  prefill: {shown(p)} ms per prompt token ({prompt} positions in one forward)")
-    print(f"  decode:  {shown(d)} ms per generated token (one position a step)")
-    print(f"  {compare_line('prefill', p, 'decode', d, 'per token')}", flush=True)
-    return {"prefill": p, "decode": d}
+def prefill_against_decode(world: MPI.Comm, fields: dict, repeats: int, prompt: int,
+                           new: int) -> dict:
+    """Rank 0 alone (the others asleep): `repeats` runs of one prompt (B = the config's
+    batch, 1), each's prefill time per prompt token and median decode step. Every rank
+    calls it; rank 0 returns {"prefill": spread, "decode": spread}, the others {}."""
+    out: dict = {}
+    if world.Get_rank() == 0:
+        gcfg = config(fields, prompt, new, 1)
+        full = init_params(gcfg.train.model_config(), 0)
+        run(gcfg, MPI.COMM_SELF, full)                       # warm up
+        prefill, decode = [], []
+        for _ in range(repeats):
+            seconds = run(gcfg, MPI.COMM_SELF, full).seconds
+            prefill.append(seconds[0] / prompt)
+            decode.append(float(np.median(seconds[1:])))
+        p, d = spread(prefill), spread(decode)
+        cfg = gcfg.train
+        print(f"\n=== 1. prefill against decode, one process (d = {cfg.d_model}, L = "
+              f"{cfg.layers}, float64, prompt {prompt}, {new} new tokens, B = {cfg.batch} "
+              f"row; {repeats} runs, median (min..max), {timing.where(1)[1:-1]}, the other "
+              f"rank{'s' * (world.Get_size() > 2)} asleep)", flush=True)
+        print(f"  prefill: {shown(p)} ms per prompt token ({prompt} positions in one forward)")
+        print(f"  decode:  {shown(d)} ms per generated token (one position a step)")
+        print(f"  {compare_line('prefill', p, 'decode', d, 'per token')}", flush=True)
+        out = {"prefill": p, "decode": d}
+    wait_for_rank0(world)
+    return out
 
 
 # ----------------------------------------------------------- 2. bytes and FLOPs
@@ -141,7 +156,8 @@ def bytes_against_flops(fields: dict) -> None:
                   if not k.startswith(("tok_embed", "pos_embed")))  # a lookup reads B rows
     print("\n=== 2. one decode step: bytes moved against FLOPs (formula: every weight read "
           "once, each row's K and V read once; 2 FLOPs per weight and row)", flush=True)
-    print(f"  here, float64, d = {d}, L = {L}, {weights} weights, context {cfg.seq_len}:")
+    print(f"  section 1's model, float64, d = {d}, L = {L}, {weights} weights, context "
+          f"{cfg.seq_len}:")
     for batch in (1, 8, 64):
         moved, flops = decode_intensity(weights, 2 * d, L, batch, cfg.seq_len, 8, d, L)
         print(f"    B = {batch:>3}: {moved / MiB:7.2f} MiB, {flops / 1e6:8.2f} MFLOP, "
@@ -150,7 +166,7 @@ def bytes_against_flops(fields: dict) -> None:
     w = workloads.transformer(m, 1)
     sizes = workloads.layer_sizes(m)
     weights = w.params - m.vocab * m.d_model
-    balance = presets.CLUSTERS["h100"].flops * 1e12 / HBM["h100"]
+    balance = H100.flops / H100.hbm_bw
     print(f"  {m.name}, bf16, context 8192 (K and V {sizes['kv_width']} wide per layer, "
           f"grouped-query; GB = 1e9 bytes, as the datasheets); an H100 does {balance:.0f} FLOPs "
           "per byte of HBM:")
@@ -163,9 +179,10 @@ def bytes_against_flops(fields: dict) -> None:
 
 
 # ----------------------------------------------------------- 3. tp against pp
-def tp_against_pp(fields: dict, world: MPI.Comm, repeats: int, batches: tuple[int, ...]
+def tp_against_pp(world: MPI.Comm, fields: dict, repeats: int, batches: tuple[int, ...]
                   ) -> dict:
-    """tp 2 and pp 2, `repeats` runs each (alternating), for each batch; every rank."""
+    """tp 2 and pp 2 of section 1's model, `repeats` runs each (alternating), for each
+    batch; every rank calls it, rank 0 returns {batch: ({mesh: spread}, {mesh: checked})}."""
     n, rank = world.Get_size(), world.Get_rank()
     out: dict = {}
     for batch in batches:
@@ -187,8 +204,10 @@ def tp_against_pp(fields: dict, world: MPI.Comm, repeats: int, batches: tuple[in
         out[batch] = ({name: spread(t) for name, t in times.items()} if rank == 0 else {},
                       checked)
     if rank == 0:
-        print(f"\n=== 3. tp 2 against pp 2 on this machine {timing.where(n)}"
-              + (", so the times measure the ranks' sharing" if n > cores() else "")
+        print(f"\n=== 3. tp 2 against pp 2 on this machine, section 1's model (d = "
+              f"{fields['d_model']}, L = {fields['layers']}), prompt 8, 9 new tokens "
+              f"{timing.where(n)}"
+              + (": the times measure the ranks' sharing" if n > cores() else "")
               + f"; {repeats} runs each, median (min..max))", flush=True)
         for batch, (spreads, checked) in out.items():
             for name, s in spreads.items():
@@ -209,67 +228,37 @@ def tp_against_pp(fields: dict, world: MPI.Comm, repeats: int, batches: tuple[in
 
 
 # ------------------------------------------------------------ 4. at real scale
-def decode_price(model: str, cluster: str, tp: int, pp: int, batch: int, context: int
-                 ) -> dict[str, float]:
-    """One decode step of `batch` rows at `context` positions on tp x pp GPUs, priced.
-
-    Each GPU reads its 1/(tp pp) of the bf16 weights and of the cache at HBM speed, or
-    computes its FLOPs at the planner's efficiency, whichever is slower (decode's
-    roofline). tp adds 2 Allreduces of (b, d) per layer (attention's proj, the FFN's
-    down projection); pp passes (b, d) between stages, with the rows split in M = pp
-    microbatches in flight (fewer if fewer rows): a row's token crosses all pp stages
-    before its next can start, so a token takes pp stage times and a step of all rows
-    max(M, pp) of them. Collectives and messages are priced by timemodel.seconds (the
-    planner's alpha-beta, in-node or across nodes by the mesh's placement)."""
-    m, hw = presets.MODELS[model], search.hardware(presets.CLUSTERS[cluster])
-    sizes = workloads.layer_sizes(m)
-    params = workloads.transformer(m, 1).params - m.vocab * m.d_model  # no lookup
-    weights = 2 * params                                      # bf16 bytes
-    plan = Plan(dp=1, tp=tp, pp=pp)
-    M = min(batch, pp)
-    rows = batch / M                                          # rows per microbatch
-    cache = m.layers * rows * context * sizes["kv_width"] * 2
-    flops = 2 * params * rows + 4 * m.layers * sizes["q_width"] * context * rows
-    per_gpu = max((weights + cache) / (tp * pp) / HBM[cluster],
-                  flops / (tp * pp) / (hw.flops * hw.efficiency))
-    elements = int(rows * m.d_model)
-    tp_comm = time_cost.seconds(time_cost.Traffic(
-        "tp", "Allreduce", 2 * m.layers // pp, 2 * m.layers // pp * elements,
-        2 * m.layers // pp * elements * 2), plan, hw) if tp > 1 else 0.0
-    hop = time_cost.seconds(time_cost.Traffic("pp", "Recv", 1, elements, 2 * elements),
-                            plan, hw) if pp > 1 else 0.0
-    stage = per_gpu + tp_comm + hop                           # one microbatch, one stage
-    token = pp * stage
-    step = max(M, pp) * stage
-    return {"latency": token, "step": step, "throughput": batch / step,
-            "reads": pp * per_gpu, "waits": pp * (tp_comm + hop),
-            "memory": (weights + m.layers * batch * context * sizes["kv_width"] * 2)
-            / (tp * pp)}
+CASES = (("llama3-70b", 8, 1), ("llama3-70b", 1, 8), ("llama3-70b", 4, 2),
+         ("llama3-405b", 16, 1), ("llama3-405b", 8, 2))
+BATCHES = (1, 64)
 
 
-def priced() -> list[tuple[str, dict]]:
-    cases = [("llama3-70b", "h100", 8, 1), ("llama3-70b", "h100", 1, 8),
-             ("llama3-70b", "h100", 4, 2),
-             ("llama3-405b", "h100", 16, 1), ("llama3-405b", "h100", 8, 2)]
-    print("\n=== 4. priced at real scale (decode_price: the planner's H100 numbers, HBM "
-          f"{HBM['h100'] / 1e12:.2f} TB/s, context 4096, bf16; GB = 1e9 bytes)", flush=True)
+def priced(context: int = 4096) -> list[tuple[str, DecodePrice]]:
+    """Each case of CASES at B = 1 and 64, priced by the planner's `decode_price`
+    (minipar/planner/serving.py, the arithmetic of `python -m minipar plan --serve`)."""
+    print(f"\n=== 4. priced at real scale (planner/serving.py's decode_price, as `python -m "
+          f"minipar plan --serve`: H100 numbers, HBM {H100.hbm_bw / 1e12:.2f} TB/s, context "
+          f"{context}, bf16; GB = 1e9 bytes). A step advances each of its B rows by one "
+          "token: one row waits a step's ms for its next token, and the B rows make B "
+          "tokens a step", flush=True)
     out = []
-    for model, cluster, tp, pp in cases:
-        for batch in (1, 64):
-            p = decode_price(model, cluster, tp, pp, batch, 4096)
-            label = f"{presets.MODELS[model].name}, tp {tp} x pp {pp}, B = {batch}"
-            print(f"  {label:>34}: {p['latency'] * 1e3:7.2f} ms per token (reads "
-                  f"{p['reads'] * 1e3:6.2f}, waits {p['waits'] * 1e3:5.2f}), "
-                  f"{p['throughput']:8.0f} tokens/s, {p['memory'] / 1e9:6.1f} GB per GPU",
-                  flush=True)
+    for model, tp, pp in CASES:
+        m = presets.MODELS[model]
+        for batch in BATCHES:
+            p = decode_price(m, H100, tp, pp, batch, context)
+            label = f"{m.name}, {p.label()}"
+            print(f"  {label:>27}, B = {batch:>2}: {p.latency * 1e3:6.2f} ms a row's token "
+                  f"(reads {p.reads * 1e3:5.2f}, waits {p.waits * 1e3:5.2f}), "
+                  f"{p.throughput:5.0f} tokens/s over the {batch} row{'s' * (batch > 1)}, "
+                  f"{p.memory / 1e9:5.1f} GB per GPU", flush=True)
             out.append((label, p))
-    for model in dict.fromkeys(case[0] for case in cases):
-        mine = [(label, p) for label, p in out if presets.MODELS[model].name + "," in label]
-        fast = min((x for x in mine if x[0].endswith("B = 1")), key=lambda x: x[1]["latency"])
-        many = max((x for x in mine if x[0].endswith("B = 64")),
-                   key=lambda x: x[1]["throughput"])
-        print(f"  {presets.MODELS[model].name}: lowest latency {fast[0].split(', ')[1]} "
-              f"(B = 1), most tokens/s {many[0].split(', ')[1]} (B = 64)", flush=True)
+    for model in dict.fromkeys(case[0] for case in CASES):
+        name = presets.MODELS[model].name
+        mine = [(label.split(", ")[1], p) for label, p in out if label.startswith(name + ",")]
+        fast = min((x for x in mine if x[1].batch == 1), key=lambda x: x[1].latency)
+        many = max((x for x in mine if x[1].batch == 64), key=lambda x: x[1].throughput)
+        print(f"  {name}: lowest latency {fast[0]} (B = 1), most tokens/s {many[0]} "
+              "(B = 64)", flush=True)
     print("  tp divides every token's reads over its GPUs; pp only stacks them (a token "
           "still crosses every stage, so pp's reads per token stay those of one GPU reading "
           "the model); tp 16 spans 2 nodes, its Allreduces on the 50 GB/s network instead "
@@ -283,7 +272,7 @@ def trained_completion(world: MPI.Comm, steps: int, quick: bool) -> None:
     folder = world.bcast(tempfile.mkdtemp(prefix="minipar-serving-") if rank == 0 else None)
     fields = dict(model="gpt", data=str(ROOT / "README.md"), layers=2,
                   d_model=32 if quick else 64, heads=4, seq_len=48, batch=16, steps=steps,
-                  optimizer="adam", lr=0.01 if quick else 0.005, save=folder)
+                  optimizer="adam", lr=0.01, save=folder)
     cfg = TrainConfig(**fields).resolved(n)
     with holding(world, cfg.save):
         result = train(cfg, world)
@@ -296,9 +285,10 @@ def trained_completion(world: MPI.Comm, steps: int, quick: bool) -> None:
                                                          0.7, seed=3)}
     outs = {name: run(gcfg, world, full) for name, gcfg in runs.items()}
     if rank == 0:
-        print(f"\n=== 5. a model trained on README.md ({steps} steps on dp {n}, final loss "
-              f"{result.losses[-1]:.3f}) completing a prompt on tp {n}, from its checkpoint",
-              flush=True)
+        print(f"\n=== 5. a model trained on README.md (d = {cfg.d_model}, L = {cfg.layers}, "
+              f"{steps} steps of {cfg.batch} x {cfg.seq_len} bytes on dp {n}, final loss "
+              f"{result.losses[-1]:.3f}) completing a prompt on tp {n}, 2 rows, from its "
+              "checkpoint", flush=True)
         for name, gcfg in runs.items():
             tokens, _ = reference(gcfg, full)
             rows = outs[name].tokens if gcfg.temperature else outs[name].tokens[:1]
@@ -311,33 +301,45 @@ def trained_completion(world: MPI.Comm, steps: int, quick: bool) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def figure(first: dict, third: dict, fourth: list, folder: Path) -> None:
+def serving_figure(first: dict, third: dict, fourth: list, fields: dict) -> object:
+    """Panel 1: section 1's prefill and decode per token; panel 3: section 3's decode
+    steps (the same model); panel 4: section 4's priced latency, B = 1 and 64 side by
+    side. Returns the matplotlib Figure."""
     from matplotlib.figure import Figure
 
-    from minipar.teaching.plots import save
-
-    fig = Figure(figsize=(12, 3.8), layout="constrained")
-    a, b, c = fig.subplots(1, 3)
+    fig = Figure(figsize=(13, 4.2), layout="constrained")
+    a, b, c = fig.subplots(1, 3, width_ratios=(1, 1.2, 1.4))
     for i, name in enumerate(("prefill", "decode")):
         med, lo, hi = (x * 1e3 for x in first[name])
         a.bar(i, med, yerr=[[med - lo], [hi - med]], color=f"C{i}", capsize=4)
     a.set_xticks([0, 1], ["prefill\nper prompt token", "decode\nper new token"])
-    a.set(ylabel="ms (median, range)", title="1. one process")
+    a.set(ylabel="ms (median, min..max)",
+          title=f"1. one process, B = 1\n(d = {fields['d_model']}, L = {fields['layers']})")
     for j, (spreads, _) in enumerate(third.values()):
         for i, (name, s) in enumerate(spreads.items()):
             med, lo, hi = (x * 1e3 for x in s)
             b.bar(j * 3 + i, med, yerr=[[med - lo], [hi - med]], color=f"C{i + 2}",
                   capsize=4, label=name if j == 0 else None)
     b.set_xticks([j * 3 + 0.5 for j in range(len(third))], [f"B = {k}" for k in third])
-    b.set(ylabel="ms per decode step", title="3. tp 2 against pp 2, this machine")
+    b.set(ylabel="ms per decode step (median, min..max)",
+          title="3. tp 2 against pp 2, this machine\n(the same model as 1)")
     b.legend(fontsize=8)
-    labels = [label for label, _ in fourth]
-    c.barh(range(len(fourth)), [p["latency"] * 1e3 for _, p in fourth],
-           color=["C4" if "B = 1" in label else "C5" for label in labels])
-    c.set_yticks(range(len(fourth)), labels, fontsize=7)
-    c.set(xlabel="ms per token (priced)", title="4. at real scale, H100")
+    layouts = list(dict.fromkeys(label for label, _ in fourth))
+    height = 0.4
+    for k, batch in enumerate(BATCHES):
+        values = [next(p.latency for label, p in fourth if label == lay and p.batch == batch)
+                  for lay in layouts]
+        c.barh([i + (k - 0.5) * height for i in range(len(layouts))],
+               [v * 1e3 for v in values], height=height, color=f"C{4 + k}",
+               label=f"B = {batch}")
+    c.set_yticks(range(len(layouts)), [lay.replace(", ", "\n") for lay in layouts],
+                 fontsize=8)
+    c.set(xlabel="ms for a row's next token (priced; one decode step)",
+          title="4. at real scale, H100, context 4096\n(planner/serving.py)")
     c.invert_yaxis()
-    print("figure:", save(fig, folder / "16_serving.png"), flush=True)
+    c.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
+             title="rows decoding together", title_fontsize=8)
+    return fig
 
 
 def main() -> None:
@@ -351,23 +353,21 @@ def main() -> None:
         if rank == 0:
             print("lesson 16 runs on 2 ranks: mpiexec -n 2 python lessons/16_serving.py")
         raise SystemExit(2)
-    big = dict(model="gpt", layers=2 if args.quick else 4, d_model=64 if args.quick else 256,
-               heads=4, seq_len=96, vocab=64)
-    first = None
+    fields = QUICK_MODEL if args.quick else MODEL
+    first = prefill_against_decode(world, fields, 2 if args.quick else 5,
+                                   32 if args.quick else 64, 6 if args.quick else 16)
     if rank == 0:
-        first = prefill_against_decode(big, 2 if args.quick else 5, 32 if args.quick else 64,
-                                       6 if args.quick else 16)
-        bytes_against_flops(big)
-    wait_for_rank0(world)     # rank 1 asleep while rank 0 measured alone
-    mesh_model = dict(model="gpt", layers=2 if args.quick else 4,
-                      d_model=32 if args.quick else 128, heads=4, seq_len=32, vocab=64)
-    third = tp_against_pp(mesh_model, world, 2 if args.quick else 5,
+        bytes_against_flops(fields)
+    third = tp_against_pp(world, fields, 2 if args.quick else 3,
                           (1, 4) if args.quick else (1, 8))
     fourth = priced() if rank == 0 else []
     wait_for_rank0(world)
-    trained_completion(world, 20 if args.quick else 300, args.quick)
+    trained_completion(world, 20 if args.quick else STEPS, args.quick)
     if rank == 0 and args.plot:
-        figure(first, third, fourth, args.plot)
+        from minipar.teaching.plots import save
+
+        figure = serving_figure(first, third, fourth, fields)
+        print("figure:", save(figure, args.plot / "16_serving.png"), flush=True)
 
 
 if __name__ == "__main__":

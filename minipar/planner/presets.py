@@ -53,7 +53,9 @@ class Model:
 
 @dataclass(frozen=True)
 class Cluster:
-    """GPUs and links: GB and dense bf16 TFLOP/s per GPU, GB/s per GPU and direction."""
+    """GPUs and links: GB and dense bf16 TFLOP/s per GPU, GB/s per GPU and direction;
+    `hbm_bw` GB/s of the GPU's own memory (what a decode step reads its weights and KV
+    cache at: planner/serving.py)."""
 
     name: str
     gpu_memory: float
@@ -62,6 +64,7 @@ class Cluster:
     inter_bw: float
     node_size: int = 8
     latency_us: float = 5.0
+    hbm_bw: float = 0.0
 
 
 def mla_params(d: int, heads: int, q_rank: int, kv_rank: int, nope: int, rope: int,
@@ -135,13 +138,16 @@ MODELS: dict[str, Model] = {
 
 CLUSTERS: dict[str, Cluster] = {
     # NVIDIA A100 datasheet: 80 GB, 312 TFLOP/s dense BF16, NVLink 600 GB/s in all (300
-    # each way); DGX A100 datasheet: 8 GPUs and 8 ConnectX-6 HDR 200 Gb/s (25 GB/s) NICs.
-    "dgx-a100-80gb": Cluster("DGX A100 80GB", 80, 312, 300, 25),
+    # each way), HBM2e 2,039 GB/s (SXM); DGX A100 datasheet: 8 GPUs and 8 ConnectX-6 HDR
+    # 200 Gb/s (25 GB/s) NICs.
+    "dgx-a100-80gb": Cluster("DGX A100 80GB", 80, 312, 300, 25, hbm_bw=2039),
     # NVIDIA H100 SXM datasheet: 80 GB, 989 TFLOP/s dense BF16, NVLink 900 GB/s in all
-    # (450 each way); DGX H100: 8 GPUs and 8 ConnectX-7 400 Gb/s (50 GB/s) NICs.
-    "h100": Cluster("H100 SXM (DGX H100)", 80, 989, 450, 50),
+    # (450 each way), HBM3 3.35 TB/s; DGX H100: 8 GPUs and 8 ConnectX-7 400 Gb/s (50 GB/s)
+    # NICs.
+    "h100": Cluster("H100 SXM (DGX H100)", 80, 989, 450, 50, hbm_bw=3350),
     # H800: H100's compute and memory, NVLink cut to 400 GB/s in all; DeepSeek-V3
     # Technical Report, section 3.2.2: "NVLink offers a bandwidth of 160 GB/s, roughly
     # 3.2 times that of IB (50 GB/s)" (what its kernels reach), 8 GPUs a node.
-    "h800": Cluster("H800 (DeepSeek-V3's cluster)", 80, 989, 160, 50),
+    # (its memory, HBM3 at 3.35 TB/s, is the H100's).
+    "h800": Cluster("H800 (DeepSeek-V3's cluster)", 80, 989, 160, 50, hbm_bw=3350),
 }

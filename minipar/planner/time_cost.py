@@ -42,7 +42,8 @@ from minipar.planner.memory_cost import (
 
 @dataclass(frozen=True)
 class Hardware:
-    """One GPU and its links: bytes, FLOP/s, bytes/s per GPU, seconds per message step."""
+    """One GPU and its links: bytes, FLOP/s, bytes/s per GPU, seconds per message step;
+    `hbm_bw` bytes/s of the GPU's memory (decode's price: planner/serving.py)."""
 
     gpu_memory: float
     flops: float
@@ -52,6 +53,7 @@ class Hardware:
     node_size: int
     latency: float
     headroom: float = 0.0  # bytes of each GPU left to the framework (CUDA, NCCL, allocator)
+    hbm_bw: float = 0.0
 
 
 @dataclass(frozen=True)
