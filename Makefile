@@ -18,7 +18,7 @@ export MINIPAR_MPIEXEC := $(if $(findstring /,$(MPIEXEC)),$(abspath $(MPIEXEC)),
 RUFF_CONFIG := $(shell $(PYTHON) -c "import configparser as c; p = c.ConfigParser(); \
 	p.read('setup.cfg'); print(' '.join(\"--config '%s = %s'\" % kv for kv in p['tool:ruff'].items()))")
 
-.PHONY: install bytecode test test-fast lint hosts-test demo lessons notebooks bench clean
+.PHONY: install bytecode test test-fast lint hosts-test demo course lessons notebooks bench clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,23 +63,20 @@ hosts-test: bytecode
 demo: bytecode
 	$(MPIEXEC) -n 8 $(PY) -m minipar tour --plot build/tour
 
-# Every lesson script on the rank count of its docstring's run line, at full size; a lesson
-# that fails, or runs longer than 10 minutes, stops the target. Figures go to $(FIGURES).
-FIGURES ?= build/figures
-lessons: bytecode
-	@for lesson in lessons/[0-9][0-9]_*.py; do \
-	  ranks=$$(grep -m1 -o 'mpiexec -n [0-9]*' $$lesson | grep -o '[0-9]*$$'); \
-	  echo "=== $$lesson on $${ranks:-1} rank(s)"; \
-	  if [ -n "$$ranks" ]; then launch="$(MPIEXEC) -n $$ranks"; else launch=""; fi; \
-	  MPIEXEC_TIMEOUT=600 $$launch $(PY) $$lesson --plot $(FIGURES) || exit 1; \
-	done
+# The course as a class runs it (tests/course.py): every lesson script on the rank count of
+# its docstring's run line, at full size, its figures in build/figures/; then every notebook
+# executed headless at full size (MINIPAR_QUICK=0), kept with its outputs in build/notebooks/
+# (the book is built from them). A table at the end: ranks, seconds, checks passed of each;
+# a failure names the lesson and the check, and fails the target.
+course: bytecode
+	$(PY) -m tests.course
 
-# Every notebook in lessons/, executed headless in a fresh kernel (nbclient, per-cell timeout);
-# at full size (MINIPAR_QUICK=0); the executed notebooks, outputs and figures in them, are
-# kept in build/notebooks/.
+# The two halves of the course alone.
+lessons: bytecode
+	$(PY) -m tests.course --lessons
+
 notebooks: bytecode
-	MINIPAR_QUICK=0 MINIPAR_NOTEBOOKS_OUT=build/notebooks $(PY) -m pytest -q tests/teaching/test_notebooks.py
-	@echo "executed notebooks: build/notebooks/"
+	$(PY) -m tests.course --notebooks
 
 # Speed figures, each a ratio measured side by side (writes bench/results.json).
 bench: bytecode

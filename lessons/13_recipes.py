@@ -45,6 +45,7 @@ import argparse
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from mpi4py import MPI
@@ -61,6 +62,9 @@ from minipar.run.train import train, train_reference
 from minipar.settings.config import TrainConfig
 from minipar.settings.preflight import lesson_arguments
 from minipar.teaching.ledger_tables import group_sizes, wire_bytes
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 TINY = dict(layers=4, d_model=16, heads=4, seq_len=16, vocab=16, batch=16, d_ff=32,
             steps=3, optimizer="adam", lr=0.01, microbatches=4, schedule="1f1b")
@@ -110,10 +114,11 @@ def predicted(model: str, seq_len: int, cluster: str, batch: int, real: Plan) ->
         "  " + line for line in plan_table.explain(estimate, w, hw)]
 
 
-def figure(rows: list[tuple[str, dict[str, int]]], folder: Path) -> None:
+def recipe_figure(rows: list[tuple[str, dict[str, float]]]) -> Figure:
+    """Bars of the wire bytes rank 0 put on each mesh axis in one step, a group per recipe
+    (`rows`: (recipe name, ledger_per_axis)); the notebook draws the same figure. (Imported
+    here: the ranks that draw nothing import no matplotlib.)"""
     from matplotlib.figure import Figure
-
-    from minipar.teaching.plots import save
 
     fig = Figure(figsize=(9, 3.5), layout="constrained")
     ax = fig.subplots()
@@ -127,7 +132,7 @@ def figure(rows: list[tuple[str, dict[str, int]]], folder: Path) -> None:
     ax.set(ylabel="KiB on the wire, rank 0, one step",
            title="the recipes at toy scale: communication per mesh axis (axes of size > 1)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
-    print("figure:", save(fig, folder / "13_recipes.png"), flush=True)
+    return fig
 
 
 def main() -> None:
@@ -175,7 +180,9 @@ def main() -> None:
         print("\n".join(predicted(model, seq_len, cluster, batch, real)), flush=True)
         rows.append((name, per))
     if rank == 0 and args.plot:
-        figure(rows, args.plot)
+        from minipar.teaching.plots import save
+
+        print("figure:", save(recipe_figure(rows), args.plot / "13_recipes.png"), flush=True)
 
 
 if __name__ == "__main__":

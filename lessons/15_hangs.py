@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -53,7 +54,6 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from minipar.bugs.catalog import command
 from minipar.bugs.hangs import HANGS, Hang
 from minipar.comm import flight
 from minipar.comm.flight_report import load, run_of, table, verdict
@@ -115,32 +115,54 @@ def child_environment() -> dict[str, str]:
 
 
 def train_line(hang: Hang, folder: Path, timeout: float) -> list[str]:
+    """The command that runs `hang` on 4 ranks: the lesson's small model, the hang's own
+    flags, the watchdog's timeout and the flight folder."""
     flags = [part for key, value in {**SMALL, **hang.flags}.items()
              for part in (f"--{key.replace('_', '-')}", str(value))]
     return [mpiexec(), "-n", "4", sys.executable, "-m", "minipar", "train", *flags,
             "--inject-bug", hang.name, "--timeout", str(timeout), "--flight", str(folder)]
 
 
+def as_typed(line: list[str]) -> str:
+    """`train_line` as a student types it (`mpiexec`, `python`): pasted, it runs the same job."""
+    return shlex.join(["mpiexec", *line[1:3], "python", *line[4:]])
+
+
+ENDINGS = {"watchdog:": "the watchdog (a wait cut after --timeout)",
+           "MPI error:": "an MPI error raised inside the call (MPI saw the mismatch itself)"}
+
+
 def run_hang(hang: Hang, folder: Path) -> dict:
-    """Run one hang as its own 4-rank job (rank 0 only); the watchdog ends it."""
+    """Run one hang as its own 4-rank job (rank 0 only). It ends one of two ways, each with
+    one line that ends with the flight verdict: the watchdog cuts a wait, or MPI raises an
+    error inside the call (a message longer than its receive); `ending` says which."""
     start = time.monotonic()
-    job = subprocess.run(train_line(hang, folder, TIMEOUT), cwd=ROOT, env=child_environment(),
-                         capture_output=True, text=True, timeout=120)
+    line = train_line(hang, folder, TIMEOUT)
+    job = subprocess.run(line, cwd=ROOT, env=child_environment(), capture_output=True,
+                         text=True, timeout=120)
     seconds = time.monotonic() - start
-    line = next((x for x in job.stderr.splitlines() if "watchdog:" in x), "")
-    said = line.split(f"; flight ({folder}): ", 1)[-1] if line else ""
-    return {"line": line, "verdict": said, "seconds": seconds, "code": job.returncode,
-            "dumps": load(folder) if line else {}}
+    said = next((x for x in job.stderr.splitlines()
+                 if x.startswith("minipar: error: ") and "; flight (" in x), "")
+    ending = next((how for key, how in ENDINGS.items() if key in said), "")
+    return {"command": as_typed(line), "line": said, "ending": ending,
+            "verdict": said.split(f"; flight ({folder}): ", 1)[-1] if said else "",
+            "seconds": seconds, "code": job.returncode, "dumps": load(folder) if said else {},
+            "traceback": "Traceback" in job.stderr}
 
 
 def show(index: int, hang: Hang, found: dict) -> None:
     named = all(words in found["verdict"] for words in hang.names)
     print(f"\n2.{index} {hang.name} [{hang.strategy}]: {hang.broken}")
     print(f"   why it hangs: {hang.why}")
-    print(f"   run: {command(hang)}")
-    print(f"   ended after {found['seconds']:.1f} s (exit {found['code']}); the watchdog's line:")
+    print(f"   run: {found['command']}")
+    print(f"   ended after {found['seconds']:.1f} s (exit {found['code']}) by "
+          f"{found['ending'] or '(no line ending in a verdict)'}; its line:")
     print(f"   {found['line'].split('; flight (')[0]}")
     print(f"   verdict: {found['verdict'] or '(none)'}")
+    ended = found["ending"] == ENDINGS["watchdog:"] or (
+        hang.mpi_may_fail and found["ending"] == ENDINGS["MPI error:"])
+    print(f"   ended by the watchdog{' or an MPI error' * hang.mpi_may_fail}, one line, "
+          f"no traceback: [{check(ended and not found['traceback'])}]")
     print(f"   names {', '.join(repr(w) for w in hang.names)}: [{check(named)}]")
     print(f"   every rank's dump in the folder: [{check(sorted(found['dumps']) == [0, 1, 2, 3])}]")
     if found["dumps"]:
@@ -150,7 +172,7 @@ def show(index: int, hang: Hang, found: dict) -> None:
         shown = sorted({j for i in near for j in (max(h for h in heads if h < i),
                                                   max(h for h in heads if h < i) + 1, i)})
         print("   the records around it (* a rank still inside that call):")
-        print("\n".join("     " + rows[j][:160] for j in shown))
+        print("\n".join("     " + rows[j] for j in shown))
 
 
 def py_spy_demo(folder: Path) -> None:
@@ -188,8 +210,8 @@ def plot(path: Path, runs: dict[str, dict]) -> None:
 
     figure = flight_figure({name: (found["dumps"], found["verdict"])
                             for name, found in runs.items() if found["dumps"]},
-                           "lesson 15: each rank's last calls when the watchdog fired "
-                           "(red edge: still inside it)")
+                           "lesson 15: each rank's last calls when the job was stopped "
+                           "(by the watchdog, or by an MPI error)")
     say(f"\nwrote {plots.save(figure, path)}")
 
 

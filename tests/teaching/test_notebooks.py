@@ -108,15 +108,20 @@ def executions(request) -> dict[Path, Future]:
             future.cancel()
 
 
+def drawing_problems(path: Path, notebook: nbformat.NotebookNode) -> list[str]:
+    """What an executed notebook failed to draw: a drawing cell (`display(plots.x(..))`,
+    load_plots, ...) without a picture in its outputs, or no drawing cell at all."""
+    drawing = [cell for cell in code_cells(notebook)
+               if "display(" in cell.source and "plots." in cell.source]
+    problems = [f"{path.name}: no figure from {cell.source[:80]!r}" for cell in drawing
+                if not any("image/png" in out.get("data", {}) for out in cell.outputs)]
+    return problems + ([] if drawing else [f"{path.name} draws no figure"])
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
 def test_notebook_runs_and_draws(path, executions):
     notebook = executions[path].result()
-    drawing = [cell for cell in code_cells(notebook)   # display(plots.x(..)), load_plots, ...
-               if "display(" in cell.source and "plots." in cell.source]
-    for cell in drawing:
-        images = [out for out in cell.outputs if "image/png" in out.get("data", {})]
-        assert len(images) >= 1, f"{path.name}: no figure from {cell.source[:80]!r}"
-    assert drawing, f"{path.name} draws no figure"
+    assert drawing_problems(path, notebook) == []
     answers = [cell for cell in code_cells(notebook) if cell.source.startswith("# Your answer")]
     assert answers or path.stem != "exercises", "exercises.ipynb: no cell for an answer"
     for cell in answers:

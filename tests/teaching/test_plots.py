@@ -29,15 +29,26 @@ from tests.harness.mpi import minipar
 SMALL = dict(d_model=16, d_in=8, batch=32, steps=2)
 
 
-def assert_picture(path: object) -> None:
-    """A PNG of a real figure: big enough, some ink on white, several colours."""
+def picture_problem(path: object) -> str | None:
+    """What keeps a PNG from being a real figure (too small, blank or all ink, too few
+    colours), or None: big enough, some ink on white, several colours."""
     image = matplotlib.image.imread(path)
-    assert image.shape[0] >= 200 and image.shape[1] >= 300, (path, image.shape)
+    if image.shape[0] < 200 or image.shape[1] < 300:
+        return f"{image.shape[1]}x{image.shape[0]} pixels: too small"
     ink = (image[..., :3] < 0.9).any(axis=-1).mean()  # share of pixels that are not white
-    assert 0.01 < ink < 0.95, (path, ink)
+    if not 0.01 < ink < 0.95:
+        return f"{ink:.1%} of it inked: blank or solid"
     rgb = (image[..., :3] * 255).astype(np.uint32)   # one integer per colour: a 1-D unique
     colours = np.unique(rgb[..., 0] << 16 | rgb[..., 1] << 8 | rgb[..., 2])  # (axis=0: 50x slower)
-    assert len(colours) > 10, path
+    if len(colours) <= 10:
+        return f"{len(colours)} colours: not a drawing"
+    return None
+
+
+def assert_picture(path: object) -> None:
+    """A PNG of a real figure (`picture_problem` finds nothing wrong with it)."""
+    problem = picture_problem(path)
+    assert problem is None, (path, problem)
 
 
 @pytest.fixture(scope="module")
