@@ -332,13 +332,40 @@ MUST_MATCH = ("model", "layers", "d_in", "d_model", "d_ff", "classes", "experts"
               "shared_experts", "router", "mixed")
 
 
+def _number(value: object) -> str:
+    """65536 for 65536.0; anything that is not a number as Python shows it."""
+    return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        else repr(value)
+
+
+def _disagreement(name: str, saved: object, mine: object) -> str:
+    """One flag that must match the checkpoint's and does not, said with the flag's own
+    spelling: "saved with --mixed fp16, this run has --mixed bf16", or "saved without
+    --mixed, this run has --mixed bf16" for a flag left out (None)."""
+    flag = f"--{name.replace('_', '-')}"
+    said = f"without {flag}" if saved is None else f"with {flag} {saved}"
+    has = f"no {flag}" if mine is None else f"{flag} {mine}"
+    return f"saved {said}, this run has {has} (they must match)"
+
+
 def mismatches(manifest: dict, cfg: TrainConfig) -> list[str]:
     """The flags that must equal the checkpoint's and do not, and a --steps too small."""
     saved = manifest["config"]
-    out = [f"saved with --{name.replace('_', '-')} {saved.get(name)}, this run has "
-           f"{getattr(cfg, name)} (they must match)"
+    out = [_disagreement(name, saved[name], getattr(cfg, name))
            for name in MUST_MATCH if name in saved and saved[name] != getattr(cfg, name)
            and not (name == "data" and saved[name] and cfg.data and "data_sha256" in manifest)]
+    scaler = manifest.get("loss_scaler")
+    if cfg.mixed == "fp16" and saved.get("mixed") == "fp16" and isinstance(scaler, dict):
+        # S and its window continue from the checkpoint (train.py): another value would
+        # be ignored without a word
+        for name in ("loss_scale", "loss_scale_window"):
+            if name in saved and saved[name] != getattr(cfg, name):
+                now = f", S {_number(scaler.get('scale'))} now" if name == "loss_scale" \
+                    else ""
+                out.append(f"--{name.replace('_', '-')} {_number(getattr(cfg, name))} would "
+                           f"be ignored: the checkpoint's loss scaling continues (saved with "
+                           f"--{name.replace('_', '-')} {_number(saved[name])}{now}); give "
+                           "the saved value")
     if cfg.data and saved.get("data") and isinstance(manifest.get("data_sha256"), str) \
             and corpus_digest(cfg.data) != manifest["data_sha256"]:   # by content, not path
         out.append(f"--data {cfg.data}: its bytes differ from the file the checkpoint was "

@@ -79,11 +79,56 @@ class GenerateConfig:
                     sample_seed=self.seed)
 
 
+# The train flags generate reads (the model, the mesh, the numbers, the checkpoint); the
+# others (--steps, --lr, --optimizer, --save, --trace, --mixed, ...) are training's and
+# not offered: a flag the command would ignore is refused by argparse instead. --virtual,
+# --zero, --sp, --recompute and --capacity-factor stay, to be refused by name (`problems`).
+USED_TRAIN_FLAGS = frozenset({
+    "--model", "--layers", "--d-model", "--d-ff", "--experts", "--top-k", "--expert-d-ff",
+    "--batch", "--seed", "--dp", "--tp", "--pp", "--ep", "--cp", "--shared-experts",
+    "--router", "--route-groups", "--route-top-groups", "--dtype", "--resume", "--timeout",
+    "--vocab", "--seq-len", "--heads", "--data",
+    "--virtual", "--zero", "--sp", "--recompute", "--capacity-factor"})
+# with --resume the model is the checkpoint's: one of these given otherwise is refused
+MODEL_FLAGS = ("model", "layers", "d_model", "d_ff", "experts", "top_k", "expert_d_ff",
+               "shared_experts", "router", "route_groups", "route_top_groups", "dtype",
+               "vocab", "seq_len", "heads", "data")
+
+# offered only to be refused (`problems`); with --resume, refused here by name
+TRAINING_FLAGS = ("virtual", "zero", "sp", "recompute", "capacity_factor")
+
+
+class _UsedFlags:
+    """`config.add_train_flags` onto a parser, keeping only `USED_TRAIN_FLAGS`."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+    def add_argument(self, *names: str, **options: object) -> None:
+        if names[0] in USED_TRAIN_FLAGS:
+            self.parser.add_argument(*names, **options)
+
+
+class _Parser(config.Parser):
+    """The generate parser: `args.given` holds the flags the command line gave (a
+    second parse over a namespace of markers: argparse fills in only what is absent)."""
+
+    def parse_args(self, args: list[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        parsed = super().parse_args(args, namespace)
+        marker = object()
+        probed = super().parse_args(args, argparse.Namespace(
+            **{name: marker for name in vars(parsed)}))
+        parsed.given = frozenset(name for name, value in vars(probed).items()
+                                 if value is not marker)
+        return parsed
+
+
 def make_parser() -> argparse.ArgumentParser:
-    """The train flags (model and mesh) with the generate ones."""
-    parser = config.Parser(prog="python -m minipar generate",
-                            description="Generate tokens with a KV cache on a mesh of ranks.")
-    config.add_train_flags(parser)
+    """The train flags generate uses (model and mesh) with the generate ones."""
+    parser = _Parser(prog="python -m minipar generate",
+                     description="Generate tokens with a KV cache on a mesh of ranks.")
+    config.add_train_flags(_UsedFlags(parser))
     parser.set_defaults(model="gpt", batch=1)
     add = parser.add_argument
     add("--prompt", metavar="TEXT", help="the prompt as bytes (a --data model reads bytes)")
@@ -128,12 +173,29 @@ def config_from_args(args: argparse.Namespace, world_size: int
             return None, [f"--resume {args.resume} holds a --model "
                           f"{saved['config'].get('model')} checkpoint: generate needs a "
                           "transformer (--model gpt or gpt-moe)"]
+        differ = [name for name in MODEL_FLAGS if name in getattr(args, "given", ())
+                  and name in saved["config"] and getattr(args, name) != saved["config"][name]]
+        if differ:   # the checkpoint's shape runs: a flag saying otherwise is refused
+            flag = f"--{differ[0].replace('_', '-')}"
+            return None, [f"--resume {args.resume}: saved with {flag} "
+                          f"{saved['config'][differ[0]]}, this run has {flag} "
+                          f"{getattr(args, differ[0])} (generate runs the checkpoint's "
+                          "model: leave the flag out)"]
+        training = [name for name in TRAINING_FLAGS if name in getattr(args, "given", ())]
+        if training:   # set aside below for a resumed model: said, not ignored
+            return None, [f"--{training[0].replace('_', '-')} is training's: generate runs "
+                          "without it"]
         mesh = {axis: getattr(args, axis) for axis in ("dp", "tp", "pp", "ep", "cp")}
         train_cfg = replace(shard_files.config_for(saved, **mesh), batch=args.batch,
                             microbatches=1, steps=1, resume=args.resume, save=None,
                             timeout=args.timeout, schedule="1f1b", virtual=1, sp=False,
                             recompute="none", vocab_parallel=None,
                             capacity_factor=None)   # generation is dropless
+    elif args.data is not None:   # the file is not read, but a path to nothing is a mistake
+        unusable = preflight.path_problems(args.data) or (
+            [] if Path(args.data).is_file() else [f"{args.data}: no such file"])
+        if unusable:
+            return None, [f"--data {unusable[0]}"]
     train_cfg = replace(train_cfg, vocab_parallel=None).resolved(world_size)
     gcfg = GenerateConfig(train_cfg, prompt, args.new_tokens, args.temperature, args.seed)
     return gcfg, problems(gcfg, world_size)

@@ -437,6 +437,10 @@ def mixed_problems(cfg: TrainConfig) -> list[str]:
         if cfg.grad_reduce_dtype == "low":
             out.append("--grad-reduce-dtype low reduces a 16-bit copy of the gradients: it "
                        "needs --mixed bf16 or fp16")
+        for name in ("loss_scale", "loss_scale_window"):   # else ignored without a word
+            if getattr(cfg, name) != getattr(defaults, name):
+                out.append(f"--{name.replace('_', '-')} applies to --mixed fp16 only (without "
+                           "--mixed nothing is scaled)")
         return out
     if cfg.inject_bug is not None and not cfg.inject_bug.startswith("mp-"):
         out.append(f"--inject-bug {cfg.inject_bug} is one of lesson 08's full-precision "

@@ -444,3 +444,43 @@ def test_a_refusal_or_other_settings_on_one_rank_end_every_rank_with_its_line(tm
         assert ranks[1][i]["stderr"] == "", ranks[1][i]
         lines = ranks[0][i]["stderr"].splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"minipar: error: {expected}"), lines
+
+
+# ------------------------------------------------- 11. a flag that would do nothing is refused
+def test_flags_a_command_would_ignore_are_refused_or_not_offered(tmp_path):
+    from minipar.checkpoint.save_load import mismatches
+    from minipar.run.generate import config_from_args, make_parser
+
+    (line,) = refusals(*SMALL, "--loss-scale", "1024")                # no --mixed: no S
+    assert line.startswith("--loss-scale applies to --mixed fp16 only"), line
+    saved = {"step": 2, "config": {**config("--mixed", "fp16", *SMALL).as_json()},
+             "loss_scaler": {"scale": 32768.0, "skipped": 1, "clean": 0}}
+    (line,) = mismatches(saved, config("--mixed", "fp16", "--loss-scale", "1024", *SMALL,
+                                       "--steps", "3"))
+    assert "--loss-scale 1024 would be ignored" in line and "S 32768 now" in line, line
+    (line,) = mismatches(saved, config(*SMALL, "--steps", "3"))       # --mixed left out
+    assert line == "saved with --mixed fp16, this run has no --mixed (they must match)", line
+    saved["config"]["mixed"] = None
+    assert mismatches(saved, config(*SMALL, "--mixed", "bf16", "--steps", "3")) == [
+        "saved without --mixed, this run has --mixed bf16 (they must match)"]
+    usage = make_parser().format_help()                                # generate's flags
+    for flag in ("--save", "--trace", "--optimizer", "--steps", "--lr", "--mixed",
+                 "--loss-scale", "--inject-bug", "--microbatches"):
+        assert f"{flag} " not in usage and f"{flag}\n" not in usage, flag
+    refused(cli("generate", "--prompt-ids", "1", "--steps", "3"), "unrecognized", "--steps")
+    refused(cli("generate", "--prompt-ids", "1", "--data", str(tmp_path / "none.txt")),
+            "--data", "no such file")
+    ck = tmp_path / "gpt"
+    assert cli("train", "--model", "gpt", "--layers", "1", "--d-model", "8", "--heads", "2",
+               "--seq-len", "8", "--vocab", "16", "--batch", "2", "--steps", "1",
+               "--save", str(ck)).returncode == 0
+    for flags, words in ((["--layers", "2"], "saved with --layers 1, this run has --layers 2"),
+                         (["--layers", "1", "--heads", "4"], "--heads 4"),
+                         (["--sp"], "--sp is training's")):
+        args = make_parser().parse_args(["--resume", str(ck), "--prompt-ids", "1", *flags])
+        _, errors = config_from_args(args, 1)
+        assert len(errors) == 1 and words in errors[0], (flags, errors)
+    args = make_parser().parse_args(["--resume", str(ck), "--prompt-ids", "1", "--layers", "1",
+                                     "--new-tokens", "2"])             # agrees: runs
+    gcfg, errors = config_from_args(args, 1)
+    assert errors == [] and gcfg.train.layers == 1 and gcfg.train.heads == 2
