@@ -29,8 +29,9 @@ from minipar.checkpoint.save_load import FolderInUseError, holding
 from minipar.checkpoint.shard_files import CheckpointError
 from minipar.comm import watchdog
 from minipar.comm.mesh import MeshShape
+from minipar.core import routing
 from minipar.placement import PlacementError
-from minipar.run.results import check, dump
+from minipar.run.results import check, dump, gather_decisions
 from minipar.run.train import DivergedError, ReplicaError, problems, train
 from minipar.settings import preflight
 from minipar.settings.config import ConfigError, Parser, config_from_args, make_parser
@@ -95,7 +96,8 @@ def train_command(argv: list[str]) -> int:
 
         watchdog.start(cfg.timeout, rank, abort_all)
     try:
-        with holding(world, cfg.save):   # --save DIR is this job's alone until it ends
+        # --check: the routing choices recorded, to replay them in one process (results.py)
+        with holding(world, cfg.save), routing.recording(args.check) as chosen:
             result = train(cfg, world, on_step=progress)
     except CheckpointError as error:   # on every rank alike: the folder is taken (before the
         return fail(rank, str(error), code=2 if isinstance(error, FolderInUseError) else 1)  # first
@@ -120,14 +122,16 @@ def train_command(argv: list[str]) -> int:
     if args.ledger and rank == 0:
         from minipar.teaching.ledger_tables import ledger_table  # loads the planner: only here
 
-        print(ledger_table(result.ledger, cfg), flush=True)
+        history = result.extras.get("scale_history") or [(1.0, False)]   # fp16's last skip
+        print(ledger_table(result.ledger, cfg, skipped=bool(history[-1][1])), flush=True)
     if args.dump and rank == 0:
         dump(Path(args.dump), cfg, result)
     verdict = 0
     if args.check:
         from minipar.comm.job import wait_for_rank0  # here: comm/job.py loads mpi4py.MPI
 
-        verdict = check(cfg, result) if rank == 0 else 0
+        decisions = gather_decisions(world, cfg, result, chosen)   # every rank: one gather
+        verdict = check(cfg, result, decisions) if rank == 0 else 0
         wait_for_rank0(world)  # the others asleep while rank 0 reruns the job alone
         verdict = world.bcast(verdict, root=0)
     if rank == 0:

@@ -201,10 +201,57 @@ class LossScaler:
         self.clean = int(state["clean"])
 
 
+class ReplayedScaler(LossScaler):
+    """The one-process reference's scaler under `--check` (docs/design.md, "Mixed
+    precision"): it takes another run's skip decisions instead of its own, so the two
+    runs are compared under the same discrete decisions. Its own verdict of each step
+    is kept in `own` beside the decision it followed, and the largest finite scaled
+    gradient it saw in `largest` (the margin: how close to fp16's 65504)."""
+
+    def __init__(self, scale: float, window: int, decisions: list[bool]) -> None:
+        super().__init__(scale, window)
+        self.decisions = list(decisions)
+        self.own: list[bool] = []
+        self.largest: list[float] = []
+
+    def update(self, found_inf: bool) -> bool:
+        """Record this step's own verdict, then follow the other run's decision (its own
+        verdict past the decisions it was handed)."""
+        step = len(self.own)
+        self.own.append(bool(found_inf))
+        self.largest.append(_LARGEST[0] * self.scale)   # nonfinite's latest, scaled back
+        return super().update(self.decisions[step] if step < len(self.decisions)
+                              else found_inf)
+
+
+_REPLAY: list[list[bool] | None] = [None]   # `replaying`: the decisions make_scaler hands on
+_MADE: list[list[ReplayedScaler]] = [[]]     # and the scalers it made with them
+_LARGEST = [0.0]     # the largest finite |g| of the latest `nonfinite` call (under a replay)
+
+
+@contextlib.contextmanager
+def replaying(decisions: list[bool] | None) -> Iterator[list[ReplayedScaler]]:
+    """Inside the block, `make_scaler` builds fp16's scaler as a `ReplayedScaler` that
+    follows `decisions` (each step's skip: True = skipped) -- results.check's one-process
+    reference replays a mesh run's. None: the plain scaler. Yields the list of the
+    scalers made inside (to read their own verdicts after)."""
+    _REPLAY.append(decisions)
+    _MADE.append([])
+    try:
+        yield _MADE[-1]
+    finally:
+        _REPLAY.pop()
+        _MADE.pop()
+
+
 def make_scaler(mixed: str | None, scale: float = 65536.0, window: int = 1000
                 ) -> LossScaler:
     """The scaler `train` uses: dynamic for fp16, S = 1 for ever for bf16 and full
-    precision (bf16 has float32's range: nothing to rescue)."""
+    precision (bf16 has float32's range: nothing to rescue). Inside `replaying`, fp16's
+    follows the decisions it was handed (`ReplayedScaler`)."""
+    if mixed == "fp16" and _REPLAY[-1] is not None:
+        _MADE[-1].append(ReplayedScaler(scale, window, _REPLAY[-1]))
+        return _MADE[-1][-1]
     if mixed == "fp16":
         return LossScaler(scale, window)
     return LossScaler(1.0, 0, static=True)
@@ -218,5 +265,19 @@ def is_power_of_two(x: float) -> bool:
 
 def nonfinite(arrays: list[np.ndarray]) -> bool:
     """Does any of the arrays hold an inf or a NaN? (this rank's verdict, before the
-    MAX-Allreduce that makes it every rank's)."""
+    MAX-Allreduce that makes it every rank's). Under `replaying`, the largest finite
+    |value| is kept too, for the `ReplayedScaler`'s margin."""
+    if _REPLAY[-1] is not None:
+        _LARGEST[0] = largest_finite(arrays)
     return any(a.size and not np.isfinite(a).all() for a in arrays)
+
+
+def largest_finite(arrays: list[np.ndarray]) -> float:
+    """The largest |value| among the finite numbers of the arrays (0 if none): how far a
+    gradient was from overflowing, once multiplied by S."""
+    out = 0.0
+    for a in arrays:
+        finite = np.abs(a[np.isfinite(a)]) if a.size else a
+        if finite.size:
+            out = max(out, float(np.max(finite)))
+    return out

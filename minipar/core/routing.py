@@ -107,6 +107,10 @@ def route(scores_: Tensor, top_k: int, bias: np.ndarray | None = None, groups: i
     the gradient, never see it."""
     selection = scores_.data if bias is None else scores_.data + bias
     chosen = choose(selection, top_k, groups, top_groups)              # (N, k)
+    if _COUNTING[-1] and _RECORDED[-1] is not None:   # --check: this run's decisions
+        _RECORDED[-1].append(chosen.astype(np.int16))
+    if _COUNTING[-1] and _REPLAYED[-1] is not None:   # --check's reference: another run's
+        chosen = _REPLAYED[-1].take(chosen, selection)
     token_of = np.repeat(np.arange(scores_.shape[0]), top_k)           # (N k,)
     expert_of = chosen.ravel()                                         # (N k,)
     picked = scores_[token_of, expert_of].reshape(-1, top_k)           # (N, k)
@@ -122,6 +126,67 @@ def groups_reached(token_of: np.ndarray, expert_of: np.ndarray, tokens: int, exp
     reached = np.zeros((tokens, groups), dtype=bool)
     reached[token_of, expert_of // (experts // groups)] = True
     return reached
+
+
+# ------------------------------------------------- the same decisions (--check)
+class Replay:
+    """Another run's choices, handed to the one-process reference call after call
+    (results.check: numbers compared under the same discrete decisions).
+
+    `choices[i]` is the (N, k) array the i-th counted `route` call of the reference is
+    to use (None: its own). Each call's own choice is compared with the one it takes:
+    `flips[i]` = (tokens whose choice differs, the largest gap of selection scores
+    between its own k chosen and the ones it took: how close the tie was)."""
+
+    def __init__(self, choices: list[np.ndarray | None]) -> None:
+        self.choices = choices
+        self.calls = 0
+        self.flips: dict[int, tuple[int, float]] = {}
+
+    def take(self, own: np.ndarray, selection: np.ndarray) -> np.ndarray:
+        """The choice call number `self.calls` takes, recording how it differs."""
+        i, self.calls = self.calls, self.calls + 1
+        given = self.choices[i] if i < len(self.choices) else None
+        if given is None:
+            return own
+        if given.shape != own.shape:
+            raise ValueError(f"routing call {i}: {given.shape} handed over for {own.shape}")
+        given = given.astype(own.dtype)
+        differ = np.flatnonzero((np.sort(own, axis=1) != np.sort(given, axis=1)).any(axis=1))
+        if differ.size:
+            rows = selection[differ]
+            mine = np.take_along_axis(rows, own[differ], axis=1).sum(axis=1)
+            theirs = np.take_along_axis(rows, given[differ], axis=1).sum(axis=1)
+            self.flips[i] = (int(differ.size), float(np.max(mine - theirs)))
+        return given
+
+
+_RECORDED: list[list[np.ndarray] | None] = [None]
+_REPLAYED: list[Replay | None] = [None]
+
+
+@contextmanager
+def recording(on: bool = True) -> Iterator[list[np.ndarray]]:
+    """Inside the block (when `on`), every counted `route` call appends its (N, k) choice
+    (int16) to the list yielded: a mesh run's decisions, for `--check` to hand to the
+    one-process reference (`replaying`). A recomputed forward (`not_counting`) adds none."""
+    found: list[np.ndarray] = []
+    _RECORDED.append(found if on else None)
+    try:
+        yield found
+    finally:
+        _RECORDED.pop()
+
+
+@contextmanager
+def replaying(replay: Replay | None) -> Iterator[None]:
+    """Inside the block, every counted `route` call takes its choice from `replay`
+    (None: its own)."""
+    _REPLAYED.append(replay)
+    try:
+        yield
+    finally:
+        _REPLAYED.pop()
 
 
 # ------------------------------------------------------------ the bias b

@@ -42,6 +42,8 @@ class MixedStep:
         self.vote = vote
         self.skipped_last = False   # did the last step skip its update?
         self.history: list[tuple[float, bool]] = []  # per step: S it ran with, skipped?
+        # fp16, per step: this rank's largest finite scaled main gradient (--check's margin)
+        self.largest: list[float] = []
 
     @property
     def scale(self) -> float:
@@ -56,6 +58,7 @@ class MixedStep:
             self.history.append((1.0, False))
             return False
         used = self.scaler.scale
+        self.largest.append(precision.largest_finite(list(grads)))   # before dividing by S
         inverse = 1.0 / used           # a power of two: the division is exact
         for g in grads:
             g *= inverse

@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from minipar.core import precision
+from minipar.core import precision, routing
 from minipar.core.documents import split_mask
 from minipar.run.train import RunResult, step_batch, train_reference
 from minipar.settings.config import TrainConfig
@@ -119,51 +120,257 @@ def moved_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray],
     return worst, where
 
 
-def check(cfg: TrainConfig, result: RunResult) -> int:
-    """`--check`: run the single-process reference in this process and compare (rank 0).
-    Prints one line; returns the exit code (1 if either difference is above tolerance)."""
-    reference = train_reference(cfg)
+# ------------------------------------------------------- the same decisions
+@dataclass
+class Decisions:
+    """A mesh run's discrete decisions, gathered on rank 0 for `--check` (docs/design.md,
+    "Mixed precision"): fp16's skip of each step (`skips`, None when not replayed) with
+    the largest finite scaled gradient any rank held that step (`largest`), and every
+    counted routing call's choice over the whole microbatch (`choices`: (B/M T, k) per
+    call, steps, then microbatches, then MoE blocks; None when not replayed). `why_not`
+    says what could not be replayed and why (a resumed run, a pipeline...)."""
+
+    skips: list[bool] | None = None
+    largest: list[float] = field(default_factory=list)
+    choices: list[np.ndarray] | None = None
+    why_not: list[str] = field(default_factory=list)
+
+
+def gather_decisions(world: object, cfg: TrainConfig, result: RunResult,
+                     chosen: list[np.ndarray]) -> Decisions | None:
+    """Every rank's decisions to rank 0 (one gather over `world`, after the run, outside
+    the ledger); `chosen`: this rank's routing choices (routing.recording). Returns the
+    Decisions on rank 0, None elsewhere.
+
+    A rank's routing call covers its tokens of the microbatch: the rows of its dp
+    coordinate (data.rank_rows, local_rows) and the positions of its cp coordinate
+    (context_parallel.positions); token (row r, position t) of microbatch m is the
+    reference's token (r - m B/M) T + t. tp ranks route the same tokens (one is read).
+    Replayed only where the reference makes the same calls in the same order: no
+    pipeline (its schedule orders the blocks' calls per stage), no sequence parallelism,
+    every step of --steps run here (not resumed)."""
+    coords = cfg.mesh_shape().coords(world.Get_rank())
+    largest = result.extras.get("largest_scaled", [])
+    everyone = world.gather((coords, chosen, largest), root=0)
+    if everyone is None:
+        return None
+    out = Decisions()
+    history = result.extras.get("scale_history")
+    if cfg.mixed == "fp16" and history is not None:
+        if len(history) == cfg.steps:
+            out.skips = [bool(skipped) for _, skipped in history]
+            out.largest = [max(values) for values in zip(*(r[2] for r in everyone))] \
+                if all(r[2] for r in everyone) else []
+        else:
+            out.why_not.append("the loss scaler's skips (a resumed run: the earlier steps "
+                               "were decided by another job)")
+    if not cfg.model_config().is_moe:
+        return out
+    reasons = [why for why, no in (("a pipeline orders each stage's routing calls its own "
+                                    "way", cfg.pp > 1),
+                                   ("sequence parallelism routes other token sets", cfg.sp),
+                                   ("a resumed run", len(result.losses) != cfg.steps
+                                    or cfg.resume is not None)) if no]
+    if reasons:
+        out.why_not.append(f"the routing choices ({reasons[0]})")
+        return out
+    out.choices = assemble_choices(cfg, everyone)
+    return out
+
+
+def assemble_choices(cfg: TrainConfig, everyone: list[tuple]) -> list[np.ndarray]:
+    """The whole microbatch's (B/M T, k) choice of every routing call from each rank's
+    (coords, its calls' choices, ...) (`gather_decisions`)."""
+    from minipar.core.data import local_rows, rank_rows
+    from minipar.parallel import context_parallel  # loads mpi4py.MPI: --check runs on a mesh
+
+    per_mb = cfg.batch // cfg.microbatches
+    length = cfg.seq_len if cfg.model_config().is_gpt else 1
+    calls = len(everyone[0][1])
+    blocks = calls // (cfg.steps * cfg.microbatches) if calls else 0
+    out = [np.full((per_mb * length, cfg.top_k), -1, dtype=np.int16) for _ in range(calls)]
+    for coords, chosen, _ in everyone:
+        if len(chosen) != calls:
+            raise RuntimeError(f"rank {coords} routed {len(chosen)} times, rank 0 {calls}")
+        positions = context_parallel.positions(cfg.seq_len, cfg.cp, coords["cp"],
+                                               cfg.cp_mode) if cfg.cp > 1 else \
+            np.arange(length)
+        for call, choice in enumerate(chosen):
+            m = call // blocks % cfg.microbatches
+            rows = rank_rows(cfg.batch, cfg.microbatches, cfg.dp, coords["dp"])[
+                local_rows(cfg.batch, cfg.microbatches, cfg.dp, m)] - m * per_mb
+            tokens = (rows[:, None] * length + positions[None, :]).ravel()
+            out[call][tokens] = choice
+    if any((c < 0).any() for c in out):
+        raise RuntimeError("a token no rank routed: the choices do not cover the batch")
+    return out
+
+
+FP16_MAX = 65504.0   # fp16's largest finite number: a scaled gradient past it overflows
+
+
+def short(x: float) -> str:
+    """A number in two digits, written 6.6e4."""
+    return f"{x:.1e}".replace("e+0", "e").replace("e-0", "e-")
+
+
+def replayed_reference(cfg: TrainConfig, decisions: Decisions | None
+                       ) -> tuple[RunResult, list[str]]:
+    """The one-process run under the mesh run's decisions, and one line for each step
+    where one of them is not the one process's own ("step 9: ..."). Where every decision
+    is its own, the numbers are those of the plain one-process run, bit for bit."""
+    if decisions is None or (decisions.skips is None and decisions.choices is None):
+        return train_reference(cfg), []
+    replay = routing.Replay(decisions.choices) if decisions.choices is not None else None
+    with precision.replaying(decisions.skips) as made, routing.replaying(replay):
+        reference = train_reference(cfg)
+    lines = []
+    scaler = made[-1] if made else None
+    if decisions.skips is not None and isinstance(scaler, precision.ReplayedScaler):
+        for step, (mine, own) in enumerate(zip(decisions.skips, scaler.own)):
+            if mine == own:
+                continue
+            here = decisions.largest[step] if step < len(decisions.largest) else math.nan
+            finite = here if mine else scaler.largest[step]   # the side that did not overflow
+            lines.append(f"step {step + 1}: this run's scaled gradients "
+                         f"{'overflowed' if mine else 'stayed finite'} in fp16 (its largest "
+                         f"finite one {short(here)}), one process's "
+                         f"{'stayed finite' if mine else 'overflowed'} (its largest finite "
+                         f"one {short(scaler.largest[step])}); {short(finite)} is "
+                         f"{(FP16_MAX - finite) / FP16_MAX:.0%} below fp16's largest "
+                         f"{FP16_MAX:g}; compared under this run's decisions")
+    if replay is not None and replay.flips:
+        per_step = cfg.microbatches * (len(replay.choices) // (cfg.steps * cfg.microbatches))
+        steps: dict[int, list[tuple[int, float]]] = {}
+        for call, flip in sorted(replay.flips.items()):
+            steps.setdefault(call // per_step, []).append(flip)
+        for step, flips in sorted(steps.items()):
+            tokens = sum(n for n, _ in flips)
+            gap = max(g for _, g in flips)
+            lines.append(f"step {step + 1}: {tokens} token(s) chose other top-{cfg.top_k} "
+                         f"experts here than in one process (scores {gap:.2g} apart at "
+                         f"most: a rounding's difference); compared under this run's "
+                         "decisions (their choices, and the tokens capacity keeps)")
+    return reference, lines
+
+
+# ------------------------------------------------------------------ --check
+# beside each tolerance, where it comes from (docs/design.md, "The train command")
+DERIVATION = {
+    "float64": "float64's sums in another order: a few ulps (1.1e-16) a step, grown "
+               "through the steps; 1e-9 leaves a million times that",
+    "float32": "float32's sums in another order: a few ulps (6e-8) a step, grown through "
+               "the steps; 1e-4 leaves a thousand times that",
+}
+
+
+def near(value: float, bound: float) -> str:
+    """' (within 5% of its bound)' for a check that passes by less than 5%, else ''."""
+    return " (within 5% of its bound)" if 0.95 * bound < value <= bound else ""
+
+
+def check(cfg: TrainConfig, result: RunResult, decisions: Decisions | None = None) -> int:
+    """`--check`: run the single-process reference in this process and compare (rank 0),
+    under the mesh run's discrete decisions (`replayed_reference`). Prints the numbers'
+    line, the ledger's and the memory's, a line for each decision that differed and
+    for each replica that disagrees; returns the exit code (1 if any fails)."""
+    reference, decided = replayed_reference(cfg, decisions)
     taken = reference.losses[cfg.steps - len(result.losses):]  # a resumed run: its steps
     loss_abs = float(np.max(np.abs(np.subtract(result.losses, taken))))
     loss_rel = relative_difference(result.losses, taken)
     param_abs, param_rel, where = max_differences(result.final, reference.final)
     if cfg.mixed:
-        return check_mixed(cfg, result, reference, taken)
-    tolerance = TOLERANCE[cfg.dtype]
-    ok = loss_rel <= tolerance and param_rel <= tolerance
-    norms = result.extras.get("gnorms") or []   # --clip-grad-norm: this rank's norms
-    norm_rel = relative_difference(norms, reference.extras["gnorms"][
-        cfg.steps - len(norms):]) if norms else 0.0
-    ok = ok and norm_rel <= tolerance
-    print(f"check against one process: losses max abs {loss_abs:.3e} rel {loss_rel:.3e}; "
-          f"final params max abs {param_abs:.3e} rel {param_rel:.3e}"
-          + (f"; gnorm rel {norm_rel:.3e}" if norms else "")
-          + (f" (worst: {where})" if where else "")
-          + f" -> {'OK' if ok else 'MISMATCH'} (tolerance {tolerance:g})", flush=True)
-    for line in result.extras.get("replica_disagreements", [])[:5]:
+        ok = check_mixed(cfg, result, reference, taken, decisions)
+    else:
+        tolerance = TOLERANCE[cfg.dtype]
+        ok = loss_rel <= tolerance and param_rel <= tolerance
+        norms = result.extras.get("gnorms") or []   # --clip-grad-norm: this rank's norms
+        norm_rel = relative_difference(norms, reference.extras["gnorms"][
+            cfg.steps - len(norms):]) if norms else 0.0
+        ok = ok and norm_rel <= tolerance
+        worst = max(loss_rel, param_rel, norm_rel)
+        print(f"check against one process: losses max abs {loss_abs:.3e} rel {loss_rel:.3e}; "
+              f"final params max abs {param_abs:.3e} rel {param_rel:.3e}"
+              + (f"; gnorm rel {norm_rel:.3e}" if norms else "")
+              + (f" (worst: {where})" if where else "")
+              + f" -> {'OK' if ok else 'MISMATCH'} (tolerance {tolerance:g}: "
+              f"{DERIVATION[cfg.dtype]}){near(worst, tolerance)}", flush=True)
+    for line in decided:
+        print(f"decision differs, {line}", flush=True)
+    for line in (decisions.why_not if decisions is not None else []):
+        print(f"decisions not replayed: {line}; compared under one process's own", flush=True)
+    ok = check_ledger(cfg, result) and ok
+    disagreements = result.extras.get("replica_disagreements", [])
+    for line in disagreements[:5]:
         print(f"replicas disagree: {line}", flush=True)
-    return 0 if ok else 1
+    return 0 if ok and not disagreements else 1
+
+
+def check_ledger(cfg: TrainConfig, result: RunResult) -> bool:
+    """The ledger of the last step against its formulas, every rank's every line: calls,
+    elements, bytes and dtype (teaching/ledger_tables.py `ledger_differences`), and rank
+    0's bytes of parameters against the planner's memory formula
+    (planner/memory_cost.py `model_states`). Both are exact: integers. Two lines;
+    True when both match."""
+    from minipar.planner.memory_cost import model_states, rank_shape
+    from minipar.planner.workloads import minipar_workload, plan_of
+    from minipar.teaching.ledger_tables import ledger_differences
+
+    ok = True
+    if result.ledger:
+        history = result.extras.get("scale_history") or [(1.0, False)]
+        differences = ledger_differences(result.ledger, cfg, skipped=bool(history[-1][1]))
+        ranks = len({r["rank"] for r in result.ledger})
+        if differences:
+            ok = False
+            print(f"ledger against the formulas: {len(differences)} line(s) differ, MISMATCH "
+                  "(exact: calls, elements and bytes are integers the formulas give)",
+                  flush=True)
+            for line in differences[:6]:
+                print(f"  ledger: {line}", flush=True)
+        else:
+            print(f"ledger against the formulas: every line of {ranks} ranks as predicted, "
+                  "calls, elements, bytes and dtype (exact: integers)", flush=True)
+    memory = result.extras.get("memory")
+    if memory is not None and cfg.mesh_shape().world > 1 and not (
+            cfg.model == "moe" and cfg.tp > 1):   # experts over tp: the planner's are whole
+        workload, plan = minipar_workload(cfg), plan_of(cfg)
+        want = model_states(workload, plan, rank_shape(workload, plan, 0), 0)
+        same = int(memory.params) == int(want.params)
+        ok = ok and same
+        print(f"memory against the formulas: rank 0 holds {int(memory.params)} bytes of "
+              f"parameters, the formula {int(want.params)}"
+              + ("" if same else " MISMATCH") + " (exact: bytes of the arrays held)",
+              flush=True)
+    return ok
 
 
 def check_mixed(cfg: TrainConfig, result: RunResult, reference: RunResult,
-                taken: list[float]) -> int:
+                taken: list[float], decisions: Decisions | None = None) -> bool:
     """`--check` of a --mixed run: the losses (relative) and the parameters (against
-    their movement) under `mixed_tolerance`; the loss scale S and the skipped steps
-    equal. One line; the exit code (1 if above)."""
+    their movement) under `mixed_tolerance`, the loss scale S and the skipped steps
+    equal -- the reference replayed this run's skips, so a differing S is a scaler
+    that did not follow them. One line, each tolerance's derivation beside it; True
+    when within."""
     loss_tol, param_tol = mixed_tolerance(cfg)
     loss_rel = relative_difference(result.losses, taken)
     param_moved, where = moved_difference(result.final, reference.final, reference.init)
     same_scale = (result.extras.get("loss_scale"), result.extras.get("skipped")) == (
         reference.extras["loss_scale"], reference.extras["skipped"])
     ok = loss_rel <= loss_tol and param_moved <= param_tol and same_scale
+    u = precision.unit_roundoff(cfg.mixed)
+    d = roundings(cfg)
+    step_rule = "2 sqrt(e) a step (Adam)" if cfg.optimizer == "adam" else "e a step (SGD)"
     print(f"check against one process in {cfg.mixed}: losses rel {loss_rel:.3e} "
-          f"(tolerance {loss_tol:.3g}); final params / their movement {param_moved:.3e} "
-          f"(tolerance {param_tol:.3g})" + (f" (worst: {where})" if where else "")
+          f"(tolerance {loss_tol:.3g} = e = 2u sqrt(D), u = 2^{round(math.log2(u))}, "
+          f"D = {d} roundings){near(loss_rel, loss_tol)}; final params / their movement "
+          f"{param_moved:.3e} (tolerance {param_tol:.3g} = {step_rule} x {cfg.steps} "
+          f"steps){near(param_moved, param_tol)}" + (f" (worst: {where})" if where else "")
           + f"; S {result.extras.get('loss_scale'):g} skipped {result.extras.get('skipped')}"
           + ("" if same_scale else f" vs one process's S {reference.extras['loss_scale']:g} "
              f"skipped {reference.extras['skipped']}")
           + f" -> {'OK' if ok else 'MISMATCH'}", flush=True)
-    return 0 if ok else 1
+    return ok
 
 
 def dump(folder: Path, cfg: TrainConfig, result: RunResult) -> None:

@@ -472,7 +472,9 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
                       **({} if scaler_of(updater) is None else
                          {"loss_scale": scaler_of(updater).scale,
                           "skipped": scaler_of(updater).skipped,
-                          "scale_history": updater.mixed.history}),
+                          "scale_history": updater.mixed.history,
+                          # fp16: each step's largest finite scaled gradient on this rank
+                          "largest_scaled": updater.mixed.largest}),
                       "memory": memory,  # memory.ModelStates of this rank, after the last step
                       # pipeline_parallel.gather_timeline: every rank's instructions of the
                       # last step with wall-clock start/end (rank 0; empty with pp = 1)

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 from minipar.comm.mesh import MeshShape
 from minipar.core.memory import wire_elements
 from minipar.planner.memory_cost import rank_shape
-from minipar.planner.time_cost import ledger_of, traffic
+from minipar.planner.time_cost import Traffic, traffic
 from minipar.planner.workloads import minipar_workload, plan_of
 from minipar.settings.config import TrainConfig
 
@@ -68,48 +71,214 @@ def sent_per_axis(records: Sequence[dict], sizes: Mapping[str, int]) -> dict[str
             sorted(per_axis, key=lambda a: AXES.index(a) if a in AXES else len(AXES))}
 
 
-def predicted_ledgers(cfg: TrainConfig) -> dict[int, dict[tuple[str, str], tuple[int, int]]]:
-    """Every rank's ledger as the formulas predict it (minipar.planner.time_cost, the planner's
-    arithmetic): rank -> (group, op) -> (calls, elements)."""
+@dataclass(frozen=True)
+class Line:
+    """One predicted ledger line of a rank: `calls` calls moving `elements` numbers in
+    `bytes` bytes, each number a `dtype` ("float64", "bf16", "int64", or two names
+    joined by "+" for a line that moves both). `routed`: the elements follow the router
+    (an MoE's Alltoallv, the tp sums of experts split over tp), so only the calls and
+    the bytes an element are predicted."""
+
+    calls: int
+    elements: int
+    bytes: int
+    dtype: str
+    routed: bool = False
+
+    @property
+    def itemsize(self) -> float:
+        """Bytes an element (a line of two dtypes: their mean, by the formula's counts)."""
+        return self.bytes / self.elements if self.elements else 0.0
+
+
+# what only moves bytes (no sum): under --mixed a 16-bit activation travels as its
+# 16-bit words (docs/design.md, "Mixed precision", "On the wire")
+_MOVES = {"Isend", "Recv", "Irecv", "Send", "Sendrecv", "Allgather", "Alltoallv"}
+
+
+def _dtype_name(itemsize: int, cfg: TrainConfig) -> str:
+    """The dtype of `itemsize` bytes in this run: 2 its 16-bit format, the master's
+    itemsize its --dtype, 8 otherwise int64 (counts), 4 int32 (the found_inf vote)."""
+    if itemsize == 2 and cfg.mixed:
+        return cfg.mixed
+    if itemsize == np.dtype(cfg.dtype).itemsize:
+        return cfg.dtype
+    return {8: "int64", 4: "int32"}.get(itemsize, f"{itemsize}-byte")
+
+
+def _line(t: Traffic, cfg: TrainConfig) -> Line:
+    """A planner entry as this run's ledger writes it. The planner prices activations in
+    the master dtype; the run's contract (docs/design.md, "Mixed precision") moves
+    16-bit words wherever a message only carries an activation or its gradient (the
+    pipeline's, context parallelism's, sequence parallelism's Allgathers, the experts'
+    Alltoallv), and sums gradients in 16 bits with --grad-reduce-dtype low."""
+    itemsize = None
+    if cfg.mixed:
+        moves = t.group in ("pp", "cp", "tp", "ep") and (
+            t.op in _MOVES or (t.group == "cp" and t.op == "Alltoall"))
+        if moves and not (t.group == "pp" and t.op == "Sendrecv"):  # DualPipe: gradients
+            itemsize = 2
+        low_sync = t.group in ("dp", "edp") and (
+            t.op == "Reduce_scatter" or (t.op in ("Allreduce", "Iallreduce")
+                                         and t.phase == "step"))
+        if cfg.grad_reduce_dtype == "low" and low_sync:
+            itemsize = 2
+    if itemsize is None and t.elements and t.bytes % t.elements == 0:
+        itemsize = t.bytes // t.elements
+    if itemsize is None:  # counts beside numbers of the master dtype (the MoE statistics)
+        return Line(t.calls, t.elements, t.bytes, f"int64+{cfg.dtype}")
+    return Line(t.calls, t.elements, t.elements * itemsize, _dtype_name(itemsize, cfg))
+
+
+def _merged(a: Line | None, b: Line) -> Line:
+    """Two predicted contributions to one (group, op) line, added up."""
+    if a is None:
+        return b
+    names = a.dtype.split("+") + [n for n in b.dtype.split("+") if n not in a.dtype.split("+")]
+    return Line(a.calls + b.calls, a.elements + b.elements, a.bytes + b.bytes,
+                "+".join(names), a.routed or b.routed)
+
+
+def predicted_lines(cfg: TrainConfig, skipped: bool = False
+                    ) -> dict[int, dict[tuple[str, str], Line]]:
+    """Every rank's ledger as the formulas predict it, bytes and dtype included: rank ->
+    (group, op) -> Line. The planner's traffic (minipar.planner.time_cost) in this run's
+    dtypes (`_line`), plus what a step adds beside the model: the loss scaler's
+    found_inf vote (fp16: one MAX-Allreduce of one int32 over the world,
+    parallel/mixed.py), the clipping norm's Allreduce of one float64 (compose/clip.py),
+    the masked loss's count of valid positions (one int64 over dp x cp, documents.py)
+    and the sigmoid-bias router's loads (one Allreduce of every block's E int64 counts
+    over dp x cp, core/routing.py). `skipped`: the step was one fp16's loss scaler
+    skipped (parallel/mixed.py), so no update: no clipping norm, no ZeRO-1/2 Allgatherv
+    of the updated slices."""
+    from minipar.compose import clip
+    from minipar.core import documents
+
     workload, plan, mesh = minipar_workload(cfg), plan_of(cfg), cfg.mesh_shape()
-    out = {rank: ledger_of(traffic(workload, plan, rank_shape(workload, plan,
-                                                              mesh.coords(rank)["pp"])))
-           for rank in range(mesh.world)}
-    if cfg.mixed == "fp16" and mesh.world > 1:   # the loss scaler's found_inf vote: one
-        for ledger in out.values():              # MAX-Allreduce of one flag a step
-            ledger[("world", "Allreduce")] = (1, 1)   # (parallel/mixed.py)
+    out: dict[int, dict[tuple[str, str], Line]] = {}
+    for rank in range(mesh.world):
+        shape = rank_shape(workload, plan, mesh.coords(rank)["pp"])
+        lines: dict[tuple[str, str], Line] = {}
+        for t in traffic(workload, plan, shape):
+            if skipped and t.op == "Allgatherv" and cfg.zero in (1, 2):
+                continue   # the update skipped: nothing new to gather
+            if cfg.model == "moe" and cfg.tp > 1 and t.group == "edp":
+                continue   # experts split over tp: the planner's MoE keeps them whole
+            line = _line(t, cfg)
+            routed = t.op == "Alltoallv" or (cfg.model == "moe" and t.group == "tp")
+            lines[(t.group, t.op)] = _merged(lines.get((t.group, t.op)),
+                                             replace(line, routed=routed))
+        extra: list[tuple[tuple[str, str], Line]] = []
+        if cfg.mixed == "fp16" and mesh.world > 1:
+            extra.append((("world", "Allreduce"), Line(1, 1, 4, "int32")))
+        for key, (calls, elements) in ({} if skipped else clip.expected_ledger(cfg)).items():
+            extra.append((key, Line(calls, elements, 8 * elements, "float64")))
+        if cfg.documents:
+            for key, (calls, elements) in documents.expected_ledger(
+                    cfg.dp * cfg.cp).items():
+                extra.append((key, Line(calls, elements, 8 * elements, "int64")))
+        moe_blocks = sum(1 for block in shape.blocks if block.moe)
+        if cfg.router == "sigmoid-bias" and moe_blocks and cfg.dp * cfg.cp > 1:
+            counts = moe_blocks * cfg.experts
+            extra.append((("dp", "Allreduce"), Line(1, counts, 8 * counts, "int64")))
+        for key, line in extra:
+            lines[key] = _merged(lines.get(key), line)
+        out[rank] = lines
     return out
 
 
-def ledger_table(records: list[dict], cfg: TrainConfig) -> str:
-    """One line per (group, op) for the busiest rank: calls, elements and bytes, the
-    ring-algorithm wire volume, and what the formulas predict for that rank (the
-    planner's cost model; Alltoallv elements follow the router, so only calls are
-    predicted for them, and so do the tp Allreduces of split experts: --tp with --model
-    moe sums the rows an expert rank received)."""
-    predicted = predicted_ledgers(cfg)
+def predicted_ledgers(cfg: TrainConfig) -> dict[int, dict[tuple[str, str], tuple[int, int]]]:
+    """Every rank's ledger as the formulas predict it: rank -> (group, op) -> (calls,
+    elements) (`predicted_lines` without the bytes)."""
+    return {rank: {key: (line.calls, line.elements) for key, line in lines.items()}
+            for rank, lines in predicted_lines(cfg).items()}
+
+
+def itemsizes_text(record: dict, cfg: TrainConfig) -> str:
+    """What a measured line's bytes say of its dtype: one name when every element took
+    the same bytes, else the bytes an element (a line moving two dtypes)."""
+    if not record["elements"]:
+        return "-"
+    each = record["bytes"] / record["elements"]
+    if each in (2, 4, 8):
+        return _dtype_name(int(each), cfg)
+    return f"{each:.3g} B/elem"   # two dtypes in one line (e.g. 2-byte and 8-byte calls)
+
+
+def ledger_differences(records: list[dict], cfg: TrainConfig, skipped: bool = False
+                       ) -> list[str]:
+    """Every predicted line a rank's ledger does not match, one sentence each with the
+    ranks it is true of (empty when all match): calls, elements and bytes (a routed
+    line: calls and the bytes an element). A line the formulas do not predict is not
+    judged (the table shows "-"). `skipped`: fp16 skipped the step (`predicted_lines`)."""
+    out: dict[str, list[int]] = {}   # a sentence -> the ranks it is true of
+    for rank, lines in sorted(predicted_lines(cfg, skipped).items()):
+        measured = {(r["group"], r["op"]): r for r in records if r["rank"] == rank}
+        for (group, op), want in sorted(lines.items()):
+            got = measured.get((group, op), {"calls": 0, "elements": 0, "bytes": 0})
+            if want.routed:
+                same = got["calls"] == want.calls and \
+                    got["bytes"] == got["elements"] * want.itemsize
+            else:
+                same = (got["calls"], got["elements"], got["bytes"]) == (
+                    want.calls, want.elements, want.bytes)
+            if not same:
+                out.setdefault(f"{group} {op}: {got['calls']} calls, "
+                           f"{got['elements']} elements, {got['bytes']} bytes "
+                           f"({itemsizes_text(got, cfg) if got['calls'] else 'absent'}) "
+                           f"where the formulas say {want.calls}, "
+                           f"{'(router)' if want.routed else want.elements}, "
+                           f"{'(router)' if want.routed else want.bytes} bytes ({want.dtype})",
+                               []).append(rank)
+    return [f"{text} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+            for text, ranks in out.items()]
+
+
+def ledger_table(records: list[dict], cfg: TrainConfig, skipped: bool = False) -> str:
+    """One line per (group, op) for the busiest rank: calls, elements, bytes and the
+    dtype they imply, the ring-algorithm wire volume, and what the formulas predict for
+    that rank (`predicted_lines`: calls, elements, bytes and dtype; Alltoallv elements
+    follow the router, so only calls and the bytes an element are predicted for them,
+    and so for the tp Allreduces of split experts: --tp with --model moe sums the rows
+    an expert rank received). `--check` judges every rank's lines the same way
+    (`ledger_differences`)."""
+    predicted = predicted_lines(cfg, skipped)
     per: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in records:
         per[(r["group"], r["op"])].append(r)
     lines = [f"ledger of the last step ({len(records)} records from "
              f"{len({r['rank'] for r in records})} ranks; the busiest rank of each line)",
              f"{'group':>6} {'op':>15} {'rank':>4} {'calls':>6} {'elements':>10} "
-             f"{'bytes':>10} {'wire bytes':>11}  predicted calls, elements"]
+             f"{'bytes':>10} {'dtype':>8} {'wire bytes':>11}  "
+             "predicted calls, elements, bytes (dtype)"]
     for (group, op), rows in sorted(per.items()):
         worst = max(rows, key=lambda r: (r["bytes"], -r["rank"]))
         wire = wire_bytes(worst, {group: group_size(cfg, group)})  # a receive: 0
-        calls, elements = predicted[worst["rank"]].get((group, op), (None, None))
-        if calls is None:
-            verdict = "-"
-        elif cfg.model == "moe" and cfg.tp > 1 and group == "edp":
+        want = predicted[worst["rank"]].get((group, op))
+        if want is None and cfg.model == "moe" and cfg.tp > 1 and group == "edp":
             verdict = "- (experts split over tp: the planner's MoE keeps them whole)"
-        elif op == "Alltoallv" or (cfg.model == "moe" and group == "tp"):
-            verdict = f"{calls}, (router) {'ok' if calls == worst['calls'] else 'DIFFERS'}"
+        elif want is None:
+            verdict = "-"
+        elif want.routed:
+            same = worst["calls"] == want.calls and \
+                worst["bytes"] == worst["elements"] * want.itemsize
+            verdict = (f"{want.calls}, (router), {want.itemsize:g} B/elem ({want.dtype}) "
+                       f"{'ok' if same else 'DIFFERS'}")
         else:
-            same = (calls, elements) == (worst["calls"], worst["elements"])
-            verdict = f"{calls}, {elements} {'ok' if same else 'DIFFERS'}"
+            same = (want.calls, want.elements, want.bytes) == (
+                worst["calls"], worst["elements"], worst["bytes"])
+            verdict = (f"{want.calls}, {want.elements}, {want.bytes} ({want.dtype}) "
+                       f"{'ok' if same else 'DIFFERS'}")
         lines.append(f"{group:>6} {op:>15} {worst['rank']:>4} {worst['calls']:>6} "
-                     f"{worst['elements']:>10} {worst['bytes']:>10} {wire:>11.0f}  {verdict}")
+                     f"{worst['elements']:>10} {worst['bytes']:>10} "
+                     f"{itemsizes_text(worst, cfg):>8} {wire:>11.0f}  {verdict}")
+    missing = sorted({key for lines_ in predicted.values() for key in lines_} - set(per))
+    for group, op in missing:   # predicted, never called: a line of its own
+        want = next(lines_[(group, op)] for lines_ in predicted.values()
+                    if (group, op) in lines_)
+        lines.append(f"{group:>6} {op:>15} {'-':>4} {0:>6} {0:>10} {0:>10} {'-':>8} "
+                     f"{0:>11}  {want.calls}, {want.elements}, {want.bytes} ({want.dtype}) "
+                     "DIFFERS (never called)")
     if len(lines) == 2:
         lines.append("  (no communication: a mesh of one rank)")
     return "\n".join(lines)
