@@ -22,6 +22,7 @@ minipar/ with `ast` (no import runs, no tool beyond the standard library) and fa
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 from pathlib import Path
@@ -321,4 +322,66 @@ def test_no_reference_to_a_file_outside_the_repository():
                 candidates = [ROOT / name, ROOT / "docs" / name, path.parent / name]
                 if not any(candidate.is_file() for candidate in candidates):
                     found.append(f"{where}:{number}: {name} is not in the repository")
+    assert found == [], "\n".join(found)
+
+
+# ------------------------------------------------------------ one home per name
+def defined_names(module: str) -> set[str] | None:
+    """The names `module` (minipar.x.y) defines itself: its top-level functions, classes
+    and assignments (inside `if`/`try` too), the names its `__all__` offers as its public
+    face (minipar.placement's), and, for a package, its submodules. None when the module
+    is no file of minipar's."""
+    path = ROOT / Path(*module.split("."))
+    init = path / "__init__.py"
+    source = init if init.exists() else path.with_suffix(".py")
+    if not source.exists():
+        return None
+    names = {child.stem for child in path.glob("*.py")} | {
+        child.name for child in path.iterdir() if child.is_dir()} if init.exists() else set()
+    body = list(ast.parse(source.read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            if "__all__" in names and isinstance(node.value, (ast.List, ast.Tuple)):
+                names |= {e.value for e in node.value.elts if isinstance(e, ast.Constant)}
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            body += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                     *[s for h in getattr(node, "handlers", []) for s in h.body]]
+    return names
+
+
+def borrowed_imports(name: str, source: str) -> list[str]:
+    """`from minipar.x import y` lines of `source` where minipar.x does not define y."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minipar"):
+            defined = defined_names(node.module)
+            found += [f"{name}:{node.lineno}: {node.module} does not define {alias.name}"
+                      for alias in node.names if defined is not None
+                      and alias.name not in defined]
+    return found
+
+
+def test_a_borrowed_import_fails():
+    assert borrowed_imports("x.py", "from minipar.teaching.plots import series_style\n")
+    assert not borrowed_imports("x.py", "from minipar.teaching.load_plots import series_style\n")
+    assert not borrowed_imports("x.py", "from minipar.teaching import plots\n")
+
+
+def test_every_import_names_the_module_that_defines_the_name():
+    """Lessons, notebooks, tests and benchmarks included: a reader who opens the module an
+    import names finds the name defined there, not imported from a third file."""
+    found = []
+    for path in [*PACKAGE.rglob("*.py"), *ROOT.glob("lessons/*.py"), *ROOT.glob("tests/**/*.py"),
+                 *ROOT.glob("bench/*.py")]:
+        found += borrowed_imports(str(path.relative_to(ROOT)), path.read_text())
+    for path in ROOT.glob("lessons/*.ipynb"):
+        cells = json.loads(path.read_text())["cells"]
+        code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        code = "\n".join(line for line in code.splitlines() if not line.startswith("%"))
+        found += borrowed_imports(str(path.relative_to(ROOT)), code)
     assert found == [], "\n".join(found)

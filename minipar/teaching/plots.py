@@ -195,12 +195,15 @@ def memory_figure(runs: dict[str, Sequence[ModelStates | dict]],
 
 
 def loss_figure(runs: dict[str, Sequence[float]], references: dict[str, Sequence[float]],
-                title: str = "") -> Figure:
+                title: str = "", tolerances: dict[str, float] | None = None) -> Figure:
     """Each parallel run's step losses drawn over its single-process run (`runs` and
     `references` share labels), and beside it their relative difference per step on
-    a log scale against the 1e-9 tolerance (an exact 0 is drawn at 1e-18). Runs of
-    different models (different references) get a loss panel each, with its own scale:
-    on one axis, losses of 2.3 and 4.2 would squash every curve flat."""
+    a log scale against its tolerance (an exact 0 is drawn at 1e-18): 1e-9, or the run's
+    own from `tolerances` (a 16-bit run's derived bound, run/results.py mixed_tolerance),
+    drawn dotted in the run's colour. Runs of different models (different references)
+    get a loss panel each, with its own scale: on one axis, losses of 2.3 and 4.2 would
+    squash every curve flat."""
+    tolerances = tolerances or {}
     groups: dict[tuple, list[str]] = {}  # runs of one model share a reference
     for label in runs:
         groups.setdefault(tuple(np.round(references[label], 12)), []).append(label)
@@ -226,6 +229,10 @@ def loss_figure(runs: dict[str, Sequence[float]], references: dict[str, Sequence
         diff = np.maximum(np.abs(np.asarray(losses) - ref) / np.abs(ref), 1e-18)
         right.plot(np.arange(1, len(ref) + 1), diff, label=label, **style_of[label])
         worst = max(worst, float(diff.max()))
+        if label in tolerances:
+            right.axhline(tolerances[label], color=style_of[label]["color"], ls=":", lw=1.5,
+                          label=f"{label}: its tolerance {tolerances[label]:.1e}")
+            worst = max(worst, tolerances[label])
     lefts[-1].set_xlabel("step")
     lefts[rows // 2].set_ylabel("loss (before the step's update)")
     lefts[0].set_title(("one panel per model: " if rows > 1 else "")
@@ -240,7 +247,8 @@ def loss_figure(runs: dict[str, Sequence[float]], references: dict[str, Sequence
     right.minorticks_off()
     right.set_xlabel("step")
     right.set_ylabel("|parallel - one process| / |one process|")
-    right.set_title("relative difference of the loss (dashed: tolerance 1e-9)", fontsize=10)
+    right.set_title("relative difference of the loss (dashed: tolerance 1e-9"
+                    + ("; dotted: a run's own" if tolerances else "") + ")", fontsize=10)
     right.xaxis.get_major_locator().set_params(integer=True)
     figure.legend(loc="outside right center", fontsize=8, frameon=False)
     if title:
