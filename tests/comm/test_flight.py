@@ -285,3 +285,56 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
                           "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     assert run.stderr.startswith("minipar: error: --flight ") and "not a folder" in run.stderr
+
+
+def test_crafted_dumps_are_one_line_naming_the_file_and_field(tmp_path):
+    """`python -m minipar flight DIR` validates each dump before it reads one: a crafted
+    file is one line and exit 2 naming the file and what is wrong (they were a
+    RecursionError, an IndexError, a KeyError)."""
+    good = made_dumps(tmp_path, {0: [("pp{0,1}", "Sendrecv", 8, 1, 1, 0)],
+                                 1: [("pp{0,1}", "Sendrecv", 8, 0, 0, 0)]}, 2,
+                      {0: "Sendrecv with pp", 1: "Sendrecv with pp"})
+    assert "Sendrecv with pp ranks 1/1" in verdict(load(good))
+    dump = json.loads((good / "rank1.json").read_text())
+
+    def edited(edit):
+        data = copy.deepcopy(dump)
+        edit(data)
+        return json.dumps(data)
+
+    call = ("calls", 0)
+    cases = {
+        "deep": ("[" * 100_000 + "]" * 100_000, "nested more than"),
+        "one peer": (edited(lambda d: d[call[0]][0].update(peer=[0], nth=[1])),
+                     "call 0 (Sendrecv) has no valid peer"),
+        "waiting without what": (edited(lambda d: d.update(waiting={"seconds": 3})),
+                                 "field 'waiting'"),
+        "a NaN time": (edited(lambda d: d[call[0]][0].update(t=float("nan"))), "call 0"),
+        "seq 0": (edited(lambda d: d[call[0]][0].update(seq=0)), "call 0"),
+        "a string step": (edited(lambda d: d[call[0]][0].update(step="1")), "'step'"),
+        "world 0": (edited(lambda d: d.update(world=0, rank=0)), "field 'world'"),
+        "rank outside its group": (edited(lambda d: d["groups"]["pp{0,1}"].update(
+            members=[0, 0])), "group 'pp{0,1}'"),
+    }
+    for name, (text, said) in cases.items():
+        folder = tmp_path / name.replace(" ", "-")
+        folder.mkdir()
+        (folder / "rank0.json").write_text((good / "rank0.json").read_text())
+        (folder / "rank1.json").write_text(text)
+        run = subprocess.run([sys.executable, "-m", "minipar", "flight", str(folder)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and run.stdout == "", (name, run)
+        assert run.stderr.startswith(f"minipar: error: {folder / 'rank1.json'} is not a "
+                                     "flight dump") and run.stderr.count("\n") == 1, run.stderr
+        assert said in run.stderr, (name, run.stderr)
+    other = tmp_path / "members"   # a group whose members differ between two ranks' dumps
+    other.mkdir()
+    (other / "rank0.json").write_text((good / "rank0.json").read_text())
+    (other / "rank1.json").write_text(edited(lambda d: d["groups"].update(
+        {"dp{0,1}": {"axis": "dp", "calls": 0, "messages": 0, "members": [1]}})))
+    zero = json.loads((good / "rank0.json").read_text())
+    zero["groups"]["dp{0,1}"] = {"axis": "dp", "calls": 0, "messages": 0, "members": [0, 1]}
+    (other / "rank0.json").write_text(json.dumps(zero))
+    with pytest.raises(FlightError, match=re.escape("group 'dp{0,1}' has members [1], "
+                                                    "rank0.json says [0, 1]")):
+        load(other)

@@ -205,3 +205,69 @@ def test_lesson_1_prints_how_much_of_the_overlapped_sync_its_trace_hides():
     doc = json.loads((folder / "trace_overlapped" / "trace.json").read_text())
     check_events(doc, "lesson 1")
     assert any(e["ph"] == "X" and e["name"] == "Iallreduce" for e in doc["traceEvents"])
+
+
+def test_crafted_traces_are_one_line_naming_the_file_and_field(traced, tmp_path, capsys):
+    """Each reader of a trace.json validates before it uses: a crafted file is refused
+    in one line naming the file and the field (they were a KeyError, a TypeError, an
+    AttributeError, an IndexError, a RecursionError, or "trace of -3 ranks" and
+    "nan s" with exit 0)."""
+    text = (traced / "trace" / "trace.json").read_text()
+    doc = json.loads(text)
+    x = next(i for i, e in enumerate(doc["traceEvents"]) if e["ph"] == "X")
+    info = ("otherData", "minipar")
+
+    def event(**fields):
+        def edit(d):
+            d["traceEvents"][x].update(fields)
+        return edit
+
+    def run_record(**fields):
+        def edit(d):
+            d[info[0]][info[1]].update(fields)
+        return edit
+
+    cases = {
+        "no ts": (lambda d: d["traceEvents"][x].pop("ts"), f"traceEvents[{x}].ts"),
+        "a string ts": (event(ts="5"), f"traceEvents[{x}].ts"),
+        "a NaN ts": (event(ts=float("nan")), f"traceEvents[{x}].ts"),
+        "a 1e308 ts": (event(ts=1e308), f"traceEvents[{x}].ts"),
+        "a negative dur": (event(dur=-4), f"traceEvents[{x}].dur"),
+        "a pid outside the ranks": (event(pid=9), f"traceEvents[{x}].pid"),
+        "args a list": (event(args=[]), f"traceEvents[{x}].args"),
+        "config null": (run_record(config=None), "otherData.minipar.config"),
+        "0 ranks": (run_record(ranks=0), "otherData.minipar.ranks"),
+        "-3 ranks": (run_record(ranks=-3), "otherData.minipar.ranks"),
+        "a string pp": (lambda d: d[info[0]][info[1]]["config"].update(pp="2"),
+                        "otherData.minipar.config.pp"),
+        "one host short": (lambda d: d[info[0]][info[1]]["hosts"].pop(),
+                           "otherData.minipar.hosts"),
+        "events an object": (lambda d: d.update(traceEvents={}), "not a minipar trace"),
+    }
+    for name, (edit, field) in cases.items():
+        folder = tmp_path / name.replace(" ", "-")
+        folder.mkdir()
+        broken = copy.deepcopy(doc)
+        edit(broken)
+        (folder / "trace.json").write_text(json.dumps(broken))
+        code, out, err = command(capsys, str(folder))
+        lines = err.strip().splitlines()
+        assert code == 2 and out == "" and len(lines) == 1, (name, out, err)
+        assert lines[0].startswith(f"minipar: error: {folder / 'trace.json'}"), (name, lines)
+        assert field in lines[0], (name, lines)
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    (deep / "trace.json").write_text("[" * 100_000 + "]" * 100_000)
+    code, out, err = command(capsys, str(deep))
+    assert code == 2 and "nested more than" in err and err.count("\n") == 1, err
+    # the outputs: a figure format matplotlib lacks, before the report; never the trace
+    code, out, err = command(capsys, str(traced / "trace"), "--plot", str(tmp_path / "g.xyz"))
+    assert code == 2 and out == "" and ".xyz is no figure format" in err, (out, err)
+    for target in (traced / "trace" / "trace.json", traced / "trace" / "rank0.json"):
+        code, out, err = command(capsys, str(traced / "trace"), "--simulated", str(target))
+        assert code == 2 and out == "" and "the run's own trace" in err, err
+    mine = tmp_path / "notes.json"
+    mine.write_text("{}")
+    code, out, err = command(capsys, str(traced / "trace"), "--simulated", str(mine))
+    assert code == 2 and "not a simulated trace" in err and mine.read_text() == "{}", err
+    assert (traced / "trace" / "trace.json").read_text() == text      # untouched
