@@ -18,7 +18,7 @@ export MINIPAR_MPIEXEC := $(if $(findstring /,$(MPIEXEC)),$(abspath $(MPIEXEC)),
 RUFF_CONFIG := $(shell $(PYTHON) -c "import configparser as c; p = c.ConfigParser(); \
 	p.read('setup.cfg'); print(' '.join(\"--config '%s = %s'\" % kv for kv in p['tool:ruff'].items()))")
 
-.PHONY: install bytecode test test-fast lint hosts-test demo course lessons notebooks bench clean
+.PHONY: install bytecode test test-fast lint hosts-test demo course lessons notebooks book test-book bench clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,7 @@ bytecode: install
 	@$(PY) -m compileall -q minipar tests lessons bench > /dev/null
 
 lint: install
-	$(PY) -m ruff check --output-format concise $(RUFF_CONFIG) minipar tests lessons bench
+	$(PY) -m ruff check --output-format concise $(RUFF_CONFIG) minipar tests lessons bench book
 
 # The whole suite; the 15 slowest tests are listed, then the total this machine took.
 test: bytecode lint
@@ -77,6 +77,25 @@ lessons: bytecode
 
 notebooks: bytecode
 	$(PY) -m tests.course --notebooks
+
+# The course as a static book in build/book/ (mkdocs-material, book/build.py), from the
+# executed notebooks `make course` keeps in build/notebooks/: a notebook whose own checks
+# failed is refused, and the book with it. Builds and reads with no network.
+book:
+	@ls build/notebooks/*.ipynb > /dev/null 2>&1 || \
+	  { echo "make book: no executed notebooks in build/notebooks/: run make course first"; exit 2; }
+	@$(MAKE) --no-print-directory $(VENV)/.book
+	$(PY) book/build.py
+
+$(VENV)/.book: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[book]'
+	touch $@
+
+# Every page of build/book/ in a headless Chromium (Debian's, installed when missing;
+# Playwright downloads no browser): console errors, images, internal links, search.
+test-book: $(VENV)/.book
+	@test -x /usr/bin/chromium || { apt-get update -qq && apt-get install -y -qq chromium > /dev/null; }
+	$(PY) book/browse.py
 
 # Speed figures, each a ratio measured side by side (writes bench/results.json).
 bench: bytecode

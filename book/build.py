@@ -9,8 +9,8 @@ notebook that breaks it, naming the notebook, the cell and why:
   notebook's own `assert` on what the ranks measured, a timeout);
 - a code cell never ran (the run stopped before it: nbclient writes a failing notebook
   up to the failing cell);
-- an output says `N check(s) failed` (what a lesson script prints when any of its
-  checks failed: minipar/comm/job.py, `verdict`);
+- an output says `N check(s) failed` or `lesson checks: N passed, M failed` with M > 0
+  (what a lesson script prints when any of its checks failed: minipar/comm/job.py);
 - the notebook is missing from build/notebooks/, or its code differs from lessons/ (it
   ran an older copy of the lesson).
 
@@ -34,8 +34,8 @@ from __future__ import annotations
 import argparse
 import ast
 import base64
-import os
 import datetime as dt
+import os
 import re
 import shutil
 import subprocess
@@ -46,14 +46,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
-FAILED_CHECKS = re.compile(r"\b\d+ check\(s\) failed")
+# what a lesson script prints when a check failed (minipar/comm/job.py)
+FAILED_CHECKS = re.compile(r"\b\d+ check\(s\) failed|^lesson checks: \d+ passed, [1-9]\d* failed",
+                           flags=re.M)
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 FOLD_LINES = 40   # a text output longer than this is shown folded (still searchable)
 NOTEBOOK_COMMAND = ("MINIPAR_QUICK=0 MINIPAR_NOTEBOOKS_OUT=build/notebooks "
                     ".venv/bin/python -m pytest -q tests/teaching/test_notebooks.py -k {stem}")
 
 
-class Refused(Exception):
+class RefusedError(Exception):
     """A notebook the book will not show: its own checks failed, or it is not there."""
 
 
@@ -373,7 +375,7 @@ def notebook_page(lesson: Lesson, notebook: dict, sources: Sources, entries: lis
     figures = docs / "lessons" / "figures"
     figures.mkdir(parents=True, exist_ok=True)
     code = [cell_text(c) for c in notebook["cells"] if c.get("cell_type") == "code"]
-    header = provenance(lesson, notebook) + "\n" + strategy_table(
+    header = provenance(lesson, notebook, sources) + "\n" + strategy_table(
         here, [e for e in entries if lesson.stem in e.lessons], lesson_rows(lesson, rows),
         calls_of(code, sources), sources)
     parts, figure_count, placed = [], 0, False
@@ -425,7 +427,7 @@ def text_block(texts: list[str]) -> str:
     return f'??? example "Output: {lines} lines (click to open)"\n\n' + indent(fence(text, "text"))
 
 
-def provenance(lesson: Lesson, notebook: dict | None) -> str:
+def provenance(lesson: Lesson, notebook: dict | None, sources: Sources) -> str:
     """The box under a lesson's title: what ran, how, when; that it passed."""
     lines = []
     if notebook is not None:
@@ -436,8 +438,8 @@ def provenance(lesson: Lesson, notebook: dict | None) -> str:
                      "ran and none of its checks failed. The command that produced them:")
         lines.append(fence(NOTEBOOK_COMMAND.format(stem=lesson.stem), "sh"))
     if lesson.script is not None:
-        lines.append("The lesson's script, from the repository root "
-                     f"([its source]({relative(lesson.page, f'src/lessons/{lesson.stem}.py.md')})):")
+        script = sources.link(f"lessons/{lesson.stem}.py", None, lesson.page)
+        lines.append(f"The lesson's script, from the repository root ([its source]({script})):")
         lines.append(fence(lesson.run_line(), "sh"))
     return "!!! info \"How this page was made\"\n\n" + indent("\n\n".join(lines)) + "\n"
 
@@ -450,7 +452,7 @@ def script_page(lesson: Lesson, sources: Sources, entries: list[Entry], rows: li
     sources.link(f"lessons/{lesson.stem}.py", None, here)
     return "\n".join([
         f"# {title.strip()}\n",
-        provenance(lesson, None),
+        provenance(lesson, None, sources),
         "This lesson has no notebook: it is a script, run by `make course` (and `make "
         "lessons`) at full size; its text is below, its output is what the command above "
         "prints.\n",
@@ -534,7 +536,7 @@ def design_page() -> str:
 
 # ----------------------------------------------------------------- the build
 def write_pages(notebooks: Path, docs: Path, only: list[str] | None = None) -> list:
-    """Every page into `docs`; returns the nav. Raises Refused (every reason of every
+    """Every page into `docs`; returns the nav. Raises RefusedError (every reason of every
     notebook) before writing anything when a notebook did not pass. `only`: the lessons
     to keep (their numbers, or "exercises"), the others left out of the book."""
     import json
@@ -555,7 +557,7 @@ def write_pages(notebooks: Path, docs: Path, only: list[str] | None = None) -> l
         refused += [f"{path}: {reason}" for reason in failures(notebook, stored)]
         executed[stem] = notebook
     if refused:
-        raise Refused("\n".join(refused))
+        raise RefusedError("\n".join(refused))
 
     if docs.exists():
         shutil.rmtree(docs)
@@ -611,16 +613,15 @@ def write_pages(notebooks: Path, docs: Path, only: list[str] | None = None) -> l
 
 def build(notebooks: Path, out: Path, work: Path, only: list[str] | None = None) -> int:
     """Write the pages into work/docs and run mkdocs into `out`; returns mkdocs' exit code."""
-    import yaml
-
     nav = write_pages(notebooks, work / "docs", only)
+    import yaml  # here: mkdocs brings it (the book extra); the refusals above need none
     config = (BOOK / "mkdocs.yml").read_text() + "\n" + yaml.safe_dump({
         "docs_dir": str(work / "docs"), "site_dir": str(out),
         "hooks": [str(BOOK / "hooks.py")], "nav": nav}, sort_keys=False, allow_unicode=True)
     (work / "mkdocs.yml").write_text(config)
     if out.exists():
         shutil.rmtree(out)
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
                            "-f", str(work / "mkdocs.yml")], cwd=ROOT,
                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}).returncode
 
@@ -642,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = build(args.notebooks.resolve(), args.out.resolve(), args.work.resolve(),
                      args.only.split(",") if args.only else None)
-    except Refused as refused:
+    except RefusedError as refused:
         print("book: refused, a notebook's own checks failed (no page shows a run that did "
               f"not pass):\n{refused}", file=sys.stderr)
         return 1

@@ -1,0 +1,128 @@
+"""The book's rule (book/build.py): a page never shows a run that did not pass.
+
+No browser and no mkdocs here: the rule and the pages are plain Python; `make test-book`
+opens the built site in Chromium.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import json
+
+import pytest
+
+from book import build
+from tests.harness.mpi import ROOT
+
+# a 1x1 PNG: the figure a cell displayed
+PIXEL = base64.b64encode(bytes.fromhex(
+    "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+    "1f15c4890000000d49444154789c6360f8cfc0f01f0005000201a5e7a4"
+    "0e0000000049454e44ae426082")).decode()
+
+
+def executed(stem: str, figure: bool = True) -> dict:
+    """lessons/<stem>.ipynb as if it had run and passed: every code cell executed, the
+    first one printing a line, the last one displaying a figure."""
+    notebook = json.loads((ROOT / f"lessons/{stem}.ipynb").read_text())
+    code = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    for number, cell in enumerate(code, start=1):
+        cell["execution_count"] = number
+        cell["outputs"] = []
+    code[0]["outputs"] = [{"output_type": "stream", "name": "stdout",
+                           "text": "lesson checks: 7 passed, 0 failed\n"}]
+    if figure:
+        code[-1]["outputs"] = [{"output_type": "display_data", "metadata": {},
+                                "data": {"image/png": PIXEL, "text/plain": "<Figure>"}}]
+    return notebook
+
+
+def stored(stem: str) -> dict:
+    return json.loads((ROOT / f"lessons/{stem}.ipynb").read_text())
+
+
+def test_a_notebook_that_passed_is_accepted():
+    assert build.failures(executed("03_expert_parallel"), stored("03_expert_parallel")) == []
+
+
+def broken(kind: str) -> dict:
+    notebook = executed("03_expert_parallel")
+    code = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    if kind == "raised":
+        code[1]["outputs"].append({"output_type": "error", "ename": "RuntimeError",
+                                   "evalue": "exit 1: mpiexec -n 8 ...", "traceback": []})
+    elif kind == "never ran":
+        code[-1]["execution_count"] = None
+    elif kind == "check(s) failed":
+        code[1]["outputs"].append({"output_type": "stream", "name": "stdout",
+                                   "text": "...\n2 check(s) failed\n"})
+    elif kind == "lesson checks":
+        code[0]["outputs"][0]["text"] = "lesson checks: 6 passed, 1 failed\n"
+    elif kind == "older code":
+        code[1]["source"] = "print('an older copy of the lesson')"
+    return notebook
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("raised", "raised RuntimeError: exit 1"),
+    ("never ran", "never ran"),
+    ("check(s) failed", "printed '2 check(s) failed'"),
+    ("lesson checks", "printed 'lesson checks: 6 passed, 1 failed'"),
+    ("older code", "differs from lessons/"),
+])
+def test_a_notebook_whose_checks_failed_is_refused(kind, words):
+    reasons = build.failures(broken(kind), stored("03_expert_parallel"))
+    assert len(reasons) == 1 and words in reasons[0], reasons
+
+
+def test_the_build_stops_before_any_page_and_names_the_cell(tmp_path, capsys):
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    (notebooks / "03_expert_parallel.ipynb").write_text(json.dumps(broken("check(s) failed")))
+    code = build.main(["--notebooks", str(notebooks), "--out", str(tmp_path / "site"),
+                       "--work", str(tmp_path / "work"), "--only", "03"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "03_expert_parallel.ipynb: cell" in err and "2 check(s) failed" in err, err
+    assert not (tmp_path / "site").exists() and not (tmp_path / "work").exists()
+
+
+def test_no_executed_notebooks_is_one_line_and_exit_2(tmp_path, capsys):
+    assert build.main(["--notebooks", str(tmp_path), "--out", str(tmp_path / "site")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "make course" in err, err
+
+
+def test_a_lesson_page_shows_its_figure_its_command_and_its_strategies_lines(tmp_path):
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    (notebooks / "03_expert_parallel.ipynb").write_text(json.dumps(executed(
+        "03_expert_parallel")))
+    nav = build.write_pages(notebooks, tmp_path / "docs", only=["03"])
+    page = (tmp_path / "docs/lessons/03_expert_parallel.md").read_text()
+    figures = sorted((tmp_path / "docs/lessons/figures").glob("03_expert_parallel-*.png"))
+    assert len(figures) == 1 and f"(figures/{figures[0].name})" in page
+    assert "-k 03_expert_parallel" in page and "lessons/03_expert_parallel.py --plot" in page
+    source = ROOT / "minipar/parallel/expert_parallel.py"
+    line = next(node.lineno for node in ast.parse(source.read_text()).body
+                if isinstance(node, ast.ClassDef) and node.name == "ExpertParallelBlock")
+    assert (f"[minipar/parallel/expert_parallel.py:{line}](../src/minipar/parallel/"
+            f"expert_parallel.py.md#__codelineno-0-{line})") in page
+    assert (tmp_path / "docs/src/minipar/parallel/expert_parallel.py.md").exists()
+    titles = [next(iter(item)) for item in nav]
+    assert titles[:2] == ["Start here", "Words used throughout"], titles
+    assert titles[-1] == "The strategies in code", titles
+
+
+def test_the_reading_index_becomes_the_second_half_of_the_contents():
+    _, entries, _ = build.reading_index(build.Sources())
+    titles = [entry.title for entry in entries]
+    assert titles[:3] == ["data parallelism", "ZeRO 1 / 2 / 3",
+                          "tensor parallelism (and sequence parallelism)"], titles
+    for entry in entries:
+        assert entry.symbols or entry.files, entry.title
+        for name, path, line in entry.symbols:
+            text = (ROOT / path).read_text().splitlines()[line - 1]
+            assert name in text, (entry.title, name, path, line)
+
