@@ -154,13 +154,12 @@ EXERCISES = [
     Exercise(
         "zero1", "ZeRO-1: Reduce_scatter the gradients, Allgather the parameters",
         "In zero.Space: reduce_scatter(grads, a, b) sums the flat gradients' range "
-        "[a, b) over the space's replicas and returns only my part: counts = "
-        "self.layout.overlap(a, b) (elements per rank), mine = an empty array of "
-        "counts[self.layout.rank], then self.group.Reduce_scatter(grads, mine, counts, "
-        "op=MPI.SUM). Zero1.allgather_params sends my updated slice of each space.flat "
-        "(Psi,) to every replica, in place: space.group.Allgatherv(MPI.IN_PLACE, "
-        "[space.flat, counts, displacements(counts), type]) with counts = "
-        "space.layout.counts.",
+        "[a, b) over the space's replicas and returns only this rank's part of it: ask "
+        "the layout how many elements of [a, b) each rank owns, make the receive buffer "
+        "for this rank's count, and let one Reduce_scatter (with those counts, summing) "
+        "fill it. Zero1.allgather_params gives every replica every rank's updated slice "
+        "of each space's flat parameters, in place: one Allgatherv over the space's group, "
+        "each rank's count from the layout, the displacements their running sums.",
         [_train(dp=4, zero=1, optimizer="adam"), _train(dp=2, tp=2, zero=1)]),
     Exercise(
         "loss-scaler", "Mixed precision: the loss scaler every rank agrees on",
@@ -204,16 +203,17 @@ EXERCISES = [
     Exercise(
         "ring-attention", "Context parallelism: ring attention",
         "In context_parallel.py, three pieces of the ring. pass_along(group, block): one "
-        "ring step, group.Sendrecv(block, rank r+1, received, rank r-1) -> the previous "
-        "rank's block, same shape (B, H, T/cp, dh). _merge(Out, L, o, lse): online "
-        "softmax, in place: Out (B, H, Tq, dh) and its row log-sum-exp L (B, H, Tq) over "
-        "the keys so far absorb o, lse of one more block of keys: L' = logaddexp(L, lse), "
-        "Out' = Out exp(L - L') + o exp(lse - L'); a row that has seen no key yet has L = "
-        "-inf and must stay finite (take L' as 0 where it is -inf). visible_blocks: for my "
-        "run of query positions qpos and the source's run of key positions kpos, keep = "
-        "attention.allowed(qpos, kpos) (Tq, Tk); skip the pair if keep hides every key, "
-        "else append (slice of qpos in my local array, slice of kpos in the source's, "
-        "keep): run i covers local rows i*len .. (i+1)*len - 1.",
+        "ring step -- this rank's block goes to the next rank while the previous rank's "
+        "arrives, in one blocking exchange (Sendrecv); return what arrived (same shape "
+        "(B, H, T/cp, dh)). _merge(Out, L, o, lse): online softmax, in place: Out (B, H, Tq, dh) and "
+        "its row log-sum-exp L (B, H, Tq) over the keys so far absorb o, lse of one more "
+        "block of keys: L' = log(e^L + e^lse), Out' = Out e^(L - L') + o e^(lse - L'); a "
+        "row that has seen no key yet has L = -inf and must stay finite. visible_blocks: "
+        "for each of my runs of query positions and each of the source's runs of key "
+        "positions, the causal mask of that pair (module core/attention.py has it); skip "
+        "a pair whose mask hides every key, else record (the rows of the queries in my "
+        "local array, the rows of the keys in the source's, the mask): run i covers local "
+        "rows i*len .. (i+1)*len - 1.",
         [("ring-attention", {}), _train_gpt(cp=4, cp_mode="ring"),
          _train_gpt(cp=2, dp=2, cp_mode="zigzag")]),
 ]
