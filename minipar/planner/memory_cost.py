@@ -212,6 +212,13 @@ class RankShape:
     dp_arrays: list[int]  # elements of each array synced over dp, in parameter order
     edp_arrays: list[int]  # expert arrays, synced over the expert-data-parallel group
 
+    @cached_property
+    def kinds(self) -> Counter:
+        """Each distinct Block here and how many times it repeats (most layers are one
+        Block): the formulas sum over these, not over every layer. Read only once the
+        shape is built (`rank_shape`)."""
+        return Counter(self.blocks)
+
 
 def rank_shape(w: Workload, plan: Plan, stage: int) -> RankShape:
     """The arrays of pipeline rank `stage`: tp-split arrays cut in tp, E/ep experts."""
@@ -309,7 +316,7 @@ def stage_activations(w: Workload, plan: Plan, shape: RankShape) -> float:
     if not shape.blocks:
         return 0.0
     tokens = tokens_per_microbatch(w, plan)
-    kinds = Counter(shape.blocks)  # most layers are one Block, repeated
+    kinds = shape.kinds  # most layers are one Block, repeated
     per_microbatch = sum(n * activation_bytes(b, tokens, plan)
                          for b, n in kinds.items()) / chunks_per_rank(plan)
     alive = in_flight(plan.schedule, plan.pp, plan.microbatches, shape.stage, plan.virtual)

@@ -24,7 +24,6 @@ Tested by `python -m pytest tests/planner/test_plan.py`; used by `python -m mini
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass, replace
 
 from minipar.core.memory import ledger_formula, wire_elements
@@ -105,14 +104,15 @@ def tp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     its Allreduce of (b, d) (SP: a Reduce_scatter), the head its entry's (SP: an
     Allgather and a Reduce_scatter) and the parallel cross-entropy's two: the row
     maxima (b) and the sums of exps with the target logits (2b)."""
-    blocks = [block for block in shape.blocks if block.tp_reductions or block.sp_gathers]
+    blocks = {block: n for block, n in shape.kinds.items()   # each kind, its count
+              if block.tp_reductions or block.sp_gathers}
     if plan.tp == 1 or not (blocks or w.vocab_parallel):
         return []
     m = plan.microbatches
     tokens = tokens_per_microbatch(w, plan)
     stream = tokens * w.d_model                               # (b, d)
     passes = 3 if plan.recompute == "full" else 2             # forward, (again,) backward
-    calls = passes * sum(block.tp_reductions for block in blocks) * m
+    calls = passes * sum(n * block.tp_reductions for block, n in blocks.items()) * m
     embed, head = (w.vocab_parallel and shape.first), (w.vocab_parallel and shape.last)
     out = []
     if not plan.sp:
@@ -122,7 +122,8 @@ def tp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
                                calls * stream * w.act_bytes))
     else:
         edges = m * (int(shape.first) + int(shape.last))
-        gathers = calls + edges + passes * sum(block.sp_gathers for block in blocks) * m
+        gathers = calls + edges + passes * m * sum(n * block.sp_gathers
+                                                   for block, n in blocks.items())
         scatters = calls + m * (int(embed) + int(head))
         out += [Traffic("tp", "Allgather", gathers, gathers * stream,
                         gathers * stream * w.act_bytes),
@@ -131,9 +132,9 @@ def tp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     if head:  # the parallel cross-entropy: max, then (sum of exps, target) of b rows
         out.append(Traffic("tp", "Allreduce", 2 * m, 3 * tokens * m,
                            3 * tokens * m * w.act_bytes))
-    partial = sum(block.sp_partial if block.sp_partial is not None
-                  else sum(size for size, split in block.arrays if not split)
-                  for block in blocks)
+    partial = sum(n * (block.sp_partial if block.sp_partial is not None
+                       else sum(size for size, split in block.arrays if not split))
+                  for block, n in blocks.items())
     partial += (w.sp_partial_embed * int(shape.first) + w.sp_partial_head * int(shape.last))
     if plan.sp and partial:  # LayerNorm and row-parallel bias gradients of my rows
         out.append(Traffic("tp", "Allreduce", 1, partial, partial * w.grad_bytes, "step"))
@@ -225,7 +226,7 @@ def dp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     and Allgather of Psi, once per step (stage 1), or per piece and microbatch (stage 2's
     Reduce_scatter, stage 3's both; stage 3 gathers twice: forward and backward)."""
     out = []
-    moe_pieces = sum(1 for block in shape.blocks if block.moe)
+    moe_pieces = sum(n for block, n in shape.kinds.items() if block.moe)
     edp = (plan.tp if w.experts_over_tp else 1) * plan.replicas // plan.ep
     for group, size, arrays, pieces in (("dp", plan.replicas, shape.dp_arrays,
                                          len(shape.pieces)),
@@ -264,10 +265,19 @@ def group_layout(plan: Plan, group: str) -> tuple[int, int]:
     pp (Megatron's order); "dp" is every replica of a weight (dp x cp ranks); an ep group
     is ep consecutive ranks (of a tp group, then of the replicas: TP for attention, EP
     for experts), an edp group every ep-th one."""
-    ranks = plan.tp * plan.replicas
-    return {"tp": (plan.tp, 1), "cp": (plan.cp, plan.tp), "dp": (plan.replicas, plan.tp),
-            "pp": (plan.pp, ranks), "ep": (plan.ep, 1),
-            "edp": (ranks // plan.ep, plan.ep)}[group]
+    if group == "tp":
+        return plan.tp, 1
+    if group == "cp":
+        return plan.cp, plan.tp
+    if group == "dp":
+        return plan.dp * plan.cp, plan.tp
+    if group == "pp":
+        return plan.pp, plan.tp * plan.dp * plan.cp
+    if group == "ep":
+        return plan.ep, 1
+    if group == "edp":
+        return plan.tp * plan.dp * plan.cp // plan.ep, plan.ep
+    raise KeyError(group)
 
 
 def members_per_node(size: int, stride: int, node: int) -> int:
@@ -314,7 +324,7 @@ def compute_seconds(w: Workload, plan: Plan, shape: RankShape, hw: Hardware) -> 
     blocks = sum(n * (passes * (2 * cut(b.arrays) + b.attn_flops / plan.tp)
                       + again * b.attn_flops / plan.tp
                       + passes * 2 * b.top_k * sum(b.expert) / plan.tp)
-                 for b, n in Counter(shape.blocks).items())  # most layers: one Block, repeated
+                 for b, n in shape.kinds.items())  # most layers: one Block, repeated
     ends = cut(w.embed) if shape.first and not w.lookup_embedding else 0
     ends += cut(w.head) if shape.last else 0
     tokens = w.batch * w.seq_len / plan.replicas
@@ -373,7 +383,7 @@ def cp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
         return []
     if plan.cp_mode != "llama3":  # a minipar run: its own modes, exactly
         return minipar_cp_traffic(w, plan, shape)
-    width = sum(block.kv_width for block in shape.blocks) // plan.tp
+    width = sum(n * block.kv_width for block, n in shape.kinds.items()) // plan.tp
     if not width:
         return []
     whole = tokens_per_microbatch(w, plan) * plan.cp * width * plan.microbatches
