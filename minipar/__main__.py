@@ -69,7 +69,8 @@ def train_command(argv: list[str]) -> int:
         cfg = config_from_args(args).resolved(world.Get_size())
         errors = problems(cfg, world.Get_size())
         if not errors:   # the --dump folder too (preflight.py), still no talking
-            errors = preflight.output_problems({"--dump": args.dump, "--flight": args.flight})
+            errors = preflight.output_problems({"--dump": args.dump}) + \
+                preflight.flight_problems(args.flight, cfg.trace)
     except ConfigError as error:
         errors = [str(error)]
     from minipar.comm.job import agreed  # every rank's refusal reaches every rank (job.py)

@@ -29,8 +29,10 @@ keeps one a student can read:
   other rank on its host, waits a short grace for their files (not for a rank
   of this host that is stopped or gone: it writes none), reads them all
   (flight_report.py), and ends its error line with the verdict before MPI_Abort
-  ends the job. Only the first rank to get there speaks (an O_EXCL lock file);
-  a second one dumps and waits to be ended. Across hosts, SIGUSR1 reaches only
+  ends the job. Only the first rank to get there speaks (it makes DIR/verdict.txt,
+  O_EXCL, and writes its line there); a second one dumps and waits to be ended. A
+  folder holding another job's files is never written over: the dumps go beside it
+  (`minipar-flight-2`, named in the line). Across hosts, SIGUSR1 reaches only
   this host's ranks: a rank on another host dumps when its own watchdog fires
   (the ranks of a hung job all sit in some call, so all their watchdogs fire
   within about a --timeout of each other, inside the grace), and the verdict
@@ -270,14 +272,41 @@ def arm(folder: str | None, world: object) -> None:
     """Make this rank dump into `folder` (default `minipar-flight/`) on SIGUSR1, on the
     watchdog or on an abort. A collective over `world` (MPI.COMM_WORLD): every rank's host
     and pid, and rank 0's run id (so a verdict never mixes in files of an earlier run)."""
-    STATE.folder = Path(folder or DEFAULT_FOLDER)
     STATE.rank, STATE.world = world.Get_rank(), world.Get_size()
     me = (socket.gethostname(), os.getpid())
     STATE.peers = world.allgather(me)           # (host, pid) of every rank, on every rank
     STATE.run = f"{STATE.peers[0][0]}:{STATE.peers[0][1]}:{int(time.time())}"
-    STATE.run = world.bcast(STATE.run, root=0)
+    # rank 0 picks the folder: the one asked for, or beside it when it holds another job's
+    # files (never written over); every rank then dumps into the same one
+    STATE.run, chosen = world.bcast(
+        (STATE.run, str(fresh_folder(Path(folder or DEFAULT_FOLDER)))
+         if STATE.rank == 0 else None), root=0)
+    STATE.folder = Path(chosen)
     STATE.dumped = None
     _listen()
+
+
+VERDICT = "verdict.txt"    # the first aborting rank's line: also the lock that elects it
+
+
+def held_files(folder: Path) -> list[str]:
+    """The files of a job in `folder` that a new job must not write over: dumps
+    (rank{r}.json), a verdict, a trace (trace.json), an older speaker's lock."""
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if p.name in (VERDICT, "trace.json")
+                  or p.name.startswith(".speaker-")
+                  or (p.name.startswith("rank") and p.suffix == ".json"))
+
+
+def fresh_folder(folder: Path) -> Path:
+    """`folder` if it holds no other job's files, else the first of `folder-2`,
+    `folder-3`, ... that holds none: a second hang goes beside the first one's dumps."""
+    n, chosen = 1, folder
+    while held_files(chosen):
+        n += 1
+        chosen = folder.with_name(f"{folder.name}-{n}")
+    return chosen
 
 
 def disarm() -> None:
@@ -380,9 +409,8 @@ def before_abort(text: str) -> str:
     detail = lines[-1] if "Traceback" in text else lines[0]
     try:
         write(folder, reason, detail)
-        lock = folder / f".speaker-{STATE.run.replace(':', '-')}"
-        try:
-            os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        try:   # the first rank to make DIR/verdict.txt speaks, and writes its line there
+            lock = os.open(folder / VERDICT, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:   # another rank speaks: wait for its abort to end us
             # a traceback, a rank leaving: still said; the watchdog's line and MPI's error
             # (one per rank of the group it hit) are the speaker's alone
@@ -397,6 +425,11 @@ def before_abort(text: str) -> str:
             sentence = verdict_of_folder(folder, run=STATE.run)
         except FlightError as error:
             sentence = f"no verdict ({error})"
+        said = text.rstrip("\n") + f"; flight ({folder}): {sentence}\n"
+        try:
+            os.write(lock, said.splitlines()[-1].encode() + b"\n")
+        finally:
+            os.close(lock)
     except OSError as error:
         return text.rstrip("\n") + f" (flight: no dump in {folder}: {error})\n"
-    return text.rstrip("\n") + f"; flight ({folder}): {sentence}\n"
+    return said

@@ -13,7 +13,8 @@ same verdict without talking:
   (`--capacity-factor 1e308`);
 - output folders: `--save`, `--dump`, `--plot` must name a folder this process can
   create files in, and not a file, and not "" (checked by `folder_problems`);
-  `--trace` also not one holding another run's trace (`trace_problems`); every path
+  `--trace` also not one holding another run's trace (`trace_problems`), `--flight`
+  not the --trace folder nor one holding a trace (`flight_problems`); every path
   given (those and `--resume`) must not be a dangling link, a loop of links or a name
   longer than the file system takes (`path_problems`).
 
@@ -212,9 +213,45 @@ def trace_problems(folder: str) -> list[str]:
     if not found and Path(folder).is_dir():
         held = trace_files(Path(folder))
         if held:
-            found.append(f"--trace {folder}: holds the trace of another run ({held[0]}): "
-                         "give an empty or new folder")
+            what = "the flight recorder's dumps of a job" if all(
+                _is_dump(Path(folder) / name) for name in held) else "the trace of another run"
+            found.append(f"--trace {folder}: holds {what} ({held[0]}): give an empty or "
+                         "new folder")
     return found
+
+
+def flight_problems(folder: str | None, trace: str | None) -> list[str]:
+    """Why `--flight folder` cannot take the flight recorder's dumps (flight.py): an
+    unusable folder, the `--trace` folder itself (both write rank{r}.json: each would
+    overwrite the other's), or a folder holding a trace. A folder holding an earlier
+    job's dumps is not refused: the new ones go beside it (`flight.fresh_folder`)."""
+    if folder is None:
+        return []
+    found = [f"--flight {message}" for message in folder_problems(folder)]
+    if not found and trace is not None and \
+            os.path.abspath(folder) == os.path.abspath(trace):
+        found.append(f"--flight {folder} is also the --trace folder: both write "
+                     "rank{r}.json there, each over the other's; give two folders")
+    if not found and Path(folder).is_dir():
+        from minipar.comm.trace import trace_files
+
+        traced = [name for name in trace_files(Path(folder)) if not _is_dump(
+            Path(folder) / name)]
+        if traced:
+            found.append(f"--flight {folder}: holds the trace of a run ({traced[0]}), "
+                         "which a dump would overwrite: give another folder")
+    return found
+
+
+def _is_dump(path: Path) -> bool:
+    """A flight dump by its first bytes (flight.py writes {"format": "minipar-flight
+    1", ...}); a trace file starts {"traceEvents": ...}. Reading a whole trace to tell
+    them apart could take seconds."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(40).startswith(b'{"format": "minipar-flight')
+    except OSError:
+        return False
 
 
 def output_problems(flags: dict[str, str | None]) -> list[str]:

@@ -48,15 +48,21 @@ def the_verdict(job: object, folder: Path) -> str:
     return lines[0].split(marker, 1)[1]
 
 
+EARLIER = '{"format": "minipar-flight 1", "run": "an earlier job"}'
 LESSON_HANG = "hang-pp-both-recv"   # lesson 15 --quick runs it: its test reads that run
 
 
 @pytest.mark.parametrize("name", [name for name in HANGS if name != LESSON_HANG])
 def test_a_hang_ends_with_the_verdict_and_every_rank_dumps(name, tmp_path):
-    folder = tmp_path / "flight"
+    asked = tmp_path / "flight"
+    folder = asked
+    if name == "hang-wrong-group":   # an earlier job's dumps: the new ones go beside them
+        asked.mkdir()
+        (asked / "rank0.json").write_text(EARLIER)
+        folder = tmp_path / "flight-2"
     start = time.monotonic()
     job = launch(4, ["-m", "minipar", "train", *SMALL, *flags_of(HANGS[name].flags),
-                     "--inject-bug", name, "--timeout", str(TIMEOUT), "--flight", str(folder)],
+                     "--inject-bug", name, "--timeout", str(TIMEOUT), "--flight", str(asked)],
                  timeout=60)
     seconds = time.monotonic() - start
     assert not job.timed_out and job.returncode != 0, job.explain()
@@ -86,6 +92,13 @@ def test_a_hang_ends_with_the_verdict_and_every_rank_dumps(name, tmp_path):
             assert words in said_late, (late, words, said_late)
     assert "done:" not in job.stdout, job.explain()
     assert "Traceback" not in job.stderr, job.explain()   # MINIPAR_TRACEBACK=1 shows it
+    # the dumps and the line, nothing else left behind; an earlier job's files untouched
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "rank0.json", "rank1.json", "rank2.json", "rank3.json", "verdict.txt"]
+    assert (folder / "verdict.txt").read_text().rstrip("\n").endswith(said)
+    if folder != asked:
+        assert [p.name for p in asked.iterdir()] == ["rank0.json"]
+        assert (asked / "rank0.json").read_text() == EARLIER
 
 
 def test_the_pipeline_hang_of_lesson_15_ends_with_its_verdict_and_every_dump():
@@ -338,3 +351,30 @@ def test_crafted_dumps_are_one_line_naming_the_file_and_field(tmp_path):
     with pytest.raises(FlightError, match=re.escape("group 'dp{0,1}' has members [1], "
                                                     "rank0.json says [0, 1]")):
         load(other)
+
+
+def test_an_abort_leaves_its_dumps_and_line_beside_an_earlier_jobs(tmp_path, monkeypatch):
+    """One rank armed without MPI (a world of one): a folder holding an earlier job's
+    files is left alone, the dumps go to DIR-2; the first aborting rank's line is in
+    DIR-2/verdict.txt, and nothing else is left (no lock files)."""
+    world = SimpleNamespace(Get_rank=lambda: 0, Get_size=lambda: 1,
+                            allgather=lambda value: [value], bcast=lambda value, root: value)
+    monkeypatch.setattr(flight, "_listen", lambda: None)
+    asked = tmp_path / "flight"
+    asked.mkdir()
+    (asked / "rank0.json").write_text(EARLIER)
+    flight.arm(str(asked), world)
+    try:
+        assert flight.STATE.folder == tmp_path / "flight-2"
+        flight.record(fake_group("dp{0}"), "Allreduce", 4, 8, ())
+        line = flight.before_abort("minipar: error: watchdog: rank 0 waited 3 s in X\n")
+    finally:
+        flight.disarm()
+        flight.reset()
+    assert line.startswith("minipar: error: watchdog: rank 0 waited 3 s in X; flight ("
+                           f"{tmp_path / 'flight-2'}): "), line
+    assert sorted(p.name for p in (tmp_path / "flight-2").iterdir()) == ["rank0.json",
+                                                                         "verdict.txt"]
+    assert (tmp_path / "flight-2" / "verdict.txt").read_text() == line
+    assert (asked / "rank0.json").read_text() == EARLIER
+    assert flight.fresh_folder(tmp_path / "flight") == tmp_path / "flight-3"

@@ -16,13 +16,14 @@ import copy
 import json
 import os
 import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from minipar.settings import preflight
 from minipar.teaching import trace_report
-from tests.harness.mpi import lesson_run, minipar, read_dump
+from tests.harness.mpi import ROOT, lesson_run, minipar, read_dump
 from tests.harness.trace_checks import check_events, check_trace
 
 SMALL = ["--layers", "4", "--d-model", "16", "--d-in", "8", "--batch", "16", "--steps", "2"]
@@ -271,3 +272,25 @@ def test_crafted_traces_are_one_line_naming_the_file_and_field(traced, tmp_path,
     code, out, err = command(capsys, str(traced / "trace"), "--simulated", str(mine))
     assert code == 2 and "not a simulated trace" in err and mine.read_text() == "{}", err
     assert (traced / "trace" / "trace.json").read_text() == text      # untouched
+
+
+def test_flight_dumps_and_a_trace_never_share_a_folder(traced, tmp_path):
+    """--flight into a finished --trace folder (a hang's dumps would overwrite its
+    rank{r}.json), --trace D --flight D, and --trace into a folder of dumps: refused."""
+    trace = str(traced / "trace")
+    (said,) = preflight.flight_problems(trace, None)
+    assert said.startswith(f"--flight {trace}: holds the trace of a run (rank0.json)"), said
+    new = str(tmp_path / "both")
+    (said,) = preflight.flight_problems(new, new)
+    assert "is also the --trace folder" in said, said
+    assert preflight.flight_problems(new, None) == preflight.flight_problems(None, new) == []
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    (dumps / "rank0.json").write_text('{"format": "minipar-flight 1", "run": "r"}')
+    (said,) = preflight.trace_problems(str(dumps))
+    assert "holds the flight recorder's dumps of a job (rank0.json)" in said, said
+    assert preflight.flight_problems(str(dumps), None) == []   # (the new dumps go beside)
+    job = subprocess.run([sys.executable, "-m", "minipar", "train", *SMALL, "--flight", trace],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert job.returncode == 2 and job.stderr.count("\n") == 1, job.stderr
+    assert job.stderr.startswith("minipar: error: --flight ") and "step" not in job.stdout
