@@ -202,18 +202,17 @@ EXERCISES = [
          _train_gpt(tp=2, cp=2, cp_mode="ring")]),
     Exercise(
         "ring-attention", "Context parallelism: ring attention",
-        "In context_parallel.py, three pieces of the ring. pass_along(group, block): one "
-        "ring step -- this rank's block goes to the next rank while the previous rank's "
-        "arrives, in one blocking exchange (Sendrecv); return what arrived (same shape "
-        "(B, H, T/cp, dh)). _merge(Out, L, o, lse): online softmax, in place: Out "
-        "(B, H, Tq, dh) and its row log-sum-exp L (B, H, Tq) over the keys so far "
-        "absorb o, lse of one more block of keys: L' = log(e^L + e^lse), Out' = Out e^(L - L') + o e^(lse - L'); a "
-        "row that has seen no key yet has L = -inf and must stay finite. visible_blocks: "
-        "for each of my runs of query positions and each of the source's runs of key "
-        "positions, the causal mask of that pair (module core/attention.py has it); skip "
-        "a pair whose mask hides every key, else record (the rows of the queries in my "
-        "local array, the rows of the keys in the source's, the mask): run i covers local "
-        "rows i*len .. (i+1)*len - 1.",
+        "In context_parallel.py, three pieces of the ring. pass_along(group, block): one ring"
+        " step -- this rank's block goes to the next rank while the previous rank's arrives, "
+        "in one blocking exchange (Sendrecv); return what arrived (same shape (B, H, T/cp, "
+        "dh)). _merge(Out, L, o, lse): online softmax, in place: Out (B, H, Tq, dh) and its "
+        "row log-sum-exp L (B, H, Tq) over the keys so far absorb o, lse of one more block of"
+        " keys: L' = log(e^L + e^lse), Out' = Out e^(L - L') + o e^(lse - L'); a row that has"
+        " seen no key yet has L = -inf and must stay finite. visible_blocks: for each of my "
+        "runs of query positions and each of the source's runs of key positions, the causal "
+        "mask of that pair (module core/attention.py has it); skip a pair whose mask hides "
+        "every key, else record (the rows of the queries in my local array, the rows of the "
+        "keys in the source's, the mask): run i covers local rows i*len .. (i+1)*len - 1.",
         [("ring-attention", {}), _train_gpt(cp=4, cp_mode="ring"),
          _train_gpt(cp=2, dp=2, cp_mode="zigzag")]),
 ]
