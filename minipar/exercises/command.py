@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -154,10 +155,18 @@ def run_job(names: list[str], folder: Path, timeout: float = TIMEOUT) -> tuple[i
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                MKL_NUM_THREADS="1", UCX_NET_DEVICES="lo", MPIEXEC_TIMEOUT=str(int(timeout)),
                PYTHONPATH=str(folder.resolve()))  # the student's minipar, not this one
-    command = [mpiexec(), "-n", str(exercises.RANKS), sys.executable, "-c", ALONE, *names]
+    launcher = mpiexec()
+    named = "$MINIPAR_MPIEXEC" if os.environ.get("MINIPAR_MPIEXEC") else "the launcher"
+    if shutil.which(launcher) is None:   # a name or path that runs nothing: said, not raised
+        return 2, (f"{named} {launcher!r} is no program this process can run (not found, "
+                   "or not executable): set MINIPAR_MPIEXEC to an mpiexec, or unset it")
+    command = [launcher, "-n", str(exercises.RANKS), sys.executable, "-c", ALONE, *names]
     try:
         job = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True,
                              timeout=timeout + 10)
+    except OSError as error:   # it vanished or lost its permission since: the same words
+        return 2, (f"{named} {launcher!r} could not be started ({error.strerror}): set "
+                   "MINIPAR_MPIEXEC to an mpiexec, or unset it")
     except subprocess.TimeoutExpired:
         return 1, (f"exercise {names[0]}: FAILED\n  timeout: the check job ran past its "
                    f"{timeout:g} s: a rank loops forever or waits in a call its partners "

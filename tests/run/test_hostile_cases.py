@@ -484,3 +484,19 @@ def test_flags_a_command_would_ignore_are_refused_or_not_offered(tmp_path):
                                      "--new-tokens", "2"])             # agrees: runs
     gcfg, errors = config_from_args(args, 1)
     assert errors == [] and gcfg.train.layers == 1 and gcfg.train.heads == 2
+
+
+# ------------------------------------------------- 12. a launcher that is not there
+def test_exercise_check_with_a_launcher_that_runs_nothing_is_one_line(tmp_path, monkeypatch):
+    from minipar.exercises import regions
+
+    regions.start(["dp-naive"], tmp_path / "student")
+    not_a_program = tmp_path / "plain.txt"
+    not_a_program.write_text("not a launcher")
+    not_a_program.chmod(0o755)
+    for launcher, said in ((str(tmp_path / "nowhere" / "mpiexec"), "is no program"),
+                           (str(not_a_program), "could not be started")):
+        monkeypatch.setenv("MINIPAR_MPIEXEC", launcher)
+        line = refused(cli("exercise", "check", "dp-naive", str(tmp_path / "student")),
+                       "$MINIPAR_MPIEXEC", said)
+        assert launcher in line, line
