@@ -161,7 +161,8 @@ _LIST = [
         "the column- and row-parallel linears replaced by plain ones holding the full weights",
         "every number is right -- each tp rank computes the whole layer -- so the equivalence "
         "check passes; the ledger shows the missing tp Allreduces and each rank holds the "
-        "full fc weights: tensor parallelism silently never happened",
+        "full fc weights: tensor parallelism silently never happened (--check's ledger and "
+        "memory lines, against the formulas, say MISMATCH)",
         TP + " on --model mlp (the transformer's heads would not be whole)",
         lambda cfg: _tp(cfg) and cfg.model == "mlp", plain_linears, {"tp": 2},
         "reported in huggingface/transformers#36222: tensor parallelism was no faster than "
@@ -362,9 +363,10 @@ _MIXED = [
         "the row-parallel linear's tp shares rounded to 16 bits and Allreduced in 16 bits "
         "(every partial sum rounded), not summed in the master dtype and rounded once",
         "each block's output carries one more rounding per share: an error of the size of "
-        "the ones the derived tolerance already allows, so --check passes; what the "
+        "the ones the derived tolerance already allows, so the numbers pass; what the "
         "contract catches is the ledger: every forward tp Allreduce moves 2 bytes an element "
-        "where the formula (the master dtype's sum) says 4 or 8",
+        "where the formula (the master dtype's sum) says 4 or 8 (--check's ledger line: the "
+        "bytes MISMATCH)",
         "--mixed bf16 or fp16 with --tp 2 or more without --sp, and not --model moe",
         lambda cfg: cfg.mixed is not None and _tp(cfg),
         tp_partials_in_16_bits, {"mixed": "bf16", "tp": 2},

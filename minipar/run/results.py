@@ -317,6 +317,12 @@ def check_ledger(cfg: TrainConfig, result: RunResult) -> bool:
     from minipar.teaching.ledger_tables import ledger_differences
 
     ok = True
+    try:
+        workload = minipar_workload(cfg)   # the planner's model of this run
+    except (KeyError, ValueError) as error:   # a recipe the planner does not price yet
+        print(f"ledger and memory against the formulas: not predicted (the planner has no "
+              f"formula for {error})", flush=True)
+        return True
     if result.ledger:
         history = result.extras.get("scale_history") or [(1.0, False)]
         differences = ledger_differences(result.ledger, cfg, skipped=bool(history[-1][1]))
@@ -334,7 +340,7 @@ def check_ledger(cfg: TrainConfig, result: RunResult) -> bool:
     memory = result.extras.get("memory")
     if memory is not None and cfg.mesh_shape().world > 1 and not (
             cfg.model == "moe" and cfg.tp > 1):   # experts over tp: the planner's are whole
-        workload, plan = minipar_workload(cfg), plan_of(cfg)
+        plan = plan_of(cfg)
         want = model_states(workload, plan, rank_shape(workload, plan, 0), 0)
         same = int(memory.params) == int(want.params)
         ok = ok and same
