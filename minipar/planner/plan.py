@@ -17,6 +17,12 @@ stated or derived, and printed.
         --global-batch 2048                          # rank every plan
     python -m minipar plan --preset llama3-405b --cluster h100 --global-batch 2048 \\
         --dp 64 --tp 8 --pp 16                       # price the one Llama 3 ran
+    python -m minipar plan --serve --preset llama3-70b --cluster h100 --gpus 8 \\
+        --prompt-len 4000 --new-tokens 96 --batch 1  # serving: tp x pp layouts per token
+
+`--serve` prices decoding instead of training (planner/serving.py): every tp x pp (x ep)
+layout of the GPUs, per token: each GPU's reads of weights and KV cache at HBM speed,
+tp's Allreduces, the pipeline's per-token latency, the cache's memory.
 
 The same arithmetic predicts minipar's own 8-rank runs exactly
 (`minipar_workload`, tests/planner/test_plan.py), which is what licenses it at 2048 GPUs.
@@ -56,6 +62,7 @@ from minipar.planner.search import (
     mesh_problem,
     search,
 )
+from minipar.planner.serving import layouts, serve_record, serve_report
 from minipar.planner.time_cost import Hardware
 from minipar.planner.workloads import transformer
 from minipar.settings.config import ConfigError, Parser  # Parser: raises, one line
@@ -120,6 +127,7 @@ CLUSTER_FLAGS = {
     "node_size": (POSITIVE, "GPUs per node"),
     "latency_us": (number(float, 0, strict=False), "alpha: microseconds per message step "
                                                    "(default 5)"),
+    "hbm_bw": (AMOUNT, "GB/s of each GPU's memory (what --serve reads weights and cache at)"),
 }
 
 
@@ -151,7 +159,7 @@ def make_parser() -> argparse.ArgumentParser:
         "fragmentation (default 10%% of --gpu-memory)")
     add("--gpus", type=POSITIVE, help="GPUs in the job (default: the product of a named "
         "--dp --tp --pp --cp)")
-    add("--global-batch", type=POSITIVE, required=True, help="sequences per step")
+    add("--global-batch", type=POSITIVE, help="sequences per step (required, but with --serve)")
     # the V schedules (zb-v, dualpipev) and dualpipe are left out: the planner's time
     # model has no closed-form bubble for them (pipeline_schedules.bubble_formula)
     add("--schedule", choices=[s for s in SCHEDULES if s not in SIMULATED_ONLY],
@@ -172,6 +180,11 @@ def make_parser() -> argparse.ArgumentParser:
     add("--top", type=POSITIVE, default=10, help="meshes to list (default 10)")
     add("--json", metavar="PATH", help="write every plan that fits, fastest first, with "
         "every field of the table (- for standard output, instead of the table)")
+    add("--serve", action="store_true", help="price decoding, not training: every tp x pp "
+        "(x ep) layout of --gpus per generated token (planner/serving.py)")
+    add("--prompt-len", type=POSITIVE, help="--serve: tokens of each prompt")
+    add("--new-tokens", type=POSITIVE, help="--serve: tokens generated after it")
+    add("--batch", type=POSITIVE, help="--serve: rows decoding together (default 1)")
     return parser
 
 
@@ -238,9 +251,43 @@ def resolve_hardware(args: argparse.Namespace) -> tuple[Hardware | None, list[st
     return hardware(c, args.efficiency, headroom), out
 
 
+def serve_problems(args: argparse.Namespace, hw: Hardware) -> list[str]:
+    """Every reason the --serve flags describe no serving job (and the training flags
+    it has no use for)."""
+    training = [f"--{name.replace('_', '-')}" for name in ("global_batch", "dp", "cp",
+                                                           "microbatches", "zero", "recompute",
+                                                           "schedule", "virtual")
+                if getattr(args, name) is not None] + ["--no-sp"] * args.no_sp
+    if training:
+        return [f"{training[0]} is training's: --serve prices tp x pp (x ep) layouts of "
+                "--gpus decoding --batch rows (drop it)"]
+    missing = [flag for flag, value in (("--prompt-len", args.prompt_len),
+                                        ("--new-tokens", args.new_tokens)) if value is None]
+    if missing:
+        return [f"{missing[0]} required with --serve (the decode step is priced at the "
+                "context prompt + new tokens)"]
+    if not hw.hbm_bw:
+        return ["--hbm-bw required with --serve (or name a --cluster): a decode step reads "
+                "its weights and cache at the GPU's memory speed"]
+    if args.gpus is None and None in (args.tp, args.pp):
+        return ["--gpus required (or name --tp and --pp)"]
+    if args.gpus is None:
+        args.gpus = args.tp * args.pp
+    for axis in ("tp", "pp"):
+        if getattr(args, axis) and args.gpus % getattr(args, axis):
+            return [f"--{axis} {getattr(args, axis)} does not divide --gpus {args.gpus}"]
+    if args.tp and args.pp and args.tp * args.pp != args.gpus:
+        return [f"--tp x --pp = {args.tp * args.pp} is not --gpus {args.gpus}"]
+    return []
+
+
 def run_problems(args: argparse.Namespace, m: Model) -> list[str]:
     """Every reason the run flags describe no job."""
     out = []
+    if args.global_batch is None:
+        return ["--global-batch required (sequences per step; or price serving: --serve)"]
+    if args.prompt_len or args.new_tokens or args.batch:
+        return ["--prompt-len, --new-tokens and --batch price serving: add --serve"]
     named = [args.dp, args.tp, args.pp]
     if args.gpus is None and None in named:
         out.append("--gpus required (or name the whole mesh: --dp --tp --pp, and --cp)")
@@ -265,6 +312,29 @@ def run_problems(args: argparse.Namespace, m: Model) -> list[str]:
     return out
 
 
+def serve_command(args: argparse.Namespace, m: Model, hw: Hardware) -> int:
+    """`plan --serve`: the layouts' table (or, with --json, their records)."""
+    fixed = {k: getattr(args, k) for k in ("tp", "pp", "ep") if getattr(args, k)}
+    batch = args.batch or 1
+    if args.json:
+        fit, _, _ = layouts(m, hw, args.gpus, batch, args.prompt_len + args.new_tokens)
+        records = [serve_record(p) for p in fit
+                   if all(getattr(p, k) == v for k, v in fixed.items())]
+        text = json.dumps({"model": m.name, "gpus": args.gpus, "layouts": records})
+        if args.json == "-":
+            print(text, flush=True)
+            return 0
+        try:
+            Path(args.json).write_text(text + "\n")
+        except OSError as error:
+            print(f"minipar: error: --json {args.json}: cannot write it ({error.strerror})",
+                  file=sys.stderr, flush=True)
+            return 1
+    print(serve_report(m, hw, args.gpus, batch, args.prompt_len, args.new_tokens, fixed,
+                       args.top), flush=True)
+    return 0
+
+
 def plan_command(argv: list[str]) -> int:
     """`python -m minipar plan ...`: print the ranking; a bad flag is one line, exit 2."""
     errors: list[str] = []
@@ -273,17 +343,23 @@ def plan_command(argv: list[str]) -> int:
         m, errors = resolve_model(args)
         if not errors:
             hw, errors = resolve_hardware(args)
-        if not errors:
+        if not errors and args.serve:
+            errors = serve_problems(args, hw)
+            if not errors and args.ep and args.ep > 1 and not m.experts:
+                errors = [f"--ep {args.ep} needs a model with --experts"]
+        elif not errors:
             errors = run_problems(args, m)
         if not errors and args.json and args.json != "-":   # before the search, not after
             errors = [f"--json {message}" for message in file_problems(args.json)]
         if not errors:
-            w = transformer(m, args.global_batch, args.params)
+            w = transformer(m, args.global_batch or 1, args.params)
     except (ConfigError, ValueError) as error:
         errors = [str(error)]
     if errors:
         print(f"minipar: error: {errors[0]}", file=sys.stderr, flush=True)
         return 2
+    if args.serve:
+        return serve_command(args, m, hw)
     template = Plan(1, sp=not args.no_sp)
     schedules = tuple((s, v) for s in dict.fromkeys(args.schedule or ["1f1b", "interleaved"])
                       for v in (sorted(set(args.virtual or [2, 4])) if s == "interleaved"

@@ -163,3 +163,61 @@ def layouts(m: Model, hw: Hardware, gpus: int, batch: int, context: int
     fit.sort(key=lambda p: (p.latency, -p.throughput))
     too_big.sort(key=lambda p: p.memory)
     return fit, too_big, refused
+
+
+# ------------------------------------------------------------ the report
+def serve_header() -> str:
+    return (f"{'tp':>4} {'pp':>3} {'ep':>3} | {'weights':>7} {'cache':>6} {'total':>6} | "
+            f"{'reads':>6} {'waits':>6} | {'ms/token':>8} {'step ms':>8} {'tokens/s':>9}")
+
+
+def serve_row(p: DecodePrice) -> str:
+    return (f"{p.tp:4d} {p.pp:3d} {p.ep:3d} | {p.weights / 1e9:7.1f} {p.cache / 1e9:6.1f} "
+            f"{p.memory / 1e9:6.1f} | {p.reads * 1e3:6.2f} {p.waits * 1e3:6.2f} | "
+            f"{p.latency * 1e3:8.2f} {p.step * 1e3:8.2f} {p.throughput:9.0f}")
+
+
+def serve_report(m: Model, hw: Hardware, gpus: int, batch: int, prompt: int, new: int,
+                 fixed: dict[str, int], top: int) -> str:
+    """The table of `plan --serve`: every layout of `gpus` that agrees with `fixed` (tp,
+    pp, ep), lowest latency first, priced at the last token's context (prompt + new:
+    the longest cache, the slowest step), and the ones that do not fit or cannot run."""
+    context = prompt + new
+    fit, too_big, refused = layouts(m, hw, gpus, batch, context)
+    agree = [p for p in fit if all(getattr(p, k) == v for k, v in fixed.items())]
+    big = [p for p in too_big if all(getattr(p, k) == v for k, v in fixed.items())]
+    rows = "1 row" if batch == 1 else f"{batch} rows decoding together"
+    lines = [f"serving {m.name} on {gpus} GPUs: B = {rows}, each a prompt of {prompt} tokens "
+             f"and {new} new ones; each decode step "
+             f"priced at the last token's context ({context}), bf16",
+             f"  a GPU: {hw.gpu_memory / 1e9:g} GB (layouts may use {usable(hw) / 1e9:g}), "
+             f"HBM {hw.hbm_bw / 1e12:g} TB/s, {hw.flops / 1e12:g} TFLOP/s at "
+             f"{hw.efficiency:.0%}; in-node {hw.intra_bw / 1e9:g} GB/s, between nodes "
+             f"{hw.inter_bw / 1e9:g} GB/s, alpha {hw.latency * 1e6:g} us",
+             "  GB per GPU (weights, KV cache of all rows); ms of one token: reads (weights "
+             "and cache at HBM speed, or compute if slower) and waits (tp Allreduces, ep "
+             "Alltoallv, pp messages); a step moves every row one token",
+             serve_header()]
+    lines += [serve_row(p) for p in agree[:top]]
+    if len(agree) > top:
+        lines.append(f"  ... {len(agree) - top} more layouts (--top N shows N)")
+    if agree:
+        most = max(agree, key=lambda p: p.throughput)
+        lines.append(f"lowest latency: {agree[0].label()} ({agree[0].latency * 1e3:.2f} ms a "
+                     f"token); most tokens/s: {most.label()} ({most.throughput:.0f})")
+    else:
+        lines.append("no layout fits")
+    if big:
+        lines.append(f"{len(big)} layouts need more than {usable(hw) / 1e9:g} GB per GPU "
+                     f"(the closest: {big[0].label()}, {big[0].memory / 1e9:.1f} GB)")
+    for reason, n in sorted(refused.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{n} layouts cannot run: {reason}")
+    return "\n".join(lines)
+
+
+def serve_record(p: DecodePrice) -> dict:
+    """One layout as `plan --serve --json` writes it (seconds and bytes)."""
+    return {"tp": p.tp, "pp": p.pp, "ep": p.ep, "batch": p.batch, "context": p.context,
+            "latency_s": p.latency, "step_s": p.step, "reads_s": p.reads, "waits_s": p.waits,
+            "tokens_per_s": p.throughput, "weights_bytes": p.weights,
+            "cache_bytes": p.cache}
