@@ -97,7 +97,7 @@ def check(path: Path, doc: dict) -> None:
         raise bad("otherData.minipar.run", "is missing or not text")
     cfg = info.get("config")
     if not isinstance(cfg, dict):
-        raise bad("otherData.minipar.config", f"is {type(cfg).__name__}, not an object")
+        raise bad("otherData.minipar.config", f"is {_short(cfg)}, not an object")
     for name in ("dp", "tp", "pp", "steps", "cp", "virtual", "microbatches"):
         if (name in cfg or name in ("dp", "tp", "pp", "steps")) and \
                 not _count(cfg.get(name), 1):

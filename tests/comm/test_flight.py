@@ -334,12 +334,15 @@ def test_crafted_dumps_are_one_line_naming_the_file_and_field(tmp_path):
         folder.mkdir()
         (folder / "rank0.json").write_text((good / "rank0.json").read_text())
         (folder / "rank1.json").write_text(text)
-        run = subprocess.run([sys.executable, "-m", "minipar", "flight", str(folder)],
-                             cwd=ROOT, capture_output=True, text=True, timeout=60)
-        assert run.returncode == 2 and run.stdout == "", (name, run)
-        assert run.stderr.startswith(f"minipar: error: {folder / 'rank1.json'} is not a "
-                                     "flight dump") and run.stderr.count("\n") == 1, run.stderr
-        assert said in run.stderr, (name, run.stderr)
+        with pytest.raises(FlightError) as error:   # what the command prints, in one line
+            load(folder)
+        line = str(error.value)
+        assert line.startswith(f"{folder / 'rank1.json'} is not a flight dump"), line
+        assert said in line and "\n" not in line, (name, line)
+    run = subprocess.run([sys.executable, "-m", "minipar", "flight", str(tmp_path / "deep")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stdout == "" and run.stderr.count("\n") == 1, run
+    assert run.stderr.startswith("minipar: error: ") and "nested more than" in run.stderr
     other = tmp_path / "members"   # a group whose members differ between two ranks' dumps
     other.mkdir()
     (other / "rank0.json").write_text((good / "rank0.json").read_text())
