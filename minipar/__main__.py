@@ -206,8 +206,10 @@ def reshard_command(argv: list[str]) -> int:
     parser.add_argument("destination", metavar="DST", help="the checkpoint folder to write")
     try:
         args = parser.parse_args(argv)
-    except ConfigError as error:
-        return fail(rank, str(error))
+    except ConfigError as error:   # (the other ranks meet this allgather further down)
+        from minipar.comm.job import agreed
+
+        return fail(rank, (agreed(world, [str(error)], ["reshard", *argv]) or [""])[0])
     errors = [f"SRC {message}" for message in preflight.path_problems(args.source)
               or shard_files.verify(args.source)]
     if not errors:

@@ -418,7 +418,8 @@ def test_exercise_check_bounds_the_output_names_sys_exit_and_a_timeout(tmp_path,
 
 
 # ------------------------------------------------- 10. a refusal on one rank reaches them all
-def test_a_refusal_or_other_settings_on_one_rank_end_every_rank_with_its_line(tmp_path):
+def test_a_refusal_or_other_settings_on_one_rank_end_every_rank_with_its_line(tmp_path,
+                                                                             one_checkpoint):
     """Ranks given different flags (an MPMD launch; ranks seeing different files, a --data
     path on one host only, end alike): the ranks agree before their first collective,
     rank 0 says which rank refused and why, every rank exits 2 (they waited forever)."""
@@ -426,18 +427,22 @@ def test_a_refusal_or_other_settings_on_one_rank_end_every_rank_with_its_line(tm
 
     base = ["--dp", "2", "--steps", "100000", "--timeout", "0", *SMALL]
     gen = ["generate", "--prompt-ids", "1,2", "--dp", "2", "--batch", "2"]
+    resharded = ["reshard", str(one_checkpoint), str(tmp_path / "resharded")]
     cases = {"rank 1 refused: --layers must be at least 1":
              [["train", *base], ["train", *base, "--layers", "0"]],
              "rank 1 was launched with other settings than rank 0":
              [["train", *base], ["train", *base, "--seed", "3"]],
              "rank 1 refused: --new-tokens must be at least 1":
-             [[*gen, "--new-tokens", "2"], [*gen, "--new-tokens", "0"]]}
+             [[*gen, "--new-tokens", "2"], [*gen, "--new-tokens", "0"]],
+             "rank 1 refused: unrecognized arguments: --bogus":   # reshard's parse
+             [[*resharded], [*resharded, "--bogus"]]}
     spec = tmp_path / "cases.json"
     spec.write_text(json.dumps(list(cases.values())))
     start = time.monotonic()
     job = launch(2, ["-m", "tests.harness.rank_commands", str(tmp_path / "out"), str(spec)], 60)
     assert job.returncode == 0 and not job.timed_out, job.explain()
     assert time.monotonic() - start < 30, job.explain()
+    assert not (tmp_path / "resharded").exists()
     ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(2)]
     for i, expected in enumerate(cases):
         assert [ranks[r][i]["code"] for r in range(2)] == [2, 2], (expected, ranks)
