@@ -1,15 +1,18 @@
 """Placement checking against lesson 8's bugs (minipar/bugs/catalog.py): every bug that is a
 placement error is stopped in its first step with one line naming the tensor, the
 axis and the model line (or, for a gradient left partial, the parameter); every bug
-about values runs through, as its `unseen` says it must. One 4-rank job."""
+about values runs through, as its `unseen` says it must. In the same 4-rank job, every
+bug's own `try:` line (`python -m minipar bugs`), run exactly as printed, ends with exit
+1 and the message of the check that catches it."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from minipar.bugs.catalog import BUGS
+from minipar.bugs.catalog import BUGS, MIXED_BUGS
 from tests.harness.mpi import launch, minipar
 
 WORLD = 4
@@ -17,11 +20,67 @@ PLACEMENT_BUGS = [name for name, bug in BUGS.items() if not bug.unseen]
 
 
 @pytest.fixture(scope="module")
-def stopped(tmp_path_factory) -> dict[str, str | None]:
-    out = tmp_path_factory.mktemp("bugs_placement") / "found.json"
-    job = launch(WORLD, ["-m", "tests.harness.rank_bugs_placement", str(out)], timeout=240)
+def both(tmp_path_factory) -> tuple[dict[str, str | None], dict[str, dict]]:
+    """(bug -> the placement line that stopped it, bug -> its try line's exit code and
+    output): one job."""
+    folder = tmp_path_factory.mktemp("bugs_placement")
+    out, tried = folder / "found.json", folder / "try.json"
+    job = launch(WORLD, ["-m", "tests.harness.rank_bugs_placement", str(out), str(tried)],
+                 timeout=480)
     assert job.returncode == 0 and not job.timed_out, job.explain()
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), json.loads(tried.read_text())
+
+
+@pytest.fixture(scope="module")
+def stopped(both) -> dict[str, str | None]:
+    return both[0]
+
+
+# the check each try line must fail, by the start of its message; a bug not named here
+# must fail one of them (ANY_CHECK)
+ANY_CHECK = ["check against one process", "ledger against the formulas",
+             "memory against the formulas", "replicas disagree", "minipar: error:"]
+CAUGHT_BY = {
+    **{name: ["check against one process"] for name in (
+        "pp-one-input-buffer", "tp-copy-to-no-allreduce", "dp-stage-not-synced",
+        "dp-sum-not-mean", "moe-aux-first-choice", "moe-aux-after-capacity",
+        "moe-aux-per-rank", "tp-vocab-loss-no-max", "cp-no-allgather",
+        "cp-ring-no-lse-merge", "zero-no-allgather", "clip-local-norm",
+        "clip-replicated-counted-tp", "loss-mean-per-microbatch", "mp-no-master-weights")},
+    "tp-plain-linear": ["ledger against the formulas", "memory against the formulas"],
+    "mp-tp-partials-in-bf16": ["ledger against the formulas"],
+    "mp-found-inf-per-rank": ["minipar: error: step 1: loss scale S"],
+    "moe-bias-local-load": ["check against one process", "replicas disagree"],
+}
+
+
+@pytest.mark.parametrize("name", [*BUGS, *MIXED_BUGS])
+def test_each_try_line_ends_non_zero_with_its_checks_message(both, name):
+    run = both[1][name]
+    assert run["code"] == 1, f"{run['line']}\n{run['out']}"
+    lines = run["out"].splitlines()
+
+    def failed(line: str) -> bool:   # a check's line that says it failed
+        return "MISMATCH" in line or line.startswith(("replicas disagree", "minipar: error:"))
+    if name not in CAUGHT_BY:
+        assert any(failed(line) for line in lines if line.startswith(tuple(ANY_CHECK))), \
+            f"{run['line']}: no check says it failed\n{run['out']}"
+    for start in CAUGHT_BY.get(name, []):
+        said = [line for line in lines if line.startswith(start)]
+        assert said and failed(said[0]), f"{run['line']}: no failing {start!r}\n{run['out']}"
+
+
+def test_the_ledger_shows_the_16_bit_partials_and_the_missing_split(both):
+    partials = both[1]["mp-tp-partials-in-bf16"]["out"]
+    # forward shares in 2 bytes, backward sums in 8: 163840 bytes where float64's 262144
+    assert re.search(r"ledger: tp Allreduce: 16 calls, 32768 elements, 163840 bytes "
+                     r"\(5 B/elem\) where the formulas say 16, 32768, 262144 bytes "
+                     r"\(float64\)", partials), partials
+    assert "-> OK" in partials   # the numbers are within the derived tolerance
+    plain = both[1]["tp-plain-linear"]["out"]
+    assert "ledger: tp Allreduce: 0 calls, 0 elements, 0 bytes (absent)" in plain, plain
+    assert re.search(r"rank 0 holds (\d+) bytes of parameters, the formula (\d+) MISMATCH",
+                     plain), plain
 
 
 def test_the_placement_bugs_are_the_expected_ones():

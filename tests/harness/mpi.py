@@ -123,7 +123,8 @@ def sweep(n: int, configs: list[dict], folder: Path, timeout: float = 240) -> li
     """Run several training configs in ONE mpiexec job (start-up paid once).
 
     Each config is a dict of TrainConfig fields; result i is read from folder/i
-    (`{"replica_error": text}` for a --mixed run the replica check stopped).
+    (`{"replica_error": text}` for a --mixed run the replica check stopped), or
+    {"cli": argv} for a `python -m minipar` command line (its `{"code", "out"}`).
     Placement checking is on (`check_placements`) unless a config says otherwise.
     """
     configs = [{"check_placements": True, **c} for c in configs]
@@ -133,8 +134,9 @@ def sweep(n: int, configs: list[dict], folder: Path, timeout: float = 240) -> li
     job = launch(n, ["-m", "tests.harness.rank_sweep", str(spec), str(folder)], timeout)
     assert job.returncode == 0 and not job.timed_out, job.explain()
     return [{"replica_error": (folder / str(i) / "replica_error.txt").read_text()}
-            if (folder / str(i) / "replica_error.txt").exists() else read_dump(folder / str(i))
-            for i in range(len(configs))]
+            if (folder / str(i) / "replica_error.txt").exists() else
+            json.loads((folder / str(i) / "cli.json").read_text()) if "cli" in configs[i]
+            else read_dump(folder / str(i)) for i in range(len(configs))]
 
 
 _LESSON_RUNS: dict[tuple, tuple[Job, Path]] = {}

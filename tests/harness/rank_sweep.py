@@ -2,6 +2,8 @@
 
     mpiexec -n 8 python -m tests.harness.rank_sweep configs.json OUTDIR
 
+A config {"cli": [argv...]} is a command line run through `python -m minipar`'s main
+instead: rank 0 writes its exit code and output to OUTDIR/<i>/cli.json.
 Rank 0 writes each run's dump to OUTDIR/<i>/, plus `memory.json`: every rank's
 measured bytes of parameters, gradients and optimizer state (a list by world
 rank; `RunResult.extras["memory"]`), `scores.json`: every rank's attention
@@ -29,11 +31,31 @@ from minipar.run.train import ReplicaError, problems, train
 from minipar.settings.config import TrainConfig
 
 
+def command_line(world: MPI.Comm, argv: list[str], folder: Path) -> None:
+    """`python -m minipar <argv>` in this job (every rank); rank 0 writes its exit code and
+    what it printed (stdout and stderr) to folder/cli.json."""
+    import contextlib
+    import io
+
+    from minipar.__main__ import main as minipar_main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        code = minipar_main(argv)
+    if world.Get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "cli.json").write_text(json.dumps({"code": code, "out": printed.getvalue()}))
+    wait_for_rank0(world)
+
+
 def main() -> None:
     world = MPI.COMM_WORLD
     configs = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
     for i, fields in enumerate(configs):
+        if "cli" in fields:   # a command line, run as `python -m minipar` runs it
+            command_line(world, fields["cli"], out / str(i))
+            continue
         cfg = TrainConfig(**fields).resolved(world.Get_size())
         errors = problems(cfg, world.Get_size())
         if errors:

@@ -28,6 +28,7 @@ run/results.py (`mixed_tolerance`: from the unit roundoff and the step count), a
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -115,12 +116,48 @@ BUG_RUNS = [run for name, flags in BUGS.items()
             for run in (dict(flags, inject_bug=name, check_placements=False), flags)]
 
 
+# `--check` under the same decisions (run/results.py): two commands, exactly as a user
+# types them on 4 ranks, whose one-process run takes other discrete decisions than the
+# mesh (an fp16 skip a rounding apart; top-2 choices flipped by a rounding) and which
+# pass once the reference replays the mesh's decisions, each differing step named
+CHECKS = [
+    "train --mixed fp16 --dtype float32 --dp 2 --tp 2 --zero 1 --optimizer adam --lr 0.01 "
+    "--loss-scale 67108864 --steps 12 --check",
+    "train --model gpt-moe --mixed fp16 --dp 2 --cp 2 --cp-mode ulysses --steps 2 --check",
+    "train --model gpt-moe --mixed fp16 --dp 2 --cp 2 --cp-mode zigzag --steps 2 --check",
+]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mixed")
     resumes = [{k: str(folder / v.strip("{}")) if str(v).startswith("{ckpt") else v
                 for k, v in c.items()} for c in RESUMES]
-    return sweep(4, CONFIGS + resumes + BUG_RUNS, folder, timeout=300)
+    return sweep(4, CONFIGS + resumes + BUG_RUNS + [{"cli": c.split()} for c in CHECKS],
+                 folder, timeout=420)
+
+
+@pytest.mark.parametrize("index", range(len(CHECKS)))
+def test_check_replays_the_mesh_runs_decisions_and_passes(runs, index):
+    run = runs[len(CONFIGS) + len(RESUMES) + len(BUG_RUNS) + index]
+    out = run["out"]
+    assert run["code"] == 0, f"{CHECKS[index]}\n{out}"
+    verdict = [line for line in out.splitlines() if line.startswith("check against")]
+    assert len(verdict) == 1 and verdict[0].endswith("-> OK"), out
+    assert "(tolerance " in verdict[0] and "= e = 2u sqrt(D)" in verdict[0], out  # derived
+    decided = [line for line in out.splitlines() if line.startswith("decision differs")]
+    assert decided, f"{CHECKS[index]}: no decision differed any more\n{out}"
+    for line in decided:   # the step, the margin, and what the numbers were compared under
+        assert line.startswith("decision differs, step ") and "compared under this run's " \
+            "decisions" in line, line
+    if index == 0:   # fp16's skips: the largest scaled gradients beside fp16's 65504
+        assert all("overflowed in fp16" in line and "65504" in line for line in decided), out
+    else:            # top-2 choices a rounding apart
+        assert all(re.search(r"\d+ token\(s\) chose other top-2 experts here than in one "
+                             r"process \(scores \S+ apart", line) for line in decided), out
+    assert "ledger against the formulas: every line of 4 ranks as predicted" in out, out
+    assert re.search(r"memory against the formulas: rank 0 holds (\d+) bytes of parameters, "
+                     r"the formula \1 \(", out), out
 
 
 def bug_runs(runs: list, name: str) -> tuple[dict, dict, dict]:
