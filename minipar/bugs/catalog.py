@@ -42,6 +42,11 @@ from minipar.bugs.detours import (
     keys_not_gathered,
     loss_mean_per_microbatch,
     merge_without_lse,
+    muon_flat_shard_is_1d,
+    muon_per_microbatch,
+    muon_tp_local_shard,
+    muon_unreduced_slice,
+    muon_without_orthogonalization,
     no_allgather,
     no_master_weights,
     one_input_buffer,
@@ -320,6 +325,87 @@ _LIST += [
         "tokens: meta-pytorch/torchtune#1875, karpathy/nanochat#59, ml-explore/mlx-lm#1413",
         unseen="the mask and the count have no placement: by what the CE is divided is "
                "a value"),
+]
+
+
+def _muon(cfg: TrainConfig) -> bool:
+    return cfg.optimizer == "muon" and cfg.dp > 1
+
+
+MUON = dict(optimizer="muon", lr=0.02)
+_LIST += [   # --optimizer muon (core/muon.py): the matrices must meet whole
+    Bug("muon-per-microbatch", "zero",
+        "ZeRO-2 with gradient accumulation runs Muon's update (momentum and Newton-Schulz) "
+        "on each microbatch's reduced gradient slice, as its gradient hook sees it, "
+        "instead of once on the step's accumulated gradient",
+        "Newton-Schulz is not linear: orthogonalizing two halves is not orthogonalizing "
+        "their sum, and the momentum moves twice per step. Every matrix and (through "
+        "AdamW stepping twice) every other tensor is off after one step, while the "
+        "replicas agree; the equivalence check sees it, and the ledger shows Muon's "
+        "pieces travelling once per microbatch",
+        "--optimizer muon with --zero 2, --dp 2 or more and --microbatches 2 or more",
+        lambda cfg: _muon(cfg) and cfg.zero == 2 and cfg.microbatches > 1,
+        muon_per_microbatch, dict(MUON, zero=2, microbatches=2),
+        "shipped: DeepSpeed's Muon under ZeRO-3 ran Newton-Schulz once per micro-batch "
+        "(deepspeedai/DeepSpeed#8443)",
+        unseen="every slice is where it should be; how often the optimizer runs on it "
+               "is a value"),
+    Bug("muon-no-orthogonalization", "dp",
+        "Muon's Newton-Schulz iteration is skipped: the momentum itself is the update",
+        "plain momentum SGD at Muon's learning-rate scale: the loss still falls, every "
+        "replica agrees and the same pieces move, so neither the replica check nor the "
+        "ledger sees it; the equivalence check does, on every block matrix from step 1",
+        "--optimizer muon with --dp 2 or more and --zero 0 (not --muon-mode distributed "
+        "with --tp)",
+        lambda cfg: _muon(cfg) and cfg.zero == 0 and not (
+            cfg.tp > 1 and cfg.muon_mode == "distributed"),
+        muon_without_orthogonalization, dict(MUON),
+        "shipped: DeepSpeed's Muon at ZeRO stage 0, the default, ran no orthogonalization "
+        "and raised no error (deepspeedai/DeepSpeed#8441)",
+        unseen="the update has the matrix's placement; whether it was orthogonalized is "
+               "a value"),
+    Bug("muon-flat-shard-is-1d", "zero",
+        "Muon decides matrix or not from the array it is handed: ZeRO's flat slices are "
+        "1-D, so every matrix is taken for a vector and sent to AdamW",
+        "the run is an AdamW run: nothing fails, the loss falls, the replicas agree; the "
+        "equivalence check sees every block matrix wrong after one step, and the ledger "
+        "is missing all of Muon's piece traffic",
+        "--optimizer muon with --zero 1, 2 or 3 and --dp 2 or more",
+        lambda cfg: _muon(cfg) and cfg.zero >= 1, muon_flat_shard_is_1d,
+        dict(MUON, zero=3),
+        "shipped: DeepSpeed's Muon under ZeRO-3 saw every flattened parameter as 1-D and "
+        "used AdamW for all of them (deepspeedai/DeepSpeed#8438)",
+        unseen="the slices are placed right; which rule updates them is a value"),
+    Bug("muon-unreduced-slice", "zero",
+        "ZeRO-1 + Muon: where a matrix crosses a partition boundary, each rank fills the "
+        "part it does not hold from its OWN unreduced gradient and orthogonalizes alone",
+        "the matrices inside one rank's slice are right; each matrix cut by a boundary "
+        "gets a different X on each of its holders, each built from one rank's local "
+        "gradient: those matrices are wrong after one step (the Allgather then spreads "
+        "each rank's slice, so the replicas agree); the equivalence check sees them and "
+        "the ledger is missing Muon's pieces",
+        "--optimizer muon with --zero 1, --dp 2 or more and --tp 1",
+        lambda cfg: _muon(cfg) and cfg.zero == 1 and cfg.tp == 1, muon_unreduced_slice,
+        dict(MUON, zero=1),
+        "shipped: DeepSpeed's Muon orthogonalized unreduced slices where a matrix crossed "
+        "a ZeRO partition, each rank applying a different update "
+        "(deepspeedai/DeepSpeed#7807; refused in #8090, fixed in #8141)",
+        unseen="every slice is Shard(0) as ZeRO says; what fills the rest of the matrix "
+               "is a value"),
+    Bug("muon-tp-local-shard", "tp",
+        "--muon-mode distributed without its Gram Allreduce: each TP shard of a matrix is "
+        "orthogonalized as if it were the whole matrix",
+        "the columns (or rows) of each shard come out orthonormal among themselves, not "
+        "the matrix: every TP-split matrix is wrong after one step, the replicas over dp "
+        "agree; the equivalence check sees it and the ledger is missing the 1 + ns_steps "
+        "Allreduces over tp per matrix",
+        "--optimizer muon --muon-mode distributed with " + TP,
+        lambda cfg: cfg.optimizer == "muon" and cfg.muon_mode == "distributed" and _tp(cfg),
+        muon_tp_local_shard, dict(MUON, tp=2, muon_mode="distributed"),
+        "a close relative: Megatron-LM's distributed Muon had to gather TP shards before "
+        "orthogonalizing (NVIDIA/Megatron-LM#6676)",
+        unseen="each shard stays Shard over tp; that its Gram matrix was never summed "
+               "is a value"),
 ]
 BUGS: dict[str, Bug] = {bug.name: bug for bug in _LIST}
 

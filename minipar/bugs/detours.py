@@ -325,3 +325,111 @@ def tp_partials_in_16_bits() -> list[Swap]:
                                     placement.Replicate(), out) if placement.ON else out
 
     return [(tensor_parallel, "reduce_from", reduce_from)]
+
+
+# ------------------------------------------------------------------- Muon
+def muon_per_microbatch() -> list[Swap]:
+    """ZeRO-2 whose optimizer step runs on each microbatch's reduced gradient slice, as a
+    gradient hook sees it, instead of once on the step's sum (core/muon.py)."""
+    from minipar.parallel import zero
+
+    class PerMicrobatchZero2(zero.Zero2):
+        def after_backward(self, piece: object) -> None:
+            passes = self.__dict__.setdefault("passes", {})
+            m = passes[id(piece)] = passes.get(id(piece), -1) + 1   # its microbatch
+            kept = [space.grad_shard.copy() for space in self.spaces]
+            for space in self.spaces:
+                space.grad_shard[...] = 0.0
+            super().after_backward(piece)
+            shards = self.__dict__.setdefault("by_microbatch", {}).setdefault(
+                m, [np.zeros_like(space.grad_shard) for space in self.spaces])
+            for shard, space, old in zip(shards, self.spaces, kept):
+                shard += space.grad_shard
+                space.grad_shard[...] = old + space.grad_shard
+
+        def step(self) -> None:
+            by_microbatch = self.__dict__.pop("by_microbatch", {})
+            self.__dict__.pop("passes", None)
+            for m in sorted(by_microbatch):
+                self.update(by_microbatch[m])  # BUG: Muon's update once per microbatch
+            self.allgather_params()
+            self.check_replicated()
+            for space in self.spaces:
+                space.grad_shard[...] = 0.0
+
+    return [(zero, "Zero2", PerMicrobatchZero2)]
+
+
+def muon_without_orthogonalization() -> list[Swap]:
+    """Muon whose Newton-Schulz is skipped: the momentum itself is the update (plain
+    momentum SGD at Muon's learning-rate scale), and no error says so."""
+    from minipar.core import muon
+
+    def orthogonalize(u: np.ndarray, steps: int) -> np.ndarray:
+        return u  # BUG: no Newton-Schulz: U is used as if it were orthogonal
+
+    return [(muon, "orthogonalize", orthogonalize)]
+
+
+def muon_flat_shard_is_1d() -> list[Swap]:
+    """Muon that reads each piece's shape from the array it is handed: ZeRO's flat
+    slices are 1-D, so no matrix is found and AdamW updates every parameter."""
+    from minipar.core import muon
+
+    class FlatMuon(muon.Muon):
+        def step(self, params: list[np.ndarray], grads: list[np.ndarray],
+                 held: list | None = None) -> None:
+            # BUG: the shape of the handed array, not of the parameter: a flat slice is 1-D
+            flat = [[h._replace(box=(slice(0, h.where.stop - h.where.start),))
+                     if p.ndim == 1 else h for h in pieces]
+                    for p, pieces in zip(params, held)]
+            super().step(params, grads, flat)
+
+    return [(muon, "Muon", FlatMuon)]
+
+
+def muon_unreduced_slice() -> list[Swap]:
+    """ZeRO-1 + Muon where a matrix crosses a partition boundary: each rank fills the
+    parts of the matrix it does not hold from its OWN unreduced gradient and
+    orthogonalizes alone, instead of gathering the reduced pieces."""
+    from minipar.core import muon
+    from minipar.parallel import zero
+    from minipar.parallel.buckets import grad_or_zeros
+
+    class UnreducedZero1(zero.Zero1):
+        def step(self) -> None:
+            self.optimizer.unreduced = {p.name: grad_or_zeros(p).copy() for p in self.params}
+            super().step()
+
+    class AloneMuon(muon.Muon):
+        unreduced: dict = {}
+
+        def orthogonalize_all(self, updates: dict, held: list) -> dict:
+            if self.plan is None:
+                self.plan = self.make_plan(held)
+            out = {}
+            for name in sorted({name for name, _ in updates}):
+                whole = self.unreduced[name].copy()  # BUG: the others' parts, unreduced
+                region = tuple((0, n) for n in whole.shape)
+                for (n, box), u in updates.items():
+                    if n == name:
+                        whole[muon._local(box, region)] = u  # my reduced part
+                x = muon.orthogonalize(whole, self.ns_steps)  # BUG: no piece exchanged
+                out.update({key: x[muon._local(key[1], region)] for key in updates
+                            if key[0] == name})
+            return out
+
+    return [(zero, "Zero1", UnreducedZero1), (muon, "Muon", AloneMuon)]
+
+
+def muon_tp_local_shard() -> list[Swap]:
+    """--muon-mode distributed without its Gram Allreduce: each TP shard is
+    orthogonalized as if it were the whole matrix."""
+    from minipar.core import muon
+    from minipar.parallel import muon_mesh
+
+    def orthogonalize_sharded(u: np.ndarray, shape: tuple[int, int], sharded_axis: int,
+                              group: Group, steps: int) -> np.ndarray:
+        return muon.orthogonalize(u, steps)  # BUG: my shard alone, its Gram matrix local
+
+    return [(muon_mesh, "orthogonalize_sharded", orthogonalize_sharded)]

@@ -184,7 +184,7 @@ def make_updater(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     """The object that turns this rank's gradients into updated parameters after each
     step's backward: plain data parallelism (`--grad-sync`) or a ZeRO stage (`--zero`).
     Built once, before the first forward (it may wrap the pieces of `chunks`)."""
-    from minipar.parallel import data_parallel, zero  # here: they load mpi4py.MPI
+    from minipar.parallel import data_parallel, muon_mesh, zero  # here: they load MPI
     from minipar.parallel.mixed import MixedStep
 
     # --mixed: masters, main gradients, S and the found_inf vote (parallel/mixed.py); the
@@ -192,6 +192,9 @@ def make_updater(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     mixed = MixedStep(cfg.mixed, cfg.grad_reduce_dtype, cfg.loss_scale,
                       cfg.loss_scale_window, mesh.world) if cfg.mixed else None
     extra = {} if mixed is None else {"mixed": mixed}  # (lesson 08's detours: no mixed)
+    # how a matrix's pieces meet over the mesh (Muon needs them whole; SGD and Adam never
+    # ask): parallel/muon_mesh.py
+    optimizer.bind(muon_mesh.MeshMeeting(mesh))
     if cfg.zero == 0:
         updater = data_parallel.DataParallel(chunks, mesh, optimizer, cfg.grad_sync,
                                              cfg.bucket_size, cfg.microbatches, **extra)

@@ -109,8 +109,11 @@ class ModelStates:
 
 
 def optimizer_bytes_per_param(optimizer: str, itemsize: int) -> int:
-    """K for minipar's optimizers: Adam keeps m and v (2 numbers), SGD nothing."""
-    return {"sgd": 0, "adam": 2 * itemsize}[optimizer]
+    """K for minipar's optimizers: Adam keeps m and v (2 numbers), SGD nothing, Muon one
+    momentum per number of a block matrix (core/muon.py; the embeddings, norms, biases
+    and routers it leaves to AdamW keep 2, a small share of a large model that this
+    one K does not count: `Muon.state_per_parameter` says it parameter by parameter)."""
+    return {"sgd": 0, "adam": 2 * itemsize, "muon": itemsize}[optimizer]
 
 
 @dataclass(frozen=True)

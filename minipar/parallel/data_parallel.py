@@ -44,7 +44,7 @@ from minipar.comm.collectives import Group
 from minipar.comm.mesh import Mesh
 from minipar.core.memory import ModelStates, measure
 from minipar.core.nn import Module, Parameter
-from minipar.core.optim import Optimizer
+from minipar.core.optim import Optimizer, held_whole
 from minipar.core.shards import held_parts
 from minipar.parallel.buckets import flat_buffers, grad_or_zeros, make_buckets, pack, unpack
 from minipar.parallel.dp_hooks import Hooks, Piece, install_hooks
@@ -256,10 +256,13 @@ class DataParallel:
         if self.clipper is not None:  # clip.py: the global norm, one scale on every rank
             grads = [grad_or_zeros(p) for p in self.params]
             self.clipper(list(zip(self.params, grads)), grads)
+        # the optimizer is handed whole parameters (or their TP shards), and says so
         if self.masters is None:
-            self.optimizer.step([p.data for p in self.params], [p.grad for p in self.params])
+            self.optimizer.step([p.data for p in self.params], [p.grad for p in self.params],
+                                held_whole(self.params))
             return
-        self.optimizer.step(self.masters, [p.grad for p in self.params])  # the masters,
+        self.optimizer.step(self.masters, [p.grad for p in self.params],  # the masters,
+                            held_whole(self.params))
         cast_copies(self.masters, [p.data for p in self.params])     # then the 16-bit copy
 
     def my_slices(self) -> list[np.ndarray]:
@@ -280,7 +283,7 @@ class DataParallel:
     def memory(self) -> ModelStates:
         """Bytes of parameters, gradients and optimizer state this rank holds."""
         return measure([p.data for p in self.params], [p.grad for p in self.params],
-                       self.optimizer.state_arrays(), self.masters or ())
+                       self.optimizer.held_state(), self.masters or ())
 
     def checkpoint_pieces(self) -> tuple[list[Parameter], dict[str, list[np.ndarray]]]:
         """Every parameter as it is held (its `full_index`), with its optimizer state."""

@@ -65,7 +65,7 @@ from minipar.comm.mesh import Mesh
 from minipar.core.autograd import Tensor
 from minipar.core.memory import FlatLayout, ModelStates, displacements, measure
 from minipar.core.nn import Module, Parameter
-from minipar.core.optim import Optimizer
+from minipar.core.optim import Held, Optimizer
 from minipar.core.shards import flat_boxes, in_full_array
 from minipar.parallel.buckets import grad_or_zeros
 from minipar.parallel.dp_hooks import Hooks, Piece, install_hooks
@@ -192,7 +192,7 @@ class Zero1:
             pieces = [(p, shard[where]) for space, shard in zip(self.spaces, grad_shards)
                       for p, _, where in self.shard_pieces(space)]
             self.clipper(pieces, grad_shards, zero_sliced=True)
-        self.optimizer.step(self.my_slices(), grad_shards)
+        self.optimizer.step(self.my_slices(), grad_shards, self.held())
         if self.mixed is not None:  # my 16-bit slice cast from my updated masters
             cast_copies(self.my_slices(), [space.compute_slice() for space in self.spaces])
         for space in self.spaces:   # only my slice is new: the flat vector is Shard(0)
@@ -227,6 +227,20 @@ class Zero1:
                 for axis, found in placement.of(space.values).items():
                     raise placement.refuse("the next forward", space.values, axis, found,
                                            placement.REPLICATED)
+
+    def held(self) -> list[list[Held]]:
+        """What my slices hold, for the optimizer (optim.Held): each box of each
+        parameter a slice cuts, in the full array. A flat slice is 1-D, the parameters
+        in it are not: a matrix crossing a partition boundary is two boxes on two ranks,
+        and Muon (core/muon.py) brings them together."""
+        out = []
+        for space in self.spaces:
+            shapes = {id(p): shape for p, shape in zip(space.params, space.layout.shapes)}
+            out.append([Held(p.name, in_full_array(box, p.full_index),
+                             in_full_array(tuple(slice(0, n) for n in shapes[id(p)]),
+                                           p.full_index), where)
+                        for p, box, where in self.shard_pieces(space)])
+        return out
 
     @staticmethod
     def shard_pieces(space: Space) -> list[tuple[Parameter, tuple[slice, ...], slice]]:
@@ -301,7 +315,7 @@ class Zero1:
     def memory(self) -> ModelStates:
         """Bytes this rank holds: the flat parameters, full gradients, my optimizer state."""
         return measure([space.flat for space in self.spaces], [p.grad for p in self.params],
-                       self.optimizer.state_arrays(), self.master_slices())
+                       self.optimizer.held_state(), self.master_slices())
 
 
 class Zero2(Zero1, Hooks):
@@ -360,7 +374,7 @@ class Zero2(Zero1, Hooks):
         optimizer state."""
         return measure([space.flat for space in self.spaces],
                        [space.grad_shard for space in self.spaces]
-                       + [p.grad for p in self.params], self.optimizer.state_arrays(),
+                       + [p.grad for p in self.params], self.optimizer.held_state(),
                        self.master_slices())
 
 
@@ -434,7 +448,7 @@ class Zero3(Zero2):
         """My slice of everything (and whatever piece is gathered at the moment)."""
         return measure([space.shard for space in self.spaces] + [p.data for p in self.params],
                        [space.grad_shard for space in self.spaces]
-                       + [p.grad for p in self.params], self.optimizer.state_arrays(),
+                       + [p.grad for p in self.params], self.optimizer.held_state(),
                        self.master_slices())
 
 

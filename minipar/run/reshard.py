@@ -28,7 +28,7 @@ def reshard(cfg: TrainConfig, world: object, source: str | Path,
     a collective over the `world` communicator."""
     mesh = Mesh(cfg.mesh_shape(), world, Ledger())
     saved = save_load.load(source)
-    optimizer = make_optimizer(cfg.optimizer, cfg.lr)
+    optimizer = make_optimizer(cfg.optimizer, cfg.lr, **cfg.optimizer_rule())
     chunks, updater = parallelize(cfg, mesh, saved.params, optimizer)
     params = [p for chunk in chunks for p in chunk.parameters()]
     step = save_load.restore_optimizer(optimizer, params, saved, updater)

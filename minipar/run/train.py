@@ -50,7 +50,7 @@ from minipar.core.data import (
     microbatch_rows,
     rank_rows,
 )
-from minipar.core.optim import make_optimizer
+from minipar.core.optim import held_whole, make_optimizer
 from minipar.core.shards import held_parts
 from minipar.parallel.pipeline import executor, schedules
 from minipar.settings import config, preflight
@@ -169,7 +169,7 @@ def _train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | N
     init = {k: v.copy() for k, v in full.items()}
     model = build_reference(cfg, full)
     params = model.parameters()
-    optimizer = make_optimizer(cfg.optimizer, cfg.lr)
+    optimizer = make_optimizer(cfg.optimizer, cfg.lr, **cfg.optimizer_rule())
     losses, norms = [], []
     # --mixed: the optimizer updates the masters; each p.data is the 16-bit copy
     masters = [p.data for p in params] if cfg.mixed else None
@@ -202,9 +202,10 @@ def _train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | N
         if cfg.clip_grad_norm is not None:  # the whole gradient's norm, then the scale
             norms.append(clip.clip_reference([p.grad for p in params], cfg.clip_grad_norm))
         if masters is None:
-            optimizer.step([p.data for p in params], [p.grad for p in params])
+            optimizer.step([p.data for p in params], [p.grad for p in params],
+                           held_whole(params))
         else:  # the masters, then the 16-bit copies cast from them
-            optimizer.step(masters, [p.grad for p in params])
+            optimizer.step(masters, [p.grad for p in params], held_whole(params))
             for p, master in zip(params, masters):
                 p.data = precision.to_low(master)
         if cfg.router == "sigmoid-bias":  # b moves against the step's load (routing.py)
@@ -350,7 +351,7 @@ def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
     # --resume: the full arrays assembled from any mesh's shards, sliced below like init
     saved = save_load.load(cfg.resume) if cfg.resume else None
     full = saved.params if saved else nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
-    optimizer = make_optimizer(cfg.optimizer, cfg.lr)
+    optimizer = make_optimizer(cfg.optimizer, cfg.lr, **cfg.optimizer_rule())
     chunks, updater = parallelize(cfg, mesh, full, optimizer)
     trace.instrument(optimizer, updater.memory)  # --trace: optimizer spans, bytes held
     params = [p for chunk in chunks for p in chunk.parameters()]

@@ -24,6 +24,9 @@ MODELS = ("mlp", "moe", *GPT_MODELS)
 MOE_MODELS = ("moe", "gpt-moe")
 RECOMPUTE = ("none", "selective", "full")
 GRAD_SYNCS = ("naive", "bucketed", "overlapped")
+MUON_MODES = ("layer-sharded", "distributed", "duplicated")
+MUON_DEFAULTS = {"momentum": 0.95, "nesterov": True, "ns_steps": 5, "weight_decay": 0.1,
+                 "muon_mode": "layer-sharded"}
 
 
 class ConfigError(RefusalError):
@@ -52,6 +55,12 @@ class TrainConfig:
     steps: int = 5
     lr: float = 0.05
     optimizer: str = "sgd"
+    # --optimizer muon (core/muon.py): filled by `resolved`, None with sgd and adam
+    momentum: float | None = None     # mu, 0.95
+    nesterov: bool | None = None      # on
+    ns_steps: int | None = None       # Newton-Schulz iterations, 5
+    weight_decay: float | None = None  # decoupled, 0.1 (Muon's matrices and AdamW's rest)
+    muon_mode: str | None = None      # layer-sharded, distributed or duplicated
     seed: int = 0
     dtype: str = "float64"
     dp: int | None = None
@@ -111,6 +120,10 @@ class TrainConfig:
             values["bias_rate"] = DEFAULT_BIAS_RATE
         if self.route_top_groups is None:
             values["route_top_groups"] = self.route_groups
+        if self.optimizer == "muon":  # Muon's defaults (core/muon.py)
+            for name, default in MUON_DEFAULTS.items():
+                if values[name] is None:
+                    values[name] = default
         if self.vocab_parallel is None:  # the transformer on a tp group splits its vocabulary
             values["vocab_parallel"] = self.model in GPT_MODELS and self.tp > 1
         return TrainConfig(**values)
@@ -126,6 +139,14 @@ class TrainConfig:
                            shared_experts=self.shared_experts, router=self.router,
                            route_groups=self.route_groups,
                            route_top_groups=self.route_top_groups)
+
+    def optimizer_rule(self) -> dict:
+        """The keyword arguments of `optim.make_optimizer` beyond the name and lr."""
+        if self.optimizer != "muon":
+            return {}
+        return {"momentum": self.momentum, "nesterov": self.nesterov,
+                "ns_steps": self.ns_steps, "weight_decay": self.weight_decay,
+                "mode": self.muon_mode}
 
     def mesh_shape(self) -> MeshShape:
         return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp)
@@ -165,6 +186,24 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
     out += _divisibility(cfg)
     out += _data_parallel_problems(cfg)
     out += routing_problems(cfg)
+    out += muon_problems(cfg)
+    return out
+
+
+def muon_problems(cfg: TrainConfig) -> list[str]:
+    """--optimizer muon's flags (core/muon.py): mu in [0, 1), at least one Newton-Schulz
+    step, a finite decay of zero or more; none of them with another optimizer."""
+    if cfg.optimizer != "muon":
+        return [f"--{name.replace('_', '-')} applies to --optimizer muon only"
+                for name in MUON_DEFAULTS if getattr(cfg, name) is not None]
+    out = []
+    if not (math.isfinite(cfg.momentum) and 0 <= cfg.momentum < 1):
+        out.append(f"--momentum must be in [0, 1) (got {cfg.momentum})")
+    if cfg.ns_steps < 1:
+        out.append(f"--ns-steps must be at least 1 (got {cfg.ns_steps})")
+    if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
+        out.append(f"--weight-decay must be zero or a positive finite number (got "
+                   f"{cfg.weight_decay})")
     return out
 
 
@@ -539,7 +578,20 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--route-top-groups", type=int, default=None,
         help="MoE: each token keeps its M best groups, then its top-k inside them")
     add("--lr", type=float, default=d.lr, help="learning rate")
-    add("--optimizer", choices=("sgd", "adam"), default=d.optimizer, help="the update rule")
+    add("--optimizer", choices=("sgd", "adam", "muon"), default=d.optimizer,
+        help="the update rule (muon: Muon on the blocks' matrices, AdamW on the rest)")
+    add("--momentum", type=float, default=None,
+        help="--optimizer muon: the momentum mu of its buffer (default 0.95)")
+    add("--nesterov", action=argparse.BooleanOptionalAction, default=None,
+        help="--optimizer muon: Nesterov momentum (default on)")
+    add("--ns-steps", type=int, default=None,
+        help="--optimizer muon: Newton-Schulz iterations per step (default 5)")
+    add("--weight-decay", type=float, default=None,
+        help="--optimizer muon: decoupled weight decay, W *= 1 - lr wd (default 0.1)")
+    add("--muon-mode", choices=MUON_MODES, default=None,
+        help="--optimizer muon over a mesh: each matrix on one home rank (layer-sharded), "
+             "TP shards kept with the Gram matrix Allreduced (distributed), or every "
+             "matrix on every rank that holds a piece (duplicated)")
     add("--dtype", choices=("float64", "float32"), default=d.dtype,
         help="the numbers of parameters, data and activations")
     add("--schedule", choices=SCHEDULES, default=d.schedule,
