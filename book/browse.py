@@ -86,7 +86,7 @@ def check(book: Path, chromium: str, shots: Path) -> tuple[list[str], dict[str, 
     try:
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-            context = browser.new_context(viewport={"width": 1280, "height": 900})
+            context = browser.new_context(viewport={"width": 1440, "height": 900})
             outside: list[str] = []
 
             def only_local(route: object) -> None:

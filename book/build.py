@@ -359,6 +359,8 @@ def strategy_table(here: str, entries: list[Entry], rows: list[tuple[str, list[s
 
 def lesson_rows(lesson: Lesson, rows: list[tuple[str, list[str], str]]
                 ) -> list[tuple[str, list[str], str]]:
+    if not lesson.number.isdigit():
+        return []
     number = int(lesson.number)
     return [row for row in rows if number in {int(n) for n in re.findall(r"\b\d\d?\b", row[2])}
             and all(sources_exist(row[1]))]

@@ -30,6 +30,17 @@ def mathml(match: re.Match) -> str:
         return f"<code>{html.escape(latex)}</code>"
 
 
+DELIMITED = re.compile(r"\\[(\[](.*?)\\[)\]]")
+
+
+def plain_titles(items: list) -> None:
+    """A heading's formula in the table of contents as its bare LaTeX, `Y = XW`."""
+    for item in items:
+        item.title = DELIMITED.sub(lambda m: html.unescape(m.group(1)), item.title)
+        plain_titles(item.children)
+
+
 def on_page_content(html_text: str, page: object, config: object, files: object) -> str:
     """mkdocs calls this with each page's HTML after Markdown."""
+    plain_titles(page.toc.items)
     return MARKED.sub(mathml, html_text)
