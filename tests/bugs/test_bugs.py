@@ -93,6 +93,9 @@ def test_an_unknown_bug_is_refused_in_one_line_naming_the_choices():
     (["--model", "moe", "--dp", "4"], "moe-aux-after-capacity"),      # no capacity
     (["--dp", "4"], "zero-no-allgather"),                             # --zero 0
     (["--dp", "4", "--zero", "3"], "zero-no-allgather"),              # stage 3
+    (["--dp", "4", "--zero", "2"], "muon-per-microbatch"),            # not Muon
+    (["--dp", "4", "--optimizer", "muon"], "muon-flat-shard-is-1d"),  # --zero 0
+    (["--tp", "2", "--optimizer", "muon"], "muon-tp-local-shard"),    # layer-sharded
 ])
 def test_a_bug_the_mesh_cannot_show_is_refused(flags, name):
     errors = problems(config(WORLD, *flags, "--inject-bug", name), WORLD)
@@ -201,6 +204,37 @@ def test_one_step_damage_is_where_the_explanations_say(runs):
         assert not found & names((last + "experts",), "moe"), aux    # above every router
     zero = differing_after_one_step(runs, "zero-no-allgather")
     assert "embed.weight" not in zero and "head.weight" in zero  # rank 0's slice is the front
+
+
+def muon_traffic(run: dict) -> tuple[int, int]:
+    """(elements of Muon's pieces sent over the world, Allreduce calls over tp), summed
+    over the ranks, in the last step."""
+    return (sum(r["elements"] for r in run["ledger"]
+                if r["op"] == "Isend" and r["group"] == "world"),
+            sum(r["calls"] for r in run["ledger"]
+                if r["op"] == "Allreduce" and r["group"] == "tp"))
+
+
+def test_the_muon_bugs_are_named_by_the_ledger(runs):
+    """Beside the equivalence check, the ledger names four of the five Muon bugs: the
+    pieces sent once per microbatch (twice the correct run's), never sent (matrices
+    taken for vectors; unreduced slices orthogonalized alone), the Gram Allreduces over
+    tp missing (1 + ns_steps per matrix); skipping Newton-Schulz moves the same bytes."""
+    def pair(name: str) -> tuple[tuple[int, int], tuple[int, int]]:
+        run, config = runs[name]
+        correct = next(r for label, (r, c) in runs.items()
+                       if label.startswith("correct") and c == fields(catalog.BUGS[name]))
+        return muon_traffic(run), muon_traffic(correct)
+    bug, correct = pair("muon-per-microbatch")
+    assert bug[0] == 2 * correct[0] > 0
+    for name in ("muon-flat-shard-is-1d", "muon-unreduced-slice"):
+        bug, correct = pair(name)
+        assert bug[0] == 0 < correct[0], name
+    bug, correct = pair("muon-tp-local-shard")
+    matrices = 2 * SMALL["layers"]                      # fc1, fc2 of each block
+    assert correct[1] - bug[1] == WORLD * matrices * (1 + 5)   # on every rank
+    bug, correct = pair("muon-no-orthogonalization")
+    assert bug == correct
 
 
 # ------------------------------------------------------------- the lesson
