@@ -29,10 +29,11 @@ keeps one a student can read:
   other rank on its host, waits a short grace for their files (not for a rank
   of this host that is stopped or gone: it writes none), reads them all
   (flight_report.py), and ends its error line with the verdict before MPI_Abort
-  ends the job. Only the first rank to get there speaks (it makes DIR/verdict.txt,
-  O_EXCL, and writes its line there); a second one dumps and waits to be ended. A
-  folder holding another job's files is never written over: the dumps go beside it
-  (`minipar-flight-2`, named in the line). Across hosts, SIGUSR1 reaches only
+  ends the job. Only the first rank to get there speaks (an O_EXCL lock, which
+  becomes DIR/verdict.txt holding its line); a second one dumps and waits to be
+  ended. A --flight folder holding another job's files is never written over: the
+  dumps go beside it (`DIR-2`, named in the line); the default `minipar-flight/`
+  keeps the last job's. Across hosts, SIGUSR1 reaches only
   this host's ranks: a rank on another host dumps when its own watchdog fires
   (the ranks of a hung job all sit in some call, so all their watchdogs fire
   within about a --timeout of each other, inside the grace), and the verdict
@@ -269,24 +270,25 @@ def reset() -> None:
 
 # ------------------------------------------------------------------- arming
 def arm(folder: str | None, world: object) -> None:
-    """Make this rank dump into `folder` (default `minipar-flight/`) on SIGUSR1, on the
-    watchdog or on an abort. A collective over `world` (MPI.COMM_WORLD): every rank's host
-    and pid, and rank 0's run id (so a verdict never mixes in files of an earlier run)."""
+    """Make this rank dump into `folder` (or beside it, `fresh_folder`; default
+    `minipar-flight/`) on SIGUSR1, on the watchdog or on an abort. A collective over
+    `world` (MPI.COMM_WORLD): every rank's host and pid, and rank 0's run id (so a
+    verdict never mixes in files of an earlier run)."""
     STATE.rank, STATE.world = world.Get_rank(), world.Get_size()
     me = (socket.gethostname(), os.getpid())
     STATE.peers = world.allgather(me)           # (host, pid) of every rank, on every rank
     STATE.run = f"{STATE.peers[0][0]}:{STATE.peers[0][1]}:{int(time.time())}"
     # rank 0 picks the folder: the one asked for, or beside it when it holds another job's
-    # files (never written over); every rank then dumps into the same one
+    # files (never written over); the default one, minipar's own, keeps the last job's
     STATE.run, chosen = world.bcast(
-        (STATE.run, str(fresh_folder(Path(folder or DEFAULT_FOLDER)))
-         if STATE.rank == 0 else None), root=0)
+        (STATE.run, DEFAULT_FOLDER if folder is None else str(fresh_folder(Path(folder))))
+        if STATE.rank == 0 else None, root=0)
     STATE.folder = Path(chosen)
     STATE.dumped = None
     _listen()
 
 
-VERDICT = "verdict.txt"    # the first aborting rank's line: also the lock that elects it
+VERDICT = "verdict.txt"    # the first aborting rank's line, and its run
 
 
 def held_files(folder: Path) -> list[str]:
@@ -295,7 +297,7 @@ def held_files(folder: Path) -> list[str]:
     if not folder.is_dir():
         return []
     return sorted(p.name for p in folder.iterdir() if p.name in (VERDICT, "trace.json")
-                  or p.name.startswith(".speaker-")
+                  or p.name.startswith((".speaker-", ".verdict-"))
                   or (p.name.startswith("rank") and p.suffix == ".json"))
 
 
@@ -409,9 +411,7 @@ def before_abort(text: str) -> str:
     detail = lines[-1] if "Traceback" in text else lines[0]
     try:
         write(folder, reason, detail)
-        try:   # the first rank to make DIR/verdict.txt speaks, and writes its line there
-            lock = os.open(folder / VERDICT, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:   # another rank speaks: wait for its abort to end us
+        if not _elected(folder):   # another rank speaks: wait for its abort to end us
             # a traceback, a rank leaving: still said; the watchdog's line and MPI's error
             # (one per rank of the group it hit) are the speaker's alone
             if "Traceback" in text or (reason == "abort" and " MPI error: " not in text):
@@ -421,15 +421,57 @@ def before_abort(text: str) -> str:
             return ""
         _signal_local_peers()
         _wait_for_dumps(time.monotonic() + GRACE)
-        try:  # (the lock stays: a rank whose watchdog fires later must not speak again)
+        try:
             sentence = verdict_of_folder(folder, run=STATE.run)
         except FlightError as error:
             sentence = f"no verdict ({error})"
         said = text.rstrip("\n") + f"; flight ({folder}): {sentence}\n"
-        try:
-            os.write(lock, said.splitlines()[-1].encode() + b"\n")
-        finally:
-            os.close(lock)
+        _leave_verdict(folder, said.splitlines()[-1])
     except OSError as error:
         return text.rstrip("\n") + f" (flight: no dump in {folder}: {error})\n"
     return said
+
+
+def _lock(folder: Path) -> Path:
+    return folder / f".verdict-{STATE.run.replace(':', '-')}"
+
+
+def _spoken(folder: Path) -> bool:
+    """DIR/verdict.txt is this run's: a rank of this job spoke already."""
+    try:
+        return (folder / VERDICT).read_text().splitlines()[-1] == f"run {STATE.run}"
+    except (OSError, IndexError, UnicodeDecodeError):
+        return False
+
+
+def _elected(folder: Path) -> bool:
+    """Whether this rank is the first of its job to abort, and so the one that speaks: it
+    makes DIR/.verdict-<run> (O_EXCL: one rank wins, on every host of a shared folder).
+    The lock becomes DIR/verdict.txt once the line is in it (`_leave_verdict`), so a
+    rank whose watchdog fires later finds either the lock or this run's verdict.txt --
+    checked after taking the lock too, since the rename may fall between the two."""
+    if _spoken(folder):
+        return False
+    try:
+        os.close(os.open(_lock(folder), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    if _spoken(folder):
+        _lock(folder).unlink(missing_ok=True)
+        return False
+    return True
+
+
+def _leave_verdict(folder: Path, line: str) -> None:
+    """Write the speaker's line and the run into the lock, and make it DIR/verdict.txt
+    (atomically); then remove what earlier jobs left in a reused folder and this job
+    will not replace: dumps of ranks beyond this world, older locks."""
+    lock = _lock(folder)
+    lock.write_text(f"{line}\nrun {STATE.run}\n")
+    os.replace(lock, folder / VERDICT)
+    for path in folder.iterdir():
+        stale = path.name.startswith((".speaker-", ".verdict-")) or (
+            path.name.startswith("rank") and path.suffix == ".json"
+            and path.stem[4:].isdigit() and int(path.stem[4:]) >= STATE.world)
+        if stale:
+            path.unlink(missing_ok=True)

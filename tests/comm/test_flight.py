@@ -95,7 +95,8 @@ def test_a_hang_ends_with_the_verdict_and_every_rank_dumps(name, tmp_path):
     # the dumps and the line, nothing else left behind; an earlier job's files untouched
     assert sorted(p.name for p in folder.iterdir()) == [
         "rank0.json", "rank1.json", "rank2.json", "rank3.json", "verdict.txt"]
-    assert (folder / "verdict.txt").read_text().rstrip("\n").endswith(said)
+    line, run = (folder / "verdict.txt").read_text().splitlines()
+    assert line.endswith(said) and run == f"run {dumps[0]['run']}", (line, run)
     if folder != asked:
         assert [p.name for p in asked.iterdir()] == ["rank0.json"]
         assert (asked / "rank0.json").read_text() == EARLIER
@@ -371,6 +372,7 @@ def test_an_abort_leaves_its_dumps_and_line_beside_an_earlier_jobs(tmp_path, mon
         assert flight.STATE.folder == tmp_path / "flight-2"
         flight.record(fake_group("dp{0}"), "Allreduce", 4, 8, ())
         line = flight.before_abort("minipar: error: watchdog: rank 0 waited 3 s in X\n")
+        run = flight.STATE.run
     finally:
         flight.disarm()
         flight.reset()
@@ -378,6 +380,36 @@ def test_an_abort_leaves_its_dumps_and_line_beside_an_earlier_jobs(tmp_path, mon
                            f"{tmp_path / 'flight-2'}): "), line
     assert sorted(p.name for p in (tmp_path / "flight-2").iterdir()) == ["rank0.json",
                                                                          "verdict.txt"]
-    assert (tmp_path / "flight-2" / "verdict.txt").read_text() == line
+    assert (tmp_path / "flight-2" / "verdict.txt").read_text() == f"{line}run {run}\n"
     assert (asked / "rank0.json").read_text() == EARLIER
     assert flight.fresh_folder(tmp_path / "flight") == tmp_path / "flight-3"
+
+
+def test_the_default_folder_keeps_the_last_jobs_dumps_and_one_speaker(tmp_path, monkeypatch):
+    """minipar-flight/ (no --flight) is minipar's own: a later job's dumps replace an
+    earlier one's, whose verdict.txt does not silence the new job and whose files beyond
+    the new world and old locks go; a second aborting rank of the same job stays silent."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(flight, "_listen", lambda: None)
+    monkeypatch.setattr(flight, "GRACE", 0.0)
+    folder = tmp_path / flight.DEFAULT_FOLDER
+    folder.mkdir()
+    for name in ("rank0.json", "rank5.json", ".speaker-old", "verdict.txt"):
+        (folder / name).write_text("an earlier job's\nrun old\n")
+    world = SimpleNamespace(Get_rank=lambda: 0, Get_size=lambda: 1,
+                            allgather=lambda value: [value], bcast=lambda value, root: value)
+    flight.arm(None, world)
+    try:
+        assert flight.STATE.folder == Path(flight.DEFAULT_FOLDER)
+        flight.record(fake_group("dp{0}"), "Allreduce", 4, 8, ())
+        line = flight.before_abort("minipar: error: watchdog: rank 0 waited 3 s in X\n")
+        sleeps = []
+        monkeypatch.setattr(flight.time, "sleep", sleeps.append)
+        again = flight.before_abort("minipar: error: watchdog: rank 0 waited 9 s in X\n")
+    finally:
+        flight.disarm()
+        flight.reset()
+    assert line.startswith("minipar: error: watchdog: rank 0 waited 3 s in X; flight (")
+    assert again == "" and sleeps, again           # spoken already: it waits, silent
+    assert sorted(p.name for p in folder.iterdir()) == ["rank0.json", "verdict.txt"]
+    assert (folder / "verdict.txt").read_text().splitlines()[0] == line.rstrip("\n")
