@@ -100,6 +100,8 @@ class Workload:
     experts_over_tp: bool = True  # MoE: EP spans tp x dp, each tp rank routing its SP share
     #                               (False: minipar's, every tp rank runs the MoE FFN whole)
     master_bytes: int = 0       # the master copy counted apart (--mixed; 0: inside K)
+    microbatch_overhead: float = 0.0  # tokens of compute a microbatch costs beyond its own
+    #                                   (workloads.small_microbatch_tokens; 0: not priced)
 
     @property
     def layers(self) -> int:

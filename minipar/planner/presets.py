@@ -119,6 +119,14 @@ MODELS: dict[str, Model] = {
                         kv_heads=8),
     "llama3-405b": Model("Llama 3 405B", 126, 16384, 128, 53248, 128256, 8192, 3, "llama",
                          kv_heads=8),
+    # Le Scao et al. 2022, "BLOOM: A 176B-Parameter Open-Access Multilingual Language
+    # Model": 70 layers, hidden 14336, 112 heads, sequences of 2048, a GELU MLP of 4d,
+    # the head tied to the embedding; vocabulary 250,880 (the model's config.json on the
+    # Hugging Face hub: the tokenizer's 250,680 padded). Its ALiBi has no position
+    # parameters and its embedding a LayerNorm: the gpt style's learned positions stand
+    # in for both (29 M of 176 B parameters).
+    "bloom-176b": Model("BLOOM 176B", 70, 14336, 112, 4 * 14336, 250880, 2048, 2, "gpt",
+                        tied=True),
     # Jiang et al. 2024, "Mixtral of Experts", Table 1: dim 4096, 32 layers, head_dim 128,
     # hidden_dim 14336, 32 heads, 8 kv heads, context 32768, vocabulary 32000, 8 experts,
     # top 2 (46.7 B parameters, 12.9 B active).
@@ -145,6 +153,11 @@ CLUSTERS: dict[str, Cluster] = {
     # (450 each way), HBM3 3.35 TB/s; DGX H100: 8 GPUs and 8 ConnectX-7 400 Gb/s (50 GB/s)
     # NICs.
     "h100": Cluster("H100 SXM (DGX H100)", 80, 989, 450, 50, hbm_bw=3350),
+    # BLOOM's cluster (Le Scao et al. 2022, its hardware section): Jean Zay, 8 A100
+    # 80GB a node joined by NVLink (the A100 datasheet's 300 GB/s each way), 4 Omni-Path
+    # links of 100 Gb/s a node: 50 GB/s a node, 6.25 GB/s per GPU between nodes.
+    "jean-zay-a100": Cluster("Jean Zay A100 80GB (BLOOM's cluster)", 80, 312, 300, 6.25,
+                             hbm_bw=2039),
     # H800: H100's compute and memory, NVLink cut to 400 GB/s in all; DeepSeek-V3
     # Technical Report, section 3.2.2: "NVLink offers a bandwidth of 160 GB/s, roughly
     # 3.2 times that of IB (50 GB/s)" (what its kernels reach), 8 GPUs a node.

@@ -315,7 +315,9 @@ def compute_seconds(w: Workload, plan: Plan, shape: RankShape, hw: Hardware) -> 
     QK^T and AV (cut by tp); the backward twice the forward; full recomputation runs
     the forward again, selective only the attention part. The routed experts of one token
     cost 2 top_k x an expert, on the tp rank that holds the token (SP). The head's
-    3 passes are never recomputed. Over this rank's tokens: B s / (dp cp)."""
+    3 passes are never recomputed. Over this rank's tokens: B s / (dp cp). A small
+    microbatch runs less efficiently: each costs `w.microbatch_overhead` tokens more
+    (Megatron-LM's measured 1.3x at b = 1: workloads.small_microbatch_tokens)."""
     def cut(arrays: tuple[Array, ...]) -> int:
         return sum(size // plan.tp if split else size for size, split in arrays)
 
@@ -328,7 +330,8 @@ def compute_seconds(w: Workload, plan: Plan, shape: RankShape, hw: Hardware) -> 
     ends = cut(w.embed) if shape.first and not w.lookup_embedding else 0
     ends += cut(w.head) if shape.last else 0
     tokens = w.batch * w.seq_len / plan.replicas
-    return tokens * (blocks + 6 * ends) / (hw.flops * hw.efficiency)
+    small = 1.0 + w.microbatch_overhead / tokens_per_microbatch(w, plan)  # b's efficiency
+    return small * tokens * (blocks + 6 * ends) / (hw.flops * hw.efficiency)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,20 @@ from minipar.planner.presets import Model
 from minipar.settings.config import TrainConfig
 
 
+# Narayanan et al. 2021 (Megatron-LM, SC21), section 3.4 and its Figure 7: a GPT of
+# hidden size 4096 with sequences of 2048 runs "up to 1.3x" faster per GPU with large
+# microbatches than with b = 1 (one A100). As a cost per microbatch: each costs the
+# compute of 0.3 of those sequences beyond its own (b = 1: 1.3x; b = 4: 1.075x).
+PAPER_OVERHEAD_TOKENS, PAPER_WIDTH = 0.3 * 2048, 4096
+
+
+def small_microbatch_tokens(d_model: int) -> float:
+    """Tokens of compute a microbatch costs beyond its own on a GPU (docs/design.md,
+    "Microbatch size"): the paper's 0.3 x 2048 at width 4096, taken as a fixed time per
+    layer and microbatch, against a token's FLOPs per layer that grow as d^2."""
+    return PAPER_OVERHEAD_TOKENS * (PAPER_WIDTH / d_model) ** 2
+
+
 def layer_sizes(m: Model) -> dict[str, int]:
     """The widths a layer of `m` is built from: query and key+value widths, the norms'
     parameters, attention's parameters (multi-head: Q, K, V, O and, gpt style, their
@@ -97,7 +111,8 @@ def transformer(m: Model, batch: int, params: float | None = None) -> Workload:
     splits = (m.d_ff, m.heads, m.kv_heads or m.heads) + (
         (m.expert_d_ff,) if m.shared_experts else ())
     w = Workload(m.name, tuple(blocks), embed, head, d, batch, s, split_dims=splits,
-                 lookup_embedding=True, tied_head=m.tied, logit_bytes=4 * m.vocab)
+                 lookup_embedding=True, tied_head=m.tied, logit_bytes=4 * m.vocab,
+                 microbatch_overhead=small_microbatch_tokens(d))
     if params is not None and abs(params / w.params - 1) > 0.05:
         raise ValueError(f"--params {params:.4g} disagrees with the {w.params:.4g} the shapes "
                          f"define ({params / w.params - 1:+.0%}); drop --params or fix a shape")

@@ -9,8 +9,9 @@
   savings of selective recomputation (GPT-3 70%, MT-NLG 65%);
 - the presets' parameter counts against their papers (Megatron's formula, GPT-3, Llama 3,
   Mixtral's 46.7 / 12.9 B, DeepSeek-V3's 671 / 37 B);
-- Megatron-LM's Table 1 (Narayanan et al. 2021): the published (t, p, d) among the
-  planner's fastest meshes, its throughput within the error the planner states;
+- twelve published layouts (Megatron-LM's Table 1, Narayanan et al. 2021; BLOOM; Llama 3
+  405B) among the planner's 3 fastest meshes, Megatron's throughput within the error
+  the planner states;
 - Llama 3 405B's published mesh (TP 8, PP 16, DP 64 on 8192 H100s) fits and ranks near
   the top; DeepSeek-V3's (PP 16 x EP 64 x ZeRO-1 DP on 2048 H800s) fits;
 - minipar's own 8-rank runs: every rank's parameter / gradient / optimizer bytes and
@@ -42,8 +43,8 @@ from minipar.planner.memory_cost import (
     rank_shape,
 )
 from minipar.planner.plan_table import STEP_TIME_ERROR
-from minipar.planner.presets import MEGATRON_TABLE_1, MODELS, Model
-from minipar.planner.search import distinct_meshes, evaluate, search
+from minipar.planner.presets import CLUSTERS, MEGATRON_TABLE_1, MODELS, Model
+from minipar.planner.search import distinct_meshes, evaluate, hardware, search
 from minipar.planner.time_cost import Hardware, ledger_of, traffic
 from minipar.planner.workloads import minipar_workload, plan_of, transformer
 from minipar.settings.config import TrainConfig
@@ -198,7 +199,7 @@ def test_megatron_parameter_counts(row):
 
 
 @pytest.mark.parametrize("preset, total, active", [
-    ("gpt3-175b", 175, 175), ("llama3-8b", 8.0, 8.0), ("llama3-70b", 70.6, 70.6),
+    ("gpt3-175b", 175, 175), ("bloom-176b", 176.2, 176.2), ("llama3-8b", 8.0, 8.0), ("llama3-70b", 70.6, 70.6),
     ("llama3-405b", 405, 405), ("mixtral-8x7b", 46.7, 12.9), ("deepseek-v3", 671, 37.5)])
 def test_preset_parameter_counts_are_the_published_ones(preset, total, active):
     """GPT-3 175B, Llama 3 8B / 70B / 405B, Mixtral's 46.7 B (12.9 B active), DeepSeek-V3's
@@ -208,27 +209,58 @@ def test_preset_parameter_counts_are_the_published_ones(preset, total, active):
     assert w.active_params / 1e9 == pytest.approx(active, rel=0.01)
 
 
-def test_megatron_table_1():
+# (name, preset, cluster, GPUs, batch, published (tp, pp, dp), the plan's levers as the
+# paper ran: template, ZeRO stages, recomputations, schedules)
+MEGATRON_LEVERS = (Plan(1), (0,), ("full",), (("1f1b", 1), ("interleaved", 2)))
+PUBLISHED = [(name, f"megatron-{name.lower()}", "dgx-a100-80gb", gpus, batch,
+              (t, p, gpus // (t * p)), MEGATRON_LEVERS)
+             for name, _, _, _, t, p, gpus, batch, _ in MEGATRON_TABLE_1] + [
+    # BLOOM (Le Scao et al. 2022): TP 4, PP 12, DP 8 on 384 A100s, batch 2048, ZeRO-1,
+    # Megatron-DeepSpeed's 1F1B, activation checkpointing
+    ("BLOOM 176B", "bloom-176b", "jean-zay-a100", 384, 2048, (4, 12, 8),
+     (Plan(1), (1,), ("full",), (("1f1b", 1),))),
+    # Llama 3 405B (Llama Team 2024, section 3.3.2): TP 8, PP 16, DP 64 on 8192 H100s,
+    # 2048 sequences of 8192 (cp = 1 in that phase), SP, interleaved schedules
+    ("Llama 3 405B", "llama3-405b", "h100", 8192, 2048, (8, 16, 64),
+     (Plan(1, sp=True), (1,), ("none", "selective", "full"),
+      (("1f1b", 1), ("interleaved", 2), ("interleaved", 4))))]
+
+
+def test_published_layouts_rank_within_the_top_3():
+    """Twelve published runs (Megatron-LM's Table 1, BLOOM, Llama 3 405B), each searched
+    with the levers its paper used: the published (tp, pp, dp) is among the planner's 3
+    fastest meshes in every row, and within 5% of the fastest. Megatron's 18B row (t 8,
+    p 1) ranked 4th until a small microbatch was priced (workloads.small_microbatch_tokens,
+    docs/design.md "Microbatch size"): the meshes above it ran b = 1 for free."""
+    ranks = {}
+    for name, preset, cluster, gpus, batch, mesh, levers in PUBLISHED:
+        w = transformer(MODELS[preset], batch)
+        hw = hardware(CLUSTERS[cluster])   # 10% of each GPU left to the framework
+        template, stages, recomputes, schedules = levers
+        found = search(w, hw, gpus, template, stages, recomputes, {"cp": 1}, schedules)
+        fastest = distinct_meshes(found.feasible)
+        meshes = [(e.plan.tp, e.plan.pp, e.plan.dp) for e in fastest]
+        ranks[name] = meshes.index(mesh) + 1
+        published = fastest[meshes.index(mesh)]
+        assert published.timing.total < 1.05 * fastest[0].timing.total, (name, meshes[:5])
+    assert all(rank <= 3 for rank in ranks.values()), ranks
+
+
+def test_megatron_table_1_throughput():
     """Every row of Narayanan et al. 2021's Table 1 on DGX A100 80GB, searched with the
     paper's levers (no ZeRO, no SP, no CP, full recomputation; 1F1B or interleaved): the
-    published (t, p, d) is among the 3 fastest meshes in 9 rows of 10 and everywhere within
-    5% of the fastest, and its throughput, counted with the paper's FLOP formula
+    published (t, p, d)'s throughput, counted with the paper's FLOP formula
     96 B s l h^2 (1 + s/6h + V/16lh), is within the planner's stated error."""
-    in_top_3 = 0
     for name, _, h, layers, t, p, gpus, batch, tflops in MEGATRON_TABLE_1:
         w = transformer(MODELS[f"megatron-{name.lower()}"], batch)
-        found = search(w, A100, gpus, Plan(1), (0,), ("full",), {"cp": 1},
-                       (("1f1b", 1), ("interleaved", 2)))
+        found = search(w, A100, gpus, *MEGATRON_LEVERS[:3], {"cp": 1}, MEGATRON_LEVERS[3])
         fastest = distinct_meshes(found.feasible)
         meshes = [(e.plan.tp, e.plan.pp, e.plan.dp) for e in fastest]
         published = fastest[meshes.index((t, p, gpus // (t * p)))]
-        in_top_3 += meshes.index((t, p, gpus // (t * p))) < 3
-        assert published.timing.total < 1.05 * fastest[0].timing.total, (name, meshes[:5])
         flops = 96 * batch * 2048 * layers * h * h * (1 + 2048 / (6 * h)
                                                       + 51200 / (16 * layers * h))
         achieved = flops / (published.timing.total * gpus) / 1e12
         assert abs(achieved / tflops - 1) < STEP_TIME_ERROR, (name, achieved, tflops)
-    assert in_top_3 >= 9
 
 
 def test_deepseek_v3_has_37b_active_of_671b():
