@@ -25,7 +25,6 @@ from minipar.planner.memory_cost import Block, Plan, Workload
 from minipar.planner.presets import Model
 from minipar.settings.config import TrainConfig
 
-
 # Narayanan et al. 2021 (Megatron-LM, SC21), section 3.4 and its Figure 7: a GPT of
 # hidden size 4096 with sequences of 2048 runs "up to 1.3x" faster per GPU with large
 # microbatches than with b = 1 (one A100). As a cost per microbatch: each costs the

@@ -199,8 +199,8 @@ def test_megatron_parameter_counts(row):
 
 
 @pytest.mark.parametrize("preset, total, active", [
-    ("gpt3-175b", 175, 175), ("bloom-176b", 176.2, 176.2), ("llama3-8b", 8.0, 8.0), ("llama3-70b", 70.6, 70.6),
-    ("llama3-405b", 405, 405), ("mixtral-8x7b", 46.7, 12.9), ("deepseek-v3", 671, 37.5)])
+    ("gpt3-175b", 175, 175), ("bloom-176b", 176.2, 176.2), ("llama3-8b", 8.0, 8.0),
+    ("llama3-70b", 70.6, 70.6), ("llama3-405b", 405, 405), ("mixtral-8x7b", 46.7, 12.9), ("deepseek-v3", 671, 37.5)])
 def test_preset_parameter_counts_are_the_published_ones(preset, total, active):
     """GPT-3 175B, Llama 3 8B / 70B / 405B, Mixtral's 46.7 B (12.9 B active), DeepSeek-V3's
     671 B (37 B activated, 37.5 with the input embedding a lookup passes through)."""
