@@ -153,6 +153,33 @@ def by_rank(client: object, name: str) -> list:
     return [value for _, value in sorted(zip(ranks, values), key=lambda pair: pair[0])]
 
 
+def answered(exercise: str, measured: str, **answers: object) -> bool:
+    """Whether an exercise's answers are written, for the notebooks' check cells.
+
+    A notebook hands its exercises out unsolved: each answer line reads `name = None  #
+    your formula`, and the cell's check runs only once every answer is written:
+
+        zero2 = None                             # your formula
+        if classroom.answered("exercise 1", f"rank 0 held {measured:.3f}", zero2=zero2):
+            assert abs(zero2 - measured) < 1e-9, "not yet: ..."
+            print("check passed")
+
+    While an answer is None this prints one line instead -- the exercise, the names still
+    to write, and `measured` (what the check holds them against: what the ranks measured,
+    or a paper's number) -- and returns
+    False: the cell does not raise, so a class (and `make course`) runs the notebook from
+    top to bottom unsolved. Once all are written it prints nothing and returns True, and
+    the cell's own asserts judge the answer (tests/teaching/test_notebooks.py runs each
+    notebook with its solutions written in, tests/teaching/notebook_answers.py)."""
+    missing = [name for name, value in answers.items() if value is None]
+    if missing:
+        names = ", ".join(f"`{name}`" for name in missing)
+        lines = "line" if len(missing) == 1 else "lines"
+        print(f'{exercise}: not written yet -- write {names} in the {lines} marked "# your ...",'
+              f" then rerun this cell ({measured})")
+    return not missing
+
+
 # ----------------------------------------------------------- the rank side
 def run_configs(configs: list[dict], out: Path, reference: bool = True) -> None:
     """Train each config on MPI.COMM_WORLD; rank 0 writes every run's results to `out`

@@ -10,6 +10,13 @@ repository keeps the notebooks without outputs.
 executed notebook, outputs and figures included, is written there for a teacher
 to read (a notebook that fails is written too, up to the failing cell).
 
+A lesson's exercise is handed out unsolved: its answer line reads `name = None  # your
+formula`, and its cell prints "not written yet" instead of checking
+(minipar.teaching.classroom.answered). The suite writes the solutions in
+(tests/teaching/notebook_answers.py) before it runs a notebook, so every exercise cell
+must print `check passed`; `make course` and $MINIPAR_NOTEBOOKS_OUT runs (the book's
+notebooks) run them as handed out, and every exercise cell must say "not written yet".
+
 A cell that holds a student's answer (it begins `# Your answer`, exercises.ipynb)
 must start as a stub `exercise start` hands out, and its first run must print the
 check failing on it, the region named as left as the stub: never passing.
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -40,10 +48,13 @@ from nbclient import NotebookClient
 
 from minipar.exercises import regions
 from tests.harness.mpi import ROOT
+from tests.teaching.notebook_answers import ANSWERS
 
 NOTEBOOKS = sorted((ROOT / "lessons").glob("*.ipynb"))
 CELL_TIMEOUT = 300  # seconds; minipar.teaching.classroom kills its own MPI jobs sooner
 AT_ONCE = max(1, min(4, len(os.sched_getaffinity(0))))  # notebooks running at a time
+# an exercise's answer line: `left = right  # your ...` (right is `None` as handed out)
+ANSWER_LINE = re.compile(r"^(?P<left>[A-Za-z_][\w, ]*?) = (?P<right>.+?)(?P<mark>\s+# your\b.*)$")
 
 
 def code_cells(notebook: nbformat.NotebookNode) -> list:
@@ -67,13 +78,42 @@ def test_notebook_is_stored_without_outputs(path):
             f"{path.name}: strip the outputs before committing (cell {cell.source[:60]!r})")
 
 
-def execute(path: Path) -> nbformat.NotebookNode:
+def answer_lines(notebook: nbformat.NotebookNode) -> list[tuple[str, str]]:
+    """Every line of a code cell marked `# your`, as (left side, right side); a marked line
+    that is not `left = right  # your ...` comes back as ("", the line)."""
+    found = []
+    for cell in code_cells(notebook):
+        for line in cell.source.splitlines():
+            if "# your" in line:
+                match = ANSWER_LINE.match(line)
+                found.append((match["left"], match["right"]) if match else ("", line))
+    return found
+
+
+def with_answers(notebook: nbformat.NotebookNode, stem: str) -> nbformat.NotebookNode:
+    """The notebook with each answer line's right side replaced by its solution
+    (notebook_answers.py); lines without one are left as they are."""
+    solutions = ANSWERS.get(stem, {})
+
+    def solve(match: re.Match) -> str:
+        right = solutions.get(match["left"], match["right"])
+        return f"{match['left']} = {right}  {match['mark'].strip()}"
+
+    for cell in code_cells(notebook):
+        cell.source = "\n".join(ANSWER_LINE.sub(solve, line) for line in cell.source.split("\n"))
+    return notebook
+
+
+def execute(path: Path, answers: bool = False) -> nbformat.NotebookNode:
     """Run one notebook top to bottom in a fresh kernel (cwd: its folder); raises
     CellExecutionError, naming the cell, if any cell fails, with the kernel's own stderr
     as a note (kept out of the suite's output: the kernel outlives any one test's capture).
-    With $MINIPAR_NOTEBOOKS_OUT the executed notebook (up to a failing cell) is written
-    there for a teacher."""
+    With `answers` the exercises' solutions are written in first (`with_answers`), else
+    they run as handed out (unsolved). With $MINIPAR_NOTEBOOKS_OUT the executed notebook
+    (up to a failing cell) is written there for a teacher."""
     notebook = nbformat.read(path, as_version=4)
+    if answers:
+        with_answers(notebook, path.stem)
     client = NotebookClient(notebook, timeout=CELL_TIMEOUT, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
     out = os.environ.get("MINIPAR_NOTEBOOKS_OUT")
@@ -96,13 +136,16 @@ def execute(path: Path) -> nbformat.NotebookNode:
 @pytest.fixture(scope="module")
 def executions(request) -> dict[Path, Future]:
     """Every notebook this session selected, started AT_ONCE at a time, in collection
-    order; the kernels inherit MINIPAR_QUICK=1 unless it is set already."""
+    order; the kernels inherit MINIPAR_QUICK=1 unless it is set already. The exercises
+    run solved, except with $MINIPAR_NOTEBOOKS_OUT: those notebooks are for the book
+    and the class, which get them unsolved."""
     chosen = [item.callspec.params["path"] for item in request.session.items
               if getattr(item, "originalname", "") == "test_notebook_runs_and_draws"]
     with pytest.MonkeyPatch.context() as patch, ThreadPoolExecutor(AT_ONCE) as pool:
         if "MINIPAR_QUICK" not in os.environ:
             patch.setenv("MINIPAR_QUICK", "1")
-        futures = {path: pool.submit(execute, path) for path in chosen}
+        solved = not os.environ.get("MINIPAR_NOTEBOOKS_OUT")
+        futures = {path: pool.submit(execute, path, solved) for path in chosen}
         yield futures
         for future in futures.values():   # stopped early (-x): drop what has not started
             future.cancel()
@@ -126,6 +169,33 @@ def test_notebook_runs_and_draws(path, executions):
     assert answers or path.stem != "exercises", "exercises.ipynb: no cell for an answer"
     for cell in answers:
         first_run_fails_as_the_stub(cell)
+    expected = "not written yet" if os.environ.get("MINIPAR_NOTEBOOKS_OUT") else "check passed"
+    for cell in code_cells(notebook):
+        if any(ANSWER_LINE.match(line) for line in cell.source.splitlines()):
+            printed = "".join(out.get("text", "") for out in cell.outputs)
+            assert expected in printed, (path.name, cell.source[:120], printed[-500:])
+
+
+def test_exercises_are_handed_out_unsolved_with_their_solutions_kept():
+    """Every `# your` line of a notebook is `left = None` (or `None, None`) as stored, and
+    has its solution in notebook_answers.py; every solution there has its line."""
+    problems, lines = [], {}
+    for path in NOTEBOOKS:
+        for left, right in answer_lines(nbformat.read(path, as_version=4)):
+            if not left:
+                problems.append(f"{path.name}: not an answer line: {right!r}")
+            elif (path.stem, left) in lines:
+                problems.append(f"{path.name}: two answer lines for {left!r}")
+            elif set(right.replace(" ", "").split(",")) != {"None"}:
+                problems.append(f"{path.name}: {left} = {right}: hand it out as None")
+            lines[path.stem, left] = right
+    solutions = {(stem, left) for stem, answers in ANSWERS.items() for left in answers}
+    problems += [f"{stem}: {left!r} has no solution in notebook_answers.py"
+                 for stem, left in sorted(lines.keys() - solutions)]
+    problems += [f"{stem}: notebook_answers.py solves {left!r}, a line it does not have"
+                 for stem, left in sorted(solutions - lines.keys())]
+    assert problems == []
+    assert len(lines) >= 20, "the lessons' exercises: none found"
 
 
 def first_run_fails_as_the_stub(cell: nbformat.NotebookNode) -> None:
