@@ -203,8 +203,9 @@ def test_megatron_parameter_counts(row):
     ("llama3-70b", 70.6, 70.6), ("llama3-405b", 405, 405), ("mixtral-8x7b", 46.7, 12.9),
     ("deepseek-v3", 671, 37.5)])
 def test_preset_parameter_counts_are_the_published_ones(preset, total, active):
-    """GPT-3 175B, BLOOM's 176,247 M, Llama 3 8B / 70B / 405B, Mixtral's 46.7 B (12.9 B active), DeepSeek-V3's
-    671 B (37 B activated, 37.5 with the input embedding a lookup passes through)."""
+    """GPT-3 175B, BLOOM's 176,247 M, Llama 3 8B / 70B / 405B, Mixtral's 46.7 B (12.9 B
+    active), DeepSeek-V3's 671 B (37 B activated, 37.5 with the input embedding a lookup
+    passes through)."""
     w = transformer(MODELS[preset], 1)
     assert w.params / 1e9 == pytest.approx(total, rel=0.01)
     assert w.active_params / 1e9 == pytest.approx(active, rel=0.01)
