@@ -100,16 +100,16 @@ def test_a_lesson_page_shows_its_figure_its_command_and_its_strategies_lines(tmp
     (notebooks / "03_expert_parallel.ipynb").write_text(json.dumps(executed(
         "03_expert_parallel")))
     nav = build.write_pages(notebooks, tmp_path / "docs", only=["03"])
-    page = (tmp_path / "docs/lessons/03_expert_parallel.md").read_text()
+    md = ".md"   # (pages are Markdown files of the build, not of this repository)
+    page = (tmp_path / "docs" / "lessons" / ("03_expert_parallel" + md)).read_text()
     figures = sorted((tmp_path / "docs/lessons/figures").glob("03_expert_parallel-*.png"))
     assert len(figures) == 1 and f"(figures/{figures[0].name})" in page
     assert "-k 03_expert_parallel" in page and "lessons/03_expert_parallel.py --plot" in page
-    source = ROOT / "minipar/parallel/expert_parallel.py"
-    line = next(node.lineno for node in ast.parse(source.read_text()).body
+    source = "minipar/parallel/expert_parallel.py"
+    line = next(node.lineno for node in ast.parse((ROOT / source).read_text()).body
                 if isinstance(node, ast.ClassDef) and node.name == "ExpertParallelBlock")
-    assert (f"[minipar/parallel/expert_parallel.py:{line}](../src/minipar/parallel/"
-            f"expert_parallel.py.md#__codelineno-0-{line})") in page
-    assert (tmp_path / "docs/src/minipar/parallel/expert_parallel.py.md").exists()
+    assert f"[{source}:{line}](../src/{source}{md}#__codelineno-0-{line})" in page
+    assert (tmp_path / "docs" / "src" / (source + md)).exists()
     titles = [next(iter(item)) for item in nav]
     assert titles[:2] == ["Start here", "Words used throughout"], titles
     assert titles[-1] == "The strategies in code", titles
