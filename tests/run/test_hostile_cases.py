@@ -455,6 +455,7 @@ def test_a_refusal_or_other_settings_on_one_rank_end_every_rank_with_its_line(tm
 def test_flags_a_command_would_ignore_are_refused_or_not_offered(tmp_path):
     from minipar.checkpoint.save_load import mismatches
     from minipar.run.generate import config_from_args, make_parser
+    from minipar.settings.config import ConfigError
 
     (line,) = refusals(*SMALL, "--loss-scale", "1024")                # no --mixed: no S
     assert line.startswith("--loss-scale applies to --mixed fp16 only"), line
@@ -472,9 +473,11 @@ def test_flags_a_command_would_ignore_are_refused_or_not_offered(tmp_path):
     for flag in ("--save", "--trace", "--optimizer", "--steps", "--lr", "--mixed",
                  "--loss-scale", "--inject-bug", "--microbatches"):
         assert f"{flag} " not in usage and f"{flag}\n" not in usage, flag
-    refused(cli("generate", "--prompt-ids", "1", "--steps", "3"), "unrecognized", "--steps")
-    refused(cli("generate", "--prompt-ids", "1", "--data", str(tmp_path / "none.txt")),
-            "--data", "no such file")
+    with pytest.raises(ConfigError, match="unrecognized arguments: --steps 3"):
+        make_parser().parse_args(["--prompt-ids", "1", "--steps", "3"])
+    _, errors = config_from_args(make_parser().parse_args(
+        ["--prompt-ids", "1", "--data", str(tmp_path / "none.txt")]), 1)
+    assert errors == [f"--data {tmp_path / 'none.txt'}: no such file"], errors
     ck = tmp_path / "gpt"
     assert cli("train", "--model", "gpt", "--layers", "1", "--d-model", "8", "--heads", "2",
                "--seq-len", "8", "--vocab", "16", "--batch", "2", "--steps", "1",
