@@ -248,9 +248,10 @@ def replayed_reference(cfg: TrainConfig, decisions: Decisions | None
             tokens = sum(n for n, _ in flips)
             gap = max(g for _, g in flips)
             lines.append(f"step {step + 1}: {tokens} token(s) chose other top-{cfg.top_k} "
-                         f"experts here than in one process (scores {gap:.2g} apart at "
+                         f"experts here than in one process (scores {short(gap)} apart at "
                          f"most: a rounding's difference); compared under this run's "
-                         "decisions (their choices, and the tokens capacity keeps)")
+                         "decisions" + (" (their choices, and so the tokens capacity keeps)"
+                                        if cfg.capacity_factor is not None else ""))
     return reference, lines
 
 
