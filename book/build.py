@@ -11,8 +11,9 @@ notebook that breaks it, naming the notebook, the cell and why:
   up to the failing cell);
 - an output says `N check(s) failed` or `lesson checks: N passed, M failed` with M > 0
   (what a lesson script prints when any of its checks failed: minipar/comm/job.py);
-- the notebook is missing from build/notebooks/, or its code differs from lessons/ (it
-  ran an older copy of the lesson).
+- the notebook is missing from build/notebooks/, its code differs from lessons/ (it
+  ran an older copy of the lesson), or it ran in quick mode (MINIPAR_QUICK=1, the
+  tests' smaller run: a cell says `quick mode: ...`); the book is the full-size run.
 
 The pages, in the table of contents' order: the README's "Start here" and "Words used
 throughout"; one page per lesson, 00 to the last (a lesson with no notebook shows its
@@ -49,6 +50,7 @@ BOOK = ROOT / "book"
 # what a lesson script prints when a check failed (minipar/comm/job.py)
 FAILED_CHECKS = re.compile(r"\b\d+ check\(s\) failed|^lesson checks: \d+ passed, [1-9]\d* failed",
                            flags=re.M)
+QUICK = re.compile(r"^quick mode: ", flags=re.M)   # a notebook's line under MINIPAR_QUICK=1
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 FOLD_LINES = 40   # a text output longer than this is shown folded (still searchable)
 NOTEBOOK_COMMAND = ("MINIPAR_QUICK=0 MINIPAR_NOTEBOOKS_OUT=build/notebooks "
@@ -78,6 +80,9 @@ def failures(notebook: dict, source: dict | None = None) -> list[str]:
             found = FAILED_CHECKS.search(output_text(output))
             if found:
                 reasons.append(f"cell {number} printed {found.group(0)!r}")
+            if QUICK.search(output_text(output)):
+                reasons.append(f"cell {number} ran in quick mode (MINIPAR_QUICK=1): the "
+                               "book shows the full-size run of make course")
     if source is not None:
         ran = [cell_text(c) for c in notebook.get("cells", []) if c.get("cell_type") == "code"]
         kept = [cell_text(c) for c in source.get("cells", []) if c.get("cell_type") == "code"]
@@ -371,9 +376,10 @@ def sources_exist(files: list[str]) -> list[bool]:
 
 
 def notebook_page(lesson: Lesson, notebook: dict, sources: Sources, entries: list[Entry],
-                  rows: list, docs: Path) -> str:
-    """One lesson's page: its cells in order, each figure a PNG beside the page."""
-    here = lesson.page
+                  rows: list, docs: Path, here: str | None = None) -> str:
+    """One lesson's page (at `here`, else lessons/<stem>.md): its cells in order, each
+    figure a PNG in lessons/figures/."""
+    here = here or lesson.page
     figures = docs / "lessons" / "figures"
     figures.mkdir(parents=True, exist_ok=True)
     code = [cell_text(c) for c in notebook["cells"] if c.get("cell_type") == "code"]
@@ -410,7 +416,8 @@ def notebook_page(lesson: Lesson, notebook: dict, sources: Sources, entries: lis
             payload = "".join(payload) if isinstance(payload, list) else payload
             blob = base64.b64decode(payload) if suffix == "png" else payload.encode()
             (figures / name).write_bytes(blob)
-            parts.append(f"![Lesson {lesson.number}, figure {figure_count}](figures/{name})\n\n"
+            link = relative(here, f"lessons/figures/{name}")
+            parts.append(f"![Lesson {lesson.number}, figure {figure_count}]({link})\n\n"
                          f"*Figure {figure_count}: drawn by In [{cell.get('execution_count')}]"
                          " above.*\n")
         parts.append(text_block(pending))
@@ -591,8 +598,8 @@ def write_pages(notebooks: Path, docs: Path, only: list[str] | None = None) -> l
     exercise_nav = [{"The exercises": "exercises/index.md"}]
     if "exercises" in executed:
         fake = Lesson("exercises", None, ROOT / "lessons/exercises.ipynb")
-        text = notebook_page(fake, executed["exercises"], sources, [], [], docs)
-        text = text.replace("figures/", "../lessons/figures/")
+        text = notebook_page(fake, executed["exercises"], sources, [], [], docs,
+                             here="exercises/notebook.md")
         (docs / "exercises/notebook.md").write_text(text)
         exercise_nav.append({"For teachers (notebook)": "exercises/notebook.md"})
     (docs / "design.md").write_text(design_page())

@@ -59,6 +59,9 @@ def broken(kind: str) -> dict:
                                    "text": "...\n2 check(s) failed\n"})
     elif kind == "lesson checks":
         code[0]["outputs"][0]["text"] = "lesson checks: 6 passed, 1 failed\n"
+    elif kind == "quick":
+        code[-1]["outputs"].append({"output_type": "stream", "name": "stdout",
+                                    "text": "quick mode: the lesson script is not run here\n"})
     elif kind == "older code":
         code[1]["source"] = "print('an older copy of the lesson')"
     return notebook
@@ -70,6 +73,7 @@ def broken(kind: str) -> dict:
     ("check(s) failed", "printed '2 check(s) failed'"),
     ("lesson checks", "printed 'lesson checks: 6 passed, 1 failed'"),
     ("older code", "differs from lessons/"),
+    ("quick", "quick mode (MINIPAR_QUICK=1)"),
 ])
 def test_a_notebook_whose_checks_failed_is_refused(kind, words):
     reasons = build.failures(broken(kind), stored("03_expert_parallel"))
@@ -103,7 +107,7 @@ def test_a_lesson_page_shows_its_figure_its_command_and_its_strategies_lines(tmp
     md = ".md"   # (pages are Markdown files of the build, not of this repository)
     page = (tmp_path / "docs" / "lessons" / ("03_expert_parallel" + md)).read_text()
     figures = sorted((tmp_path / "docs/lessons/figures").glob("03_expert_parallel-*.png"))
-    assert len(figures) == 1 and f"(figures/{figures[0].name})" in page
+    assert len(figures) == 1 and f"(../lessons/figures/{figures[0].name})" in page
     assert "-k 03_expert_parallel" in page and "lessons/03_expert_parallel.py --plot" in page
     source = "minipar/parallel/expert_parallel.py"
     line = next(node.lineno for node in ast.parse((ROOT / source).read_text()).body
