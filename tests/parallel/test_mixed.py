@@ -364,3 +364,33 @@ def test_moved_difference_measures_state_without_an_initial_value_from_zero():
     mine = {"w": np.array([1.0, 0.0]), "b": np.array([0.0, 2.2])}
     moved, where = moved_difference(mine, ref, init)
     assert where == "b" and moved == pytest.approx(0.1)
+
+
+# --------------------------------------------- the replay, in one process (no MPI)
+def test_replaying_ones_own_decisions_is_the_plain_run_bit_for_bit():
+    """The float64 checks keep 1e-9: handed its own skips and routing choices, the
+    reference is the plain one-process run exactly, and no decision line is printed;
+    one token handed another expert, and one step handed a skip it did not take, are
+    each named with their step."""
+    from minipar.core import routing
+    from minipar.run.results import Decisions, replayed_reference
+    from minipar.run.train import train_reference
+
+    cfg = TrainConfig(model="moe", experts=4, top_k=2, expert_d_ff=16, layers=2,
+                      d_model=16, batch=16, steps=3, mixed="fp16", loss_scale=2.0 ** 20,
+                      loss_scale_window=2).resolved(1)
+    with routing.recording() as chosen, precision.replaying([]) as made:
+        plain = train_reference(cfg)   # [] decisions: every step its own verdict
+    own = made[-1].own
+    assert any(own) and not all(own), own            # S = 2^20 overflows, then fits
+    same, lines = replayed_reference(cfg, Decisions(skips=own, choices=chosen))
+    assert lines == [] and same.losses == plain.losses
+    assert all(np.array_equal(same.final[k], v) for k, v in plain.final.items())
+    flipped = [c.copy() for c in chosen]
+    flipped[-1][0] = (flipped[-1][0] + 1) % cfg.experts   # token 0 of the last call: others
+    skips = [not own[0], *own[1:]]
+    other, lines = replayed_reference(cfg, Decisions(skips=skips, largest=[7e4] * 3,
+                                                     choices=flipped))
+    assert lines[0].startswith("step 1: this run's scaled gradients ") and "65504" in lines[0]
+    assert lines[-1].startswith(f"step {cfg.steps}: 1 token(s) chose other top-2 experts")
+    assert other.extras["skipped"] == sum(skips)     # the reference followed the skips
