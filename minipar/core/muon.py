@@ -77,6 +77,18 @@ def orthogonalize(u: np.ndarray, steps: int) -> np.ndarray:
     return x.T if tall else x
 
 
+def ns_flops(shape: tuple[int, int], held: tuple[int, ...], steps: int) -> int:
+    """Floating-point operations of `steps` Newton-Schulz iterations on the `held` part
+    (the whole, or a TP shard) of a matrix of `shape`: per iteration the Gram matrix
+    (g x g: the short side of a whole matrix, the unsplit side of a TP shard),
+    its square, and the product with the held part: 2 (2 g^2 h + g^3), h = the held
+    elements / g."""
+    m, n = shape
+    g = min(m, n) if tuple(held) == (m, n) else (m if held[0] == m else n)
+    h = int(np.prod(held)) // g
+    return 2 * steps * (2 * g * g * h + g ** 3)
+
+
 def _box(box: tuple[slice, ...]) -> Box:
     return tuple((int(s.start), int(s.stop)) for s in box)
 
@@ -255,10 +267,8 @@ class Muon:
             for (n, box), u in list(updates.items()) + list(received.items()):
                 if n == name and _inside(box, region):
                     whole[_local(box, region)] = u
-            m, n = plan.shapes[name]
-            self.ns_runs += 1   # per iteration: X X^T, A A, and (.) X
-            self.ns_flops += 2 * self.ns_steps * (2 * min(m, n) ** 2 * max(m, n)
-                                                  + min(m, n) ** 3)
+            self.ns_runs += 1
+            self.ns_flops += ns_flops(plan.shapes[name], whole.shape, self.ns_steps)
             if sharded is None:
                 x = orthogonalize(whole, self.ns_steps)
             else:
