@@ -158,12 +158,17 @@ def tensor_parallel() -> dict[int, Estimate]:
 def pipeline_parallel() -> tuple[dict[int, Estimate], list[Estimate]]:
     w = dense_70b()
     found = dense_search(w, 512)
-    best, winner = best_by(found, "pp"), found.feasible[0]
+    best = best_by(found, "pp")
+    piped = min((e for pp, e in best.items() if pp > 1 and e.timing),
+                key=lambda e: e.timing.total)            # the fastest pipeline
     say("2. PP across nodes: the same 70B, the best plan for each pp", *axis_table(best, "pp"),
-        f"   The winner {winner.plan.label()}: its pp groups stride over "
-        f"{winner.plan.tp * winner.plan.dp} ranks, so every stage boundary crosses nodes, yet "
-        f"a stage passes only (b, d): {winner.wire.get('pp', 0) / GB:.1f} GB per GPU per step "
-        f"against TP's {winner.wire.get('tp', 0) / GB:.0f} GB inside the node.")
+        f"   The fastest pipeline {piped.plan.label()}"
+        + (f" ({piped.timing.total / best[1].timing.total - 1:+.0%} against the best "
+           "without one)" if best[1].timing else "")
+        + f": its pp groups stride over {piped.plan.tp * piped.plan.dp} ranks, so every "
+        f"stage boundary crosses nodes, yet a stage passes only (b, d): "
+        f"{piped.wire.get('pp', 0) / GB:.1f} GB per GPU per step against TP's "
+        f"{piped.wire.get('tp', 0) / GB:.0f} GB inside the node.")
     mesh = best[8].plan  # pp = 8: its bubble (pp-1)/(M+pp-1) against M, memory aside
     roomy = replace(H100, gpu_memory=float("inf"))
     sweep = [evaluate(w, roomy, replace(mesh, microbatches=m))
