@@ -225,3 +225,27 @@ def test_lesson_notebooks_ask_what_to_notice_and_check_exercises(name):
     for i in exercises:  # the code cell after each exercise checks the answer
         check = notebook.cells[i + 1]
         assert check.cell_type == "code" and "assert" in check.source, (name, i)
+
+
+def test_an_exercise_cell_waits_for_its_answer_then_judges_it(capsys):
+    """Lesson 14's last exercise cell, run in-process three ways: as handed out it prints
+    one "not written yet" line and does not raise; solved it prints `check passed`; a
+    wrong answer raises the check's AssertionError ("not yet: ...")."""
+    import numpy as np
+
+    from minipar.teaching import classroom
+
+    path = ROOT / "lessons" / "14_mixed_precision.ipynb"
+    handed_out = [c.source for c in code_cells(nbformat.read(path, as_version=4))]
+    solved = [c.source for c in code_cells(with_answers(nbformat.read(path, as_version=4),
+                                                        "14_mixed_precision"))]
+    (i,) = [i for i, source in enumerate(handed_out) if source.startswith("S = None ")]
+    exec(handed_out[i], {"np": np, "classroom": classroom})
+    printed = capsys.readouterr().out
+    assert printed.count("\n") == 1 and printed.startswith("exercise 2: not written yet -- "
+                                                           "write `S` in the line"), printed
+    exec(solved[i], {"np": np, "classroom": classroom})
+    assert "check passed" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="^not yet: "):
+        exec(handed_out[i].replace("S = None", "S = 2.0 ** 12"),
+             {"np": np, "classroom": classroom})
