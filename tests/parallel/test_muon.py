@@ -52,11 +52,17 @@ CONFIGS = {4: [
     dict(GPT, dp=2, cp=2, muon_mode="distributed", zero=2),                      # 12
     dict(GPT, dp=4, zero=1, steps=1, save=str(SAVED)),                           # 13
     dict(GPT, dp=2, tp=2, muon_mode="distributed", resume=str(SAVED)),           # 14
+    dict(GPT, dp=2, pp=2, schedule="dualpipe", microbatches=4, batch=8,          # 15
+         muon_mode="duplicated"),
+    dict(GPT, dp=2, pp=2, schedule="interleaved", virtual=2, layers=4,           # 16
+         microbatches=2, zero=1),
+    dict(GPT, dp=2, pp=2, schedule="zb-v", microbatches=2, layers=4, zero=2),    # 17
 ], 8: [
     dict(GPT_MOE, dp=2, cp=2, tp=2, ep=2, batch=2, muon_mode="distributed"),
     dict(GPT_MOE, dp=2, tp=2, pp=2, ep=2, layers=2, microbatches=2, zero=1),
 ]}
-SAVED_FIELDS = ("resume", "save", "muon_mode", "dp", "tp", "pp", "ep", "cp", "zero", "sp")
+SAVED_FIELDS = ("resume", "save", "muon_mode", "dp", "tp", "pp", "ep", "cp", "zero", "sp",
+                "schedule", "virtual")
 
 
 # ----------------------------------------------------------- one process
