@@ -480,6 +480,11 @@ def verdict(dumps: dict[int, dict]) -> str:
                             if len(places) == 1 else positions_text(dumps, absent)))
         else:  # they wait for each other
             sentence += f"each waits for another's message ({verb})"
+        # the ranks it waits for, waiting in turn for it: a cycle, which names both sides
+        back = set().union(*(o[4] for o in entered if o[3] <= absent), set())
+        if absent and waiting <= back:
+            sentence += (f" -- a cycle: {ranks_text(waiting)} and {ranks_text(absent)} each "
+                         "wait for the other, and no rank of it sends first")
         mine = stuck(dumps[min(waiting)])
         theirs = [stuck(dumps[q]) for q in absent]
         if mine and theirs and all(c is not None and c["site"] == mine["site"]
