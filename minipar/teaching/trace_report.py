@@ -384,7 +384,11 @@ def report(doc: dict, measured: Measured | None = None) -> str:
                                                  else "")
              + f", {cfg['steps']} steps: {m.window / 1e6:.4f} s), hosts "
              + ", ".join(sorted(set(info["hosts"]))) + ", clock offsets (us) "
-             + " ".join(f"{o:+.0f}" for o in info["clock_offsets_us"]),
+             + " ".join(f"{o:+.0f}" for o in info["clock_offsets_us"])
+             + (f"; {info['ranks']} ranks on {info['cores']} cores of rank 0's host: "
+                "oversubscribed, the ranks take turns on the cores (waits include that)"
+                if info.get("cores") and len(set(info["hosts"])) == 1
+                and info["ranks"] > info["cores"] else ""),
              f"{'rank':>4}  {'compute s':>9}  {'comm s':>9}  {'hidden':>6}  {'idle s':>9}"]
     for r in m.ranks:
         lines.append(f"{r.rank:>4}  {r.compute / 1e6:9.4f}  {r.comm / 1e6:9.4f}  "
