@@ -231,14 +231,14 @@ def replayed_reference(cfg: TrainConfig, decisions: Decisions | None
             if mine == own:
                 continue
             here = decisions.largest[step] if step < len(decisions.largest) else math.nan
-            finite = here if mine else scaler.largest[step]   # the side that did not overflow
-            lines.append(f"step {step + 1}: this run's scaled gradients "
-                         f"{'overflowed' if mine else 'stayed finite'} in fp16 (its largest "
-                         f"finite one {short(here)}), one process's "
-                         f"{'stayed finite' if mine else 'overflowed'} (its largest finite "
-                         f"one {short(scaler.largest[step])}); {short(finite)} is "
+            # the margin is the finite side's: how close its largest scaled gradient came to
+            # fp16's largest (the side that overflowed has no finite 16-bit maximum to show)
+            finite = scaler.largest[step] if mine else here
+            over, kept = ("this run", "one process") if mine else ("one process", "this run")
+            lines.append(f"step {step + 1}: {over}'s scaled gradients overflowed fp16, "
+                         f"{kept}'s stayed finite (its largest {short(finite)}, "
                          f"{(FP16_MAX - finite) / FP16_MAX:.0%} below fp16's largest "
-                         f"{FP16_MAX:g}; compared under this run's decisions")
+                         f"{FP16_MAX:g}); compared under this run's decisions")
     if replay is not None and replay.flips:
         per_step = cfg.microbatches * (len(replay.choices) // (cfg.steps * cfg.microbatches))
         steps: dict[int, list[tuple[int, float]]] = {}

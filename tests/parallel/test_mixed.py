@@ -151,7 +151,7 @@ def test_check_replays_the_mesh_runs_decisions_and_passes(runs, index):
         assert line.startswith("decision differs, step ") and "compared under this run's " \
             "decisions" in line, line
     if index == 0:   # fp16's skips: the largest scaled gradients beside fp16's 65504
-        assert all("overflowed in fp16" in line and "65504" in line for line in decided), out
+        assert all("overflowed fp16" in line and "65504" in line for line in decided), out
     else:            # top-2 choices a rounding apart
         assert all(re.search(r"\d+ token\(s\) chose other top-2 experts here than in one "
                              r"process \(scores \S+ apart", line) for line in decided), out
