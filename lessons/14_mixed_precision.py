@@ -42,8 +42,9 @@ from minipar.comm.job import run_collectively, verdict
 from minipar.core import nn, precision
 from minipar.core.byte_units import format_bytes
 from minipar.core.memory import bytes_per_param, bytes_per_param_held
-from minipar.run.results import mixed_tolerance, relative_difference
-from minipar.run.train import train, train_reference
+from minipar.run.results import (gather_decisions, mixed_tolerance, relative_difference,
+                                 replayed_reference)
+from minipar.run.train import train
 from minipar.settings.config import ConfigError, TrainConfig
 from minipar.settings.preflight import lesson_arguments
 
@@ -247,7 +248,10 @@ def loss_curves(base: dict, world: MPI.Comm, steps: int) -> dict[str, list[float
                                                   dtype="float32"),
             "fp16 (float32 masters)": TrainConfig(**base, steps=steps, dp=n, mixed="fp16",
                                                   dtype="float32")}
-    results = {label: train(cfg.resolved(n), world) for label, cfg in runs.items()}
+    results, decisions = {}, {}
+    for label, cfg in runs.items():   # each run's decisions (the fp16 skips) for its check
+        results[label] = train(cfg.resolved(n), world)
+        decisions[label] = gather_decisions(world, cfg.resolved(n), results[label], None)
     losses = {label: result.losses for label, result in results.items()}
     if world.Get_rank() != 0:
         return losses
@@ -261,10 +265,13 @@ def loss_curves(base: dict, world: MPI.Comm, steps: int) -> dict[str, list[float
           "tolerance)", flush=True)
     print(f"{'':>24} " + " ".join(f"{f'step {s + 1}':>11}" for s in marks)
           + "  from float64  from one process", flush=True)
+    said = []
     for label, cfg in runs.items():
         resolved = cfg.resolved(n)
-        one = train_reference(TrainConfig(**base, steps=steps, mixed=cfg.mixed,
-                                          dtype=cfg.dtype).resolved(1))
+        # one process in the same precision, under this run's discrete decisions (a step
+        # the mesh skipped on an fp16 overflow is skipped there too: run/results.py)
+        one, lines = replayed_reference(resolved, decisions[label])
+        said += [f"{'':>24} {label.split(' ')[0]}, {line}" for line in lines]
         tol = mixed_tolerance(resolved)[0] if cfg.mixed else 1e-9
         diff = relative_difference(losses[label], one.losses)
         off = relative_difference(losses[label], losses["float64"])
@@ -272,14 +279,8 @@ def loss_curves(base: dict, world: MPI.Comm, steps: int) -> dict[str, list[float
         print(f"{label:>24} " + " ".join(f"{losses[label][s]:>11.5f}" for s in marks)
               + f"  {off:>12.2e}  {diff:.2e} <= {tol:.2e} {verdict(diff <= tol)}{near}",
               flush=True)
-        if cfg.mixed == "fp16":
-            mesh, alone = results[label].extras["skipped"], one.extras["skipped"]
-            print(f"{'':>24} steps skipped on overflow: {mesh} here, {alone} in one process"
-                  + ("" if mesh == alone else
-                     f": each rank's 16-bit gradients are those of its local mean, {n} times "
-                     "one process's per row, so near fp16's limit a rank overflows where one "
-                     "process does not; from that skip on the runs differ by a whole step "
-                     "(docs/design.md, when S matches one process)"), flush=True)
+    print("\n".join(said) or f"{'':>24} every step's decisions (the fp16 skips) the same "
+          "as one process's", flush=True)
     return losses
 
 
