@@ -42,8 +42,12 @@ from minipar.comm.job import run_collectively, verdict
 from minipar.core import nn, precision
 from minipar.core.byte_units import format_bytes
 from minipar.core.memory import bytes_per_param, bytes_per_param_held
-from minipar.run.results import (gather_decisions, mixed_tolerance, relative_difference,
-                                 replayed_reference)
+from minipar.run.results import (
+    gather_decisions,
+    mixed_tolerance,
+    relative_difference,
+    replayed_reference,
+)
 from minipar.run.train import train
 from minipar.settings.config import ConfigError, TrainConfig
 from minipar.settings.preflight import lesson_arguments
