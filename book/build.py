@@ -346,8 +346,10 @@ def strategy_table(here: str, entries: list[Entry], rows: list[tuple[str, list[s
         out.append("| strategy | class or function | source |\n|---|---|---|")
         for entry in entries:
             strategy = f"[{entry.title}]({relative(here, f'code/{entry.slug}.md')})"
-            for name, path, line in entry.symbols:
-                out.append(f"| {strategy} | `{name}` | "
+            # an entry that names no class or function: its files, from their first line
+            for name, path, line in entry.symbols or [("(the file)", p, 1) for p in entry.files]:
+                shown = name if name.startswith("(") else f"`{name}`"
+                out.append(f"| {strategy} | {shown} | "
                            f"[{path}:{line}]({sources.link(path, line, here)}) |")
                 strategy = ""
         out.append("")
@@ -502,10 +504,11 @@ def exercises_page(sources: Sources) -> str:
 
 def strategy_page(entry: Entry, sources: Sources, lesson_pages: dict[str, str]) -> str:
     here = f"code/{entry.slug}.md"
-    out = [f"# {entry.title[0].upper() + entry.title[1:]}\n", f"> {entry.text}\n",
-           "| class or function | source |\n|---|---|"]
-    out += [f"| `{name}` | [{path}:{line}]({sources.link(path, line, here)}) |"
-            for name, path, line in entry.symbols]
+    out = [f"# {entry.title[0].upper() + entry.title[1:]}\n", f"> {entry.text}\n"]
+    if entry.symbols:
+        out.append("| class or function | source |\n|---|---|")
+        out += [f"| `{name}` | [{path}:{line}]({sources.link(path, line, here)}) |"
+                for name, path, line in entry.symbols]
     out.append("")
     out.append("**Files**: " + ", ".join(f"[{p}]({sources.link(p, 1, here)})"
                                           for p in entry.files) + "\n")
