@@ -152,6 +152,7 @@ class Plan:
     # how attention reaches the other pieces: "llama3" (the planner's: K, V Allgathered
     # again in the backward) or minipar's --cp-mode (allgather, ring, zigzag, ulysses)
     cp_mode: str = "llama3"
+    fp8: bool = False           # FP8 matmuls and 8-bit weight gathers (time_cost.py)
 
     @property
     def world(self) -> int:

@@ -128,6 +128,7 @@ CLUSTER_FLAGS = {
     "latency_us": (number(float, 0, strict=False), "alpha: microseconds per message step "
                                                    "(default 5)"),
     "hbm_bw": (AMOUNT, "GB/s of each GPU's memory (what --serve reads weights and cache at)"),
+    "fp8_flops": (AMOUNT, "peak dense FP8 TFLOP/s per GPU (what --fp8 runs the matmuls at)"),
 }
 
 
@@ -168,6 +169,9 @@ def make_parser() -> argparse.ArgumentParser:
     add("--virtual", type=POSITIVE, action="append", help="model chunks per pipeline rank "
         "for --schedule interleaved (repeat the flag; default 2 and 4)")
     add("--no-sp", action="store_true", help="no sequence parallelism with tp > 1")
+    add("--fp8", action="store_true", help="FP8 training (DeepSeek-V3's recipe): the blocks' "
+        "matmuls at the GPU's FP8 rate, ZeRO-3's weight gathers in 8 bits and their amax "
+        "Allreduce")
     for axis, text in (("dp", "data-parallel"), ("tp", "tensor-parallel"),
                        ("pp", "pipeline-parallel"), ("cp", "context-parallel"),
                        ("ep", "expert-parallel")):
@@ -257,7 +261,8 @@ def serve_problems(args: argparse.Namespace, hw: Hardware) -> list[str]:
     training = [f"--{name.replace('_', '-')}" for name in ("global_batch", "dp", "cp",
                                                            "microbatches", "zero", "recompute",
                                                            "schedule", "virtual")
-                if getattr(args, name) is not None] + ["--no-sp"] * args.no_sp
+                if getattr(args, name) is not None] + ["--no-sp"] * args.no_sp + [
+                    "--fp8"] * args.fp8
     if training:
         return [f"{training[0]} is training's: --serve prices tp x pp (x ep) layouts of "
                 "--gpus decoding --batch rows (drop it)"]
@@ -281,11 +286,14 @@ def serve_problems(args: argparse.Namespace, hw: Hardware) -> list[str]:
     return []
 
 
-def run_problems(args: argparse.Namespace, m: Model) -> list[str]:
+def run_problems(args: argparse.Namespace, m: Model, hw: Hardware) -> list[str]:
     """Every reason the run flags describe no job."""
     out = []
     if args.global_batch is None:
         return ["--global-batch required (sequences per step; or price serving: --serve)"]
+    if args.fp8 and not hw.fp8_flops:
+        return [f"--fp8: the {args.cluster or 'cluster'}'s GPU has no FP8 matmul rate (give "
+                "--fp8-flops, or a cluster with one: h100, h800)"]
     if args.prompt_len or args.new_tokens or args.batch:
         return ["--prompt-len, --new-tokens and --batch price serving: add --serve"]
     named = [args.dp, args.tp, args.pp]
@@ -348,7 +356,7 @@ def plan_command(argv: list[str]) -> int:
             if not errors and args.ep and args.ep > 1 and not m.experts:
                 errors = [f"--ep {args.ep} needs a model with --experts"]
         elif not errors:
-            errors = run_problems(args, m)
+            errors = run_problems(args, m, hw)
         if not errors and args.json and args.json != "-":   # before the search, not after
             errors = [f"--json {message}" for message in file_problems(args.json)]
         if not errors:
@@ -360,7 +368,7 @@ def plan_command(argv: list[str]) -> int:
         return 2
     if args.serve:
         return serve_command(args, m, hw)
-    template = Plan(1, sp=not args.no_sp)
+    template = Plan(1, sp=not args.no_sp, fp8=args.fp8)
     schedules = tuple((s, v) for s in dict.fromkeys(args.schedule or ["1f1b", "interleaved"])
                       for v in (sorted(set(args.virtual or [2, 4])) if s == "interleaved"
                                 else [1]))

@@ -72,8 +72,8 @@ def memory_line(e: Estimate, hw: Hardware) -> str:
 def explain(e: Estimate, w: Workload, hw: Hardware) -> list[str]:
     """The numbers behind one plan, in words: memory, wire bytes per axis, time."""
     p = e.plan
-    lines = [f"{p.label()}" + (" +SP" if p.sp else "") + f" ({p.schedule}, recompute "
-             f"{p.recompute})", memory_line(e, hw)]
+    lines = [f"{p.label()}" + (" +SP" if p.sp else "") + (" +FP8" if p.fp8 else "")
+             + f" ({p.schedule}, recompute {p.recompute})", memory_line(e, hw)]
     t = e.timing
     if t is None:
         over = e.memory - usable(hw)
@@ -118,6 +118,11 @@ def report(found: Search, w: Workload, m: Model, hw: Hardware, world: int, templ
     """The ranking: the job, the fastest plan of each mesh, the top three explained, and
     the plans that cannot run counted by reason."""
     lines = describe(w, m, hw, world)
+    if template.fp8:
+        lines.append(f"  --fp8: the blocks' matmuls at {hw.fp8_flops / 1e12:g} TFLOP/s (FP8) "
+                     f"x {hw.efficiency:.0%}, attention and the head at BF16's; ZeRO-3 gathers "
+                     "FP8 weights (1 byte) and Allreduces their amax once a step; MFU against "
+                     "the BF16 peak")
     lines.append(f"  SP {'on' if template.sp else 'off'} with tp > 1; rc: recomputation "
                  "(none, selective: the attention and elementwise parts, full: the layers); "
                  "sched: pipeline schedule (iV: interleaved, V chunks a rank)")
@@ -166,7 +171,7 @@ def plan_record(e: Estimate, w: Workload, hw: Hardware) -> dict:
     """Every field of a table row, for `--json`: GB, GB on the wire, seconds."""
     p, t = e.plan, e.timing
     return {**{k: getattr(p, k) for k in (*MESH, "zero", "microbatches", "recompute", "sp",
-                                          "schedule", "virtual")},
+                                          "schedule", "virtual", "fp8")},
             "memory_gb": {"params": e.states.params / GB, "grads": e.states.grads / GB,
                           "optimizer": e.states.optimizer / GB,
                           "activations": e.activations / GB, "gathered": e.gathered / GB,

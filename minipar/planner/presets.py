@@ -55,7 +55,8 @@ class Model:
 class Cluster:
     """GPUs and links: GB and dense bf16 TFLOP/s per GPU, GB/s per GPU and direction;
     `hbm_bw` GB/s of the GPU's own memory (what a decode step reads its weights and KV
-    cache at: planner/serving.py)."""
+    cache at: planner/serving.py); `fp8_flops` dense FP8 TFLOP/s (0: no FP8 tensor
+    cores, `plan --fp8` refused)."""
 
     name: str
     gpu_memory: float
@@ -65,6 +66,7 @@ class Cluster:
     node_size: int = 8
     latency_us: float = 5.0
     hbm_bw: float = 0.0
+    fp8_flops: float = 0.0
 
 
 def mla_params(d: int, heads: int, q_rank: int, kv_rank: int, nope: int, rope: int,
@@ -150,9 +152,9 @@ CLUSTERS: dict[str, Cluster] = {
     # 200 Gb/s (25 GB/s) NICs.
     "dgx-a100-80gb": Cluster("DGX A100 80GB", 80, 312, 300, 25, hbm_bw=2039),
     # NVIDIA H100 SXM datasheet: 80 GB, 989 TFLOP/s dense BF16, NVLink 900 GB/s in all
-    # (450 each way), HBM3 3.35 TB/s; DGX H100: 8 GPUs and 8 ConnectX-7 400 Gb/s (50 GB/s)
-    # NICs.
-    "h100": Cluster("H100 SXM (DGX H100)", 80, 989, 450, 50, hbm_bw=3350),
+    # (450 each way), HBM3 3.35 TB/s, 1979 TFLOP/s dense FP8; DGX H100: 8 GPUs and 8
+    # ConnectX-7 400 Gb/s (50 GB/s) NICs.
+    "h100": Cluster("H100 SXM (DGX H100)", 80, 989, 450, 50, hbm_bw=3350, fp8_flops=1979),
     # BLOOM's cluster (Le Scao et al. 2022, its hardware section): Jean Zay, 8 A100
     # 80GB a node joined by NVLink (the A100 datasheet's 300 GB/s each way), 4 Omni-Path
     # links of 100 Gb/s a node: 50 GB/s a node, 6.25 GB/s per GPU between nodes.
@@ -161,6 +163,7 @@ CLUSTERS: dict[str, Cluster] = {
     # H800: H100's compute and memory, NVLink cut to 400 GB/s in all; DeepSeek-V3
     # Technical Report, section 3.2.2: "NVLink offers a bandwidth of 160 GB/s, roughly
     # 3.2 times that of IB (50 GB/s)" (what its kernels reach), 8 GPUs a node.
-    # (its memory, HBM3 at 3.35 TB/s, is the H100's).
-    "h800": Cluster("H800 (DeepSeek-V3's cluster)", 80, 989, 160, 50, hbm_bw=3350),
+    # (its memory, HBM3 at 3.35 TB/s, and FP8 rate, 1979 TFLOP/s dense, are the H100's).
+    "h800": Cluster("H800 (DeepSeek-V3's cluster)", 80, 989, 160, 50, hbm_bw=3350,
+                    fp8_flops=1979),
 }

@@ -324,7 +324,8 @@ def hardware(cluster: Cluster, efficiency: float = 0.5, headroom: float | None =
     headroom = 0.1 * cluster.gpu_memory if headroom is None else headroom
     return Hardware(cluster.gpu_memory * GB, cluster.flops * 1e12, efficiency,
                     cluster.intra_bw * GB, cluster.inter_bw * GB, cluster.node_size,
-                    cluster.latency_us * 1e-6, headroom * GB, cluster.hbm_bw * GB)
+                    cluster.latency_us * 1e-6, headroom * GB, cluster.hbm_bw * GB,
+                    cluster.fp8_flops * 1e12)
 
 
 def usable(hw: Hardware) -> float:

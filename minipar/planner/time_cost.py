@@ -53,6 +53,7 @@ class Hardware:
     latency: float
     headroom: float = 0.0  # bytes of each GPU left to the framework (CUDA, NCCL, allocator)
     hbm_bw: float = 0.0
+    fp8_flops: float = 0.0  # FLOP/s of FP8 matmuls (0: none)
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,10 @@ def dp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     """The gradient sync over each weight's replicas. ZeRO 0: one Allreduce per bucket
     (per array with --grad-sync naive). ZeRO 1-3: memory.ledger_formula's Reduce_scatter
     and Allgather of Psi, once per step (stage 1), or per piece and microbatch (stage 2's
-    Reduce_scatter, stage 3's both; stage 3 gathers twice: forward and backward)."""
+    Reduce_scatter, stage 3's both; stage 3 gathers twice: forward and backward). With
+    --fp8 under ZeRO-3 the gathers move FP8 (1 byte: weights cast before the gather, as
+    TorchTitan's FSDP2 float8 all-gather) and one Allreduce a step brings every FP8
+    weight its global amax (its scale)."""
     out = []
     moe_pieces = sum(n for block, n in shape.kinds.items() if block.moe)
     edp = (plan.tp if w.experts_over_tp else 1) * plan.replicas // plan.ep
@@ -245,8 +249,19 @@ def dp_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
             times = plan.microbatches if each else 1
             calls = elements // psi * times * (pieces if each else 1)
             itemsize = w.param_bytes if op == "Allgatherv" else w.grad_bytes
+            if op == "Allgatherv" and plan.fp8 and plan.zero == 3:
+                itemsize = 1     # ZeRO-3's gathers for the matmuls, cast to FP8 first
             out.append(Traffic(group, op, calls, elements * times,
                                elements * times * itemsize, "pipeline" if each else "step"))
+        if plan.fp8 and plan.zero == 3 and group == "dp":
+            # each FP8 weight's scale from its global amax: one Allreduce(MAX) a step of
+            # one fp32 number per weight array of at least d x d (the planner keeps a
+            # block's attention, and its FFN, as one array each: a lower bound of the
+            # count; the call is priced by its latency)
+            matrices = sum(n * sum(1 for size, _ in b.arrays if size >= w.d_model ** 2)
+                           for b, n in shape.kinds.items())
+            if matrices:
+                out.append(Traffic(group, "Allreduce", 1, matrices, 4 * matrices, "step"))
     return out
 
 
@@ -315,7 +330,8 @@ def compute_seconds(w: Workload, plan: Plan, shape: RankShape, hw: Hardware) -> 
     QK^T and AV (cut by tp); the backward twice the forward; full recomputation runs
     the forward again, selective only the attention part. The routed experts of one token
     cost 2 top_k x an expert, on the tp rank that holds the token (SP). The head's
-    3 passes are never recomputed. Over this rank's tokens: B s / (dp cp). A small
+    3 passes are never recomputed. With `plan.fp8` the blocks' matmuls run at the FP8
+    rate, attention and the head at BF16's. Over this rank's tokens: B s / (dp cp). A small
     microbatch runs less efficiently: each costs `w.microbatch_overhead` tokens more
     (Megatron-LM's measured 1.3x at b = 1: workloads.small_microbatch_tokens)."""
     def cut(arrays: tuple[Array, ...]) -> int:
@@ -323,15 +339,19 @@ def compute_seconds(w: Workload, plan: Plan, shape: RankShape, hw: Hardware) -> 
 
     passes = 4 if plan.recompute == "full" else 3
     again = 1 if plan.recompute == "selective" else 0
-    blocks = sum(n * (passes * (2 * cut(b.arrays) + b.attn_flops / plan.tp)
-                      + again * b.attn_flops / plan.tp
-                      + passes * 2 * b.top_k * sum(b.expert) / plan.tp)
-                 for b, n in shape.kinds.items())  # most layers: one Block, repeated
+    matmuls = sum(n * passes * (2 * cut(b.arrays) + 2 * b.top_k * sum(b.expert) / plan.tp)
+                  for b, n in shape.kinds.items())  # most layers: one Block, repeated
+    attention = sum(n * (passes + again) * b.attn_flops / plan.tp
+                    for b, n in shape.kinds.items())
     ends = cut(w.embed) if shape.first and not w.lookup_embedding else 0
     ends += cut(w.head) if shape.last else 0
     tokens = w.batch * w.seq_len / plan.replicas
     small = 1.0 + w.microbatch_overhead / tokens_per_microbatch(w, plan)  # b's efficiency
-    return small * tokens * (blocks + 6 * ends) / (hw.flops * hw.efficiency)
+    # --fp8 (DeepSeek-V3's recipe, its report section 3.3: the blocks' linear layers in
+    # FP8; attention, the embedding and the head kept in BF16): the matmuls at the FP8 rate
+    fast = hw.fp8_flops if plan.fp8 else hw.flops
+    return small * tokens * (matmuls / fast + (attention + 6 * ends) / hw.flops) \
+        / hw.efficiency
 
 
 @dataclass(frozen=True)
