@@ -60,6 +60,7 @@ COURSE: tuple[tuple[str, int], ...] = (
     ("14_mixed_precision", 4),
     ("15_hangs", 4),
     ("16_serving", 2),
+    ("17_muon", 4),
 )
 EXTRA_NOTEBOOKS = ("exercises",)   # notebooks that belong to no single lesson
 CHECKS = re.compile(r"^lesson checks: (\d+) passed, (\d+) failed$", re.M)
