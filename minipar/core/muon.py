@@ -308,7 +308,8 @@ class Plan:
         self.gather: Route = {}
         self.scatter: Route = {}
         self.homes: dict[str, int] = {}
-        load: dict[int, int] = {}
+        load: dict[int, int] = {}       # layer-sharded: the work homed on each rank
+        sending: dict[int, int] = {}    # elements each rank sends in the gather
         costs = {name: m * n * min(m, n) for name, (m, n) in self.shapes.items()}
         for name in sorted(holders, key=lambda k: (-costs[k], k)):  # longest first
             full = tuple((0, n) for n in self.shapes[name])
@@ -326,18 +327,20 @@ class Plan:
                     axis = next(i for i, (s, f) in enumerate(zip(shard, full)) if s != f) \
                         if tp_split else None
                     runners[rank] = (shard if tp_split else full, axis)
-            owner: dict[Box, int] = {}    # each distinct box: its lowest holder sends it
+            owners: dict[Box, list[int]] = {}   # each distinct box: the ranks holding it
             for rank in sorted(by_rank):
                 for box, _ in by_rank[rank]:
-                    owner.setdefault(box, rank)
+                    owners.setdefault(box, []).append(rank)
             for rank, (region, axis) in sorted(runners.items()):
                 have = {box for box, _ in by_rank.get(rank, [])}
-                needed = [box for box in owner if _inside(box, region)]
+                needed = [box for box in owners if _inside(box, region)]
                 if sum(_size(b) for b in needed) != _size(region):
                     raise RuntimeError(f"Muon: the pieces of {name} do not tile it once")
                 for box in sorted(needed):
-                    if box not in have:
-                        self._route(self.gather, owner[box], rank, (name, box), me)
+                    if box not in have:   # from the holder that has sent least so far
+                        source = min(owners[box], key=lambda r: (sending.get(r, 0), r))
+                        sending[source] = sending.get(source, 0) + _size(box)
+                        self._route(self.gather, source, rank, (name, box), me)
                 if rank == me:
                     self.runs.append((name, region, axis))
             if mode == "layer-sharded":   # the home sends every other holder its pieces

@@ -215,6 +215,17 @@ EXERCISES = [
         "keys in the source's, the mask): run i covers local rows i*len .. (i+1)*len - 1.",
         [("ring-attention", {}), _train_gpt(cp=4, cp_mode="ring"),
          _train_gpt(cp=2, dp=2, cp_mode="zigzag")]),
+    Exercise(
+        "muon-sharded", "Muon: Newton-Schulz on a matrix split over tp",
+        "In parallel/muon_mesh.py orthogonalize_sharded: x is this rank's shard of X (X = "
+        "U, or U^T when U is tall), split by its columns when split_cols is true, else by "
+        "its rows. Divide x by the Frobenius norm of the WHOLE X (at least muon.EPS): its "
+        "sum of squares is one Allreduce of a (1,) array over the group. Then `steps` "
+        "times: with X's columns split, the Gram matrix A = X X^T (m', m') is the sum over "
+        "the ranks of their x x^T, one Allreduce, and x becomes a x + (b A + c A A) x; with "
+        "X's rows split, B = X^T X (n', n') is the sum of their x^T x and x becomes "
+        "a x + x (b B + c B B). (a, b, c) are muon.NS_COEFFICIENTS; leave the result in x.",
+        [("muon", {})]),
 ]
 
 BY_NAME = {exercise.name: exercise for exercise in EXERCISES}

@@ -220,5 +220,37 @@ def check_loss_scaler(world: MPI.Comm) -> str | None:
     return None
 
 
+def check_muon(world: MPI.Comm) -> str | None:
+    """muon_mesh.orthogonalize_sharded on the world as one tp group against Newton-Schulz
+    on the whole matrix (core/muon.py): wide and tall, split by columns and by rows;
+    then what it sent: 1 + steps Allreduces per matrix, of 1 and g x g numbers."""
+    from minipar.core import muon
+    from minipar.parallel.muon_mesh import orthogonalize_sharded
+
+    ledger = Ledger()
+    group = Group(world, "tp", ledger)
+    me, n, steps = group.rank, group.size, 5
+    rng = np.random.default_rng(17)
+    cases = (((6, 4 * n), 1, 6), ((4 * n, 6), 0, 6), ((4 * n, 4 * n), 0, 4 * n),
+             ((2 * n, 4 * n), 0, 4 * n), ((4 * n, 2 * n), 1, 4 * n))  # shape, split, g
+    for shape, axis, _ in cases:
+        u = rng.normal(size=shape)
+        k = shape[axis] // n
+        part = (slice(None), slice(me * k, (me + 1) * k)) if axis else \
+            (slice(me * k, (me + 1) * k), slice(None))
+        got = orthogonalize_sharded(u[part].copy(), shape, axis, group, steps)
+        what = f"orthogonalize_sharded of a {shape} matrix split by {'columns' if axis else 'rows'}"
+        if (problem := differs(what, me, got, muon.orthogonalize(u, steps)[part])):
+            return problem
+    entry = ledger.entries.get(("Allreduce", "tp"))
+    calls, elements = (entry.calls, entry.elements) if entry else (0, 0)
+    want = (len(cases) * (1 + steps), sum(1 + steps * g * g for _, _, g in cases))
+    if (calls, elements) != want:
+        return (f"orthogonalize_sharded on rank {me} made {calls} Allreduce call(s) of "
+                f"{elements} elements for {len(cases)} matrices; one of the norm and one of "
+                f"the Gram matrix per iteration make {want[0]} calls of {want[1]}")
+    return None
+
+
 UNITS = {"conjugate": check_conjugate, "ring": check_ring, "schedule": check_schedule,
-         "linears": check_linears, "loss-scaler": check_loss_scaler}
+         "linears": check_linears, "loss-scaler": check_loss_scaler, "muon": check_muon}

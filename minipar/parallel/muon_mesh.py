@@ -43,6 +43,7 @@ def orthogonalize_sharded(u: np.ndarray, shape: tuple[int, int], sharded_axis: i
     tall = shape[0] > shape[1]
     x = u.T if tall else u
     split_cols = (sharded_axis == 1) != tall   # X's columns are the sharded side
+    # exercise: muon-sharded
     squares = np.array([float(np.sum(x * x))])
     group.Allreduce(MPI.IN_PLACE, squares, op=MPI.SUM)
     x = x / max(float(np.sqrt(squares[0])), muon.EPS)
@@ -51,6 +52,7 @@ def orthogonalize_sharded(u: np.ndarray, shape: tuple[int, int], sharded_axis: i
         group.Allreduce(MPI.IN_PLACE, gram, op=MPI.SUM)   # the Gram matrix, whole
         poly = b * gram + c * (gram @ gram)
         x = a * x + (poly @ x if split_cols else x @ poly)
+    # end exercise
     return x.T if tall else x
 
 
