@@ -131,15 +131,23 @@ def check(book: Path, chromium: str, shots: Path) -> tuple[list[str], dict[str, 
 
 
 def search(page: object, base: str, word: str = "Alltoall") -> list[str]:
-    """Type `word` in the search box of the first page; [] when a lesson page is found."""
-    page.goto(base + "index.html", wait_until="load")
-    page.fill("input.md-search__input", word)   # the header's box (a wide window)
-    try:
-        page.wait_for_selector(".md-search-result__item", timeout=15000)
-    except Exception:
+    """Type `word` in the search box of the first page; [] when a lesson page is found.
+    The index is built in a worker after the page loads (seconds on a busy machine): the
+    word is typed again, up to three times, until results show."""
+    page.goto(base + "index.html", wait_until="networkidle")
+    found: list[str] = []
+    for _ in range(3):
+        page.fill("input.md-search__input", "")    # the header's box (a wide window)
+        page.type("input.md-search__input", word, delay=50)
+        try:
+            page.wait_for_selector(".md-search-result__item", timeout=20000)
+        except Exception:
+            continue
+        found = page.eval_on_selector_all(".md-search-result__item a",
+                                          "els => els.map(e => e.href)")
+        break
+    if not found:
         return [f"search for {word!r}: no result at all"]
-    found = page.eval_on_selector_all(".md-search-result__item a",
-                                      "els => els.map(e => e.href)")
     if not any("/lessons/" in href for href in found):
         return [f"search for {word!r}: no lesson page among {len(found)} results"]
     return []
