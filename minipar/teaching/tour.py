@@ -76,14 +76,16 @@ def moved(ledger: list[dict], cfg: TrainConfig) -> str:
 def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI  # here: importing the tour (tests, `--help`) needs no MPI
 
-    from minipar.comm.job import wait_for_rank0
+    from minipar.comm.job import agreed, wait_for_rank0
 
     parser = argparse.ArgumentParser(prog="python -m minipar tour")
     parser.add_argument("--plot", metavar="DIR", default=None, help="write figures here")
     args = parser.parse_args(argv)
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
-    unwritable = output_problems({"--plot": args.plot})   # before the first stop, not after
+    # before the first stop: a folder one rank cannot write (another host's disk) is every
+    # rank's refusal, and a rank launched with other flags is named (comm/job.py)
+    unwritable = agreed(world, output_problems({"--plot": args.plot}), ["tour", *(argv or [])])
     if unwritable:
         if rank == 0:
             print(f"minipar: error: {unwritable[0]}", file=sys.stderr, flush=True)

@@ -435,7 +435,9 @@ def test_a_refusal_or_other_settings_on_one_rank_end_every_rank_with_its_line(tm
              "rank 1 refused: --new-tokens must be at least 1":
              [[*gen, "--new-tokens", "2"], [*gen, "--new-tokens", "0"]],
              "rank 1 refused: unrecognized arguments: --bogus":   # reshard's parse
-             [[*resharded], [*resharded, "--bogus"]]}
+             [[*resharded], [*resharded, "--bogus"]],
+             "rank 1 refused: --plot /proc/":   # the tour (2 ranks: refused before the size)
+             [["tour"], ["tour", "--plot", "/proc/minipar-tour"]]}
     spec = tmp_path / "cases.json"
     spec.write_text(json.dumps(list(cases.values())))
     start = time.monotonic()
