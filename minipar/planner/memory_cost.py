@@ -102,6 +102,8 @@ class Workload:
     master_bytes: int = 0       # the master copy counted apart (--mixed; 0: inside K)
     microbatch_overhead: float = 0.0  # tokens of compute a microbatch costs beyond its own
     #                                   (workloads.small_microbatch_tokens; 0: not priced)
+    routing_bias: bool = False  # MoE balanced by a routing bias: one Allreduce of the
+    #                             load a step instead of the aux loss's (time_cost.py)
 
     @property
     def layers(self) -> int:

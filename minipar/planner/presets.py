@@ -49,6 +49,8 @@ class Model:
     shared_experts: int = 0
     dense_layers: int = 0
     attention: int | None = None  # parameters of one layer's attention, if not multi-head
+    routing_bias: bool = False   # balanced by a bias on the routing scores (DeepSeek-V3's
+    #                              auxiliary-loss-free balancing), not an auxiliary loss
 
 
 @dataclass(frozen=True)
@@ -139,10 +141,12 @@ MODELS: dict[str, Model] = {
     # dims 128 + 64 (rope) for keys, 128 for values; all FFNs MoE but the first 3 (width
     # 18432, config.json), 1 shared + 256 routed experts of 2048, 8 per token;
     # vocabulary 129280; pre-training sequences of 4096 (671 B parameters, 37 B active;
-    # the multi-token prediction module is left out).
+    # the multi-token prediction module is left out); section 2.1.2: balanced by a bias
+    # per expert updated from each step's load (auxiliary-loss-free), its batch-wise
+    # auxiliary loss gone (a sequence-wise one, computed within a sequence, remains).
     "deepseek-v3": Model("DeepSeek-V3", 61, 7168, 128, 18432, 129280, 4096, 3, "llama",
                          head_dim=128, experts=256, top_k=8, expert_d_ff=2048,
-                         shared_experts=1, dense_layers=3,
+                         shared_experts=1, dense_layers=3, routing_bias=True,
                          attention=mla_params(7168, 128, 1536, 512, 128, 64, 128)),
 }
 

@@ -187,6 +187,9 @@ def moe_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
     in the backward; balanced routing assumed: each rank receives what it sends), and
     over dp three Allreduce of E numbers (counts f, probability sums P both ways), and
     with a capacity one Exscan of E counts (how many earlier tokens took each expert).
+    Balanced by a routing bias instead (`w.routing_bias`, DeepSeek-V3; routing.py's
+    `global_load`): no aux-loss Allreduces, one Allreduce a step of every MoE block's E
+    counts at once.
     Full recomputation runs the forward ones twice: 2 Alltoall, 6 Alltoallv, 5 Allreduce
     (f twice, P forward twice and backward once), 2 Exscan."""
     moe = [block for block in shape.blocks if block.moe]
@@ -206,9 +209,14 @@ def moe_traffic(w: Workload, plan: Plan, shape: RankShape) -> list[Traffic]:
                         rows * w.d_model * w.act_bytes)]
     if plan.replicas == 1:
         return out
-    stats = (2 * again + 1) * experts
-    out.append(Traffic(dp, "Allreduce", (2 * again + 1) * len(moe) * m, stats,
-                       again * experts * w.count_bytes + (again + 1) * experts * w.act_bytes))
+    if w.routing_bias:   # DeepSeek-V3: the experts' load of the step, summed once, after it
+        load = sum(block.experts for block in moe)
+        out.append(Traffic(dp, "Allreduce", 1, load, load * w.count_bytes, "step"))
+    else:
+        stats = (2 * again + 1) * experts
+        out.append(Traffic(dp, "Allreduce", (2 * again + 1) * len(moe) * m, stats,
+                           again * experts * w.count_bytes
+                           + (again + 1) * experts * w.act_bytes))
     capped = [block for block in moe if block.capacity]
     if capped and plan.cp == 1:
         counts = again * sum(block.experts for block in capped) * m

@@ -111,7 +111,8 @@ def transformer(m: Model, batch: int, params: float | None = None) -> Workload:
         (m.expert_d_ff,) if m.shared_experts else ())
     w = Workload(m.name, tuple(blocks), embed, head, d, batch, s, split_dims=splits,
                  lookup_embedding=True, tied_head=m.tied, logit_bytes=4 * m.vocab,
-                 microbatch_overhead=small_microbatch_tokens(d))
+                 microbatch_overhead=small_microbatch_tokens(d),
+                 routing_bias=m.routing_bias)
     if params is not None and abs(params / w.params - 1) > 0.05:
         raise ValueError(f"--params {params:.4g} disagrees with the {w.params:.4g} the shapes "
                          f"define ({params / w.params - 1:+.0%}); drop --params or fix a shape")

@@ -45,7 +45,7 @@ from minipar.planner.memory_cost import (
 from minipar.planner.plan_table import STEP_TIME_ERROR
 from minipar.planner.presets import CLUSTERS, MEGATRON_TABLE_1, MODELS, Model
 from minipar.planner.search import distinct_meshes, evaluate, hardware, search
-from minipar.planner.time_cost import Hardware, ledger_of, traffic
+from minipar.planner.time_cost import Hardware, ledger_of, moe_traffic, traffic
 from minipar.planner.workloads import minipar_workload, plan_of, transformer
 from minipar.settings.config import TrainConfig
 from tests.harness.mpi import ROOT, sweep
@@ -272,6 +272,25 @@ def test_deepseek_v3_has_37b_active_of_671b():
     assert w.params == pytest.approx(671e9, rel=1e-3)
     embedding = 129280 * 7168
     assert 36.5e9 < w.active_params - embedding < 37e9 < w.active_params < 37.6e9
+
+
+def test_deepseek_v3s_routing_bias_is_one_allreduce_a_step():
+    """DeepSeek-V3 balances its experts by a routing bias (its report, section 2.1.2):
+    one Allreduce a step of the load of every MoE block of the stage, E counts each,
+    and none of the auxiliary loss's; Mixtral keeps its aux loss's three a block and
+    microbatch."""
+    plan = Plan(dp=4, tp=1, pp=4, ep=4, microbatches=8)
+    for preset, routed in (("deepseek-v3", True), ("mixtral-8x7b", False)):
+        w = transformer(MODELS[preset], 32)
+        shape = rank_shape(w, plan, 1)
+        moe = [b for b in shape.blocks if b.moe]
+        mine = [t for t in moe_traffic(w, plan, shape) if (t.group, t.op) == ("dp", "Allreduce")]
+        assert len(mine) == 1
+        if routed:
+            assert (mine[0].calls, mine[0].elements, mine[0].phase) == (
+                1, 256 * len(moe), "step")
+        else:
+            assert (mine[0].calls, mine[0].phase) == (3 * len(moe) * 8, "pipeline")
 
 
 def test_tp_crossing_the_node_is_slower():
