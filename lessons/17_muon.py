@@ -136,10 +136,10 @@ def modes_side_by_side(world: MPI.Comm, steps: int) -> dict[str, dict]:
             out[mode] = {"bytes": bytes_, "seconds": seconds, "work": sum(flops) / one,
                          "rel": rel}
     if world.Get_rank() == 0:
-        say(f"{'mode':>14}  {'bytes/rank':>11}  {'ms/step (max)':>13}  "
+        say(f"{'mode':>14}  {'bytes/rank':>11}  {'matrix ms (max)':>15}  "
             f"{'Newton-Schulz work':>18}  against one process")
         for mode, m in out.items():
-            say(f"{mode:>14}  {max(m['bytes']):>11,}  {1e3 * max(m['seconds']):>13.2f}  "
+            say(f"{mode:>14}  {max(m['bytes']):>11,}  {1e3 * max(m['seconds']):>15.2f}  "
                 f"{m['work']:>17.1f}x  rel {m['rel']:.1e} {verdict(m['rel'] <= 1e-9)}")
         say("duplicated moves the other half of each matrix to each tp rank and runs every "
             "iteration on all 4 ranks (4x the work); distributed moves no piece but sums a "
