@@ -53,8 +53,10 @@ FAILED_CHECKS = re.compile(r"\b\d+ check\(s\) failed|^lesson checks: \d+ passed,
 QUICK = re.compile(r"^quick mode: ", flags=re.M)   # a notebook's line under MINIPAR_QUICK=1
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 FOLD_LINES = 40   # a text output longer than this is shown folded (still searchable)
-NOTEBOOK_COMMAND = ("MINIPAR_QUICK=0 MINIPAR_NOTEBOOKS_OUT=build/notebooks "
-                    ".venv/bin/python -m pytest -q tests/teaching/test_notebooks.py -k {stem}")
+# make course's notebook half for one lesson (tests/course.py: MINIPAR_QUICK=0, the executed
+# notebook kept in build/notebooks/); a notebook of no lesson runs with all of them
+NOTEBOOK_COMMAND = ".venv/bin/python -m tests.course --notebooks --only {number}"
+ALL_NOTEBOOKS_COMMAND = "make notebooks"
 
 
 class RefusedError(Exception):
@@ -447,7 +449,8 @@ def provenance(lesson: Lesson, notebook: dict | None, sources: Sources) -> str:
                      f"`lessons/{lesson.stem}.ipynb`, executed at full size"
                      + (f" on {when}" if when else "") + " by `make course`; every cell "
                      "ran and none of its checks failed. The command that produced them:")
-        lines.append(fence(NOTEBOOK_COMMAND.format(stem=lesson.stem), "sh"))
+        lines.append(fence(NOTEBOOK_COMMAND.format(number=lesson.number)
+                           if lesson.number.isdigit() else ALL_NOTEBOOKS_COMMAND, "sh"))
     if lesson.script is not None:
         script = sources.link(f"lessons/{lesson.stem}.py", None, lesson.page)
         lines.append(f"The lesson's script, from the repository root ([its source]({script})):")

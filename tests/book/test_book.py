@@ -108,7 +108,8 @@ def test_a_lesson_page_shows_its_figure_its_command_and_its_strategies_lines(tmp
     page = (tmp_path / "docs" / "lessons" / ("03_expert_parallel" + md)).read_text()
     figures = sorted((tmp_path / "docs/lessons/figures").glob("03_expert_parallel-*.png"))
     assert len(figures) == 1 and f"(../lessons/figures/{figures[0].name})" in page
-    assert "-k 03_expert_parallel" in page and "lessons/03_expert_parallel.py --plot" in page
+    assert "python -m tests.course --notebooks --only 03" in page
+    assert "lessons/03_expert_parallel.py --plot" in page
     source = "minipar/parallel/expert_parallel.py"
     line = next(node.lineno for node in ast.parse((ROOT / source).read_text()).body
                 if isinstance(node, ast.ClassDef) and node.name == "ExpertParallelBlock")
