@@ -131,3 +131,19 @@ def test_the_reading_index_becomes_the_second_half_of_the_contents():
             text = (ROOT / path).read_text().splitlines()[line - 1]
             assert name in text, (entry.title, name, path, line)
 
+
+
+def test_the_browser_check_finds_a_link_that_leads_nowhere(tmp_path):
+    """book/browse.py's judge of a link, on two pages of a made-up site."""
+    from book import browse
+
+    (tmp_path / "lessons").mkdir()
+    (tmp_path / "index.html").write_text('<h2 id="start">start</h2>')
+    (tmp_path / "lessons" / "03.html").write_text('<span id="__codelineno-0-7"></span>')
+    base = "http://127.0.0.1:8000/"
+    assert browse.link_problem(tmp_path, base, base + "lessons/03.html#__codelineno-0-7") is None
+    assert browse.link_problem(tmp_path, base, base + "#start") is None
+    assert browse.link_problem(tmp_path, base, "https://example.org/x.html") is None  # not ours
+    assert browse.link_problem(tmp_path, base, base + "lessons/04.html") == "no such page"
+    assert browse.link_problem(tmp_path, base, base + "lessons/03.html#__codelineno-0-8") == (
+        "no #__codelineno-0-8 on lessons/03.html")
