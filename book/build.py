@@ -48,8 +48,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
 # what a lesson script prints when a check failed (minipar/comm/job.py)
-FAILED_CHECKS = re.compile(r"\b[1-9]\d* check\(s\) failed|^lesson checks: \d+ passed, [1-9]\d* failed",
-                           flags=re.M)
+FAILED_CHECKS = re.compile(r"\b[1-9]\d* check\(s\) failed"
+                           r"|^lesson checks: \d+ passed, [1-9]\d* failed", flags=re.M)
 QUICK = re.compile(r"^quick mode: ", flags=re.M)   # a notebook's line under MINIPAR_QUICK=1
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 FOLD_LINES = 40   # a text output longer than this is shown folded (still searchable)
