@@ -125,6 +125,9 @@ class Meeting(Protocol):
                               sharded_axis: int, steps: int) -> np.ndarray:
         """Newton-Schulz on a matrix split over tp: my shard in, my shard of X out."""
 
+    def agree(self, sharded: list[str]) -> None:
+        """Every tp rank must iterate the same split matrices, in the same order."""
+
 
 class Muon:
     """`--optimizer muon`: Muon on the blocks' matrices, AdamW on the rest.
@@ -161,7 +164,9 @@ class Muon:
                   if is_matrix(h.name, len(h.box))]
         if self.meeting is None:
             return Plan([pieces], 0, self.mode)
-        return Plan(self.meeting.allgather(pieces), self.meeting.rank, self.mode)
+        plan = Plan(self.meeting.allgather(pieces), self.meeting.rank, self.mode)
+        self.meeting.agree([name for name, _, axis in plan.runs if axis is not None])
+        return plan
 
     def state_arrays(self) -> dict[str, list[np.ndarray]]:
         """`{"m": [...], "v": [...]}` as Adam's (see the class), for checkpoints."""

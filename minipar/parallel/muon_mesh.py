@@ -66,6 +66,17 @@ class MeshMeeting:
         """Every rank's `obj` (the box lists, once: a call with no elements)."""
         return self.mesh.world.allgather(obj)
 
+    def agree(self, sharded: list[str]) -> None:
+        """The split matrices this rank will iterate must be its tp peers' too, in the
+        same order (each iteration is an Allreduce over tp): one allgather of the names
+        at the first step, and a RuntimeError on every rank of the group if they differ
+        (ZeRO slices that cut the tp ranks' flat vectors differently would)."""
+        lists = self.mesh.tp.allgather(sharded)
+        if any(names != lists[0] for names in lists):
+            raise RuntimeError("--muon-mode distributed: the tp ranks would iterate different "
+                               "split matrices (their ZeRO slices cut them differently); use "
+                               "--muon-mode layer-sharded or duplicated")
+
     def orthogonalize_sharded(self, u: np.ndarray, shape: tuple[int, int],
                               sharded_axis: int, steps: int) -> np.ndarray:
         """`orthogonalize_sharded` over this rank's tp group (looked up at call time, so
