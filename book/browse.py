@@ -54,6 +54,7 @@ def serve(folder: Path) -> tuple[ThreadingHTTPServer, str]:
 
 @functools.cache
 def anchors(path: Path) -> set[str]:
+    """Every id on a built page: what a `#fragment` may point at."""
     return set(IDS.findall(path.read_text(errors="replace")))
 
 

@@ -95,6 +95,7 @@ def failures(notebook: dict, source: dict | None = None) -> list[str]:
 
 
 def cell_text(cell: dict) -> str:
+    """A cell's text (nbformat keeps it as one string or as a list of lines)."""
     source = cell.get("source", "")
     return "".join(source) if isinstance(source, list) else source
 
@@ -117,6 +118,8 @@ class Sources:
 
     def resolve(self, name: str, bases: tuple[str, ...] = ("minipar/parallel/", "minipar/",
                                                            "")) -> str | None:
+        """The repository path of a file the reading index names relative to
+        minipar/parallel/ (`zero.py`), to minipar/ (`run/generate.py`) or to the root."""
         for base in bases:
             if (ROOT / (base + name)).is_file():
                 return base + name
@@ -148,6 +151,7 @@ class Sources:
 
 
 def relative(here: str, target: str) -> str:
+    """A link from page `here` to `target`, both relative to the docs folder."""
     depth = here.count("/")
     return "../" * depth + target
 
@@ -194,6 +198,8 @@ PY_FILE = re.compile(r"(?<![\w/])((?:[\w.]+/)*\w+\.py)\b")
 
 
 def parse_entry(title: str, text: str, sources: Sources) -> Entry:
+    """One strategy's words: each file it names, and after each file the names it
+    defines (`zero.py: Zero1, Zero2, Zero3`); then its lessons and its tests."""
     code, _, rest = text.partition("Lesson")
     lessons = re.findall(r"\b(\d\d_\w+)", rest.split("Tests:")[0])
     tests = PY_FILE.findall(rest.partition("Tests:")[2])
@@ -244,6 +250,8 @@ def readme_section(heading: str) -> str:
 # ----------------------------------------------------------------- pages
 @dataclass
 class Lesson:
+    """One lesson of lessons/: its script, its notebook (either may be missing)."""
+
     stem: str               # 03_expert_parallel
     script: Path | None
     notebook: Path | None   # lessons/<stem>.ipynb
@@ -257,18 +265,21 @@ class Lesson:
         return f"lessons/{self.stem}.md"
 
     def ranks(self) -> int | None:
+        """The rank count of the script's docstring's run line (None: one process)."""
         if self.script is None:
             return None
         found = re.search(r"mpiexec -n (\d+)", self.script.read_text())
         return int(found.group(1)) if found else None
 
     def run_line(self) -> str:
+        """The command make course runs the script with, from the repository root."""
         ranks = self.ranks()
         launch = f".venv/bin/mpiexec -n {ranks} " if ranks else ""
         return f"{launch}.venv/bin/python lessons/{self.stem}.py --plot build/figures"
 
 
 def lessons() -> list[Lesson]:
+    """Every numbered lesson of lessons/, in order (a script, a notebook, or both)."""
     stems = sorted({p.stem for p in (ROOT / "lessons").glob("[0-9][0-9]_*.py")}
                    | {p.stem for p in (ROOT / "lessons").glob("[0-9][0-9]_*.ipynb")})
     return [Lesson(stem, path if (path := ROOT / f"lessons/{stem}.py").exists() else None,
@@ -284,10 +295,12 @@ def fence(text: str, info: str = "") -> str:
 
 
 def indent(text: str) -> str:
+    """`text` inside an admonition or a folded block (four spaces, blank lines too)."""
     return textwrap.indent(text, "    ", lambda line: True)
 
 
 def when_executed(notebook: dict) -> str:
+    """When the notebook's first cell ran (nbclient's timing metadata), or ""."""
     stamps = [cell.get("metadata", {}).get("execution", {}).get("iopub.execute_input")
               for cell in notebook.get("cells", [])]
     stamps = [s for s in stamps if s]
@@ -341,6 +354,8 @@ def calls_of(code_cells: list[str], sources: Sources) -> list[tuple[str, str, in
 
 def strategy_table(here: str, entries: list[Entry], rows: list[tuple[str, list[str], str]],
                    calls: list[tuple[str, str, int]], sources: Sources) -> str:
+    """A lesson page's links into the code: the reading index's strategies of the lesson
+    at their lines, the README's files for it, and the minipar names its cells call."""
     out = []
     if entries:
         out.append("**The strategies of this lesson, in the code** (the reading index of "
@@ -368,15 +383,12 @@ def strategy_table(here: str, entries: list[Entry], rows: list[tuple[str, list[s
 
 def lesson_rows(lesson: Lesson, rows: list[tuple[str, list[str], str]]
                 ) -> list[tuple[str, list[str], str]]:
+    """The README's rows whose lesson column names this lesson (`05, 06, 13`)."""
     if not lesson.number.isdigit():
         return []
     number = int(lesson.number)
     return [row for row in rows if number in {int(n) for n in re.findall(r"\b\d\d?\b", row[2])}
-            and all(sources_exist(row[1]))]
-
-
-def sources_exist(files: list[str]) -> list[bool]:
-    return [(ROOT / f).is_file() for f in files]
+            and all((ROOT / path).is_file() for path in row[1])]
 
 
 def notebook_page(lesson: Lesson, notebook: dict, sources: Sources, entries: list[Entry],
@@ -431,6 +443,7 @@ def notebook_page(lesson: Lesson, notebook: dict, sources: Sources, entries: lis
 
 
 def text_block(texts: list[str]) -> str:
+    """Consecutive text outputs as one block, folded when long."""
     text = "".join(texts).rstrip()
     if not text:
         return ""
@@ -506,6 +519,8 @@ def exercises_page(sources: Sources) -> str:
 
 
 def strategy_page(entry: Entry, sources: Sources, lesson_pages: dict[str, str]) -> str:
+    """One strategy of the reading index: its words, its classes and functions at their
+    lines, its files, lessons and tests."""
     here = f"code/{entry.slug}.md"
     out = [f"# {entry.title[0].upper() + entry.title[1:]}\n", f"> {entry.text}\n"]
     if entry.symbols:
@@ -527,6 +542,7 @@ def strategy_page(entry: Entry, sources: Sources, lesson_pages: dict[str, str]) 
 
 
 def code_index_page(intro: str, entries: list[Entry], closing: str) -> str:
+    """The reading index itself: its words, then one row per strategy."""
     out = ["# The strategies in code\n", fence(intro, "text"), "| strategy | read |\n|---|---|"]
     for entry in entries:
         names = ", ".join(f"`{name}`" for name, _, _ in entry.symbols[:6])
@@ -536,6 +552,8 @@ def code_index_page(intro: str, entries: list[Entry], closing: str) -> str:
 
 
 def source_page(path: str) -> str:
+    """A repository file as a page, every line numbered and anchored
+    (#__codelineno-0-N), left out of the search index."""
     text = (ROOT / path).read_text()
     lexer = "python" if path.endswith(".py") else "text"
     return ("---\nsearch:\n  exclude: true\n---\n\n"
@@ -642,6 +660,7 @@ def build(notebooks: Path, out: Path, work: Path, only: list[str] | None = None)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`make book`: 0 built, 1 refused or mkdocs failed, 2 no executed notebooks."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--notebooks", type=Path, default=ROOT / "build/notebooks",
                         help="the executed notebooks (make course writes them)")
