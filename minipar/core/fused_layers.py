@@ -86,23 +86,27 @@ def _linear_mixed(x: Tensor, weight: Tensor, bias: Tensor | None, partial: bool 
     `partial`: the output is left unrounded in the master dtype (a partial sum)."""
     shape = x.data.shape
     rows_in = _mp.to_low(x.data).reshape(-1, shape[-1])                 # (N, in), 16-bit
-    out = _mp.matmul(rows_in, weight.data)                              # master sums
+    q = _mp.block_operand      # --fp8: Q(X), Q(W), Q(dY) of a block's layer (core/fp8.py)
+    x_q = q(rows_in, "x", weight)
+    out = _mp.matmul(x_q, q(weight.data, "weight", weight))             # master sums
     if bias is not None:
         out += _mp.upcast(bias.data)
     out = (out if partial else _mp.to_low(out)).reshape(*shape[:-1], out.shape[-1])
     parents = (x, weight) if bias is None else (x, weight, bias)
+    kept = x_q if x_q is not rows_in else None    # --fp8: Q(X) again in dW, not requantized
 
     def backward(g: np.ndarray) -> None:
-        grad_rows = _mp.to_low(g).reshape(-1, g.shape[-1])             # (N, out), 16-bit
+        grad_rows = q(_mp.to_low(g).reshape(-1, g.shape[-1]), "dy", weight)  # (N, out)
         if x.requires_grad:
-            dx = _mp.to_low(_mp.matmul(grad_rows, weight.data.T))
+            dx = _mp.to_low(_mp.matmul(grad_rows, q(weight.data, "weight", weight).T))
             x.accumulate(dx.reshape(shape), fresh=True)
 
         def weight_grads() -> None:
-            rows = _mp.to_low(x.data).reshape(-1, shape[-1])
+            rows = kept if kept is not None else _mp.to_low(x.data).reshape(-1, shape[-1])
             weight.accumulate(_mp.to_low(_mp.matmul(rows.T, grad_rows)), fresh=True)
             if bias is not None:
-                bias.accumulate(_mp.to_low(_mp.upcast(grad_rows).sum(axis=0)), fresh=True)
+                bias.accumulate(_mp.to_low(_mp.upcast(_mp.to_low(g).reshape(
+                    -1, g.shape[-1])).sum(axis=0)), fresh=True)
         weight_grad(weight_grads)
     return _linear_placed(Tensor.from_op(out, parents, backward), x, weight, bias)
 
@@ -293,29 +297,34 @@ def _residual_mlp_mixed(h: Tensor, gamma: Tensor, beta: Tensor, w1: Tensor, b1: 
     rows = low(h.data).reshape(-1, shape[-1])                               # (N, d)
     u, x_hat, inv_sigma = _layer_norm_forward(up(rows), up(gamma.data), up(beta.data), eps)
     u = low(u)
-    a = mm(u, w1.data)
+    q = _mp.block_operand      # --fp8: Q(X), Q(W), Q(dY) of fc1 and fc2 (core/fp8.py)
+    u_q = q(u, "x", w1)
+    a = mm(u_q, q(w1.data, "weight", w1))
     a += up(b1.data)
     a = low(a)
     z, t = _gelu_forward(up(a))
     z = low(z)
-    out = mm(z, w2.data)
+    z_q = q(z, "x", w2)
+    out = mm(z_q, q(w2.data, "weight", w2))
     out += up(b2.data)
     out = low(up(low(out)) + up(rows))                                      # the residual
     parents = (h, gamma, beta, w1, b1, w2, b2)
 
     def backward(g: np.ndarray) -> None:
         g_rows = low(g).reshape(-1, shape[-1])                              # (N, d)
-        dz = low(mm(g_rows, w2.data.T))
+        g_q = q(g_rows, "dy", w2)
+        dz = low(mm(g_q, q(w2.data, "weight", w2).T))
 
         def fc2_grads() -> None:
-            w2.accumulate(low(mm(z.T, g_rows)), fresh=True)
+            w2.accumulate(low(mm(z_q.T, g_q)), fresh=True)
             b2.accumulate(low(up(g_rows).sum(axis=0)), fresh=True)
         weight_grad(fc2_grads)
         da = low(_gelu_backward(up(dz), up(a), t))
-        du = up(low(mm(da, w1.data.T)))
+        da_q = q(da, "dy", w1)
+        du = up(low(mm(da_q, q(w1.data, "weight", w1).T)))
 
         def fc1_grads() -> None:
-            w1.accumulate(low(mm(u.T, da)), fresh=True)
+            w1.accumulate(low(mm(u_q.T, da_q)), fresh=True)
             b1.accumulate(low(up(da).sum(axis=0)), fresh=True)
         weight_grad(fc1_grads)
         gamma.accumulate(low((du * x_hat).sum(axis=0)), fresh=True)

@@ -40,6 +40,7 @@ UNIT_ROUNDOFF: dict[str, float] = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 
 LOW: np.dtype | None = None      # the compute dtype while a policy is on, else None
 MASTER: np.dtype | None = None   # the master dtype (--dtype) while a policy is on
+FP8 = None    # --fp8: the recipe (core/fp8.py) the blocks' matmuls quantize with, else None
 
 
 def low_dtype(name: str) -> np.dtype:
@@ -86,18 +87,19 @@ def wire(x: np.ndarray) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def use(mixed: str | None, master: np.dtype | str) -> Iterator[None]:
+def use(mixed: str | None, master: np.dtype | str, fp8: object = None) -> Iterator[None]:
     """Inside this block the model's ops follow the mixed-precision rules with
-    `mixed` (`bf16`, `fp16`) as the compute dtype and `master` as the master dtype.
+    `mixed` (`bf16`, `fp16`) as the compute dtype and `master` as the master dtype, and
+    with `fp8` (a core/fp8.py Recipe, --fp8) the blocks' matmuls quantize their operands.
     `mixed=None` leaves everything as it is (no policy)."""
-    global LOW, MASTER
-    previous = LOW, MASTER
+    global LOW, MASTER, FP8
+    previous = LOW, MASTER, FP8
     if mixed is not None:
-        LOW, MASTER = low_dtype(mixed), np.dtype(master)
+        LOW, MASTER, FP8 = low_dtype(mixed), np.dtype(master), fp8
     try:
         yield
     finally:
-        LOW, MASTER = previous
+        LOW, MASTER, FP8 = previous
 
 
 # ------------------------------------------------------------------ casts
@@ -136,10 +138,27 @@ def widen(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a @ b. Under the policy: both operands rounded to 16 bits, the products summed
     in the master dtype; the result is left in the master dtype, for the caller to
-    add a bias and then round once (`round_low`)."""
+    add a bias and then round once (`round_low`). An operand `block_operand` already
+    quantized to 8 bits (--fp8) is multiplied as it is (its dequantized values)."""
     if LOW is None:
         return a @ b
-    return widen(to_low(a), MASTER) @ widen(to_low(b), MASTER)
+    return _operand(a) @ _operand(b)
+
+
+def _operand(x: object) -> np.ndarray:
+    """What a matmul multiplies: an 8-bit operand's dequantized values, else x rounded
+    to 16 bits and widened to the master dtype."""
+    values = getattr(x, "values", None)    # core/fp8.py's Exact
+    return values if values is not None else widen(to_low(x), MASTER)
+
+
+def block_operand(x: np.ndarray, kind: str, weight: object) -> object:
+    """An operand of a block layer's matmul (`kind`: `x` its input, `dy` its output
+    gradient, `weight` the weight itself): x as it is, or under --fp8, when the recipe
+    covers `weight`, Q(x) (core/fp8.py: quantized with its group's scale, dequantized)."""
+    if FP8 is None or not FP8.covers(weight):
+        return x
+    return FP8.operand(x, kind, weight)
 
 
 def grad_dtype(data_dtype: np.dtype) -> np.dtype:

@@ -41,7 +41,7 @@ from minipar.compose.parallelize import (
     parallelize,
 )
 from minipar.core import autograd as ag
-from minipar.core import documents, gpt, nn, precision, routing
+from minipar.core import documents, fp8, gpt, nn, precision, routing
 from minipar.core.data import (
     local_rows,
     make_batch,
@@ -158,7 +158,8 @@ def train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | No
     if not cfg.mixed:
         return _train_reference(cfg, on_step)
     # fp16 overflow is expected (the loss scaler skips that step): no warnings for it
-    with precision.use(cfg.mixed, cfg.dtype), np.errstate(over="ignore", invalid="ignore"):
+    with precision.use(cfg.mixed, cfg.dtype, fp8.recipe_of(cfg)), \
+            np.errstate(over="ignore", invalid="ignore"):
         return _train_reference(cfg, on_step)
 
 
@@ -180,6 +181,8 @@ def _train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | N
     for step in range(cfg.steps):
         x, y = step_batch(cfg, step)
         model.zero_grad()
+        if precision.FP8 is not None:  # --fp8: this step's weight amaxes (core/fp8.py)
+            precision.FP8.begin_step(params)
         total = 0.0
         # --documents: CE over the valid positions / N, the batch's valid positions
         valid = documents.valid_positions(y) if cfg.documents else None
@@ -332,6 +335,7 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
     from minipar.comm.collectives import (
         Ledger,  # here: comm/collectives.py loads mpi4py.MPI, train_reference not
     )
+    from minipar.parallel import fp8_scales
 
     mesh = Mesh(cfg.mesh_shape(), world, Ledger())
     try:  # overflow shows up as a DivergedError line, not as NumPy warnings burying it
@@ -339,7 +343,8 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
                 placement.checking(cfg.check_placements,   # placement/__init__.py: on or off
                                    {axis: getattr(mesh, axis).size for axis in MESH_AXES}), \
                 trace.recording(cfg.trace, mesh, cfg.as_json()), \
-                precision.use(cfg.mixed, cfg.dtype):   # --mixed: 16-bit ops (precision.py)
+                precision.use(cfg.mixed, cfg.dtype,   # --mixed: 16-bit ops (precision.py)
+                              fp8_scales.over_mesh(fp8.recipe_of(cfg), mesh)):  # --fp8
             return train_on_mesh(cfg, mesh, on_step)
     finally:  # also when a step diverges: a sweep or a notebook builds many meshes
         mesh.free()
@@ -403,6 +408,8 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
         valid = int(allreduce_sum(mesh.dp_cp, np.array([documents.valid_positions(y)],
                                                        dtype=np.int64))[0])
     scaler = scaler_of(updater)   # --mixed fp16: the backward starts from S
+    if precision.FP8 is not None:  # --fp8: the step's weight amaxes, one Allreduce(MAX)
+        precision.FP8.begin_step(p for chunk in chunks for p in chunk.parameters())
     local = forward_backward(cfg, mesh, chunks, x, y, timeline, valid,
                              1.0 if scaler is None else scaler.scale)
     flight.set_microbatch(None)  # the syncs below belong to the whole step

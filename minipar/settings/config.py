@@ -13,6 +13,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 
 from minipar.comm.mesh import CP_MODES, MeshShape
+from minipar.core import fp8
 from minipar.core.data import corpus_problem
 from minipar.core.documents import documents_problem
 from minipar.core.nn import GPT_MODELS, ModelConfig
@@ -102,6 +103,9 @@ class TrainConfig:
     grad_reduce_dtype: str = "master"  # --mixed: DP/ZeRO reduce main grads, or a 16-bit copy
     loss_scale: float = 65536.0       # --mixed fp16: the initial loss scale S (a power of 2)
     loss_scale_window: int = 1000     # --mixed fp16: clean steps before S doubles
+    fp8: str | None = None            # --mixed bf16: the blocks' matmuls in 8 bits (fp8.py)
+    fp8_block: int = 128              # --fp8 blockwise: the tile / block size B
+    fp8_grad: str = "e5m2"            # --fp8: the output gradients' format (or e4m3)
 
     def resolved(self, world_size: int) -> TrainConfig:
         """Fill the defaults that depend on other flags (d_ff, expert_d_ff, dp)."""
@@ -294,6 +298,7 @@ def size_problems(cfg: TrainConfig, world_size: int) -> list[str]:
         out.append(f"--bucket-size must be at least 1 element (got {cfg.bucket_size})")
     out += _transformer_problems(cfg)
     out += mixed_problems(cfg)
+    out += fp8.problems(cfg)   # --fp8 (core/fp8.py): recipe, --mixed bf16, blocks vs shards
     out += _recompute_problems(cfg)
     out += _clip_problems(cfg)
     if out:
@@ -481,7 +486,7 @@ def mixed_problems(cfg: TrainConfig) -> list[str]:
                 out.append(f"--{name.replace('_', '-')} applies to --mixed fp16 only (without "
                            "--mixed nothing is scaled)")
         return out
-    if cfg.inject_bug is not None and not cfg.inject_bug.startswith("mp-"):
+    if cfg.inject_bug is not None and not cfg.inject_bug.startswith(("mp-", "fp8-")):
         out.append(f"--inject-bug {cfg.inject_bug} is one of lesson 08's full-precision "
                    f"bugs: run it without --mixed (the mixed-precision bugs are named "
                    f"mp-*)")
@@ -648,6 +653,13 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
         help="--mixed fp16: the initial loss scale, a power of two (halved on overflow)")
     add("--loss-scale-window", type=int, default=d.loss_scale_window, metavar="N",
         help="--mixed fp16: clean steps after which the loss scale doubles")
+    add("--fp8", default=None, metavar="RECIPE",
+        help="--mixed bf16: the blocks' matmuls on 8-bit operands scaled tensorwise, "
+             "rowwise or blockwise (core/fp8.py)")
+    add("--fp8-block", type=int, default=d.fp8_block, metavar="B",
+        help="--fp8 blockwise: 1 x B tiles of activations and gradients, B x B of weights")
+    add("--fp8-grad", default=d.fp8_grad, metavar="FORMAT",
+        help="--fp8: the output gradients' format, e5m2 or e4m3")
     add("--inject-bug", metavar="NAME", default=None,
         help="break one thing on purpose (lesson 08); `python -m minipar bugs` lists them")
     add("--check-placements", action="store_true",

@@ -1,0 +1,106 @@
+"""FP8 quantization (`--fp8`, docs/design.md "FP8") against small hand computations: the
+scale from the amax, saturation at the format's max, an all-zero group, and what a
+1 x B block does to an outlier that a tensorwise scale spreads over the whole tensor.
+One-process runs of the three recipes, the refusals, and config.json's fields."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minipar.core import fp8
+from minipar.run.train import problems, train_reference
+from minipar.settings.config import TrainConfig
+
+TINY = dict(layers=2, d_model=32, batch=8, steps=2, mixed="bf16", fp8_block=16)
+
+
+def test_the_scale_maps_the_amax_onto_the_formats_max_and_saturates():
+    x = np.array([[1.0, -2.0, 0.75, 3.0]], dtype=np.float32)
+    # tensorwise: s = 3 / 448; 3 -> 448 exactly, 0.75 -> 112 exactly, 1 -> 149.33 -> 144
+    # (e4m3 between 128 and 256 steps by 16: 149.33 is nearer 144 than 160)
+    q = fp8.fake_quantize(x, "tensorwise", "act", "e4m3", 16)
+    s = np.float32(3.0) / np.float32(448.0)
+    assert q[0, 3] == np.float32(448.0) * s and q[0, 2] == np.float32(112.0) * s
+    assert q[0, 0] == np.float32(144.0) * s
+    # a scale too small for the values: clipped to +-448, not NaN (e4m3fn has no inf)
+    sat = fp8.quantize(np.array([1000.0, -1e9, 447.0]), np.float32(1.0), "e4m3")
+    assert sat.astype(np.float32).tolist() == [448.0, -448.0, 448.0]
+    # e5m2 (gradients): max 57344, 2 mantissa bits: 5 -> 5, 9 -> 8 (a tie: to even)
+    e5 = fp8.quantize(np.array([5.0, 9.0, 1e6]), np.float32(1.0), "e5m2")
+    assert e5.astype(np.float32).tolist() == [5.0, 8.0, 57344.0]
+
+
+def test_an_all_zero_group_has_scale_one_and_stays_zero():
+    x = np.zeros((2, 4), dtype=np.float32)
+    x[1] = [0.5, 0.25, 0.0, 1.0]
+    amax = fp8.amax(x, "rowwise", "act", 16)
+    assert amax.ravel().tolist() == [0.0, 1.0]
+    assert fp8.scale_of(amax, "e4m3").ravel().tolist() == [1.0, np.float32(1.0 / 448.0)]
+    q = fp8.fake_quantize(x, "rowwise", "act", "e4m3", 16)
+    assert np.array_equal(q[0], np.zeros(4)) and np.array_equal(q[1], x[1])  # exact: 2^-k
+
+
+def test_a_block_keeps_an_outlier_from_spoiling_the_other_tiles():
+    # one row of 2 tiles of B = 4: an outlier 100 in tile 0, small values everywhere
+    x = np.array([[0.3, 0.3, 0.3, 100.0, 0.3, 0.3, 0.3, 0.3]], dtype=np.float32)
+    whole = fp8.fake_quantize(x, "tensorwise", "act", "e4m3", 4)
+    tiles = fp8.fake_quantize(x, "blockwise", "act", "e4m3", 4)
+    # tensorwise: s = 100/448, 0.3/s = 1.344 -> 1.375 (steps of 1/8): 2.3% off
+    s = np.float32(100.0) / np.float32(448.0)
+    assert whole[0, 4] == np.float32(1.375) * s
+    # the outlier-free tile: s = 0.3/448, every 0.3 lands on 448 exactly
+    assert np.allclose(tiles[0, 4:], 0.3, rtol=1e-7, atol=0)
+    assert abs(whole[0, 4] / 0.3 - 1) > 0.02 > abs(tiles[0, 4] / 0.3 - 1)
+    # weights: a B x B block's own amax (blocks of 2 x 2 of a 4 x 4 weight)
+    w = np.arange(16, dtype=np.float32).reshape(4, 4)
+    blocks = fp8.amax(w, "blockwise", "weight", 2)
+    assert blocks.reshape(2, 2).tolist() == [[5.0, 7.0], [13.0, 15.0]]
+    assert fp8.amax(w, "rowwise", "weight", 2).ravel().tolist() == [12.0, 13.0, 14.0, 15.0]
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_each_recipe_trains_near_bf16_and_differs_from_it(recipe):
+    bf16 = train_reference(TrainConfig(**{**TINY, "fp8_block": 128}).resolved(1))
+    run = train_reference(TrainConfig(**TINY, fp8=recipe).resolved(1))
+    rel = max(abs(a - b) / abs(b) for a, b in zip(run.losses, bf16.losses))
+    assert 0 < rel < 2.0 ** -4, rel   # 8-bit operands: not bf16's numbers, close to them
+    assert run.final["blocks.0.fc1.weight"].dtype == np.float64   # masters as --mixed
+
+
+@pytest.mark.parametrize("flags, said", [
+    (dict(fp8="rowwise", mixed=None), "--fp8 rowwise runs on top of --mixed bf16 (got no "
+                                      "--mixed)"),
+    (dict(fp8="rowwise", mixed="fp16"), "runs on top of --mixed bf16 (got --mixed fp16)"),
+    (dict(fp8="columnwise"), "--fp8 must be one of tensorwise, rowwise, blockwise"),
+    (dict(fp8="blockwise", fp8_block=24), "--fp8-block 24 does not divide d_model = 32, "
+                                          "d_ff / tp = 128: a block would straddle a shard; "
+                                          "the nearest sizes that work: --fp8-block 16 or 32"),
+    (dict(fp8="blockwise", fp8_block=32, tp=2, d_ff=96), "--fp8-block 32 does not divide "
+                                                          "d_ff / tp = 48: a block would "
+                                                          "straddle a shard; the nearest "
+                                                          "sizes that work: --fp8-block 16"),
+    (dict(fp8_grad="e4m3", fp8_block=128), "--fp8-grad applies to --fp8 only"),
+])
+def test_refusals_are_one_line_before_any_step(flags, said):
+    cfg = TrainConfig(**{**TINY, **flags}).resolved(2 if flags.get("tp") else 1)
+    found = problems(cfg, 2 if flags.get("tp") else 1)
+    assert found and said in found[0], found
+
+
+def test_dump_records_the_recipe_and_a_refusal_exits_2(tmp_path):
+    cmd = [sys.executable, "-m", "minipar", "train", "--layers", "2", "--d-model", "32",
+           "--batch", "8", "--steps", "1", "--mixed", "bf16"]
+    done = subprocess.run(cmd + ["--fp8", "blockwise", "--fp8-block", "16", "--fp8-grad",
+                                 "e4m3", "--dump", str(tmp_path)], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert (saved["fp8"], saved["fp8_block"], saved["fp8_grad"]) == ("blockwise", 16, "e4m3")
+    refused = subprocess.run(cmd + ["--fp8", "blockwise"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "step" not in refused.stdout
+    assert len((refused.stdout + refused.stderr).strip().splitlines()) == 1
