@@ -5,7 +5,7 @@ ledger of each `--muon-mode` against its formula.
 One 4-rank job trains every 4-rank config below (tests/harness/rank_muon.py), one 8-rank
 job the 4-D gpt-moe meshes: dp and ZeRO 1/2/3 (a matrix split across two ZeRO
 partitions), tp column- and row-sharded matrices in the three modes, ep (experts whole
-on their rank; with --model moe each expert split over tp), pp under four schedules, cp,
+on their rank; with --model moe each expert split over tp), pp under every schedule, cp,
 sp, gradient accumulation, a checkpoint saved on one mesh and resumed on another. Tiny
 shapes, two steps (the ledger is the second step's).
 """
@@ -59,6 +59,11 @@ CONFIGS = {4: [
          microbatches=2, zero=1),
     dict(GPT, dp=2, pp=2, schedule="zb-v", microbatches=2, layers=4, zero=2),    # 17
     dict(MOE, dp=2, ep=2, tp=2, muon_mode="distributed"),                       # 18
+    dict(GPT, dp=2, pp=2, schedule="gpipe", microbatches=2, zero=3,              # 19
+         muon_mode="duplicated"),
+    dict(GPT, dp=2, pp=2, schedule="dualpipev", layers=4, microbatches=4,        # 20
+         batch=8),
+    dict(GPT, pp=4, schedule="zb-h1", layers=4, microbatches=4, zero=1),          # 21
 ], 8: [
     dict(GPT_MOE, dp=2, cp=2, tp=2, ep=2, batch=2, muon_mode="distributed"),
     dict(GPT_MOE, dp=2, tp=2, pp=2, ep=2, layers=2, microbatches=2, zero=1),
