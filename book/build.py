@@ -150,6 +150,11 @@ class Sources:
         return target + (f"#__codelineno-0-{line}" if line else "")
 
 
+def plain(path: str) -> str:
+    """A file name as Markdown text: `__init__.py` is no bold `init`."""
+    return path.replace("_", "\\_")
+
+
 def relative(here: str, target: str) -> str:
     """A link from page `here` to `target`, both relative to the docs folder."""
     depth = here.count("/")
@@ -367,16 +372,16 @@ def strategy_table(here: str, entries: list[Entry], rows: list[tuple[str, list[s
             for name, path, line in entry.symbols or [("(the file)", p, 1) for p in entry.files]:
                 shown = name if name.startswith("(") else f"`{name}`"
                 out.append(f"| {strategy} | {shown} | "
-                           f"[{path}:{line}]({sources.link(path, line, here)}) |")
+                           f"[{plain(path)}:{line}]({sources.link(path, line, here)}) |")
                 strategy = ""
         out.append("")
     if rows:
         out.append("**Also read** (README, \"Where each strategy lives\"): " + "; ".join(
-            f"{name}: " + ", ".join(f"[{p}]({sources.link(p, 1, here)})" for p in files)
+            f"{name}: " + ", ".join(f"[{plain(p)}]({sources.link(p, 1, here)})" for p in files)
             for name, files, _ in rows) + "\n")
     if calls:
         out.append("**What this page calls**: " + ", ".join(
-            f"[`{name}`]({sources.link(path, line, here)}) ({Path(path).name}:{line})"
+            f"[`{name}`]({sources.link(path, line, here)}) ({plain(Path(path).name)}:{line})"
             for name, path, line in calls) + "\n")
     return "\n".join(out)
 
@@ -509,9 +514,10 @@ def exercises_page(sources: Sources) -> str:
         out.append(exercise.instructions + "\n")
         where = [r for r in regions if r.name == exercise.name]
         if where:
+            paths = [("minipar/" + r.path, r.first) for r in where]
             out.append("The region to rewrite: " + ", ".join(
-                f"[minipar/{r.path}:{r.first}]({sources.link('minipar/' + r.path, r.first, here)})"
-                for r in where) + "\n")
+                f"[{plain(path)}:{line}]({sources.link(path, line, here)})"
+                for path, line in paths) + "\n")
         steps = exercise.hint_steps() if exercise.hint_file.exists() else []
         for k, step in enumerate(steps, start=1):
             out.append(f'??? tip "Hint, step {k}"\n\n' + indent(step.strip()) + "\n")
@@ -525,10 +531,10 @@ def strategy_page(entry: Entry, sources: Sources, lesson_pages: dict[str, str]) 
     out = [f"# {entry.title[0].upper() + entry.title[1:]}\n", f"> {entry.text}\n"]
     if entry.symbols:
         out.append("| class or function | source |\n|---|---|")
-        out += [f"| `{name}` | [{path}:{line}]({sources.link(path, line, here)}) |"
+        out += [f"| `{name}` | [{plain(path)}:{line}]({sources.link(path, line, here)}) |"
                 for name, path, line in entry.symbols]
     out.append("")
-    out.append("**Files**: " + ", ".join(f"[{p}]({sources.link(p, 1, here)})"
+    out.append("**Files**: " + ", ".join(f"[{plain(p)}]({sources.link(p, 1, here)})"
                                           for p in entry.files) + "\n")
     if entry.lessons:
         out.append("**Lessons**: " + ", ".join(
@@ -536,7 +542,7 @@ def strategy_page(entry: Entry, sources: Sources, lesson_pages: dict[str, str]) 
             else stem for stem in entry.lessons) + "\n")
     tests = [t for t in entry.tests if (ROOT / t).is_file()]
     if tests:
-        out.append("**Tests**: " + ", ".join(f"[{t}]({sources.link(t, 1, here)})"
+        out.append("**Tests**: " + ", ".join(f"[{plain(t)}]({sources.link(t, 1, here)})"
                                               for t in tests) + "\n")
     return "\n".join(out)
 
