@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minipar.core import precision, routing
+from minipar.core import fp8, precision, routing
 from minipar.core.documents import split_mask
 from minipar.run.train import RunResult, step_batch, train_reference
 from minipar.settings.config import TrainConfig
@@ -95,10 +95,26 @@ def mixed_tolerance(cfg: TrainConfig) -> tuple[float, float]:
     The MLP with L = 2: D = 27, bf16 e = 0.041 (losses), parameters 0.041 * steps
     (SGD) or 0.41 * steps (Adam); fp16 e eight times less.
     """
-    u = precision.unit_roundoff(cfg.mixed)
+    u = compared_roundoff(cfg)
     per_step = 2.0 * u * math.sqrt(roundings(cfg))
     update = 2.0 * math.sqrt(per_step) if cfg.optimizer == "adam" else per_step
     return per_step, update * cfg.steps
+
+
+def compared_roundoff(cfg: TrainConfig) -> float:
+    """u of `mixed_tolerance`: the 16-bit format's, or under --fp8 sqrt(u_bf16 u_e4m3).
+
+    The derivation (docs/design.md, "FP8"). Both runs quantize with the same scales (the
+    mesh agrees every group's amax: the groups are the unsharded tensor's), so an 8-bit
+    rounding comes out differently only where its bf16 input already differed, by one
+    bf16 ulp (2 u16 relative) at a straddle. That input crosses an e4m3 rounding boundary
+    with probability 2 u16 / 2 u8, and then the two come out one e4m3 ulp (2 u8) apart:
+    a difference of RMS sqrt(u16 / u8) 2 u8 = 2 sqrt(u16 u8). So the rule of --mixed
+    holds with u = sqrt(2^-8 2^-4) = 2^-6, four times bf16's: the MLP with L = 2 (D = 27)
+    e = 0.16."""
+    if getattr(cfg, "fp8", None):
+        return math.sqrt(precision.unit_roundoff("bf16") * fp8.UNIT_ROUNDOFF["e4m3"])
+    return precision.unit_roundoff(cfg.mixed)
 
 
 def moved_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray],
@@ -237,7 +253,8 @@ def replayed_reference(cfg: TrainConfig, decisions: Decisions | None
             over, kept = ("this run", "one process") if mine else ("one process", "this run")
             lines.append(f"step {step + 1}: {over}'s scaled gradients overflowed fp16, "
                          f"{kept}'s stayed finite (its largest {short(finite)}, "
-                         f"{(FP16_MAX - finite) / FP16_MAX:.0%} below fp16's largest "
+                         f"{abs(FP16_MAX - finite) / FP16_MAX:.0%} "
+                         f"{'below' if finite <= FP16_MAX else 'above'} fp16's largest "
                          f"{FP16_MAX:g}); compared under this run's decisions")
     if replay is not None and replay.flips:
         per_step = cfg.microbatches * (len(replay.choices) // (cfg.steps * cfg.microbatches))
@@ -371,10 +388,11 @@ def check_mixed(cfg: TrainConfig, result: RunResult, reference: RunResult,
     same_scale = (result.extras.get("loss_scale"), result.extras.get("skipped")) == (
         reference.extras["loss_scale"], reference.extras["skipped"])
     ok = loss_rel <= loss_tol and param_moved <= param_tol and same_scale
-    u = precision.unit_roundoff(cfg.mixed)
+    u = compared_roundoff(cfg)   # --fp8: sqrt(u_bf16 u_e4m3) = 2^-6
     d = roundings(cfg)
     step_rule = "2 sqrt(e) a step (Adam)" if cfg.optimizer == "adam" else "e a step (SGD)"
-    print(f"check against one process in {cfg.mixed}: losses rel {loss_rel:.3e} "
+    print(f"check against one process in {cfg.mixed}"
+          f"{f' --fp8 {cfg.fp8}' if getattr(cfg, 'fp8', None) else ''}: losses rel {loss_rel:.3e} "
           f"(tolerance {loss_tol:.3g} = e = 2u sqrt(D), u = 2^{round(math.log2(u))}, "
           f"D = {d} roundings){near(loss_rel, loss_tol)}; final params / their movement "
           f"{param_moved:.3e} (tolerance {param_tol:.3g} = {step_rule} x {cfg.steps} "
