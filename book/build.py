@@ -605,7 +605,11 @@ def write_pages(notebooks: Path, docs: Path, only: list[str] | None = None) -> l
     intro, entries, closing = reading_index(sources)
     rows = readme_rows()
 
-    start = readme_section("## Start here").split("### Words used throughout")[0]
+    # GitHub indents a numbered item's code and tables by 3 spaces, and starts an item
+    # right under a paragraph; Python-Markdown wants 4 spaces and a blank line between
+    start = re.sub(r"^   (?=\S)", "    ", readme_section("## Start here").split(
+        "### Words used throughout")[0], flags=re.M)
+    start = re.sub(r"(?<=\S)\n(\d+\. )", r"\n\n\1", start)
     (docs / "index.md").write_text(
         "# Start here\n\n" + (ROOT / "README.md").read_text().split("\n## ")[0]
         .split("\n", 1)[1].strip() + "\n\n" + start.strip() + "\n\n"
