@@ -88,6 +88,7 @@ def check(book: Path, chromium: str, shots: Path) -> tuple[list[str], dict[str, 
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
             context = browser.new_context(viewport={"width": 1440, "height": 900})
+            context.set_default_timeout(90000)   # a page, on a machine busy with other work
             outside: list[str] = []
 
             def only_local(route: object) -> None:
