@@ -130,9 +130,10 @@ def train_command(argv: list[str]) -> int:
     verdict = 0
     if args.check:
         from minipar.comm.job import wait_for_rank0  # here: comm/job.py loads mpi4py.MPI
+        from minipar.teaching.ledger_tables import check_ledger  # the planner's formulas
 
         decisions = gather_decisions(world, cfg, result, chosen)   # every rank: one gather
-        verdict = check(cfg, result, decisions) if rank == 0 else 0
+        verdict = check(cfg, result, decisions, check_ledger) if rank == 0 else 0
         wait_for_rank0(world)  # the others asleep while rank 0 reruns the job alone
         verdict = world.bcast(verdict, root=0)
     if rank == 0:

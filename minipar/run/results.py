@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -287,11 +287,15 @@ def near(value: float, bound: float) -> str:
     return " (within 5% of its bound)" if 0.95 * bound < value <= bound else ""
 
 
-def check(cfg: TrainConfig, result: RunResult, decisions: Decisions | None = None) -> int:
+def check(cfg: TrainConfig, result: RunResult, decisions: Decisions | None = None,
+          formulas: Callable[[TrainConfig, RunResult], bool] | None = None) -> int:
     """`--check`: run the single-process reference in this process and compare (rank 0),
     under the mesh run's discrete decisions (`replayed_reference`). Prints the numbers'
-    line, the ledger's and the memory's, a line for each decision that differed and
-    for each replica that disagrees; returns the exit code (1 if any fails)."""
+    line, a line for each decision that differed, then what `formulas` prints (the
+    ledger's and the memory's lines against the planner's formulas:
+    teaching/ledger_tables.py `check_ledger`, handed in from above, where the planner
+    lives) and a line for each replica that disagrees; returns the exit code (1 if any
+    fails)."""
     reference, decided = replayed_reference(cfg, decisions)
     taken = reference.losses[cfg.steps - len(result.losses):]  # a resumed run: its steps
     loss_abs = float(np.max(np.abs(np.subtract(result.losses, taken))))
@@ -317,62 +321,11 @@ def check(cfg: TrainConfig, result: RunResult, decisions: Decisions | None = Non
         print(f"decision differs, {line}", flush=True)
     for line in (decisions.why_not if decisions is not None else []):
         print(f"decisions not replayed: {line}; compared under one process's own", flush=True)
-    ok = check_ledger(cfg, result) and ok
+    ok = (formulas(cfg, result) if formulas is not None else True) and ok
     disagreements = result.extras.get("replica_disagreements", [])
     for line in disagreements[:5]:
         print(f"replicas disagree: {line}", flush=True)
     return 0 if ok and not disagreements else 1
-
-
-def check_ledger(cfg: TrainConfig, result: RunResult) -> bool:
-    """The ledger of the last step against its formulas, every rank's every line: calls,
-    elements, bytes and dtype (teaching/ledger_tables.py `ledger_differences`), and rank
-    0's bytes of parameters against the planner's memory formula
-    (planner/memory_cost.py `model_states`). Both are exact: integers. Two lines;
-    True when both match."""
-    from minipar.planner.memory_cost import model_states, rank_shape
-    from minipar.planner.workloads import minipar_workload, plan_of
-    from minipar.teaching.ledger_tables import ledger_differences
-
-    ok = True
-    try:
-        workload = minipar_workload(cfg)   # the planner's model of this run
-    except (KeyError, ValueError) as error:   # a recipe the planner does not price yet
-        print(f"ledger and memory against the formulas: not predicted (the planner has no "
-              f"formula for {error})", flush=True)
-        return True
-    if result.ledger:
-        history = result.extras.get("scale_history") or [(1.0, False)]
-        differences = ledger_differences(result.ledger, cfg, skipped=bool(history[-1][1]))
-        ranks = len({r["rank"] for r in result.ledger})
-        if differences and cfg.optimizer == "muon":   # its own collectives: not priced yet
-            print(f"ledger against the formulas: {len(differences)} line(s) differ, not "
-                  "judged (Muon's own collectives, core/muon.py, are not in the planner's "
-                  "formulas)", flush=True)
-            for line in differences[:6]:
-                print(f"  ledger: {line}", flush=True)
-        elif differences:
-            ok = False
-            print(f"ledger against the formulas: {len(differences)} line(s) differ, MISMATCH "
-                  "(exact: calls, elements and bytes are integers the formulas give)",
-                  flush=True)
-            for line in differences[:6]:
-                print(f"  ledger: {line}", flush=True)
-        else:
-            print(f"ledger against the formulas: every line of {ranks} ranks as predicted, "
-                  "calls, elements, bytes and dtype (exact: integers)", flush=True)
-    memory = result.extras.get("memory")
-    if memory is not None and cfg.mesh_shape().world > 1 and not (
-            cfg.model == "moe" and cfg.tp > 1):   # experts over tp: the planner's are whole
-        plan = plan_of(cfg)
-        want = model_states(workload, plan, rank_shape(workload, plan, 0), 0)
-        same = int(memory.params) == int(want.params)
-        ok = ok and same
-        print(f"memory against the formulas: rank 0 holds {int(memory.params)} bytes of "
-              f"parameters, the formula {int(want.params)}"
-              + ("" if same else " MISMATCH") + " (exact: bytes of the arrays held)",
-              flush=True)
-    return ok
 
 
 def check_mixed(cfg: TrainConfig, result: RunResult, reference: RunResult,

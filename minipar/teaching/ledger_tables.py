@@ -16,9 +16,10 @@ import numpy as np
 
 from minipar.comm.mesh import MeshShape
 from minipar.core.memory import wire_elements
-from minipar.planner.memory_cost import rank_shape
+from minipar.planner.memory_cost import model_states, rank_shape
 from minipar.planner.time_cost import Traffic, traffic
 from minipar.planner.workloads import minipar_workload, plan_of
+from minipar.run.train import RunResult
 from minipar.settings.config import TrainConfig
 
 # Mesh axis -> the flag that sets its size (edp is dp/ep).
@@ -152,7 +153,7 @@ def predicted_lines(cfg: TrainConfig, skipped: bool = False
     skipped (parallel/mixed.py), so no update: no clipping norm, no ZeRO-1/2 Allgatherv
     of the updated slices."""
     from minipar.compose import clip
-    from minipar.core import documents
+    from minipar.core import documents, fp8
 
     workload, plan, mesh = minipar_workload(cfg), plan_of(cfg), cfg.mesh_shape()
     out: dict[int, dict[tuple[str, str], Line]] = {}
@@ -177,6 +178,8 @@ def predicted_lines(cfg: TrainConfig, skipped: bool = False
             for key, (calls, elements) in documents.expected_ledger(
                     cfg.dp * cfg.cp).items():
                 extra.append((key, Line(calls, elements, 8 * elements, "int64")))
+        for key, (calls, elements) in fp8.expected_ledger(cfg, shape.blocks).items():
+            extra.append((key, Line(calls, elements, 4 * elements, "float32")))  # amaxes
         moe_blocks = sum(1 for block in shape.blocks if block.moe)
         if cfg.router == "sigmoid-bias" and moe_blocks and cfg.dp * cfg.cp > 1:
             counts = moe_blocks * cfg.experts
@@ -282,3 +285,50 @@ def ledger_table(records: list[dict], cfg: TrainConfig, skipped: bool = False) -
     if len(lines) == 2:
         lines.append("  (no communication: a mesh of one rank)")
     return "\n".join(lines)
+
+
+def check_ledger(cfg: TrainConfig, result: RunResult) -> bool:
+    """The ledger of the last step against its formulas, every rank's every line: calls,
+    elements, bytes and dtype (`ledger_differences`), and rank
+    0's bytes of parameters against the planner's memory formula
+    (planner/memory_cost.py `model_states`). Both are exact: integers. Two lines;
+    True when both match."""
+    ok = True
+    try:
+        workload = minipar_workload(cfg)   # the planner's model of this run
+    except (KeyError, ValueError) as error:   # a recipe the planner does not price yet
+        print(f"ledger and memory against the formulas: not predicted (the planner has no "
+              f"formula for {error})", flush=True)
+        return True
+    if result.ledger:
+        history = result.extras.get("scale_history") or [(1.0, False)]
+        differences = ledger_differences(result.ledger, cfg, skipped=bool(history[-1][1]))
+        ranks = len({r["rank"] for r in result.ledger})
+        if differences and cfg.optimizer == "muon":   # its own collectives: not priced yet
+            print(f"ledger against the formulas: {len(differences)} line(s) differ, not "
+                  "judged (Muon's own collectives, core/muon.py, are not in the planner's "
+                  "formulas)", flush=True)
+            for line in differences[:6]:
+                print(f"  ledger: {line}", flush=True)
+        elif differences:
+            ok = False
+            print(f"ledger against the formulas: {len(differences)} line(s) differ, MISMATCH "
+                  "(exact: calls, elements and bytes are integers the formulas give)",
+                  flush=True)
+            for line in differences[:6]:
+                print(f"  ledger: {line}", flush=True)
+        else:
+            print(f"ledger against the formulas: every line of {ranks} ranks as predicted, "
+                  "calls, elements, bytes and dtype (exact: integers)", flush=True)
+    memory = result.extras.get("memory")
+    if memory is not None and cfg.mesh_shape().world > 1 and not (
+            cfg.model == "moe" and cfg.tp > 1):   # experts over tp: the planner's are whole
+        plan = plan_of(cfg)
+        want = model_states(workload, plan, rank_shape(workload, plan, 0), 0)
+        same = int(memory.params) == int(want.params)
+        ok = ok and same
+        print(f"memory against the formulas: rank 0 holds {int(memory.params)} bytes of "
+              f"parameters, the formula {int(want.params)}"
+              + ("" if same else " MISMATCH") + " (exact: bytes of the arrays held)",
+              flush=True)
+    return ok
