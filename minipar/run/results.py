@@ -92,13 +92,31 @@ def mixed_tolerance(cfg: TrainConfig) -> tuple[float, float]:
     of the n elements lie that close to zero, so the update's relative 2-norm
     difference is 2 sqrt(e) a step (the square root: Adam turns tiny gradient
     differences into whole-step ones).
+    Muon (core/muon.py) orthogonalizes each matrix's momentum by a Newton-Schulz
+    polynomial whose slope at 0 is a = 3.4445 an iteration: a difference along a small
+    singular direction grows up to a^k in k iterations (484 in 5), and two updates of
+    singular values near 1 differ by at most twice one update: e a^k a step, never more
+    than 2 -- in 16 bits that cap (the parameters are then judged no tighter than their
+    movement; the losses keep e), and at least Adam's 2 sqrt(e) for its AdamW tensors.
     The MLP with L = 2: D = 27, bf16 e = 0.041 (losses), parameters 0.041 * steps
     (SGD) or 0.41 * steps (Adam); fp16 e eight times less.
     """
     u = compared_roundoff(cfg)
     per_step = 2.0 * u * math.sqrt(roundings(cfg))
-    update = 2.0 * math.sqrt(per_step) if cfg.optimizer == "adam" else per_step
-    return per_step, update * cfg.steps
+    return per_step, update_rule(cfg, per_step)[0] * cfg.steps
+
+
+def update_rule(cfg: TrainConfig, e: float) -> tuple[float, str]:
+    """How far one step's parameters may differ, relative to that step's movement, when
+    the gradients differ by e (`mixed_tolerance`), and the rule's words."""
+    if cfg.optimizer == "adam":
+        return 2.0 * math.sqrt(e), "2 sqrt(e) a step (Adam)"
+    if cfg.optimizer == "muon":
+        amplified = min(2.0, e * 3.4445 ** (cfg.ns_steps or 5))
+        return max(amplified, 2.0 * math.sqrt(e)), (
+            f"min(2, e a^{cfg.ns_steps}) a step (Muon: Newton-Schulz's slope a = 3.4445 an "
+            "iteration), at least 2 sqrt(e) (AdamW)")
+    return e, "e a step (SGD)"
 
 
 def compared_roundoff(cfg: TrainConfig) -> float:
@@ -343,7 +361,7 @@ def check_mixed(cfg: TrainConfig, result: RunResult, reference: RunResult,
     ok = loss_rel <= loss_tol and param_moved <= param_tol and same_scale
     u = compared_roundoff(cfg)   # --fp8: sqrt(u_bf16 u_e4m3) = 2^-6
     d = roundings(cfg)
-    step_rule = "2 sqrt(e) a step (Adam)" if cfg.optimizer == "adam" else "e a step (SGD)"
+    step_rule = update_rule(cfg, loss_tol)[1]
     print(f"check against one process in {cfg.mixed}"
           f"{f' --fp8 {cfg.fp8}' if getattr(cfg, 'fp8', None) else ''}: losses rel {loss_rel:.3e} "
           f"(tolerance {loss_tol:.3g} = e = 2u sqrt(D), u = 2^{round(math.log2(u))}, "
