@@ -9,6 +9,7 @@ notebook that breaks it, naming the notebook, the cell and why:
   notebook's own `assert` on what the ranks measured, a timeout);
 - a code cell never ran (the run stopped before it: nbclient writes a failing notebook
   up to the failing cell);
+- a drawing cell (`display(plots.x(...))`, as make course counts them) drew nothing;
 - an output says `N check(s) failed` or `lesson checks: N passed, M failed` with M > 0
   (what a lesson script prints when any of its checks failed: minipar/comm/job.py);
 - the notebook is missing from build/notebooks/, its code differs from lessons/ (it
@@ -85,6 +86,9 @@ def failures(notebook: dict, source: dict | None = None) -> list[str]:
             if QUICK.search(output_text(output)):
                 reasons.append(f"cell {number} ran in quick mode (MINIPAR_QUICK=1): the "
                                "book shows the full-size run of make course")
+        if "display(" in text and "plots." in text and cell.get("execution_count") and not any(
+                "image/png" in output.get("data", {}) for output in cell.get("outputs", [])):
+            reasons.append(f"cell {number} drew no figure (it displays one of plots.*)")
     if source is not None:
         ran = [cell_text(c) for c in notebook.get("cells", []) if c.get("cell_type") == "code"]
         kept = [cell_text(c) for c in source.get("cells", []) if c.get("cell_type") == "code"]

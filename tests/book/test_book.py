@@ -24,7 +24,7 @@ PIXEL = base64.b64encode(bytes.fromhex(
 
 def executed(stem: str, figure: bool = True) -> dict:
     """lessons/<stem>.ipynb as if it had run and passed: every code cell executed, the
-    first one printing a line, the last one displaying a figure."""
+    first one printing a line, each drawing cell displaying a figure."""
     notebook = json.loads((ROOT / f"lessons/{stem}.ipynb").read_text())
     code = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
     for number, cell in enumerate(code, start=1):
@@ -32,9 +32,11 @@ def executed(stem: str, figure: bool = True) -> dict:
         cell["outputs"] = []
     code[0]["outputs"] = [{"output_type": "stream", "name": "stdout",
                            "text": "lesson checks: 7 passed, 0 failed\n"}]
-    if figure:
-        code[-1]["outputs"] = [{"output_type": "display_data", "metadata": {},
-                                "data": {"image/png": PIXEL, "text/plain": "<Figure>"}}]
+    drawing = [cell for cell in code
+               if "display(" in "".join(cell["source"]) and "plots." in "".join(cell["source"])]
+    for cell in drawing if figure else []:
+        cell["outputs"] = [{"output_type": "display_data", "metadata": {},
+                            "data": {"image/png": PIXEL, "text/plain": "<Figure>"}}]
     return notebook
 
 
@@ -62,6 +64,8 @@ def broken(kind: str) -> dict:
     elif kind == "quick":
         code[-1]["outputs"].append({"output_type": "stream", "name": "stdout",
                                     "text": "quick mode: the lesson script is not run here\n"})
+    elif kind == "no figure":
+        next(cell for cell in code if "plots." in "".join(cell["source"]))["outputs"] = []
     elif kind == "older code":
         code[1]["source"] = "print('an older copy of the lesson')"
     return notebook
@@ -74,6 +78,7 @@ def broken(kind: str) -> dict:
     ("lesson checks", "printed 'lesson checks: 6 passed, 1 failed'"),
     ("older code", "differs from lessons/"),
     ("quick", "quick mode (MINIPAR_QUICK=1)"),
+    ("no figure", "drew no figure"),
 ])
 def test_a_notebook_whose_checks_failed_is_refused(kind, words):
     reasons = build.failures(broken(kind), stored("03_expert_parallel"))
@@ -107,7 +112,8 @@ def test_a_lesson_page_shows_its_figure_its_command_and_its_strategies_lines(tmp
     md = ".md"   # (pages are Markdown files of the build, not of this repository)
     page = (tmp_path / "docs" / "lessons" / ("03_expert_parallel" + md)).read_text()
     figures = sorted((tmp_path / "docs/lessons/figures").glob("03_expert_parallel-*.png"))
-    assert len(figures) == 1 and f"(../lessons/figures/{figures[0].name})" in page
+    assert len(figures) == 2   # one per drawing cell of the notebook (a PNG each, above)
+    assert all(f"(../lessons/figures/{figure.name})" in page for figure in figures)
     assert "python -m tests.course --notebooks --only 03" in page
     assert "lessons/03_expert_parallel.py --plot" in page
     source = "minipar/parallel/expert_parallel.py"
