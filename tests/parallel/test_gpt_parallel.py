@@ -88,7 +88,13 @@ BUGGED = [dict(GPT, dp=2, pp=2, microbatches=2, schedule="gpipe",
                inject_bug="clip-local-norm"),
           # ragged documents: every cp rank's positions a different count of valid ones
           dict(GPT, dp=2, cp=2, cp_mode="zigzag", microbatches=2, data=DOCUMENTS,
-               documents=True, vocab=256, inject_bug="loss-mean-per-microbatch")]
+               documents=True, vocab=256, inject_bug="loss-mean-per-microbatch"),
+          # Muon's (bugs/detours.py): the matrices whole, on the transformer's meshes too
+          dict(GPT, dp=4, zero=2, microbatches=2, optimizer="muon", lr=0.02,
+               inject_bug="muon-per-microbatch"),
+          dict(GPT, dp=4, optimizer="muon", lr=0.02, inject_bug="muon-no-orthogonalization"),
+          dict(GPT, dp=4, zero=3, optimizer="muon", lr=0.02, inject_bug="muon-flat-shard-is-1d"),
+          dict(GPT, dp=4, zero=1, optimizer="muon", lr=0.02, inject_bug="muon-unreduced-slice")]
 
 
 # the 4-rank meshes once more in bf16 (float64 masters), after the bugs, in the same job;
