@@ -39,6 +39,8 @@ from minipar.bugs.detours import (
     f_without_allreduce,
     first_choice_only,
     found_inf_per_rank,
+    fp8_accumulate_in_low,
+    fp8_local_amax,
     keys_not_gathered,
     loss_mean_per_microbatch,
     merge_without_lse,
@@ -458,6 +460,32 @@ _MIXED = [
         tp_partials_in_16_bits, {"mixed": "bf16", "tp": 2},
         "plausible: no shipped case found; many trainers sum tp shares in the compute "
         "dtype by choice, minipar's contract (docs/design.md) sums them in the master one"),
+    # --fp8 (core/fp8.py, docs/design.md "FP8")
+    Bug("fp8-local-amax", "tp",
+        "a tensorwise FP8 scale of a tp-sharded tensor taken from the rank's own shard: "
+        "the Allreduce(MAX) of the amax over tp is left out",
+        "each shard of fc1 and fc2 (and fc2's input, fc1's output gradient) is quantized "
+        "on its own scale, not the whole tensor's: the numbers differ by 8-bit roundings, "
+        "which the derived tolerance allows; the ledger does not: the tp Allreduce line "
+        "is short of the step's weight-amax call and every activation amax (--check's "
+        "ledger line: MISMATCH)",
+        "--mixed bf16 --fp8 tensorwise with " + TP,
+        lambda cfg: cfg.fp8 == "tensorwise" and _tp(cfg),
+        fp8_local_amax, {"mixed": "bf16", "fp8": "tensorwise", "tp": 2},
+        "shipped: TransformerEngine's amax reduction group was documented as dp where it "
+        "must be dp x tp (NVIDIA/TransformerEngine#656)"),
+    Bug("fp8-accumulate-in-low", "any",
+        "the 8-bit matmul's sum kept in 8 bits: every partial sum of the contraction "
+        "rounded to e4m3, where an FP8 tensor core accumulates in fp32",
+        "every partial sum is rounded to e4m3 (4 significant bits, subnormal below 2^-6): "
+        "a block's small outputs are lost, the layers before them stop learning (their "
+        "difference from one process is their whole movement, 1.0 of it where the derived "
+        "tolerance allows 0.6 over 2 steps): the equivalence check fails",
+        "--mixed bf16 --fp8 (any recipe)",
+        lambda cfg: cfg.fp8 is not None,
+        fp8_accumulate_in_low, {"mixed": "bf16", "fp8": "rowwise", "steps": 2},
+        "plausible: why DeepSeek-V3 promotes the tensor cores' partial sums to fp32 every "
+        "128 products (its H800's FP8 accumulator keeps about 14 bits)"),
 ]
 MIXED_BUGS: dict[str, Bug] = {bug.name: bug for bug in _MIXED}
 

@@ -327,6 +327,43 @@ def tp_partials_in_16_bits() -> list[Swap]:
     return [(tensor_parallel, "reduce_from", reduce_from)]
 
 
+# ------------------------------------------------------------ FP8 (--fp8)
+def fp8_local_amax() -> list[Swap]:
+    """A tensorwise scale of a tp-sharded tensor taken from the rank's own shard: the
+    Allreduce(MAX) over tp left out, so each shard is quantized on its own scale."""
+    from minipar.parallel import fp8_scales
+
+    real = fp8_scales.agree_max
+
+    def agree_max(mesh: Mesh, amaxes: np.ndarray, axis: str) -> np.ndarray:
+        if axis == "tp":
+            return amaxes  # BUG: my shard's amax, never the MAX over the tp shards
+        return real(mesh, amaxes, axis)
+
+    return [(fp8_scales, "agree_max", agree_max)]
+
+
+def fp8_accumulate_in_low() -> list[Swap]:
+    """The 8-bit matmul's sum kept in 8 bits: every partial sum of the contraction
+    rounded to e4m3 (no fp32 accumulator), not summed in the master dtype."""
+    from minipar.core import fp8, precision
+
+    real = precision.matmul
+
+    def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        if not isinstance(a, fp8.Exact):
+            return real(a, b)
+        x, w = a.values, b.values
+        total = np.zeros((x.shape[0], w.shape[1]), dtype=x.dtype)
+        one = np.float32(1.0)
+        for k in range(x.shape[1]):  # BUG: each partial sum rounded to 8 bits (e4m3) ...
+            total = fp8.quantize(total + np.outer(x[:, k], w[k]), one, "e4m3").astype(
+                x.dtype)  # BUG: ... as it grows, where the tensor core keeps fp32
+        return total
+
+    return [(precision, "matmul", matmul)]
+
+
 # ------------------------------------------------------------------- Muon
 def muon_per_microbatch() -> list[Swap]:
     """ZeRO-2 whose optimizer step runs on each microbatch's reduced gradient slice, as a

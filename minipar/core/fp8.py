@@ -63,7 +63,7 @@ def group_view(x: np.ndarray, recipe: str, kind: str, block: int) -> np.ndarray:
         return x
     if kind == "act":
         x = _pad(x, (x.shape[0], -(-x.shape[1] // block) * block))
-        return x.reshape(x.shape[0], -1, block)
+        return x.reshape(x.shape[0], x.shape[1] // block, block)
     x = _pad(x, tuple(-(-n // block) * block for n in x.shape))
     return x.reshape(x.shape[0] // block, block, x.shape[1] // block, block)
 
@@ -122,8 +122,9 @@ def fake_quantize(x: np.ndarray, recipe: str, kind: str, fmt: str, block: int,
     amaxes = amax(x, recipe, kind, block) if amaxes is None else amaxes
     scale = scale_of(amaxes, fmt)
     out = dequantize(quantize(view, scale, fmt), scale)
-    rows = view.shape[0] * (view.shape[1] if view.ndim == 4 else 1)   # padded, 2-D again
-    return out.reshape(rows, -1)[:x.shape[0], :x.shape[1]]
+    a, b, *rest = view.shape    # back to 2-D (padded): (N, F) or (in, out); N may be 0
+    shape = {2: (a, b), 3: (a, b * (rest or [1])[0]), 4: (a * b, int(np.prod(rest)))}
+    return out.reshape(shape[view.ndim])[:x.shape[0], :x.shape[1]]
 
 
 # ------------------------------------------------------------ the recipe
@@ -173,7 +174,10 @@ class Recipe:
         """The step's weight amaxes, every group that spans a shard agreed in ONE
         Allreduce(MAX) over the axis cutting them (tp): called once a step before the
         forward, the weights fixed until the update."""
-        mine = [w for w in weights if self.covers(w) and w.data is not None]
+        # (ZeRO-3 drops a weight between its uses: it is whole when gathered, and its
+        # amax is then taken from the whole, in `operand`)
+        mine = [w for w in weights if self.covers(w) and w.data is not None
+                and w.data.ndim == 2 and w.data.size]
         self.weight_amax = {w.name: amax(w.data, self.name, "weight", self.block)
                             for w in mine}
         spans = [w for w in mine if self.weight_spans(w)]
@@ -212,8 +216,12 @@ class Recipe:
         in_cut, out_cut = cuts(weight)
         features_cut = in_cut if kind == "x" else out_cut   # X (N, in), dY (N, out)
         groups = None
-        if features_cut and self.agree is not None and self.name != "blockwise":
-            groups = self.agree(amax(x, self.name, "act", self.block), "tp")
+        if self.agree is not None and self.name != "blockwise":  # a 1 x B tile: in a shard
+            groups = amax(x, self.name, "act", self.block)
+            if features_cut:   # a row (or the tensor) spans the tp shards of its features
+                groups = self.agree(groups, "tp")
+            if self.name == "tensorwise":   # the rows: the batch, cut over the weight's
+                groups = self.agree(groups, getattr(weight, "sync", None) or "dp")  # replicas
         out = fake_quantize(x, self.name, "act", fmt, self.block, groups)
         return Exact(precision.widen(out, precision.MASTER))
 
@@ -286,14 +294,19 @@ def problems(cfg: object) -> list[str]:
         return [f"--fp8-grad must be one of {', '.join(GRAD_FORMATS)} (got {cfg.fp8_grad})"]
     if cfg.fp8_block < 1:
         return [f"--fp8-block must be at least 1 (got {cfg.fp8_block})"]
-    for flag in ("cp", "ep"):
+    for flag in ("cp",):
         if getattr(cfg, flag) > 1:
             out.append(f"--fp8 with --{flag} {getattr(cfg, flag)} is not written yet "
-                       "(tp, dp, ZeRO and pp are)")
+                       "(tp, dp, ep, ZeRO and pp are)")
     if getattr(cfg, "sp", False):
-        out.append("--fp8 with --sp is not written yet (tp, dp, ZeRO and pp are)")
+        out.append("--fp8 with --sp is not written yet (tp, dp, ep, ZeRO and pp are)")
     if cfg.model in ("moe", "gpt-moe") and cfg.tp > 1:
         out.append("--fp8 with the experts split over --tp is not written yet")
+    if cfg.zero == 3 and cfg.tp > 1:
+        out.append("--fp8 with --zero 3 and --tp is not written yet (the tp shards' amax "
+                   "would be agreed at each gather)")
+    if getattr(cfg, "recompute", "none") not in ("none", None):
+        out.append("--fp8 with --recompute is not written yet")
     return out + block_problems(cfg)
 
 
@@ -301,3 +314,56 @@ def recipe_of(cfg: object) -> Recipe | None:
     """The one-process recipe of a run (None without --fp8): no mesh, nothing agreed."""
     return None if getattr(cfg, "fp8", None) is None else \
         Recipe(cfg.fp8, cfg.fp8_block, cfg.fp8_grad)
+
+
+# ------------------------------------------------------------ the ledger
+def linears(cfg: object, block: object) -> tuple[int, int, int]:
+    """A block's 8-bit linears on one rank: (all, input-cut, output-cut) -- under tp the
+    row-parallel ones (fc2, proj) have their input features cut, the column-parallel ones
+    (fc1, q, k, v) their outputs. An MoE FFN: 2 per routed and shared expert (E / ep of
+    them), none cut (fp8 refuses experts over tp)."""
+    attention = 4 if cfg.model in ("gpt", "gpt-moe") else 0   # q, k, v, proj
+    ffn = 2 * (block.experts // cfg.ep + cfg.shared_experts) if block.moe else 2
+    cut = cfg.tp > 1
+    return (attention + ffn, (attention // 4 + (0 if block.moe else 1)) * cut,
+            (3 * attention // 4 + (0 if block.moe else 1)) * cut)
+
+
+def expected_ledger(cfg: object, blocks: Iterable[object]) -> dict[tuple[str, str],
+                                                                    tuple[int, int]]:
+    """(group, op) -> (calls, elements) of the amax Allreduces one rank makes in a step,
+    each element a float32 (docs/design.md, "FP8"), for the `blocks` it holds
+    (planner/memory_cost.py's rank shape):
+
+    - the weights, once a step (`Recipe.begin_step`): one Allreduce over tp of every
+      tensorwise weight's amax (all are cut), or of each row-parallel weight's d
+      output-column amaxes (rowwise); none blockwise;
+    - each microbatch, each linear: tensorwise, the amax of X (forward) and of dY
+      (backward) over its replicas (dp; an expert's: edp, the ranks holding the same
+      experts), and over tp where its features are cut; rowwise, the N row
+      amaxes over tp where they are cut (N the rank's rows of the microbatch)."""
+    if getattr(cfg, "fp8", None) is None or cfg.fp8 == "blockwise":
+        return {}
+    blocks = list(blocks)
+    counts = [linears(cfg, b) for b in blocks]
+    every, x_cut, dy_cut = (sum(c[i] for c in counts) for i in range(3))
+    m = cfg.microbatches
+    rows = cfg.batch // (m * cfg.dp) * (cfg.seq_len if cfg.model in ("gpt", "gpt-moe") else 1)
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+
+    def add(key: tuple[str, str], calls: int, elements: int) -> None:
+        if calls:
+            old = out.get(key, (0, 0))
+            out[key] = (old[0] + calls, old[1] + elements)
+
+    if cfg.tp > 1:
+        weights = x_cut + dy_cut if cfg.fp8 == "tensorwise" else x_cut * cfg.d_model
+        add(("tp", "Allreduce"), 1 if weights else 0, weights)
+        per_row = 1 if cfg.fp8 == "tensorwise" else rows
+        add(("tp", "Allreduce"), m * (x_cut + dy_cut), m * (x_cut + dy_cut) * per_row)
+    if cfg.fp8 == "tensorwise":   # X and dY of each linear, over its replicas
+        experts = sum(2 * (b.experts // cfg.ep) for b in blocks if b.moe)  # edp's
+        for group, n, size in (("dp", every - experts, cfg.dp),
+                               ("edp", experts, cfg.dp // cfg.ep)):
+            add((group, "Allreduce"), 2 * m * n if size > 1 else 0, 2 * m * n)
+    return out

@@ -91,6 +91,23 @@ CONFIGS = [
     dict(GPT, mixed="bf16", dp=2, cp=2, cp_mode="allgather", optimizer="adam"),
     dict(GPT, mixed="fp16", tp=2, pp=2, microbatches=2, layers=4, zero=0),
     dict(GPT, mixed="bf16", model="gpt-moe", experts=4, expert_d_ff=16, dp=4, ep=2, zero=1),
+    # --fp8 (core/fp8.py) on top of bf16: each recipe over tp (the weights' amaxes in one
+    # tp Allreduce a step, fc2's input and fc1's output gradient agreed over tp), dp
+    # (tensorwise: X and dY over the replicas), ZeRO 1-3 (weights whole in compute), a
+    # pipeline, the experts over ep (a rank may hold no token of an expert: amax 0)
+    dict(SMALL, mixed="bf16", fp8="tensorwise", dp=2, tp=2),
+    dict(SMALL, mixed="bf16", fp8="rowwise", dp=2, tp=2, optimizer="adam"),
+    dict(SMALL, mixed="bf16", fp8="blockwise", fp8_block=16, dp=2, tp=2, fp8_grad="e4m3"),
+    dict(SMALL, mixed="bf16", fp8="tensorwise", zero=3),
+    dict(SMALL, mixed="bf16", fp8="rowwise", zero=1),
+    dict(SMALL, mixed="bf16", fp8="blockwise", fp8_block=8, zero=2),
+    dict(SMALL, mixed="bf16", fp8="tensorwise", dp=2, pp=2, layers=4, microbatches=4,
+         schedule="zb-h1"),
+    dict(SMALL, mixed="bf16", fp8="tensorwise", model="moe", experts=4, expert_d_ff=16,
+         dp=4, ep=2),
+    dict(GPT, mixed="bf16", fp8="rowwise", tp=2, dp=2),
+    dict(GPT, mixed="bf16", fp8="blockwise", fp8_block=8, model="gpt-moe", experts=4,
+         expert_d_ff=16, dp=2, pp=2, layers=4, microbatches=2),
     # S = 2^20: the scaled gradients overflow fp16 (max 65504) until S has halved; after
     # 2 clean steps S doubles, and overflows again
     dict(SMALL, mixed="fp16", zero=2, steps=6, loss_scale=2.0 ** 20, loss_scale_window=2),
@@ -202,6 +219,8 @@ def test_16_bit_collectives_count_two_bytes(runs, index):
             # scalars: the found_inf vote (int32, over the world), the clip's norm (float)
             assert r["bytes"] in (4 * r["calls"], master * r["calls"]), r
             continue
+        if cfg.get("fp8") and r["op"] == "Allreduce":   # + float32 amaxes: see below
+            continue
         if r["op"] == "Alltoall" and r["group"] == "ep":   # MoE's token counts (int64)
             assert r["bytes"] == 8 * r["elements"], r
             continue
@@ -214,6 +233,25 @@ def test_16_bit_collectives_count_two_bytes(runs, index):
         low_sum = low_reduce and r["group"] == "dp"
         itemsize = 2 if moves_only or low_sum else master
         assert r["bytes"] == itemsize * r["elements"], f"{label(cfg)}: {r}"
+
+
+FP8 = [i for i, cfg in enumerate(CONFIGS) if cfg.get("fp8")]
+
+
+@pytest.mark.parametrize("index", FP8)
+def test_fp8_amax_allreduces_are_the_predicted_ledger_lines(runs, index):
+    """Every rank's last-step ledger as ledger_tables predicts it, the amax Allreduces
+    (float32, core/fp8.py expected_ledger) included: the tensorwise and rowwise runs
+    have some (rowwise: with tp), the blockwise none but the model's own."""
+    from minipar.teaching.ledger_tables import ledger_differences
+
+    cfg = TrainConfig(**CONFIGS[index]).resolved(4)
+    assert ledger_differences(runs[index]["ledger"], cfg) == [], label(CONFIGS[index])
+    amaxes = [r for r in runs[index]["ledger"] if r["op"] == "Allreduce"
+              and r["bytes"] < 8 * r["elements"] and r["rank"] == 0]   # float32s in it
+    # tensorwise agrees every X and dY; rowwise only rows cut over tp; blockwise nothing
+    expected = cfg.fp8 == "tensorwise" or (cfg.fp8 == "rowwise" and cfg.tp > 1)
+    assert bool(amaxes) == expected, (label(CONFIGS[index]), amaxes)
 
 
 def test_fp16_overflow_skips_on_every_rank_together(runs):
@@ -331,12 +369,31 @@ def test_tp_partials_in_16_bits_pass_the_tolerance_and_the_ledger_catches_them(r
                      if r["group"] == "tp" and r["op"] == "Allreduce"}
 
 
+def test_fp8_local_amax_passes_the_tolerance_and_the_ledger_catches_it(runs):
+    from minipar.teaching.ledger_tables import ledger_differences
+
+    buggy, correct, cfg = bug_runs(runs, "fp8-local-amax")
+    assert all(within(correct, cfg)[:2]), within(correct, cfg)[2]
+    assert buggy["losses"] != correct["losses"]      # shards on their own scales
+    resolved = TrainConfig(**cfg).resolved(4)
+    assert ledger_differences(correct["ledger"], resolved) == []
+    missing = ledger_differences(buggy["ledger"], resolved)
+    assert len(missing) == 1 and missing[0].startswith("tp Allreduce: "), missing
+
+
+def test_fp8_accumulate_in_low_exceeds_the_derived_tolerance(runs):
+    buggy, correct, cfg = bug_runs(runs, "fp8-accumulate-in-low")
+    assert all(within(correct, cfg)[:2]), within(correct, cfg)[2]
+    losses_ok, params_ok, said = within(buggy, cfg)
+    assert not params_ok, f"8-bit partial sums went unseen: {said}"
+
+
 @pytest.mark.parametrize("name", list(MIXED_BUGS))
 def test_a_mixed_bug_fits_its_flags_and_needs_mixed(name):
     bug = MIXED_BUGS[name]
     assert problems(TrainConfig(**BUGS[name], inject_bug=name).resolved(4), 4) == []
     without = {k: v for k, v in BUGS[name].items()
-               if k not in ("mixed", "loss_scale", "loss_scale_window")}
+               if k not in ("mixed", "loss_scale", "loss_scale_window", "fp8")}
     assert problems(TrainConfig(**without, inject_bug=name).resolved(4), 4) == [
         f"--inject-bug {name} needs {bug.requires}"]
     lesson_8 = problems(TrainConfig(**BUGS[name], inject_bug="dp-sum-not-mean").resolved(4), 4)
