@@ -44,10 +44,18 @@ class Quiet(SimpleHTTPRequestHandler):
         pass
 
 
+class Server(ThreadingHTTPServer):
+    """A page left before a file arrived (the search index, an image) closes its
+    connection: that is the browser's right, not an error of the book."""
+
+    def handle_error(self, request: object, client_address: tuple) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 def serve(folder: Path) -> tuple[ThreadingHTTPServer, str]:
     """A file server for `folder` on 127.0.0.1 (a free port), in a daemon thread."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0),
-                                 functools.partial(Quiet, directory=str(folder)))
+    server = Server(("127.0.0.1", 0), functools.partial(Quiet, directory=str(folder)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}/"
 
