@@ -56,7 +56,8 @@ from mpi4py import MPI
 
 from minipar.bugs.hangs import HANGS, Hang
 from minipar.comm import flight
-from minipar.comm.flight_report import load, run_of, table, verdict
+from minipar.comm.flight_files import load, run_of
+from minipar.comm.flight_report import table, verdict
 from minipar.comm.job import run_collectively, say_in_order, wait_for_rank0
 from minipar.comm.job import verdict as check
 from minipar.run.train import train

@@ -257,7 +257,8 @@ def plan_command(argv: list[str]) -> int:
 def flight_command(argv: list[str]) -> int:
     """`python -m minipar flight DIR [--all]`: the first disagreement among the ranks' last
     calls (flight_report.py, no MPI); bad input is one line and exit 2."""
-    from minipar.comm.flight_report import FlightError, load, table, verdict
+    from minipar.comm.flight_files import FlightError, load
+    from minipar.comm.flight_report import table, verdict
 
     parser = Parser(prog="python -m minipar flight",
                      description="Line up the flight recorder's dumps of a hung or aborted "

@@ -61,7 +61,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from minipar.comm import watchdog
-from minipar.comm.flight_report import FORMAT, P2P_OPS, FlightError, run_of, verdict_of_folder
+from minipar.comm.flight_files import FORMAT, P2P_OPS, FlightError, run_of
+from minipar.comm.flight_report import verdict_of_folder
 
 CAPACITY = 1000                 # calls kept per rank
 GRACE = 2.0                     # seconds the first aborting rank waits for the others' files

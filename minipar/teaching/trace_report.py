@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minipar.comm.flight_report import parse
+from minipar.comm.flight_files import parse
 from minipar.comm.trace import FILES
 
 Intervals = list[tuple[int, int]]

@@ -28,7 +28,8 @@ import pytest
 
 from minipar.bugs.hangs import HANGS
 from minipar.comm import flight
-from minipar.comm.flight_report import FlightError, load, ranks_text, stuck, table, verdict
+from minipar.comm.flight_files import FlightError, load
+from minipar.comm.flight_report import ranks_text, stuck, table, verdict
 from tests.harness.mpi import ROOT, launch, lesson_run, read_dump
 
 SMALL = ["--layers", "2", "--d-model", "16", "--d-in", "8", "--batch", "16", "--steps", "1"]
