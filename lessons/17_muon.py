@@ -37,7 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar.comm.job import run_collectively, verdict, wait_for_rank0
-from minipar.core import muon, nn
+from minipar.core import muon, nn, timing
 from minipar.core.optim import Adam
 from minipar.planner import presets
 from minipar.run.results import relative_difference
@@ -49,7 +49,7 @@ MESH = dict(model="gpt", layers=2, d_model=64, heads=4, seq_len=16, vocab=32, ba
             optimizer="muon", lr=0.02, dp=2, tp=2)
 TOY = dict(model="gpt", layers=2, d_model=32, heads=4, seq_len=16, vocab=32, batch=16)
 MODES = ("duplicated", "distributed", "layer-sharded")
-TIMES: dict[str, float] = {"seconds": 0.0}   # this rank's matrix phase, last step
+TIMES: dict[str, object] = {"seconds": []}   # this rank's matrix phase, every step
 
 
 def say(*lines: str) -> None:
@@ -90,7 +90,7 @@ def timed_phase() -> None:
     def timed(self: muon.Muon, *args: object) -> dict:
         start = time.perf_counter()
         out = original(self, *args)
-        TIMES["seconds"] = time.perf_counter() - start
+        TIMES["seconds"].append(time.perf_counter() - start)
         TIMES["flops"] = self.ns_flops
         return out
     muon.Muon.orthogonalize_all = timed
@@ -125,26 +125,34 @@ def modes_side_by_side(world: MPI.Comm, steps: int) -> dict[str, dict]:
     one = sum(muon.ns_flops(s, s, 5) for s in shapes.values())
     out = {}
     for mode in MODES:
+        TIMES["seconds"] = []
         result = train(TrainConfig(**dict(fields, muon_mode=mode)).resolved(world.Get_size()),
                        world)
-        seconds = world.gather(TIMES["seconds"])
+        seconds = world.gather(list(TIMES["seconds"]))
         flops = world.gather(TIMES.get("flops", 0))
         if world.Get_rank() == 0:
             rel = max(relative_difference(result.final[k], v, floor=1e-12)
                       for k, v in ref.final.items())
             bytes_ = muon_bytes(result.ledger, baseline.ledger, world.Get_size())
-            out[mode] = {"bytes": bytes_, "seconds": seconds, "work": sum(flops) / one,
+            # every rank's every step: the slowest rank of a step is the step's wait
+            steps_max = [max(step) for step in zip(*seconds)]
+            out[mode] = {"bytes": bytes_, "seconds": steps_max, "work": sum(flops) / one,
                          "rel": rel}
     if world.Get_rank() == 0:
-        say(f"{'mode':>14}  {'bytes/rank':>11}  {'matrix ms (max)':>15}  "
+        say("matrix ms: Muon's matrix phase of a step on its slowest rank, the median of the "
+            "steps (their min..max)")
+        say(f"{'mode':>14}  {'bytes/rank':>11}  {'matrix ms':>40}  "
             f"{'Newton-Schulz work':>18}  against one process")
         for mode, m in out.items():
-            say(f"{mode:>14}  {max(m['bytes']):>11,}  {1e3 * max(m['seconds']):>15.2f}  "
+            spread = timing.Spread.of(m["seconds"])
+            say(f"{mode:>14}  {max(m['bytes']):>11,}  {spread.text():>40}  "
                 f"{m['work']:>17.1f}x  rel {m['rel']:.1e} {verdict(m['rel'] <= 1e-9)}")
+        say(f"(times {timing.where(world.Get_size())[1:-1]}; "
+            + timing.verdict({mode: m["seconds"] for mode, m in out.items()}) + ")")
         say("duplicated moves the other half of each matrix to each tp rank and runs every "
             "iteration on all 4 ranks (4x the work); distributed moves no piece but sums a "
             "d x d Gram matrix per iteration -- as large as a shard at this size, and 72 "
-            "small Allreduces a step, on ranks sharing 2 cores: the slowest here -- its "
+            "small Allreduces a step, each a wait for every rank of its group -- its "
             "products split over tp, its A A on every rank, all repeated over dp; "
             "layer-sharded runs each matrix once (1x) and pays a gather and a scatter.")
     return out
