@@ -61,7 +61,7 @@ from minipar.parallel.dp_hooks import install_hooks
 from minipar.run.train import train
 from minipar.settings.config import ConfigError, TrainConfig
 from minipar.settings.preflight import lesson_arguments
-from minipar.teaching import trace_report
+from minipar.teaching import trace_files, trace_report
 
 BATCH = 1024
 
@@ -263,7 +263,7 @@ def traced_overlap(sizes: nn.ModelConfig, bucket_size: int, folder: Path,
     train(cfg, world)
     if world.Get_rank() != 0:
         return
-    doc = trace_report.load(folder)
+    doc = trace_files.load(folder)
     m = trace_report.measure(doc)
     print(f"\n=== 7. the overlap in a traced run (train --grad-sync overlapped --trace "
           f"{folder}): {m.hidden_by_axis.get('dp', 0):.1%} of the dp Iallreduces' time ran "

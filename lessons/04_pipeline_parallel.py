@@ -58,7 +58,7 @@ from minipar.run.results import max_differences
 from minipar.run.train import RunResult, train, train_reference
 from minipar.settings.config import TrainConfig, problems
 from minipar.settings.preflight import lesson_arguments
-from minipar.teaching import trace_report
+from minipar.teaching import trace_files, trace_report
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -224,7 +224,7 @@ def the_bubble(runs: dict, trace: Path | None = None) -> None:
     say("  replayed: each F and B takes the CPU time it was measured to take in this run,",
         "  and the 1F1B program's dependencies place it; no communication cost.")
     if trace is not None and rank == 0:   # the same M = 8 run, read from its timeline
-        measured_trace = trace_report.measure(trace_report.load(trace))
+        measured_trace = trace_report.measure(trace_files.load(trace))
         print(f"  its trace ({trace}; `python -m minipar trace {trace}` prints the same): "
               f"M = {TRACED} bubble {measured_trace.bubble:.1%}, communication hidden "
               f"under compute {measured_trace.hidden:.1%}; {size} ranks on {CORES} cores"
@@ -324,7 +324,7 @@ def figures(runs: dict, folder: Path, microbatches: int = 8) -> None:
           flush=True)
     print("figure:", save(in_flight_memory_figure(size, microbatches, SCHEDULES, CHUNKS),
                           folder / "04_memory.png"), flush=True)
-    doc = trace_report.load(folder / "trace_1f1b")   # the traced 1F1B run of part 3
+    doc = trace_files.load(folder / "trace_1f1b")   # the traced 1F1B run of part 3
     print("figure:", save(trace_report.figure(
         doc, f"1F1B, pp = {size}, M = {TRACED}: the measured timeline (train --trace); the "
              f"simulated one beside it in 04_gantt_1f1b.png"), folder / "04_trace_1f1b.png"),

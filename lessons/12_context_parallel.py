@@ -58,7 +58,7 @@ from minipar.run.results import relative_difference
 from minipar.run.train import forward_backward, problems, step_batch, train, train_reference
 from minipar.settings.config import ConfigError, TrainConfig
 from minipar.settings.preflight import lesson_arguments
-from minipar.teaching import trace_report
+from minipar.teaching import trace_files, trace_report
 from minipar.teaching.ledger_tables import RECEIVES, group_sizes, wire_bytes
 
 MODES = ("allgather", "ring", "zigzag", "ulysses")
@@ -245,7 +245,7 @@ def main() -> None:
     table(runs, one, alone, cp)
     when_each_wins(runs, cp)
     for mode, folder in traces.items():   # what the ring's posted Isend/Irecv hide
-        m = trace_report.measure(trace_report.load(folder))
+        m = trace_report.measure(trace_files.load(folder))
         print(f"{mode}: its cp traffic hidden under compute {m.hidden_by_axis.get('cp', 0):.1%} "
               f"(measured, the K, V blocks posted before each block's compute; "
               f"`python -m minipar trace {folder}` prints the same; {cp} ranks on "

@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{title:<58} [{mesh_name(cfg)}] on the wire {moved(result.ledger, cfg)}; "
                   f"vs one process: loss {loss_diff:.1e}, params rel {rel:.1e}", flush=True)
             if cfg.trace is not None:   # the measured timeline (trace_report.measure)
-                from minipar.teaching.trace_report import by_axis_text, load, measure
+                from minipar.teaching.trace_files import load
+                from minipar.teaching.trace_report import by_axis_text, measure
 
                 m = measure(load(cfg.trace))
                 print(f"{'':<5}traced ({cfg.trace}): bubble {m.bubble:.1%}, communication "
@@ -151,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             folder = tour_figures(Path(args.plot), stops)
             if traced is not None and (traced / "trace.json").exists():
                 from minipar.teaching.plots import save
-                from minipar.teaching.trace_report import figure, load
+                from minipar.teaching.trace_files import load
+                from minipar.teaching.trace_report import figure
 
                 save(figure(load(traced), "the tour's pipeline stop (dp 2 x pp 4, 1F1B), "
                                           "measured: train --trace"),

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from minipar.settings import preflight
-from minipar.teaching import trace_report
+from minipar.teaching import trace_files, trace_report
 from tests.harness.mpi import ROOT, lesson_run, minipar, read_dump
 from tests.harness.trace_checks import check_events, check_trace
 
@@ -101,7 +101,7 @@ def test_the_command_prints_measure_draws_and_simulates(traced, capsys):
     code, out, err = command(capsys, str(folder), "--plot", str(traced / "gantt.png"),
                              "--simulated", str(traced / "simulated.json"))
     assert code == 0, err
-    measured = trace_report.measure(trace_report.load(folder))
+    measured = trace_report.measure(trace_files.load(folder))
     assert f"pipeline bubble (last step, measured): {measured.bubble:.1%}" in out
     assert f"communication hidden under compute: {measured.hidden:.1%}" in out
     assert 0 < measured.bubble < 1 and 0 <= measured.hidden <= 1
@@ -169,7 +169,7 @@ def test_lesson_4_prints_the_numbers_of_its_trace():
     bubble and the hidden share of that trace: trace_report.measure's, as `trace` prints."""
     job, folder = lesson_run(4, "04_pipeline_parallel.py", "--quick")  # test_lessons' run
     assert job.returncode == 0, job.explain()
-    measured = trace_report.measure(trace_report.load(folder / "trace_1f1b"))
+    measured = trace_report.measure(trace_files.load(folder / "trace_1f1b"))
     line = next(x for x in job.stdout.splitlines() if "its trace (" in x)
     assert f"M = 8 bubble {measured.bubble:.1%}, communication hidden under compute " \
            f"{measured.hidden:.1%}" in line, line
@@ -183,7 +183,7 @@ def test_lesson_12_prints_how_much_of_the_ring_its_trace_hides():
     job, folder = lesson_run(4, "12_context_parallel.py", "--quick")  # test_lessons' run
     assert job.returncode == 0, job.explain()
     for mode in ("ring", "zigzag"):
-        measured = trace_report.measure(trace_report.load(folder / f"trace_{mode}"))
+        measured = trace_report.measure(trace_files.load(folder / f"trace_{mode}"))
         assert 0 <= measured.hidden_by_axis["cp"] <= 1
         assert f"{mode}: its cp traffic hidden under compute " \
                f"{measured.hidden_by_axis['cp']:.1%}" in job.stdout, job.stdout[-2000:]
@@ -200,7 +200,7 @@ def test_lesson_1_prints_how_much_of_the_overlapped_sync_its_trace_hides():
     # the run tests/teaching/test_lessons.py checks
     job, folder = lesson_run(8, "01_data_parallel.py")
     assert job.returncode == 0, job.explain()
-    measured = trace_report.measure(trace_report.load(folder / "trace_overlapped"))
+    measured = trace_report.measure(trace_files.load(folder / "trace_overlapped"))
     assert f"{measured.hidden_by_axis['dp']:.1%} of the dp Iallreduces' time ran under " \
            "compute" in job.stdout, job.stdout[-2000:]
     doc = json.loads((folder / "trace_overlapped" / "trace.json").read_text())
