@@ -40,6 +40,7 @@ from minipar.bugs.detours import (
     first_choice_only,
     found_inf_per_rank,
     fp8_accumulate_in_low,
+    fp8_block_straddles_shard,
     fp8_local_amax,
     keys_not_gathered,
     loss_mean_per_microbatch,
@@ -474,6 +475,22 @@ _MIXED = [
         fp8_local_amax, {"mixed": "bf16", "fp8": "tensorwise", "tp": 2},
         "shipped: TransformerEngine's amax reduction group was documented as dp where it "
         "must be dp x tp (NVIDIA/TransformerEngine#656)"),
+    Bug("fp8-block-straddles-shard", "zero",
+        "blockwise under ZeRO-3: each rank takes its B x B blocks' amaxes from its own flat "
+        "slice of the weights, as if a block never crossed a shard (tp's shards are "
+        "multiples of B; ZeRO's slices are cut anywhere): the Allreduce(MAX) over dp is "
+        "left out",
+        "a block that straddles two slices gets a different scale on each rank, and one "
+        "in another rank's slice amax 0 (scale 1: its small weights land among e4m3's "
+        "subnormals), so each replica multiplies a differently quantized weight; the "
+        "ledger's dp Allreduce line is short of the step's one call of the blocks' "
+        "amaxes (--check's ledger line: MISMATCH)",
+        "--mixed bf16 --fp8 blockwise with --zero 3 and --dp 2 or more",
+        lambda cfg: cfg.fp8 == "blockwise" and cfg.zero == 3 and cfg.dp > 1,
+        fp8_block_straddles_shard,
+        {"mixed": "bf16", "fp8": "blockwise", "fp8_block": 16, "zero": 3},
+        "a close relative: torchao's float8 FSDP2 all-gather broke on shards that do not "
+        "split a tensor evenly (pytorch/ao#1938)"),
     Bug("fp8-accumulate-in-low", "any",
         "the 8-bit matmul's sum kept in 8 bits: every partial sum of the contraction "
         "rounded to e4m3, where an FP8 tensor core accumulates in fp32",

@@ -343,6 +343,24 @@ def fp8_local_amax() -> list[Swap]:
     return [(fp8_scales, "agree_max", agree_max)]
 
 
+def fp8_block_straddles_shard() -> list[Swap]:
+    """Blockwise under ZeRO-3: each rank takes its blocks' amaxes from its own flat
+    slice, as if a block never crossed a shard (true of tp's shards, multiples of B; not
+    of ZeRO's slices, cut anywhere): the Allreduce(MAX) over the replicas left out."""
+    from minipar.parallel import fp8_scales
+
+    real = fp8_scales.zero3_spaces
+
+    def zero3_spaces(updater: object) -> list | None:
+        spaces = real(updater)
+        if spaces is None:
+            return None
+        # BUG: a block's amax from my slice's part of it (0 for a block I hold none of)
+        return [(params, pieces, lambda amaxes: amaxes) for params, pieces, _ in spaces]
+
+    return [(fp8_scales, "zero3_spaces", zero3_spaces)]
+
+
 def fp8_accumulate_in_low() -> list[Swap]:
     """The 8-bit matmul's sum kept in 8 bits: every partial sum of the contraction
     rounded to e4m3 (no fp32 accumulator), not summed in the master dtype."""

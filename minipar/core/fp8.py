@@ -191,6 +191,31 @@ class Recipe:
             self.weight_amax[w.name] = flat[at:at + n].reshape(self.weight_amax[w.name].shape)
             at += n
 
+    def begin_sliced_step(self, spaces: Iterable[tuple[list, list, Agree]]) -> None:
+        """ZeRO-3's weights, once a step: each rank holds only a flat slice of them, cut
+        anywhere -- a group (even a B x B block) may straddle two slices, or lie in
+        another rank's. Each `(params, pieces, agree)` of `spaces` is one flat vector:
+        its parameters, the boxes of them my slice holds as (param, box, |values|), and
+        the MAX over its replicas (dp; experts' edp). A group's amax from my part of it
+        (0 where I hold none), then ONE Allreduce(MAX) a vector: the unsharded
+        weight's."""
+        self.weight_amax = {}
+        for params, pieces, agree in spaces:
+            mine = [p for p in params if self.covers(p)]
+            if not mine:
+                continue
+            held = {p.name: np.zeros(p.shape, dtype=np.float32) for p in mine}
+            for p, box, values in pieces:
+                if p.name in held:
+                    held[p.name][box] = values
+            amaxes = {name: amax(whole, self.name, "weight", self.block)
+                      for name, whole in held.items()}
+            flat = agree(np.concatenate([a.ravel() for a in amaxes.values()]))
+            at = 0
+            for name, a in amaxes.items():
+                self.weight_amax[name] = flat[at:at + a.size].reshape(a.shape)
+                at += a.size
+
     def weight_spans(self, weight: object) -> bool:
         """Does a scaling group of this weight span its tp shards? Tensorwise: whenever
         it is cut; rowwise (output columns): when its rows (inputs) are cut; blockwise:
@@ -342,19 +367,26 @@ def expected_ledger(cfg: object, blocks: Iterable[object]) -> dict[tuple[str, st
       (backward) over its replicas (dp; an expert's: edp, the ranks holding the same
       experts), and over tp where its features are cut; rowwise, the N row
       amaxes over tp where they are cut (N the rank's rows of the microbatch)."""
-    if getattr(cfg, "fp8", None) is None or cfg.fp8 == "blockwise":
+    if getattr(cfg, "fp8", None) is None:
         return {}
     blocks = list(blocks)
-    counts = [linears(cfg, b) for b in blocks]
-    every, x_cut, dy_cut = (sum(c[i] for c in counts) for i in range(3))
-    m = cfg.microbatches
-    rows = cfg.batch // (m * cfg.dp) * (cfg.seq_len if cfg.model in ("gpt", "gpt-moe") else 1)
     out: dict[tuple[str, str], tuple[int, int]] = {}
 
     def add(key: tuple[str, str], calls: int, elements: int) -> None:
         if calls:
             old = out.get(key, (0, 0))
             out[key] = (old[0] + calls, old[1] + elements)
+
+    if cfg.zero == 3:   # the weights' amaxes from the slices: one call a flat vector
+        dense, experts = zero3_groups(cfg, blocks)
+        add(("dp", "Allreduce"), 1 if dense and cfg.dp > 1 else 0, dense)
+        add(("edp", "Allreduce"), 1 if experts and cfg.dp // cfg.ep > 1 else 0, experts)
+    if cfg.fp8 == "blockwise":
+        return out
+    counts = [linears(cfg, b) for b in blocks]
+    every, x_cut, dy_cut = (sum(c[i] for c in counts) for i in range(3))
+    m = cfg.microbatches
+    rows = cfg.batch // (m * cfg.dp) * (cfg.seq_len if cfg.model in ("gpt", "gpt-moe") else 1)
 
     if cfg.tp > 1:
         weights = x_cut + dy_cut if cfg.fp8 == "tensorwise" else x_cut * cfg.d_model
@@ -367,3 +399,28 @@ def expected_ledger(cfg: object, blocks: Iterable[object]) -> dict[tuple[str, st
                                ("edp", experts, cfg.dp // cfg.ep)):
             add((group, "Allreduce"), 2 * m * n if size > 1 else 0, 2 * m * n)
     return out
+
+
+def zero3_groups(cfg: object, blocks: Iterable[object]) -> tuple[int, int]:
+    """(dense, expert) scaling groups of the 8-bit weights of `blocks`: what ZeRO-3's
+    Allreduce(MAX) of the sliced weights' amaxes carries over dp and over edp."""
+    d, f, fe = cfg.d_model, cfg.d_ff, cfg.expert_d_ff
+
+    def groups(rows: int, cols: int) -> int:
+        if cfg.fp8 == "tensorwise":
+            return 1
+        if cfg.fp8 == "rowwise":
+            return cols
+        return -(-rows // cfg.fp8_block) * -(-cols // cfg.fp8_block)
+
+    dense = experts = 0
+    for block in blocks:
+        if cfg.model in ("gpt", "gpt-moe"):
+            dense += 4 * groups(d, d)
+        pair = groups(d, fe) + groups(fe, d)
+        if block.moe:
+            experts += block.experts // cfg.ep * pair
+            dense += cfg.shared_experts * pair
+        else:
+            dense += groups(d, f) + groups(f, d)
+    return dense, experts

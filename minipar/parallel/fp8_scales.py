@@ -33,3 +33,50 @@ def agree_max(mesh: Mesh, amaxes: np.ndarray, axis: str) -> np.ndarray:
     if group.size > 1:  # every shard's amax -> the largest, on every rank of the axis
         group.Allreduce(MPI.IN_PLACE, out, op=MPI.MAX)
     return out
+
+
+def begin_step(recipe: fp8.Recipe, chunks: list, updater: object) -> None:
+    """The step's weight amaxes before its forward: from the whole weights a rank holds
+    (tp's shards agreed in one Allreduce over tp, `Recipe.begin_step`), or under ZeRO-3
+    from its flat slices (one Allreduce over each vector's replicas,
+    `Recipe.begin_sliced_step`)."""
+    spaces = zero3_spaces(updater)
+    if spaces is None:
+        recipe.begin_step(p for chunk in chunks for p in chunk.parameters())
+    else:
+        recipe.begin_sliced_step(spaces)
+
+
+def zero3_spaces(updater: object) -> list[tuple[list, list, fp8.Agree]] | None:
+    """ZeRO-3's flat vectors as `Recipe.begin_sliced_step` takes them: for each, its
+    parameters, the boxes my slice holds of them with their |values| (parallel/zero.py
+    `shard_pieces`, read, not changed), and the MAX over its group (dp, or edp for the
+    experts). None for any other updater: its weights are whole on the rank."""
+    if getattr(updater, "stage", 0) != 3:
+        return None
+    out = []
+    for space in updater.spaces:
+        shapes = dict(zip((id(p) for p in space.params), space.layout.shapes))
+        pieces = []
+        for p, box, where in updater.shard_pieces(space):
+            part = space.shard[where].reshape([b.stop - b.start for b in box])
+            pieces.append((_Shaped(p.name, shapes[id(p)]), box, np.abs(part)))
+        params = [_Shaped(p.name, shapes[id(p)]) for p in space.params]
+
+        def agree(amaxes: np.ndarray, group: object = space.group) -> np.ndarray:
+            out = np.ascontiguousarray(amaxes, dtype=np.float32)
+            if group.size > 1:  # my slices' amaxes -> the whole weights', every replica
+                group.Allreduce(MPI.IN_PLACE, out, op=MPI.MAX)
+            return out
+        out.append((params, pieces, agree))
+    return out
+
+
+class _Shaped:
+    """A parameter's name and the shape of its array on this rank (ZeRO-3 dropped the
+    array itself between uses)."""
+
+    __slots__ = ("name", "shape")
+
+    def __init__(self, name: str, shape: tuple[int, ...]) -> None:
+        self.name, self.shape = name, tuple(shape)

@@ -408,8 +408,9 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
         valid = int(allreduce_sum(mesh.dp_cp, np.array([documents.valid_positions(y)],
                                                        dtype=np.int64))[0])
     scaler = scaler_of(updater)   # --mixed fp16: the backward starts from S
-    if precision.FP8 is not None:  # --fp8: the step's weight amaxes, one Allreduce(MAX)
-        precision.FP8.begin_step(p for chunk in chunks for p in chunk.parameters())
+    if precision.FP8 is not None:  # --fp8: the step's weight amaxes, agreed (fp8_scales.py)
+        from minipar.parallel import fp8_scales
+        fp8_scales.begin_step(precision.FP8, chunks, updater)
     local = forward_backward(cfg, mesh, chunks, x, y, timeline, valid,
                              1.0 if scaler is None else scaler.scale)
     flight.set_microbatch(None)  # the syncs below belong to the whole step

@@ -104,3 +104,35 @@ def test_dump_records_the_recipe_and_a_refusal_exits_2(tmp_path):
     refused = subprocess.run(cmd + ["--fp8", "blockwise"], capture_output=True, text=True)
     assert refused.returncode == 2 and "step" not in refused.stdout
     assert len((refused.stdout + refused.stderr).strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_slices_that_cut_blocks_anywhere_agree_on_the_whole_weights_amaxes(recipe):
+    """ZeRO-3's case in one process: three ranks' flat slices of a 32 x 32 weight, cut
+    at row 10 (through a 16 x 16 block) and one rank holding none of it. Each rank's
+    amaxes from its part, then their MAX: exactly the whole weight's (what the
+    Allreduce(MAX) over dp gives); the empty rank contributes zeros."""
+    from types import SimpleNamespace
+
+    w = np.random.default_rng(0).normal(0, 0.02, (32, 32)).astype(np.float32)
+    p = SimpleNamespace(name="blocks.0.fc1.weight", shape=w.shape)
+    parts = [[(p, (slice(0, 10), slice(None)), np.abs(w[:10]))],
+             [(p, (slice(10, 32), slice(None)), np.abs(w[10:]))], []]
+    sent = []
+    for pieces in parts:   # what each rank puts into the Allreduce
+        fp8.Recipe(recipe, 16).begin_sliced_step(
+            [([p], pieces, lambda a: sent.append(a.copy()) or a)])
+    assert not sent[2].any()                                  # I hold nothing: zeros
+    whole = fp8.amax(w, recipe, "weight", 16)
+    assert not np.array_equal(sent[0].reshape(whole.shape), whole) or recipe == "tensorwise"
+    agreed = np.maximum.reduce(sent)
+    r = fp8.Recipe(recipe, 16)
+    r.begin_sliced_step([([p], parts[2], lambda a: agreed)])
+    assert np.array_equal(r.weight_amax[p.name], whole)
+
+
+def test_an_empty_shard_has_amax_zero_and_quantizes_to_nothing():
+    empty = np.zeros((0, 32), dtype=np.float32)
+    for recipe in fp8.RECIPES:
+        assert not fp8.amax(empty, recipe, "act", 16).any()
+        assert fp8.fake_quantize(empty, recipe, "act", "e5m2", 16).shape == (0, 32)

@@ -126,7 +126,7 @@ RESUMES += [BF16_RUN, dict(BF16_RUN, steps=2, save="{ckpt16}"),
             dict(BF16_RUN, dp=4, tp=1, zero=1, resume="{ckpt16}")]
 
 
-# the three mixed-precision bugs (bugs/catalog.py MIXED_BUGS), each beside the correct
+# the mixed-precision bugs (bugs/catalog.py MIXED_BUGS, the fp8 ones too), each beside the correct
 # run of its own flags, in the same job
 BUGS = {name: dict(SMALL, **bug.flags) for name, bug in MIXED_BUGS.items()}
 BUG_RUNS = [run for name, flags in BUGS.items()
@@ -381,6 +381,18 @@ def test_fp8_local_amax_passes_the_tolerance_and_the_ledger_catches_it(runs):
     assert len(missing) == 1 and missing[0].startswith("tp Allreduce: "), missing
 
 
+def test_fp8_block_straddling_zero3_slices_is_caught_by_the_ledger(runs):
+    from minipar.teaching.ledger_tables import ledger_differences
+
+    buggy, correct, cfg = bug_runs(runs, "fp8-block-straddles-shard")
+    assert all(within(correct, cfg)[:2]), within(correct, cfg)[2]
+    assert buggy["losses"] != correct["losses"]      # other scales for some blocks
+    resolved = TrainConfig(**cfg).resolved(4)
+    assert ledger_differences(correct["ledger"], resolved) == []
+    missing = ledger_differences(buggy["ledger"], resolved)
+    assert len(missing) == 1 and missing[0].startswith("dp Allreduce: 0 calls"), missing
+
+
 def test_fp8_accumulate_in_low_exceeds_the_derived_tolerance(runs):
     buggy, correct, cfg = bug_runs(runs, "fp8-accumulate-in-low")
     assert all(within(correct, cfg)[:2]), within(correct, cfg)[2]
@@ -393,7 +405,7 @@ def test_a_mixed_bug_fits_its_flags_and_needs_mixed(name):
     bug = MIXED_BUGS[name]
     assert problems(TrainConfig(**BUGS[name], inject_bug=name).resolved(4), 4) == []
     without = {k: v for k, v in BUGS[name].items()
-               if k not in ("mixed", "loss_scale", "loss_scale_window", "fp8")}
+               if k not in ("mixed", "loss_scale", "loss_scale_window", "fp8", "fp8_block")}
     assert problems(TrainConfig(**without, inject_bug=name).resolved(4), 4) == [
         f"--inject-bug {name} needs {bug.requires}"]
     lesson_8 = problems(TrainConfig(**BUGS[name], inject_bug="dp-sum-not-mean").resolved(4), 4)
