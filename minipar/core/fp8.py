@@ -231,11 +231,8 @@ class Recipe:
         from minipar.core import precision
 
         fmt = self.grad_format if kind == "dy" else "e4m3"
-        if kind == "weight":
+        if kind == "weight":   # the step's agreed amaxes (else, one process: its own)
             agreed = self.weight_amax.get(weight.name)
-            if agreed is not None and agreed.shape != amax(x, self.name, "weight",
-                                                           self.block).shape:
-                agreed = None
             out = fake_quantize(x, self.name, "weight", fmt, self.block, agreed)
             return Exact(precision.widen(out, precision.MASTER))
         in_cut, out_cut = cuts(weight)
@@ -270,10 +267,8 @@ def tiled_sizes(cfg: object) -> dict[str, int]:
         sizes["d_model / tp (the attention's heads)"] = cfg.d_model // tp
     if cfg.model in ("mlp", "gpt"):
         sizes["d_ff / tp"] = cfg.d_ff // tp
-    else:
+    else:   # every block of an MoE model is one (routed and shared experts alike)
         sizes["expert_d_ff"] = cfg.expert_d_ff
-        if cfg.model == "gpt-moe" or cfg.layers > 1:
-            sizes["d_ff / tp"] = cfg.d_ff // tp   # MoE models alternate dense blocks
     return sizes
 
 
