@@ -165,6 +165,8 @@ class Recipe:
     grad_format: str = "e5m2"
     agree: Agree | None = None
     weight_amax: dict[str, np.ndarray] = field(default_factory=dict)
+    allgather: bool = False  # --fp8-allgather: ZeRO-3 gathers the weights in 8 bits
+    codec: object = None     # over a mesh, what does it (parallel/fp8_scales.py)
 
     def covers(self, weight: object) -> bool:
         """Is `weight` (a Parameter) one whose matmuls run in 8 bits?"""
@@ -300,6 +302,9 @@ def problems(cfg: object) -> list[str]:
     """--fp8 and its flags: a known recipe, on top of --mixed bf16, a positive block that
     divides every shard, a known gradient format, and strategies this round supports."""
     out = []
+    if cfg.fp8_allgather and (cfg.fp8 is None or cfg.zero != 3):
+        out.append("--fp8-allgather gathers ZeRO-3's weights in 8 bits: it needs --fp8 and "
+                   f"--zero 3 (got {'no --fp8' if cfg.fp8 is None else f'--zero {cfg.zero}'})")
     if cfg.fp8 is None:
         for flag, default in (("fp8_block", 128), ("fp8_grad", "e5m2")):
             if getattr(cfg, flag) != default:
@@ -333,7 +338,7 @@ def problems(cfg: object) -> list[str]:
 def recipe_of(cfg: object) -> Recipe | None:
     """The one-process recipe of a run (None without --fp8): no mesh, nothing agreed."""
     return None if getattr(cfg, "fp8", None) is None else \
-        Recipe(cfg.fp8, cfg.fp8_block, cfg.fp8_grad)
+        Recipe(cfg.fp8, cfg.fp8_block, cfg.fp8_grad, allgather=cfg.fp8_allgather)
 
 
 # ------------------------------------------------------------ the ledger
@@ -418,4 +423,80 @@ def zero3_groups(cfg: object, blocks: Iterable[object]) -> tuple[int, int]:
             dense += cfg.shared_experts * pair
         else:
             dense += groups(d, f) + groups(f, d)
+    return dense, experts
+
+
+# ------------------------------------------------------- 8-bit words on the wire
+def word_bytes(recipe: Recipe, names: list[str], layout: object) -> np.ndarray:
+    """Bytes each element of a ZeRO flat vector takes on the wire under --fp8-allgather:
+    1 (an e4m3 word) for the 8-bit weights' elements, 2 (bf16) for the rest (biases,
+    norms, embeddings, the head, routers)."""
+    out = np.full(layout.total, 2, dtype=np.int64)
+    for name, offset, size in zip(names, layout.offsets, layout.sizes):
+        if name.endswith(BLOCK_WEIGHTS):
+            out[offset:offset + size] = 1
+    return out
+
+
+def element_scales(recipe: Recipe, names: list[str], layout: object, a: int, b: int
+                   ) -> np.ndarray:
+    """The scale of every element of the flat range [a, b) (float32; 1 where the element
+    is not an 8-bit weight's): its group's, from the step's agreed amaxes."""
+    out = np.ones(b - a, dtype=np.float32)
+    for name, offset, size, shape in zip(names, layout.offsets, layout.sizes, layout.shapes):
+        lo, hi = max(a, offset), min(b, offset + size)
+        if lo >= hi or not name.endswith(BLOCK_WEIGHTS):
+            continue
+        scales = scale_of(recipe.weight_amax[name], "e4m3")
+        rows, cols = np.divmod(np.arange(lo - offset, hi - offset), shape[1])
+        if recipe.name == "tensorwise":
+            picked = np.broadcast_to(scales.ravel()[0], rows.shape)
+        elif recipe.name == "rowwise":
+            picked = scales.reshape(-1)[cols]
+        else:
+            picked = scales[rows // recipe.block, 0, cols // recipe.block, 0]
+        out[lo - a:hi - a] = picked
+    return out
+
+
+def encode(values: np.ndarray, widths: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """16-bit values as wire bytes: an element of width 1 quantized to one e4m3 byte with
+    its scale, one of width 2 as its two bf16 bytes (little end first)."""
+    out = np.empty(int(widths.sum()), dtype=np.uint8)
+    at = np.cumsum(widths) - widths
+    eight = widths == 1
+    out[at[eight]] = quantize(values[eight].astype(np.float32), scales[eight],
+                              "e4m3").view(np.uint8)
+    words = values[~eight].view(np.uint16)
+    out[at[~eight]] = (words & 0xFF).astype(np.uint8)
+    out[at[~eight] + 1] = (words >> 8).astype(np.uint8)
+    return out
+
+
+def decode(data: np.ndarray, widths: np.ndarray, scales: np.ndarray, dtype: np.dtype
+           ) -> np.ndarray:
+    """`encode`'s inverse into `dtype` (bf16): an e4m3 byte dequantized (q s, rounded to
+    bf16: requantized with the same s it gives q back), two bytes the bf16 itself."""
+    out = np.empty(len(widths), dtype=dtype)
+    at = np.cumsum(widths) - widths
+    eight = widths == 1
+    q = data[at[eight]].view(fp8_dtype("e4m3")).astype(np.float32)
+    out[eight] = (q * scales[eight]).astype(dtype)
+    words = data[at[~eight]].astype(np.uint16) | (data[at[~eight] + 1].astype(np.uint16) << 8)
+    out[~eight] = words.view(dtype)
+    return out
+
+
+def covered_elements(cfg: object, blocks: Iterable[object]) -> tuple[int, int]:
+    """(dense, expert) elements of the 8-bit weights of `blocks`: what --fp8-allgather
+    moves as one byte each (the rest of a ZeRO-3 piece moves as two)."""
+    d, pair = cfg.d_model, 2 * cfg.d_model * cfg.expert_d_ff
+    dense = experts = 0
+    for block in blocks:
+        dense += 4 * d * d if cfg.model in ("gpt", "gpt-moe") else 0
+        if block.moe:
+            experts += block.experts // cfg.ep * pair
+            dense += cfg.shared_experts * pair
+        else:
+            dense += 2 * d * cfg.d_ff
     return dense, experts

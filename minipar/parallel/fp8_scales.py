@@ -22,6 +22,7 @@ def over_mesh(recipe: fp8.Recipe | None, mesh: Mesh) -> fp8.Recipe | None:
     amaxes over the mesh: the Allreduce(MAX) over the axis that cuts a group."""
     if recipe is not None:
         recipe.agree = lambda amaxes, axis: agree_max(mesh, amaxes, axis)
+        recipe.codec = EightBitGather(recipe) if recipe.allgather else None
     return recipe
 
 
@@ -80,3 +81,34 @@ class _Shaped:
 
     def __init__(self, name: str, shape: tuple[int, ...]) -> None:
         self.name, self.shape = name, tuple(shape)
+
+
+class EightBitGather:
+    """--fp8-allgather: ZeRO-3's Allgatherv of a piece moves the 8-bit weights as one
+    e4m3 byte each, quantized with the step's agreed scales (every rank holds them
+    after `Recipe.begin_sliced_step`'s Allreduce: the scales need no message of their
+    own), the other parameters as their two bf16 bytes; each rank knows every rank's
+    byte count from the layout alone. The whole piece is decoded back to bf16, which
+    the matmul requantizes to the same bytes: the run equals the 16-bit gather's."""
+
+    def __init__(self, recipe: fp8.Recipe) -> None:
+        self.recipe = recipe
+        self.widths: dict[int, np.ndarray] = {}   # per flat vector: bytes an element
+
+    def allgather(self, space: object, a: int, b: int, whole: np.ndarray,
+                  counts: list[int]) -> None:
+        """`whole` (the flat range [a, b), bf16) from every replica's slice of it."""
+        layout, names = space.layout, [p.name for p in space.params]
+        if id(space) not in self.widths:
+            self.widths[id(space)] = fp8.word_bytes(self.recipe, names, layout)
+        widths = self.widths[id(space)][a:b]
+        scales = fp8.element_scales(self.recipe, names, layout, a, b)
+        starts = np.cumsum([0, *counts])              # each rank's elements of [a, b)
+        sizes = [int(widths[s:e].sum()) for s, e in zip(starts[:-1], starts[1:])]
+        mine = slice(int(starts[layout.rank]), int(starts[layout.rank + 1]))
+        sent = fp8.encode(space.shard[layout.mine(a, b)], widths[mine], scales[mine])
+        data = np.empty(sum(sizes), dtype=np.uint8)
+        # my 8-bit words and bf16 bytes -> every replica; theirs -> me
+        space.group.Allgatherv(sent, [data, sizes, np.cumsum([0, *sizes[:-1]]).tolist(),
+                                      MPI.BYTE])
+        whole[...] = fp8.decode(data, widths, scales, whole.dtype)

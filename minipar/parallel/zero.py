@@ -62,6 +62,7 @@ from minipar import placement
 from minipar.comm import low_precision
 from minipar.comm.collectives import Group
 from minipar.comm.mesh import Mesh
+from minipar.core import precision
 from minipar.core.autograd import Tensor
 from minipar.core.memory import FlatLayout, ModelStates, displacements, measure
 from minipar.core.nn import Module, Parameter
@@ -402,8 +403,11 @@ class Zero3(Zero2):
             a, b = space.flat_range(piece)
             whole = np.empty(b - a, dtype=space.shard.dtype)
             counts = space.layout.overlap(a, b)
+            codec = precision.gather_codec()   # --fp8-allgather: 8-bit words (fp8.py)
             if space.group.size == 1:
                 whole[...] = space.shard[a:b]
+            elif codec is not None:   # my part as 8-bit words + bf16 bytes -> every replica
+                codec.allgather(space, a, b, whole, counts)
             else:  # my part of the piece -> every replica; the other parts -> me
                 space.group.Allgatherv(low_precision.wire(space.shard[space.layout.mine(a, b)]),
                                        [low_precision.wire(whole), counts,

@@ -106,6 +106,7 @@ class TrainConfig:
     fp8: str | None = None            # --mixed bf16: the blocks' matmuls in 8 bits (fp8.py)
     fp8_block: int = 128              # --fp8 blockwise: the tile / block size B
     fp8_grad: str = "e5m2"            # --fp8: the output gradients' format (or e4m3)
+    fp8_allgather: bool = False       # --fp8 --zero 3: the weights gathered in 8 bits
 
     def resolved(self, world_size: int) -> TrainConfig:
         """Fill the defaults that depend on other flags (d_ff, expert_d_ff, dp)."""
@@ -660,6 +661,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
         help="--fp8 blockwise: 1 x B tiles of activations and gradients, B x B of weights")
     add("--fp8-grad", default=d.fp8_grad, metavar="FORMAT",
         help="--fp8: the output gradients' format, e5m2 or e4m3")
+    add("--fp8-allgather", action="store_true",
+        help="--fp8 --zero 3: gather the 8-bit weights as 1-byte words (their scales "
+             "agreed before), the rest in bf16")
     add("--inject-bug", metavar="NAME", default=None,
         help="break one thing on purpose (lesson 08); `python -m minipar bugs` lists them")
     add("--check-placements", action="store_true",

@@ -178,6 +178,13 @@ def predicted_lines(cfg: TrainConfig, skipped: bool = False
             for key, (calls, elements) in documents.expected_ledger(
                     cfg.dp * cfg.cp).items():
                 extra.append((key, Line(calls, elements, 8 * elements, "int64")))
+        if getattr(cfg, "fp8_allgather", False):   # ZeRO-3's gathers: 8-bit words (fp8.py)
+            covered = dict(zip(("dp", "edp"), fp8.covered_elements(cfg, shape.blocks)))
+            for group, psi in (("dp", sum(shape.dp_arrays)), ("edp", sum(shape.edp_arrays))):
+                line = lines.get((group, "Allgatherv"))
+                if line is not None and psi:   # 1 byte a weight word, 2 for the rest
+                    words = 2 * line.elements - line.elements * covered[group] // psi
+                    lines[(group, "Allgatherv")] = Line(line.calls, words, words, "e4m3+bf16")
         for key, (calls, elements) in fp8.expected_ledger(cfg, shape.blocks).items():
             extra.append((key, Line(calls, elements, 4 * elements, "float32")))  # amaxes
         moe_blocks = sum(1 for block in shape.blocks if block.moe)

@@ -136,3 +136,22 @@ def test_an_empty_shard_has_amax_zero_and_quantizes_to_nothing():
     for recipe in fp8.RECIPES:
         assert not fp8.amax(empty, recipe, "act", 16).any()
         assert fp8.fake_quantize(empty, recipe, "act", "e5m2", 16).shape == (0, 32)
+
+
+def test_wire_words_are_one_byte_a_weight_two_for_the_rest_and_decode_back():
+    """--fp8-allgather's words: 3 weight elements as e4m3 bytes with their scales, 2
+    others as their bf16 bytes; decoded, the weights are Q(w) (requantized with the same
+    scale: the same bytes again) and the others exact."""
+    from minipar.core import precision
+
+    bf16 = precision.low_dtype("bf16")
+    values = np.array([0.5, -0.3, 0.02, 1.5, -7.0], dtype=np.float32).astype(bf16)
+    widths = np.array([1, 1, 1, 2, 2])
+    scales = np.array([0.5 / 448, 0.5 / 448, 0.5 / 448, 1, 1], dtype=np.float32)
+    data = fp8.encode(values, widths, scales)
+    assert data.dtype == np.uint8 and data.size == 3 + 2 * 2
+    back = fp8.decode(data, widths, scales, bf16)
+    assert back[3] == values[3] and back[4] == values[4]
+    assert back[0] == values[0]                               # 0.5 / s = 448: exact
+    again = fp8.encode(back, widths, scales)
+    assert np.array_equal(again, data)                        # the same bytes again

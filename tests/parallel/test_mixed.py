@@ -108,6 +108,11 @@ CONFIGS = [
     dict(GPT, mixed="bf16", fp8="rowwise", tp=2, dp=2),
     dict(GPT, mixed="bf16", fp8="blockwise", fp8_block=8, model="gpt-moe", experts=4,
          expert_d_ff=16, dp=2, pp=2, layers=4, microbatches=2),
+    # ZeRO-3's gathers in 8 bits (--fp8-allgather): beside the same run in bf16 words
+    dict(SMALL, mixed="bf16", fp8="blockwise", fp8_block=8, zero=3),
+    dict(SMALL, mixed="bf16", fp8="blockwise", fp8_block=8, zero=3, fp8_allgather=True),
+    dict(GPT, mixed="bf16", fp8="tensorwise", model="gpt-moe", experts=4, expert_d_ff=16,
+         dp=4, ep=2, zero=3, fp8_allgather=True),
     # S = 2^20: the scaled gradients overflow fp16 (max 65504) until S has halved; after
     # 2 clean steps S doubles, and overflows again
     dict(SMALL, mixed="fp16", zero=2, steps=6, loss_scale=2.0 ** 20, loss_scale_window=2),
@@ -221,6 +226,8 @@ def test_16_bit_collectives_count_two_bytes(runs, index):
             continue
         if cfg.get("fp8") and r["op"] == "Allreduce":   # + float32 amaxes: see below
             continue
+        if cfg.get("fp8_allgather") and r["op"] == "Allgatherv":   # 8-bit words: below
+            continue
         if r["op"] == "Alltoall" and r["group"] == "ep":   # MoE's token counts (int64)
             assert r["bytes"] == 8 * r["elements"], r
             continue
@@ -242,7 +249,8 @@ FP8 = [i for i, cfg in enumerate(CONFIGS) if cfg.get("fp8")]
 def test_fp8_amax_allreduces_are_the_predicted_ledger_lines(runs, index):
     """Every rank's last-step ledger as ledger_tables predicts it, the amax Allreduces
     (float32, core/fp8.py expected_ledger) included: the tensorwise and rowwise runs
-    have some (rowwise: with tp), the blockwise none but the model's own."""
+    have some (rowwise: with tp), the blockwise none but the model's own (but under
+    ZeRO-3: its sliced weights' amaxes, one call)."""
     from minipar.teaching.ledger_tables import ledger_differences
 
     cfg = TrainConfig(**CONFIGS[index]).resolved(4)
@@ -250,8 +258,31 @@ def test_fp8_amax_allreduces_are_the_predicted_ledger_lines(runs, index):
     amaxes = [r for r in runs[index]["ledger"] if r["op"] == "Allreduce"
               and r["bytes"] < 8 * r["elements"] and r["rank"] == 0]   # float32s in it
     # tensorwise agrees every X and dY; rowwise only rows cut over tp; blockwise nothing
-    expected = cfg.fp8 == "tensorwise" or (cfg.fp8 == "rowwise" and cfg.tp > 1)
+    expected = cfg.fp8 == "tensorwise" or (cfg.fp8 == "rowwise" and cfg.tp > 1) \
+        or cfg.zero == 3   # ZeRO-3: the sliced weights' amaxes, whatever the recipe
     assert bool(amaxes) == expected, (label(CONFIGS[index]), amaxes)
+
+
+def test_fp8_allgather_moves_a_byte_a_weight_and_changes_no_number(runs):
+    """--fp8-allgather: the same run as ZeRO-3's 16-bit gathers, bit for bit (the matmul
+    requantizes the gathered weight to the same bytes), with 1 byte a block weight's
+    element on the wire and 2 for the rest: at this size 0.30 of float32's bytes (the
+    weights alone: 0.25), every line as the ledger predicts."""
+    index = CONFIGS.index(dict(SMALL, mixed="bf16", fp8="blockwise", fp8_block=8, zero=3,
+                               fp8_allgather=True))
+    eight, sixteen = runs[index], runs[index - 1]
+    assert eight["losses"] == sixteen["losses"]
+    for name, value in sixteen["final"].items():
+        assert np.array_equal(eight["final"][name], value), name
+
+    def gathered(run: dict) -> dict:
+        return next(r for r in run["ledger"] if r["op"] == "Allgatherv" and r["rank"] == 0)
+    words, plain = gathered(eight), gathered(sixteen)
+    assert words["calls"] == plain["calls"] and plain["bytes"] == 2 * plain["elements"]
+    weights = 2 * 2 * 16 * 64 * 2 * 2       # fc1 + fc2 of 2 blocks, 2 gathers x 2 microbatches
+    assert words["bytes"] == weights + 2 * (plain["elements"] - weights)
+    assert 0.25 < words["bytes"] / (4 * plain["elements"]) < 0.3
+    assert weights / (4 * weights) == 0.25
 
 
 def test_fp16_overflow_skips_on_every_rank_together(runs):
