@@ -85,6 +85,10 @@ def test_each_recipe_trains_near_bf16_and_differs_from_it(recipe):
                                                           "straddle a shard; the nearest "
                                                           "sizes that work: --fp8-block 16"),
     (dict(fp8_grad="e4m3", fp8_block=128), "--fp8-grad applies to --fp8 only"),
+    (dict(fp8="rowwise", fp8_allgather=True), "--fp8-allgather gathers ZeRO-3's weights "
+                                              "in 8 bits: it needs --fp8 and --zero 3 "
+                                              "(got --zero 0)"),
+    (dict(fp8="tensorwise", zero=3, tp=2), "--fp8 with --zero 3 and --tp is not written"),
 ])
 def test_refusals_are_one_line_before_any_step(flags, said):
     cfg = TrainConfig(**{**TINY, **flags}).resolved(2 if flags.get("tp") else 1)
