@@ -39,7 +39,7 @@ from mpi4py import MPI
 from minipar.comm.job import run_collectively, verdict, wait_for_rank0
 from minipar.core import muon, nn, timing
 from minipar.core.optim import Adam
-from minipar.planner import presets
+from minipar.planner import muon_cost, presets
 from minipar.run.results import relative_difference
 from minipar.run.train import train, train_reference
 from minipar.settings.config import TrainConfig
@@ -163,40 +163,14 @@ def llama_price() -> list[tuple[str, float, float, float]]:
     """The three modes for Llama 3 70B on 1024 H100s, tp 8 (in a node) x dp 128 (ZeRO-1):
     per GPU and step, the most bytes any GPU moves for Muon, their time on the links
     (tp over NVLink, dp over InfiniBand), and the most Newton-Schulz time (bf16 at
-    peak). Momentum in fp32 (4 bytes), the iteration in bf16 (2 bytes) as torch's."""
+    peak). Momentum in fp32 (4 bytes), the iteration in bf16 (2 bytes) as torch's.
+    The arithmetic is the planner's (planner/muon_cost.py), which `plan --optimizer
+    muon` adds to a step."""
     model, cluster = presets.MODELS["llama3-70b"], presets.CLUSTERS["h100"]
-    d, f, kv = model.d_model, model.d_ff, (model.kv_heads or model.heads) * model.d_model \
-        // model.heads
-    per_layer = [((d, d), 1), ((d, kv), 1), ((d, kv), 1), ((d, d), 0),
-                 ((d, f), 1), ((d, f), 1), ((f, d), 0)]   # (shape, 1: columns split)
-    mats = [m for _ in range(model.layers) for m in per_layer]
-    tp, dp, ns = 8, 128, 5
-    peak, nvlink, ib = cluster.flops * 1e12, cluster.intra_bw * 1e9, cluster.inter_bw * 1e9
-
-    def flops(m: int, n: int) -> float:   # per iteration: X X^T, A A, (b A + c A A) X
-        return 2 * ns * (2 * min(m, n) ** 2 * max(m, n) + min(m, n) ** 3)
-    elems = sum(m * n for (m, n), _ in mats)
-    out = []
-    # duplicated: every GPU receives every matrix but its own piece (mostly over dp)
-    out.append(("duplicated", 4 * elems, 4 * elems / ib, sum(flops(*s) for s, _ in mats) / peak))
-    # distributed: the tp shard gathered over dp, then 1 + ns Allreduces of the Gram
-    # matrix over tp (a ring: 2 (tp - 1)/tp of it per GPU)
-    gram = 0.0
-    work = 0.0
-    for (m, n), cols in mats:
-        tall = m > n
-        short, long = min(m, n), max(m, n)
-        g = short if cols != tall else long
-        gram += ns * 2 * (tp - 1) / tp * g * g * 2
-        work += 2 * ns * (2 * g * g * (short * long // g) / tp + g ** 3)
-    shard = 4 * elems / tp * (dp - 1) / dp
-    out.append(("distributed", shard + gram, shard / ib + gram / nvlink, work / peak))
-    # layer-sharded: 560 matrices on 1024 GPUs, one home each at most: the worst GPU
-    # homes the largest, receives it whole and sends it back
-    big = max(mats, key=lambda x: flops(*x[0]))[0]
-    out.append(("layer-sharded", 2 * 4 * big[0] * big[1], 2 * 4 * big[0] * big[1] / ib,
-                flops(*big) / peak))
-    return out
+    prices = muon_cost.muon_modes(model, model.layers, tp=8, dp=128,
+                                  flops=cluster.flops * 1e12, tp_bw=cluster.intra_bw * 1e9,
+                                  dp_bw=cluster.inter_bw * 1e9)
+    return [(p.mode, p.bytes, p.wire_seconds, p.compute_seconds) for p in prices]
 
 
 def at_scale() -> list[tuple[str, float, float, float]]:

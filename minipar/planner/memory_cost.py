@@ -104,6 +104,8 @@ class Workload:
     #                                   (workloads.small_microbatch_tokens; 0: not priced)
     routing_bias: bool = False  # MoE balanced by a routing bias: one Allreduce of the
     #                             load a step instead of the aux loss's (time_cost.py)
+    muon_matrices: tuple = ()   # one layer's block matrices ((rows, cols), tp-split cols?):
+    #                             Muon's under --optimizer muon (planner/muon_cost.py)
 
     @property
     def layers(self) -> int:
@@ -155,6 +157,8 @@ class Plan:
     # again in the backward) or minipar's --cp-mode (allgather, ring, zigzag, ulysses)
     cp_mode: str = "llama3"
     fp8: bool = False           # FP8 matmuls and 8-bit weight gathers (time_cost.py)
+    optimizer: str = "adam"     # "muon": the block matrices' K is Muon's (planner/muon_cost.py)
+    muon_mode: str = "layer-sharded"  # how Muon reaches whole matrices (muon_cost.MODES)
 
     @property
     def world(self) -> int:
@@ -260,7 +264,19 @@ def model_states(w: Workload, plan: Plan, shape: RankShape, dp_rank: int = 0) ->
     mine = shard_of(dense, plan.replicas, dp_rank) + shard_of(experts, edp,
                                                               dp_rank // plan.ep % edp)
 
-    return rank_states(w.per_param, psi, mine, plan.zero)  # memory.py's one formula
+    states = rank_states(w.per_param, psi, mine, plan.zero)  # memory.py's one formula
+    if plan.optimizer != "muon" or not psi:
+        return states
+    # Muon: a block matrix keeps the fp32 master and ONE fp32 momentum (8 bytes), the
+    # rest AdamW's master, m and v (w.optimizer_bytes); the share of this rank's numbers
+    # that are block matrices (every one cut by tp, by rows or columns), spread evenly
+    # over ZeRO's slices
+    share = len(shape.blocks) * sum(r * c for (r, c), _ in w.muon_matrices) / plan.tp / psi
+    k = w.optimizer_bytes
+    return replace(states, optimizer=states.optimizer * (1 - share * (k - MUON_K_BYTES) / k))
+
+
+MUON_K_BYTES = 8   # Muon's state of a block matrix's number: fp32 master + fp32 momentum
 
 
 def shard_of(total: int, ranks: int, rank: int) -> int:

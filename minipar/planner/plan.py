@@ -46,6 +46,7 @@ from pathlib import Path
 
 from minipar.parallel.pipeline.schedules import SCHEDULES, SIMULATED_ONLY
 from minipar.planner.memory_cost import Plan
+from minipar.planner.muon_cost import MODES as MUON_MODES
 
 # the planner's parts, under the names its callers use (lessons 09, 13, tests,
 # teaching/ledger_tables.py)
@@ -172,6 +173,11 @@ def make_parser() -> argparse.ArgumentParser:
     add("--fp8", action="store_true", help="FP8 training (DeepSeek-V3's recipe): the blocks' "
         "matmuls at the GPU's FP8 rate, ZeRO-3's weight gathers in 8 bits and their amax "
         "Allreduce")
+    add("--optimizer", choices=("adam", "muon"), default="adam",
+        help="adam (default; K = 12 bytes: fp32 master, m, v) or muon: the block matrices "
+        "keep one momentum (K = 8), priced with its --muon-mode (planner/muon_cost.py)")
+    add("--muon-mode", default="layer-sharded", help="with --optimizer muon: layer-sharded "
+        "(default), distributed or duplicated (docs/design.md \"Muon\")")
     for axis, text in (("dp", "data-parallel"), ("tp", "tensor-parallel"),
                        ("pp", "pipeline-parallel"), ("cp", "context-parallel"),
                        ("ep", "expert-parallel")):
@@ -262,7 +268,7 @@ def serve_problems(args: argparse.Namespace, hw: Hardware) -> list[str]:
                                                            "microbatches", "zero", "recompute",
                                                            "schedule", "virtual")
                 if getattr(args, name) is not None] + ["--no-sp"] * args.no_sp + [
-                    "--fp8"] * args.fp8
+                    "--fp8"] * args.fp8 + ["--optimizer"] * (args.optimizer != "adam")
     if training:
         return [f"{training[0]} is training's: --serve prices tp x pp (x ep) layouts of "
                 "--gpus decoding --batch rows (drop it)"]
@@ -294,6 +300,13 @@ def run_problems(args: argparse.Namespace, m: Model, hw: Hardware) -> list[str]:
     if args.fp8 and not hw.fp8_flops:
         return [f"--fp8: the {args.cluster or 'cluster'}'s GPU has no FP8 matmul rate (give "
                 "--fp8-flops, or a cluster with one: h100, h800)"]
+    if args.muon_mode not in MUON_MODES:
+        return [f"--muon-mode must be one of {', '.join(MUON_MODES)} (got {args.muon_mode!r})"]
+    if args.optimizer == "muon" and (m.experts or m.attention):
+        return ["--optimizer muon is priced for dense multi-head models only (no --experts, "
+                "no --attention-params)"]
+    if args.muon_mode != "layer-sharded" and args.optimizer != "muon":
+        return [f"--muon-mode {args.muon_mode} needs --optimizer muon"]
     if args.prompt_len or args.new_tokens or args.batch:
         return ["--prompt-len, --new-tokens and --batch price serving: add --serve"]
     named = [args.dp, args.tp, args.pp]
@@ -368,7 +381,8 @@ def plan_command(argv: list[str]) -> int:
         return 2
     if args.serve:
         return serve_command(args, m, hw)
-    template = Plan(1, sp=not args.no_sp, fp8=args.fp8)
+    template = Plan(1, sp=not args.no_sp, fp8=args.fp8, optimizer=args.optimizer,
+                    muon_mode=args.muon_mode)
     schedules = tuple((s, v) for s in dict.fromkeys(args.schedule or ["1f1b", "interleaved"])
                       for v in (sorted(set(args.virtual or [2, 4])) if s == "interleaved"
                                 else [1]))

@@ -40,7 +40,8 @@ WIRE_AXES = ("tp", "cp", "dp", "edp", "pp", "ep")
 
 def row(e: Estimate, w: Workload, hw: Hardware) -> str:
     p, s, t = e.plan, e.states, e.timing
-    wire = " ".join(f"{e.wire.get(a, 0.0) / GB:6.1f}" for a in WIRE_AXES)
+    wire = " ".join(f"{e.wire.get(a, 0.0) / GB:6.1f}" for a in WIRE_AXES
+                    + (("muon",) if "muon" in e.wire else ()))
     return (f"{p.dp:5d} {p.tp:3d} {p.pp:3d} {p.cp:3d} {p.ep:3d} {p.zero:4d} {p.microbatches:5d}"
             f" {p.recompute[:4]:>4} {schedule_tag(p):>5} | {s.params / GB:6.1f} {s.grads / GB:6.1f}"
             f" {s.optimizer / GB:6.1f} {e.activations / GB:6.1f} {e.memory / GB:6.1f} |"
@@ -52,8 +53,9 @@ def schedule_tag(p: Plan) -> str:
     return f"i{p.virtual}" if p.schedule == "interleaved" else p.schedule
 
 
-def header() -> str:
-    wire = " ".join(f"{a:>6}" for a in WIRE_AXES)
+def header(muon: bool = False) -> str:
+    """The table's column names; `muon`: a last wire column, the bytes Muon adds."""
+    wire = " ".join(f"{a:>6}" for a in WIRE_AXES + (("muon",) if muon else ()))
     return (f"{'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'zero':>4} {'M':>5} {'rc':>4} "
             f"{'sched':>5} | "
             f"{'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'total':>6} | {wire} | "
@@ -81,7 +83,8 @@ def explain(e: Estimate, w: Workload, hw: Hardware) -> list[str]:
                       ("the gathered ZeRO piece", e.gathered), key=lambda kv: kv[1])
         return lines + [f"  does not fit: {over / GB:.2f} GB too much; the largest part is "
                         f"{biggest[0]} ({biggest[1] / GB:.2f} GB)"]
-    wire = ", ".join(f"{axis} {e.wire[axis] / GB:.2f}" for axis in WIRE_AXES if axis in e.wire)
+    wire = ", ".join(f"{axis} {e.wire[axis] / GB:.2f}" for axis in (*WIRE_AXES, "muon")
+                     if axis in e.wire)
     inside = " + ".join(f"{axis} {sec:.3f}" for axis, sec in sorted(t.pipeline_comm.items()))
     after = " + ".join(f"{axis} {sec:.3f}" for axis, sec in sorted(t.step_comm.items()))
     return lines + [
@@ -123,13 +126,18 @@ def report(found: Search, w: Workload, m: Model, hw: Hardware, world: int, templ
                      f"x {hw.efficiency:.0%}, attention and the head at BF16's; ZeRO-3 gathers "
                      "FP8 weights (1 byte) and Allreduces their amax once a step; MFU against "
                      "the BF16 peak")
+    if template.optimizer == "muon":
+        lines.append(f"  --optimizer muon --muon-mode {template.muon_mode}: the block matrices "
+                     "keep K = 8 bytes (fp32 master, momentum), the rest AdamW's 12; the "
+                     "'muon' wire column is what Muon adds (planner/muon_cost.py), and "
+                     "Newton-Schulz runs after the pipeline at peak")
     lines.append(f"  SP {'on' if template.sp else 'off'} with tp > 1; rc: recomputation "
                  "(none, selective: the attention and elementwise parts, full: the layers); "
                  "sched: pipeline schedule (iV: interleaved, V chunks a rank)")
     fastest = distinct_meshes(found.feasible)
     lines += [f"{len(found.feasible)} plans fit on {len(fastest)} meshes; the fastest plan of "
               "each mesh, fastest first (memory GB per GPU; wire GB per GPU per step):",
-              header()]
+              header(template.optimizer == "muon")]
     lines += [row(e, w, hw) for e in fastest[:top]]
     if len(fastest) > top:
         lines.append(f"  ... {len(fastest) - top} more meshes (--top N shows N, --json all)")
@@ -159,7 +167,8 @@ def named_report(found: Search, w: Workload, m: Model, hw: Hardware, world: int)
                   *explain(best, w, hw)]
     others = found.feasible[1:] + found.too_big[0 if found.feasible else 1:]
     if others:
-        lines += [f"{len(others)} other variants (ZeRO stage, M, recomputation):", header()]
+        lines += [f"{len(others)} other variants (ZeRO stage, M, recomputation):",
+                  header(best.plan.optimizer == "muon")]
         for e in found.feasible[1:6]:
             lines.append(row(e, w, hw))
         lines += [f"  {e.plan.label()} recompute {e.plan.recompute}: needs "
@@ -171,7 +180,8 @@ def plan_record(e: Estimate, w: Workload, hw: Hardware) -> dict:
     """Every field of a table row, for `--json`: GB, GB on the wire, seconds."""
     p, t = e.plan, e.timing
     return {**{k: getattr(p, k) for k in (*MESH, "zero", "microbatches", "recompute", "sp",
-                                          "schedule", "virtual", "fp8")},
+                                          "schedule", "virtual", "fp8",
+                                          "optimizer", "muon_mode")},
             "memory_gb": {"params": e.states.params / GB, "grads": e.states.grads / GB,
                           "optimizer": e.states.optimizer / GB,
                           "activations": e.activations / GB, "gathered": e.gathered / GB,

@@ -29,8 +29,16 @@ from minipar.planner.memory_cost import (
     rank_shape,
     stage_activations,
 )
+from minipar.planner.muon_cost import muon_price
 from minipar.planner.presets import Cluster
-from minipar.planner.time_cost import Hardware, Timing, group_layout, step_timing, traffic
+from minipar.planner.time_cost import (
+    Hardware,
+    Timing,
+    group_layout,
+    members_per_node,
+    step_timing,
+    traffic,
+)
 
 GB = 1e9
 
@@ -103,7 +111,28 @@ def evaluate(w: Workload, hw: Hardware, plan: Plan) -> Estimate:
         for axis, value in sent.items():
             estimate.wire[axis] = max(estimate.wire.get(axis, 0.0), value)
     estimate.timing = step_timing(w, plan, hw, shapes, items)
+    if plan.optimizer == "muon":
+        add_muon(w, hw, plan, estimate)
     return estimate
+
+
+def add_muon(w: Workload, hw: Hardware, plan: Plan, estimate: Estimate) -> None:
+    """Muon's price (planner/muon_cost.py) for the busiest stage's block matrices over
+    its tp x (dp cp) GPUs: the bytes into the 'muon' wire column, their seconds and the
+    Newton-Schulz seconds at peak after the pipeline (after the gradient sync)."""
+    layers = -(-w.layers // plan.pp)
+    tp_bw = hw.intra_bw if members_per_node(plan.tp, 1, hw.node_size) == plan.tp \
+        else hw.inter_bw
+    n, stride = group_layout(plan, "dp")
+    dp_bw = hw.intra_bw if members_per_node(n, stride, hw.node_size) == n else hw.inter_bw
+    price = muon_price(list(w.muon_matrices) * layers, plan.muon_mode, plan.tp,
+                       plan.replicas, hw.flops, tp_bw, dp_bw)
+    estimate.wire["muon"] = price.bytes
+    t = estimate.timing
+    after = {**t.step_comm, "muon": price.wire_seconds,
+             "newton-schulz": price.compute_seconds}
+    estimate.timing = replace(t, step_comm=after, total=t.total + price.wire_seconds
+                              + price.compute_seconds)
 
 
 # ------------------------------------------------------------ the search

@@ -22,6 +22,7 @@ import numpy as np
 from minipar.core.memory import bytes_per_param
 from minipar.core.nn import canonical_shapes
 from minipar.planner.memory_cost import Block, Plan, Workload
+from minipar.planner.muon_cost import layer_matrices
 from minipar.planner.presets import Model
 from minipar.settings.config import TrainConfig
 
@@ -112,7 +113,7 @@ def transformer(m: Model, batch: int, params: float | None = None) -> Workload:
     w = Workload(m.name, tuple(blocks), embed, head, d, batch, s, split_dims=splits,
                  lookup_embedding=True, tied_head=m.tied, logit_bytes=4 * m.vocab,
                  microbatch_overhead=small_microbatch_tokens(d),
-                 routing_bias=m.routing_bias)
+                 routing_bias=m.routing_bias, muon_matrices=tuple(layer_matrices(m)))
     if params is not None and abs(params / w.params - 1) > 0.05:
         raise ValueError(f"--params {params:.4g} disagrees with the {w.params:.4g} the shapes "
                          f"define ({params / w.params - 1:+.0%}); drop --params or fix a shape")
