@@ -65,6 +65,8 @@ def ns_flops(rows: int, cols: int, steps: int = NS_STEPS) -> float:
 def busiest_home(mats: list[Matrix], homes: int) -> list[Matrix]:
     """Layer-sharded: the matrices of the busiest home when `homes` GPUs take them
     largest first, each to the least loaded (longest-processing-time)."""
+    if not mats:
+        return []
     load: list[tuple[float, int]] = [(0.0, h) for h in range(min(homes, len(mats)))]
     held: dict[int, list[Matrix]] = {}
     for mat in sorted(mats, key=lambda x: -ns_flops(*x[0])):

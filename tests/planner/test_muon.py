@@ -98,9 +98,18 @@ def test_lesson_17_llama3_70b_table():
 @pytest.mark.parametrize("flags, named", [
     (["--optimizer", "muon", "--muon-mode", "sharded"], "--muon-mode must be one of"),
     (["--muon-mode", "duplicated"], "needs --optimizer muon"),
+    (["--optimizer", "muon", "--experts", "8", "--top-k", "2", "--expert-d-ff", "64"],
+     "dense multi-head models only"),
 ])
 def test_muon_refusals_are_one_line(flags, named, capsys):
     assert main(["plan", "--preset", "llama3-8b", "--cluster", "h100", "--gpus", "64",
                  "--global-batch", "64", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0]
+
+
+def test_serve_refuses_the_optimizer(capsys):
+    assert main(["plan", "--serve", "--preset", "llama3-8b", "--cluster", "h100", "--gpus",
+                 "8", "--prompt-len", "8", "--new-tokens", "8", "--optimizer", "muon"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--optimizer is training's" in err[0]
