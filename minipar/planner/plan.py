@@ -17,6 +17,8 @@ stated or derived, and printed.
         --global-batch 2048                          # rank every plan
     python -m minipar plan --preset llama3-405b --cluster h100 --global-batch 2048 \\
         --dp 64 --tp 8 --pp 16                       # price the one Llama 3 ran
+    python -m minipar plan --preset llama3-70b --cluster h100 --global-batch 1024 \
+        --dp 128 --tp 8 --pp 1 --optimizer muon --muon-mode distributed  # Muon's price
     python -m minipar plan --serve --preset llama3-70b --cluster h100 --gpus 8 \\
         --prompt-len 4000 --new-tokens 96 --batch 1  # serving: tp x pp layouts per token
 
