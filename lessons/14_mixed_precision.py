@@ -22,7 +22,11 @@ Everything printed is measured on this run's ranks:
 4. the error of a gradient Allreduce summed in 16 bits (the MPI.Op of
    comm/low_precision.py) against one summed in the master dtype, over groups of 2, 4
    and 8 ranks, as many as the job has (on 4 ranks: 2 and 4);
-5. loss curves of float64, bf16 and fp16 training of the same model.
+5. loss curves of float64, bf16 and fp16 training of the same model;
+6. FP8 (`--fp8 {tensorwise,rowwise,blockwise}` on `--mixed bf16`; minipar/core/fp8.py):
+   each recipe's error against float64 per layer (one process), what one outlier does
+   to a tensorwise, a rowwise and a blockwise scale, and the bytes of ZeRO-3's 8-bit
+   all-gather (`--fp8-allgather`) in the ledger beside its prediction.
 
 MINIPAR_QUICK=1 (or --quick) trains fewer steps.
 """
@@ -39,7 +43,7 @@ from mpi4py import MPI
 from minipar.comm import low_precision
 from minipar.comm.collectives import Group, Ledger
 from minipar.comm.job import run_collectively, verdict
-from minipar.core import nn, precision
+from minipar.core import fp8, nn, precision
 from minipar.core.byte_units import format_bytes
 from minipar.core.memory import bytes_per_param, bytes_per_param_held
 from minipar.run.results import (
@@ -48,9 +52,10 @@ from minipar.run.results import (
     relative_difference,
     replayed_reference,
 )
-from minipar.run.train import train
+from minipar.run.train import train, train_reference
 from minipar.settings.config import ConfigError, TrainConfig
 from minipar.settings.preflight import lesson_arguments
+from minipar.teaching import ledger_tables
 
 # the three recipes of section 1: (label, --mixed, --dtype of the masters)
 RECIPES = (("fp32", None, "float32"), ("bf16", "bf16", "float32"), ("fp16", "fp16", "float32"))
@@ -288,6 +293,158 @@ def loss_curves(base: dict, world: MPI.Comm, steps: int) -> dict[str, list[float
     return losses
 
 
+# ------------------------------------------------------------ 6. FP8
+FP8_BLOCK = 16   # --fp8-block at this size (DeepSeek-V3's 128 is the width of a large model)
+
+
+def fp8_layers(base: dict, steps: int) -> dict[str, list[float]]:
+    """Section 6a, one process (rank 0): the same model trained in float64, in bf16, and
+    in bf16 with each FP8 recipe's 8-bit matmuls (`train_reference`). Per block, the
+    difference of its fc1 and fc2 weights from the float64 run's, relative to how far
+    float64 moved them: the error the recipe added to that layer."""
+    runs = {"bf16 alone": dict(mixed="bf16", dtype="float32")}
+    runs.update({f"fp8 {r}": dict(mixed="bf16", dtype="float32", fp8=r, fp8_block=FP8_BLOCK)
+                 for r in fp8.RECIPES})
+    exact = train_reference(TrainConfig(**base, steps=steps).resolved(1))
+    layers = sorted({int(k.split(".")[1]) for k in exact.final if k.startswith("blocks.")})
+
+    def stacked(params: dict, layer: int) -> np.ndarray:
+        return np.concatenate([params[f"blocks.{layer}.{w}.weight"].astype(np.float64).ravel()
+                               for w in ("fc1", "fc2")])
+
+    moved = [np.linalg.norm(stacked(exact.final, i) - stacked(exact.init, i)) for i in layers]
+    errors, losses = {}, {}
+    for label, extra in runs.items():
+        result = train_reference(TrainConfig(**base, steps=steps, **extra).resolved(1))
+        errors[label] = [float(np.linalg.norm(stacked(result.final, i)
+                                              - stacked(exact.final, i)) / m)
+                         for i, m in zip(layers, moved)]
+        losses[label] = abs(result.losses[-1] - exact.losses[-1]) / exact.losses[-1]
+    print(f"\n=== 6. FP8: 8-bit matmuls (e4m3 forward, e5m2 gradients; docs/design.md, "
+          f"\"FP8\"; minipar/core/fp8.py), block B = {FP8_BLOCK}", flush=True)
+    print(f"a. {steps} SGD steps in one process: each block's fc1 and fc2 weights against the "
+          "float64 run's, ||W - W64|| / ||W64 - W_init|| (the error over float64's "
+          "movement), and the last loss's relative difference", flush=True)
+    print(f"{'':>16} " + " ".join(f"{f'block {i}':>9}" for i in layers)
+          + f" {'last loss':>10}", flush=True)
+    for label, per_layer in errors.items():
+        print(f"{label:>16} " + " ".join(f"{e:>9.2e}" for e in per_layer)
+              + f" {losses[label]:>10.2e}", flush=True)
+    worst = {label: max(e) for label, e in errors.items()}
+    eight = {r: worst[f"fp8 {r}"] for r in fp8.RECIPES}
+    print(f"every 8-bit recipe adds error to bf16's, 4 bits of significand against 8: "
+          f"{verdict(min(eight.values()) > worst['bf16 alone'])}; the worst block: "
+          + ", ".join(f"{r} {e:.2e}" for r, e in eight.items())
+          + f", {min(eight.values()) / worst['bf16 alone']:.0f}x bf16's or more (their unit "
+          "roundoffs: 2^-4 against 2^-8, 16x)", flush=True)
+    return errors
+
+
+def fp8_outlier(size: tuple[int, int] = (16, 128)) -> dict[str, object]:
+    """Section 6b, one process: an activation of standard normals with ONE large value,
+    quantized to e4m3 by each recipe (`fp8.fake_quantize`), the large value swept from 1
+    to 10^6. e4m3's normals span 448 / 2^-6 = 28672; once the outlier, which sets
+    tensorwise's only scale, is that far above the rest, they fall among the subnormals
+    (few bits, then 0). Rowwise spoils the outlier's row, blockwise its 1 x B tile.
+    Returns the sweep's errors and the per-element |Q(x) - x| / |x| at the largest."""
+    x = np.random.default_rng(14).standard_normal(size).astype(np.float32)
+    row, col = size[0] // 3, size[1] // 2 + 3
+    others = np.ones(size, dtype=bool)
+    others[row, col] = False
+    tile = np.zeros(size, dtype=bool)
+    tile[row, col // FP8_BLOCK * FP8_BLOCK:(col // FP8_BLOCK + 1) * FP8_BLOCK] = True
+    outliers = 10.0 ** np.arange(0, 6.5, 0.5)
+    sweep: dict[str, list[float]] = {r: [] for r in fp8.RECIPES}
+    for outlier in outliers:
+        x[row, col] = outlier
+        for r in fp8.RECIPES:
+            q = fp8.fake_quantize(x, r, "act", "e4m3", FP8_BLOCK)
+            sweep[r].append(float(np.linalg.norm((q - x)[others])
+                                  / np.linalg.norm(x[others])))
+            if r == "tensorwise":
+                zeros = int(np.sum((q == 0) & others))
+    per_element = {r: np.abs(fp8.fake_quantize(x, r, "act", "e4m3", FP8_BLOCK) - x)
+                   / np.abs(x) for r in fp8.RECIPES}
+    big = float(outliers[-1])
+    scale = float(fp8.scale_of(fp8.amax(x, "tensorwise", "act", FP8_BLOCK), "e4m3").ravel()[0])
+    typical = float(np.median(np.abs(x[others])))
+    print(f"b. one outlier: a {size[0]} x {size[1]} activation of standard normals, element "
+          f"({row}, {col}) set to 1 ... {big:g}, quantized to e4m3; the relative 2-norm "
+          f"error of the other {int(others.sum())} numbers", flush=True)
+    marks = [0, len(outliers) // 2, len(outliers) - 4, len(outliers) - 1]
+    print(f"{'outlier':>12} " + " ".join(f"{outliers[i]:>10.0e}" for i in marks), flush=True)
+    for r in fp8.RECIPES:
+        print(f"{r:>12} " + " ".join(f"{sweep[r][i]:>10.2e}" for i in marks), flush=True)
+    print(f"tensorwise at {big:g}: s = amax / 448 = {scale:.3g}, so the median |x| = "
+          f"{typical:.2f} becomes q = {typical / scale:.2g}, below e4m3's smallest normal "
+          f"2^-6 = {2.0 ** -6:g} (subnormal steps of 2^-9): {zeros} of the other numbers "
+          f"became 0", flush=True)
+    print(f"rowwise spoils the outlier's row alone (that row's median element error "
+          f"{np.median(per_element['rowwise'][row][others[row]]):.2e}, the other rows' "
+          f"{np.median(per_element['rowwise'][np.arange(size[0]) != row]):.2e}); blockwise "
+          f"its 1 x {FP8_BLOCK} tile alone (the tile's "
+          f"{np.median(per_element['blockwise'][tile & others]):.2e}, the rest "
+          f"{np.median(per_element['blockwise'][~tile]):.2e})", flush=True)
+    print(f"at {big:g}: blockwise error below tensorwise's "
+          f"{verdict(sweep['blockwise'][-1] < sweep['tensorwise'][-1])} and below rowwise's "
+          f"{verdict(sweep['blockwise'][-1] < sweep['rowwise'][-1])}; tensorwise spoiled, "
+          f"more than 10x its error at outlier 1 "
+          f"{verdict(sweep['tensorwise'][-1] > 10 * sweep['tensorwise'][0])}; the outlier "
+          f"itself exact in all three (its group's amax: q = 448) "
+          f"{verdict(all(per_element[r][row, col] == 0 for r in fp8.RECIPES))}", flush=True)
+    return {"outliers": outliers, "sweep": sweep, "per_element": per_element,
+            "row": row, "col": col, "big": big}
+
+
+def fp8_allgather(base: dict, world: MPI.Comm) -> None:
+    """Section 6c, every rank: ZeRO-3 on dp = world with blockwise FP8 and
+    `--fp8-allgather`, one step: the ledger's Allgatherv line (what each rank's call
+    receives: every replica's slice, a weight element as its e4m3 byte, the rest as two
+    bf16 bytes) against `ledger_tables.predicted_lines`, every rank, every line."""
+    n = world.Get_size()
+    cfg = TrainConfig(**base, steps=1, dp=n, zero=3, mixed="bf16", dtype="float32",
+                      fp8="blockwise", fp8_block=FP8_BLOCK, fp8_allgather=True).resolved(n)
+    result = train(cfg, world)
+    if world.Get_rank() != 0:
+        return
+    got = {r["rank"]: r for r in result.ledger if (r["group"], r["op"]) == ("dp", "Allgatherv")}
+    want = {rank: lines[("dp", "Allgatherv")]
+            for rank, lines in ledger_tables.predicted_lines(cfg).items()}
+    same = all((got[k]["calls"], got[k]["elements"], got[k]["bytes"])
+               == (want[k].calls, want[k].elements, want[k].bytes) for k in want)
+    mine = got[0]
+    shapes = nn.canonical_shapes(cfg.model_config())
+    psi = sum(int(np.prod(s)) for s in shapes.values())
+    weights = sum(int(np.prod(s)) for k, s in shapes.items() if k.endswith(fp8.BLOCK_WEIGHTS))
+    whole = weights + 2 * (psi - weights)   # one gather of the whole model, in bytes
+    gathers = 2 * cfg.microbatches          # forward and backward, each microbatch
+    wire = ledger_tables.wire_bytes(mine, {"dp": n})
+    print(f"c. ZeRO-3 on dp = {n}, --fp8 blockwise --fp8-allgather, one step: rank 0's "
+          f"Allgatherv line, {mine['calls']} calls, {mine['bytes']} bytes (the words travel "
+          f"as MPI.BYTE: its elements are bytes); predicted {want[0].calls} calls, "
+          f"{want[0].bytes} bytes ({want[0].dtype}); every rank "
+          f"{verdict(same, 'as predicted', 'DIFFERS')}", flush=True)
+    print(f"ledger bytes = what the calls' buffers receive (every replica's slice): one "
+          f"gather of the model's {psi} parameters is {weights} block-weight elements x 1 "
+          f"e4m3 byte + {psi - weights} others x 2 bf16 bytes = {whole} bytes, {gathers} "
+          f"gathers a step (forward and backward of {cfg.microbatches} microbatch"
+          f"{'es' if cfg.microbatches > 1 else ''}): {gathers * whole} "
+          f"{verdict(mine['bytes'] == gathers * whole)}", flush=True)
+    print(f"against the same gathers in float32 ({4 * gathers * psi} bytes): "
+          f"{mine['bytes'] / (4 * gathers * psi):.3f} of them (bf16 words: 0.5); the block "
+          f"weights alone, {weights / psi:.3f} of the parameters, move in "
+          f"{(mine['bytes'] - gathers * 2 * (psi - weights)) / (4 * gathers * weights):.3f} "
+          "of their float32 bytes (the ledger's bytes less the others' bf16 words)",
+          flush=True)
+    print(f"wire bytes (ring Allgather, (N - 1)/N of the buffer leaves each rank): "
+          f"{wire:.0f} a rank in the step; the scales travel in no message of their own, "
+          "every replica holds them after the step's amax Allreduce(MAX)", flush=True)
+    differences = ledger_tables.ledger_differences(result.ledger, cfg)
+    print(f"the whole ledger (the blocks' amax Allreduce over dp included, fp8.expected_ledger) "
+          f"against predicted_lines: {verdict(not differences, 'every line', 'DIFFERS')}"
+          + "".join(f"\n  {d}" for d in differences), flush=True)
+
+
 # ------------------------------------------------------------ figures
 def figures(per_param: dict, sums: dict, history: list, errors: dict, losses: dict,
             n: int, folder: Path) -> None:
@@ -381,6 +538,52 @@ def figures(per_param: dict, sums: dict, history: list, errors: dict, losses: di
     print("figure:", save(fig, folder / "14_losses.png"), flush=True)
 
 
+def fp8_figures(layers: dict[str, list[float]], outlier: dict, folder: Path) -> None:
+    """Rank 0: section 6's PNGs, the per-layer errors and the outlier."""
+    from matplotlib.figure import Figure
+
+    from minipar.teaching.load_plots import series_style
+    from minipar.teaching.plots import save
+
+    fig = Figure(figsize=(9, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for i, (label, errors) in enumerate(layers.items()):
+        ax.plot(range(len(errors)), errors, label=label, markersize=8, **series_style(i))
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(errors)), [f"block {i}" for i in range(len(errors))])
+    ax.set_ylabel("||W - W_float64|| / ||W_float64 - W_init||")
+    ax.set_title("fc1 and fc2 weights after the same steps, against float64 (one process):\n"
+                 f"the three FP8 recipes (B = {FP8_BLOCK}) over bf16 alone", fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
+    print("figure:", save(fig, folder / "14_fp8_layers.png"), flush=True)
+
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    ax, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    row, col, big = outlier["row"], outlier["col"], outlier["big"]
+    for i, r in enumerate(fp8.RECIPES):
+        ax.plot(outlier["outliers"], outlier["sweep"][r], label=r, **series_style(i))
+        right.plot(np.arange(len(outlier["per_element"][r][row])),
+                   np.maximum(outlier["per_element"][r][row], 1e-4), lw=1,
+                   markersize=(9, 5, 4)[i], **series_style(i))   # big under small: both seen
+    ax.axvline(448 / 2.0 ** -6, color="0.5", ls="--", lw=1,
+               label="448 / 2^-6: e4m3's normal range")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("the one outlier's value (the rest: standard normals)")
+    ax.set_ylabel("relative error of the other numbers")
+    ax.set_title("one outlier against each recipe's scale", fontsize=10)
+    tile = col // FP8_BLOCK * FP8_BLOCK
+    right.axvspan(tile - 0.5, tile + FP8_BLOCK - 0.5, color="0.85", zorder=0,
+                  label=f"the outlier's 1 x {FP8_BLOCK} tile")
+    right.set_yscale("log")
+    right.set_xlabel(f"feature of row {row}, the outlier's (at {col})")
+    right.set_ylabel("|Q(x) - x| / |x| (floored at 1e-4; 1 = flushed to 0)")
+    right.set_title(f"the outlier's row, outlier = {big:g}: tensorwise and rowwise flush "
+                    "it to 0 (at 1, together)", fontsize=10)
+    fig.legend(loc="outside right center", fontsize=8, frameon=False)
+    print("figure:", save(fig, folder / "14_fp8_outlier.png"), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer training steps")
@@ -405,8 +608,14 @@ def main() -> None:
     errors = allreduce_errors(world, 1024 if quick else 16384)
     # SGD: the derived tolerance holds for hundreds of steps (Adam's sign flips do not)
     losses = loss_curves(dict(base, optimizer="sgd"), world, 40 if quick else 300)
+    layers, outlier = {}, {}
+    if world.Get_rank() == 0:   # 6a and 6b in one process; 6c on every rank
+        layers = fp8_layers(dict(base, optimizer="sgd"), 10 if quick else 20)
+        outlier = fp8_outlier()
+    fp8_allgather(base, world)
     if world.Get_rank() == 0 and args.plot:
         figures(per_param, sums, history, errors, losses, n, args.plot)
+        fp8_figures(layers, outlier, args.plot)
 
 
 if __name__ == "__main__":
