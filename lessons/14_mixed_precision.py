@@ -578,8 +578,8 @@ def fp8_figures(layers: dict[str, list[float]], outlier: dict, folder: Path) -> 
     right.set_yscale("log")
     right.set_xlabel(f"feature of row {row}, the outlier's (at {col})")
     right.set_ylabel("|Q(x) - x| / |x| (floored at 1e-4; 1 = flushed to 0)")
-    right.set_title(f"the outlier's row, outlier = {big:g}: tensorwise and rowwise flush "
-                    "it to 0 (at 1, together)", fontsize=10)
+    right.set_title(f"the outlier's row, outlier = {big:g}: tensorwise and rowwise\n"
+                    "flush the row's other numbers to 0 (error 1, together)", fontsize=10)
     fig.legend(loc="outside right center", fontsize=8, frameon=False)
     print("figure:", save(fig, folder / "14_fp8_outlier.png"), flush=True)
 
