@@ -122,7 +122,8 @@ def sum_not_mean() -> list[Swap]:
     from minipar.parallel import data_parallel as dp  # here: loads mpi4py.MPI
 
     def bucketed_allreduce_sum(buckets: list[list[nn.Parameter]], mesh: Mesh,
-                               flats: list[np.ndarray] | None = None) -> None:
+                               flats: list[np.ndarray] | None = None,
+                               precision: object = None) -> None:
         for bucket in buckets:
             flat = dp.pack(bucket)
             group = dp._group(bucket[0], mesh)
@@ -233,12 +234,12 @@ def no_allgather() -> list[Swap]:
     from minipar.parallel import zero  # here: loads mpi4py.MPI (module docstring)
 
     def make_zero_without_allgather(stage: int, chunks: list[nn.Model], mesh: Mesh,
-                                    optimizer: Optimizer) -> zero.Zero1:
+                                    optimizer: Optimizer, precision: object) -> zero.Zero1:
         class NoAllgather({1: zero.Zero1, 2: zero.Zero2}[stage]):
             def allgather_params(self) -> None:
                 """BUG: nothing. My slice is updated; every other slice stays stale here."""
 
-        return NoAllgather(chunks, mesh, optimizer)
+        return NoAllgather(chunks, mesh, optimizer, precision)
 
     return [(zero, "make_zero", make_zero_without_allgather)]
 
@@ -298,14 +299,14 @@ def found_inf_per_rank() -> list[Swap]:
 def no_master_weights() -> list[Swap]:
     """The update lands on the 16-bit copy: after each step the master is set back to
     its own rounding, so an update smaller than half a 16-bit step is lost."""
-    from minipar.parallel import data_parallel
+    from minipar.parallel import mixed
 
     def cast_copies(masters: list[np.ndarray], copies: list[np.ndarray]) -> None:
         for master, copy in zip(masters, copies):
             copy[...] = master.astype(copy.dtype)
             master[...] = copy  # BUG: the master kept no finer than the 16-bit copy
 
-    return [(data_parallel, "cast_copies", cast_copies)]
+    return [(mixed, "cast_copies", cast_copies)]
 
 
 def tp_partials_in_16_bits() -> list[Swap]:

@@ -185,21 +185,21 @@ def make_updater(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     step's backward: plain data parallelism (`--grad-sync`) or a ZeRO stage (`--zero`).
     Built once, before the first forward (it may wrap the pieces of `chunks`)."""
     from minipar.parallel import data_parallel, muon_mesh, zero  # here: they load MPI
-    from minipar.parallel.mixed import MixedStep
+    from minipar.parallel.mixed import FullPrecision, MixedStep
 
-    # --mixed: masters, main gradients, S and the found_inf vote (parallel/mixed.py); the
-    # vote runs over the world, which holds every axis whose ranks hold different grads
-    mixed = MixedStep(cfg.mixed, cfg.grad_reduce_dtype, cfg.loss_scale,
-                      cfg.loss_scale_window, mesh.world) if cfg.mixed else None
-    extra = {} if mixed is None else {"mixed": mixed}  # (lesson 08's detours: no mixed)
+    # the precision policy the updater is handed (parallel/mixed.py). --mixed: masters,
+    # main gradients, S and the found_inf vote; the vote runs over the world, which holds
+    # every axis whose ranks hold different grads. Without: one dtype throughout
+    policy = MixedStep(cfg.mixed, cfg.grad_reduce_dtype, cfg.loss_scale,
+                       cfg.loss_scale_window, mesh.world) if cfg.mixed else FullPrecision()
     # how a matrix's pieces meet over the mesh (Muon needs them whole; SGD and Adam never
     # ask): parallel/muon_mesh.py
     optimizer.bind(muon_mesh.MeshMeeting(mesh))
     if cfg.zero == 0:
         updater = data_parallel.DataParallel(chunks, mesh, optimizer, cfg.grad_sync,
-                                             cfg.bucket_size, cfg.microbatches, **extra)
+                                             cfg.bucket_size, cfg.microbatches, policy)
     else:
-        updater = zero.make_zero(cfg.zero, chunks, mesh, optimizer, **extra)
+        updater = zero.make_zero(cfg.zero, chunks, mesh, optimizer, policy)
     if cfg.clip_grad_norm is not None:  # --clip-grad-norm: between the sync and the step
         from minipar.compose.clip import Clipper
 

@@ -89,20 +89,24 @@ EXERCISES = [
     Exercise(
         "dp-naive", "Data parallelism: one Allreduce per parameter",
         "In data_parallel.allreduce_gradients, make every replica's gradient the average "
-        "over dp: for each parameter p, Allreduce(SUM) its gradient grad_or_zeros(p) in "
+        "over dp: for each parameter p, Allreduce its gradient grad_or_zeros(p) in "
         "place over its replica group _group(p, mesh) (the dp group, or edp for an expert "
         "weight), then divide by mesh.shape.replicas (dp, times cp under context "
-        "parallelism). Shapes: p.grad has p.data's shape; one "
+        "parallelism). What travels and how it adds comes from the precision policy: "
+        "buf, op = precision.reduction(grad) (in one dtype: grad itself and MPI.SUM), "
+        "then precision.reduced(grad, buf). Shapes: p.grad has p.data's shape; one "
         "Allreduce per parameter.",
         [_train(dp=4, grad_sync="naive"),
          _train(model="moe", dp=4, ep=2, grad_sync="naive")]),
     Exercise(
         "dp-bucketed", "Data parallelism: one Allreduce per bucket",
         "In data_parallel.bucketed_allreduce, for each bucket (a list of parameters of "
-        "one sync group): pack its gradients into one flat buffer (pack), Allreduce(SUM) "
-        "the buffer in place over the bucket's group (_group(bucket[0], mesh)), and unpack "
-        "it back scaled by 1/dp. Shapes: the flat buffer has sum(p.size) elements; one "
-        "Allreduce per bucket, none on a group of one rank.",
+        "one sync group): pack its gradients into one flat buffer (pack), Allreduce "
+        "the buffer in place over the bucket's group (_group(bucket[0], mesh)), what the "
+        "precision policy hands you (buf, op = precision.reduction(flat); then "
+        "precision.reduced(flat, buf)), and unpack it back scaled by 1/dp. Shapes: the "
+        "flat buffer has sum(p.size) elements; one Allreduce per bucket, none on a group "
+        "of one rank.",
         [_train(dp=4, grad_sync="bucketed", bucket_size=100),
          _train(model="moe", dp=4, ep=2, grad_sync="bucketed", bucket_size=100)]),
     Exercise(
@@ -157,7 +161,9 @@ EXERCISES = [
         "[a, b) over the space's replicas and returns only this rank's part of it: ask "
         "the layout how many elements of [a, b) each rank owns, make the receive buffer "
         "for this rank's count, and let one Reduce_scatter (with those counts, summing) "
-        "fill it. Zero1.allgather_params gives every replica every rank's updated slice "
+        "fill it; the precision policy self.precision says what is sent and how it adds "
+        "(reduction), where the sum lands (landing) and hands it back (reduced). "
+        "Zero1.allgather_params gives every replica every rank's updated slice "
         "of each space's flat parameters, in place: one Allgatherv over the space's group, "
         "each rank's count from the layout, the displacements their running sums.",
         [_train(dp=4, zero=1, optimizer="adam"), _train(dp=2, tp=2, zero=1)]),

@@ -39,7 +39,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import placement
-from minipar.comm import low_precision, trace
+from minipar.comm import trace
 from minipar.comm.collectives import Group
 from minipar.comm.mesh import Mesh
 from minipar.core.memory import ModelStates, measure
@@ -48,7 +48,9 @@ from minipar.core.optim import Optimizer, held_whole
 from minipar.core.shards import held_parts
 from minipar.parallel.buckets import flat_buffers, grad_or_zeros, make_buckets, pack, unpack
 from minipar.parallel.dp_hooks import Hooks, Piece, install_hooks
-from minipar.parallel.mixed import MixedStep, cast_copies, sum_gradients
+from minipar.parallel.mixed import FullPrecision
+
+FULL = FullPrecision()  # the policy of a run in one dtype (parallel/mixed.py)
 
 
 def _group(p: Parameter, mesh: Mesh) -> Group:
@@ -59,7 +61,7 @@ def _group(p: Parameter, mesh: Mesh) -> Group:
 
 # ------------------------------------------------------------- 1. naive
 def allreduce_gradients(params: Sequence[Parameter], mesh: Mesh,
-                        mixed: MixedStep | None = None) -> None:
+                        precision: FullPrecision = FULL) -> None:
     """Naive DP: one Allreduce per parameter, then divide by dp.
 
     A parameter replicated over all data-parallel ranks (`sync="dp"`) sums over
@@ -69,7 +71,8 @@ def allreduce_gradients(params: Sequence[Parameter], mesh: Mesh,
     one rank's *local mean* loss, of which there are dp in the global mean.
     With context parallelism every rank's loss is the mean over its positions, so
     the sum runs over the dp x cp ranks and is divided by dp cp (`mesh.shape.replicas`).
-    `mixed`: under --mixed, how the sum runs (parallel/mixed.py: master or 16-bit).
+    `precision`: the policy (parallel/mixed.py) that says what travels and how it
+    adds; without --mixed the gradient itself, with MPI.SUM.
     """
     for p in params:
         if p.sync is None:
@@ -77,10 +80,9 @@ def allreduce_gradients(params: Sequence[Parameter], mesh: Mesh,
         # exercise: dp-naive
         grad, group = grad_or_zeros(p), _group(p, mesh)
         if group.size > 1:
-            if mixed is None:
-                group.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)  # g_i of every replica -> sum
-            else:  # --mixed: in the master dtype or in 16 bits (--grad-reduce-dtype)
-                sum_gradients(group, grad, mixed)
+            buf, op = precision.reduction(grad)          # grad and MPI.SUM, in one dtype
+            group.Allreduce(MPI.IN_PLACE, buf, op=op)    # g_i of every replica -> sum
+            precision.reduced(grad, buf)
             placement.summed([p], group)                    # Partial -> Replicate over dp
         if mesh.shape.replicas > 1:
             grad /= mesh.shape.replicas
@@ -90,10 +92,10 @@ def allreduce_gradients(params: Sequence[Parameter], mesh: Mesh,
 # ----------------------------------------------------------- 2. bucketed
 def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: Mesh,
                        flats: Sequence[np.ndarray] | None = None,
-                       mixed: MixedStep | None = None) -> None:
+                       precision: FullPrecision = FULL) -> None:
     """Bucketed DP: one in-place Allreduce per bucket, then divide by dp. `flats`: the
-    buckets' reused buffers (`flat_buffers`), or None for new ones. `mixed`: under
-    --mixed, how the sum runs (parallel/mixed.py: master or 16-bit)."""
+    buckets' reused buffers (`flat_buffers`), or None for new ones. `precision`: what
+    travels and how it adds (parallel/mixed.py; in one dtype the bucket, MPI.SUM)."""
     # exercise: dp-bucketed
     for i, bucket in enumerate(buckets):
         group = _group(bucket[0], mesh)
@@ -101,10 +103,9 @@ def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: Mesh,
             continue  # one replica and nothing to average: the gradients are final
         flat = pack(bucket, None if flats is None else flats[i])
         if group.size > 1:
-            if mixed is None:
-                group.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)  # a bucket of g_i -> its sum
-            else:  # --mixed: in the master dtype or in 16 bits (--grad-reduce-dtype)
-                sum_gradients(group, flat, mixed)
+            buf, op = precision.reduction(flat)          # the bucket and MPI.SUM, in one dtype
+            group.Allreduce(MPI.IN_PLACE, buf, op=op)    # a bucket of g_i -> its sum
+            precision.reduced(flat, buf)
             placement.summed(bucket, group)                 # Partial -> Replicate over dp
         unpack(bucket, flat, 1.0 / mesh.shape.replicas)
     # end exercise
@@ -116,10 +117,9 @@ class OverlappedAllreduce(Hooks):
     parameter in it for the last microbatch; `finish` waits for all of them."""
 
     def __init__(self, buckets: list[list[Parameter]], mesh: Mesh, microbatches: int,
-                 mixed: MixedStep | None = None) -> None:
+                 precision: FullPrecision = FULL) -> None:
         self.buckets, self.mesh, self.microbatches = buckets, mesh, microbatches
-        # --grad-reduce-dtype low: each bucket travels as a 16-bit copy, summed in 16 bits
-        self.low = mixed.low if mixed is not None and mixed.reduce_low else None
+        self.precision = precision  # what travels for a bucket (parallel/mixed.py)
         self.flats = flat_buffers(buckets)  # each bucket's buffer, reused every step
         self.bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
         self._reset()
@@ -128,7 +128,7 @@ class OverlappedAllreduce(Hooks):
         self.passes: dict[int, int] = {}                   # piece -> backward passes so far
         self.waiting = [len(bucket) for bucket in self.buckets]  # params not final yet
         self.in_flight: list[tuple[int, np.ndarray, MPI.Request | None]] = []
-        self.copies: dict[int, np.ndarray] = {}  # --mixed, low: bucket -> its 16-bit copy
+        self.travelling: dict[int, np.ndarray] = {}  # bucket -> what travels for it
 
     def before_backward(self, piece: Piece) -> None:
         self._progress()
@@ -157,14 +157,12 @@ class OverlappedAllreduce(Hooks):
     def _launch(self, i: int) -> None:
         flat = pack(self.buckets[i], self.flats[i])
         group = _group(self.buckets[i][0], self.mesh)
-        request = None
-        if group.size > 1 and self.low is not None:  # --mixed, low: a 16-bit copy travels
-            self.copies[i] = flat.astype(self.low)
-            request = low_precision.iallreduce_low(group, self.copies[i])
-            placement.summed(self.buckets[i], group)
-        elif group.size > 1:  # a bucket of g_i -> its sum, in the background
-            request = group.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+        buf, request = flat, None
+        if group.size > 1:  # a bucket of g_i -> its sum, in the background
+            buf, op = self.precision.reduction(flat)   # in one dtype: flat and MPI.SUM
+            request = group.Iallreduce(MPI.IN_PLACE, buf, op=op)
             placement.summed(self.buckets[i], group)       # Partial -> Replicate over dp
+        self.travelling[i] = buf  # kept until finish: MPI is writing into it
         self.in_flight.append((i, flat, request))
 
     def finish(self) -> int:
@@ -178,8 +176,7 @@ class OverlappedAllreduce(Hooks):
         trace.wait([r for _, _, r in self.in_flight if r is not None],
                    "Waitall of the gradient buckets over dp")
         for i, flat, _ in self.in_flight:
-            if i in self.copies:     # the 16-bit sum back into the master-dtype buffer
-                flat[...] = self.copies[i]
+            self.precision.reduced(flat, self.travelling[i])   # the sum into the bucket
             unpack(self.buckets[i], flat, 1.0 / self.mesh.shape.replicas)
         self._reset()
         return early
@@ -221,61 +218,51 @@ class DataParallel:
 
     def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer,
                  grad_sync: str = "bucketed", bucket_size: int = 65536,
-                 microbatches: int = 1, mixed: MixedStep | None = None) -> None:
+                 microbatches: int = 1, precision: FullPrecision = FULL) -> None:
         self.params = [p for chunk in chunks for p in chunk.parameters()]
         self.mesh, self.optimizer, self.grad_sync = mesh, optimizer, grad_sync
-        # --mixed (parallel/mixed.py): the optimizer updates master copies in --dtype;
-        # each p.data becomes the 16-bit compute copy, cast from its master after a step
-        self.mixed = mixed
-        self.masters: list[np.ndarray] | None = None
-        if mixed is not None:
-            self.masters = [p.data for p in self.params]
-            for p in self.params:
-                p.data = p.data.astype(mixed.low)
+        # the precision policy (parallel/mixed.py): the optimizer updates `masters`, the
+        # parameters as built; each p.data becomes the copy the model computes with (the
+        # same array in one dtype), made anew from its master after each step
+        self.precision = precision
+        self.masters = [p.data for p in self.params]
+        for p in self.params:
+            p.data = precision.compute_copy(p.data)
         self.buckets = make_buckets(self.params, bucket_size)
         self.flats = flat_buffers(self.buckets) if grad_sync == "bucketed" else None
         self.overlap = None
         self.started_in_backward = 0  # buckets the last step started during backward
         if grad_sync == "overlapped":
-            self.overlap = OverlappedAllreduce(self.buckets, mesh, microbatches, mixed)
+            self.overlap = OverlappedAllreduce(self.buckets, mesh, microbatches, precision)
             install_hooks(chunks, self.overlap)
 
     def step(self) -> None:
         if self.grad_sync == "naive":
-            allreduce_gradients(self.params, self.mesh, self.mixed)
+            allreduce_gradients(self.params, self.mesh, self.precision)
         elif self.grad_sync == "bucketed":
-            if self.mixed is None:  # (lesson 08's detour stands in with these arguments)
-                bucketed_allreduce(self.buckets, self.mesh, self.flats)
-            else:
-                bucketed_allreduce(self.buckets, self.mesh, self.flats, mixed=self.mixed)
+            bucketed_allreduce(self.buckets, self.mesh, self.flats, self.precision)
         else:
             self.started_in_backward = self.overlap.finish()
-        if self.mixed is not None and self.mixed.unscale_and_vote(
-                [grad_or_zeros(p) for p in self.params]):
+        if self.precision.skips([grad_or_zeros(p) for p in self.params]):
             return  # fp16 overflow somewhere: every rank skips this update (S halved)
         if self.clipper is not None:  # clip.py: the global norm, one scale on every rank
             grads = [grad_or_zeros(p) for p in self.params]
             self.clipper(list(zip(self.params, grads)), grads)
         # the optimizer is handed whole parameters (or their TP shards), and says so
-        if self.masters is None:
-            self.optimizer.step([p.data for p in self.params], [p.grad for p in self.params],
-                                held_whole(self.params))
-            return
         self.optimizer.step(self.masters, [p.grad for p in self.params],  # the masters,
                             held_whole(self.params))
-        cast_copies(self.masters, [p.data for p in self.params])     # then the 16-bit copy
+        self.precision.refresh(self.masters, [p.data for p in self.params])  # the copies
 
     def my_slices(self) -> list[np.ndarray]:
-        """The numbers this rank's optimizer updates: the masters under --mixed, else
-        the parameters themselves."""
-        return self.masters if self.masters is not None else [p.data for p in self.params]
+        """The numbers this rank's optimizer updates: the masters (in one dtype the
+        parameters themselves)."""
+        return self.masters
 
     def use_masters(self) -> None:
         """Point every `p.data` at its master (the end of a --mixed run: what --check,
         --dump and checkpoints read). No-op without --mixed."""
-        if self.masters is not None:
-            for p, master in zip(self.params, self.masters):
-                p.data = master
+        for p, master in zip(self.params, self.masters):
+            p.data = master
 
     def materialize(self) -> None:
         """Every parameter is already whole in `p.data` (ZeRO-3 must gather them)."""
@@ -283,7 +270,8 @@ class DataParallel:
     def memory(self) -> ModelStates:
         """Bytes of parameters, gradients and optimizer state this rank holds."""
         return measure([p.data for p in self.params], [p.grad for p in self.params],
-                       self.optimizer.held_state(), self.masters or ())
+                       self.optimizer.held_state(),
+                       [m for p, m in zip(self.params, self.masters) if m is not p.data])
 
     def checkpoint_pieces(self) -> tuple[list[Parameter], dict[str, list[np.ndarray]]]:
         """Every parameter as it is held (its `full_index`), with its optimizer state."""

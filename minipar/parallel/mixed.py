@@ -6,7 +6,7 @@ does the same four things around its optimizer step, through one `MixedStep`:
 
     1. the DP / ZeRO reduction of the main gradients runs in the master dtype
        (`--grad-reduce-dtype master`), or on a 16-bit copy summed in 16 bits
-       (`low`: half the bytes; `sum_gradients`, `reduce_scatter_gradients`);
+       (`low`: half the bytes; `reduction`, `landing`, `reduced`);
     2. the main gradients are divided by the loss scale S (`unscale_and_vote`);
     3. found_inf: every rank's "I hold an inf or a NaN" is MAX-Allreduced over the
        world (a superset of every axis whose ranks hold different gradients: dp,
@@ -15,6 +15,17 @@ does the same four things around its optimizer step, through one `MixedStep`:
        them (`cast_copies`).
 
 bf16 keeps S = 1 and takes no vote (its range is float32's).
+
+The strategies never ask which precision runs (docs/design.md, "Seams"): each is
+handed a policy, `FullPrecision` without --mixed or a `MixedStep`, and calls the same
+methods on either. The collective stays at the strategy's call site; the policy only
+says what travels and how it adds:
+
+    buf, op = precision.reduction(grad)        # FullPrecision: grad itself, MPI.SUM
+    group.Allreduce(MPI.IN_PLACE, buf, op=op)
+    precision.reduced(grad, buf)               # the sum back into grad (16 bits: a copy)
+
+so a run without --mixed executes the very calls it did before the policy existed.
 """
 
 from __future__ import annotations
@@ -27,11 +38,54 @@ from mpi4py import MPI
 from minipar.comm import low_precision
 from minipar.comm.collectives import Group
 from minipar.core import precision
+from minipar.core.precision import wire
 
 
-class MixedStep:
+class FullPrecision:
+    """The precision policy of a run without --mixed: one dtype (--dtype) computes,
+    travels and is updated. Every method hands the strategy its own arrays back, so
+    each collective runs on them as they are, summed with MPI.SUM, and the optimizer
+    updates the parameters themselves."""
+
+    scaler: precision.LossScaler | None = None   # no loss scale
+
+    def reduction(self, x: np.ndarray) -> tuple[np.ndarray, MPI.Op]:
+        """What travels for the gradients `x` in a summing collective, and the MPI
+        operation that adds it: here `x` itself and MPI.SUM (summed in place)."""
+        return x, MPI.SUM
+
+    def landing(self, x: np.ndarray) -> np.ndarray:
+        """The receive buffer of a sum meant for `x` (a Reduce_scatter's): `x` itself."""
+        return x
+
+    def reduced(self, x: np.ndarray, buf: np.ndarray) -> None:
+        """The sum that arrived in `buf` written into `x`: nothing, it landed in `x`."""
+
+    def compute_copy(self, x: np.ndarray) -> np.ndarray:
+        """The array the model computes with, made from the numbers `x` the optimizer
+        updates: `x` itself (no copy)."""
+        return x
+
+    def master_of(self, x: np.ndarray) -> np.ndarray | None:
+        """A separate copy of `x` for the optimizer to update, or None when it updates
+        `x` itself (here: None)."""
+        return None
+
+    def refresh(self, updated: Sequence[np.ndarray], copies: Sequence[np.ndarray]) -> None:
+        """After the update: the compute copies made anew from the updated numbers.
+        Nothing here: they are the same arrays."""
+
+    def skips(self, grads: Sequence[np.ndarray]) -> bool:
+        """After the sum, before the update: does every rank skip this step? Never."""
+        return False
+
+
+class MixedStep(FullPrecision):
     """The mixed-precision state of one rank's updater: the loss scaler, the 16-bit
-    dtype, how DP / ZeRO reduce, and the group found_inf is voted over."""
+    dtype, how DP / ZeRO reduce, and the group found_inf is voted over. As a policy
+    (`FullPrecision`'s methods): 16-bit compute copies of master-dtype masters, and the
+    gradients summed in the master dtype or, with `--grad-reduce-dtype low`, as 16-bit
+    words added by `low_precision.low_sum_op`."""
 
     def __init__(self, mixed: str, grad_reduce_dtype: str, scale: float, window: int,
                  vote: Group) -> None:
@@ -67,26 +121,39 @@ class MixedStep:
         self.history.append((used, self.skipped_last))
         return self.skipped_last
 
+    def reduction(self, x: np.ndarray) -> tuple[np.ndarray, MPI.Op]:
+        """In the master dtype: `x` and MPI.SUM. Low: a 16-bit copy of `x` as uint16
+        words (half the bytes) and the operation that adds them in 16 bits."""
+        if not self.reduce_low:
+            return x, MPI.SUM
+        return wire(x.astype(self.low)), low_precision.low_sum_op(self.low)
 
-def sum_gradients(group: Group, flat: np.ndarray, mixed: MixedStep | None) -> None:
-    """Sum the master-dtype gradient buffer `flat` over the group, in place: in the
-    master dtype, or (`--grad-reduce-dtype low`) as a 16-bit copy summed in 16 bits and
-    written back."""
-    if mixed is None or not mixed.reduce_low:
-        group.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)  # g_i of every replica -> sum
-        return
-    flat[...] = low_precision.allreduce_low(group, flat.astype(mixed.low))
+    def landing(self, x: np.ndarray) -> np.ndarray:
+        """`x`, or under `low` a new 16-bit buffer of its size (as uint16 words)."""
+        if not self.reduce_low:
+            return x
+        return wire(np.empty(x.shape, dtype=self.low))
 
+    def reduced(self, x: np.ndarray, buf: np.ndarray) -> None:
+        """Under `low`: the 16-bit sum in `buf` back into the master-dtype `x`."""
+        if buf is not x:
+            x[...] = buf.view(self.low)
 
-def reduce_scatter_gradients(group: Group, grads: np.ndarray, counts: list[int],
-                             mixed: MixedStep | None) -> np.ndarray | None:
-    """ZeRO's Reduce_scatter under `--grad-reduce-dtype low`: the 16-bit copy of the
-    master-dtype gradients summed in 16 bits; my part back in the master dtype. None
-    when the reduction runs in the master dtype (the caller's own Reduce_scatter)."""
-    if mixed is None or not mixed.reduce_low:
-        return None
-    mine = low_precision.reduce_scatter_low(group, grads.astype(mixed.low), counts)
-    return mine.astype(grads.dtype)
+    def compute_copy(self, x: np.ndarray) -> np.ndarray:
+        """The 16-bit copy of the master `x`."""
+        return x.astype(self.low)
+
+    def master_of(self, x: np.ndarray) -> np.ndarray | None:
+        """A master-dtype copy of `x`: the optimizer updates it, never the 16-bit one."""
+        return x.copy()
+
+    def refresh(self, updated: Sequence[np.ndarray], copies: Sequence[np.ndarray]) -> None:
+        """Each 16-bit compute copy cast from its updated master (`cast_copies`)."""
+        cast_copies(updated, copies)
+
+    def skips(self, grads: Sequence[np.ndarray]) -> bool:
+        """The gradients divided by S, and every rank's vote (`unscale_and_vote`)."""
+        return self.unscale_and_vote(grads)
 
 
 def cast_copies(masters: Sequence[np.ndarray], copies: Sequence[np.ndarray]) -> None:

@@ -59,22 +59,24 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import placement
-from minipar.comm import low_precision
 from minipar.comm.collectives import Group
+from minipar.comm.low_precision import mpi_type
 from minipar.comm.mesh import Mesh
-from minipar.core import precision
 from minipar.core.autograd import Tensor
 from minipar.core.memory import FlatLayout, ModelStates, displacements, measure
 from minipar.core.nn import Module, Parameter
 from minipar.core.optim import Held, Optimizer
+from minipar.core.precision import gather_codec, wire
 from minipar.core.shards import flat_boxes, in_full_array
 from minipar.parallel.buckets import grad_or_zeros
 from minipar.parallel.dp_hooks import Hooks, Piece, install_hooks
-from minipar.parallel.mixed import MixedStep, cast_copies, reduce_scatter_gradients
+from minipar.parallel.mixed import FullPrecision
+
+FULL = FullPrecision()  # the policy of a run in one dtype (parallel/mixed.py)
 
 
 def _mpi_type(array: np.ndarray) -> MPI.Datatype:
-    return low_precision.mpi_type(array)  # a 16-bit array travels as uint16 words
+    return mpi_type(array)  # a 16-bit array travels as uint16 words
 
 
 class Space:
@@ -84,19 +86,20 @@ class Space:
     only (the dp ranks holding the same experts), so they get a flat vector of their own,
     sliced over edp (DeepSpeed-MoE's way). Each parameter's `data` is a view into `flat`.
 
-    Under --mixed (`mixed`, parallel/mixed.py) `flat` is the 16-bit compute copy and
-    `master` my slice of the master copy in --dtype: the optimizer updates `master`, the
-    rank casts it into its slice of `flat`, and the Allgather moves 16-bit words."""
+    The precision policy (`precision`, parallel/mixed.py) makes `flat` the copy the model
+    computes with and may keep `master`, my slice of a separate copy the optimizer
+    updates (under --mixed: 16-bit `flat`, --dtype `master`; the rank casts `master` into
+    its slice of `flat` and the Allgather moves 16-bit words). In one dtype there is no
+    `master`: the optimizer updates my slice of `flat` itself."""
 
     def __init__(self, params: list[Parameter], group: Group,
-                 mixed: MixedStep | None = None) -> None:
-        self.params, self.group, self.mixed = params, group, mixed
+                 precision: FullPrecision = FULL) -> None:
+        self.params, self.group, self.precision = params, group, precision
         self.layout = FlatLayout([p.data.shape for p in params], group.size, group.rank)
         self.flat: np.ndarray | None = np.concatenate([p.data.ravel() for p in params])
-        self.master: np.ndarray | None = None
-        if mixed is not None:  # my slice of the masters, then the flat copy in 16 bits
-            self.master = self.flat[self.layout.start:self.layout.stop].copy()
-            self.flat = self.flat.astype(mixed.low)
+        # my slice of the masters (None in one dtype), then the flat copy to compute with
+        self.master = precision.master_of(self.flat[self.layout.start:self.layout.stop])
+        self.flat = precision.compute_copy(self.flat)
         for p, view in zip(params, self.layout.views(self.flat)):
             p.data = view
         kind = "expert" if any(p.sync == "edp" for p in params) else "dense"
@@ -107,8 +110,8 @@ class Space:
         self.span: dict[int, tuple[int, int]] = {}  # piece -> (first, last) array index
 
     def mine(self) -> np.ndarray:
-        """My slice of the flat parameters: the only numbers this rank updates (under
-        --mixed, my slice of the masters)."""
+        """My slice of the flat parameters: the only numbers this rank updates (my slice
+        of the masters when the policy keeps them)."""
         if self.master is not None:
             return self.master
         return self.compute_slice()
@@ -125,12 +128,12 @@ class Space:
             return grads.copy()
         # exercise: zero1
         counts = self.layout.overlap(a, b)
-        low = reduce_scatter_gradients(self.group, grads, counts, self.mixed)
-        if low is not None:  # --grad-reduce-dtype low: summed in 16 bits (parallel/mixed.py)
-            return low
         mine = np.empty(counts[self.layout.rank], dtype=grads.dtype)
+        send, op = self.precision.reduction(grads)   # in one dtype: grads and MPI.SUM
+        recv = self.precision.landing(mine)          # and the sum lands in `mine` itself
         # [a, b) of every replica's g_i -> the sum, each rank receiving its slice of it
-        self.group.Reduce_scatter(grads, mine, counts, op=MPI.SUM)
+        self.group.Reduce_scatter(send, recv, counts, op=op)
+        self.precision.reduced(mine, recv)
         return mine
         # end exercise
 
@@ -139,14 +142,14 @@ class Space:
         return self.layout.span(*self.span[id(piece)])
 
 
-def spaces_of(params: list[Parameter], mesh: Mesh, mixed: MixedStep | None = None
+def spaces_of(params: list[Parameter], mesh: Mesh, precision: FullPrecision = FULL
               ) -> list[Space]:
     """The flat vectors: dense weights over dp, expert weights (if any) over edp (with
     context parallelism over dp x cp and edp x cp: mesh.dp_cp, mesh.edp_cp)."""
     groups = {"dp": mesh.dp_cp, "edp": mesh.edp_cp}  # with cp, every cp coordinate too
     if any(p.sync not in groups for p in params):
         raise ValueError("ZeRO here shards parameters replicated over dp or edp only")
-    return [Space([p for p in params if p.sync == sync], group, mixed)
+    return [Space([p for p in params if p.sync == sync], group, precision)
             for sync, group in groups.items() if any(p.sync == sync for p in params)]
 
 
@@ -158,11 +161,11 @@ class Zero1:
     clipper = None  # clip.Clipper with --clip-grad-norm: called on my slices
 
     def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer,
-                 mixed: MixedStep | None = None) -> None:
+                 precision: FullPrecision = FULL) -> None:
         self.params = [p for chunk in chunks for p in chunk.parameters()]
         # the replicas: dp ranks, and with context parallelism dp x cp (mesh.dp_cp)
-        self.dp, self.optimizer, self.mixed = mesh.shape.replicas, optimizer, mixed
-        self.spaces = spaces_of(self.params, mesh, mixed)
+        self.dp, self.optimizer, self.precision = mesh.shape.replicas, optimizer, precision
+        self.spaces = spaces_of(self.params, mesh, precision)
 
     def my_slices(self) -> list[np.ndarray]:
         """My slice of each flat vector: the only numbers this rank updates."""
@@ -182,20 +185,20 @@ class Zero1:
         """g = (sum_i g_i) / dp on my slices, then the optimizer on my slices only: its
         state (Adam's m and v) is created with their shapes. Expert gradients, summed
         over edp, are divided by dp too (data_parallel.allreduce_gradients says why).
-        Under --mixed: the gradients unscaled, the step skipped by every rank if any saw
-        an overflow (returns False: nothing updated), the 16-bit slice cast from the
-        updated masters. Returns True when the parameters changed."""
+        The precision policy may skip the step on every rank (fp16: an overflow on one;
+        returns False: nothing updated) and remakes my compute slice from the updated
+        masters (16-bit under --mixed). Returns True when the parameters changed."""
         for grad_shard in grad_shards:
             grad_shard /= self.dp
-        if self.mixed is not None and self.mixed.unscale_and_vote(grad_shards):
+        if self.precision.skips(grad_shards):
             return False  # fp16 overflow somewhere: every rank skips (S halved)
         if self.clipper is not None:  # clip.py: my slices are Shard over dp x cp
             pieces = [(p, shard[where]) for space, shard in zip(self.spaces, grad_shards)
                       for p, _, where in self.shard_pieces(space)]
             self.clipper(pieces, grad_shards, zero_sliced=True)
         self.optimizer.step(self.my_slices(), grad_shards, self.held())
-        if self.mixed is not None:  # my 16-bit slice cast from my updated masters
-            cast_copies(self.my_slices(), [space.compute_slice() for space in self.spaces])
+        # my compute slice made anew from my updated masters (nothing in one dtype)
+        self.precision.refresh(self.my_slices(), [space.compute_slice() for space in self.spaces])
         for space in self.spaces:   # only my slice is new: the flat vector is Shard(0)
             placement.place(space.values, space.group, placement.Shard(0))
         return True
@@ -210,7 +213,7 @@ class Zero1:
             # exercise: zero1
             counts = space.layout.counts
             # my updated slice -> every replica; every other slice -> me, in place
-            space.group.Allgatherv(MPI.IN_PLACE, [low_precision.wire(space.flat), counts,
+            space.group.Allgatherv(MPI.IN_PLACE, [wire(space.flat), counts,
                                                   displacements(counts),
                                                   _mpi_type(space.flat)])
             # end exercise
@@ -295,8 +298,8 @@ class Zero1:
     def use_masters(self) -> None:
         """Point every `p.data` at its whole master (the end of a --mixed run: what
         --check and --dump read): each rank's master slice Allgathered into a full
-        master-dtype flat vector per space. No-op without --mixed."""
-        if self.mixed is None:
+        master-dtype flat vector per space. No-op without masters (one dtype)."""
+        if not self.master_slices():
             return
         for space in self.spaces:
             whole = np.empty(space.layout.total, dtype=space.master.dtype)
@@ -310,7 +313,7 @@ class Zero1:
                 p.data = view
 
     def master_slices(self) -> list[np.ndarray]:
-        """The master slices this rank keeps (none without --mixed)."""
+        """The master slices this rank keeps (none in one dtype)."""
         return [space.master for space in self.spaces if space.master is not None]
 
     def memory(self) -> ModelStates:
@@ -327,8 +330,8 @@ class Zero2(Zero1, Hooks):
     stage = 2
 
     def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer,
-                 mixed: MixedStep | None = None) -> None:
-        super().__init__(chunks, mesh, optimizer, mixed)
+                 precision: FullPrecision = FULL) -> None:
+        super().__init__(chunks, mesh, optimizer, precision)
         self.pieces = install_hooks(chunks, self)
         for space in self.spaces:  # --mixed: my slice of the main gradients, master dtype
             space.grad_shard = np.zeros(space.layout.counts[space.layout.rank],
@@ -386,8 +389,8 @@ class Zero3(Zero2):
     stage = 3
 
     def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer,
-                 mixed: MixedStep | None = None) -> None:
-        super().__init__(chunks, mesh, optimizer, mixed)
+                 precision: FullPrecision = FULL) -> None:
+        super().__init__(chunks, mesh, optimizer, precision)
         for space in self.spaces:  # (Psi/N,): my slice, the only copy I keep (16-bit
             space.shard = space.compute_slice().copy()  # under --mixed, beside the master)
             space.flat = None
@@ -403,14 +406,14 @@ class Zero3(Zero2):
             a, b = space.flat_range(piece)
             whole = np.empty(b - a, dtype=space.shard.dtype)
             counts = space.layout.overlap(a, b)
-            codec = precision.gather_codec()   # --fp8-allgather: 8-bit words (fp8.py)
+            codec = gather_codec()   # --fp8-allgather: 8-bit words (fp8.py)
             if space.group.size == 1:
                 whole[...] = space.shard[a:b]
             elif codec is not None:   # my part as 8-bit words + bf16 bytes -> every replica
                 codec.allgather(space, a, b, whole, counts)
             else:  # my part of the piece -> every replica; the other parts -> me
-                space.group.Allgatherv(low_precision.wire(space.shard[space.layout.mine(a, b)]),
-                                       [low_precision.wire(whole), counts,
+                space.group.Allgatherv(wire(space.shard[space.layout.mine(a, b)]),
+                                       [wire(whole), counts,
                                         displacements(counts), _mpi_type(whole)])
             first, last = space.span[id(piece)]
             for p, view in zip(space.params[first:last + 1],
@@ -457,7 +460,7 @@ class Zero3(Zero2):
 
 
 def make_zero(stage: int, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer,
-              mixed: MixedStep | None = None) -> Zero1:
-    """The ZeRO stage `stage` (1, 2 or 3) updater for this rank's chunks (`mixed`: the
-    --mixed state, parallel/mixed.py)."""
-    return {1: Zero1, 2: Zero2, 3: Zero3}[stage](chunks, mesh, optimizer, mixed)
+              precision: FullPrecision = FULL) -> Zero1:
+    """The ZeRO stage `stage` (1, 2 or 3) updater for this rank's chunks (`precision`:
+    the precision policy, parallel/mixed.py)."""
+    return {1: Zero1, 2: Zero2, 3: Zero3}[stage](chunks, mesh, optimizer, precision)

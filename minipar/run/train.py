@@ -297,7 +297,7 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
             rank=mesh.rank, dtype=precision.LOW if cfg.mixed else cfg.dtype,  # 16-bit
             layout=schedules.layout_of(cfg.schedule),    # activations between stages
             rows_over=rows_over, boundary_rows_over=boundary_rows_over)
-        worker.loss_scale = loss_scale
+        worker.backward_seed = loss_scale
         return executor.forward_backward(worker, cfg.schedule, cfg.microbatches,
                                                   timeline)
     total = 0.0
@@ -481,9 +481,9 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
                       **({} if scaler_of(updater) is None else
                          {"loss_scale": scaler_of(updater).scale,
                           "skipped": scaler_of(updater).skipped,
-                          "scale_history": updater.mixed.history,
+                          "scale_history": updater.precision.history,
                           # fp16: each step's largest finite scaled gradient on this rank
-                          "largest_scaled": updater.mixed.largest}),
+                          "largest_scaled": updater.precision.largest}),
                       "memory": memory,  # memory.ModelStates of this rank, after the last step
                       # pipeline_parallel.gather_timeline: every rank's instructions of the
                       # last step with wall-clock start/end (rank 0; empty with pp = 1)
@@ -506,8 +506,7 @@ class ReplicaError(RuntimeError):
 
 def scaler_of(updater: Updater) -> precision.LossScaler | None:
     """The loss scaler of a --mixed run (parallel/mixed.py), None without --mixed."""
-    mixed = getattr(updater, "mixed", None)
-    return None if mixed is None else mixed.scaler
+    return getattr(getattr(updater, "precision", None), "scaler", None)  # (mixed.py)
 
 
 def replica_check(mesh: Mesh, chunks: list[nn.Model], updater: Updater, step: int) -> None:

@@ -270,25 +270,11 @@ def test_strategies_name_no_optimizer():
     """A strategy hands its arrays to any optimizer through one door (core/held.py): no
     name, attribute, import or string in its code says sgd, adam(w) or muon (docstrings
     and comments may)."""
-    import ast
     import re
+
+    from tests.parallel.test_seams import named  # the one walk of the strategies' code
 
     kind = re.compile(r"\b(sgd|adam|adamw|muon)\b", re.I)
     for path in STRATEGIES:
-        tree = ast.parse((ROOT / "minipar" / path).read_text())
-        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
-                      and node.body and isinstance(node.body[0], ast.Expr)}
-        for node in ast.walk(tree):
-            words = []
-            if isinstance(node, ast.Name):
-                words = [node.id]
-            elif isinstance(node, ast.Attribute):
-                words = [node.attr]
-            elif isinstance(node, ast.alias):
-                words = [node.name]
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
-                    and id(node) not in docstrings:
-                words = [node.value]
-            found = [w for w in words if kind.search(w.replace("_", " "))]
-            assert not found, f"{path}: names an optimizer: {found}"
+        found = named(path, kind)
+        assert not found, f"{path}: names an optimizer: {found}"

@@ -158,8 +158,9 @@ class StageWorker:
         self.deferred: dict[tuple[int, int], list] = {}
         self.sending: dict[tuple[int, int, int], tuple[object, np.ndarray]] = {}  # Requests
         self.loss = 0.0
-        # --mixed fp16: S, what the backward of the loss (and of each aux loss) starts from
-        self.loss_scale = 1.0
+        # what the backward of the loss (and of each aux loss) starts from: 1, or the
+        # precision's S (--mixed fp16: the loss scale, set by run/train.py)
+        self.backward_seed = 1.0
         self.timeline: list[dict] = []
         self.handlers = {RECV_ACT: self.recv_act, FORWARD: self.forward,
                          SEND_ACT: self.send_act, RECV_GRAD: self.recv_grad,
@@ -285,7 +286,7 @@ class StageWorker:
     def backward(self, ins: Instruction) -> None:
         key = (ins.chunk, ins.microbatch)
         out, aux = self.outputs.pop(key)
-        scale = self.loss_scale                          # 1 but under --mixed fp16
+        scale = self.backward_seed                       # 1 but under --mixed fp16
         if self.is_last(ins.chunk):
             roots = [(out, scale)]                       # out is the loss
         elif self.feeds_locally(ins.chunk):  # the V's bottom: chunk 1's input gradient
