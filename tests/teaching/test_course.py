@@ -44,3 +44,29 @@ def test_the_table_gives_ranks_seconds_checks_and_marks_oversubscribed_runs():
     assert rows[1].split() == ["01_data_parallel.py", f"{cores() + 1}*", "2.5", "3", "ok"]
     assert rows[2].split() == ["02_tensor_parallel.ipynb", "1", "12.2", "4", "FAILED"]
     assert rows[3].split() == ["exercises.ipynb", "-", "1.0", "-", "ok"]
+
+
+def test_a_failing_lesson_is_named_with_its_failed_check(tmp_path, monkeypatch):
+    """A lesson that prints a MISMATCH, counts it and exits 1 (what run_collectively does
+    after a failed verdict) fails the course with the check's own line; one that draws
+    nothing is told so."""
+    import tests.course as course
+
+    lessons, figures = tmp_path / "lessons", tmp_path / "figures"
+    lessons.mkdir()
+    figures.mkdir()
+    (lessons / "99_broken.py").write_text(
+        "import sys\n"
+        "print('gradient sync against one process: 3.1e-02 -> MISMATCH')\n"
+        "print('lesson checks: 2 passed, 1 failed')\n"
+        "# run_collectively\n"
+        "sys.exit(1)\n")
+    monkeypatch.setattr(course, "LESSONS", lessons)
+    monkeypatch.setattr(course, "FIGURES", figures)
+    outcome = course.run_lesson("99_broken", 1, tmp_path)
+    assert outcome.checks == 2 and outcome.name == "99_broken.py"
+    assert outcome.problems[:2] == ["exit 1", "1 check(s) failed"], outcome.problems
+    assert any("gradient sync against one process: 3.1e-02 -> MISMATCH" in p
+               for p in outcome.problems), outcome.problems
+    assert outcome.problems[-1].startswith("drew no picture"), outcome.problems
+    assert "MISMATCH" in (tmp_path / "99_broken.log").read_text()
