@@ -199,9 +199,12 @@ class Recipe:
         another rank's. Each `(params, pieces, agree)` of `spaces` is one flat vector:
         its parameters, the boxes of them my slice holds as (param, box, |values|), and
         the MAX over its replicas (dp; experts' edp). A group's amax from my part of it
-        (0 where I hold none), then ONE Allreduce(MAX) a vector: the unsharded
-        weight's."""
+        (0 where I hold none), then ONE Allreduce(MAX) a vector: my tp shard's. Under tp
+        a shard is itself a piece of the weight: the groups spanning the tp shards
+        (`weight_spans`) then take ONE more Allreduce(MAX) over tp, all weights in it, as
+        in `begin_step`: the unsharded weight's."""
         self.weight_amax = {}
+        spans = []
         for params, pieces, agree in spaces:
             mine = [p for p in params if self.covers(p)]
             if not mine:
@@ -217,6 +220,15 @@ class Recipe:
             for name, a in amaxes.items():
                 self.weight_amax[name] = flat[at:at + a.size].reshape(a.shape)
                 at += a.size
+            spans += [p.name for p in mine if self.weight_spans(p)]
+        if self.agree is None or not spans:
+            return
+        flat = self.agree(np.concatenate([self.weight_amax[n].ravel() for n in spans]), "tp")
+        at = 0
+        for name in spans:
+            n = self.weight_amax[name].size
+            self.weight_amax[name] = flat[at:at + n].reshape(self.weight_amax[name].shape)
+            at += n
 
     def weight_spans(self, weight: object) -> bool:
         """Does a scaling group of this weight span its tp shards? Tensorwise: whenever
@@ -244,8 +256,10 @@ class Recipe:
             groups = amax(x, self.name, "act", self.block)
             if features_cut:   # a row (or the tensor) spans the tp shards of its features
                 groups = self.agree(groups, "tp")
-            if self.name == "tensorwise":   # the rows: the batch, cut over the weight's
-                groups = self.agree(groups, getattr(weight, "sync", None) or "dp")  # replicas
+            if self.name == "tensorwise":   # the rows: the batch's positions, cut over
+                # the weight's replicas -- dp (an expert's edp) and cp, which cuts each
+                # sequence's positions (mesh.py's dp_cp, edp_cp: dp's ranks without cp)
+                groups = self.agree(groups, (getattr(weight, "sync", None) or "dp") + "_cp")
         out = fake_quantize(x, self.name, "act", fmt, self.block, groups)
         return Exact(precision.widen(out, precision.MASTER))
 
@@ -319,19 +333,8 @@ def problems(cfg: object) -> list[str]:
         return [f"--fp8-grad must be one of {', '.join(GRAD_FORMATS)} (got {cfg.fp8_grad})"]
     if cfg.fp8_block < 1:
         return [f"--fp8-block must be at least 1 (got {cfg.fp8_block})"]
-    for flag in ("cp",):
-        if getattr(cfg, flag) > 1:
-            out.append(f"--fp8 with --{flag} {getattr(cfg, flag)} is not written yet "
-                       "(tp, dp, ep, ZeRO and pp are)")
-    if getattr(cfg, "sp", False):
-        out.append("--fp8 with --sp is not written yet (tp, dp, ep, ZeRO and pp are)")
-    if cfg.model in ("moe", "gpt-moe") and cfg.tp > 1:
+    if cfg.model == "moe" and cfg.tp > 1:   # gpt-moe keeps its experts whole over tp
         out.append("--fp8 with the experts split over --tp is not written yet")
-    if cfg.zero == 3 and cfg.tp > 1:
-        out.append("--fp8 with --zero 3 and --tp is not written yet (the tp shards' amax "
-                   "would be agreed at each gather)")
-    if getattr(cfg, "recompute", "none") not in ("none", None):
-        out.append("--fp8 with --recompute is not written yet")
     return out + block_problems(cfg)
 
 
@@ -366,7 +369,8 @@ def expected_ledger(cfg: object, blocks: Iterable[object]) -> dict[tuple[str, st
     - each microbatch, each linear: tensorwise, the amax of X (forward) and of dY
       (backward) over its replicas (dp; an expert's: edp, the ranks holding the same
       experts), and over tp where its features are cut; rowwise, the N row
-      amaxes over tp where they are cut (N the rank's rows of the microbatch)."""
+      amaxes over tp where they are cut (N the rank's rows of the microbatch);
+      under --recompute full each X amax twice (the forward again in the backward)."""
     if getattr(cfg, "fp8", None) is None:
         return {}
     blocks = list(blocks)
@@ -386,25 +390,32 @@ def expected_ledger(cfg: object, blocks: Iterable[object]) -> dict[tuple[str, st
     counts = [linears(cfg, b) for b in blocks]
     every, x_cut, dy_cut = (sum(c[i] for c in counts) for i in range(3))
     m = cfg.microbatches
-    rows = cfg.batch // (m * cfg.dp) * (cfg.seq_len if cfg.model in ("gpt", "gpt-moe") else 1)
+    rows = cfg.batch // (m * cfg.dp) * (cfg.seq_len // cfg.cp if cfg.model in ("gpt", "gpt-moe")
+                                        else 1)   # the positions this rank holds
 
+    # --recompute full runs each block's forward again in the backward: its X amaxes
+    # are agreed again (the same numbers, so the same scales); selective recomputes
+    # only the attention core, which has no 8-bit matmul
+    uses = 3 if getattr(cfg, "recompute", "none") == "full" else 2   # X (twice), dY
     if cfg.tp > 1:
         weights = x_cut + dy_cut if cfg.fp8 == "tensorwise" else x_cut * cfg.d_model
         add(("tp", "Allreduce"), 1 if weights else 0, weights)
         per_row = 1 if cfg.fp8 == "tensorwise" else rows
-        add(("tp", "Allreduce"), m * (x_cut + dy_cut), m * (x_cut + dy_cut) * per_row)
+        cut = (uses - 1) * x_cut + dy_cut
+        add(("tp", "Allreduce"), m * cut, m * cut * per_row)
     if cfg.fp8 == "tensorwise":   # X and dY of each linear, over its replicas
         experts = sum(2 * (b.experts // cfg.ep) for b in blocks if b.moe)  # edp's
-        for group, n, size in (("dp", every - experts, cfg.dp),
-                               ("edp", experts, cfg.dp // cfg.ep)):
-            add((group, "Allreduce"), 2 * m * n if size > 1 else 0, 2 * m * n)
+        for group, n, size in (("dp", every - experts, cfg.dp * cfg.cp),   # dp x cp
+                               ("edp", experts, cfg.dp // cfg.ep * cfg.cp)):
+            add((group, "Allreduce"), uses * m * n if size > 1 else 0, uses * m * n)
     return out
 
 
 def zero3_groups(cfg: object, blocks: Iterable[object]) -> tuple[int, int]:
     """(dense, expert) scaling groups of the 8-bit weights of `blocks`: what ZeRO-3's
-    Allreduce(MAX) of the sliced weights' amaxes carries over dp and over edp."""
-    d, f, fe = cfg.d_model, cfg.d_ff, cfg.expert_d_ff
+    Allreduce(MAX) of the sliced weights' amaxes carries over dp and over edp, counted
+    on this rank's tp shards (q, k, v, fc1 by columns, proj, fc2 by rows)."""
+    d, f, fe, t = cfg.d_model, cfg.d_ff, cfg.expert_d_ff, cfg.tp
 
     def groups(rows: int, cols: int) -> int:
         if cfg.fp8 == "tensorwise":
@@ -416,13 +427,13 @@ def zero3_groups(cfg: object, blocks: Iterable[object]) -> tuple[int, int]:
     dense = experts = 0
     for block in blocks:
         if cfg.model in ("gpt", "gpt-moe"):
-            dense += 4 * groups(d, d)
-        pair = groups(d, fe) + groups(fe, d)
+            dense += 3 * groups(d, d // t) + groups(d // t, d)
+        pair = groups(d, fe) + groups(fe, d)   # experts whole on a rank (gpt-moe's over tp)
         if block.moe:
             experts += block.experts // cfg.ep * pair
             dense += cfg.shared_experts * pair
         else:
-            dense += groups(d, f) + groups(f, d)
+            dense += groups(d, f // t) + groups(f // t, d)
     return dense, experts
 
 
@@ -489,14 +500,15 @@ def decode(data: np.ndarray, widths: np.ndarray, scales: np.ndarray, dtype: np.d
 
 def covered_elements(cfg: object, blocks: Iterable[object]) -> tuple[int, int]:
     """(dense, expert) elements of the 8-bit weights of `blocks`: what --fp8-allgather
-    moves as one byte each (the rest of a ZeRO-3 piece moves as two)."""
-    d, pair = cfg.d_model, 2 * cfg.d_model * cfg.expert_d_ff
+    moves as one byte each (the rest of a ZeRO-3 piece moves as two), on this rank's tp
+    shards (the experts: whole, gpt-moe's over tp)."""
+    d, pair, t = cfg.d_model, 2 * cfg.d_model * cfg.expert_d_ff, cfg.tp
     dense = experts = 0
     for block in blocks:
-        dense += 4 * d * d if cfg.model in ("gpt", "gpt-moe") else 0
+        dense += 4 * d * d // t if cfg.model in ("gpt", "gpt-moe") else 0
         if block.moe:
             experts += block.experts // cfg.ep * pair
             dense += cfg.shared_experts * pair
         else:
-            dense += 2 * d * cfg.d_ff
+            dense += 2 * d * cfg.d_ff // t
     return dense, experts

@@ -61,8 +61,8 @@ def zero3_spaces(updater: object) -> list[tuple[list, list, fp8.Agree]] | None:
         pieces = []
         for p, box, where in updater.shard_pieces(space):
             part = space.shard[where].reshape([b.stop - b.start for b in box])
-            pieces.append((_Shaped(p.name, shapes[id(p)]), box, np.abs(part)))
-        params = [_Shaped(p.name, shapes[id(p)]) for p in space.params]
+            pieces.append((_Shaped(p, shapes[id(p)]), box, np.abs(part)))
+        params = [_Shaped(p, shapes[id(p)]) for p in space.params]
 
         def agree(amaxes: np.ndarray, group: object = space.group) -> np.ndarray:
             out = np.ascontiguousarray(amaxes, dtype=np.float32)
@@ -74,13 +74,15 @@ def zero3_spaces(updater: object) -> list[tuple[list, list, fp8.Agree]] | None:
 
 
 class _Shaped:
-    """A parameter's name and the shape of its array on this rank (ZeRO-3 dropped the
-    array itself between uses)."""
+    """A parameter's name, the shape of its array on this rank (ZeRO-3 dropped the
+    array itself between uses) and its place in the unsharded weight (`full_index`:
+    whether tp cut its rows or columns, core/fp8.py `cuts`)."""
 
-    __slots__ = ("name", "shape")
+    __slots__ = ("name", "shape", "full_index")
 
-    def __init__(self, name: str, shape: tuple[int, ...]) -> None:
-        self.name, self.shape = name, tuple(shape)
+    def __init__(self, param: object, shape: tuple[int, ...]) -> None:
+        self.name, self.shape = param.name, tuple(shape)
+        self.full_index = getattr(param, "full_index", None)
 
 
 class EightBitGather:
