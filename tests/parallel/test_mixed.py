@@ -319,7 +319,7 @@ def test_replica_check_stops_on_one_differing_copy():
     w = np.ones((2, 2))
     p = SimpleNamespace(name="w", full_index=None, data=w)
     chunk = SimpleNamespace(parameters=lambda: [p])
-    updater = SimpleNamespace(mixed=SimpleNamespace(scaler=precision.LossScaler(4.0)),
+    updater = SimpleNamespace(precision=SimpleNamespace(scaler=precision.LossScaler(4.0)),
                               masters=None)
 
     class World:
@@ -411,28 +411,20 @@ def test_tp_partials_in_16_bits_pass_the_tolerance_and_the_ledger_catches_them(r
                      if r["group"] == "tp" and r["op"] == "Allreduce"}
 
 
-def test_fp8_local_amax_passes_the_tolerance_and_the_ledger_catches_it(runs):
+@pytest.mark.parametrize("bug,line", [
+    ("fp8-local-amax", "tp Allreduce: "),                 # shards on their own scales
+    ("fp8-block-straddles-shard", "dp Allreduce: 0 calls"),  # other scales for some blocks
+])
+def test_an_fp8_scale_bug_passes_the_tolerance_and_the_ledger_catches_it(runs, bug, line):
     from minipar.teaching.ledger_tables import ledger_differences
 
-    buggy, correct, cfg = bug_runs(runs, "fp8-local-amax")
+    buggy, correct, cfg = bug_runs(runs, bug)
     assert all(within(correct, cfg)[:2]), within(correct, cfg)[2]
-    assert buggy["losses"] != correct["losses"]      # shards on their own scales
+    assert buggy["losses"] != correct["losses"]
     resolved = TrainConfig(**cfg).resolved(4)
     assert ledger_differences(correct["ledger"], resolved) == []
     missing = ledger_differences(buggy["ledger"], resolved)
-    assert len(missing) == 1 and missing[0].startswith("tp Allreduce: "), missing
-
-
-def test_fp8_block_straddling_zero3_slices_is_caught_by_the_ledger(runs):
-    from minipar.teaching.ledger_tables import ledger_differences
-
-    buggy, correct, cfg = bug_runs(runs, "fp8-block-straddles-shard")
-    assert all(within(correct, cfg)[:2]), within(correct, cfg)[2]
-    assert buggy["losses"] != correct["losses"]      # other scales for some blocks
-    resolved = TrainConfig(**cfg).resolved(4)
-    assert ledger_differences(correct["ledger"], resolved) == []
-    missing = ledger_differences(buggy["ledger"], resolved)
-    assert len(missing) == 1 and missing[0].startswith("dp Allreduce: 0 calls"), missing
+    assert len(missing) == 1 and missing[0].startswith(line), missing
 
 
 def test_fp8_accumulate_in_low_exceeds_the_derived_tolerance(runs):
