@@ -283,6 +283,8 @@ def tiled_sizes(cfg: object) -> dict[str, int]:
         sizes["d_model / tp (the attention's heads)"] = cfg.d_model // tp
     if cfg.model in ("mlp", "gpt"):
         sizes["d_ff / tp"] = cfg.d_ff // tp
+    elif cfg.model == "moe" and tp > 1:   # the MLP MoE splits each expert over tp
+        sizes["expert_d_ff / tp"] = cfg.expert_d_ff // tp
     else:   # every block of an MoE model is one (routed and shared experts alike)
         sizes["expert_d_ff"] = cfg.expert_d_ff
     return sizes
@@ -333,8 +335,9 @@ def problems(cfg: object) -> list[str]:
         return [f"--fp8-grad must be one of {', '.join(GRAD_FORMATS)} (got {cfg.fp8_grad})"]
     if cfg.fp8_block < 1:
         return [f"--fp8-block must be at least 1 (got {cfg.fp8_block})"]
-    if cfg.model == "moe" and cfg.tp > 1:   # gpt-moe keeps its experts whole over tp
-        out.append("--fp8 with the experts split over --tp is not written yet")
+    if cfg.model == "moe" and cfg.tp > 1 and cfg.fp8 != "blockwise":  # gpt-moe: whole
+        out.append(f"--fp8 {cfg.fp8} with the experts split over --tp is not written yet "
+                   "(--fp8 blockwise is: no scale crosses a shard)")
     return out + block_problems(cfg)
 
 
@@ -349,7 +352,8 @@ def linears(cfg: object, block: object) -> tuple[int, int, int]:
     """A block's 8-bit linears on one rank: (all, input-cut, output-cut) -- under tp the
     row-parallel ones (fc2, proj) have their input features cut, the column-parallel ones
     (fc1, q, k, v) their outputs. An MoE FFN: 2 per routed and shared expert (E / ep of
-    them), none cut (fp8 refuses experts over tp)."""
+    them), none cut (gpt-moe keeps them whole over tp; the MLP MoE's split ones run
+    blockwise only, which agrees no amax)."""
     attention = 4 if cfg.model in ("gpt", "gpt-moe") else 0   # q, k, v, proj
     ffn = 2 * (block.experts // cfg.ep + cfg.shared_experts) if block.moe else 2
     cut = cfg.tp > 1
@@ -414,8 +418,10 @@ def expected_ledger(cfg: object, blocks: Iterable[object]) -> dict[tuple[str, st
 def zero3_groups(cfg: object, blocks: Iterable[object]) -> tuple[int, int]:
     """(dense, expert) scaling groups of the 8-bit weights of `blocks`: what ZeRO-3's
     Allreduce(MAX) of the sliced weights' amaxes carries over dp and over edp, counted
-    on this rank's tp shards (q, k, v, fc1 by columns, proj, fc2 by rows)."""
+    on this rank's tp shards (q, k, v, fc1 by columns, proj, fc2 by rows; the MLP MoE's
+    experts split over tp, gpt-moe's whole)."""
     d, f, fe, t = cfg.d_model, cfg.d_ff, cfg.expert_d_ff, cfg.tp
+    fe //= t if cfg.model == "moe" else 1   # the MLP MoE splits each expert over tp
 
     def groups(rows: int, cols: int) -> int:
         if cfg.fp8 == "tensorwise":
@@ -428,7 +434,7 @@ def zero3_groups(cfg: object, blocks: Iterable[object]) -> tuple[int, int]:
     for block in blocks:
         if cfg.model in ("gpt", "gpt-moe"):
             dense += 3 * groups(d, d // t) + groups(d // t, d)
-        pair = groups(d, fe) + groups(fe, d)   # experts whole on a rank (gpt-moe's over tp)
+        pair = groups(d, fe) + groups(fe, d)   # gpt-moe's experts whole over tp
         if block.moe:
             experts += block.experts // cfg.ep * pair
             dense += cfg.shared_experts * pair
@@ -501,8 +507,9 @@ def decode(data: np.ndarray, widths: np.ndarray, scales: np.ndarray, dtype: np.d
 def covered_elements(cfg: object, blocks: Iterable[object]) -> tuple[int, int]:
     """(dense, expert) elements of the 8-bit weights of `blocks`: what --fp8-allgather
     moves as one byte each (the rest of a ZeRO-3 piece moves as two), on this rank's tp
-    shards (the experts: whole, gpt-moe's over tp)."""
-    d, pair, t = cfg.d_model, 2 * cfg.d_model * cfg.expert_d_ff, cfg.tp
+    shards (the MLP MoE's experts split over tp, gpt-moe's whole)."""
+    d, t = cfg.d_model, cfg.tp
+    pair = 2 * d * cfg.expert_d_ff // (t if cfg.model == "moe" else 1)   # split over tp
     dense = experts = 0
     for block in blocks:
         dense += 4 * d * d // t if cfg.model in ("gpt", "gpt-moe") else 0

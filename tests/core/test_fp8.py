@@ -99,7 +99,10 @@ def test_recompute_runs_the_forward_again_on_the_same_scales_bit_for_bit():
                                               "in 8 bits: it needs --fp8 and --zero 3 "
                                               "(got --zero 0)"),
     (dict(fp8="tensorwise", model="moe", experts=4, expert_d_ff=16, tp=2),
-     "--fp8 with the experts split over --tp is not written yet"),
+     "--fp8 tensorwise with the experts split over --tp is not written yet"),
+    (dict(fp8="blockwise", model="moe", experts=4, expert_d_ff=32, tp=2, fp8_block=32),
+     "--fp8-block 32 does not divide expert_d_ff / tp = 16: a block would straddle a "
+     "shard; the nearest sizes that work: --fp8-block 16"),
 ])
 def test_refusals_are_one_line_before_any_step(flags, said):
     cfg = TrainConfig(**{**TINY, **flags}).resolved(2 if flags.get("tp") else 1)

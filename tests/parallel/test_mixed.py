@@ -119,6 +119,9 @@ CONFIGS = [
          dp=2, ep=2, tp=2, sp=True),
     # ZeRO-3 over tp shards: the slices' amaxes over dp, then the shards' over tp
     dict(SMALL, mixed="bf16", fp8="rowwise", dp=2, tp=2, zero=3, fp8_allgather=True),
+    # the MLP MoE's experts split over tp: blockwise (a tile never crosses a shard)
+    dict(SMALL, mixed="bf16", fp8="blockwise", fp8_block=8, model="moe", experts=4,
+         expert_d_ff=16, dp=2, tp=2, zero=3, fp8_allgather=True),
     # ZeRO-3's gathers in 8 bits (--fp8-allgather): beside the same run in bf16 words
     dict(SMALL, mixed="bf16", fp8="blockwise", fp8_block=8, zero=3),
     dict(SMALL, mixed="bf16", fp8="blockwise", fp8_block=8, zero=3, fp8_allgather=True),
