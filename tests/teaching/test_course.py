@@ -52,10 +52,10 @@ def test_a_failing_lesson_is_named_with_its_failed_check(tmp_path, monkeypatch):
     nothing is told so."""
     import tests.course as course
 
-    lessons, figures = tmp_path / "lessons", tmp_path / "figures"
+    lessons, figures, stem = tmp_path / "lessons", tmp_path / "figures", "99_broken"
     lessons.mkdir()
     figures.mkdir()
-    (lessons / "99_broken.py").write_text(
+    (lessons / f"{stem}.py").write_text(
         "import sys\n"
         "print('gradient sync against one process: 3.1e-02 -> MISMATCH')\n"
         "print('lesson checks: 2 passed, 1 failed')\n"
@@ -63,8 +63,8 @@ def test_a_failing_lesson_is_named_with_its_failed_check(tmp_path, monkeypatch):
         "sys.exit(1)\n")
     monkeypatch.setattr(course, "LESSONS", lessons)
     monkeypatch.setattr(course, "FIGURES", figures)
-    outcome = course.run_lesson("99_broken", 1, tmp_path)
-    assert outcome.checks == 2 and outcome.name == "99_broken.py"
+    outcome = course.run_lesson(stem, 1, tmp_path)
+    assert outcome.checks == 2 and outcome.name == f"{stem}.py"
     assert outcome.problems[:2] == ["exit 1", "1 check(s) failed"], outcome.problems
     assert any("gradient sync against one process: 3.1e-02 -> MISMATCH" in p
                for p in outcome.problems), outcome.problems
