@@ -10,11 +10,14 @@ A collective that *adds* must know the format. Two hand-written ways:
     upcast   (`allreduce_upcast`)  16-bit -> master dtype, Allreduce(SUM) in the master
              dtype, round once. The sum is as exact as the master run's; the wire
              carries master bytes (4 or 8 per element).
-    low      (`allreduce_low`, `reduce_scatter_low`)  the uint16 words travel, and
+    low      (`low_sum_op`; `allreduce_low`)  the uint16 words travel, and
              a user-defined MPI operation (`MPI.Op.Create`) adds two of them: view
              uint16 -> the 16-bit dtype, add (in float32, as NumPy does for 16-bit
              types), round back to 16 bits. Every partial sum of the reduction tree
              is rounded: half the bytes, and an error that grows with the group size.
+             The strategies' own calls (DP's Allreduce and Iallreduce, ZeRO's
+             Reduce_scatter) take the words and the op from the precision policy
+             (parallel/mixed.py `reduction`) and make the call where they stand.
 
 `any_nonfinite` is the loss scaler's vote: the MAX over the group of "I saw an inf
 or a NaN", so every rank skips the same step.
@@ -59,13 +62,6 @@ def allreduce_low(group: Group, x: np.ndarray) -> np.ndarray:
     return x
 
 
-def iallreduce_low(group: Group, x: np.ndarray) -> MPI.Request | None:
-    """`allreduce_low` without waiting: the request (None on a group of one)."""
-    if group.size == 1:
-        return None
-    return group.Iallreduce(MPI.IN_PLACE, wire(x), op=low_sum_op(x.dtype))
-
-
 def allreduce_upcast(group: Group, x: np.ndarray, master: np.dtype) -> np.ndarray:
     """The sum over the group of the 16-bit array `x`, computed in `master` (upcast,
     Allreduce, round once): a new 16-bit array."""
@@ -73,19 +69,6 @@ def allreduce_upcast(group: Group, x: np.ndarray, master: np.dtype) -> np.ndarra
     if group.size > 1:  # every rank's upcast values -> their exact-as-master sum
         group.Allreduce(MPI.IN_PLACE, wide, op=MPI.SUM)
     return wide.astype(x.dtype)
-
-
-def reduce_scatter_low(group: Group, x: np.ndarray, counts: list[int]) -> np.ndarray:
-    """Reduce_scatter of the 16-bit array `x` summed in 16 bits (`low_sum_op`): this
-    rank's part of the sum, `counts[rank]` elements, 16-bit."""
-    mine = np.empty(counts[group.rank], dtype=x.dtype)
-    if group.size == 1:
-        mine[...] = x
-        return mine
-    # every rank's 16-bit words -> the 16-bit sum, each rank receiving its part
-    group.Reduce_scatter(wire(np.ascontiguousarray(x)), wire(mine), counts,
-                         op=low_sum_op(x.dtype))
-    return mine
 
 
 def any_nonfinite(group: Group, arrays: list[np.ndarray]) -> bool:
