@@ -113,7 +113,8 @@ CONFIGS = [
     # position) whole; sp: the linears see all positions (after its Allgather);
     # gpt-moe over tp: every tp rank runs the whole experts
     dict(GPT, mixed="bf16", fp8="tensorwise", dp=2, tp=2, recompute="full"),
-    dict(GPT, mixed="bf16", fp8="tensorwise", dp=2, cp=2, cp_mode="ring"),
+    dict(GPT, mixed="bf16", fp8="tensorwise", tp=2, cp=2, cp_mode="ring"),  # dp 1: the
+    # amax over dp alone would make no call where the ledger predicts dp x cp's
     dict(GPT, mixed="bf16", fp8="rowwise", tp=2, cp=2, cp_mode="zigzag", sp=True),
     dict(GPT, mixed="bf16", fp8="tensorwise", model="gpt-moe", experts=4, expert_d_ff=16,
          dp=2, ep=2, tp=2, sp=True),
