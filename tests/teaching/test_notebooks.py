@@ -249,3 +249,17 @@ def test_an_exercise_cell_waits_for_its_answer_then_judges_it(capsys):
     with pytest.raises(AssertionError, match="^not yet: "):
         exec(handed_out[i].replace("S = None", "S = 2.0 ** 12"),
              {"np": np, "classroom": classroom})
+
+
+def test_the_teachers_answer_cells_hold_todays_stubs():
+    """exercises.ipynb hands out a stub as a student's first answer: it must be the stub
+    `exercise start` writes today (an exercise's text changed -> its stub changed), found
+    without running the notebook."""
+    notebook = nbformat.read(ROOT / "lessons" / "exercises.ipynb", as_version=4)
+    stubs = {regions.normalized(regions.stub_lines(region)) for region in regions.find_regions()}
+    answers = [cell for cell in code_cells(notebook) if cell.source.startswith("# Your answer")]
+    assert answers
+    for cell in answers:
+        written = next(node.value.value for node in ast.parse(cell.source).body
+                       if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant))
+        assert regions.normalized(written.splitlines()) in stubs, cell.source[:200]
