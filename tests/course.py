@@ -88,7 +88,6 @@ def environment() -> dict[str, str]:
     from minipar.teaching.classroom import rank_environment
 
     env = rank_environment()
-    env.pop("MINIPAR_QUICK", None)
     env["MINIPAR_QUICK"] = "0"
     env["MPIEXEC_TIMEOUT"] = str(LESSON_TIMEOUT)
     return env
