@@ -96,7 +96,10 @@ def _linear_mixed(x: Tensor, weight: Tensor, bias: Tensor | None, partial: bool 
     kept = x_q if x_q is not rows_in else None    # --fp8: Q(X) again in dW, not requantized
 
     def backward(g: np.ndarray) -> None:
-        grad_rows = q(_mp.to_low(g).reshape(-1, g.shape[-1]), "dy", weight)  # (N, out)
+        words = _mp.to_low(g).reshape(-1, g.shape[-1])   # (N, out): rounded once, and
+        grad_rows = q(words, "dy", weight)               # widened once for dx, dW and db
+        wide = _mp.upcast(words) if grad_rows is words or bias is not None else None
+        grad_rows = grad_rows if wide is None else _mp.widened_once(grad_rows, words, wide)
         if x.requires_grad:
             dx = _mp.to_low(_mp.matmul(grad_rows, q(weight.data, "weight", weight).T))
             x.accumulate(dx.reshape(shape), fresh=True)
@@ -105,8 +108,7 @@ def _linear_mixed(x: Tensor, weight: Tensor, bias: Tensor | None, partial: bool 
             rows = kept if kept is not None else _mp.to_low(x.data).reshape(-1, shape[-1])
             weight.accumulate(_mp.to_low(_mp.matmul(rows.T, grad_rows)), fresh=True)
             if bias is not None:
-                bias.accumulate(_mp.to_low(_mp.upcast(_mp.to_low(g).reshape(
-                    -1, g.shape[-1])).sum(axis=0)), fresh=True)
+                bias.accumulate(_mp.to_low(wide.sum(axis=0)), fresh=True)
         weight_grad(weight_grads)
     return _linear_placed(Tensor.from_op(out, parents, backward), x, weight, bias)
 
@@ -292,10 +294,11 @@ def _residual_mlp_mixed(h: Tensor, gamma: Tensor, beta: Tensor, w1: Tensor, b1: 
                    out = L(h + L(z W2 + b2))            (each matmul: M sums)
         backward   g -> L; dz = L(g W2^T); da = L(GELU'_M(a) dz); du = L(da W1^T)
                    dh = L(L(LN'_M(du)) + g); every weight gradient L(...) once"""
-    up, low, mm = _mp.upcast, _mp.to_low, _mp.matmul
+    up, low, mm, once = _mp.upcast, _mp.to_low, _mp.matmul, _mp.widened_once
     shape = h.data.shape
     rows = low(h.data).reshape(-1, shape[-1])                               # (N, d)
-    u, x_hat, inv_sigma = _layer_norm_forward(up(rows), up(gamma.data), up(beta.data), eps)
+    rows_up = up(rows)      # widened once: LayerNorm's input (read, not written) and the residual
+    u, x_hat, inv_sigma = _layer_norm_forward(rows_up, up(gamma.data), up(beta.data), eps)
     u = low(u)
     q = _mp.block_operand      # --fp8: Q(X), Q(W), Q(dY) of fc1 and fc2 (core/fp8.py)
     u_q = q(u, "x", w1)
@@ -307,31 +310,36 @@ def _residual_mlp_mixed(h: Tensor, gamma: Tensor, beta: Tensor, w1: Tensor, b1: 
     z_q = q(z, "x", w2)
     out = mm(z_q, q(w2.data, "weight", w2))
     out += up(b2.data)
-    out = low(up(low(out)) + up(rows))                                      # the residual
+    out = up(low(out))
+    out += rows_up                                                          # the residual
+    out = low(out)
     parents = (h, gamma, beta, w1, b1, w2, b2)
 
     def backward(g: np.ndarray) -> None:
         g_rows = low(g).reshape(-1, shape[-1])                              # (N, d)
-        g_q = q(g_rows, "dy", w2)
+        g_up = up(g_rows)     # widened once: dz, dW2, db2 and the residual's dh use it
+        g_q = once(q(g_rows, "dy", w2), g_rows, g_up)
         dz = low(mm(g_q, q(w2.data, "weight", w2).T))
 
         def fc2_grads() -> None:
             w2.accumulate(low(mm(z_q.T, g_q)), fresh=True)
-            b2.accumulate(low(up(g_rows).sum(axis=0)), fresh=True)
+            b2.accumulate(low(g_up.sum(axis=0)), fresh=True)
         weight_grad(fc2_grads)
         da = low(_gelu_backward(up(dz), up(a), t))
-        da_q = q(da, "dy", w1)
+        da_up = up(da)        # widened once: du, dW1 and db1 use it
+        da_q = once(q(da, "dy", w1), da, da_up)
         du = up(low(mm(da_q, q(w1.data, "weight", w1).T)))
 
         def fc1_grads() -> None:
             w1.accumulate(low(mm(u_q.T, da_q)), fresh=True)
-            b1.accumulate(low(up(da).sum(axis=0)), fresh=True)
+            b1.accumulate(low(da_up.sum(axis=0)), fresh=True)
         weight_grad(fc1_grads)
         gamma.accumulate(low((du * x_hat).sum(axis=0)), fresh=True)
         beta.accumulate(low(du.sum(axis=0)), fresh=True)
         if h.requires_grad:
             dh = up(low(_layer_norm_input_grad(du, up(gamma.data), x_hat, inv_sigma)))
-            h.accumulate(low(dh + up(g_rows)).reshape(shape), fresh=True)
+            dh += g_up
+            h.accumulate(low(dh).reshape(shape), fresh=True)
     return _residual_mlp_placed(Tensor.from_op(out.reshape(shape), parents, backward),
                                 h, gamma, beta, w1, b1, w2, b2)
 

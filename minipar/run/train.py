@@ -438,7 +438,8 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
     if broken:
         raise DivergedError(step + 1, cfg.steps, f"the update left {broken} numbers of the "
                             "ranks' parameters NaN or infinite", blame(cfg, first=False))
-    if cfg.mixed:  # every replica, and S, bitwise equal on every rank after every step
+    # every replica, and S, bitwise equal on every rank after every step (one rank: none)
+    if cfg.mixed and mesh.world.size > 1:
         replica_check(mesh, chunks, updater, step + 1)
     ledger.enabled = True
     return loss
