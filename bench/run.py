@@ -11,8 +11,11 @@ parallelism's four modes against one rank on the same sequences (bench/cp_rank.p
 the flight recorder's share of a call-heavy step (bench/flight_rank.py);
 a pipeline step traced (`--trace`) against the same step untraced (bench/trace_rank.py);
 a bf16 step against a float32 step, and their DP wire bytes (bench/mixed_rank.py);
-the test suite's last wall time. Prints one table and
-writes bench/results.json.
+the bf16 and fp8 steps against their floors, and Muon's Newton-Schulz against its
+matmuls, in one process (bench/precision_floor.py); the test suite's last wall time.
+Prints one table and writes bench/results.json.
+
+    python -m bench.run --only precision    those last rows alone, merged into the json
 """
 
 from __future__ import annotations
@@ -128,8 +131,26 @@ def suite_time() -> float | None:
     return float(path.read_text()) if path.exists() else None
 
 
+def precision_rows(quick: bool) -> tuple[dict, list[str]]:
+    """The bf16 and fp8 steps against their floors, fp8 against bf16, Muon's Newton-Schulz
+    against its matmuls (bench/precision_floor.py): results and table rows."""
+    from bench import precision_floor
+
+    floors = precision_floor.floor_rows(repeats=4 if quick else 12, blockwise=not quick)
+    ns = precision_floor.muon_vs_matmuls(repeats=4 if quick else 12)
+    return {"precision_floor": floors, "muon": ns}, precision_floor.lines(floors, ns)
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv[:-1] else None
+    if only == "precision":
+        found, rows = precision_rows(quick)
+        print("\n".join(rows))
+        path = ROOT / "bench" / "results.json"
+        old = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**old, **found}, indent=1))
+        return
     results: dict = {"autograd": {}}
     lines = ["minipar benchmarks (ratios of medians measured side by side; lower is faster)",
              f"{'what':<58} {'ratio':>8}  {'medians':>26}"]
@@ -268,6 +289,9 @@ def main() -> None:
     lines.append(f"{'  dp wire bytes, bf16 --grad-reduce-dtype low / float32 (goal 0.5)':<58} "
                  f"{mx['wire bf16/float32']:>8.3f}  {mx['wire']['bf16 low'] / 2**20:.2f} vs "
                  f"{mx['wire']['float32'] / 2**20:.2f} MiB per step")
+    found, rows = precision_rows(quick)
+    results.update(found)
+    lines.extend(rows)
     from bench import step_rate  # (a) data, (b) step against DGEMM, (c) against torch
 
     with step_rate.one_blas_thread():
