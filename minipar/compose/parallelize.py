@@ -184,14 +184,19 @@ def make_updater(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     """The object that turns this rank's gradients into updated parameters after each
     step's backward: plain data parallelism (`--grad-sync`) or a ZeRO stage (`--zero`).
     Built once, before the first forward (it may wrap the pieces of `chunks`)."""
-    from minipar.parallel import data_parallel, muon_mesh, zero  # here: they load MPI
+    from minipar.core import precision
+    from minipar.parallel import data_parallel, fp8_scales, muon_mesh, zero  # here: MPI
     from minipar.parallel.mixed import FullPrecision, MixedStep
 
     # the precision policy the updater is handed (parallel/mixed.py). --mixed: masters,
     # main gradients, S and the found_inf vote; the vote runs over the world, which holds
     # every axis whose ranks hold different grads. Without: one dtype throughout
+    # --fp8-allgather: ZeRO-3 gathers the 8-bit weights as e4m3 bytes, quantized with the
+    # scales of the run's recipe (the one the blocks' matmuls use, set by train.py)
+    recipe = precision.FP8
+    gather = fp8_scales.EightBitGather(recipe) if recipe and recipe.allgather else None
     policy = MixedStep(cfg.mixed, cfg.grad_reduce_dtype, cfg.loss_scale,
-                       cfg.loss_scale_window, mesh.world) if cfg.mixed else FullPrecision()
+                       cfg.loss_scale_window, mesh.world, gather) if cfg.mixed else FullPrecision()
     # how a matrix's pieces meet over the mesh (Muon needs them whole; SGD and Adam never
     # ask): parallel/muon_mesh.py
     optimizer.bind(muon_mesh.MeshMeeting(mesh))

@@ -166,7 +166,6 @@ class Recipe:
     agree: Agree | None = None
     weight_amax: dict[str, np.ndarray] = field(default_factory=dict)
     allgather: bool = False  # --fp8-allgather: ZeRO-3 gathers the weights in 8 bits
-    codec: object = None     # over a mesh, what does it (parallel/fp8_scales.py)
 
     def covers(self, weight: object) -> bool:
         """Is `weight` (a Parameter) one whose matmuls run in 8 bits?"""

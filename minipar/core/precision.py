@@ -179,12 +179,6 @@ def _operand(x: object) -> np.ndarray:
     return values if values is not None else widen(to_low(x), MASTER)
 
 
-def gather_codec() -> object:
-    """How ZeRO-3 moves weights: None (16-bit words), or under --fp8-allgather the
-    recipe's 8-bit codec (parallel/fp8_scales.py `EightBitGather`)."""
-    return None if FP8 is None else FP8.codec
-
-
 def block_operand(x: np.ndarray, kind: str, weight: object) -> object:
     """An operand of a block layer's matmul (`kind`: `x` its input, `dy` its output
     gradient, `weight` the weight itself): x as it is, or under --fp8, when the recipe

@@ -22,7 +22,6 @@ def over_mesh(recipe: fp8.Recipe | None, mesh: Mesh) -> fp8.Recipe | None:
     amaxes over the mesh: the Allreduce(MAX) over the axis that cuts a group."""
     if recipe is not None:
         recipe.agree = lambda amaxes, axis: agree_max(mesh, amaxes, axis)
-        recipe.codec = EightBitGather(recipe) if recipe.allgather else None
     return recipe
 
 
@@ -95,22 +94,29 @@ class EightBitGather:
 
     def __init__(self, recipe: fp8.Recipe) -> None:
         self.recipe = recipe
-        self.widths: dict[int, np.ndarray] = {}   # per flat vector: bytes an element
+        self.width_of: dict[int, np.ndarray] = {}   # per flat vector: bytes an element
 
-    def allgather(self, space: object, a: int, b: int, whole: np.ndarray,
-                  counts: list[int]) -> None:
-        """`whole` (the flat range [a, b), bf16) from every replica's slice of it."""
-        layout, names = space.layout, [p.name for p in space.params]
-        if id(space) not in self.widths:
-            self.widths[id(space)] = fp8.word_bytes(self.recipe, names, layout)
-        widths = self.widths[id(space)][a:b]
-        scales = fp8.element_scales(self.recipe, names, layout, a, b)
-        starts = np.cumsum([0, *counts])              # each rank's elements of [a, b)
+    def widths(self, space: object, a: int, b: int) -> np.ndarray:
+        """Bytes each element of the flat range [a, b) of `space` takes on the wire."""
+        if id(space) not in self.width_of:
+            self.width_of[id(space)] = fp8.word_bytes(
+                self.recipe, [p.name for p in space.params], space.layout)
+        return self.width_of[id(space)][a:b]
+
+    def words(self, space: object, a: int, b: int) -> tuple[np.ndarray, list]:
+        """What I send of the range [a, b) (my elements of it encoded: 8-bit words and
+        bf16 bytes) and where every rank's bytes land, as an Allgatherv takes them."""
+        layout, widths = space.layout, self.widths(space, a, b)
+        scales = fp8.element_scales(self.recipe, [p.name for p in space.params], layout, a, b)
+        starts = np.cumsum([0, *layout.overlap(a, b)])   # each rank's elements of [a, b)
         sizes = [int(widths[s:e].sum()) for s, e in zip(starts[:-1], starts[1:])]
         mine = slice(int(starts[layout.rank]), int(starts[layout.rank + 1]))
         sent = fp8.encode(space.shard[layout.mine(a, b)], widths[mine], scales[mine])
         data = np.empty(sum(sizes), dtype=np.uint8)
-        # my 8-bit words and bf16 bytes -> every replica; theirs -> me
-        space.group.Allgatherv(sent, [data, sizes, np.cumsum([0, *sizes[:-1]]).tolist(),
-                                      MPI.BYTE])
-        whole[...] = fp8.decode(data, widths, scales, whole.dtype)
+        return sent, [data, sizes, np.cumsum([0, *sizes[:-1]]).tolist(), MPI.BYTE]
+
+    def decoded(self, space: object, a: int, b: int, data: np.ndarray) -> np.ndarray:
+        """The range [a, b) in the shard's dtype (bf16) from every rank's bytes."""
+        scales = fp8.element_scales(self.recipe, [p.name for p in space.params],
+                                    space.layout, a, b)
+        return fp8.decode(data, self.widths(space, a, b), scales, space.shard.dtype)

@@ -37,7 +37,9 @@ from mpi4py import MPI
 
 from minipar.comm import low_precision
 from minipar.comm.collectives import Group
+from minipar.comm.low_precision import mpi_type
 from minipar.core import precision
+from minipar.core.memory import displacements
 from minipar.core.precision import wire
 
 
@@ -66,6 +68,21 @@ class FullPrecision:
         updates: `x` itself (no copy)."""
         return x
 
+    def gathering(self, space: object, a: int, b: int) -> tuple[np.ndarray, list]:
+        """ZeRO-3's gather of the flat range [a, b) of `space` (parallel/zero.py
+        `Space`): what I send (my part of the range) and where every rank's part lands,
+        as an Allgatherv takes them ([buffer, counts, displacements, datatype]). Here
+        the numbers themselves (a 16-bit array as its uint16 words)."""
+        counts = space.layout.overlap(a, b)
+        whole = np.empty(b - a, dtype=space.shard.dtype)
+        return (wire(space.shard[space.layout.mine(a, b)]),
+                [wire(whole), counts, displacements(counts), mpi_type(whole)])
+
+    def gathered(self, space: object, a: int, b: int, arrived: list) -> np.ndarray:
+        """The range [a, b)'s values from what `gathering`'s buffer received: here
+        the buffer itself (its words seen as the shard's dtype again)."""
+        return arrived[0].view(space.shard.dtype)
+
     def master_of(self, x: np.ndarray) -> np.ndarray | None:
         """A separate copy of `x` for the optimizer to update, or None when it updates
         `x` itself (here: None)."""
@@ -88,8 +105,9 @@ class MixedStep(FullPrecision):
     words added by `low_precision.low_sum_op`."""
 
     def __init__(self, mixed: str, grad_reduce_dtype: str, scale: float, window: int,
-                 vote: Group) -> None:
+                 vote: Group, gather: object = None) -> None:
         self.mixed = mixed
+        self.gather = gather   # --fp8-allgather: parallel/fp8_scales.py `EightBitGather`
         self.low = precision.low_dtype(mixed)
         self.reduce_low = grad_reduce_dtype == "low"
         self.scaler = precision.make_scaler(mixed, scale, window)
@@ -142,6 +160,19 @@ class MixedStep(FullPrecision):
     def compute_copy(self, x: np.ndarray) -> np.ndarray:
         """The 16-bit copy of the master `x`."""
         return x.astype(self.low)
+
+    def gathering(self, space: object, a: int, b: int) -> tuple[np.ndarray, list]:
+        """The 16-bit words (FullPrecision's), or under --fp8-allgather the 8-bit
+        weights' e4m3 bytes beside the others' bf16 bytes (`EightBitGather.words`)."""
+        if self.gather is None:
+            return super().gathering(space, a, b)
+        return self.gather.words(space, a, b)
+
+    def gathered(self, space: object, a: int, b: int, arrived: list) -> np.ndarray:
+        """The 16-bit range, decoded from the 8-bit words where they travelled."""
+        if self.gather is None:
+            return super().gathered(space, a, b, arrived)
+        return self.gather.decoded(space, a, b, arrived[0])
 
     def master_of(self, x: np.ndarray) -> np.ndarray | None:
         """A master-dtype copy of `x`: the optimizer updates it, never the 16-bit one."""

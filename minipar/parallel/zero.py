@@ -66,7 +66,7 @@ from minipar.core.autograd import Tensor
 from minipar.core.memory import FlatLayout, ModelStates, displacements, measure
 from minipar.core.nn import Module, Parameter
 from minipar.core.optim import Held, Optimizer
-from minipar.core.precision import gather_codec, wire
+from minipar.core.precision import wire
 from minipar.core.shards import flat_boxes, in_full_array
 from minipar.parallel.buckets import grad_or_zeros
 from minipar.parallel.dp_hooks import Hooks, Piece, install_hooks
@@ -399,22 +399,20 @@ class Zero3(Zero2):
             p.data = np.empty(0, dtype=self.spaces[0].shard.dtype)  # dropped until gathered
 
     def gather(self, piece: Piece) -> None:
-        """Allgather the piece's parameters: every replica sends its part of them."""
+        """Allgather the piece's parameters: every replica sends its part of them. The
+        precision policy says in which words they travel (parallel/mixed.py
+        `gathering`: the numbers as they are, or under --fp8-allgather 8-bit ones) and
+        reads the whole piece back from what arrived (`gathered`)."""
         for space in self.spaces:
             if id(piece) not in space.span:
                 continue
             a, b = space.flat_range(piece)
-            whole = np.empty(b - a, dtype=space.shard.dtype)
-            counts = space.layout.overlap(a, b)
-            codec = gather_codec()   # --fp8-allgather: 8-bit words (fp8.py)
             if space.group.size == 1:
-                whole[...] = space.shard[a:b]
-            elif codec is not None:   # my part as 8-bit words + bf16 bytes -> every replica
-                codec.allgather(space, a, b, whole, counts)
+                whole = space.shard[a:b].copy()
             else:  # my part of the piece -> every replica; the other parts -> me
-                space.group.Allgatherv(wire(space.shard[space.layout.mine(a, b)]),
-                                       [wire(whole), counts,
-                                        displacements(counts), _mpi_type(whole)])
+                mine, arriving = self.precision.gathering(space, a, b)
+                space.group.Allgatherv(mine, arriving)
+                whole = self.precision.gathered(space, a, b, arriving)
             first, last = space.span[id(piece)]
             for p, view in zip(space.params[first:last + 1],
                                space.layout.views(whole, first, last)):
