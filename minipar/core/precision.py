@@ -73,6 +73,23 @@ def name_of(dtype: np.dtype) -> str | None:
     return BY_TYPE_NAME.get(dtype.type.__name__) if dtype.itemsize == 2 else None
 
 
+EXPONENT_BITS = {"bf16": 0x7F80, "fp16": 0x7C00}   # a 16-bit word's exponent field
+
+
+def count_nonfinite(a: np.ndarray) -> int:
+    """How many numbers of `a` are inf or NaN. A 16-bit float is not finite exactly
+    when its exponent bits are all ones, so a 16-bit array is counted on its words
+    (`EXPONENT_BITS`), two integer passes: `np.isfinite` on ml_dtypes' bfloat16 calls a
+    function per element, 20x slower (512 x 512: 936 us against 44; asked of every
+    parameter after every --mixed step, run/train.py `nonfinite_count`). Any other
+    dtype: `np.isfinite`."""
+    name = name_of(a.dtype)
+    if name is None:
+        return int(np.count_nonzero(~np.isfinite(a)))
+    mask = EXPONENT_BITS[name]
+    return int(np.count_nonzero((a.view(np.uint16) & mask) == mask))
+
+
 def is_low(dtype: np.dtype) -> bool:
     """Is `dtype` one of the 16-bit compute dtypes?"""
     return name_of(dtype) is not None
