@@ -12,7 +12,9 @@ its `lesson checks:` line, and draw at least one picture that is not blank. Each
 runs headless in a fresh kernel (nbclient) with MINIPAR_QUICK=0 -- every cell as a teacher
 runs it, lesson scripts included -- and is kept, outputs and figures in it, in
 build/notebooks/ (the book is built from there); a cell that raises, or a drawing cell
-that drew nothing, fails it. Two notebooks run at a time (as many as the cores, at most
+that drew nothing, fails it. Its exercises run as handed out (each must print "not
+written yet") and, right after, solved in the same kernel (each must print `check
+passed`; tests/teaching/notebooks.py): the suite does not run the notebooks, this does. Two notebooks run at a time (as many as the cores, at most
 four): much of a notebook's time is one kernel's Python while a core waits.
 
 A failure names the lesson or notebook and the check (the lines that said MISMATCH or
@@ -136,18 +138,20 @@ def run_lesson(stem: str, ranks: int, logs: Path) -> Outcome:
 
 
 def run_notebook(path: Path, ranks: int | None) -> Outcome:
-    """Execute one notebook top to bottom (tests/teaching/test_notebooks.py's `execute`,
-    kept in build/notebooks/); the problems: a cell that raised, a drawing cell without a
-    picture. Its checks: the cells with an `assert` that ran, and the lesson checks of the
-    scripts it ran."""
-    from tests.teaching.test_notebooks import drawing_problems, execute
+    """Execute one notebook top to bottom as handed out, each exercise also solved in the
+    same kernel (tests/teaching/notebooks.py), kept in build/notebooks/; the problems: a
+    cell that raised, a drawing cell without a picture, an exercise that did not wait for
+    its answer or whose solution did not pass. Its checks: the cells with an `assert`
+    that ran, the solutions that passed, and the lesson checks of the scripts it ran."""
+    from tests.teaching import notebooks
 
     wall = time.monotonic()
     try:
-        notebook, problems = execute(path), []
-        problems += drawing_problems(path, notebook)
+        notebook, solved_runs = notebooks.execute(path, NOTEBOOKS_OUT)
+        problems = notebooks.problems(path, notebook, solved_runs)
     except Exception as error:  # nbclient's CellExecutionError names the cell
-        notebook, problems = None, [f"{type(error).__name__}: {str(error)[:1500]}"]
+        notebook, solved_runs = None, {}
+        problems = [f"{type(error).__name__}: {str(error)[:1500]}"]
     seconds = time.monotonic() - wall
     checks = 0
     if notebook is not None:
@@ -157,6 +161,7 @@ def run_notebook(path: Path, ranks: int | None) -> Outcome:
             text = "".join(out.get("text", "") for out in cell.outputs)
             checks += "assert " in cell.source and "not written yet" not in text  # answered
             checks += sum(int(n) for n, _ in CHECKS.findall(text))
+        checks += sum("check passed" in said for said in solved_runs.values())
     return Outcome(path.name, ranks, seconds, checks, problems)
 
 
@@ -191,7 +196,6 @@ def main() -> int:
             report(outcomes[-1])
     if not args.lessons:
         os.environ["MINIPAR_QUICK"] = "0"
-        os.environ["MINIPAR_NOTEBOOKS_OUT"] = str(NOTEBOOKS_OUT)
         paths = [(LESSONS / f"{s}.ipynb", n) for s, n in chosen]
         if not args.only:
             paths += [(LESSONS / f"{name}.ipynb", None) for name in EXTRA_NOTEBOOKS]

@@ -169,8 +169,8 @@ def answered(exercise: str, measured: str, **answers: object) -> bool:
     or a paper's number) -- and returns
     False: the cell does not raise, so a class (and `make course`) runs the notebook from
     top to bottom unsolved. Once all are written it prints nothing and returns True, and
-    the cell's own asserts judge the answer (tests/teaching/test_notebooks.py runs each
-    notebook with its solutions written in, tests/teaching/notebook_answers.py)."""
+    the cell's own asserts judge the answer (`make course` runs each exercise cell once
+    more with its solution written in, tests/teaching/notebook_answers.py)."""
     missing = [name for name, value in answers.items() if value is None]
     if missing:
         names = ", ".join(f"`{name}`" for name in missing)

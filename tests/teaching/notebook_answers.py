@@ -7,9 +7,10 @@ file holds what a solved line reads:
 
     ANSWERS[notebook stem][the line's left side] = its right side, as source text
 
-tests/teaching/test_notebooks.py writes these into the lines before it runs a notebook
-(`execute(path, answers=True)`), so every check is proven passable -- each exercise
-cell must print `check passed` -- and a fast test holds the two in step: every `# your`
+`make course` (tests/teaching/notebooks.py) runs each exercise cell once more with these
+written in, right after it ran as handed out, so every check is proven passable -- the
+solved run must print `check passed` -- and a fast test (test_notebooks.py) holds the two
+in step: every `# your`
 line of lessons/*.ipynb is `None` as stored and has its answer here, every answer here
 has its line. A notebook that adds an exercise adds its line here.
 """

@@ -70,3 +70,50 @@ def test_a_failing_lesson_is_named_with_its_failed_check(tmp_path, monkeypatch):
                for p in outcome.problems), outcome.problems
     assert outcome.problems[-1].startswith("drew no picture"), outcome.problems
     assert "MISMATCH" in (tmp_path / "99_broken.log").read_text()
+
+
+def test_a_notebooks_exercise_runs_handed_out_then_solved_in_the_same_kernel(tmp_path,
+                                                                             monkeypatch):
+    """tests/teaching/notebooks.py on a five-cell notebook: an exercise cell waits for
+    its answer as handed out, its solved run passes and is kept apart, and the next cell
+    sees the handed-out kernel (x is None again) and keeps its In [n]; a second exercise
+    built on the first passes solved with the first's answer. A solution that fails its
+    check, and an exercise that does not wait, are each named."""
+    import nbformat
+
+    from tests.teaching import notebooks
+
+    exercise = ('from minipar.teaching import classroom\n'
+                'x = None                 # your formula\n'
+                'if classroom.answered("exercise 1", "measured 3", x=x):\n'
+                '    assert x == 3, "not yet: count again"\n'
+                '    print("check passed")')
+    builds_on_it = ('z = None                 # your formula\n'
+                    'if classroom.answered("exercise 2", "x + 1", x=x, z=z):\n'
+                    '    assert z == x + 1, "not yet"\n'
+                    '    print("check passed")')
+    book = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("y = 1"),
+                                           nbformat.v4.new_code_cell(exercise),
+                                           nbformat.v4.new_code_cell("print('x is', x)"),
+                                           nbformat.v4.new_code_cell(builds_on_it),
+                                           nbformat.v4.new_code_cell("print(x, z)")])
+    path = tmp_path / "tiny.ipynb"
+    nbformat.write(book, path)
+    monkeypatch.setitem(notebooks.ANSWERS, "tiny", {"x": "1 + 2", "z": "4"})
+    ran, solved_runs = notebooks.execute(path, tmp_path / "out")
+    assert "exercise 1: not written yet" in notebooks.printed(ran.cells[1])
+    assert "check passed" in solved_runs[1] and "check passed" not in notebooks.printed(
+        ran.cells[1])
+    assert notebooks.printed(ran.cells[2]) == "x is None\n"
+    assert "check passed" in solved_runs[3]   # exercise 2's check saw exercise 1 solved
+    assert notebooks.printed(ran.cells[4]) == "None None\n"   # and the class's kernel not
+    assert [c.execution_count for c in ran.cells] == [1, 2, 3, 4, 5]
+    assert (tmp_path / "out" / "tiny.ipynb").exists()
+    exercise_problems = [p for p in notebooks.problems(path, ran, solved_runs)
+                         if "draws no figure" not in p]
+    assert exercise_problems == []
+    wrong = notebooks.problems(path, ran, {1: "AssertionError: not yet: count again"})
+    assert any("solved" in p and "did not pass" in p for p in wrong), wrong
+    ran.cells[1].outputs = []
+    assert any("did not wait for its answer" in p
+               for p in notebooks.problems(path, ran, solved_runs))

@@ -1,64 +1,22 @@
-"""The classroom notebooks run headless, from the first cell to the last, and draw.
+"""The classroom notebooks as stored: without outputs, every exercise handed out unsolved
+with its solution kept, a teacher's answer cells holding today's stubs.
 
-Each notebook in lessons/ is executed with nbclient in a fresh kernel (cwd
-lessons/, a per-cell timeout), as a teacher would run it: its cells start real
-MPI ranks, as ipyparallel engines or as `mpiexec` jobs (minipar/teaching/classroom.py).
-A cell that raises fails the test with the cell and its traceback. The
-repository keeps the notebooks without outputs.
-
-`make notebooks` runs this file with $MINIPAR_NOTEBOOKS_OUT=build/notebooks: each
-executed notebook, outputs and figures included, is written there for a teacher
-to read (a notebook that fails is written too, up to the failing cell).
-
-A lesson's exercise is handed out unsolved: its answer line reads `name = None  # your
-formula`, and its cell prints "not written yet" instead of checking
-(minipar.teaching.classroom.answered). The suite writes the solutions in
-(tests/teaching/notebook_answers.py) before it runs a notebook, so every exercise cell
-must print `check passed`; `make course` and $MINIPAR_NOTEBOOKS_OUT runs (the book's
-notebooks) run them as handed out, and every exercise cell must say "not written yet".
-
-A cell that holds a student's answer (it begins `# Your answer`, exercises.ipynb)
-must start as a stub `exercise start` hands out, and its first run must print the
-check failing on it, the region named as left as the stub: never passing.
-
-The tests run the notebooks with $MINIPAR_QUICK=1 (unless it is set already): a
-notebook that reads it (its first cells say what it changes) does less of the same
-work, and says so in what it prints; a cell that runs a lesson script prints a line
-instead (tests/teaching/test_lessons.py runs every script). `make notebooks` sets it to
-0: full size, every cell as a teacher runs it.
-
-The notebooks run as many at a time as the machine has cores (at most four), each in
-its own kernel, from threads of this process: much of a notebook's time is one kernel's
-Python (imports, figures) while a core sits idle, so on 2 cores the 16 notebooks take
-about 60 s two at a time against 85 s one by one. Each test waits for its own notebook.
+Running them is `make course`'s (tests/course.py with tests/teaching/notebooks.py): every
+notebook at full size, as a class runs it, each exercise also solved in the same kernel
+and checked passing. The tests here read the notebooks without running one, except
+lesson 14's last exercise cell, run in this process three ways.
 """
 
 from __future__ import annotations
 
-import ast
-import os
-import re
-import tempfile
-from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
-
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
-from minipar.exercises import regions
 from tests.harness.mpi import ROOT
 from tests.teaching.notebook_answers import ANSWERS
+from tests.teaching.notebooks import ANSWER_LINE, code_cells, solved, stub_problem
 
 NOTEBOOKS = sorted((ROOT / "lessons").glob("*.ipynb"))
-CELL_TIMEOUT = 300  # seconds; minipar.teaching.classroom kills its own MPI jobs sooner
-AT_ONCE = max(1, min(4, len(os.sched_getaffinity(0))))  # notebooks running at a time
-# an exercise's answer line: `left = right  # your ...` (right is `None` as handed out)
-ANSWER_LINE = re.compile(r"^(?P<left>[A-Za-z_][\w, ]*?) = (?P<right>.+?)(?P<mark>\s+# your\b.*)$")
-
-
-def code_cells(notebook: nbformat.NotebookNode) -> list:
-    return [cell for cell in notebook.cells if cell.cell_type == "code"]
 
 
 def test_a_notebook_for_every_strategy():
@@ -90,92 +48,6 @@ def answer_lines(notebook: nbformat.NotebookNode) -> list[tuple[str, str]]:
     return found
 
 
-def with_answers(notebook: nbformat.NotebookNode, stem: str) -> nbformat.NotebookNode:
-    """The notebook with each answer line's right side replaced by its solution
-    (notebook_answers.py); lines without one are left as they are."""
-    solutions = ANSWERS.get(stem, {})
-
-    def solve(match: re.Match) -> str:
-        right = solutions.get(match["left"], match["right"])
-        return f"{match['left']} = {right}  {match['mark'].strip()}"
-
-    for cell in code_cells(notebook):
-        cell.source = "\n".join(ANSWER_LINE.sub(solve, line) for line in cell.source.split("\n"))
-    return notebook
-
-
-def execute(path: Path, answers: bool = False) -> nbformat.NotebookNode:
-    """Run one notebook top to bottom in a fresh kernel (cwd: its folder); raises
-    CellExecutionError, naming the cell, if any cell fails, with the kernel's own stderr
-    as a note (kept out of the suite's output: the kernel outlives any one test's capture).
-    With `answers` the exercises' solutions are written in first (`with_answers`), else
-    they run as handed out (unsolved). With $MINIPAR_NOTEBOOKS_OUT the executed notebook
-    (up to a failing cell) is written there for a teacher."""
-    notebook = nbformat.read(path, as_version=4)
-    if answers:
-        with_answers(notebook, path.stem)
-    client = NotebookClient(notebook, timeout=CELL_TIMEOUT, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
-    out = os.environ.get("MINIPAR_NOTEBOOKS_OUT")
-    try:
-        with tempfile.TemporaryFile("w+") as kernel_stderr:
-            try:
-                client.execute(stderr=kernel_stderr)
-            except Exception as error:
-                kernel_stderr.seek(0)
-                error.add_note("the kernel's stderr:\n" + kernel_stderr.read()[-4000:])
-                raise
-    finally:
-        if out:
-            folder = Path(out) if Path(out).is_absolute() else ROOT / out
-            folder.mkdir(parents=True, exist_ok=True)
-            nbformat.write(notebook, folder / path.name)
-    return notebook
-
-
-@pytest.fixture(scope="module")
-def executions(request) -> dict[Path, Future]:
-    """Every notebook this session selected, started AT_ONCE at a time, in collection
-    order; the kernels inherit MINIPAR_QUICK=1 unless it is set already. The exercises
-    run solved, except with $MINIPAR_NOTEBOOKS_OUT: those notebooks are for the book
-    and the class, which get them unsolved."""
-    chosen = [item.callspec.params["path"] for item in request.session.items
-              if getattr(item, "originalname", "") == "test_notebook_runs_and_draws"]
-    with pytest.MonkeyPatch.context() as patch, ThreadPoolExecutor(AT_ONCE) as pool:
-        if "MINIPAR_QUICK" not in os.environ:
-            patch.setenv("MINIPAR_QUICK", "1")
-        solved = not os.environ.get("MINIPAR_NOTEBOOKS_OUT")
-        futures = {path: pool.submit(execute, path, solved) for path in chosen}
-        yield futures
-        for future in futures.values():   # stopped early (-x): drop what has not started
-            future.cancel()
-
-
-def drawing_problems(path: Path, notebook: nbformat.NotebookNode) -> list[str]:
-    """What an executed notebook failed to draw: a drawing cell (`display(plots.x(..))`,
-    load_plots, ...) without a picture in its outputs, or no drawing cell at all."""
-    drawing = [cell for cell in code_cells(notebook)
-               if "display(" in cell.source and "plots." in cell.source]
-    problems = [f"{path.name}: no figure from {cell.source[:80]!r}" for cell in drawing
-                if not any("image/png" in out.get("data", {}) for out in cell.outputs)]
-    return problems + ([] if drawing else [f"{path.name} draws no figure"])
-
-
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
-def test_notebook_runs_and_draws(path, executions):
-    notebook = executions[path].result()
-    assert drawing_problems(path, notebook) == []
-    answers = [cell for cell in code_cells(notebook) if cell.source.startswith("# Your answer")]
-    assert answers or path.stem != "exercises", "exercises.ipynb: no cell for an answer"
-    for cell in answers:
-        first_run_fails_as_the_stub(cell)
-    expected = "not written yet" if os.environ.get("MINIPAR_NOTEBOOKS_OUT") else "check passed"
-    for cell in code_cells(notebook):
-        if any(ANSWER_LINE.match(line) for line in cell.source.splitlines()):
-            printed = "".join(out.get("text", "") for out in cell.outputs)
-            assert expected in printed, (path.name, cell.source[:120], printed[-500:])
-
-
 def test_exercises_are_handed_out_unsolved_with_their_solutions_kept():
     """Every `# your` line of a notebook is `left = None` (or `None, None`) as stored, and
     has its solution in notebook_answers.py; every solution there has its line."""
@@ -196,18 +68,6 @@ def test_exercises_are_handed_out_unsolved_with_their_solutions_kept():
                  for stem, left in sorted(solutions - lines.keys())]
     assert problems == []
     assert len(lines) >= 20, "the lessons' exercises: none found"
-
-
-def first_run_fails_as_the_stub(cell: nbformat.NotebookNode) -> None:
-    """An answer cell's text (its first string constant) is the stub of a region, as a
-    syntax tree, and what the cell printed is the check failing on that stub."""
-    written = next(node.value.value for node in ast.parse(cell.source).body
-                   if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant))
-    stubs = {regions.normalized(regions.stub_lines(region)) for region in regions.find_regions()}
-    assert regions.normalized(written.splitlines()) in stubs, cell.source[:200]
-    printed = "".join(out.get("text", "") for out in cell.outputs)
-    assert ": FAILED" in printed and "NotImplementedError" in printed, printed
-    assert "is left as the stub handed out" in printed and ": passed" not in printed, printed
 
 
 @pytest.mark.parametrize("name", ["05_tp_vs_pp", "07_zero", "08_bugs", "10_transformer",
@@ -237,14 +97,12 @@ def test_an_exercise_cell_waits_for_its_answer_then_judges_it(capsys):
 
     path = ROOT / "lessons" / "14_mixed_precision.ipynb"
     handed_out = [c.source for c in code_cells(nbformat.read(path, as_version=4))]
-    solved = [c.source for c in code_cells(with_answers(nbformat.read(path, as_version=4),
-                                                        "14_mixed_precision"))]
     (i,) = [i for i, source in enumerate(handed_out) if source.startswith("S = None ")]
     exec(handed_out[i], {"np": np, "classroom": classroom})
     printed = capsys.readouterr().out
     assert printed.count("\n") == 1 and printed.startswith("exercise 2: not written yet -- "
                                                            "write `S` in the line"), printed
-    exec(solved[i], {"np": np, "classroom": classroom})
+    exec(solved(handed_out[i], "14_mixed_precision"), {"np": np, "classroom": classroom})
     assert "check passed" in capsys.readouterr().out
     with pytest.raises(AssertionError, match="^not yet: "):
         exec(handed_out[i].replace("S = None", "S = 2.0 ** 12"),
@@ -254,12 +112,10 @@ def test_an_exercise_cell_waits_for_its_answer_then_judges_it(capsys):
 def test_the_teachers_answer_cells_hold_todays_stubs():
     """exercises.ipynb hands out a stub as a student's first answer: it must be the stub
     `exercise start` writes today (an exercise's text changed -> its stub changed), found
-    without running the notebook."""
+    without running the notebook (`make course` also checks its run fails on it)."""
     notebook = nbformat.read(ROOT / "lessons" / "exercises.ipynb", as_version=4)
-    stubs = {regions.normalized(regions.stub_lines(region)) for region in regions.find_regions()}
     answers = [cell for cell in code_cells(notebook) if cell.source.startswith("# Your answer")]
     assert answers
     for cell in answers:
-        written = next(node.value.value for node in ast.parse(cell.source).body
-                       if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant))
-        assert regions.normalized(written.splitlines()) in stubs, cell.source[:200]
+        said = stub_problem(cell)   # the first line of its problems: not today's stub
+        assert said is None or not said.startswith("not today's stub"), said
