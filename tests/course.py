@@ -14,8 +14,9 @@ runs it, lesson scripts included -- and is kept, outputs and figures in it, in
 build/notebooks/ (the book is built from there); a cell that raises, or a drawing cell
 that drew nothing, fails it. Its exercises run as handed out (each must print "not
 written yet") and, right after, solved in the same kernel (each must print `check
-passed`; tests/teaching/notebooks.py): the suite does not run the notebooks, this does. Two notebooks run at a time (as many as the cores, at most
-four): much of a notebook's time is one kernel's Python while a core waits.
+passed`; tests/teaching/notebooks.py): the suite does not run the notebooks, this does.
+Two notebooks run at a time (as many as the cores, at most four): much of a notebook's
+time is one kernel's Python while a core waits.
 
 A failure names the lesson or notebook and the check (the lines that said MISMATCH or
 FAILED, or the cell that raised); at the end a table of every lesson and notebook: its
