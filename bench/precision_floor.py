@@ -32,7 +32,7 @@ roundings to bf16 + its quantize-dequantize passes.
 
 Not in any floor, and so part of what a step pays above it: widening 16-bit operands
 back to float32 before a product (no bf16 BLAS), the main gradients' additions, and
-the replica check every `--mixed` step runs (run/train.py `replica_check`, its CRC-32
+the replica check every `--mixed` step runs (run/agreement.py `replica_check`, its CRC-32
 timed alone beside the rows).
 
 Each ratio is of two steps timed side by side: alternating repetitions (the order
@@ -62,7 +62,8 @@ from bench.mixed_rank import SHAPE
 from bench.timing import spread
 from minipar.core import fp8, muon, precision
 from minipar.parallel import fp8_scales, mixed
-from minipar.run.train import replica_check, train_step
+from minipar.run.agreement import replica_check
+from minipar.run.train import train_step
 from minipar.settings.config import TrainConfig
 
 RUNS = {"float32": dict(dtype="float32"),

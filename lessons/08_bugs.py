@@ -18,7 +18,7 @@ and the lesson shows, for each:
                  (where the damage starts, before it spreads through the model),
                  with the ranks that hold each tensor;
      replicas    copies of the same parameter piece on different ranks must be
-                 bitwise equal (`train.gather_full_params`), which names the rank;
+                 bitwise equal (`agreement.gather_full_params`), which names the rank;
      ledger      what each axis moved in the last step, against the correct run
                  (whose ledger lessons 6 and 7 proved equal to the formulas);
      memory      the bytes of parameters each rank holds, against the correct run;
@@ -84,8 +84,9 @@ from minipar.bugs.catalog import BUGS, MIXED_BUGS, Bug
 from minipar.comm.job import run_collectively, verdict, wait_for_rank0
 from minipar.core import nn
 from minipar.placement import PlacementError
+from minipar.run.agreement import ReplicaError
 from minipar.run.results import mixed_tolerance, moved_difference, relative_difference
-from minipar.run.train import ReplicaError, RunResult, problems, train, train_reference
+from minipar.run.train import RunResult, problems, train, train_reference
 from minipar.settings.config import TrainConfig
 from minipar.settings.preflight import lesson_arguments
 

@@ -31,8 +31,9 @@ from minipar.comm import watchdog
 from minipar.comm.mesh import MeshShape
 from minipar.core import routing
 from minipar.placement import PlacementError
+from minipar.run.agreement import DivergedError, ReplicaError
 from minipar.run.results import check, dump, gather_decisions
-from minipar.run.train import DivergedError, ReplicaError, problems, train
+from minipar.run.train import problems, train
 from minipar.settings import preflight
 from minipar.settings.config import ConfigError, Parser, config_from_args, make_parser
 

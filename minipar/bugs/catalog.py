@@ -5,7 +5,7 @@ loss goes down, often by the same amount per step as the correct run, because
 most of these bugs leave the model a *reasonable* model -- just not the one the
 single-process math defines. What finds them is the equivalence check
 (`--check`: losses and final parameters against one process), the replica check
-(`train.gather_full_params`: every copy of the same parameter piece must be
+(`agreement.gather_full_params`: every copy of the same parameter piece must be
 bitwise equal), the ledger (`--ledger`: what each axis moved, against the
 formula) and the bytes each rank holds.
 

@@ -31,6 +31,7 @@ from minipar import exercises
 from minipar.comm import watchdog
 from minipar.comm.job import abort_all
 from minipar.exercises import units, units_attention
+from minipar.run import agreement
 from minipar.run import train as training
 from minipar.run.results import (
     TOLERANCE,
@@ -60,20 +61,20 @@ def flags(fields: dict) -> str:
 # ------------------------------------------------------------ training checks
 @contextlib.contextmanager
 def held_pieces() -> Iterator[list]:
-    """While in the block, `train.gather_full_params` also keeps what this rank holds at
+    """While in the block, `agreement.gather_full_params` also keeps what this rank holds at
     the end: (name, full_index, copy of data) of each parameter, in the list yielded."""
     pieces: list = []
-    original = training.gather_full_params
+    original = agreement.gather_full_params
 
     def recording(mesh, params, cfg, values=None):  # noqa: ANN001, ANN202 (same signature)
         if values is None:  # the final parameters (the init call passes values)
             pieces[:] = [(p.name, p.full_index, np.array(p.data)) for p in params]
         return original(mesh, params, cfg, values)
-    training.gather_full_params = recording
+    agreement.gather_full_params = recording
     try:
         yield pieces
     finally:
-        training.gather_full_params = original
+        agreement.gather_full_params = original
 
 
 def compare_params(pieces: list, reference: dict, tolerance: float) -> list[tuple]:

@@ -9,7 +9,9 @@ What this file teaches: the skeleton every strategy plugs into. One step is
        expert-parallel blocks talk inside the model (comm/collectives.py);
     3. gradients summed over the replicas of each weight and divided by dp
        (data_parallel.py);
-    4. the optimizer updates what this rank holds (optim.py).
+    4. the optimizer updates what this rank holds (optim.py);
+    5. the ranks check that they agree: the loss finite, the replicas equal
+       (agreement.py, which also assembles the full model from their pieces).
 
 `train_reference` is the same loop with one process and no communication: the
 ground truth that `--check` and the test suite compare every mesh against.
@@ -51,8 +53,17 @@ from minipar.core.data import (
     rank_rows,
 )
 from minipar.core.optim import held_whole, make_optimizer
-from minipar.core.shards import held_parts
 from minipar.parallel.pipeline import executor, schedules
+from minipar.run import agreement
+from minipar.run.agreement import (
+    DivergedError,
+    blame,
+    gather_biases,
+    nonfinite_count,
+    replica_check,
+    report_loss,
+    scaler_of,
+)
 from minipar.settings import config, preflight
 from minipar.settings.config import TrainConfig
 
@@ -69,40 +80,6 @@ class RunResult:
     final: dict[str, np.ndarray] | None = None
     ledger: list[dict] = field(default_factory=list)
     extras: dict = field(default_factory=dict)
-
-
-class DivergedError(ArithmeticError):
-    """The step loss, or the parameters after an update, became NaN or infinite. Raised
-    on every rank at the same step (the loss and the count of non-finite numbers are the
-    same everywhere), so the job stops together, before anything is saved."""
-
-    def __init__(self, step: int, steps: int, what: str, blame: str) -> None:
-        super().__init__(f"step {step} of {steps}: {what} (training diverged; every rank "
-                         f"stopped, nothing saved; {blame})")
-        self.step = step
-
-
-def blame(cfg: TrainConfig, first: bool) -> str:
-    """Which flag to change. The loss of a run's first step is taken before any update, so
-    --lr cannot be its cause; a large MoE --aux-coef can (its term adds to every block's
-    loss and gradient); otherwise the learning rate overshot."""
-    if cfg.model == "moe" and (first or cfg.aux_coef > 1):
-        return f"try a smaller --aux-coef than {cfg.aux_coef:g}"
-    if first:
-        return "the loss is not finite before any update: check --dtype and the sizes"
-    return f"try a smaller --lr than {cfg.lr:g}"
-
-
-def nonfinite_count(mesh: Mesh, chunks: list[nn.Model], updater: Updater) -> int:
-    """How many numbers of the model are NaN or infinite after the update, summed over
-    every rank (each counts what it updates: ZeRO its flat slice, others what they hold)."""
-    from minipar.comm.collectives import allreduce_sum  # here: comm/collectives.py loads mpi4py.MPI
-
-    mine = getattr(updater, "my_slices", None)   # ZeRO: the flat slices this rank updates
-    held = mine() if mine else [p.data for chunk in chunks for p in chunk.parameters()]
-    local = sum(int(np.count_nonzero(~np.isfinite(a))) for a in held)
-    # this rank's count -> the sum on every rank, so all stop at the same step
-    return int(allreduce_sum(mesh.world, np.array([local], dtype=np.int64))[0])
 
 
 def problems(cfg: TrainConfig, world_size: int) -> list[str]:
@@ -360,7 +337,8 @@ def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
     chunks, updater = parallelize(cfg, mesh, full, optimizer)
     trace.instrument(optimizer, updater.memory)  # --trace: optimizer spans, bytes held
     params = [p for chunk in chunks for p in chunk.parameters()]
-    init, _ = gather_full_params(mesh, params, cfg, values=full)  # (ZeRO-3 dropped p.data)
+    # the model as built, read from `full` (ZeRO-3 has dropped p.data by now)
+    init, _ = agreement.gather_full_params(mesh, params, cfg, values=full)
     # the saved optimizer state, cut as the updater keeps it (ZeRO: its flat slice)
     start = save_load.restore_optimizer(optimizer, params, saved, updater) if saved else 0
     if saved:  # sigmoid-bias: every block's b as saved (replicated: any mesh takes it whole)
@@ -460,7 +438,7 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
     if cfg.mixed:  # --mixed: what is read and saved from here on are the masters
         updater.use_masters()
     params = [p for chunk in chunks for p in chunk.parameters()]
-    final, disagreements = gather_full_params(mesh, params, cfg)
+    final, disagreements = agreement.gather_full_params(mesh, params, cfg)
     biases = gather_biases(mesh, chunks)
     if final is not None:
         final.update(biases[0])
@@ -500,121 +478,8 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
                                            if hasattr(block, "attn")]})
 
 
-class ReplicaError(RuntimeError):
-    """Two copies of a replicated parameter (or of the loss scale S) differ after a step
-    of a --mixed run. Raised on every rank at the same step (all read the same digests)."""
-
-
-def scaler_of(updater: Updater) -> precision.LossScaler | None:
-    """The loss scaler of a --mixed run (parallel/mixed.py), None without --mixed."""
-    return getattr(getattr(updater, "precision", None), "scaler", None)  # (mixed.py)
-
-
-def replica_check(mesh: Mesh, chunks: list[nn.Model], updater: Updater, step: int) -> None:
-    """After a --mixed step: every copy of a replicated parameter, and S, bitwise equal
-    on every rank (docs/design.md, "Mixed precision").
-
-    How, cheaply: each rank hashes the bytes of what it holds, one CRC-32 per
-    piece, keyed by (name, part of the full array): the 16-bit compute copy, and under
-    plain data parallelism the master too (ZeRO's master slices are no replicas); and
-    the bytes of S. One allgather of these small lists over the world, then every rank
-    checks every key alike, so a disagreement stops all ranks at the same step. A
-    piece ZeRO-3 has dropped is not held and not hashed (its flat shards are no
-    replicas either)."""
-    import zlib
-
-    def digest(a: np.ndarray) -> int:
-        # CRC-32 of the bytes, in place (no copy): it changes for any difference of at most
-        # 32 bits in a row, so for every one-element difference; several differences slip
-        # by with odds 2^-32. Five times cheaper than a cryptographic hash, every step.
-        return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1))
-    mine = {}
-    masters = getattr(updater, "masters", None)
-    masters = masters if isinstance(masters, list) else None   # plain DP's whole masters
-    params = [p for chunk in chunks for p in chunk.parameters()]
-    for i, p in enumerate(params):
-        if p.data.size:
-            mine[f"{p.name}{p.full_index or ''}"] = digest(p.data)
-            if masters is not None:
-                mine[f"master {p.name}{p.full_index or ''}"] = digest(masters[i])
-    mine["loss scale S"] = digest(np.array([scaler_of(updater).scale]))
-    seen: dict[str, tuple[int, int]] = {}
-    for rank, digests in enumerate(mesh.world.allgather(mine)):
-        for key, value in digests.items():
-            first = seen.setdefault(key, (value, rank))
-            if first[0] != value:
-                raise ReplicaError(f"step {step}: {key} on rank {rank} is not bitwise equal "
-                                   f"to its copy on rank {first[1]} (replicas must agree)")
-
-
 def norms_of(updater: Updater) -> list[float]:
     """The global gradient norm of each step taken (clip.Clipper), [] without clipping."""
     clipper = getattr(updater, "clipper", None)
     return clipper.norms if clipper is not None else []
 
-
-def report_loss(mesh: Mesh, local: float) -> float:
-    """The step loss on every rank: stage shares summed over pp, averaged over dp (and cp:
-    each cp rank's share is the mean over its positions, the same number of them)."""
-    from minipar.comm.collectives import allreduce_sum  # here: comm/collectives.py loads mpi4py.MPI
-
-    value = allreduce_sum(mesh.pp, np.array([local]))
-    return float(allreduce_sum(mesh.dp_cp, value)[0] / mesh.shape.replicas)
-
-
-def gather_biases(mesh: Mesh, chunks: list[nn.Model]
-                  ) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Every block's b (routing.BiasBalance, sigmoid-bias) on world rank 0, and a line for
-    each replica that is not bitwise equal to the first one holding it (every rank of the
-    block's dp x cp and tp groups must have taken the same steps). Empty elsewhere."""
-    # {name: b} of every rank -> rank 0
-    everyone = mesh.world.gather(routing.bias_values(chunks))
-    if everyone is None:
-        return {}, []
-    found: dict[str, np.ndarray] = {}
-    disagreements = []
-    for rank, values in enumerate(everyone):
-        for name, value in values.items():
-            first = found.setdefault(name, value)
-            if not np.array_equal(first, value):
-                disagreements.append(f"{name}: rank {rank} differs from an earlier replica "
-                                     f"by {float(np.max(np.abs(first - value))):.3g}")
-    return found, disagreements
-
-
-def gather_full_params(mesh: Mesh, params: list[nn.Parameter], cfg: TrainConfig,
-                       values: dict[str, np.ndarray] | None = None
-                       ) -> tuple[dict[str, np.ndarray] | None, list[str]]:
-    """Assemble the full canonical parameters on world rank 0 from every rank's pieces.
-
-    Each rank sends `(name, full_index, array)` for what it holds; rank 0 writes
-    each piece into its place (the first rank's copy wins). Replicas (the same
-    piece on several ranks) must agree: each disagreement is a strategy that
-    forgot to synchronize, and is listed in the second return value. With `values`
-    (full arrays the params were cut from), each piece is read from there instead
-    of `p.data`: the model as built, even where ZeRO-3 has dropped `p.data` since.
-    """
-    pieces = [(p.name, p.full_index, p.data) for p in params] if values is None else [
-        (p.name, p.full_index, part) for p, part in zip(params, held_parts(params, values))]
-    everything = mesh.world.gather(pieces)
-    if everything is None:
-        return None, []
-    shapes = nn.canonical_shapes(cfg.model_config())
-    full: dict[str, np.ndarray] = {}
-    disagreements: list[str] = []
-    for rank, rank_pieces in enumerate(everything):
-        for name, index, data in rank_pieces:
-            target = full.setdefault(name, np.full(shapes[name], np.nan, dtype=data.dtype))
-            where = slice(None) if index is None else index
-            seen = target[where]
-            if np.isnan(seen).all():
-                target[where] = data
-            elif not np.array_equal(seen, data):
-                diff = float(np.nanmax(np.abs(seen - data)))
-                disagreements.append(f"{name}: rank {rank} differs from an earlier replica "
-                                     f"by {diff:.3g}")
-    missing = sorted(set(shapes) - set(full)) + sorted(
-        name for name, value in full.items() if np.isnan(value).any())  # a part unheld
-    if missing:
-        raise RuntimeError(f"parameters (or parts of them) held by no rank: {missing[:3]}")
-    return full, disagreements

@@ -26,8 +26,9 @@ from pathlib import Path
 from mpi4py import MPI
 
 from minipar.comm.job import abort_on_exception, wait_for_rank0
+from minipar.run.agreement import ReplicaError
 from minipar.run.results import dump
-from minipar.run.train import ReplicaError, problems, train
+from minipar.run.train import problems, train
 from minipar.settings.config import TrainConfig
 
 

@@ -6,7 +6,7 @@ vocabulary, context (allgather/ring/zigzag/ulysses) parallelism and recomputatio
 One mpiexec job of 4 ranks trains every config below; each is compared with the
 one-process run in the same precision under the tolerance derived in
 run/results.py (`mixed_tolerance`: from the unit roundoff and the step count), and:
-- the replica check ran on every rank after every step (train.replica_check raises
+- the replica check ran on every rank after every step (agreement.replica_check raises
   ReplicaError on all ranks at once, which would end the job: the sweep passing means
   every copy of a replicated parameter, and S, was bitwise equal after every step);
 - the ledger counts 2 bytes per element for every 16-bit collective (ZeRO's Allgather,
@@ -37,8 +37,9 @@ import pytest
 from minipar.bugs.catalog import MIXED_BUGS
 from minipar.bugs.catalog import listing as catalog_listing
 from minipar.core import precision
+from minipar.run.agreement import ReplicaError, replica_check
 from minipar.run.results import mixed_tolerance, moved_difference, relative_difference
-from minipar.run.train import ReplicaError, problems, replica_check
+from minipar.run.train import problems
 from minipar.settings.config import TrainConfig
 from tests.conftest import reference
 from tests.harness.mpi import sweep

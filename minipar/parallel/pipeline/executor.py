@@ -324,7 +324,7 @@ def forward_backward(worker: StageWorker, schedule_name: str, microbatches: int,
     """One step's forwards and backwards on this rank, in the order the schedule says.
 
     Gradients accumulate in the parameters' `.grad` as in the one-process loop.
-    Returns this rank's share of the step loss (`train.report_loss` sums over pp);
+    Returns this rank's share of the step loss (`agreement.report_loss` sums over pp);
     appends the wall-clock start/end of every instruction to `timeline` if given.
     """
     program = schedule(schedule_name, worker.pp, microbatches, worker.stage, worker.virtual)
