@@ -334,9 +334,6 @@ def problems(cfg: object) -> list[str]:
         return [f"--fp8-grad must be one of {', '.join(GRAD_FORMATS)} (got {cfg.fp8_grad})"]
     if cfg.fp8_block < 1:
         return [f"--fp8-block must be at least 1 (got {cfg.fp8_block})"]
-    if cfg.model == "moe" and cfg.tp > 1 and cfg.fp8 != "blockwise":  # gpt-moe: whole
-        out.append(f"--fp8 {cfg.fp8} with the experts split over --tp is not written yet "
-                   "(--fp8 blockwise is: no scale crosses a shard)")
     return out + block_problems(cfg)
 
 
@@ -351,13 +348,32 @@ def linears(cfg: object, block: object) -> tuple[int, int, int]:
     """A block's 8-bit linears on one rank: (all, input-cut, output-cut) -- under tp the
     row-parallel ones (fc2, proj) have their input features cut, the column-parallel ones
     (fc1, q, k, v) their outputs. An MoE FFN: 2 per routed and shared expert (E / ep of
-    them), none cut (gpt-moe keeps them whole over tp; the MLP MoE's split ones run
-    blockwise only, which agrees no amax)."""
+    them), cut like the dense FFN's when the MLP MoE splits them over tp (fc1 by
+    columns, fc2 by rows: expert_parallel.py), whole otherwise (gpt-moe over tp)."""
     attention = 4 if cfg.model in ("gpt", "gpt-moe") else 0   # q, k, v, proj
-    ffn = 2 * (block.experts // cfg.ep + cfg.shared_experts) if block.moe else 2
+    experts = block.experts // cfg.ep + cfg.shared_experts
+    ffn = 2 * experts if block.moe else 2
     cut = cfg.tp > 1
-    return (attention + ffn, (attention // 4 + (0 if block.moe else 1)) * cut,
-            (3 * attention // 4 + (0 if block.moe else 1)) * cut)
+    pairs = (experts if split_experts(cfg) else 0) if block.moe else 1   # (fc1, fc2)s cut
+    return attention + ffn, (attention // 4 + pairs) * cut, (3 * attention // 4 + pairs) * cut
+
+
+def split_experts(cfg: object) -> bool:
+    """Does the run split every expert over tp (the MLP MoE with --tp; gpt-moe keeps
+    them whole on every tp rank)?"""
+    return cfg.model == "moe" and cfg.tp > 1
+
+
+def routed_rows(cfg: object, blocks: Iterable[object]) -> dict[tuple[str, str], int]:
+    """(group, op) -> float32 amaxes a step adds per row an expert rank *receives*: the
+    rows the router sent it are known only after the dispatch (`ledger_tables`' routed
+    lines: calls fixed, elements a multiple of a row's). Rowwise with the experts split
+    over tp: each routed expert's fc2 input row and fc1 output-gradient row span the tp
+    shards, one amax each over tp (the forward's twice under --recompute full)."""
+    if getattr(cfg, "fp8", None) != "rowwise" or not split_experts(cfg):
+        return {}
+    uses = 3 if getattr(cfg, "recompute", "none") == "full" else 2
+    return {("tp", "Allreduce"): uses} if any(b.moe for b in blocks) else {}
 
 
 def expected_ledger(cfg: object, blocks: Iterable[object]) -> dict[tuple[str, str],
@@ -372,8 +388,15 @@ def expected_ledger(cfg: object, blocks: Iterable[object]) -> dict[tuple[str, st
     - each microbatch, each linear: tensorwise, the amax of X (forward) and of dY
       (backward) over its replicas (dp; an expert's: edp, the ranks holding the same
       experts), and over tp where its features are cut; rowwise, the N row
-      amaxes over tp where they are cut (N the rank's rows of the microbatch);
-      under --recompute full each X amax twice (the forward again in the backward)."""
+      amaxes over tp where they are cut (N the rank's rows of the microbatch; a
+      routed expert split over tp: the rows it received, `routed_rows`, not counted
+      here); under --recompute full each X amax twice (the forward again in the
+      backward).
+
+    The MLP MoE's experts split over tp are cut as the dense FFN is (fc1 by columns,
+    fc2 by rows, `linears`): their weights' amaxes join the one tp call of the step,
+    and their X (fc2) and dY (fc1) amaxes are agreed over tp, then (tensorwise) over
+    edp like any expert's."""
     if getattr(cfg, "fp8", None) is None:
         return {}
     blocks = list(blocks)
@@ -392,9 +415,9 @@ def expected_ledger(cfg: object, blocks: Iterable[object]) -> dict[tuple[str, st
         return out
     counts = [linears(cfg, b) for b in blocks]
     every, x_cut, dy_cut = (sum(c[i] for c in counts) for i in range(3))
-    m = cfg.microbatches
-    rows = cfg.batch // (m * cfg.dp) * (cfg.seq_len // cfg.cp if cfg.model in ("gpt", "gpt-moe")
-                                        else 1)   # the positions this rank holds
+    m = block_feeds(cfg)
+    rows = cfg.batch // (cfg.microbatches * cfg.dp) * (   # the positions this rank holds
+        cfg.seq_len // cfg.cp if cfg.model in ("gpt", "gpt-moe") else 1)
 
     # --recompute full runs each block's forward again in the backward: its X amaxes
     # are agreed again (the same numbers, so the same scales); selective recomputes
@@ -405,13 +428,24 @@ def expected_ledger(cfg: object, blocks: Iterable[object]) -> dict[tuple[str, st
         add(("tp", "Allreduce"), 1 if weights else 0, weights)
         per_row = 1 if cfg.fp8 == "tensorwise" else rows
         cut = (uses - 1) * x_cut + dy_cut
-        add(("tp", "Allreduce"), m * cut, m * cut * per_row)
+        # rowwise: a routed expert's rows are those it received (`routed_rows`), not mine
+        routed = uses * sum(b.experts // cfg.ep for b in blocks if b.moe) \
+            if routed_rows(cfg, blocks) else 0
+        add(("tp", "Allreduce"), m * cut, m * (cut - routed) * per_row)
     if cfg.fp8 == "tensorwise":   # X and dY of each linear, over its replicas
         experts = sum(2 * (b.experts // cfg.ep) for b in blocks if b.moe)  # edp's
         for group, n, size in (("dp", every - experts, cfg.dp * cfg.cp),   # dp x cp
                                ("edp", experts, cfg.dp // cfg.ep * cfg.cp)):
             add((group, "Allreduce"), uses * m * n if size > 1 else 0, uses * m * n)
     return out
+
+
+def block_feeds(cfg: object) -> int:
+    """Microbatches each block a rank holds runs in a step: M, or M / 2 under DualPipe,
+    whose rank holds two copies of the model each fed from one end (parallel/pipeline
+    schedules.py's TWO_WAY; its `blocks` list both copies' blocks)."""
+    two_way = getattr(cfg, "schedule", None) == "dualpipe" and getattr(cfg, "pp", 1) > 1
+    return cfg.microbatches // 2 if two_way else cfg.microbatches
 
 
 def zero3_groups(cfg: object, blocks: Iterable[object]) -> tuple[int, int]:

@@ -77,14 +77,44 @@ class Line:
     """One predicted ledger line of a rank: `calls` calls moving `elements` numbers in
     `bytes` bytes, each number a `dtype` ("float64", "bf16", "int64", or two names
     joined by "+" for a line that moves both). `routed`: the elements follow the router
-    (an MoE's Alltoallv, the tp sums of experts split over tp), so only the calls and
-    the bytes an element are predicted."""
+    (an MoE's Alltoallv), so only the calls and the bytes an element are predicted.
+    `per_row`: (elements, bytes) each row an expert rank *received* adds (the MLP MoE's
+    experts split over tp: their tp sums, and under --fp8 rowwise their row amaxes):
+    the line is then `elements` + k per_row[0] and `bytes` + k per_row[1] for one
+    whole k, the rows the router sent, and is judged exactly so (`matches`)."""
 
     calls: int
     elements: int
     bytes: int
     dtype: str
     routed: bool = False
+    per_row: tuple[int, int] = (0, 0)
+
+    def matches(self, got: Mapping[str, int]) -> bool:
+        """Does a measured line (calls, elements, bytes) fit this prediction? Exactly,
+        or a routed line: its calls and bytes an element, or a per-row line: its calls,
+        and a whole number k >= 0 of rows adding k per_row to elements and bytes."""
+        if self.per_row != (0, 0):
+            rows, left = divmod(got["elements"] - self.elements, self.per_row[0])
+            return got["calls"] == self.calls and rows >= 0 and not left and \
+                got["bytes"] == self.bytes + rows * self.per_row[1]
+        if self.routed:
+            return got["calls"] == self.calls and \
+                got["bytes"] == got["elements"] * self.itemsize
+        return (got["calls"], got["elements"], got["bytes"]) == (
+            self.calls, self.elements, self.bytes)
+
+    def text(self, table: bool = False) -> str:
+        """The prediction as `ledger_differences` prints it (calls, elements, bytes),
+        or as `ledger_table`'s last column (`table`: a routed line's bytes an element)."""
+        if self.per_row != (0, 0):
+            return (f"{self.calls}, {self.elements} + {self.per_row[0]} k, {self.bytes} + "
+                    f"{self.per_row[1]} k bytes, k the rows received ({self.dtype})")
+        if self.routed:
+            return (f"{self.calls}, (router), {self.itemsize:g} B/elem ({self.dtype})" if table
+                    else f"{self.calls}, (router), (router) bytes ({self.dtype})")
+        return f"{self.calls}, {self.elements}, {self.bytes}{'' if table else ' bytes'} " \
+            f"({self.dtype})"
 
     @property
     def itemsize(self) -> float:
@@ -137,7 +167,30 @@ def _merged(a: Line | None, b: Line) -> Line:
         return b
     names = a.dtype.split("+") + [n for n in b.dtype.split("+") if n not in a.dtype.split("+")]
     return Line(a.calls + b.calls, a.elements + b.elements, a.bytes + b.bytes,
-                "+".join(names), a.routed or b.routed)
+                "+".join(names), a.routed or b.routed,
+                (a.per_row[0] + b.per_row[0], a.per_row[1] + b.per_row[1]))
+
+
+def split_expert_sums(cfg: TrainConfig, blocks: Sequence[object]) -> Line | None:
+    """The tp Allreduces of the MLP MoE's experts split over tp (expert_parallel.py
+    `run_local_experts_split`, `shared_ffn`), in the master dtype: per MoE block and
+    microbatch one of the (R, d) shares of the rows R the rank received (forward, and
+    again under --recompute full) and one of their input gradients (backward); the
+    shared experts the same on the rank's own b rows. R follows the router: a row
+    received adds d elements a pass (`Line.per_row`)."""
+    if cfg.model != "moe" or cfg.tp == 1:
+        return None
+    from minipar.core import fp8
+
+    moe = sum(1 for block in blocks if block.moe)
+    passes = 3 if cfg.recompute == "full" else 2
+    calls = passes * fp8.block_feeds(cfg) * moe   # DualPipe: each copy half of them
+    if not calls:
+        return None
+    itemsize, d = np.dtype(cfg.dtype).itemsize, cfg.d_model
+    shared = calls * cfg.batch // (cfg.microbatches * cfg.dp) * d if cfg.shared_experts else 0
+    return Line(calls * (1 + (cfg.shared_experts > 0)), shared, shared * itemsize, cfg.dtype,
+                per_row=(passes * d, passes * d * itemsize))
 
 
 def predicted_lines(cfg: TrainConfig, skipped: bool = False
@@ -185,8 +238,15 @@ def predicted_lines(cfg: TrainConfig, skipped: bool = False
                 if line is not None and psi:   # 1 byte a weight word, 2 for the rest
                     words = 2 * line.elements - line.elements * covered[group] // psi
                     lines[(group, "Allgatherv")] = Line(line.calls, words, words, "e4m3+bf16")
+        sums = split_expert_sums(cfg, shape.blocks)
+        if sums is not None:
+            extra.append((("tp", "Allreduce"), sums))
+        rows = fp8.routed_rows(cfg, shape.blocks)
         for key, (calls, elements) in fp8.expected_ledger(cfg, shape.blocks).items():
-            extra.append((key, Line(calls, elements, 4 * elements, "float32")))  # amaxes
+            if key[0] == "edp" and fp8.split_experts(cfg) and cfg.zero == 0:
+                continue   # beside the experts' gradient Allreduce, which is not predicted
+            extra.append((key, Line(calls, elements, 4 * elements, "float32",  # amaxes
+                                    per_row=(rows.get(key, 0), 4 * rows.get(key, 0)))))
         moe_blocks = sum(1 for block in shape.blocks if block.moe)
         if cfg.router == "sigmoid-bias" and moe_blocks and cfg.dp * cfg.cp > 1:
             counts = moe_blocks * cfg.experts
@@ -226,20 +286,11 @@ def ledger_differences(records: list[dict], cfg: TrainConfig, skipped: bool = Fa
         measured = {(r["group"], r["op"]): r for r in records if r["rank"] == rank}
         for (group, op), want in sorted(lines.items()):
             got = measured.get((group, op), {"calls": 0, "elements": 0, "bytes": 0})
-            if want.routed:
-                same = got["calls"] == want.calls and \
-                    got["bytes"] == got["elements"] * want.itemsize
-            else:
-                same = (got["calls"], got["elements"], got["bytes"]) == (
-                    want.calls, want.elements, want.bytes)
-            if not same:
+            if not want.matches(got):
                 out.setdefault(f"{group} {op}: {got['calls']} calls, "
-                           f"{got['elements']} elements, {got['bytes']} bytes "
-                           f"({itemsizes_text(got, cfg) if got['calls'] else 'absent'}) "
-                           f"where the formulas say {want.calls}, "
-                           f"{'(router)' if want.routed else want.elements}, "
-                           f"{'(router)' if want.routed else want.bytes} bytes ({want.dtype})",
-                               []).append(rank)
+                               f"{got['elements']} elements, {got['bytes']} bytes "
+                               f"({itemsizes_text(got, cfg) if got['calls'] else 'absent'}) "
+                               f"where the formulas say {want.text()}", []).append(rank)
     return [f"{text} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
             for text, ranks in out.items()]
 
@@ -248,9 +299,10 @@ def ledger_table(records: list[dict], cfg: TrainConfig, skipped: bool = False) -
     """One line per (group, op) for the busiest rank: calls, elements, bytes and the
     dtype they imply, the ring-algorithm wire volume, and what the formulas predict for
     that rank (`predicted_lines`: calls, elements, bytes and dtype; Alltoallv elements
-    follow the router, so only calls and the bytes an element are predicted for them,
-    and so for the tp Allreduces of split experts: --tp with --model moe sums the rows
-    an expert rank received). `--check` judges every rank's lines the same way
+    follow the router, so only calls and the bytes an element are predicted for them;
+    the tp Allreduces of split experts, --tp with --model moe, sum the rows an expert
+    rank received: their calls, and elements and bytes a whole number of rows above
+    the fixed part, `Line.per_row`). `--check` judges every rank's lines the same way
     (`ledger_differences`)."""
     predicted = predicted_lines(cfg, skipped)
     per: dict[tuple[str, str], list[dict]] = defaultdict(list)
@@ -269,16 +321,8 @@ def ledger_table(records: list[dict], cfg: TrainConfig, skipped: bool = False) -
             verdict = "- (experts split over tp: the planner's MoE keeps them whole)"
         elif want is None:
             verdict = "-"
-        elif want.routed:
-            same = worst["calls"] == want.calls and \
-                worst["bytes"] == worst["elements"] * want.itemsize
-            verdict = (f"{want.calls}, (router), {want.itemsize:g} B/elem ({want.dtype}) "
-                       f"{'ok' if same else 'DIFFERS'}")
         else:
-            same = (want.calls, want.elements, want.bytes) == (
-                worst["calls"], worst["elements"], worst["bytes"])
-            verdict = (f"{want.calls}, {want.elements}, {want.bytes} ({want.dtype}) "
-                       f"{'ok' if same else 'DIFFERS'}")
+            verdict = f"{want.text(table=True)} {'ok' if want.matches(worst) else 'DIFFERS'}"
         lines.append(f"{group:>6} {op:>15} {worst['rank']:>4} {worst['calls']:>6} "
                      f"{worst['elements']:>10} {worst['bytes']:>10} "
                      f"{itemsizes_text(worst, cfg):>8} {wire:>11.0f}  {verdict}")

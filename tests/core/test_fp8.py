@@ -98,8 +98,6 @@ def test_recompute_runs_the_forward_again_on_the_same_scales_bit_for_bit():
     (dict(fp8="rowwise", fp8_allgather=True), "--fp8-allgather gathers ZeRO-3's weights "
                                               "in 8 bits: it needs --fp8 and --zero 3 "
                                               "(got --zero 0)"),
-    (dict(fp8="tensorwise", model="moe", experts=4, expert_d_ff=16, tp=2),
-     "--fp8 tensorwise with the experts split over --tp is not written yet"),
     (dict(fp8="blockwise", model="moe", experts=4, expert_d_ff=32, tp=2, fp8_block=32),
      "--fp8-block 32 does not divide expert_d_ff / tp = 16: a block would straddle a "
      "shard; the nearest sizes that work: --fp8-block 16"),
@@ -108,6 +106,47 @@ def test_refusals_are_one_line_before_any_step(flags, said):
     cfg = TrainConfig(**{**TINY, **flags}).resolved(2 if flags.get("tp") else 1)
     found = problems(cfg, 2 if flags.get("tp") else 1)
     assert found and said in found[0], found
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_the_mlp_moes_experts_split_over_tp_run_every_recipe(recipe):
+    cfg = TrainConfig(**{**TINY, "model": "moe", "experts": 4, "expert_d_ff": 32, "tp": 2,
+                         "fp8": recipe}).resolved(2)
+    assert problems(cfg, 2) == []
+
+
+@pytest.mark.parametrize("recipe, fixed, per_row", [
+    # weights: 1 call, every fc1 and fc2 of 2 blocks x 4 experts (16 amaxes); X of fc2
+    # and dY of fc1, per expert and microbatch: 2 x 2 x 4 x 2 = 32 calls of 1 amax
+    ("tensorwise", (33, 48, 192), (32, 256)),
+    # weights: 1 call, fc2's 16 output columns of 8 experts (128); the 32 activation
+    # calls carry one amax a row the expert received: 2 float32 a row
+    ("rowwise", (33, 128, 512), (34, 264)),
+])
+def test_split_experts_tp_line_is_calls_plus_whole_rows(recipe, fixed, per_row):
+    """The tp Allreduce line of the MLP MoE with its experts split over tp (dp 2 x tp 2,
+    L = 2, d = 16, M = 2): the amaxes above, and the experts' own sums (forward shares
+    and backward input gradients: 2 calls a block and microbatch, 8, of 16 float64 a
+    row received a pass, 32 numbers and 256 bytes a row). Measured lines fit it with
+    one whole number of rows; a missing amax, or sums of another width, do not."""
+    from minipar.teaching.ledger_tables import Line, predicted_lines
+
+    cfg = TrainConfig(model="moe", experts=4, expert_d_ff=16, layers=2, d_model=16,
+                      batch=16, microbatches=2, mixed="bf16", fp8=recipe, dp=2, tp=2,
+                      zero=1).resolved(4)
+    line = predicted_lines(cfg)[0][("tp", "Allreduce")]
+    calls, elements, size = fixed
+    assert (line.calls, line.elements, line.bytes, line.per_row) == (
+        calls + 8, elements, size, per_row)
+    assert isinstance(line, Line) and line.dtype == "float64+float32"
+    rows = 32   # 2 blocks x 2 microbatches x 8 assignments (ep 1: every one mine)
+    got = {"calls": line.calls, "elements": elements + rows * per_row[0],
+           "bytes": size + rows * per_row[1]}
+    assert line.matches(got)
+    assert not line.matches(dict(got, calls=got["calls"] - 1))   # a call left out
+    assert not line.matches(dict(got, elements=got["elements"] - 1,   # one amax short
+                                 bytes=got["bytes"] - 4))
+    assert not line.matches(dict(got, bytes=got["bytes"] - rows * 32 * 6))  # sums in bf16
 
 
 def test_dump_records_the_recipe_and_a_refusal_exits_2(tmp_path):
