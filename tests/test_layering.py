@@ -22,6 +22,7 @@ minipar/ with `ast` (no import runs, no tool beyond the standard library) and fa
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import re
@@ -326,7 +327,8 @@ def test_no_reference_to_a_file_outside_the_repository():
 
 
 # ------------------------------------------------------------ one home per name
-def defined_names(module: str) -> set[str] | None:
+@functools.cache   # each module parsed once, however many imports name it
+def defined_names(module: str) -> frozenset[str] | None:
     """The names `module` (minipar.x.y) defines itself: its top-level functions, classes
     and assignments (inside `if`/`try` too), the names its `__all__` offers as its public
     face (minipar.placement's), and, for a package, its submodules. None when the module
@@ -351,7 +353,7 @@ def defined_names(module: str) -> set[str] | None:
         elif isinstance(node, (ast.If, ast.Try, ast.With)):
             body += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
                      *[s for h in getattr(node, "handlers", []) for s in h.body]]
-    return names
+    return frozenset(names)
 
 
 def borrowed_imports(name: str, source: str) -> list[str]:
