@@ -35,7 +35,8 @@ The sections:
 Sections 1-3 use one toy model (MODEL below: d = 256, 4 layers, float64); `--quick`
 a smaller one (d = 64, 2 layers) and fewer runs, and says so in its headings.
 
-The command behind it: `python -m minipar generate` (minipar/run/generate.py, kvcache.py).
+The command behind it: `python -m minipar generate` (minipar/run/generate.py;
+the decoding in minipar/run/decode.py, the cache in kvcache.py).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ from minipar.core.nn import init_params
 from minipar.core.threads import cores
 from minipar.planner import presets, search, workloads
 from minipar.planner.serving import DecodePrice, decode_price
-from minipar.run.generate import GenerateConfig, MeshResult, generate_on_mesh, reference, text_of
+from minipar.run.decode import GenerateConfig, MeshResult, generate_on_mesh, reference
+from minipar.run.generate import text_of
 from minipar.run.results import relative_difference
 from minipar.run.train import train
 from minipar.settings.config import TrainConfig

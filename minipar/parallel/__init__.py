@@ -32,7 +32,8 @@ context parallelism
     Lesson 12_context_parallel. Tests: tests/parallel/test_context_parallel.py.
 serving with a KV cache
     kvcache.py: the cache split by heads (tp) and positions (cp), merged by log-sum-exp;
-    run/generate.py runs the loop. Lesson 16_serving. Tests: tests/run/test_generate.py.
+    run/decode.py runs the loop, run/generate.py the command. Lesson 16_serving.
+    Tests: tests/run/test_generate.py.
 all of them at once
     compose/parallelize.py: parallelize. Lessons 06_hybrid, 13_recipes. Tests:
     tests/parallel/test_hybrid.py, tests/parallel/test_every_mesh.py,

@@ -22,7 +22,8 @@ from minipar.checkpoint.save_load import holding
 from minipar.comm.collectives import Ledger
 from minipar.comm.job import abort_on_exception
 from minipar.comm.mesh import Mesh
-from minipar.run.generate import config_from_args, full_params, generate_on_mesh, make_parser
+from minipar.run.decode import generate_on_mesh
+from minipar.run.generate import config_from_args, full_params, make_parser
 from minipar.run.train import problems, train
 from minipar.settings.config import TrainConfig
 

@@ -21,17 +21,15 @@ import numpy as np
 import pytest
 
 from minipar.parallel import kvcache
-from minipar.run.generate import (
+from minipar.run.decode import (
     choose,
-    config_from_args,
     decode_ledger,
     dispatched_elements,
-    full_params,
     gumbel,
-    make_parser,
     reference,
     scores,
 )
+from minipar.run.generate import config_from_args, full_params, make_parser
 from minipar.run.results import relative_difference
 from minipar.settings.config import ConfigError
 from tests.harness.mpi import ROOT, launch
