@@ -37,8 +37,9 @@ Array = tuple[int, bool]  # (elements, split over tp?) of one parameter array
 
 # ------------------------------------------------------------ what is trained
 @dataclass(frozen=True, eq=False)
-class Block:
-    """One layer: its parameter arrays in order, and its per-token activation bytes.
+class BlockShape:
+    """One layer as the planner prices it: its parameter arrays' sizes in order, and its
+    per-token activation bytes (the layer that computes is core/gpt.py's `Block`).
 
     `arrays` are the arrays every rank of the layer's stage holds (tp-split ones cut
     in tp); `expert` lists the arrays of ONE routed expert (E/ep experts per rank).
@@ -78,7 +79,7 @@ class Workload:
     (`batch` sequences of `seq_len` tokens), and bytes per number of each kind."""
 
     name: str
-    blocks: tuple[Block, ...]
+    blocks: tuple[BlockShape, ...]
     embed: tuple[Array, ...]
     head: tuple[Array, ...]
     d_model: int
@@ -215,7 +216,7 @@ class RankShape:
 
     stage: int
     pieces: list[int]     # elements of each piece here (embedding, block, head), in order
-    blocks: list[Block]
+    blocks: list[BlockShape]
     first: bool           # holds virtual stage 0 (the embedding)
     last: bool            # holds the last virtual stage (the head)
     dp_arrays: list[int]  # elements of each array synced over dp, in parameter order
@@ -223,8 +224,8 @@ class RankShape:
 
     @cached_property
     def kinds(self) -> Counter:
-        """Each distinct Block here and how many times it repeats (most layers are one
-        Block): the formulas sum over these, not over every layer. Read only once the
+        """Each distinct BlockShape here and how many times it repeats (most layers are one
+        BlockShape): the formulas sum over these, not over every layer. Read only once the
         shape is built (`rank_shape`)."""
         return Counter(self.blocks)
 
@@ -307,7 +308,7 @@ def in_flight(schedule: str, pp: int, microbatches: int, stage: int, virtual: in
     return in_flight_peak([ins.kind for ins in order])
 
 
-def activation_bytes(block: Block, tokens: int, plan: Plan) -> float:
+def activation_bytes(block: BlockShape, tokens: int, plan: Plan) -> float:
     """Bytes one block keeps from its forward to its backward for `tokens` tokens:
     Megatron's sbh(10 + 24/t + 5as/(ht)) split as replicated + split/t + scores/t;
     SP cuts the replicated part too; selective recomputation drops the scores (and the
@@ -337,7 +338,7 @@ def stage_activations(w: Workload, plan: Plan, shape: RankShape) -> float:
     if not shape.blocks:
         return 0.0
     tokens = tokens_per_microbatch(w, plan)
-    kinds = shape.kinds  # most layers are one Block, repeated
+    kinds = shape.kinds  # most layers are one BlockShape, repeated
     per_microbatch = sum(n * activation_bytes(b, tokens, plan)
                          for b, n in kinds.items()) / chunks_per_rank(plan)
     alive = in_flight(plan.schedule, plan.pp, plan.microbatches, shape.stage, plan.virtual)

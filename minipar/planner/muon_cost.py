@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from minipar.planner.presets import Model
+from minipar.planner.presets import ModelShape
 
 MODES = ("layer-sharded", "distributed", "duplicated")
 NS_STEPS = 5          # Newton-Schulz iterations (core/muon.py)
@@ -45,7 +45,7 @@ class MuonPrice:
     compute_seconds: float
 
 
-def layer_matrices(m: Model) -> list[Matrix]:
+def layer_matrices(m: ModelShape) -> list[Matrix]:
     """One layer's block matrices as Muon sees them, (shape, columns split over tp):
     Q, K, V (column-parallel), the attention output (row-parallel), then the FFN's
     ffn_matrices - 1 column-parallel d x d_ff and its row-parallel d_ff x d."""
@@ -103,7 +103,7 @@ def muon_price(mats: list[Matrix], mode: str, tp: int, dp: int, flops: float, tp
     raise ValueError(f"--muon-mode must be one of {', '.join(MODES)} (got {mode!r})")
 
 
-def muon_modes(m: Model, layers: int, tp: int, dp: int, flops: float, tp_bw: float,
+def muon_modes(m: ModelShape, layers: int, tp: int, dp: int, flops: float, tp_bw: float,
                dp_bw: float) -> list[MuonPrice]:
     """The three modes for `layers` layers of `m` on tp x dp GPUs (lesson 17's table)."""
     mats = layer_matrices(m) * layers
@@ -111,6 +111,6 @@ def muon_modes(m: Model, layers: int, tp: int, dp: int, flops: float, tp_bw: flo
             for mode in ("duplicated", "distributed", "layer-sharded")]
 
 
-def matrix_params(m: Model) -> int:
+def matrix_params(m: ModelShape) -> int:
     """Parameters of one layer's block matrices: those whose state is Muon's 1 number."""
     return sum(r * c for (r, c), _ in layer_matrices(m))

@@ -57,7 +57,7 @@ from minipar.planner.plan_table import (
     plan_record,
     report,
 )
-from minipar.planner.presets import CLUSTERS, MODELS, Cluster, Model
+from minipar.planner.presets import CLUSTERS, MODELS, Cluster, ModelShape
 from minipar.planner.search import (
     MESH,
     RECOMPUTE,
@@ -200,7 +200,7 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_model(args: argparse.Namespace) -> tuple[Model | None, list[str]]:
+def resolve_model(args: argparse.Namespace) -> tuple[ModelShape | None, list[str]]:
     """The model: the preset's sizes, overridden by every model flag given."""
     given = {name: getattr(args, name) for name in (*MODEL_FLAGS, "style")
              if getattr(args, name) is not None}
@@ -215,11 +215,11 @@ def resolve_model(args: argparse.Namespace) -> tuple[Model | None, list[str]]:
         if missing:
             return None, [f"{', '.join(missing)} required (or name a --preset: "
                           f"{', '.join(sorted(MODELS))})"]
-        m = Model("a transformer", **given)
+        m = ModelShape("a transformer", **given)
     return m, model_problems(m)
 
 
-def model_problems(m: Model) -> list[str]:
+def model_problems(m: ModelShape) -> list[str]:
     """Every reason the sizes describe no model (each names its flag)."""
     out = []
     if m.ffn_matrices not in (2, 3):
@@ -294,7 +294,7 @@ def serve_problems(args: argparse.Namespace, hw: Hardware) -> list[str]:
     return []
 
 
-def run_problems(args: argparse.Namespace, m: Model, hw: Hardware) -> list[str]:
+def run_problems(args: argparse.Namespace, m: ModelShape, hw: Hardware) -> list[str]:
     """Every reason the run flags describe no job."""
     out = []
     if args.global_batch is None:
@@ -335,7 +335,7 @@ def run_problems(args: argparse.Namespace, m: Model, hw: Hardware) -> list[str]:
     return out
 
 
-def serve_command(args: argparse.Namespace, m: Model, hw: Hardware) -> int:
+def serve_command(args: argparse.Namespace, m: ModelShape, hw: Hardware) -> int:
     """`plan --serve`: the layouts' table (or, with --json, their records)."""
     fixed = {k: getattr(args, k) for k in ("tp", "pp", "ep") if getattr(args, k)}
     batch = args.batch or 1

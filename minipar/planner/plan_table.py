@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from minipar.planner.memory_cost import Plan, Workload
-from minipar.planner.presets import Model
+from minipar.planner.presets import ModelShape
 from minipar.planner.search import GB, MESH, PRUNED, Estimate, Search, distinct_meshes, usable
 from minipar.planner.time_cost import Hardware
 from minipar.planner.workloads import layer_sizes
@@ -96,7 +96,7 @@ def explain(e: Estimate, w: Workload, hw: Hardware) -> list[str]:
         + f"; MFU {mfu(w, hw, p.world, t.total):.1%}"]
 
 
-def describe(w: Workload, m: Model, hw: Hardware, world: int) -> list[str]:
+def describe(w: Workload, m: ModelShape, hw: Hardware, world: int) -> list[str]:
     """The job as the planner understood it: every size, stated or derived."""
     sizes, nodes = layer_sizes(m), math.ceil(world / hw.node_size)
     moe = (f"; MoE from layer {m.dense_layers}: {m.experts} experts of {m.expert_d_ff}, top "
@@ -116,7 +116,7 @@ def describe(w: Workload, m: Model, hw: Hardware, world: int) -> list[str]:
             "Megatron-LM's published runs; no communication overlaps compute"]
 
 
-def report(found: Search, w: Workload, m: Model, hw: Hardware, world: int, template: Plan,
+def report(found: Search, w: Workload, m: ModelShape, hw: Hardware, world: int, template: Plan,
            top: int = 10) -> str:
     """The ranking: the job, the fastest plan of each mesh, the top three explained, and
     the plans that cannot run counted by reason."""
@@ -154,7 +154,7 @@ def report(found: Search, w: Workload, m: Model, hw: Hardware, world: int, templ
     return "\n".join(lines)
 
 
-def named_report(found: Search, w: Workload, m: Model, hw: Hardware, world: int) -> str:
+def named_report(found: Search, w: Workload, m: ModelShape, hw: Hardware, world: int) -> str:
     """One named plan: the fastest variant that fits (or the smallest that does not),
     with its memory, wire bytes per axis, bubble and time, and the other variants."""
     lines = describe(w, m, hw, world)

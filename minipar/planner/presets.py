@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Model:
-    """A decoder-only transformer by its published shapes.
+class ModelShape:
+    """A decoder-only transformer by its published shapes: the numbers the planner prices,
+    no arrays (the model that computes is core/nn.py's `Model`).
 
     `kv_heads` (grouped-query attention) defaults to `heads` and `head_dim` to
     d_model / heads; `attention` overrides the attention parameters per layer (for
@@ -82,11 +83,11 @@ def mla_params(d: int, heads: int, q_rank: int, kv_rank: int, nope: int, rope: i
     return queries + keys_values + heads * v * d
 
 
-def megatron_gpt(billions: str, heads: int, d: int, layers: int) -> Model:
+def megatron_gpt(billions: str, heads: int, d: int, layers: int) -> ModelShape:
     """One of the GPT models of Narayanan et al. 2021 (Megatron-LM), Table 1: vocabulary
     51,200 and sequence length 2048 for all, a 4d-wide GELU MLP, the head tied to the
     embedding."""
-    return Model(f"Megatron GPT {billions}", layers, d, heads, 4 * d, 51200, 2048, 2, "gpt",
+    return ModelShape(f"Megatron GPT {billions}", layers, d, heads, 4 * d, 51200, 2048, 2, "gpt",
                  tied=True)
 
 
@@ -107,21 +108,21 @@ MEGATRON_TABLE_1 = (
     ("1T", 160, 25600, 128, 8, 64, 3072, 3072, 163),
 )
 
-MODELS: dict[str, Model] = {
+MODELS: dict[str, ModelShape] = {
     # Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1: 96 layers,
     # d_model 12288, 96 heads of 128, context 2048; GPT-2's BPE vocabulary of 50257
     # (Radford et al. 2019), the head tied to the embedding as in GPT-2.
-    "gpt3-175b": Model("GPT-3 175B", 96, 12288, 96, 4 * 12288, 50257, 2048, 2, "gpt",
+    "gpt3-175b": ModelShape("GPT-3 175B", 96, 12288, 96, 4 * 12288, 50257, 2048, 2, "gpt",
                        tied=True),
     **{f"megatron-{row[0].lower()}": megatron_gpt(*row[:4]) for row in MEGATRON_TABLE_1},
     # Llama Team, "The Llama 3 Herd of Models" (2024), Table 3: layers, model and FFN
     # dimension, heads, 8 key/value heads; SwiGLU; pre-training sequences of 8192
     # tokens; vocabulary 128,256 (the models' config.json on the Hugging Face hub).
-    "llama3-8b": Model("Llama 3 8B", 32, 4096, 32, 14336, 128256, 8192, 3, "llama",
+    "llama3-8b": ModelShape("Llama 3 8B", 32, 4096, 32, 14336, 128256, 8192, 3, "llama",
                        kv_heads=8),
-    "llama3-70b": Model("Llama 3 70B", 80, 8192, 64, 28672, 128256, 8192, 3, "llama",
+    "llama3-70b": ModelShape("Llama 3 70B", 80, 8192, 64, 28672, 128256, 8192, 3, "llama",
                         kv_heads=8),
-    "llama3-405b": Model("Llama 3 405B", 126, 16384, 128, 53248, 128256, 8192, 3, "llama",
+    "llama3-405b": ModelShape("Llama 3 405B", 126, 16384, 128, 53248, 128256, 8192, 3, "llama",
                          kv_heads=8),
     # Le Scao et al. 2022, "BLOOM: A 176B-Parameter Open-Access Multilingual Language
     # Model": 70 layers, hidden 14336, 112 heads, sequences of 2048, a GELU MLP of 4d,
@@ -129,12 +130,12 @@ MODELS: dict[str, Model] = {
     # Hugging Face hub: the tokenizer's 250,680 padded). Its ALiBi has no position
     # parameters and its embedding a LayerNorm: the gpt style's learned positions stand
     # in for both (29 M of 176 B parameters).
-    "bloom-176b": Model("BLOOM 176B", 70, 14336, 112, 4 * 14336, 250880, 2048, 2, "gpt",
+    "bloom-176b": ModelShape("BLOOM 176B", 70, 14336, 112, 4 * 14336, 250880, 2048, 2, "gpt",
                         tied=True),
     # Jiang et al. 2024, "Mixtral of Experts", Table 1: dim 4096, 32 layers, head_dim 128,
     # hidden_dim 14336, 32 heads, 8 kv heads, context 32768, vocabulary 32000, 8 experts,
     # top 2 (46.7 B parameters, 12.9 B active).
-    "mixtral-8x7b": Model("Mixtral 8x7B", 32, 4096, 32, 14336, 32000, 32768, 3, "llama",
+    "mixtral-8x7b": ModelShape("Mixtral 8x7B", 32, 4096, 32, 14336, 32000, 32768, 3, "llama",
                           kv_heads=8, experts=8, top_k=2, expert_d_ff=14336),
     # DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", section 4.2: 61 layers, hidden
     # 7168, 128 heads, MLA with KV compression 512, query compression 1536, per-head
@@ -144,7 +145,7 @@ MODELS: dict[str, Model] = {
     # the multi-token prediction module is left out); section 2.1.2: balanced by a bias
     # per expert updated from each step's load (auxiliary-loss-free), its batch-wise
     # auxiliary loss gone (a sequence-wise one, computed within a sequence, remains).
-    "deepseek-v3": Model("DeepSeek-V3", 61, 7168, 128, 18432, 129280, 4096, 3, "llama",
+    "deepseek-v3": ModelShape("DeepSeek-V3", 61, 7168, 128, 18432, 129280, 4096, 3, "llama",
                          head_dim=128, experts=256, top_k=8, expert_d_ff=2048,
                          shared_experts=1, dense_layers=3, routing_bias=True,
                          attention=mla_params(7168, 128, 1536, 512, 128, 64, 128)),

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minipar.planner.memory_cost import Plan
-from minipar.planner.presets import Model
+from minipar.planner.presets import ModelShape
 from minipar.planner.search import divisors, usable
 from minipar.planner.time_cost import Hardware, Traffic, seconds
 from minipar.planner.workloads import ffn_params, layer_sizes, transformer
@@ -90,7 +90,7 @@ def touched_experts(experts: int, top_k: int, rows: float) -> float:
     return experts * (1.0 - (1.0 - top_k / experts) ** rows)
 
 
-def decode_price(m: Model, hw: Hardware, tp: int, pp: int, batch: int, context: int,
+def decode_price(m: ModelShape, hw: Hardware, tp: int, pp: int, batch: int, context: int,
                  ep: int = 1) -> DecodePrice:
     """One decode step of `m`, priced (the module docstring's formulas). The embedding
     is a lookup (B rows read, not the matrix); the head's matrix is read whole."""
@@ -133,7 +133,7 @@ def decode_price(m: Model, hw: Hardware, tp: int, pp: int, batch: int, context: 
                        pp * per_gpu, pp * waits, weights, cache)
 
 
-def serve_problem(m: Model, tp: int, pp: int, ep: int) -> str | None:
+def serve_problem(m: ModelShape, tp: int, pp: int, ep: int) -> str | None:
     """Why a serving layout cannot run `m` (None if it can)."""
     if m.heads % tp or (m.kv_heads or m.heads) % tp:
         return "tp does not divide the (key/value) heads"
@@ -146,7 +146,7 @@ def serve_problem(m: Model, tp: int, pp: int, ep: int) -> str | None:
     return None
 
 
-def layouts(m: Model, hw: Hardware, gpus: int, batch: int, context: int
+def layouts(m: ModelShape, hw: Hardware, gpus: int, batch: int, context: int
             ) -> tuple[list[DecodePrice], list[DecodePrice], dict[str, int]]:
     """Every tp x pp = gpus (and ep | tp for an MoE) priced: (the ones that fit, lowest
     latency first; the ones that do not fit in memory; the others counted by reason)."""
@@ -177,7 +177,7 @@ def serve_row(p: DecodePrice) -> str:
             f"{p.latency * 1e3:8.2f} {p.step * 1e3:8.2f} {p.throughput:9.0f}")
 
 
-def serve_report(m: Model, hw: Hardware, gpus: int, batch: int, prompt: int, new: int,
+def serve_report(m: ModelShape, hw: Hardware, gpus: int, batch: int, prompt: int, new: int,
                  fixed: dict[str, int], top: int) -> str:
     """The table of `plan --serve`: every layout of `gpus` that agrees with `fixed` (tp,
     pp, ep), lowest latency first, priced at the last token's context (prompt + new:

@@ -348,7 +348,7 @@ def compute_seconds(w: Workload, plan: Plan, shape: RankShape, hw: Hardware) -> 
     passes = 4 if plan.recompute == "full" else 3
     again = 1 if plan.recompute == "selective" else 0
     matmuls = sum(n * passes * (2 * cut(b.arrays) + 2 * b.top_k * sum(b.expert) / plan.tp)
-                  for b, n in shape.kinds.items())  # most layers: one Block, repeated
+                  for b, n in shape.kinds.items())  # most layers: one BlockShape, repeated
     attention = sum(n * (passes + again) * b.attn_flops / plan.tp
                     for b, n in shape.kinds.items())
     ends = cut(w.embed) if shape.first and not w.lookup_embedding else 0

@@ -21,9 +21,9 @@ import numpy as np
 
 from minipar.core.memory import bytes_per_param
 from minipar.core.nn import canonical_shapes
-from minipar.planner.memory_cost import Block, Plan, Workload
+from minipar.planner.memory_cost import BlockShape, Plan, Workload
 from minipar.planner.muon_cost import layer_matrices
-from minipar.planner.presets import Model
+from minipar.planner.presets import ModelShape
 from minipar.settings.config import TrainConfig
 
 # Narayanan et al. 2021 (Megatron-LM, SC21), section 3.4 and its Figure 7: a GPT of
@@ -40,7 +40,7 @@ def small_microbatch_tokens(d_model: int) -> float:
     return PAPER_OVERHEAD_TOKENS * (PAPER_WIDTH / d_model) ** 2
 
 
-def layer_sizes(m: Model) -> dict[str, int]:
+def layer_sizes(m: ModelShape) -> dict[str, int]:
     """The widths a layer of `m` is built from: query and key+value widths, the norms'
     parameters, attention's parameters (multi-head: Q, K, V, O and, gpt style, their
     biases; or `m.attention`), and one FFN of width f as a function."""
@@ -54,13 +54,13 @@ def layer_sizes(m: Model) -> dict[str, int]:
                 head_dim=hd)
 
 
-def ffn_params(m: Model, width: int) -> int:
+def ffn_params(m: ModelShape, width: int) -> int:
     """One FFN of `width`: ffn_matrices d x width matrices (and, gpt style, biases)."""
     biases = (m.ffn_matrices - 1) * width + m.d_model if m.style == "gpt" else 0
     return m.ffn_matrices * m.d_model * width + biases
 
 
-def transformer(m: Model, batch: int, params: float | None = None) -> Workload:
+def transformer(m: ModelShape, batch: int, params: float | None = None) -> Workload:
     """`m` in bf16 with Adam (2 + 2 + 12 bytes a parameter), `batch` sequences a step.
 
     Per layer: two norms, attention (cut by tp), an FFN of ffn_matrices d x d_ff
@@ -90,7 +90,7 @@ def transformer(m: Model, batch: int, params: float | None = None) -> Workload:
                 kv_width=kv, attn_flops=4 * s * q, cheap_replicated=0 if gpt else 4 * d)
     attend = 4 * q + 2 * kv
     ffn = ffn_params(m, m.d_ff)
-    dense = Block((norms, attention, *bias, (ffn - (d if gpt else 0), True), *bias),
+    dense = BlockShape((norms, attention, *bias, (ffn - (d if gpt else 0), True), *bias),
                   act_split=attend + 2 * m.d_ff * m.ffn_matrices, tp_reductions=2,
                   cheap_split=0 if gpt else 2 * m.d_ff, **base)
     moe_layers = m.layers - m.dense_layers if m.experts else 0
@@ -101,7 +101,7 @@ def transformer(m: Model, batch: int, params: float | None = None) -> Workload:
         shared = m.shared_experts * 2 * fe * m.ffn_matrices
         arrays = (norms, attention, *bias, (d * m.experts, False))
         arrays += ((m.shared_experts * expert, True),) if m.shared_experts else ()
-        blocks += [Block(arrays, (expert,), m.experts, m.top_k,
+        blocks += [BlockShape(arrays, (expert,), m.experts, m.top_k,
                          tp_reductions=1 + (m.shared_experts > 0),
                          act_split=attend + routed + shared,
                          cheap_split=0 if gpt else 2 * fe * (m.top_k + m.shared_experts),
@@ -152,14 +152,14 @@ def minipar_workload(cfg: TrainConfig) -> Workload:
             expert = tuple(shapes[n] for n in shapes if n.startswith(f"blocks.{i}.experts.0."))
             # under SP the MoE FFN gathers all positions first: only LN1 and proj's bias
             # (3d) see my positions alone
-            blocks.append(Block(arrays, expert, cfg.experts, cfg.top_k, reductions,
+            blocks.append(BlockShape(arrays, expert, cfg.experts, cfg.top_k, reductions,
                                 act_replicated=(2 * d + extra + cfg.experts) * itemsize,
                                 act_split=cfg.top_k * (2 * d + 2 * fe) * itemsize,
                                 act_input=d * itemsize,
                                 capacity=cfg.capacity_factor is not None,
                                 sp_gathers=int(model.is_gpt), sp_partial=3 * d, **attention))
         elif model.is_gpt:  # exactly what its tape keeps (recompute.py counts it)
-            blocks.append(Block(arrays, tp_reductions=reductions,
+            blocks.append(BlockShape(arrays, tp_reductions=reductions,
                                 act_replicated=(7 * d + 2) * itemsize,
                                 act_tp_replicated=d * itemsize,
                                 act_split=(4 * d + 3 * f) * itemsize,
@@ -167,7 +167,7 @@ def minipar_workload(cfg: TrainConfig) -> Workload:
                                 act_input=d * itemsize, act_tp_whole=4 * d * itemsize,
                                 act_sp_cut=2 * d * itemsize))
         else:
-            blocks.append(Block(arrays, tp_reductions=reductions,
+            blocks.append(BlockShape(arrays, tp_reductions=reductions,
                                 act_replicated=(2 * d + extra) * itemsize,
                                 act_split=2 * f * itemsize, act_input=d * itemsize,
                                 **attention))

@@ -11,13 +11,13 @@ import pytest
 from minipar.__main__ import main
 from minipar.planner.memory_cost import Plan, model_states, rank_shape
 from minipar.planner.muon_cost import layer_matrices, muon_modes, muon_price, ns_flops
-from minipar.planner.presets import CLUSTERS, MODELS, Model
+from minipar.planner.presets import CLUSTERS, MODELS, ModelShape
 from minipar.planner.search import evaluate, hardware
 from minipar.planner.workloads import transformer
 
 # 2 layers, d 8, 2 heads of 4, 1 key/value head, SwiGLU of 16: per layer Q (8, 8),
 # K (8, 4), V (8, 4), O (8, 8), gate and up (8, 16), down (16, 8): 576 numbers
-TINY = Model("tiny", layers=2, d_model=8, heads=2, kv_heads=1, d_ff=16, vocab=32,
+TINY = ModelShape("tiny", layers=2, d_model=8, heads=2, kv_heads=1, d_ff=16, vocab=32,
              seq_len=4, ffn_matrices=3, style="llama")
 MATS = layer_matrices(TINY) * 2
 F, TP_BW, DP_BW = 1e12, 100.0, 10.0   # FLOP/s, bytes/s over tp, over dp

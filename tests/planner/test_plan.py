@@ -34,7 +34,7 @@ from minipar.comm.mesh import MeshShape
 from minipar.core.memory import bytes_per_param, bytes_per_param_held, zero_formula
 from minipar.parallel.pipeline.schedules import simulate_schedule
 from minipar.planner.memory_cost import (
-    Block,
+    BlockShape,
     Plan,
     Workload,
     activation_bytes,
@@ -43,7 +43,7 @@ from minipar.planner.memory_cost import (
     rank_shape,
 )
 from minipar.planner.plan_table import STEP_TIME_ERROR
-from minipar.planner.presets import CLUSTERS, MEGATRON_TABLE_1, MODELS, Model
+from minipar.planner.presets import CLUSTERS, MEGATRON_TABLE_1, MODELS, ModelShape
 from minipar.planner.search import distinct_meshes, evaluate, hardware, search
 from minipar.planner.time_cost import Hardware, ledger_of, moe_traffic, traffic
 from minipar.planner.workloads import minipar_workload, plan_of, transformer
@@ -55,13 +55,13 @@ H100 = Hardware(80 * GB, 989e12, 0.5, 450 * GB, 50 * GB, 8, 5e-6)
 A100 = Hardware(80 * GB, 312e12, 0.5, 300 * GB, 25 * GB, 8, 5e-6, 8 * GB)
 
 
-def gpt(layers: int, d: int, heads: int, s: int = 512) -> Model:
-    return Model("gpt", layers, d, heads, 4 * d, 51200, s, 2, "gpt")
+def gpt(layers: int, d: int, heads: int, s: int = 512) -> ModelShape:
+    return ModelShape("gpt", layers, d, heads, 4 * d, 51200, s, 2, "gpt")
 
 
 def test_zero_paper_example_through_the_planner():
     """Psi = 7.5 B, N_d = 64, mixed-precision Adam (2 + 2 + 12 bytes): Figure 1 of ZeRO."""
-    w = Workload("7.5B", (Block(((7_500_000_000, False),)),), (), (), 4096, 64)
+    w = Workload("7.5B", (BlockShape(((7_500_000_000, False),)),), (), (), 4096, 64)
     totals = []
     for stage in range(4):
         plan = Plan(dp=64, zero=stage)
@@ -78,7 +78,7 @@ def test_planner_prices_the_mixed_precision_bytes_of_memory_py():
     psi, n = 1_000_000, 8
     for per in (bytes_per_param("adam", 4, 2), bytes_per_param("adam", 4, 2, 2),
                 bytes_per_param("adam", 8, None)):
-        w = Workload("1M", (Block(((psi, False),)),), (), (), 64, 8, param_bytes=per.params,
+        w = Workload("1M", (BlockShape(((psi, False),)),), (), (), 64, 8, param_bytes=per.params,
                      grad_bytes=per.grads, optimizer_bytes=per.optimizer,
                      master_bytes=per.masters)
         for stage in range(4):
@@ -144,7 +144,7 @@ def test_microbatches_in_flight_are_the_simulators(schedule, v):
         assert [in_flight(schedule, pp, m, s, v) for s in range(pp)] == peaks, (pp, m)
 
 
-def gpt_layer(layers: int, h: int, heads: int, s: int = 2048) -> Block:
+def gpt_layer(layers: int, h: int, heads: int, s: int = 2048) -> BlockShape:
     return transformer(gpt(layers, h, heads, s), 1).blocks[0]
 
 
