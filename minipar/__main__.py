@@ -35,7 +35,8 @@ from minipar.run.agreement import DivergedError, ReplicaError
 from minipar.run.results import check, dump, gather_decisions
 from minipar.run.train import problems, train
 from minipar.settings import preflight
-from minipar.settings.config import ConfigError, Parser, config_from_args, make_parser
+from minipar.settings.config import ConfigError
+from minipar.settings.flags import Parser, config_from_args, make_parser
 
 
 def _world():

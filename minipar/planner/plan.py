@@ -68,7 +68,8 @@ from minipar.planner.search import (
 from minipar.planner.serving import layouts, serve_record, serve_report
 from minipar.planner.time_cost import Hardware
 from minipar.planner.workloads import transformer
-from minipar.settings.config import ConfigError, Parser  # Parser: raises, one line
+from minipar.settings.config import ConfigError
+from minipar.settings.flags import Parser  # Parser: raises, one line
 from minipar.settings.preflight import file_problems
 
 

@@ -39,7 +39,7 @@ from minipar.run.decode import (
     reference,
 )
 from minipar.run.results import TOLERANCE, relative_difference
-from minipar.settings import config, preflight
+from minipar.settings import config, flags, preflight
 from minipar.settings.config import ConfigError, TrainConfig
 
 # ---------------------------------------------------------------- the flags
@@ -63,7 +63,7 @@ TRAINING_FLAGS = ("virtual", "zero", "sp", "recompute", "capacity_factor")
 
 
 class _UsedFlags:
-    """`config.add_train_flags` onto a parser, keeping only `USED_TRAIN_FLAGS`."""
+    """`flags.add_train_flags` onto a parser, keeping only `USED_TRAIN_FLAGS`."""
 
     def __init__(self, parser: argparse.ArgumentParser) -> None:
         self.parser = parser
@@ -73,7 +73,7 @@ class _UsedFlags:
             self.parser.add_argument(*names, **options)
 
 
-class _Parser(config.Parser):
+class _Parser(flags.Parser):
     """The generate parser: `args.given` holds the flags the command line gave (a
     second parse over a namespace of markers: argparse fills in only what is absent)."""
 
@@ -92,7 +92,7 @@ def make_parser() -> argparse.ArgumentParser:
     """The train flags generate uses (model and mesh) with the generate ones."""
     parser = _Parser(prog="python -m minipar generate",
                      description="Generate tokens with a KV cache on a mesh of ranks.")
-    config.add_train_flags(_UsedFlags(parser))
+    flags.add_train_flags(_UsedFlags(parser))
     parser.set_defaults(model="gpt", batch=1)
     add = parser.add_argument
     add("--prompt", metavar="TEXT", help="the prompt as bytes (a --data model reads bytes)")
@@ -126,7 +126,7 @@ def config_from_args(args: argparse.Namespace, world_size: int
     `--resume DIR` the model flags come from the checkpoint's manifest, the mesh and
     the generate flags from this command line."""
     prompt = parse_prompt(args)
-    train_cfg = config.config_from_args(args)
+    train_cfg = flags.config_from_args(args)
     if args.resume:
 
         errors = shard_files.verify(args.resume)

@@ -416,7 +416,8 @@ def output_problems(flag: str, path: Path, folder: Path) -> list[str]:
 
 def main(argv: Sequence[str]) -> int:
     """`python -m minipar trace DIR [--plot FILE] [--simulated FILE]` (no MPI)."""
-    from minipar.settings.config import ConfigError, Parser
+    from minipar.settings.config import ConfigError
+    from minipar.settings.flags import Parser
     from minipar.settings.preflight import folder_problems
 
     parser = Parser(prog="python -m minipar trace",

@@ -31,7 +31,8 @@ from minipar.__main__ import main
 from minipar.bugs import catalog, detours
 from minipar.core import nn
 from minipar.run.train import problems
-from minipar.settings.config import TrainConfig, config_from_args, make_parser
+from minipar.settings.config import TrainConfig
+from minipar.settings.flags import config_from_args, make_parser
 from tests.conftest import assert_equivalent, reference
 from tests.harness.mpi import LESSON_FLAGS, lesson_run, sweep
 

@@ -34,7 +34,7 @@ def cli(*args: str, timeout: float = 60, cwd: Path = ROOT) -> subprocess.Complet
 
 def config(*flags: str, world: int = 1) -> object:
     """The resolved TrainConfig of `train FLAGS` (no MPI: for the pure checks)."""
-    from minipar.settings.config import config_from_args, make_parser
+    from minipar.settings.flags import config_from_args, make_parser
 
     return config_from_args(make_parser().parse_args(list(flags))).resolved(world)
 
