@@ -8,6 +8,7 @@ rank, an Allgather or Reduce_scatter (n-1)/n N (`memory.wire_elements`).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -16,7 +17,7 @@ import numpy as np
 
 from minipar.comm.mesh import MeshShape
 from minipar.core.memory import wire_elements
-from minipar.planner.memory_cost import model_states, rank_shape
+from minipar.planner.memory_cost import RankShape, model_states, rank_shape
 from minipar.planner.time_cost import Traffic, traffic
 from minipar.planner.workloads import minipar_workload, plan_of
 from minipar.run.train import RunResult
@@ -171,6 +172,24 @@ def _merged(a: Line | None, b: Line) -> Line:
                 (a.per_row[0] + b.per_row[0], a.per_row[1] + b.per_row[1]))
 
 
+def split_experts_shape(cfg: TrainConfig, shape: RankShape) -> RankShape:
+    """`shape` with the expert arrays as the MLP MoE's ranks hold them under --tp (the
+    planner's MoE keeps every expert whole): fc1's columns, its bias and fc2's rows cut
+    over tp, fc2's bias whole (expert_parallel.py `TensorParallelExpert`), so that the
+    edp gradient sync and DualPipe's gradient copies count what is there."""
+    if cfg.model != "moe" or cfg.tp == 1:
+        return shape
+    from minipar.core.nn import canonical_shapes
+
+    cut = ("fc1.weight", "fc1.bias", "fc2.weight")
+    one = [math.prod(size) // (cfg.tp if name.endswith(cut) else 1)
+           for name, size in canonical_shapes(cfg.model_config()).items()
+           if name.startswith("blocks.0.experts.0.")]    # one expert's arrays, in order
+    experts = [size for block in shape.blocks if block.moe
+               for size in one * (block.experts // cfg.ep)]
+    return replace(shape, edp_arrays=experts)
+
+
 def split_expert_sums(cfg: TrainConfig, blocks: Sequence[object]) -> Line | None:
     """The tp Allreduces of the MLP MoE's experts split over tp (expert_parallel.py
     `run_local_experts_split`, `shared_ffn`), in the master dtype: per MoE block and
@@ -211,13 +230,11 @@ def predicted_lines(cfg: TrainConfig, skipped: bool = False
     workload, plan, mesh = minipar_workload(cfg), plan_of(cfg), cfg.mesh_shape()
     out: dict[int, dict[tuple[str, str], Line]] = {}
     for rank in range(mesh.world):
-        shape = rank_shape(workload, plan, mesh.coords(rank)["pp"])
+        shape = split_experts_shape(cfg, rank_shape(workload, plan, mesh.coords(rank)["pp"]))
         lines: dict[tuple[str, str], Line] = {}
         for t in traffic(workload, plan, shape):
             if skipped and t.op == "Allgatherv" and cfg.zero in (1, 2):
                 continue   # the update skipped: nothing new to gather
-            if cfg.model == "moe" and cfg.tp > 1 and t.group == "edp":
-                continue   # experts split over tp: the planner's MoE keeps them whole
             line = _line(t, cfg)
             routed = t.op == "Alltoallv" or (cfg.model == "moe" and t.group == "tp")
             lines[(t.group, t.op)] = _merged(lines.get((t.group, t.op)),
@@ -243,8 +260,6 @@ def predicted_lines(cfg: TrainConfig, skipped: bool = False
             extra.append((("tp", "Allreduce"), sums))
         rows = fp8.routed_rows(cfg, shape.blocks)
         for key, (calls, elements) in fp8.expected_ledger(cfg, shape.blocks).items():
-            if key[0] == "edp" and fp8.split_experts(cfg) and cfg.zero == 0:
-                continue   # beside the experts' gradient Allreduce, which is not predicted
             extra.append((key, Line(calls, elements, 4 * elements, "float32",  # amaxes
                                     per_row=(rows.get(key, 0), 4 * rows.get(key, 0)))))
         moe_blocks = sum(1 for block in shape.blocks if block.moe)
@@ -317,9 +332,7 @@ def ledger_table(records: list[dict], cfg: TrainConfig, skipped: bool = False) -
         worst = max(rows, key=lambda r: (r["bytes"], -r["rank"]))
         wire = wire_bytes(worst, {group: group_size(cfg, group)})  # a receive: 0
         want = predicted[worst["rank"]].get((group, op))
-        if want is None and cfg.model == "moe" and cfg.tp > 1 and group == "edp":
-            verdict = "- (experts split over tp: the planner's MoE keeps them whole)"
-        elif want is None:
+        if want is None:
             verdict = "-"
         else:
             verdict = f"{want.text(table=True)} {'ok' if want.matches(worst) else 'DIFFERS'}"

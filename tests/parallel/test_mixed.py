@@ -122,14 +122,14 @@ CONFIGS = [
     # ZeRO-3 over tp shards: the slices' amaxes over dp, then the shards' over tp
     dict(SMALL, mixed="bf16", fp8="rowwise", dp=2, tp=2, zero=3, fp8_allgather=True),
     # the MLP MoE's experts split over tp: blockwise (a tile never crosses a shard);
-    # tensorwise (fc1's and fc2's amaxes over tp, then X and dY over edp) and rowwise
-    # (a row of fc2's X or fc1's dY over tp: as many amaxes as rows received, the
-    # ledger's per-row line), with ep; DualPipe (two model copies, M/2 each) and
-    # DualPipeV with fp8
+    # tensorwise (fc1's and fc2's amaxes over tp, then X and dY over edp, beside the
+    # split experts' gradient Allreduce) and rowwise (a row of fc2's X or fc1's dY over
+    # tp: as many amaxes as rows received, the ledger's per-row line), with ep;
+    # DualPipe (two model copies, M/2 each) and DualPipeV with fp8
     dict(SMALL, mixed="bf16", fp8="blockwise", fp8_block=8, model="moe", experts=4,
          expert_d_ff=16, dp=2, tp=2, zero=3, fp8_allgather=True),
     dict(SMALL, mixed="bf16", fp8="tensorwise", model="moe", experts=4, expert_d_ff=16,
-         dp=2, tp=2, zero=1),
+         dp=2, tp=2),
     dict(SMALL, mixed="bf16", fp8="rowwise", model="moe", experts=4, expert_d_ff=16,
          dp=2, ep=2, tp=2, zero=2, optimizer="adam"),
     dict(SMALL, mixed="bf16", fp8="tensorwise", dp=2, pp=2, layers=4, microbatches=4,
