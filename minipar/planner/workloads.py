@@ -123,13 +123,15 @@ def transformer(m: ModelShape, batch: int, params: float | None = None) -> Workl
 def minipar_workload(cfg: TrainConfig) -> Workload:
     """minipar's own model (nn.canonical_shapes) in its dtype and optimizer: the arrays
     exactly as its ranks hold them (fc1 and fc2's weight cut by tp, fc2's bias and the
-    LayerNorm whole). Activations: its saved tensors counted by hand per row, 2d
-    (h, LN(h)) whole and 2f (fc1's output, GELU's) cut by tp; per MoE assignment
-    2d + 2fe; gpt-moe adds 6d per position (h, LN1, q, k, v, o) and its
-    probabilities, H T per position: estimates. The dense transformer's block is
-    exact: recompute.gpt_block_activation_bytes, every layout and recompute mode
-    (tests/parallel/test_gpt_tensor_parallel.py). The transformer's rows are its B*T positions
-    (seq_len = T)."""
+    LayerNorm whole; a shared expert cut so in the MLP MoE, whole in gpt-moe, whose
+    MoE FFN tp does not split; the routed experts whole: the ledger's
+    teaching/ledger_tables.py `split_experts_shape` cuts the MLP MoE's). Activations:
+    its saved tensors counted by hand per row, 2d (h, LN(h)) whole and 2f (fc1's
+    output, GELU's) cut by tp; per MoE assignment 2d + 2fe; gpt-moe adds 6d per
+    position (h, LN1, q, k, v, o) and its probabilities, H T per position: estimates.
+    The dense transformer's block is exact: recompute.gpt_block_activation_bytes, every
+    layout and recompute mode (tests/parallel/test_gpt_tensor_parallel.py). The
+    transformer's rows are its B*T positions (seq_len = T)."""
     model = cfg.model_config()
     shapes = {name: math.prod(shape) for name, shape in canonical_shapes(model).items()}
     itemsize = np.dtype(cfg.dtype).itemsize
@@ -146,8 +148,11 @@ def minipar_workload(cfg: TrainConfig) -> Workload:
     blocks = []
     for i in range(cfg.layers):
         mine = [n for n in shapes if n.startswith(f"blocks.{i}.") and ".experts." not in n]
-        arrays = tuple((shapes[n], n.endswith(cut) and cfg.model in ("mlp", "gpt", "gpt-moe")
-                        and ".experts." not in n) for n in mine)
+        # a shared expert is cut over tp as the routed ones are: the MLP MoE's under --tp,
+        # gpt-moe's never (compose/parallelize.py `make_ffn_block`, expert_parallel.py)
+        arrays = tuple((shapes[n], n.endswith(cut) and (
+            cfg.model == "moe" if ".shared_experts." in n
+            else cfg.model in ("mlp", "gpt", "gpt-moe"))) for n in mine)
         if model.is_moe:
             expert = tuple(shapes[n] for n in shapes if n.startswith(f"blocks.{i}.experts.0."))
             # under SP the MoE FFN gathers all positions first: only LN1 and proj's bias

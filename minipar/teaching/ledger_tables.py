@@ -385,10 +385,10 @@ def check_ledger(cfg: TrainConfig, result: RunResult) -> bool:
             print(f"ledger against the formulas: every line of {ranks} ranks as predicted, "
                   "calls, elements, bytes and dtype (exact: integers)", flush=True)
     memory = result.extras.get("memory")
-    if memory is not None and cfg.mesh_shape().world > 1 and not (
-            cfg.model == "moe" and cfg.tp > 1):   # experts over tp: the planner's are whole
+    if memory is not None and cfg.mesh_shape().world > 1:
         plan = plan_of(cfg)
-        want = model_states(workload, plan, rank_shape(workload, plan, 0), 0)
+        want = model_states(workload, plan,
+                            split_experts_shape(cfg, rank_shape(workload, plan, 0)), 0)
         same = int(memory.params) == int(want.params)
         ok = ok and same
         print(f"memory against the formulas: rank 0 holds {int(memory.params)} bytes of "
