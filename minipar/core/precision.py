@@ -81,7 +81,7 @@ def count_nonfinite(a: np.ndarray) -> int:
     when its exponent bits are all ones, so a 16-bit array is counted on its words
     (`EXPONENT_BITS`), two integer passes: `np.isfinite` on ml_dtypes' bfloat16 calls a
     function per element, 20x slower (512 x 512: 936 us against 44; asked of every
-    parameter after every --mixed step, run/train.py `nonfinite_count`). Any other
+    parameter after every --mixed step, by `nonfinite_count`). Any other
     dtype: `np.isfinite`."""
     name = name_of(a.dtype)
     if name is None:
