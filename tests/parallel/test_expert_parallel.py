@@ -75,6 +75,24 @@ SAVE_RESUME = [dict(ROUTED_CK, dp=4, ep=2, steps=2, save="{ck}"),
 # the 4-rank runs without a capacity once more in bf16 (float64 masters), in the same job
 # (a capacity's token drop is no rounding: docs/design.md)
 BF16 = [dict(c, mixed="bf16") for c in FOUR + ROUTED if not c.get("capacity_factor")]
+# shared experts beside experts split over tp (the MLP MoE: both cut over tp; gpt-moe: both
+# whole on every tp rank), in the same job: each --grad-sync (buckets of 600 elements: a
+# shared expert's 4 arrays fit one as tp shards, 544, not whole, 1072), ZeRO 1-3, with
+# ep, in bf16 with 16-bit gradient sums
+SHARED_TP = [
+    dict(SMALL, dp=2, tp=2, shared_experts=1, grad_sync="naive", steps=2),
+    dict(SMALL, dp=2, tp=2, shared_experts=1, bucket_size=600, steps=2),
+    dict(SMALL, dp=2, tp=2, shared_experts=2, grad_sync="overlapped", bucket_size=600,
+         microbatches=2, steps=2),
+    dict(SMALL, dp=2, tp=2, shared_experts=1, zero=1, optimizer="adam", steps=2),
+    dict(SMALL, dp=2, tp=2, ep=2, shared_experts=1, zero=2, steps=2),
+    dict(SMALL, dp=2, tp=2, shared_experts=1, zero=3, steps=2),
+    dict(SMALL, dp=2, tp=2, shared_experts=1, mixed="bf16", grad_reduce_dtype="low", zero=2,
+         steps=2),
+    dict(model="gpt-moe", layers=2, d_model=16, heads=2, seq_len=8, batch=8, experts=4,
+         expert_d_ff=16, dp=2, tp=2, shared_experts=1, zero=1, seed=3, steps=2),
+]
+JOB = FOUR + ROUTED + BF16 + SHARED_TP + SAVE_RESUME   # the 4-rank job's configs, in order
 PROBE = nn.ModelConfig(model="moe", layers=1, d_in=8, d_model=16, experts=8, top_k=2,
                        expert_d_ff=32, capacity_factor=1.0, aux_coef=0.01)
 
@@ -131,9 +149,11 @@ def rank_main(spec: Path, out: Path) -> None:
         assert not problems(cfg, world.Get_size()), problems(cfg, world.Get_size())
         result = train(cfg, world)
         loads = world.gather(result.extras["expert_load"])
+        held = world.gather(int(result.extras["memory"].params))  # bytes of parameters
         if world.Get_rank() == 0:
             dump(out / str(i), cfg, result)
             (out / str(i) / "expert_load.json").write_text(json.dumps(loads))
+            (out / str(i) / "params_bytes.json").write_text(json.dumps(held))
             (out / str(i) / "replicas.json").write_text(
                 json.dumps(result.extras["replica_disagreements"]))
     probe = probe_block(world)
@@ -152,15 +172,15 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The 4-rank job: dumps of FOUR, load statistics, and the block probe."""
     folder = tmp_path_factory.mktemp("ep4")
     spec = folder / "configs.json"
-    spec.write_text(json.dumps(FOUR + ROUTED + BF16 + SAVE_RESUME).replace(
-        "{ck}", str(folder / "ck")))
+    spec.write_text(json.dumps(JOB).replace("{ck}", str(folder / "ck")))
     job = launch(4, ["-m", "tests.parallel.test_expert_parallel", str(spec), str(folder)],
                  timeout=180)
     assert job.returncode == 0 and not job.timed_out, job.explain()
-    runs = [read_dump(folder / str(i)) for i in range(len(FOUR + ROUTED + BF16 + SAVE_RESUME))]
+    runs = [read_dump(folder / str(i)) for i in range(len(JOB))]
     for i, run in enumerate(runs):
         run["expert_load"] = json.loads((folder / str(i) / "expert_load.json").read_text())
         run["replica_disagreements"] = json.loads((folder / str(i) / "replicas.json").read_text())
+        run["params_bytes"] = json.loads((folder / str(i) / "params_bytes.json").read_text())
     return {"runs": runs, "probe": json.loads((folder / "probe.json").read_text())}
 
 
@@ -193,6 +213,33 @@ def test_deepseek_routing_equals_one_process_b_included(four):
             b = [run["final"][f"blocks.{i}.router.bias_balance"] for i in range(2)]
             assert max(np.abs(v).max() for v in b) > 0, fields
         assert run["replica_disagreements"] == [], (fields, run["replica_disagreements"])
+
+
+def test_every_ledger_line_and_memory_of_the_job_is_the_formulas(four):
+    """Every run of the 4-rank job, every rank's last-step ledger against the formulas
+    (teaching/ledger_tables.py `ledger_differences`: calls, elements and bytes exactly;
+    the Alltoallv's by the router), and rank 0's bytes of parameters against the
+    planner's memory formula as `--check` takes it: among them the shared experts beside
+    experts split over tp, whose dp gradient sync moves their tp shards (SHARED_TP,
+    which also equal one process)."""
+    from minipar.planner.memory_cost import model_states, rank_shape
+    from minipar.planner.workloads import minipar_workload, plan_of
+    from minipar.teaching.ledger_tables import ledger_differences, split_experts_shape
+
+    for fields, run in zip(JOB, four["runs"]):
+        cfg = TrainConfig(**run["config"]).resolved(4)
+        assert ledger_differences(run["ledger"], cfg) == [], fields
+        workload, plan = minipar_workload(cfg), plan_of(cfg)
+        want = model_states(workload, plan,
+                            split_experts_shape(cfg, rank_shape(workload, plan, 0)), 0)
+        assert run["params_bytes"][0] == int(want.params), fields
+    start = len(FOUR + ROUTED + BF16)
+    for fields, run in zip(SHARED_TP, four["runs"][start:start + len(SHARED_TP)]):
+        if fields.get("mixed"):
+            assert_within_mixed_tolerance(run, fields, 4, str(fields))
+        else:
+            assert_equivalent(run, reference(**fields), label=str(fields))
+        assert run["replica_disagreements"] == [], fields
 
 
 def test_b_is_checkpointed_and_resumed_on_another_mesh(four):
