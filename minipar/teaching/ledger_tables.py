@@ -176,7 +176,9 @@ def split_experts_shape(cfg: TrainConfig, shape: RankShape) -> RankShape:
     """`shape` with the expert arrays as the MLP MoE's ranks hold them under --tp (the
     planner's MoE keeps every expert whole): fc1's columns, its bias and fc2's rows cut
     over tp, fc2's bias whole (expert_parallel.py `TensorParallelExpert`), so that the
-    edp gradient sync and DualPipe's gradient copies count what is there."""
+    edp gradient sync, DualPipe's gradient copies and the bytes of parameters
+    (`check_ledger`) count what is there. The shared experts, cut the same way, are the
+    workload's own (planner/workloads.py `minipar_workload`)."""
     if cfg.model != "moe" or cfg.tp == 1:
         return shape
     from minipar.core.nn import canonical_shapes
@@ -355,8 +357,8 @@ def check_ledger(cfg: TrainConfig, result: RunResult) -> bool:
     """The ledger of the last step against its formulas, every rank's every line: calls,
     elements, bytes and dtype (`ledger_differences`), and rank
     0's bytes of parameters against the planner's memory formula
-    (planner/memory_cost.py `model_states`). Both are exact: integers. Two lines;
-    True when both match."""
+    (planner/memory_cost.py `model_states`, the MLP MoE's experts as `split_experts_shape`
+    cuts them). Both are exact: integers. Two lines; True when both match."""
     ok = True
     try:
         workload = minipar_workload(cfg)   # the planner's model of this run
