@@ -440,8 +440,9 @@ def fp8_allgather(base: dict, world: MPI.Comm) -> None:
           f"{wire:.0f} a rank in the step; the scales travel in no message of their own, "
           "every replica holds them after the step's amax Allreduce(MAX)", flush=True)
     differences = ledger_tables.ledger_differences(result.ledger, cfg)
-    print(f"the whole ledger (the blocks' amax Allreduce over dp included, fp8.expected_ledger) "
-          f"against predicted_lines: {verdict(not differences, 'every line', 'DIFFERS')}"
+    print("the whole ledger (the blocks' amax Allreduce over dp included, "
+          "fp8_ledger.expected_ledger) against predicted_lines: "
+          f"{verdict(not differences, 'every line', 'DIFFERS')}"
           + "".join(f"\n  {d}" for d in differences), flush=True)
 
 

@@ -201,11 +201,11 @@ def split_expert_sums(cfg: TrainConfig, blocks: Sequence[object]) -> Line | None
     received adds d elements a pass (`Line.per_row`)."""
     if cfg.model != "moe" or cfg.tp == 1:
         return None
-    from minipar.core import fp8
+    from minipar.teaching import fp8_ledger
 
     moe = sum(1 for block in blocks if block.moe)
     passes = 3 if cfg.recompute == "full" else 2
-    calls = passes * fp8.block_feeds(cfg) * moe   # DualPipe: each copy half of them
+    calls = passes * fp8_ledger.block_feeds(cfg) * moe   # DualPipe: each copy half of them
     if not calls:
         return None
     itemsize, d = np.dtype(cfg.dtype).itemsize, cfg.d_model
@@ -227,7 +227,8 @@ def predicted_lines(cfg: TrainConfig, skipped: bool = False
     skipped (parallel/mixed.py), so no update: no clipping norm, no ZeRO-1/2 Allgatherv
     of the updated slices."""
     from minipar.compose import clip
-    from minipar.core import documents, fp8
+    from minipar.core import documents
+    from minipar.teaching import fp8_ledger
 
     workload, plan, mesh = minipar_workload(cfg), plan_of(cfg), cfg.mesh_shape()
     out: dict[int, dict[tuple[str, str], Line]] = {}
@@ -251,7 +252,7 @@ def predicted_lines(cfg: TrainConfig, skipped: bool = False
                     cfg.dp * cfg.cp).items():
                 extra.append((key, Line(calls, elements, 8 * elements, "int64")))
         if getattr(cfg, "fp8_allgather", False):   # ZeRO-3's gathers: 8-bit words (fp8.py)
-            covered = dict(zip(("dp", "edp"), fp8.covered_elements(cfg, shape.blocks)))
+            covered = dict(zip(("dp", "edp"), fp8_ledger.covered_elements(cfg, shape.blocks)))
             for group, psi in (("dp", sum(shape.dp_arrays)), ("edp", sum(shape.edp_arrays))):
                 line = lines.get((group, "Allgatherv"))
                 if line is not None and psi:   # 1 byte a weight word, 2 for the rest
@@ -260,8 +261,8 @@ def predicted_lines(cfg: TrainConfig, skipped: bool = False
         sums = split_expert_sums(cfg, shape.blocks)
         if sums is not None:
             extra.append((("tp", "Allreduce"), sums))
-        rows = fp8.routed_rows(cfg, shape.blocks)
-        for key, (calls, elements) in fp8.expected_ledger(cfg, shape.blocks).items():
+        rows = fp8_ledger.routed_rows(cfg, shape.blocks)
+        for key, (calls, elements) in fp8_ledger.expected_ledger(cfg, shape.blocks).items():
             extra.append((key, Line(calls, elements, 4 * elements, "float32",  # amaxes
                                     per_row=(rows.get(key, 0), 4 * rows.get(key, 0)))))
         moe_blocks = sum(1 for block in shape.blocks if block.moe)
