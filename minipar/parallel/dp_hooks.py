@@ -6,6 +6,8 @@ node only after everything computed from it, so the marker's backward runs once 
 whole piece is done: its parameters' gradients for this microbatch are complete. After
 the last microbatch (gradient accumulation: one sync per step) the piece's buckets can
 go. ZeRO (zero.py) uses the same hooks to gather and drop parameters around each piece.
+The marker costs nothing but its node, except on data (the embedding's input): there
+the piece would compute a gradient for it, so `_skip_input_grad` spares it.
 
 Used by overlapped DP (data_parallel.py: `OverlappedAllreduce`) and ZeRO 2/3 (zero.py).
 """
@@ -82,12 +84,30 @@ class Piece(Module):
     def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor | None]:
         hooks = self.hooks
         hooks.before_forward(self)
-        out = self.inner(_marker(x, lambda: hooks.after_backward(self), True))
+        entry = _marker(x, lambda: hooks.after_backward(self), True)
+        out = self.inner(entry)
         hooks.after_forward(self)
+        data = None if x.requires_grad else entry  # the input is data (the embedding's)
+
+        def backward_starts() -> None:
+            if data is not None:
+                _skip_input_grad(data)
+            hooks.before_backward(self)
         outs = out if isinstance(out, tuple) else (out,)
-        marked = tuple(t if t is None else _marker(t, lambda: hooks.before_backward(self))
+        marked = tuple(t if t is None else _marker(t, backward_starts)
                        for t in outs)  # a block returns (h, aux): both lead back here
         return marked if isinstance(out, tuple) else marked[0]
+
+
+def _skip_input_grad(entry: Tensor) -> None:
+    """Spare the piece the gradient of a data input, which nobody uses. The input marker
+    must be on the tape for its hook, so the piece's first op would compute a gradient
+    for it (the embedding's: one (B, d) @ (d, d_in) matmul per microbatch, thrown away
+    by the data). Called as the piece's backward starts: the first op then sees an input
+    needing no gradient, and the marker gets a placeholder one, which is what makes the
+    walk run its backward (the hook) after the piece's. No number changes."""
+    entry.grad = np.zeros(())
+    entry.requires_grad = False
 
 
 def install_hooks(chunks: Sequence[Module], hooks: Hooks) -> list[Piece]:
