@@ -14,15 +14,21 @@ repetition by repetition (the order rotating), every rank times:
     allreduce   one Allreduce of a reused buffer as long as the whole gradient, nothing
                 else: the sync's floor, so (share + allreduce) / share is the closest
                 a step with a blocking sync can come to its limit
+    averaged    the same Allreduce, then the buffer divided by dp (one pass of
+                x *= 1/dp): the floor of a sync that averages, as every DP step must
     naive       the dp-rank step, one Allreduce per parameter
     bucketed    one Allreduce per bucket (reused flat buffers)
     overlapped  Iallreduce per bucket during backward, several bucket sizes
 
 each step cut into compute (its rows drawn, forward, backward; with overlap also the
 launches), sync (the Allreduces, or the Waitall left after backward) and the
-optimizer. Waiting for the slower rank is inside sync; it is estimated as the other
-rank's longer compute (max over ranks of compute - this rank's). Rank 0 writes medians,
-min and max over the repetitions of the slowest rank's step.
+optimizer. For overlapped steps also the seconds inside the hooks' MPI calls during
+backward: the Tests that move the buckets on (`_progress`) and the launches (pack and
+Iallreduce); on this machine's two cores a bucket's bytes are moved by the ranks' own
+cores, inside those calls, so overlap can hide waiting but not that work. Waiting for
+the slower rank is inside sync; it is estimated as the other rank's longer compute
+(max over ranks of compute - this rank's). Rank 0 writes medians, min and max over the
+repetitions of the slowest rank's step.
 """
 
 from __future__ import annotations
@@ -90,11 +96,28 @@ def timed_whole(setup: tuple, step: int, world: MPI.Comm) -> tuple[float, float,
     return parts
 
 
-def timed_allreduce(buffer: np.ndarray, world: MPI.Comm) -> tuple[float, float, float]:
-    """One in-place Allreduce of `buffer` over every rank (as sync; no compute)."""
+def timed_allreduce(buffer: np.ndarray, world: MPI.Comm, average: bool = False
+                    ) -> tuple[float, float, float]:
+    """One in-place Allreduce of `buffer` over every rank (as sync; no compute); with
+    `average`, then divided by the ranks (a buffer of ones stays ones: no subnormals)."""
     start = time.perf_counter()
     world.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+    if average:
+        buffer *= 1.0 / world.Get_size()
     return 0.0, time.perf_counter() - start, 0.0
+
+
+def clock_hooks(overlap: object) -> dict[str, float]:
+    """Seconds spent inside `overlap`'s Tests and launches, added up until reset: the
+    instance's two methods wrapped in timers (the numbers they compute unchanged)."""
+    clocks = {"tests": 0.0, "launches": 0.0}
+    for attr, key in (("_progress", "tests"), ("_launch", "launches")):
+        def timed(*args: object, f: object = getattr(overlap, attr), key: str = key) -> None:
+            start = time.perf_counter()
+            f(*args)
+            clocks[key] += time.perf_counter() - start
+        setattr(overlap, attr, timed)
+    return clocks
 
 
 def main() -> None:
@@ -110,17 +133,27 @@ def main() -> None:
             replace(base, grad_sync="overlapped", bucket_size=size).resolved(dp), world)
     whole = build(base.resolved(1), MPI.COMM_SELF)
     gradient = np.ones(sum(p.data.size for p in setups["share"][3].params))
+    averaged = gradient.copy()
+    clocks = {name: clock_hooks(setup[3].overlap) for name, setup in setups.items()
+              if setup[3].overlap is not None}
     steps = {name: (lambda rep, s=setup: timed_step(s, rep)) for name, setup in setups.items()}
     steps["whole"] = lambda rep: timed_whole(whole, rep, world)
     steps["allreduce"] = lambda rep: timed_allreduce(gradient, world)
+    steps["averaged"] = lambda rep: timed_allreduce(averaged, world, average=True)
     names = list(steps)
     samples: dict[str, list] = {name: [] for name in names}
+    inside: dict[str, dict[str, list]] = {name: {"tests": [], "launches": []}
+                                          for name in clocks}
     for rep in range(repeats + 2):  # the first two: warm-up, not kept
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             world.Barrier()  # every rank starts each timed step together
+            for key in clocks.get(name, {}):
+                clocks[name][key] = 0.0
             parts = steps[name](rep)
             if rep >= 2:
                 samples[name].append(parts)
+                for key, seconds in clocks.get(name, {}).items():
+                    inside[name][key].append(seconds)
     everyone = world.gather(samples)
     if world.Get_rank() != 0:
         return
@@ -133,6 +166,8 @@ def main() -> None:
         results[name] = {"steps": slowest.tolist(), "step": spread(list(slowest)),
                          "compute": spread(list(compute)), "sync": spread(list(sync)),
                          "waiting": spread(list(waiting)), "optimizer": spread(list(optimizer))}
+        for key, seconds in inside.get(name, {}).items():
+            results[name][key] = spread(seconds)   # rank 0's, inside its compute
     results["buckets"] = {f"overlapped {size}": len(setups[f"overlapped {size}"][3].buckets)
                           for size in BUCKETS}
     results["ranks"] = dp
