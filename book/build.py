@@ -12,9 +12,8 @@ notebook that breaks it, naming the notebook, the cell and why:
 - a drawing cell (`display(plots.x(...))`, as make course counts them) drew nothing;
 - an output says `N check(s) failed` or `lesson checks: N passed, M failed` with M > 0
   (what a lesson script prints when any of its checks failed: minipar/comm/job.py);
-- the notebook is missing from build/notebooks/, its code differs from lessons/ (it
-  ran an older copy of the lesson), or it ran in quick mode (MINIPAR_QUICK=1, the
-  tests' smaller run: a cell says `quick mode: ...`); the book is the full-size run.
+- the notebook is missing from build/notebooks/, or its code differs from lessons/ (it
+  ran an older copy of the lesson); the book is make course's full-size run.
 
 The pages, in the table of contents' order: the README's "Start here" and "Words used
 throughout"; one page per lesson, 00 to the last (a lesson with no notebook shows its
@@ -51,10 +50,9 @@ BOOK = ROOT / "book"
 # what a lesson script prints when a check failed (minipar/comm/job.py)
 FAILED_CHECKS = re.compile(r"\b[1-9]\d* check\(s\) failed"
                            r"|^lesson checks: \d+ passed, [1-9]\d* failed", flags=re.M)
-QUICK = re.compile(r"^quick mode: ", flags=re.M)   # a notebook's line under MINIPAR_QUICK=1
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 FOLD_LINES = 40   # a text output longer than this is shown folded (still searchable)
-# make course's notebook half for one lesson (tests/course.py: MINIPAR_QUICK=0, the executed
+# make course's notebook half for one lesson (tests/course.py: full size, the executed
 # notebook kept in build/notebooks/); a notebook of no lesson runs with all of them
 NOTEBOOK_COMMAND = ".venv/bin/python -m tests.course --notebooks --only {number}"
 ALL_NOTEBOOKS_COMMAND = "make notebooks"
@@ -83,9 +81,6 @@ def failures(notebook: dict, source: dict | None = None) -> list[str]:
             found = FAILED_CHECKS.search(output_text(output))
             if found:
                 reasons.append(f"cell {number} printed {found.group(0)!r}")
-            if QUICK.search(output_text(output)):
-                reasons.append(f"cell {number} ran in quick mode (MINIPAR_QUICK=1): the "
-                               "book shows the full-size run of make course")
         if "display(" in text and "plots." in text and cell.get("execution_count") and not any(
                 "image/png" in output.get("data", {}) for output in cell.get("outputs", [])):
             reasons.append(f"cell {number} drew no figure (it displays one of plots.*)")

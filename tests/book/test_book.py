@@ -61,9 +61,6 @@ def broken(kind: str) -> dict:
                                    "text": "...\n2 check(s) failed\n"})
     elif kind == "lesson checks":
         code[0]["outputs"][0]["text"] = "lesson checks: 6 passed, 1 failed\n"
-    elif kind == "quick":
-        code[-1]["outputs"].append({"output_type": "stream", "name": "stdout",
-                                    "text": "quick mode: the lesson script is not run here\n"})
     elif kind == "no figure":
         next(cell for cell in code if "plots." in "".join(cell["source"]))["outputs"] = []
     elif kind == "older code":
@@ -77,7 +74,6 @@ def broken(kind: str) -> dict:
     ("check(s) failed", "printed '2 check(s) failed'"),
     ("lesson checks", "printed 'lesson checks: 6 passed, 1 failed'"),
     ("older code", "differs from lessons/"),
-    ("quick", "quick mode (MINIPAR_QUICK=1)"),
     ("no figure", "drew no figure"),
 ])
 def test_a_notebook_whose_checks_failed_is_refused(kind, words):
