@@ -30,6 +30,7 @@ Everything here is vectorized: a group's amax is a max over an axis of a reshape
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -111,7 +112,20 @@ def quantize(x: np.ndarray, scale: np.ndarray, fmt: str) -> np.ndarray:
 
 def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """q * s in float32: what the matmul multiplies."""
-    return q.astype(np.float32) * scale
+    return widened(q) * scale
+
+
+@functools.cache
+def _values(dtype: np.dtype) -> np.ndarray:
+    """The float32 value of each of an 8-bit format's 256 codes (ml_dtypes' own cast)."""
+    return np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+
+
+def widened(q: np.ndarray) -> np.ndarray:
+    """8-bit numbers as float32, exactly: each byte looked up among its format's 256
+    values (the same bits as ml_dtypes' cast, which converts element by element and
+    takes about three times as long)."""
+    return _values(q.dtype)[q.view(np.uint8)]
 
 
 def fake_quantize(x: np.ndarray, recipe: str, kind: str, fmt: str, block: int,
@@ -397,7 +411,7 @@ def decode(data: np.ndarray, widths: np.ndarray, scales: np.ndarray, dtype: np.d
     out = np.empty(len(widths), dtype=dtype)
     at = np.cumsum(widths) - widths
     eight = widths == 1
-    q = data[at[eight]].view(fp8_dtype("e4m3")).astype(np.float32)
+    q = widened(data[at[eight]].view(fp8_dtype("e4m3")))
     out[eight] = (q * scales[eight]).astype(dtype)
     words = data[at[~eight]].astype(np.uint16) | (data[at[~eight] + 1].astype(np.uint16) << 8)
     out[~eight] = words.view(dtype)

@@ -188,6 +188,7 @@ class MixedStep(FullPrecision):
 
 
 def cast_copies(masters: Sequence[np.ndarray], copies: Sequence[np.ndarray]) -> None:
-    """After the update: each 16-bit compute copy cast (rounded) from its master."""
+    """After the update: each 16-bit compute copy cast (rounded) from its master, in
+    place (one pass, no temporary: the same rounding as `astype`)."""
     for master, copy in zip(masters, copies):
-        copy[...] = master.astype(copy.dtype)
+        np.copyto(copy, master, casting="unsafe")
