@@ -141,7 +141,7 @@ _LIST = [
          "--dp 2 or more with --zero 0 --grad-sync bucketed and no other axis",
          _dp_only, extra_allreduce, {"dp": 4},
          ("MPI paired different calls as Allreduce over dp", "rank 0 made it at bugs/hangs.py:",
-          "ranks 1-3 made it at run/train.py:")),
+          "ranks 1-3 made it at run/agreement.py:")),
     Hang("hang-pp-both-recv", "pp",
          "the first stage receives its first gradient before sending its first activation",
          "stage 0 waits for a gradient that stage 1 can compute only from the activation "
