@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from minipar.core import precision
+
 RECIPES = ("tensorwise", "rowwise", "blockwise")
 GRAD_FORMATS = ("e5m2", "e4m3")
 FMAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -142,24 +144,11 @@ def fake_quantize(x: np.ndarray, recipe: str, kind: str, fmt: str, block: int,
 
 
 # ------------------------------------------------------------ the recipe
-class Exact:
+class Exact(precision.Widened):
     """An operand already in the form a matmul multiplies (a dequantized FP8 tensor):
     precision.matmul takes its `values` as they are, without rounding them to bf16."""
 
-    __slots__ = ("values",)
-
-    def __init__(self, values: np.ndarray) -> None:
-        self.values = values
-
-    @property
-    def T(self) -> Exact:  # noqa: N802  (as ndarray.T)
-        """The transpose, still exact."""
-        return Exact(self.values.T)
-
-    @property
-    def dtype(self) -> np.dtype:
-        """The values' dtype."""
-        return self.values.dtype
+    __slots__ = ()
 
 
 Agree = Callable[[np.ndarray, str], np.ndarray]   # (amaxes, axis) -> their MAX over the axis
@@ -255,8 +244,6 @@ class Recipe:
     def operand(self, x: np.ndarray, kind: str, weight: object) -> Exact:
         """Q(x) of one operand of `weight`'s matmuls: kind `x` (the input), `dy` (the
         output gradient) or `weight`, in the master dtype for the product."""
-        from minipar.core import precision
-
         fmt = self.grad_format if kind == "dy" else "e4m3"
         if kind == "weight":   # the step's agreed amaxes (else, one process: its own)
             agreed = self.weight_amax.get(weight.name)

@@ -152,10 +152,10 @@ def widen(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 class Widened:
-    """16-bit words already widened to the master dtype, handed to `matmul` to multiply
-    as they are (`widened_once`). Not core/fp8.py's `Exact`, though `_operand` reads
-    both alike (their `values`): an Exact is an 8-bit operand, and code that asks "is
-    this operand 8-bit?" (bugs/detours.py) must not take these for one."""
+    """Values already in the master dtype, handed to `matmul` to multiply as they are:
+    16-bit words widened once (`widened_once`), or, as core/fp8.py's subclass `Exact`,
+    an 8-bit operand's dequantized values. Code that asks "is this operand 8-bit?"
+    (bugs/detours.py) asks for `Exact`, which a plain Widened is not."""
 
     __slots__ = ("values",)
 
@@ -164,8 +164,13 @@ class Widened:
 
     @property
     def T(self) -> Widened:  # noqa: N802  (as ndarray.T)
-        """The transpose, still widened."""
-        return Widened(self.values.T)
+        """The transpose, of the same kind."""
+        return type(self)(self.values.T)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The values' dtype."""
+        return self.values.dtype
 
 
 def widened_once(operand: object, words: np.ndarray, wide: np.ndarray) -> object:
@@ -192,7 +197,7 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def _operand(x: object) -> np.ndarray:
     """What a matmul multiplies: an 8-bit operand's dequantized values or a `Widened`'s
     values, else x rounded to 16 bits and widened to the master dtype."""
-    values = getattr(x, "values", None)    # core/fp8.py's Exact, or a Widened
+    values = getattr(x, "values", None)    # a Widened (core/fp8.py's Exact is one)
     return values if values is not None else widen(to_low(x), MASTER)
 
 
