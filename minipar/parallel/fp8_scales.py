@@ -95,6 +95,7 @@ class EightBitGather:
     def __init__(self, recipe: fp8.Recipe) -> None:
         self.recipe = recipe
         self.width_of: dict[int, np.ndarray] = {}   # per flat vector: bytes an element
+        self.sent_scales: tuple[tuple, np.ndarray] | None = None   # words' -> decoded
 
     def widths(self, space: object, a: int, b: int) -> np.ndarray:
         """Bytes each element of the flat range [a, b) of `space` takes on the wire."""
@@ -108,6 +109,7 @@ class EightBitGather:
         bf16 bytes) and where every rank's bytes land, as an Allgatherv takes them."""
         layout, widths = space.layout, self.widths(space, a, b)
         scales = fp8.element_scales(self.recipe, [p.name for p in space.params], layout, a, b)
+        self.sent_scales = (id(space), a, b), scales   # the gather's decode reads them
         starts = np.cumsum([0, *layout.overlap(a, b)])   # each rank's elements of [a, b)
         sizes = [int(widths[s:e].sum()) for s, e in zip(starts[:-1], starts[1:])]
         mine = slice(int(starts[layout.rank]), int(starts[layout.rank + 1]))
@@ -116,7 +118,8 @@ class EightBitGather:
         return sent, [data, sizes, np.cumsum([0, *sizes[:-1]]).tolist(), MPI.BYTE]
 
     def decoded(self, space: object, a: int, b: int, data: np.ndarray) -> np.ndarray:
-        """The range [a, b) in the shard's dtype (bf16) from every rank's bytes."""
-        scales = fp8.element_scales(self.recipe, [p.name for p in space.params],
-                                    space.layout, a, b)
+        """The range [a, b) in the shard's dtype (bf16) from every rank's bytes, with the
+        scales `words` computed for this range (the same step's agreed amaxes)."""
+        key, scales = self.sent_scales
+        assert key == (id(space), a, b), "decoded() follows words() of the same range"
         return fp8.decode(data, self.widths(space, a, b), scales, space.shard.dtype)
