@@ -250,7 +250,7 @@ _LIST = [
         "numbers per microbatch short",
         "--model gpt or gpt-moe with --tp 2 or more and the vocabulary split over tp "
         "(--vocab-parallel, the default)", _vocab, vocab_loss_without_max,
-        {"model": "gpt", "tp": 2}),
+        {"model": "gpt", "tp": 2, "steps": 2}),
     Bug("cp-no-allgather", "cp",
         "context parallelism's allgather mode attends to the keys and values of its own "
         "positions only (their Allgather forgotten)",
@@ -258,7 +258,7 @@ _LIST = [
         "attention over shorter sequences, so the model trains; the loss is wrong from step "
         "1, and the ledger is missing the 2 Allgathers per layer and their Reduce_scatters",
         "--cp 2 or more with --cp-mode allgather", _cp("allgather"), keys_not_gathered,
-        {"model": "gpt", "cp": 2, "cp_mode": "allgather"}),
+        {"model": "gpt", "cp": 2, "cp_mode": "allgather", "steps": 2}),
     Bug("cp-ring-no-lse-merge", "cp",
         "ring attention adds up the blocks' partial results as they arrive instead of "
         "merging them with their log-sum-exp weights",
@@ -266,7 +266,7 @@ _LIST = [
         "the sum of two averages instead of one: its output is too large and the loss is "
         "wrong from step 1; the same blocks travel the ring, so the ledger cannot see it",
         "--cp 2 or more with --cp-mode ring or zigzag", _cp("ring", "zigzag"),
-        merge_without_lse, {"model": "gpt", "cp": 2, "cp_mode": "ring"},
+        merge_without_lse, {"model": "gpt", "cp": 2, "cp_mode": "ring", "steps": 2},
         unseen="the right blocks meet in the right place (my positions' queries, every "
                "rank's keys: Shard(1) into and out of the ring node); how their results "
                "are weighted in the merge is a value"),
@@ -323,7 +323,7 @@ _LIST += [
         "--data PATH --documents with --microbatches or --dp x --cp 2 or more", _ragged,
         loss_mean_per_microbatch,
         {"model": "gpt", "data": DOCUMENTS, "documents": True, "vocab": 256,
-         "microbatches": 2},
+         "microbatches": 2, "steps": 2},
         "shipped in many trainers and fixed in 2024-25 by dividing by the whole step's "
         "tokens: meta-pytorch/torchtune#1875, karpathy/nanochat#59, ml-explore/mlx-lm#1413",
         unseen="the mask and the count have no placement: by what the CE is divided is "

@@ -15,7 +15,7 @@ import pytest
 
 from minipar.settings.config import TrainConfig
 from minipar.teaching.ledger_tables import ledger_differences, ledger_table, predicted_lines
-from tests.harness.mpi import minipar
+from tests.harness.mpi import sweep
 
 SMALL = ["--layers", "4", "--d-model", "16", "--d-in", "8", "--batch", "32", "--steps", "2"]
 MESHES = [
@@ -31,24 +31,32 @@ MESHES = [
 PREDICTED = re.compile(r"  (\d+), (?:(\d+), (\d+)|\(router\), [\d.]+ B/elem) \(([\w+]+)\) ok$")
 
 
-@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: " ".join(m))
-def test_every_ledger_line_matches_its_formula(mesh):
-    job = minipar(8, ["train", *mesh, *SMALL, "--ledger"], timeout=120)
-    assert job.returncode == 0, job.explain()
-    head = job.stdout.index("ledger of the last step")
-    rows = [line for line in job.stdout[head:].splitlines()[2:]
+@pytest.fixture(scope="module")
+def printed(tmp_path_factory) -> list[dict]:
+    """Every mesh's `train ... --ledger` exactly as typed, all in one 8-rank job: its exit
+    code and what rank 0 printed."""
+    return sweep(8, [{"cli": ["train", *mesh, *SMALL, "--ledger"]} for mesh in MESHES],
+                 tmp_path_factory.mktemp("ledger_cli"), timeout=180)
+
+
+@pytest.mark.parametrize("index", range(len(MESHES)), ids=[" ".join(m) for m in MESHES])
+def test_every_ledger_line_matches_its_formula(printed, index):
+    mesh, run = MESHES[index], printed[index]
+    assert run["code"] == 0, run["out"]
+    head = run["out"].index("ledger of the last step")
+    rows = [line for line in run["out"][head:].splitlines()[2:]
             if line.strip() and not line.startswith("done")]
-    assert len(rows) >= 3, job.stdout
+    assert len(rows) >= 3, run["out"]
     dtypes = set()
     for row in rows:
-        assert row.rstrip().endswith(" ok"), f"not predicted exactly: {row}\n{job.stdout}"
+        assert row.rstrip().endswith(" ok"), f"not predicted exactly: {row}\n{run['out']}"
         found = PREDICTED.search(row)
         assert found, f"no bytes or dtype predicted: {row}"
         dtypes.add(found.group(4))
         if found.group(3):   # the measured bytes column equals the predicted bytes
             assert row.split()[5] == found.group(3), row
     if "--mixed" in mesh:    # the pipeline's activations as 16-bit words
-        assert mesh[mesh.index("--mixed") + 1] in dtypes, job.stdout
+        assert mesh[mesh.index("--mixed") + 1] in dtypes, run["out"]
     if "fp16" in mesh:       # the found_inf vote: one int32 over the world
         assert any(r.split()[:2] == ["world", "Allreduce"] and "(int32)" in r for r in rows)
 
