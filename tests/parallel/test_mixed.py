@@ -173,8 +173,10 @@ BUG_RUNS = [run for name, flags in BUGS.items()
 CHECKS = [
     "train --mixed fp16 --dtype float32 --dp 2 --tp 2 --zero 1 --optimizer adam --lr 0.01 "
     "--loss-scale 67108864 --steps 12 --check",
-    "train --model gpt-moe --mixed fp16 --dp 2 --cp 2 --cp-mode ulysses --steps 2 --check",
-    "train --model gpt-moe --mixed fp16 --dp 2 --cp 2 --cp-mode zigzag --steps 2 --check",
+    "train --model gpt-moe --layers 4 --mixed fp16 --dp 2 --cp 2 --cp-mode ulysses --steps 2 "
+    "--check",
+    "train --model gpt-moe --layers 4 --mixed fp16 --dp 2 --cp 2 --cp-mode zigzag --steps 1 "
+    "--check",
 ]
 
 
