@@ -18,7 +18,10 @@ repetition by repetition (the order rotating), every rank times:
                 x *= 1/dp): the floor of a sync that averages, as every DP step must
     naive       the dp-rank step, one Allreduce per parameter
     bucketed    one Allreduce per bucket (reused flat buffers)
-    overlapped  Iallreduce per bucket during backward, several bucket sizes
+    overlapped  Iallreduce per bucket during backward, several bucket sizes; backward
+                starts from 1/dp, so the sums arrive averaged (data_parallel.py)
+    divided after  overlapped (65536) as it was before that: backward from 1, each
+                bucket divided by dp after the last Wait (one more pass)
 
 each step cut into compute (its rows drawn, forward, backward; with overlap also the
 launches), sync (the Allreduces, or the Waitall left after backward) and the
@@ -75,7 +78,7 @@ def timed_step(setup: tuple, step: int) -> tuple[float, float, float]:
     params = updater.params
     for p in params:
         p.grad = None
-    forward_backward(cfg, mesh, chunks, x, y)
+    forward_backward(cfg, mesh, chunks, x, y, loss_scale=updater.backward_seed)  # 1 or 1/dp
     computed = time.perf_counter()
     if cfg.dp > 1 and cfg.grad_sync == "naive":
         allreduce_gradients(params, mesh)
@@ -131,6 +134,9 @@ def main() -> None:
     for size in BUCKETS:
         setups[f"overlapped {size}"] = build(
             replace(base, grad_sync="overlapped", bucket_size=size).resolved(dp), world)
+    after = build(replace(base, grad_sync="overlapped").resolved(dp), world)
+    after[3].backward_seed, after[3].overlap.scale = 1.0, 1.0 / dp   # the division, after
+    setups["divided after"] = after
     whole = build(base.resolved(1), MPI.COMM_SELF)
     gradient = np.ones(sum(p.data.size for p in setups["share"][3].params))
     averaged = gradient.copy()

@@ -202,7 +202,8 @@ def main() -> None:
                          f"{r['ddp/minipar']:>8.3f}  {r['ddp']['median'] * 1e3:>9.2f} ms/step")
     results["dp_limit"] = limit = dp_limit(repeats=4 if quick else 12)
     ms = lambda v: f"{v['median'] * 1e3:.0f}"  # noqa: E731
-    for name in ["naive", "bucketed"] + [n for n in limit if n.startswith("overlapped")]:
+    for name in ["naive", "bucketed"] + [n for n in limit if n.startswith("overlapped")] + [
+            "divided after"]:
         v = limit[name]
         q = v["vs_share"]
         lines.append(f"{'DP 2 ranks, ' + name + ' step / one rank share (goal <= 1.10)':<58} "
@@ -224,6 +225,10 @@ def main() -> None:
     lines.append(f"{'  floor of a blocking sync: (share + bare Allreduce) / share':<58} "
                  f"{floor['median']:>8.3f}  [{floor['min']:.2f}-{floor['max']:.2f}], Allreduce "
                  f"of {ms(limit['allreduce']['sync'])} ms")
+    q = limit["averaged"]["vs_share"]
+    lines.append(f"{'  the same Allreduce, then divided by dp: / share':<58} "
+                 f"{q['median']:>8.3f}  [{q['min']:.2f}-{q['max']:.2f}], "
+                 f"{ms(limit['averaged']['sync'])} ms")
     results["ring"] = {n: _mpi_json(n, "bench.ring_rank", []) for n in ranks if n > 1}
     for n, r in results["ring"].items():
         for label in ("8 KB", "1 MB", "16 MB"):

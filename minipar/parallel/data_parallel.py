@@ -21,6 +21,9 @@ side, each equal to one process (`--grad-sync`):
 3. overlapped: each bucket's nonblocking Iallreduce starts as soon as backward
    has produced all of its gradients, while backward goes on with earlier
    pieces of the model; the requests are waited just before the optimizer.
+   In one dtype its backward starts from 1/dp instead of 1 (`backward_seed`):
+   every g_i arrives already divided, the sum is the average, and no pass over
+   the gradients is left after the last Wait (--mixed keeps the division).
 
 How overlap knows a gradient is complete: dp_hooks.py (a `Piece` around each
 piece of the model, its marker nodes in the tape). The buckets and their flat
@@ -117,9 +120,11 @@ class OverlappedAllreduce(Hooks):
     parameter in it for the last microbatch; `finish` waits for all of them."""
 
     def __init__(self, buckets: list[list[Parameter]], mesh: Mesh, microbatches: int,
-                 precision: FullPrecision = FULL) -> None:
+                 precision: FullPrecision = FULL, seeded: bool = False) -> None:
         self.buckets, self.mesh, self.microbatches = buckets, mesh, microbatches
         self.precision = precision  # what travels for a bucket (parallel/mixed.py)
+        # seeded: backward started from 1/dp, each sum is already the average
+        self.scale = 1.0 if seeded else 1.0 / mesh.shape.replicas
         self.flats = flat_buffers(buckets)  # each bucket's buffer, reused every step
         self.bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
         self._reset()
@@ -167,7 +172,8 @@ class OverlappedAllreduce(Hooks):
 
     def finish(self) -> int:
         """Start any bucket backward did not (a parameter outside every piece), wait for
-        all, divide by dp. Returns how many buckets had started during backward."""
+        all, divide by dp (unless the backward's seed did). Returns how many buckets had
+        started during backward."""
         early = len(self.in_flight)
         started = {i for i, _, _ in self.in_flight}
         for i in range(len(self.buckets)):
@@ -177,7 +183,7 @@ class OverlappedAllreduce(Hooks):
                    "Waitall of the gradient buckets over dp")
         for i, flat, _ in self.in_flight:
             self.precision.reduced(flat, self.travelling[i])   # the sum into the bucket
-            unpack(self.buckets[i], flat, 1.0 / self.mesh.shape.replicas)
+            unpack(self.buckets[i], flat, self.scale)
         self._reset()
         return early
 
@@ -190,6 +196,7 @@ class Updater(Protocol):
 
     stage: int             # the ZeRO stage: 0 for plain data parallelism
     optimizer: Optimizer   # what updates this rank's parameters (or its flat slice)
+    backward_seed: float   # what backward starts from (times S under fp16): 1, or 1/dp
 
     def step(self) -> None:
         """Synchronize the gradients over dp, then update what this rank holds."""
@@ -232,8 +239,14 @@ class DataParallel:
         self.flats = flat_buffers(self.buckets) if grad_sync == "bucketed" else None
         self.overlap = None
         self.started_in_backward = 0  # buckets the last step started during backward
+        # overlapped, in one dtype: backward starts from 1/dp (run/train.py reads this),
+        # so each g_i is already divided and the last Wait leaves the average, where
+        # dividing afterwards is one more pass over every gradient (docs/design.md)
+        seeded = grad_sync == "overlapped" and precision.average_in_seed
+        self.backward_seed = 1.0 / mesh.shape.replicas if seeded else 1.0
         if grad_sync == "overlapped":
-            self.overlap = OverlappedAllreduce(self.buckets, mesh, microbatches, precision)
+            self.overlap = OverlappedAllreduce(self.buckets, mesh, microbatches, precision,
+                                               seeded)
             install_hooks(chunks, self.overlap)
 
     def step(self) -> None:

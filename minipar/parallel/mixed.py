@@ -50,6 +50,10 @@ class FullPrecision:
     updates the parameters themselves."""
 
     scaler: precision.LossScaler | None = None   # no loss scale
+    # may the backward start from 1/dp instead of 1, so that the sums over dp arrive as
+    # averages (overlapped DP, data_parallel.py)? In one dtype yes: scaling is linear
+    # (bitwise the same numbers when dp is a power of two)
+    average_in_seed = True
 
     def reduction(self, x: np.ndarray) -> tuple[np.ndarray, MPI.Op]:
         """What travels for the gradients `x` in a summing collective, and the MPI
@@ -107,6 +111,8 @@ class MixedStep(FullPrecision):
     def __init__(self, mixed: str, grad_reduce_dtype: str, scale: float, window: int,
                  vote: Group, gather: object = None) -> None:
         self.mixed = mixed
+        # no: fp16's overflow vote and the 16-bit sums see the gradients one process sees
+        self.average_in_seed = False
         self.gather = gather   # --fp8-allgather: parallel/fp8_scales.py `EightBitGather`
         self.low = precision.low_dtype(mixed)
         self.reduce_low = grad_reduce_dtype == "low"

@@ -159,6 +159,7 @@ class Zero1:
 
     stage = 1
     clipper = None  # clip.Clipper with --clip-grad-norm: called on my slices
+    backward_seed = 1.0  # backward starts from 1: the Reduce_scatter's sum is divided
 
     def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer,
                  precision: FullPrecision = FULL) -> None:

@@ -241,8 +241,9 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     the pipeline schedule decides the order (parallel/pipeline/executor.py) and appends the
     wall-clock start/end of each of its instructions to `timeline`. `valid`: with
     --documents, the valid positions of the global batch (documents.global_valid).
-    `loss_scale`: S of --mixed fp16, the gradient backward starts from (the loss itself
-    is reported unscaled)."""
+    `loss_scale`: the gradient backward starts from (the loss itself is reported
+    unscaled): S of --mixed fp16, times 1/dp where the updater averages in the seed
+    (overlapped DP, parallel/data_parallel.py)."""
     scale = 1.0 / cfg.microbatches
     positions = cfg.batch * cfg.seq_len   # of the global batch: the masked loss's P
 
@@ -389,8 +390,9 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
     if precision.FP8 is not None:  # --fp8: the step's weight amaxes, agreed (fp8_scales.py)
         from minipar.parallel import fp8_scales
         fp8_scales.begin_step(precision.FP8, chunks, updater)
-    local = forward_backward(cfg, mesh, chunks, x, y, timeline, valid,
-                             1.0 if scaler is None else scaler.scale)
+    # backward starts from S (fp16), times 1/dp where the updater averages that way
+    seed = (1.0 if scaler is None else scaler.scale) * updater.backward_seed
+    local = forward_backward(cfg, mesh, chunks, x, y, timeline, valid, seed)
     flight.set_microbatch(None)  # the syncs below belong to the whole step
     if cfg.schedule in schedules.TWO_WAY and cfg.pp > 1:  # DualPipe: copy + copy
         executor.sum_the_two_copies(chunks, mesh.pp)
