@@ -108,11 +108,13 @@ class MixedStep(FullPrecision):
     gradients summed in the master dtype or, with `--grad-reduce-dtype low`, as 16-bit
     words added by `low_precision.low_sum_op`."""
 
+    # backward starts from 1 (times S): fp16's overflow vote and the 16-bit sums see the
+    # gradients one process sees, and DP divides after the sum
+    average_in_seed = False
+
     def __init__(self, mixed: str, grad_reduce_dtype: str, scale: float, window: int,
                  vote: Group, gather: object = None) -> None:
         self.mixed = mixed
-        # no: fp16's overflow vote and the 16-bit sums see the gradients one process sees
-        self.average_in_seed = False
         self.gather = gather   # --fp8-allgather: parallel/fp8_scales.py `EightBitGather`
         self.low = precision.low_dtype(mixed)
         self.reduce_low = grad_reduce_dtype == "low"
