@@ -115,7 +115,8 @@ def config(bug: Bug, steps: int, quick: bool) -> TrainConfig:
     model = bug.flags.get("model", "mlp")
     sizes = {"moe": (QUICK_MOE, MOE), "gpt": (QUICK_GPT, GPT)}.get(model, (QUICK, MLP))[
         0 if quick else 1]
-    return TrainConfig(**{**sizes, **bug.flags, "steps": steps}).resolved(size)  # over sizes
+    # the bug's flags over the sizes, the lesson's step count over both
+    return TrainConfig(**{**sizes, **bug.flags, "steps": steps}).resolved(size)
 
 
 # ------------------------------------------------------ comparing two runs
