@@ -21,10 +21,16 @@ stated or derived, and printed.
         --dp 128 --tp 8 --pp 1 --optimizer muon --muon-mode distributed  # Muon's price
     python -m minipar plan --serve --preset llama3-70b --cluster h100 --gpus 8 \\
         --prompt-len 4000 --new-tokens 96 --batch 1  # serving: tp x pp layouts per token
+    python -m minipar plan --preset llama3-70b --cluster h100 --global-batch 1024 \\
+        --dp 16 --tp 8 --pp 4 --sites 2 --slow-link-gbps 100  # DP vs DiLoCo over 2 sites
 
 `--serve` prices decoding instead of training (planner/serving.py): every tp x pp (x ep)
 layout of the GPUs, per token: each GPU's reads of weights and KV cache at HBM speed,
 tp's Allreduces, the pipeline's per-token latency, the cache's memory.
+
+`--sites S` splits a named plan's dp replicas over S sites joined by one slow link
+(planner/diloco_cost.py): DP's gradient Allreduce every step against DiLoCo's parameter
+Allreduce every H steps (and its streaming fragments), in seconds on the link per step.
 
 The same arithmetic predicts minipar's own 8-rank runs exactly
 (`minipar_workload`, tests/planner/test_plan.py), which is what licenses it at 2048 GPUs.
@@ -47,6 +53,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from minipar.parallel.pipeline.schedules import SCHEDULES, SIMULATED_ONLY
+from minipar.planner.diloco_cost import (
+    DEFAULT_INNER_STEPS,
+    DEFAULT_LINK_GBPS,
+    site_prices,
+    site_records,
+    sites_report,
+)
 from minipar.planner.memory_cost import Plan
 from minipar.planner.muon_cost import MODES as MUON_MODES
 
@@ -198,6 +211,17 @@ def make_parser() -> argparse.ArgumentParser:
     add("--prompt-len", type=POSITIVE, help="--serve: tokens of each prompt")
     add("--new-tokens", type=POSITIVE, help="--serve: tokens generated after it")
     add("--batch", type=POSITIVE, help="--serve: rows decoding together (default 1)")
+    add("--sites", type=number(int, 1), help="the named plan's dp replicas over this many "
+        "sites joined by one slow link: DP against DiLoCo, the seconds a step spends on "
+        "the link (planner/diloco_cost.py)")
+    add("--slow-link-gbps", type=AMOUNT, help="--sites: Gb/s each way of the link between "
+        f"the sites, shared by all their GPUs (default {DEFAULT_LINK_GBPS:g})")
+    add("--inner-steps", type=POSITIVE, action="append", help="--sites: DiLoCo's H, inner "
+        "steps between outer steps (repeat the flag; default "
+        f"{', '.join(map(str, DEFAULT_INNER_STEPS))})")
+    add("--fragments", type=POSITIVE, action="append", help="--sites: streaming DiLoCo's "
+        "fragments P, each dividing the layers and every H (repeat the flag; default 1 and "
+        "the largest of 4 and 2 that does)")
     return parser
 
 
@@ -271,7 +295,8 @@ def serve_problems(args: argparse.Namespace, hw: Hardware) -> list[str]:
                                                            "microbatches", "zero", "recompute",
                                                            "schedule", "virtual")
                 if getattr(args, name) is not None] + ["--no-sp"] * args.no_sp + [
-                    "--fp8"] * args.fp8 + ["--optimizer"] * (args.optimizer != "adam")
+                    "--fp8"] * args.fp8 + ["--optimizer"] * (args.optimizer != "adam") + [
+                    "--sites"] * (args.sites is not None)
     if training:
         return [f"{training[0]} is training's: --serve prices tp x pp (x ep) layouts of "
                 "--gpus decoding --batch rows (drop it)"]
@@ -336,6 +361,45 @@ def run_problems(args: argparse.Namespace, m: ModelShape, hw: Hardware) -> list[
     return out
 
 
+SITE_FLAGS = ("slow_link_gbps", "inner_steps", "fragments")
+
+
+def sites_problems(args: argparse.Namespace, m: ModelShape) -> list[str]:
+    """Every reason the --sites flags describe no DP-against-DiLoCo comparison; fills in
+    the default H and P."""
+    if args.sites is None:
+        given = [f"--{n.replace('_', '-')}" for n in SITE_FLAGS if getattr(args, n) is not None]
+        return [f"{given[0]} prices DiLoCo across sites: add --sites (2 or more)"] if given \
+            else []
+    if None in (args.dp, args.tp, args.pp):
+        return ["--sites prices one named plan: give --dp, --tp and --pp"]
+    if args.dp % args.sites:
+        return [f"--sites {args.sites} does not divide --dp {args.dp} (each site holds dp/S "
+                "replicas)"]
+    if m.experts:
+        return ["--sites prices dense models only (no --experts: experts borrow the dp axis "
+                "that DiLoCo's workers are)"]
+    if args.optimizer != "adam":
+        return ["--sites prices DiLoCo with Adam as its inner optimizer (no --optimizer muon)"]
+    if args.zero and set(args.zero) != {0}:
+        return [f"--sites compares DP with DiLoCo, whose every worker keeps its whole "
+                f"optimizer state: --zero 0 only (got --zero {max(args.zero)})"]
+    args.inner_steps = args.inner_steps or list(DEFAULT_INNER_STEPS)
+    if args.fragments is None:
+        fit = [p for p in (4, 2) if m.layers % p == 0
+               and all(h % p == 0 for h in args.inner_steps)]
+        args.fragments = [1] + fit[:1]
+    for p in args.fragments:
+        if m.layers % p:
+            return [f"--fragments {p} does not divide the {m.layers} layers (a fragment is "
+                    "L/P consecutive blocks)"]
+        for h in args.inner_steps:
+            if h % p:
+                return [f"--fragments {p} does not divide --inner-steps {h} (fragment p talks "
+                        "p H/P steps after fragment 0)"]
+    return []
+
+
 def serve_command(args: argparse.Namespace, m: ModelShape, hw: Hardware) -> int:
     """`plan --serve`: the layouts' table (or, with --json, their records)."""
     fixed = {k: getattr(args, k) for k in ("tp", "pp", "ep") if getattr(args, k)}
@@ -359,6 +423,11 @@ def serve_command(args: argparse.Namespace, m: ModelShape, hw: Hardware) -> int:
     return 0
 
 
+def gbps(args: argparse.Namespace) -> float:
+    """The slow link's Gb/s: the flag's, or the default."""
+    return DEFAULT_LINK_GBPS if args.slow_link_gbps is None else args.slow_link_gbps
+
+
 def plan_command(argv: list[str]) -> int:
     """`python -m minipar plan ...`: print the ranking; a bad flag is one line, exit 2."""
     errors: list[str] = []
@@ -368,11 +437,11 @@ def plan_command(argv: list[str]) -> int:
         if not errors:
             hw, errors = resolve_hardware(args)
         if not errors and args.serve:
-            errors = serve_problems(args, hw)
+            errors = serve_problems(args, hw) or sites_problems(args, m)
             if not errors and args.ep and args.ep > 1 and not m.experts:
                 errors = [f"--ep {args.ep} needs a model with --experts"]
         elif not errors:
-            errors = run_problems(args, m, hw)
+            errors = run_problems(args, m, hw) or sites_problems(args, m)
         if not errors and args.json and args.json != "-":   # before the search, not after
             errors = [f"--json {message}" for message in file_problems(args.json)]
         if not errors:
@@ -404,12 +473,19 @@ def plan_command(argv: list[str]) -> int:
             print(f"minipar: error: the plan you named cannot run: {problem}",
                   file=sys.stderr, flush=True)
             return 2
-    found = search(w, hw, args.gpus, template, tuple(sorted(set(args.zero or (0, 1, 2, 3)))),
+    stages = (0,) if args.sites else tuple(sorted(set(args.zero or (0, 1, 2, 3))))
+    found = search(w, hw, args.gpus, template, stages,
                    tuple(dict.fromkeys(args.recompute or RECOMPUTE)), fixed, schedules)
+    prices = []
+    if args.sites and found.feasible:   # ZeRO 0 only (sites_problems): DiLoCo's workers
+        prices = site_prices(w, hw, found.feasible, args.sites, gbps(args),
+                             [(h, p) for h in dict.fromkeys(args.inner_steps)
+                              for p in dict.fromkeys(args.fragments)])
     if args.json:
         records = [plan_record(e, w, hw) for e in found.feasible]
         text = json.dumps({"model": w.name, "gpus": args.gpus, "plans": records,
-                           "bounded": found.bounded})
+                           "bounded": found.bounded}
+                          | ({"sites": site_records(prices)} if args.sites else {}))
         if args.json == "-":
             print(text, flush=True)
             return 0
@@ -421,6 +497,11 @@ def plan_command(argv: list[str]) -> int:
             return 1
     if named and (found.feasible or found.too_big):
         print(named_report(found, w, m, hw, args.gpus), flush=True)
+        if args.sites:
+            print(sites_report(w, hw, args.sites, gbps(args), prices)
+                  if prices else "--sites: the plan does not fit at ZeRO 0, so no step to "
+                  "price over the sites (fewer --microbatches' activations, more --pp or "
+                  "--tp)", flush=True)
     else:
         print(report(found, w, m, hw, args.gpus, template, args.top), flush=True)
     return 0
