@@ -17,7 +17,8 @@ notebook that breaks it, naming the notebook, the cell and why:
 
 The pages, in the table of contents' order: the README's "Start here" and "Words used
 throughout"; one page per lesson, 00 to the last (a lesson with no notebook shows its
-script's docstring and its command); the exercises; docs/design.md; then the strategies
+script's docstring and its command); the exercises; docs/design.md; docs/glossary.md (every
+term in Chinese and English, its name in the code, its lesson); then the strategies
 in the order of the reading index of minipar/parallel/__init__.py, every named class and
 function linked to its line in a source page of the book. Each lesson page says which
 command produced its figures and links the strategies and the minipar calls it uses to
@@ -636,6 +637,7 @@ def write_pages(notebooks: Path, docs: Path, only: list[str] | None = None) -> l
         (docs / "exercises/notebook.md").write_text(text)
         exercise_nav.append({"For teachers (notebook)": "exercises/notebook.md"})
     (docs / "design.md").write_text(design_page())
+    (docs / "glossary.md").write_text((ROOT / "docs/glossary.md").read_text())  # 中文 / English
     shutil.copytree(ROOT / "docs/images", docs / "images")
     (docs / "code").mkdir()
     (docs / "code/index.md").write_text(code_index_page(intro, entries, closing))
@@ -648,7 +650,7 @@ def write_pages(notebooks: Path, docs: Path, only: list[str] | None = None) -> l
     shutil.copy(BOOK / "book.css", docs / "book.css")
     return [{"Start here": "index.md"}, {"Words used throughout": "words.md"},
             {"Lessons": lesson_nav}, {"Exercises": exercise_nav},
-            {"Design": "design.md"},
+            {"Design": "design.md"}, {"Glossary 术语表": "glossary.md"},
             {"The strategies in code": [{"Reading order": "code/index.md"}] + [
                 {entry.title: f"code/{entry.slug}.md"} for entry in entries]}]
 

@@ -1,0 +1,1 @@
+../09_planning.py
