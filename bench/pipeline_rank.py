@@ -9,7 +9,7 @@ few steps each; the last step's recorded timeline of each run gives
 
     measured   1 - busy / (stages * span), busy = the F and B instructions
     replayed   the same schedule played with each instruction's measured CPU time and
-               free, instant messages (pipeline_schedules.replay): the bubble these
+               free, instant messages (schedules.replay): the bubble these
                very compute times make, so measured / replayed is what the executor
                and the messages add, and replayed / formula what unequal stages add
                (the formula assumes every stage's F and B take the same time)

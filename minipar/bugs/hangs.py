@@ -40,7 +40,7 @@ Swap = tuple[object, str, object]  # (module, attribute, what stands in for it)
 @dataclass(frozen=True)
 class Hang:
     """One injectable hang: what breaks, what the verdict says, where it applies (the
-    fields bugs.Bug has, so `bugs.problems`, `bugs.injected` and `bugs.command` take
+    fields catalog.Bug has, so `catalog.problems`, `catalog.injected` and `catalog.command` take
     either), and `names`: words the verdict of a 4-rank run of `flags` must contain."""
 
     name: str

@@ -17,7 +17,7 @@ reshard's DST is refused in one line when DIR holds
 - a newer step of this same run than the one about to be saved (`latest` would move
   back, and `--keep` would delete the newer step).
 
-Pruning (`checkpoint_folder.prune`) then removes only step folders of the writing run,
+Pruning (`step_folders.prune`) then removes only step folders of the writing run,
 and `publish` refuses to move `latest` back even if the folder changed since the check.
 Step folders written before manifests named their run (no "run" field) are never
 pruned and never block: they are kept beside.

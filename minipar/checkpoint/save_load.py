@@ -32,7 +32,7 @@ once it is complete and verified (checkpoint/step_folders.py). In order:
 A crash anywhere before the last rename leaves `latest` where it was.
 
 Loading checks the manifest and every shard first, on every rank alone and before
-any communication (checkpoint_format.verify): a missing, truncated, tampered or
+any communication (shard_files.verify): a missing, truncated, tampered or
 hand-edited file is one clear error line, never a traceback. Saving and loading are
 this file; the format is checkpoint/shard_files.py, the folders and the lock
 checkpoint/step_folders.py.
@@ -59,7 +59,7 @@ import numpy as np
 from minipar.checkpoint import owner
 from minipar.checkpoint import step_folders as folders
 
-# the format, under the names callers use (checkpoint.verify, checkpoint.seal, ...)
+# the format, under the names callers use (save_load.write_shard, save_load.write_manifest, ...)
 from minipar.checkpoint.shard_files import (
     CheckpointError,
     decode_index,
@@ -311,7 +311,7 @@ def continued_run(resume: str | None) -> str | None:
 
 
 def model_of(cfg: TrainConfig) -> dict:
-    """The manifest's "model" for `cfg` (checkpoint_owner.model_id)."""
+    """The manifest's "model" for `cfg` (owner.model_id)."""
     return owner.model_id(cfg.model, nn.canonical_shapes(cfg.model_config()))
 
 

@@ -149,7 +149,8 @@ EXERCISES = [
          _train(model="moe", dp=4, ep=2, capacity_factor=1.0)]),
     Exercise(
         "one-f-one-b", "Pipeline parallelism: the 1F1B order",
-        "Write pipeline_schedules.one_f_one_b_order(pp, microbatches, stage): the list "
+        "Write schedules.one_f_one_b_order(pp, microbatches, stage) "
+        "(minipar/parallel/pipeline/schedules.py): the list "
         "of Instruction(FORWARD, m) / Instruction(BACKWARD, m) stage `stage` computes. "
         "Warm-up: min(pp - stage - 1, M) forwards; steady state: one forward, then the "
         "oldest backward; cool-down: the remaining backwards. Every microbatch 0..M-1 "

@@ -297,7 +297,7 @@ def in_flight(schedule: str, pp: int, microbatches: int, stage: int, virtual: in
     """Most (chunk, microbatch) pairs whose activations `stage` holds at once: GPipe
     all M, 1F1B min(pp - stage, M) (PipeDream-flush), interleaved its warm-up plus the
     one forward before the first backward, min(pp - stage + (V - 1) pp, V M); others
-    counted from the schedule's own instruction order (pipeline_schedules.in_flight_peak)."""
+    counted from the schedule's own instruction order (simulator.in_flight_peak)."""
     if schedule == "gpipe":
         return microbatches
     if schedule == "1f1b":

@@ -179,7 +179,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--dp --tp --pp --cp)")
     add("--global-batch", type=POSITIVE, help="sequences per step (required, but with --serve)")
     # the V schedules (zb-v, dualpipev) and dualpipe are left out: the planner's time
-    # model has no closed-form bubble for them (pipeline_schedules.bubble_formula)
+    # model has no closed-form bubble for them (schedules.bubble_formula)
     add("--schedule", choices=[s for s in SCHEDULES if s not in SIMULATED_ONLY],
         action="append", help="pipeline schedules to "
         "consider (repeat the flag; default 1f1b and interleaved)")

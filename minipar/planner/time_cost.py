@@ -10,7 +10,7 @@ this project checks against real runs:
                  (b, d), DP's buckets, ZeRO's `memory.ledger_formula`; on the wire by the
                  ring formulas (`memory.wire_elements`).
   bubble         (pp-1)/(M+pp-1), interleaved (pp-1)/(VM+pp-1)
-                 (`pipeline_schedules.bubble_formula`; the simulator reproduces it).
+                 (`schedules.bubble_formula`; the simulator reproduces it).
   time           6 x parameters x tokens FLOPs at a stated fraction of peak, plus
                  alpha ceil(log2 n) + wire bytes / bandwidth per collective: in-node
                  bandwidth if the group fits in a node, else the network's (a ring goes

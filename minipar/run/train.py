@@ -84,9 +84,9 @@ class RunResult:
 
 def problems(cfg: TrainConfig, world_size: int) -> list[str]:
     """Every reason this run cannot start, empty if it can: the flags and the mesh
-    (`config.problems`), then the bug `--inject-bug` names (`bugs.problems`: unknown, or
+    (`config.problems`), then the bug `--inject-bug` names (`catalog.problems`: unknown, or
     for a strategy this mesh does not use), then the `--save`/`--resume` folders
-    (`checkpoint.problems`: reads the manifest and checksums); with sound flags, also a
+    (`save_load.problems`: reads the manifest and checksums); with sound flags, also a
     size this machine cannot hold or a product that is no count (preflight.py). `cfg`
     must be resolved. No communication: every rank reaches the same list alone, before
     the first step."""

@@ -136,7 +136,7 @@ def gantt_figure(sim: Simulation, timeline: Sequence[dict] | None = None,
     B = 2 for a whole stage's layers, a chunk its share), and beside it, if given,
     the wall-clock timeline of a real run's last step (every rank; from
     `RunResult.extras["timeline"]`) and `replayed`: that run's measured compute times
-    played on the schedule's dependencies (`pipeline_schedules.replay`). With `cores`
+    played on the schedule's dependencies (`schedules.replay`). With `cores`
     fewer than the ranks, the wall-clock panel says it was oversubscribed. Box numbers
     are microbatches."""
     panels = 1 + bool(timeline) + (replayed is not None)
@@ -182,7 +182,7 @@ def bubble_figure(pp: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
     """Bubble fraction against the number of microbatches M: the papers' formulas as
     lines, the simulator as dots on them, and (if given) a real 1F1B run's bubble per
     M: wall clock as crosses (named `measured_label`), its measured compute times
-    replayed on the schedule (`pipeline_schedules.replay`) as squares. GPipe and 1F1B
+    replayed on the schedule (`schedules.replay`) as squares. GPipe and 1F1B
     share (pp-1)/(M+pp-1). ZB-V, DualPipeV and DualPipe have no closed form on this
     measure: their simulated dots are joined by a dashed line."""
     names = {"1f1b": "GPipe and 1F1B: (pp-1)/(M+pp-1)",

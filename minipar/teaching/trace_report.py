@@ -11,7 +11,7 @@ spans of `train --trace DIR` (trace.py), over the steps' window:
     idle       = window - K - (C - K)
 
 and for a pipeline the measured bubble, 1 - busy / (ranks x T) over the last step's
-forward and backward spans (`pipeline_simulator.bubble_fraction`, the simulator's own
+forward and backward spans (`simulator.bubble_fraction`, the simulator's own
 measure). The longest wait names who it waited for: the member of the collective that
 entered last, or the rank whose message it received. `measure(doc)` computes all of
 it once; the command and the lessons print its numbers.
@@ -334,7 +334,7 @@ def figure(doc: dict, title: str = "") -> object:
 # ------------------------------------------------------------ simulated
 def simulated(doc: dict) -> dict:
     """The simulator's timeline of the same run in the same format: the schedule played
-    with the last step's measured compute times (`pipeline_schedules.replay`, the
+    with the last step's measured compute times (`schedules.replay`, the
     slowest replica of each stage), communication free; one process per stage."""
     from minipar.parallel.pipeline.schedules import replay
 

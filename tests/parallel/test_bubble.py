@@ -9,7 +9,7 @@ Two claims, each from real MPI runs of minipar's pipeline:
   step on a loaded machine can lose its core for a while.
 - With more ranks than cores (4 on 2) the wall clock measures the contention,
   not the schedule; replaying each instruction's measured CPU time on the
-  schedule's dependencies (`pipeline_schedules.replay`) gives the bubble the
+  schedule's dependencies (`schedules.replay`) gives the bubble the
   same compute would make with a core per rank: within REPLAY_MARGIN of the formula
   (best of two steps; the first and last stages hold the embedding and the head, so
   the replay sits a little above the formula even on an idle machine).

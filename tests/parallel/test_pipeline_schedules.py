@@ -279,7 +279,7 @@ def test_dualpipev_idle_is_deepseek_v3_table_2_and_holds_pp_plus_1():
 
 
 def test_zb_v_keeps_1f1b_memory_and_beats_zb_h1():
-    """ZB-V (`pipeline_v.zb_v_orders`): at most 2 pp chunk-activations per rank (pp
+    """ZB-V (`v_schedules.zb_v_orders`): at most 2 pp chunk-activations per rank (pp
     microbatches of a whole stage, 1F1B's memory) for every M; with F = B = W = 1 and
     M >= 2 pp - 1 no rank idles between its own first and last instruction -- the zero
     bubble of Qi et al. -- so each rank's span is exactly its work, 2M chunks' F, B, W of

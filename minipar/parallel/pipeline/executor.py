@@ -131,7 +131,7 @@ class StageWorker:
     1/M), the `boundary` shape of an activation and its `dtype` (the model's; by
     default x's, which for the transformer holds integer token ids instead),
     whether the backward is split (ZB-H1, ZB-V, DualPipe(V): B now, W later) and
-    where the chunks sit (`layout`, pipeline_schedules.layout_of: in a V for ZB-V and
+    where the chunks sit (`layout`, schedules.layout_of: in a V for ZB-V and
     DualPipeV, on two opposite chains for DualPipe). `rank` only labels the timeline.
     """
 
