@@ -5,34 +5,45 @@ an MoE layer with 64 experts on 8 GPUs keeps 8 experts per GPU instead of copyin
 model; a router sends each token to its top-k experts, wherever they live. Here one MoE
 block runs on 8 ranks (dp=8: 32 tokens each; ep=8: rank j holds experts 8j..8j+7):
 
-  1. who sends how many token rows to whom: the 8x8 matrix of the dispatch Alltoallv;
-  2. the expert load: how many assignments each expert got, as a text histogram;
-  3. capacity: each expert takes at most ceil(c k B / E) assignments, the rest dropped;
-  4. the same block in one process: outputs, aux loss and every gradient agree;
-  5. the ledger: the Alltoallv volume beside k x tokens x d per direction;
-  6. the aux loss at work: a short training run of the block with and without it,
+  1. the source's example by hand, on raw NumPy and raw mpi4py calls: each rank's
+     router picks the top-k of 64 experts for its 32 tokens, comm.Alltoallv sends
+     the token rows to the ranks that own those experts (the dispatch), each rank
+     runs its 8 experts, and a second comm.Alltoallv brings the rows back (the
+     combine); the 8x8 matrix of who sent how many rows to whom, and the output
+     against the same layer in one process;
+  2. the source's AllToAll picture: 4 GPUs with chunks [A1,A2,A3,A4] (ranks 0-3 on a
+     communicator of their own), comm.Alltoall, and what each GPU holds afterwards;
+  3. minipar's expert-parallel block (minipar/parallel/expert_parallel.py) on the same
+     layer: its output equal to part 1's, its dispatch the same matrix, the expert load
+     as a text histogram, outputs, aux loss and every gradient against one process,
+     and the ledger's Alltoallv volume beside k x tokens x d per direction.
+  Beyond the source:
+  4. capacity: each expert takes at most ceil(c k B / E) assignments, the rest dropped;
+  5. the aux loss at work: a short training run of the block with and without it,
      the imbalance and the dropped share step by step;
-  7. DeepSeek-V3's answers (minipar/core/routing.py): (a) balance without a loss, a bias b
-     on each expert's score moved against its load after every step: the load per
-     expert over 200 steps with the aux loss, with the bias, with neither; (b)
-     node-limited routing on two simulated hosts of 4 ranks: the bytes that cross
-     between the hosts with and without it; beside the planner's `deepseek-v3` preset.
+  6. DeepSeek-V3's balance without a loss (minipar/core/routing.py): a bias b on each
+     expert's score moved against its load after every step: the load per expert
+     over 200 steps with the aux loss, with the bias, with neither;
+  7. DeepSeek-V3's node-limited routing on two simulated hosts of 4 ranks: the bytes
+     that cross between the hosts with and without it; beside the planner's
+     `deepseek-v3` preset.
 
 The router here is untrained: random weights, and tokens that share one direction
 (as real tokens share common features), so most of them pick the same few experts.
-That is why parts 2-3 show an imbalance near 10 and half the assignments dropped:
+That is why parts 3-4 show an imbalance near 10 and half the assignments dropped:
 an untrained router, not a property of expert parallelism. Training fixes it only
-if something asks for balance: the aux loss of part 6.
+if something asks for balance: the aux loss of part 5.
 
 Run it: `mpiexec -n 8 python lessons/03_expert_parallel.py` (add `--plot DIR` for the
 expert-load figures, 03_expert_load*.png, 03_bias_balance.png, 03_node_limited.png;
-`--quick`: part 7a takes 40 steps instead of 200)
+`--quick`: part 6 takes 40 steps instead of 200)
 (a whole training run: `mpiexec -n 8 python -m minipar train --model moe --dp 8 --ep 8
 --experts 64 --check`).
 """
 
 import argparse
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -52,13 +63,13 @@ from minipar.settings.preflight import lesson_arguments
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 EXPERTS, TOP_K, D_MODEL, TOKENS, CAPACITY = 64, 2, 16, 256, 1.0
-AUX_COEFS, STEPS, LR = (0.0, 0.01, 0.1), 40, 0.5  # part 6: one run per coefficient
-# part 7a: 16 experts (a cheaper block), SGD with a gentler lr over many more steps;
+AUX_COEFS, STEPS, LR = (0.0, 0.01, 0.1), 40, 0.5  # part 5: one run per coefficient
+# part 6: 16 experts (a cheaper block), SGD with a gentler lr over many more steps;
 # one run per router: (label, router, aux coef, bias rate)
 BALANCERS = (("neither", "softmax", 0.0, None), ("aux loss 0.1", "softmax", 0.1, None),
              ("bias b, rate 1e-3", "sigmoid-bias", 0.0, 1e-3))
 BIAS_EXPERTS, BIAS_STEPS, QUICK_STEPS, BIAS_LR = 16, 200, 40, 0.1
-# part 7b: top-8 of 64 (DeepSeek-V3: 8 of 256), the 8 ranks on two hosts of 4
+# part 7: top-8 of 64 (DeepSeek-V3: 8 of 256), the 8 ranks on two hosts of 4
 # (`mpiexec -hosts a:4,b:4`): experts 0-31 on host a, 32-63 on host b; a group a host
 HOST_TOP_K, HOSTS = 8, 2
 
@@ -162,9 +173,133 @@ def show_load(s: dict) -> None:
         say(f"    n = {label:>7}: {experts:>3} " + "*" * experts)
 
 
+# ------------------------------------------------- 1-2. the source's example, by hand
+def moe_by_hand(h: np.ndarray, full: dict, experts: range) -> np.ndarray:
+    """The MoE layer on raw NumPy, for the tokens h (n, d) and the given experts (all of
+    them in one process): h + sum over each token's top-k experts of gate x Expert(LN(h)).
+    The same arithmetic as nn.MoEBlock (LayerNorm, softmax router, tanh GELU)."""
+    p = "blocks.0"
+    u = (h - h.mean(1, keepdims=True)) / np.sqrt(h.var(1, keepdims=True) + 1e-5)
+    u = u * full[f"{p}.ln.weight"] + full[f"{p}.ln.bias"]
+    logits = u @ full[f"{p}.router.weight"]                     # (n, E)
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    chosen = np.argsort(-probs, axis=1, kind="stable")[:, :TOP_K]   # (n, k): the top-k
+    gates = np.take_along_axis(probs, chosen, 1)
+    gates /= gates.sum(1, keepdims=True)
+    out = h.copy()
+    for e in experts:
+        token, slot = np.nonzero(chosen == e)
+        out[token] += gates[token, slot, None] * expert(u[token], full, e)
+    return out
+
+
+def expert(x: np.ndarray, full: dict, e: int) -> np.ndarray:
+    """Expert e: GELU(x W1 + b1) W2 + b2, GELU in its tanh form."""
+    w = f"blocks.0.experts.{e}"
+    z = x @ full[f"{w}.fc1.weight"] + full[f"{w}.fc1.bias"]
+    a = 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+    return a @ full[f"{w}.fc2.weight"] + full[f"{w}.fc2.bias"]
+
+
+def by_hand(full: dict, h: np.ndarray) -> tuple[np.ndarray, list]:
+    """Part 1: the MoE layer on 8 ranks, every step written out. Rank r holds tokens
+    32r..32r+31 and experts 8r..8r+7. Returns this rank's output rows and, on rank 0,
+    every rank's send counts (the dispatch matrix)."""
+    per, b = EXPERTS // size, TOKENS // size
+    mine = h[rank * b:(rank + 1) * b]                       # this rank's 32 token rows
+    p = "blocks.0"
+    # the router, on this rank's tokens: LayerNorm, softmax over the 64 experts, top-k
+    u = (mine - mine.mean(1, keepdims=True)) / np.sqrt(mine.var(1, keepdims=True) + 1e-5)
+    u = u * full[f"{p}.ln.weight"] + full[f"{p}.ln.bias"]
+    logits = u @ full[f"{p}.router.weight"]
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    chosen = np.argsort(-probs, axis=1, kind="stable")[:, :TOP_K]   # (32, k) expert ids
+    gates = np.take_along_axis(probs, chosen, 1)
+    gates /= gates.sum(1, keepdims=True)
+    # dispatch: one row per (token, slot), sorted by the rank that owns its expert
+    token_of = np.repeat(np.arange(b), TOP_K)               # (32 k,)
+    expert_of = chosen.ravel()
+    order = np.argsort(expert_of // per, kind="stable")
+    rows = np.ascontiguousarray(u[token_of[order]])         # (32 k, d), grouped by rank
+    ids = np.ascontiguousarray(expert_of[order])
+    send = np.bincount(expert_of[order] // per, minlength=size)     # rows for each rank
+    recv = np.empty(size, dtype=np.int64)
+    comm.Alltoall(send, recv)                               # the counts first
+    got_rows = np.empty((recv.sum(), D_MODEL))
+    got_ids = np.empty(recv.sum(), dtype=np.int64)
+    comm.Alltoallv([rows, send * D_MODEL], [got_rows, recv * D_MODEL])   # dispatch
+    comm.Alltoallv([ids, send], [got_ids, recv])            # which expert each row is for
+    # the experts: this rank's 8, each on the rows sent to it, from every rank
+    done = np.empty_like(got_rows)
+    for e in range(rank * per, (rank + 1) * per):
+        here = got_ids == e
+        done[here] = expert(got_rows[here], full, e)
+    back = np.empty_like(rows)
+    comm.Alltoallv([done, recv * D_MODEL], [back, send * D_MODEL])       # combine
+    # each row comes back where it left from: weight by its gate, add to its token
+    out = mine.copy()
+    np.add.at(out, token_of[order], gates.ravel()[order, None] * back)
+    return out, comm.gather(send.tolist())
+
+
+def the_hand_example(full: dict, h: np.ndarray) -> tuple[np.ndarray | None, list | None]:
+    """Part 1 printed: the dispatch matrix, then the 8 ranks' output against one process."""
+    out, sends = by_hand(full, h)
+    outs = comm.gather(out)
+    if rank != 0:
+        return None, None
+    say(f"=== 1. the source's example by hand: {EXPERTS} experts on {size} ranks, "
+        f"{EXPERTS // size} each, top-{TOP_K}",
+        f"  rank r holds tokens {TOKENS // size}r..{TOKENS // size}r+{TOKENS // size - 1} and "
+        f"experts {EXPERTS // size}r..{EXPERTS // size}r+{EXPERTS // size - 1}; "
+        "router, dispatch Alltoallv, experts, combine Alltoallv:")
+    show_dispatch([{"sent": s, "received": [row[j] for row in sends]}
+                   for j, s in enumerate(sends)],
+                  f"   (each rank: {TOKENS // size} tokens x k={TOP_K} = "
+                  f"{TOP_K * TOKENS // size} rows)")
+    together = np.concatenate(outs)
+    alone = moe_by_hand(h, full, range(EXPERTS))            # one process, every expert
+    diff = rel(together, alone)
+    say(f"  one process, the same layer on all {TOKENS} tokens and {EXPERTS} experts:",
+        f"  outputs (B, d) max rel diff {diff:.2e} -> {verdict(diff <= 1e-9)} (tolerance 1e-9)")
+    return together, sends
+
+
+def the_picture() -> None:
+    """Part 2: the source's Alltoall of 4 GPUs, each holding [A1, A2, A3, A4]: ranks 0-3
+    as one communicator (4-7 do the same on theirs). Chunk j of rank i is the number
+    10 (i + 1) + (j + 1): its tens say where it started, its units which chunk it is."""
+    four = comm.Split(rank // 4, rank)                      # ranks 0-3, and 4-7
+    i = four.Get_rank()
+    chunks = np.array([10 * (i + 1) + j + 1 for j in range(4)], dtype=np.int64)
+    got = np.empty(4, dtype=np.int64)
+    four.Alltoall(chunks, got)                              # chunk j of every rank -> rank j
+    before, after = four.gather(chunks.tolist()), four.gather(got.tolist())
+    four.Free()
+    if rank != 0:
+        return
+    def name(n: int) -> str:
+        return f"A{n % 10}_from_GPU{n // 10}"
+    say("", "=== 2. the source's AllToAll picture: 4 GPUs (ranks 0-3, one communicator), "
+        "each with [A1,A2,A3,A4]",
+        "  chunk Aj of GPU i sent as the number 10 i + j; four.Alltoall(chunks, got):")
+    for g in range(4):
+        say(f"  GPU{g + 1} before {before[g]}  after {after[g]}  = "
+            f"[{', '.join(name(n) for n in after[g])}]")
+    ok = all(after[g] == [10 * (s + 1) + g + 1 for s in range(4)] for g in range(4))
+    say(f"  GPU j ends with chunk Aj of every GPU, one from each -> {verdict(ok)}",
+        "  (the source writes the result [A1_from_GPU1, A2_from_GPU2, ...]: one chunk from "
+        "each GPU, as printed)",
+        "  (the dispatch of part 1 is this with a different number of rows per pair: "
+        "Alltoallv)")
+
+
 def explain_aux(aux: float, coef: float) -> None:
     """What the printed aux loss is, and why it is near its balanced value here."""
-    say("", f"the aux loss (Switch, Fedus et al.): coef E sum_e f_e P_e = {aux:.6f}, coef = {coef}",
+    say("", "=== 5. Beyond the source: the aux loss (Switch, Fedus et al. 2021)",
+        f"the aux loss: coef E sum_e f_e P_e = {aux:.6f}, coef = {coef}",
         "  f_e: the share of assignments that chose expert e (a count: no gradient),",
         "  P_e: the mean router probability of e (the gradient flows through it).",
         "  Both sum to 1; with every expert alike (f = P = 1/E) it equals coef, and it grows",
@@ -179,7 +314,7 @@ def balance_run(coef: float, h: np.ndarray, r: np.ndarray) -> list[dict]:
     """STEPS of SGD on the block in one process, loss = mean(out . R) + aux, with aux
     coefficient `coef`: per step the imbalance (max/mean routed), the share dropped at
     capacity 1.0, and aux / coef. The router is the same on every rank, so one process
-    shows what the 8 ranks would do (part 4 checked that they compute the same)."""
+    shows what the 8 ranks would do (part 3 checked that they compute the same)."""
     cfg = config(CAPACITY, coef)
     block = nn.MoEBlock(nn.init_params(cfg, seed=0), 0, cfg)
     limit = nn.capacity(CAPACITY, TOP_K, TOKENS, EXPERTS)
@@ -200,7 +335,7 @@ def balance_run(coef: float, h: np.ndarray, r: np.ndarray) -> list[dict]:
 
 
 def the_balance(h: np.ndarray, r: np.ndarray) -> dict[float, list[dict]]:
-    """Part 6: one training run per aux coefficient, on ranks 0, 1, 2; the other ranks
+    """Part 5: one training run per aux coefficient, on ranks 0, 1, 2; the other ranks
     wait without spinning (Ibarrier + sleep) so the runs get the cores."""
     mine = balance_run(AUX_COEFS[rank], h, r) if rank < len(AUX_COEFS) else None
     request = comm.Ibarrier()
@@ -210,7 +345,7 @@ def the_balance(h: np.ndarray, r: np.ndarray) -> dict[float, list[dict]]:
     if rank != 0:
         return {}
     histories = dict(zip(AUX_COEFS, runs))
-    say("", f"=== 6. the aux loss at work: {STEPS} SGD steps (lr {LR}) of this block on "
+    say("", f"the aux loss at work: {STEPS} SGD steps (lr {LR}) of this block on "
         f"loss = mean(out . R) + aux, capacity {CAPACITY}",
         "  step  " + "".join(f"{f'aux coef {c}':>26}" for c in AUX_COEFS),
         "        " + "".join(f"{'imbalance  dropped':>26}" for _ in AUX_COEFS))
@@ -228,7 +363,7 @@ def the_balance(h: np.ndarray, r: np.ndarray) -> dict[float, list[dict]]:
     return histories
 
 
-# --------------------------------------------------------- 7. DeepSeek-V3
+# --------------------------------------------------------- 6-7. DeepSeek-V3
 def bias_run(router: str, coef: float, rate: float | None, steps: int,
              h: np.ndarray, r: np.ndarray) -> list[list[int]]:
     """`steps` SGD steps of a 16-expert block in one process on loss = mean(out . R) + aux;
@@ -256,7 +391,7 @@ def bias_run(router: str, coef: float, rate: float | None, steps: int,
 
 
 def the_bias(h: np.ndarray, r: np.ndarray, steps: int) -> dict[str, np.ndarray]:
-    """Part 7a: one run per balancer on ranks 0, 1, 2 (the others wait, not spinning)."""
+    """Part 6: one run per balancer on ranks 0, 1, 2 (the others wait, not spinning)."""
     mine = bias_run(*BALANCERS[rank][1:], steps, h, r) if rank < len(BALANCERS) else None
     request = comm.Ibarrier()
     while not request.Test():
@@ -266,9 +401,9 @@ def the_bias(h: np.ndarray, r: np.ndarray, steps: int) -> dict[str, np.ndarray]:
         return {}
     loads = {label: np.array(run) for (label, *_), run in zip(BALANCERS, runs)}
     imbalance = {label: load.max(axis=1) / load.mean(axis=1) for label, load in loads.items()}
-    say("", f"=== 7a. balance without a loss (DeepSeek-V3): {steps} SGD steps (lr {BIAS_LR})"
-        f" of a {BIAS_EXPERTS}-expert",
-        f"  top-{TOP_K} block, {TOKENS} tokens, no capacity; loss = mean(out . R) (+ aux)",
+    say("", "=== 6. Beyond the source: DeepSeek-V3's balance without a loss",
+        f"  {steps} SGD steps (lr {BIAS_LR}) of a {BIAS_EXPERTS}-expert top-{TOP_K} block, "
+        f"{TOKENS} tokens, no capacity; loss = mean(out . R) (+ aux)",
         "  the load per expert measured at every step; imbalance = max / mean load",
         "  step  " + "".join(f"{label:>20}" for label in loads))
     for step in sorted({0, 10, 20, 50, 100, 150, steps} & set(range(steps + 1))):
@@ -318,7 +453,7 @@ def bias_figure(loads: dict[str, np.ndarray], folder: Path) -> None:
 
 
 def node_limited(h: np.ndarray, r: np.ndarray) -> dict[int, dict] | None:
-    """Part 7b: the block on 8 ranks (dp=8, ep=8), top-8 of 64, experts grouped by host;
+    """Part 7: the block on 8 ranks (dp=8, ep=8), top-8 of 64, experts grouped by host;
     each token's M best hosts, M = 2 (no limit) and 1. Measured from the dispatch: per
     rank the tokens (each once per host) and rows sent to the other host."""
     mesh = Mesh(MeshShape(dp=8, ep=8), comm, Ledger())
@@ -342,10 +477,11 @@ def node_limited(h: np.ndarray, r: np.ndarray) -> dict[int, dict] | None:
     from minipar.planner.presets import MODELS
 
     v3 = MODELS["deepseek-v3"]
-    say("", f"=== 7b. node-limited routing: {EXPERTS} experts on {size} ranks, top-"
-        f"{HOST_TOP_K}, the ranks on two simulated hosts",
-        f"  (mpiexec -hosts a:4,b:4): experts 0-{EXPERTS // 2 - 1} on a, "
-        f"{EXPERTS // 2}-{EXPERTS - 1} on b; a routing group is a host",
+    say("", "=== 7. Beyond the source: DeepSeek-V3's node-limited routing",
+        f"  {EXPERTS} experts on {size} ranks, top-{HOST_TOP_K}, the ranks on two simulated "
+        f"hosts (mpiexec -hosts a:4,b:4):", f"  experts 0-{EXPERTS // 2 - 1} on a, "
+        f"{EXPERTS // 2}-{EXPERTS - 1} on b;",
+        "  a routing group is a host:",
         "  each token keeps its M hosts of largest top-2 score sum, then its top-8 there",
         f"  {'M':>3} {'hosts a token reaches':>22} {'tokens to the other host':>25} "
         f"{'rows to the other host':>23}")
@@ -412,7 +548,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write figures here (PNG)")
     parser.add_argument("--quick", action="store_true",
-                        help=f"part 7a: {QUICK_STEPS} steps instead of {BIAS_STEPS}")
+                        help=f"part 6: {QUICK_STEPS} steps instead of {BIAS_STEPS}")
     args = lesson_arguments(parser)   # --plot checked now, not at the end
     if size != 8:
         say("run with 8 ranks: mpiexec -n 8 python lessons/03_expert_parallel.py")
@@ -421,6 +557,8 @@ def main() -> None:
     h, r = inputs()
     say(f"{EXPERTS} experts on {size} ranks, {EXPERTS // size} each; {TOKENS} tokens, "
         f"{TOKENS // size} per rank; top-{TOP_K} routing; d={D_MODEL}", "")
+    hand, sends = the_hand_example(nn.init_params(config(None), seed=0), h)   # part 1
+    the_picture()                                                      # part 2
     for capacity in (None, CAPACITY):
         wait_for_rank0(comm)  # the others asleep while rank 0 reports (reruns, a figure)
         cfg = config(capacity)
@@ -430,40 +568,50 @@ def main() -> None:
             continue
         stats = [g[4] for g in gathered]
         if capacity is None:
-            show_dispatch(stats, f"   (each rank sends {TOKENS // size} tokens x k={TOP_K}"
-                          f" = {TOP_K * TOKENS // size} rows; the diagonal stays home)")
+            library = rel(np.concatenate([g[0] for g in gathered]), hand)
+            same = [s["sent"] for s in stats] == sends
+            say("", "=== 3. the same layer with minipar's expert parallelism "
+                "(ExpertParallelBlock, minipar/parallel/expert_parallel.py)",
+                f"  its output against part 1's by hand: max rel diff {library:.2e} -> "
+                f"{verdict(library <= 1e-9)}",
+                f"  its dispatch sent the same rows to the same ranks as part 1: "
+                f"{verdict(same, 'yes', 'NO')}")
             show_load(stats[0])
             say("", f"(an untrained router on tokens sharing one direction: imbalance "
-                f"{stats[0]['imbalance']:.1f}; perfect balance would be 1.0 -- part 6 trains it)")
+                f"{stats[0]['imbalance']:.1f}; perfect balance would be 1.0 -- part 5 trains it)")
         else:
             s = stats[0]
-            say("", f"capacity factor {capacity}: each expert takes at most "
-                f"ceil({capacity} x {TOP_K} x {TOKENS} / {EXPERTS}) = {s['limit']} "
-                "assignments, in global token order",
+            say("", f"=== 4. Beyond the source: capacity factor {capacity}: each expert takes "
+                f"at most ceil({capacity} x {TOP_K} x {TOKENS} / {EXPERTS}) = {s['limit']} "
+                "assignments,",
+                "  in global token order",
                 f"  dropped by capacity: {s['dropped']} of {TOP_K * TOKENS} assignments "
                 f"(a dropped token slot adds 0: the residual carries the token)",
                 "  dropped on each rank (at the source, never sent; later ranks hold later "
-                "tokens, which find their experts full): "
+                "tokens, which find their experts full):\n    "
                 + " ".join(str(g[4]["dropped_here"]) for g in gathered),
-                "  over the limit: " + ", ".join(
-                    f"e{e} {n}->{s['limit']}" for e, n in enumerate(s["routed"]) if n > s["limit"]))
+                *textwrap.wrap("over the limit: " + ", ".join(
+                    f"e{e} {n}->{s['limit']}" for e, n in enumerate(s["routed"]) if n > s["limit"]),
+                    width=116, initial_indent="  ", subsequent_indent="    "))
             show_dispatch(stats)
         kept = sum(sum(g[4]["sent"]) for g in gathered)
         moved = sum(g[5] for g in gathered)
         say("", f"ledger: Alltoallv elements (all ranks, forward+backward): {moved} = "
             f"4 x kept {kept} x d {D_MODEL}"
-            + (f"  (= 4 x k x tokens x d: {TOP_K} x {TOKENS} x {D_MODEL} per direction)"
+            + (f"\n  (= 4 x k x tokens x d: {TOP_K} x {TOKENS} x {D_MODEL} per direction)"
                if capacity is None else ""),
             f"  formula agrees: {moved == expected_alltoallv_elements(kept, D_MODEL)}", "",
             f"one process, same block{' with capacity' if capacity else ''}:")
         compare(cfg, full, h, r, gathered)
         if capacity is None:
-            explain_aux(gathered[0][1], cfg.aux_coef)
+            aux = (gathered[0][1], cfg.aux_coef)
         say("")
         if args.plot:
             plot_load(stats[0], capacity, args.plot)
     wait_for_rank0(comm)
     mesh.free()
+    if rank == 0:
+        explain_aux(*aux)
     histories = the_balance(h, r)
     if args.plot and rank == 0:
         from minipar.teaching.load_plots import balance_figure

@@ -34,8 +34,10 @@ minipar/parallel/pipeline/executor.py (the Send/Recv executor).
 import argparse
 import shutil
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 from mpi4py import MPI
 
 from minipar.comm.collectives import Ledger
@@ -109,26 +111,214 @@ def layer_runs(cfg: TrainConfig) -> str:
     return f"{', '.join(parts)} ({count} parameters)"
 
 
-# ------------------------------------------------------------- part 1: the split
-def the_split() -> None:
-    say(f"=== 1. {LAYERS} layers on {size} ranks, cut by layers (the source's example)")
-    say_in_order(comm, layer_runs(config()))
-    say(f"with --virtual 2 (interleaved), each rank holds two chunks of "
-        f"{LAYERS // (2 * size)} layers:")
+# ------------------------------------------- part 1: the source's example, by hand
+HAND_D, HAND_B = 32, 64          # part 1: raw NumPy layers h + tanh(h W), d = 32, batch 64
+HAND_M = (4, 8)                  # microbatches: the Gantt chart of the first is printed
+
+
+def hand_weights() -> list[np.ndarray]:
+    """The 48 layers' weights W_l (d, d), the same on every rank (one seeded draw)."""
+    rng = np.random.default_rng(4)
+    return [rng.normal(scale=0.5 / np.sqrt(HAND_D), size=(HAND_D, HAND_D))
+            for _ in range(LAYERS)]
+
+
+def hand_data() -> tuple[np.ndarray, np.ndarray]:
+    """The batch x (B, d) and its target y (B, d); loss = ||out - y||^2 / (2B)."""
+    rng = np.random.default_rng(5)
+    return rng.normal(size=(HAND_B, HAND_D)), rng.normal(size=(HAND_B, HAND_D))
+
+
+def layers_forward(h: np.ndarray, ws: list[np.ndarray]) -> tuple[np.ndarray, list]:
+    """h -> h + tanh(h W) through each layer; keeps (input, tanh) of every layer."""
+    kept = []
+    for w in ws:
+        t = np.tanh(h @ w)
+        kept.append((h, t))
+        h = h + t
+    return h, kept
+
+
+def layers_backward(g: np.ndarray, ws: list[np.ndarray], kept: list,
+                    grads: list[np.ndarray]) -> np.ndarray:
+    """dL/dh of the layers' input from dL/d(output) g; adds dL/dW into grads."""
+    for i in reversed(range(len(ws))):
+        h, t = kept[i]
+        z = g * (1 - t * t)                  # through the tanh
+        grads[i] += h.T @ z                  # dW = h^T dz
+        g = g + z @ ws[i].T                  # the residual, plus through W
+    return g
+
+
+def gpipe_by_hand(ws: list[np.ndarray], x: np.ndarray, y: np.ndarray, m: int
+                  ) -> tuple[list[np.ndarray], float, list]:
+    """GPipe on `size` ranks, written out: rank s holds layers 12s+1..12s+12; all M
+    forwards (activations passed on by comm.Send / comm.Recv), then all M backwards
+    (gradients passed back the same way). Returns this rank's dW, the loss (last
+    rank), and what it ran: (kind, microbatch, CPU seconds, wall start, wall end)."""
+    per, rows = LAYERS // size, HAND_B // m
+    mine = ws[rank * per:(rank + 1) * per]
+    grads = [np.zeros_like(w) for w in mine]
+    kept, outs, ran, loss = {}, {}, [], 0.0
+    for k in range(m):                                     # the forwards, in order
+        if rank == 0:
+            h = x[k * rows:(k + 1) * rows]
+        else:
+            h = np.empty((rows, HAND_D))
+            comm.Recv(h, source=rank - 1, tag=k)           # activations from the previous stage
+        busy, begun = time.process_time(), time.perf_counter()
+        outs[k], kept[k] = layers_forward(h, mine)
+        ran.append(("F", k, time.process_time() - busy, begun, time.perf_counter()))
+        if rank < size - 1:
+            comm.Send(outs[k], dest=rank + 1, tag=k)       # ... to the next stage
+    for k in range(m):                                     # then the backwards
+        if rank == size - 1:
+            diff = outs[k] - y[k * rows:(k + 1) * rows]
+            loss += float((diff * diff).sum()) / (2 * HAND_B)
+            g = diff / HAND_B                              # dL/d(out) of this microbatch
+        else:
+            g = np.empty((rows, HAND_D))
+            comm.Recv(g, source=rank + 1, tag=m + k)       # gradients from the next stage
+        busy, begun = time.process_time(), time.perf_counter()
+        g = layers_backward(g, mine, kept.pop(k), grads)
+        ran.append(("B", k, time.process_time() - busy, begun, time.perf_counter()))
+        if rank > 0:
+            comm.Send(g, dest=rank - 1, tag=m + k)         # ... back to the previous stage
+    return grads, loss, ran
+
+
+def placed(runs: list[list], cost) -> dict:
+    """Each rank's instructions, in the order it ran them, placed on a clock: an
+    instruction starts when its rank is free and its input is there (F of stage s
+    after F of s-1, B of s after B of s+1, same microbatch). cost(rank, kind, k, cpu)
+    is its duration. Returns {(rank, kind, k): (start, end)}."""
+    done: dict = {}
+    free = [0.0] * size
+    nxt = [0] * size
+    while any(nxt[s] < len(runs[s]) for s in range(size)):
+        for s in range(size):
+            while nxt[s] < len(runs[s]):
+                kind, k, cpu = runs[s][nxt[s]][:3]
+                need = (s - 1, "F", k) if kind == "F" else (s + 1, "B", k)
+                if 0 <= need[0] < size and need not in done:
+                    break                                  # its input is not there yet
+                ready = done[need][1] if 0 <= need[0] < size else 0.0
+                start = max(free[s], ready)
+                free[s] = start + cost(s, kind, k, cpu)
+                done[(s, kind, k)] = (start, free[s])
+                nxt[s] += 1
+    return done
+
+
+def bubble_of(done: dict) -> float:
+    """1 - busy / (ranks x span): the idle share of stage-time."""
+    busy = sum(end - start for start, end in done.values())
+    return 1 - busy / (size * max(end for _, end in done.values()))
+
+
+def the_hand_pipeline() -> None:
+    """Part 1: the 48 layers cut 12/12/12/12, GPipe by hand, against one process."""
+    ws = hand_weights()
+    x, y = hand_data()
+    say(f"=== 1. the source's example by hand: {LAYERS} layers cut "
+        + "/".join([str(LAYERS // size)] * size) + f" on {size} ranks, GPipe, "
+        "comm.Send / comm.Recv",
+        f"  raw NumPy layers h -> h + tanh(h W_l), d = {HAND_D}, batch {HAND_B} in M "
+        "microbatches, loss ||out - y||^2 / (2B)")
+    per = LAYERS // size
+    say_in_order(comm, f"layers {rank * per + 1}-{(rank + 1) * per}")
+    for m in HAND_M:
+        wait_for_rank0(comm)
+        grads, loss, ran = gpipe_by_hand(ws, x, y, m)
+        everything = comm.gather((grads, loss, ran))
+        if rank != 0:
+            continue
+        hand_grads = [g for rank_grads, _, _ in everything for g in rank_grads]
+        hand_loss = everything[-1][1]
+        out, kept = layers_forward(x, ws)                  # one process: all 48 layers
+        alone = [np.zeros_like(w) for w in ws]
+        layers_backward((out - y) / HAND_B, ws, kept, alone)
+        alone_loss = float(((out - y) ** 2).sum()) / (2 * HAND_B)
+        worst = max(float(np.abs(a - b).max() / np.abs(b).max())
+                    for a, b in zip(hand_grads, alone))
+        loss_rel = abs(hand_loss - alone_loss) / alone_loss
+        runs = [r for _, _, r in everything]
+        units = placed(runs, lambda s, kind, k, cpu: 1.0 if kind == "F" else 2.0)
+        cpu = placed(runs, lambda s, kind, k, cpu: cpu)
+        t0 = min(r[3] for rs in runs for r in rs)
+        wall = {(s, kind, k): (a - t0, b - t0) for s, rs in enumerate(runs)
+                for kind, k, _, a, b in rs}
+        say(f"  M = {m}: one process on all {HAND_B} rows: loss rel diff {loss_rel:.1e}, "
+            f"the {LAYERS} dW max rel diff {worst:.1e} -> {verdict(max(worst, loss_rel) <= 1e-9)}")
+        if m == HAND_M[0]:
+            span = int(max(end for _, end in units.values()))
+            say(f"  the schedule each rank ran, placed with F = 1 unit and B = 2 (its input "
+                f"there first); '.' = idle, T = {span} units:")
+            for s in range(size):
+                cells = ["."] * span
+                for (r, kind, k), (a, b) in units.items():
+                    if r == s:
+                        cells[int(a):int(b)] = [f"{kind}{k + 1}"] * int(b - a)
+                say(f"    rank {s}: " + " ".join(c.ljust(2) for c in cells).rstrip())
+        say(f"  bubble at M = {m}: formula (p-1)/(M+p-1) = {(size - 1) / (m + size - 1):.3f}; "
+            f"the schedule it ran, in units {bubble_of(units):.3f}; with its",
+            f"    measured CPU times {bubble_of(cpu):.3f}; its wall clock {bubble_of(wall):.3f} "
+            f"({size} ranks on {CORES} cores" + (", taking turns)" if SHARED else ")"))
+
+
+# ------------------------------------------------- part 2: the library's run of it
+def the_library(runs: dict, microbatches: int = 8) -> None:
+    say(f"\n=== 2. the same cut with minipar's pipeline (minipar/parallel/pipeline/executor.py): "
+        f"GPipe, M = {microbatches}",
+        f"  minipar's model: {LAYERS} residual blocks (LayerNorm, GELU FFN), the embedding "
+        "on rank 0, the head on the last rank;",
+        f"  the same Send/Recv of activations and gradients, {SMALL['steps']} SGD steps, "
+        "against the same model in one process:")
+    say_in_order(comm, layer_runs(config("gpipe", microbatches)))
+    runs[("gpipe", microbatches)] = train(config("gpipe", microbatches), comm)
+    check_one("gpipe", 1, runs, microbatches)
+
+
+def other_splits() -> None:
+    say(f"the splits of the other schedules: with --virtual 2 (interleaved), each rank holds "
+        f"two chunks of {LAYERS // (2 * size)} layers:")
     say_in_order(comm, layer_runs(config("interleaved", 8, 2)))
     say("in a V (ZB-V, DualPipeV), rank s holds chunks s and 2pp-1-s: rank 0 holds the "
         "first and the last")
     say_in_order(comm, layer_runs(config("zb-v", 8)))
-    say("DualPipe feeds microbatches from both ends: rank r holds stage r of one copy and "
+    say("DualPipe feeds microbatches from both ends: rank r holds stage r of one copy and",
         "stage pp-1-r of another, twice the parameters (the copies' gradients are summed)")
     say_in_order(comm, layer_runs(config("dualpipe", 8)))
 
 
-# ------------------------------------------------------- part 2: the schedules
+def wrapped(lines: list[str], width: int = 118) -> list[str]:
+    """A text Gantt chart (one line per rank, fixed-width cells) cut into windows of
+    whole cells, each at most `width` characters wide: the rows of one window, then the
+    next window's."""
+    if max(len(line) for line in lines) <= width:
+        return lines
+    prefix = max(line.index(": ") + 2 for line in lines)
+    bodies = [line[prefix:] for line in lines]
+    stride = max(len(cell) for body in bodies for cell in body.split()) + 1
+    cells = (max(len(body) for body in bodies) + 1) // stride
+    per = (width - prefix - 2) // stride
+    out = []
+    for first in range(0, cells, per):
+        out.append(f"  cells {first + 1}-{min(cells, first + per)} of {cells}:")
+        out += ["  " + line[:prefix] + body.ljust(cells * stride)[first * stride:
+                                                               (first + per) * stride].rstrip()
+                for line, body in zip(lines, bodies)]
+    return out
+
+
+# ------------------------------------------------------- part 3: the schedules
 def the_schedules(microbatches: int = 4) -> None:
-    say(f"\n=== 2. the schedules as data: each rank's program, simulated (pp={size}, "
-        f"M={microbatches}; one rule for every schedule, {UNIT_RULE} (split B = W = 1, "
-        "F&B = 3): an interleaved chunk 1/V, a V's 1/2; '.' = idle)")
+    say("\n=== 3. Beyond the source: seven schedules (GPipe, 1F1B, interleaved, ZB-H1, ZB-V, "
+        "DualPipeV, DualPipe)")
+    other_splits()
+    say(f"the schedules as data: each rank's program, simulated (pp={size}, M={microbatches}; "
+        f"one rule for every schedule,", f"{UNIT_RULE}", "(split B = W = 1, F&B = 3): an "
+        "interleaved chunk 1/V, a V's 1/2; '.' = idle)")
     for name, virtual in SCHEDULES:
         m = max(microbatches, 2 * size) if name in ("dualpipev", "dualpipe") else microbatches
         sim = simulate_schedule(name, size, m, virtual)
@@ -140,20 +330,20 @@ def the_schedules(microbatches: int = 4) -> None:
             + (f" (a: microbatches 1-{m // 2} enter at rank 0, b: {m // 2 + 1}-{m} at rank "
                f"{size - 1})" if name == "dualpipe" else "") \
             + (f", M = {m}" if m != microbatches else "")
-        say(f"{title}: T = {sim.makespan:g} units, bubble {sim.bubble:.3f}, each rank "
+        say(f"{title}:", f"  T = {sim.makespan:g} units, bubble {sim.bubble:.3f}, each rank "
             f"idle between its first and last instruction "
             f"[{', '.join(f'{t:g}' for t in sim.idle)}]",
-            *[line.replace("stage", "rank") for line in gantt(sim, size)])
+            *wrapped([line.replace("stage", "rank") for line in gantt(sim, size)]))
     one = simulate_schedule("1f1b", size, microbatches).makespan
     two = simulate_schedule("interleaved", size, microbatches, 2).makespan
     say(f"the same model, the same work per rank (3M = {3 * microbatches} units): 1F1B takes "
-        f"T = {one:g}, interleaved {two:g}: its warm-up and cool-down are made of half-size "
+        f"T = {one:g}, interleaved {two:g}:", "its warm-up and cool-down are made of half-size "
         f"chunks, 3(pp-1)/V = {3 * (size - 1) / 2:g} units of fill instead of {3 * (size - 1)}.")
     spans = {name: simulate_schedule(name, size, max(8, 2 * size), virtual).makespan
              for name, virtual in SCHEDULES}
     say(f"at M = {max(8, 2 * size)} (the figures), T in these units: "
-        + ", ".join(f"{name} {t:g}" for name, t in spans.items())
-        + f" (every one does 3M = {3 * max(8, 2 * size)} units of work per rank).")
+        + ", ".join(f"{name} {t:g}" for name, t in spans.items()),
+        f"(every one does 3M = {3 * max(8, 2 * size)} units of work per rank).")
     the_papers_bubbles()
 
 
@@ -161,8 +351,8 @@ def the_papers_bubbles() -> None:
     """The papers count the bubble per rank: idle time between a rank's own first and last
     instruction, the worst rank's, in stage units (a stage's F = B = W = 1, F&B = 3; a V's
     chunk half of each)."""
-    say(f"the papers' bubble: the worst rank's idle time between its own first and last "
-        f"instruction (pp = {size}; a stage's F = B = W = 1, F&B = 3; a V's chunk 0.5, 1.5), "
+    say("the papers' bubble: the worst rank's idle time between its own first and last "
+        "instruction", f"(pp = {size}; a stage's F = B = W = 1, F&B = 3; a V's chunk 0.5, 1.5), "
         "for M microbatches:",
         "     M   1f1b   zb-h1   zb-v   dualpipev   dualpipe")
     for m in (2 * size - 2, 2 * size - 1, 2 * size, 4 * size):
@@ -176,13 +366,13 @@ def the_papers_bubbles() -> None:
         say(f"  {m:4d}   {cells[0]:>4}   {cells[1]:>5}   {cells[2]:>4}   {cells[3]:>9}   "
             f"{cells[4]:>8}")
     say(f"  1F1B (pp-1)(F+B+W) = {3 * (size - 1)}, ZB-H1 (pp-1)(F+B-W) = {size - 1}; ZB-V 0 "
-        f"once M >= 2pp-1 = {2 * size - 1}; DualPipeV, DeepSeek-V3 Table 2 with PP = 2pp: "
-        f"(PP/2-1)(F&B+B-3W) = {size - 1} (its chunk's F&B = 1.5, full B = 1, W = 0.5); "
-        f"DualPipe on PP = pp = {size} ranks: (PP/2-1)(F&B+B-3W) = {2 * (size // 2 - 1)} "
-        "(its chunks are whole stages, of two model copies: 2x the parameters).")
+        f"once M >= 2pp-1 = {2 * size - 1};", "  DualPipeV, DeepSeek-V3 Table 2 with PP = 2pp: "
+        f"(PP/2-1)(F&B+B-3W) = {size - 1} (its chunk's F&B = 1.5, full B = 1, W = 0.5);",
+        f"  DualPipe on PP = pp = {size} ranks: (PP/2-1)(F&B+B-3W) = {2 * (size // 2 - 1)} "
+        "(its chunks are whole stages,", "  of two model copies: 2x the parameters).")
 
 
-# ---------------------------------------------------------- part 3: the bubble
+# ---------------------------------------------------------- part 4: the bubble
 def measured(result: RunResult) -> float:
     """The bubble of the real run's last step, from its wall-clock timeline (rank 0)."""
     intervals = [(r["stage"], r["start"], r["end"]) for r in result.extras["timeline"]
@@ -203,8 +393,10 @@ def replayed(name: str, result: RunResult, microbatches: int, virtual: int = 1) 
 
 
 def the_bubble(runs: dict, trace: Path | None = None) -> None:
-    say(f"\n=== 3. the bubble of 1F1B: idle share of stage-time, pp = {size}; the wall clock "
-        f"{timing.where(size)}; F ms, B ms: the mean wall-clock F and B of the last step",
+    say(f"\n=== 4. Beyond the source: the bubble of 1F1B against M: idle share of stage-time, "
+        f"pp = {size};",
+        f"  the wall clock {timing.where(size)}; F ms, B ms: the mean wall-clock F and B of the "
+        "last step",
         "    M   formula (p-1)/(M+p-1)   simulator   replayed CPU times   wall clock   "
         "F ms   B ms")
     for m in (1, 4, 8, 16):
@@ -219,7 +411,7 @@ def the_bubble(runs: dict, trace: Path | None = None) -> None:
         last = runs[("1f1b", 16)].extras["timeline"]
         spread = {kind: timing.Spread.of([r["end"] - r["start"] for r in last
                                           if r["kind"] == kind]) for kind in ("F", "B")}
-        print(f"  M = 16, wall clock of one instruction {timing.where(size)}: F "
+        print(f"  M = 16, wall clock of one instruction {timing.where(size)}:\n    F "
               f"{spread['F'].text()}, B {spread['B'].text()}", flush=True)
     say("  replayed: each F and B takes the CPU time it was measured to take in this run,",
         "  and the 1F1B program's dependencies place it; no communication cost.")
@@ -240,9 +432,10 @@ def the_bubble(runs: dict, trace: Path | None = None) -> None:
             "  as M grows each microbatch shrinks, those fixed costs do not, and it stays above.")
 
 
-# ----------------------------------------------------------- part 4: memory
+# ----------------------------------------------------------- part 5: memory
 def the_memory(runs: dict, microbatches: int = 8) -> None:
-    say(f"\n=== 4. activation memory: microbatches a stage holds at once (M = {microbatches})")
+    say(f"\n=== 5. Beyond the source: activation memory: microbatches a stage holds at once "
+        f"(M = {microbatches})")
     for name, virtual in SCHEDULES:
         sim = simulate_schedule(name, size, microbatches, virtual).peak_in_flight
         key = (name, microbatches)
@@ -254,44 +447,52 @@ def the_memory(runs: dict, microbatches: int = 8) -> None:
                     for s in range(size)]
             chunks = CHUNKS.get(name, 1)
             whole = "" if chunks == 1 else (
-                f" chunk-activations of 1/{chunks} stage = "
+                f"\n{'':>15}chunk-activations of 1/{chunks} stage = "
                 f"{[round(p / chunks, 1) for p in sim]} stages' worth")
             whole += " whole stages of two model copies" if name == "dualpipe" else ""
             print(f"  {name:>11}: simulator {sim}, real run {real}{whole}", flush=True)
     say(f"  GPipe keeps all M = {microbatches} microbatches' activations until the "
-        f"backwards start; 1F1B at most pp - stage (<= {size}), whatever M is;",
+        f"backwards start;", "  1F1B at most pp - stage (<= {size}), whatever M is;",
         f"  ZB-V at most 2pp chunks (1F1B's {size} stages' worth) on every rank, DualPipeV one "
         "chunk more (DeepSeek-V3's PP + 1);",
         f"  DualPipe PP + 1 = {size + 1} whole stages, and twice the parameters of the others.")
 
 
-# ----------------------------------------------------------- part 5: the check
+# ----------------------------------------------------------- part 6: the check
+def check_one(name: str, virtual: int, runs: dict, microbatches: int) -> None:
+    """One schedule's run against one process: rank 0 reruns the model alone and prints
+    the largest relative difference of the losses and parameters, and the bubble."""
+    wait_for_rank0(comm)  # the others asleep while rank 0 reran the last one alone
+    cfg = config(name, microbatches, virtual)
+    result = runs.get((name, microbatches)) or train(cfg, comm)
+    runs[(name, microbatches)] = result
+    if rank != 0:
+        return
+    ran = [f"{r['kind']}{r['microbatch'] + 1}" for r in result.extras["timeline"]
+           if r["stage"] == 0 and r["kind"] in COMPUTE]
+    planned = [f"{i.kind}{i.microbatch + 1}"
+               for i in compute_order(name, size, microbatches, 0, virtual)]
+    ref = train_reference(cfg)
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(result.losses, ref.losses))
+    _, param_rel, _ = max_differences(result.final, ref.final)
+    formula = "" if name in SIMULATED_ONLY else \
+        f"formula {bubble_formula(name, size, microbatches, virtual):.3f}, "
+    print(f"  {name:>11}: bubble replayed {replayed(name, result, microbatches, virtual):.3f}"
+          f", wall clock {measured(result):.3f} ({formula}"
+          f"simulator {simulate_schedule(name, size, microbatches, virtual).bubble:.3f});\n"
+          f"{'':>15}rank 0 ran its "
+          f"program in order: {verdict(ran == planned, 'yes', 'NO')}; max rel diff "
+          f"losses {loss_rel:.1e}, params {param_rel:.1e} "
+          f"-> {verdict(max(loss_rel, param_rel) <= 1e-9)}", flush=True)
+
+
 def the_check(runs: dict, microbatches: int = 8) -> None:
-    say(f"\n=== 5. every schedule against one process (M = {microbatches}, "
-        f"{SMALL['steps']} SGD steps; the wall clock {timing.where(size)[1:-1]})")
+    say(f"\n=== 6. Beyond the source: the other schedules against one process (M = {microbatches}, "
+        f"{SMALL['steps']} SGD steps;",
+        f"  the wall clock {timing.where(size)[1:-1]}; GPipe's line is part 2's)")
     for name, virtual in SCHEDULES:
-        wait_for_rank0(comm)  # the others asleep while rank 0 reran the last one alone
-        cfg = config(name, microbatches, virtual)
-        result = runs.get((name, microbatches)) or train(cfg, comm)
-        runs[(name, microbatches)] = result
-        if rank != 0:
-            continue
-        ran = [f"{r['kind']}{r['microbatch'] + 1}" for r in result.extras["timeline"]
-               if r["stage"] == 0 and r["kind"] in COMPUTE]
-        planned = [f"{i.kind}{i.microbatch + 1}"
-                   for i in compute_order(name, size, microbatches, 0, virtual)]
-        ref = train_reference(cfg)
-        loss_rel = max(abs(a - b) / abs(b) for a, b in zip(result.losses, ref.losses))
-        _, param_rel, _ = max_differences(result.final, ref.final)
-        formula = "" if name in SIMULATED_ONLY else \
-            f"formula {bubble_formula(name, size, microbatches, virtual):.3f}, "
-        print(f"  {name:>11}: bubble replayed {replayed(name, result, microbatches, virtual):.3f}"
-              f", wall clock {measured(result):.3f} ({formula}"
-              f"simulator {simulate_schedule(name, size, microbatches, virtual).bubble:.3f}); "
-              f"rank 0 ran its "
-              f"program in order: {verdict(ran == planned, 'yes', 'NO')}; max rel diff "
-              f"losses {loss_rel:.1e}, params {param_rel:.1e} "
-              f"-> {verdict(max(loss_rel, param_rel) <= 1e-9)}", flush=True)
+        if name != "gpipe":
+            check_one(name, virtual, runs, microbatches)
     if rank == 0:
         timeline = runs[("1f1b", microbatches)].extras["timeline"]
         print("  what rank 0 ran under 1F1B, in wall-clock order: " + " ".join(
@@ -345,10 +546,10 @@ def main() -> None:
         if rank == 0:
             shutil.rmtree(trace, ignore_errors=True)
         comm.Barrier()
-    the_split()
+    the_hand_pipeline()
+    the_library(runs)
     the_schedules()
     the_bubble(runs, trace)
-    runs[("gpipe", 8)] = train(config("gpipe", 8), comm)
     the_memory(runs)
     the_check(runs)
     if args.plot and rank == 0:

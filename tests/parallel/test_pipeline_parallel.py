@@ -280,7 +280,8 @@ def test_lesson_shows_the_48_layer_example_bubble_memory_and_equivalence():
                        ("8", "9", "3", "0", "3", "2"), ("16", "9", "3", "0", "3", "2")], out
     # one unit rule: at M = 8 ZB-V does 1F1B's work (3M = 24 units) in T = 25.5 against 33
     assert "1f1b 33," in out and "zb-v 25.5," in out, out
-    checks = re.findall(r"(\S+): bubble replayed .* in order: (\w+); max rel diff "
+    checks = re.findall(r"(\S+): bubble replayed .*\n\s+rank 0 ran its program in order: "
+                        r"(\w+); max rel diff "
                         r"losses (\S+), params (\S+) -> (\w+)$", out, re.M)
     assert [c[0] for c in checks] == ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v",
                                       "dualpipev", "dualpipe"], out
