@@ -174,10 +174,10 @@ def show_load(s: dict) -> None:
 
 
 # ------------------------------------------------- 1-2. the source's example, by hand
-def moe_by_hand(h: np.ndarray, full: dict, experts: range) -> np.ndarray:
-    """The MoE layer on raw NumPy, for the tokens h (n, d) and the given experts (all of
-    them in one process): h + sum over each token's top-k experts of gate x Expert(LN(h)).
-    The same arithmetic as nn.MoEBlock (LayerNorm, softmax router, tanh GELU)."""
+def router(h: np.ndarray, full: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The router on raw NumPy, for token rows h (n, d): u = LayerNorm(h), the softmax
+    over the 64 experts of u W_r, each token's top-k experts (n, k) (ties to the lower
+    id) and their gates (n, k), renormalized over the top-k. As nn.MoEBlock computes."""
     p = "blocks.0"
     u = (h - h.mean(1, keepdims=True)) / np.sqrt(h.var(1, keepdims=True) + 1e-5)
     u = u * full[f"{p}.ln.weight"] + full[f"{p}.ln.bias"]
@@ -186,9 +186,15 @@ def moe_by_hand(h: np.ndarray, full: dict, experts: range) -> np.ndarray:
     probs /= probs.sum(1, keepdims=True)
     chosen = np.argsort(-probs, axis=1, kind="stable")[:, :TOP_K]   # (n, k): the top-k
     gates = np.take_along_axis(probs, chosen, 1)
-    gates /= gates.sum(1, keepdims=True)
+    return u, chosen, gates / gates.sum(1, keepdims=True)
+
+
+def moe_by_hand(h: np.ndarray, full: dict) -> np.ndarray:
+    """The whole MoE layer in one process, every expert here:
+    h + sum over each token's top-k experts e of gate x Expert_e(LN(h))."""
+    u, chosen, gates = router(h, full)
     out = h.copy()
-    for e in experts:
+    for e in range(EXPERTS):
         token, slot = np.nonzero(chosen == e)
         out[token] += gates[token, slot, None] * expert(u[token], full, e)
     return out
@@ -208,16 +214,7 @@ def by_hand(full: dict, h: np.ndarray) -> tuple[np.ndarray, list]:
     every rank's send counts (the dispatch matrix)."""
     per, b = EXPERTS // size, TOKENS // size
     mine = h[rank * b:(rank + 1) * b]                       # this rank's 32 token rows
-    p = "blocks.0"
-    # the router, on this rank's tokens: LayerNorm, softmax over the 64 experts, top-k
-    u = (mine - mine.mean(1, keepdims=True)) / np.sqrt(mine.var(1, keepdims=True) + 1e-5)
-    u = u * full[f"{p}.ln.weight"] + full[f"{p}.ln.bias"]
-    logits = u @ full[f"{p}.router.weight"]
-    probs = np.exp(logits - logits.max(1, keepdims=True))
-    probs /= probs.sum(1, keepdims=True)
-    chosen = np.argsort(-probs, axis=1, kind="stable")[:, :TOP_K]   # (32, k) expert ids
-    gates = np.take_along_axis(probs, chosen, 1)
-    gates /= gates.sum(1, keepdims=True)
+    u, chosen, gates = router(mine, full)                   # (32, d), (32, k) ids, (32, k)
     # dispatch: one row per (token, slot), sorted by the rank that owns its expert
     token_of = np.repeat(np.arange(b), TOP_K)               # (32 k,)
     expert_of = chosen.ravel()
@@ -260,7 +257,7 @@ def the_hand_example(full: dict, h: np.ndarray) -> tuple[np.ndarray | None, list
                   f"   (each rank: {TOKENS // size} tokens x k={TOP_K} = "
                   f"{TOP_K * TOKENS // size} rows)")
     together = np.concatenate(outs)
-    alone = moe_by_hand(h, full, range(EXPERTS))            # one process, every expert
+    alone = moe_by_hand(h, full)                            # one process, every expert
     diff = rel(together, alone)
     say(f"  one process, the same layer on all {TOKENS} tokens and {EXPERTS} experts:",
         f"  outputs (B, d) max rel diff {diff:.2e} -> {verdict(diff <= 1e-9)} (tolerance 1e-9)")

@@ -8,23 +8,32 @@
 
 The source text's example: a 48-layer model cut by layers into 4 stages, one per
 GPU; the forward flows through them like a pipeline, and the price is the
-"pipeline bubble". Here 48 small residual blocks train on 4 ranks:
+"pipeline bubble". Here:
 
-  1. the split: which layers each rank holds (and with --virtual 2, two chunks each);
-  2. the schedules as data (GPipe, Huang et al. 2019; 1F1B, PipeDream-flush,
-     Narayanan et al. 2021; interleaved 1F1B, Megatron-LM; ZB-H1, Qi et al. 2023;
-     ZB-V, Qi et al. 2024; DualPipeV and DualPipe, DeepSeek-V3 2024): each rank's
-     program played by the simulator, printed as a text Gantt chart, and the
-     papers' per-rank bubbles (ZB-V's zero, DeepSeek-V3's table);
-  3. the bubble for M = 1, 4, 8, 16 microbatches: the formula, the simulator,
+  1. the source's example by hand, on raw NumPy layers h -> h + tanh(h W) and raw
+     mpi4py calls: layers 1-12 / 13-24 / 25-36 / 37-48 on ranks 0-3, GPipe (Huang et
+     al. 2019) with M microbatches, each activation passed on by comm.Send/comm.Recv
+     and each gradient passed back; the loss and the 48 weight gradients against one
+     process; the schedule each rank ran, rank by rank, and its bubble beside the
+     formula (p-1)/(M+p-1);
+  2. minipar's pipeline on the same cut (48 residual blocks, GPipe, M = 8) against
+     one process, with its bubble: formula, simulator, replayed, wall clock.
+  Beyond the source:
+  3. the schedules as data (1F1B, PipeDream-flush, Narayanan et al. 2021; interleaved
+     1F1B, Megatron-LM; ZB-H1, Qi et al. 2023; ZB-V, Qi et al. 2024; DualPipeV and
+     DualPipe, DeepSeek-V3 2024), their splits of the layers, each rank's program
+     played by the simulator and printed as a text Gantt chart (a wide one cut into
+     windows of cells; --plot draws them whole), and the papers' per-rank bubbles
+     (ZB-V's zero, DeepSeek-V3's table);
+  4. the bubble of 1F1B for M = 1, 4, 8, 16 microbatches: the formula, the simulator,
      a real run's measured compute times replayed on the schedule's dependencies,
      and its wall-clock timeline. The wall clock can only agree with the formula
      with a core per rank (on 2 cores: `-n 2`); with more ranks than cores it
      measures the ranks taking turns, and the replay shows what the same compute
      would give with a core each (the CPU time of each instruction, which a rank
      does not accumulate while it waits for a core);
-  4. activation memory: how many microbatches a stage holds at once, every schedule;
-  5. every schedule against one process: the largest relative difference.
+  5. activation memory: how many microbatches a stage holds at once, every schedule;
+  6. the other six schedules against one process: the largest relative difference.
 
 The code behind it: minipar/parallel/pipeline/schedules.py (schedules, simulator),
 minipar/parallel/pipeline/v_schedules.py (ZB-V, DualPipeV, DualPipe) and
@@ -260,10 +269,15 @@ def the_hand_pipeline() -> None:
                     if r == s:
                         cells[int(a):int(b)] = [f"{kind}{k + 1}"] * int(b - a)
                 say(f"    rank {s}: " + " ".join(c.ljust(2) for c in cells).rstrip())
+        ms = {kind: 1000 * np.mean([r[2] for rs in runs for r in rs if r[0] == kind])
+              for kind in "FB"}
         say(f"  bubble at M = {m}: formula (p-1)/(M+p-1) = {(size - 1) / (m + size - 1):.3f}; "
-            f"the schedule it ran, in units {bubble_of(units):.3f}; with its",
-            f"    measured CPU times {bubble_of(cpu):.3f}; its wall clock {bubble_of(wall):.3f} "
-            f"({size} ranks on {CORES} cores" + (", taking turns)" if SHARED else ")"))
+            f"the schedule it ran, F = 1 and B = 2 units: {bubble_of(units):.3f};",
+            f"    its measured CPU times (mean F {ms['F']:.2f} ms, B {ms['B']:.2f} ms) placed "
+            f"the same way: {bubble_of(cpu):.3f}; its wall clock {bubble_of(wall):.3f}",
+            f"    ({size} ranks on {CORES} cores" + (", taking turns)" if SHARED else ")"))
+    say("  (the formula counts F = 1, B = 2; the CPU times are these small layers' own, "
+        "Python's fixed costs included)")
 
 
 # ------------------------------------------------- part 2: the library's run of it
@@ -341,8 +355,8 @@ def the_schedules(microbatches: int = 4) -> None:
         f"chunks, 3(pp-1)/V = {3 * (size - 1) / 2:g} units of fill instead of {3 * (size - 1)}.")
     spans = {name: simulate_schedule(name, size, max(8, 2 * size), virtual).makespan
              for name, virtual in SCHEDULES}
-    say(f"at M = {max(8, 2 * size)} (the figures), T in these units: "
-        + ", ".join(f"{name} {t:g}" for name, t in spans.items()),
+    say(f"at M = {max(8, 2 * size)} (the figures), T in these units:",
+        "  " + ", ".join(f"{name} {t:g}" for name, t in spans.items()),
         f"(every one does 3M = {3 * max(8, 2 * size)} units of work per rank).")
     the_papers_bubbles()
 
