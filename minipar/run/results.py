@@ -190,6 +190,10 @@ def gather_decisions(world: object, cfg: TrainConfig, result: RunResult,
         return None
     out = Decisions()
     history = result.extras.get("scale_history")
+    if cfg.outer is not None:  # every worker its own skips and its own rows' routing
+        out.why_not.append("the workers' decisions (--outer diloco: each worker skips and "
+                           "routes on its own, as the reference's workers do)")
+        return out
     if cfg.mixed == "fp16" and history is not None:
         if len(history) == cfg.steps:
             out.skips = [bool(skipped) for _, skipped in history]
@@ -393,3 +397,8 @@ def dump(folder: Path, cfg: TrainConfig, result: RunResult) -> None:
         (folder / "gnorms.json").write_text(json.dumps(result.extras["gnorms"]))
     (folder / "config.json").write_text(json.dumps(cfg.as_json(), indent=1))
     (folder / "ledger.json").write_text(json.dumps(result.ledger, indent=1))
+    if "ledger_steps" in result.extras:  # every step's ledger (train.py `train_workers`)
+        (folder / "ledger_steps.json").write_text(json.dumps(result.extras["ledger_steps"]))
+        # --outer diloco: each rank's elements of each fragment (parallel/diloco.py)
+        (folder / "fragment_sizes.json").write_text(
+            json.dumps(result.extras["fragment_sizes"]))

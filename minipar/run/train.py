@@ -25,6 +25,7 @@ a step is taken before its update, averaged the same way.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -132,12 +133,13 @@ def train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | No
     gradients add up in `.grad`; one optimizer step follows. With --mixed the same
     steps in 16 bits (core/precision.py): master copies updated, the loss scaled by S.
     """
+    body = _train_diloco_reference if cfg.outer == "diloco" else _train_reference
     if not cfg.mixed:
-        return _train_reference(cfg, on_step)
+        return body(cfg, on_step)
     # fp16 overflow is expected (the loss scaler skips that step): no warnings for it
     with precision.use(cfg.mixed, cfg.dtype, fp8.recipe_of(cfg)), \
             np.errstate(over="ignore", invalid="ignore"):
-        return _train_reference(cfg, on_step)
+        return body(cfg, on_step)
 
 
 def _train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | None
@@ -156,48 +158,119 @@ def _train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | N
             p.data = precision.to_low(p.data)
     scaler = precision.make_scaler(cfg.mixed, cfg.loss_scale, cfg.loss_scale_window)
     for step in range(cfg.steps):
-        x, y = step_batch(cfg, step)
-        model.zero_grad()
-        if precision.FP8 is not None:  # --fp8: this step's weight amaxes (core/fp8.py)
-            precision.FP8.begin_step(params)
-        total = 0.0
-        # --documents: CE over the valid positions / N, the batch's valid positions
-        valid = documents.valid_positions(y) if cfg.documents else None
-        for m in range(cfg.microbatches):
-            rows = microbatch_rows(cfg.batch, cfg.microbatches, m)
-            weight = 1.0 if valid is None else documents.loss_weight(y[rows], y.size, valid)
-            loss = nn.loss_fn(model, x[rows], y[rows], weight) * (1.0 / cfg.microbatches)
-            loss.backward(scaler.scale)   # S = 1 but for fp16
-            total += loss.item()
-        if masters is not None and not scaler.static:  # fp16: unscale, skip on overflow
-            grads = [p.grad if p.grad is not None else np.zeros_like(m)
-                     for p, m in zip(params, masters)]
-            for g in grads:
-                g *= 1.0 / scaler.scale
-            if scaler.update(precision.nonfinite(grads)):
-                losses.append(total)
-                if on_step is not None:
-                    step_done(on_step, step, total, norms, scaler)
-                continue
-        if cfg.clip_grad_norm is not None:  # the whole gradient's norm, then the scale
-            norms.append(clip.clip_reference([p.grad for p in params], cfg.clip_grad_norm))
-        if masters is None:
-            optimizer.step([p.data for p in params], [p.grad for p in params],
-                           held_whole(params))
-        else:  # the masters, then the 16-bit copies cast from them
-            optimizer.step(masters, [p.grad for p in params], held_whole(params))
-            for p, master in zip(params, masters):
-                p.data = precision.to_low(master)
-        if cfg.router == "sigmoid-bias":  # b moves against the step's load (routing.py)
-            routing.update_biases(model, None, cfg.bias_rate)
-        losses.append(total)
+        losses.append(reference_step(cfg, model, optimizer, masters, scaler, norms,
+                                     *step_batch(cfg, step)))
         if on_step is not None:
-            step_done(on_step, step, total, norms, scaler if cfg.mixed else None)
+            step_done(on_step, step, losses[-1], norms, scaler if cfg.mixed else None)
     final = masters if masters is not None else [p.data for p in params]
     return RunResult(losses, init, {**{p.name: m.copy() for p, m in zip(params, final)},
                                     **routing.bias_values(model)},
                      extras={"gnorms": norms, "loss_scale": scaler.scale,
                              "skipped": scaler.skipped})
+
+
+def _train_diloco_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | None
+                            ) -> RunResult:
+    """--outer diloco in one process, written as its definition (docs/design.md, "DiLoCo"):
+    K = dp workers, each a one-process run (its own model, inner optimizer, masters, loss
+    scaler) on its rows of every step's global batch (DP's rows, `rank_rows`); the step's
+    loss is the workers' mean. After inner step s, fragment p (blocks [p L/P, (p+1) L/P),
+    the rest in fragment 0) takes its outer step if s = p H/P + nH (n >= 1): Delta = theta
+    - mean_k theta_k, v = Delta (first) or mu v + Delta, theta -= eta (Delta + mu v), every
+    worker restarts from theta. Returns theta as `final`; worker 0's norms and scaler."""
+    K, H, P, L = cfg.dp, cfg.inner_steps, cfg.fragments, cfg.layers
+    eta, mu = cfg.outer_lr, cfg.outer_momentum
+    full = nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
+    theta = {name: a.copy() for name, a in full.items()}
+    v = {name: np.zeros_like(a) for name, a in full.items()}
+    started = [False] * P
+    workers = []   # (model, inner optimizer, {name: what it updates}, scaler, norms)
+    for _ in range(K):
+        model = build_reference(cfg, {name: a.copy() for name, a in full.items()})
+        params = model.parameters()
+        held = {p.name: p.data for p in params}
+        if cfg.mixed:  # the optimizer updates the masters; each p.data a 16-bit copy
+            for p in params:
+                p.data = precision.to_low(p.data)
+        workers.append((model, make_optimizer(cfg.optimizer, cfg.lr, **cfg.optimizer_rule()),
+                        held, precision.make_scaler(cfg.mixed, cfg.loss_scale,
+                                                    cfg.loss_scale_window), []))
+
+    def fragment(name: str) -> int:
+        block = re.match(r"blocks\.(\d+)\.", name)
+        return 0 if block is None else int(block.group(1)) // (L // P)
+    losses = []
+    for step in range(cfg.steps):
+        x, y = step_batch(cfg, step)
+        total = 0.0
+        for k, (model, optimizer, held, scaler, norms) in enumerate(workers):
+            rows = rank_rows(cfg.batch, cfg.microbatches, K, k)
+            masters = list(held.values()) if cfg.mixed else None
+            total += reference_step(cfg, model, optimizer, masters, scaler, norms,
+                                    x[rows], y[rows])
+        losses.append(total / K)
+        for p in range(P):
+            offset = p * H // P
+            if step + 1 < offset + H or (step + 1 - offset) % H:
+                continue
+            for name in (n for n in theta if fragment(n) == p):
+                delta = theta[name] - sum(w[2][name] for w in workers) * (1.0 / K)
+                v[name] = mu * v[name] + delta if started[p] else delta
+                theta[name] = theta[name] - eta * (delta + mu * v[name])
+                for w in workers:
+                    w[2][name][...] = theta[name]
+            started[p] = True
+            for model, _, held, *_ in workers:  # --mixed: 16-bit copies cast anew
+                for param in model.parameters() if cfg.mixed else ():
+                    param.data = precision.to_low(held[param.name])
+        if on_step is not None:
+            step_done(on_step, step, losses[-1], workers[0][4],
+                      workers[0][3] if cfg.mixed else None)
+    return RunResult(losses, full, theta, extras={"gnorms": workers[0][4],
+                                                  "loss_scale": workers[0][3].scale,
+                                                  "skipped": workers[0][3].skipped})
+
+
+def reference_step(cfg: TrainConfig, model: nn.Model, optimizer: object,
+                   masters: list[np.ndarray] | None, scaler: precision.LossScaler,
+                   norms: list[float], x: np.ndarray, y: np.ndarray) -> float:
+    """One step of the one-process run on the batch `x, y` (its M microbatches): forward,
+    backward, the optimizer's update of the parameters (of `masters` under --mixed, the
+    16-bit copies cast from them; fp16 skips an overflowing step); returns the step loss.
+    With --clip-grad-norm the step's gradient norm is appended to `norms`."""
+    params = model.parameters()
+    model.zero_grad()
+    if precision.FP8 is not None:  # --fp8: this step's weight amaxes (core/fp8.py)
+        precision.FP8.begin_step(params)
+    total = 0.0
+    # --documents: CE over the valid positions / N, the batch's valid positions
+    valid = documents.valid_positions(y) if cfg.documents else None
+    batch = len(x)
+    for m in range(cfg.microbatches):
+        rows = microbatch_rows(batch, cfg.microbatches, m)
+        weight = 1.0 if valid is None else documents.loss_weight(y[rows], y.size, valid)
+        loss = nn.loss_fn(model, x[rows], y[rows], weight) * (1.0 / cfg.microbatches)
+        loss.backward(scaler.scale)   # S = 1 but for fp16
+        total += loss.item()
+    if masters is not None and not scaler.static:  # fp16: unscale, skip on overflow
+        grads = [p.grad if p.grad is not None else np.zeros_like(m)
+                 for p, m in zip(params, masters)]
+        for g in grads:
+            g *= 1.0 / scaler.scale
+        if scaler.update(precision.nonfinite(grads)):
+            return total
+    if cfg.clip_grad_norm is not None:  # the whole gradient's norm, then the scale
+        norms.append(clip.clip_reference([p.grad for p in params], cfg.clip_grad_norm))
+    if masters is None:
+        optimizer.step([p.data for p in params], [p.grad for p in params],
+                       held_whole(params))
+    else:  # the masters, then the 16-bit copies cast from them
+        optimizer.step(masters, [p.grad for p in params], held_whole(params))
+        for p, master in zip(params, masters):
+            p.data = precision.to_low(master)
+    if cfg.router == "sigmoid-bias":  # b moves against the step's load (routing.py)
+        routing.update_biases(model, None, cfg.bias_rate)
+    return total
 
 
 def step_done(on_step: Callable[..., None], step: int, loss: float, norms: list[float],
@@ -310,6 +383,8 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
     if cfg.inject_bug:  # lesson 08: this same run with one piece swapped for a broken one
         with catalog.injected(cfg.inject_bug):
             return train(replace(cfg, inject_bug=None), world, on_step)
+    if cfg.outer == "diloco":  # every dp replica a worker of its own (parallel/diloco.py)
+        return train_workers(cfg, world, on_step)
     from minipar.comm.collectives import (
         Ledger,  # here: comm/collectives.py loads mpi4py.MPI, train_reference not
     )
@@ -361,16 +436,19 @@ def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
 
 
 def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Updater,
-               step: int, timeline: list[dict]) -> float:
+               step: int, timeline: list[dict],
+               rows: tuple[np.ndarray, np.ndarray] | None = None) -> float:
     """One training step on this rank; returns the step loss (the same on every rank).
-    The ledger holds this step's traffic afterwards (the loss report left out)."""
+    The ledger holds this step's traffic afterwards (the loss report left out). `rows`:
+    the (x, y) this rank trains on, by default its dp rows of the step's global batch
+    (--outer diloco hands its worker's rows: `train_workers`)."""
     from minipar.parallel import tensor_parallel  # here: it loads mpi4py.MPI
 
     ledger = mesh.ledger
     ledger.reset()
     # this rank's rows only (B/dp of them), each drawn from its own stream (data.py)
-    x, y = step_batch(cfg, step, rank_rows(cfg.batch, cfg.microbatches, cfg.dp,
-                                           mesh.coords["dp"]))
+    x, y = rows or step_batch(cfg, step, rank_rows(cfg.batch, cfg.microbatches, cfg.dp,
+                                                   mesh.coords["dp"]))
     if cfg.cp > 1:  # (B/dp, T) -> (B/dp, T/cp): the positions of every sequence I hold
         x, y = x[:, context_positions(cfg, mesh)], y[:, context_positions(cfg, mesh)]
     for chunk in chunks:
@@ -423,6 +501,72 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
         replica_check(mesh, chunks, updater, step + 1)
     ledger.enabled = True
     return loss
+
+
+def train_workers(cfg: TrainConfig, world: object,
+                  on_step: Callable[[int, float], None] | None = None) -> RunResult:
+    """--outer diloco on the mesh (parallel/diloco.py): each dp coordinate's ranks are a
+    worker, a mesh of its own with dp = 1 training on its rows of every step's batch
+    (`rank_rows`, DP's rows) with no dp traffic; after each inner step the outer step of
+    the fragments due (one Allreduce of their parameters over dp each). The step's loss
+    is the workers' mean (one scalar Allreduce over dp, outside the ledger). Returns as
+    `train` does, with theta as `final`, the whole world's ledger of the last step, and
+    `extras["ledger_steps"]` (every step's) and `extras["fragment_sizes"]` (each rank's
+    elements of each fragment: the ledger formula's input)."""
+    from mpi4py import MPI  # here: train_reference runs without it
+
+    from minipar.comm.collectives import Ledger  # here: loads mpi4py.MPI
+    from minipar.parallel import diloco, fp8_scales
+
+    ledger = Ledger()
+    mesh, dp = diloco.worker_groups(cfg.mesh_shape(), world, ledger)
+    inner = replace(cfg, dp=1, batch=cfg.batch // cfg.dp, outer=None, inner_steps=None,
+                    outer_lr=None, outer_momentum=None, fragments=None)
+    rank = world.Get_rank()
+    rows = rank_rows(cfg.batch, cfg.microbatches, cfg.dp, cfg.mesh_shape().coords(rank)["dp"])
+    try:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"), \
+                precision.use(cfg.mixed, cfg.dtype,
+                              fp8_scales.over_mesh(fp8.recipe_of(cfg), mesh)):
+            full = nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
+            optimizer = make_optimizer(cfg.optimizer, cfg.lr, **cfg.optimizer_rule())
+            chunks, updater = parallelize(inner, mesh, full, optimizer)
+            init, _ = agreement.gather_full_params(mesh, updater.params, inner, values=full)
+            outer = diloco.OuterNesterov(
+                [p.name for p in updater.params], updater.my_slices(),
+                lambda: updater.precision.refresh(updater.masters,
+                                                  [p.data for p in updater.params]),
+                dp, cfg.layers, cfg.inner_steps, cfg.fragments, cfg.outer_lr,
+                cfg.outer_momentum)
+            losses, steps_ledger, timeline = [], [], []
+            for step in range(cfg.steps):
+                watchdog.doing(f"step {step + 1} of {cfg.steps}")
+                timeline.clear()
+                local = train_step(inner, mesh, chunks, updater, step, timeline,
+                                   step_batch(cfg, step, rows))
+                outer.after_inner_step(step + 1)   # the fragments due: Allreduce over dp
+                steps_ledger += [{"step": step + 1, **r} for r in ledger.records(rank)]
+                ledger.enabled = False   # the workers' mean loss is no training traffic
+                mean = np.array([local])
+                dp.Allreduce(MPI.IN_PLACE, mean)
+                ledger.enabled = True
+                losses.append(float(mean[0]) / cfg.dp)
+                if on_step is not None:
+                    step_done(on_step, step, losses[-1], norms_of(updater),
+                              scaler_of(updater))
+            last = ledger.records(rank)
+            outer.use_theta()   # final.npz: theta, each fragment's after its last outer step
+            result = finish(inner, mesh, chunks, updater, losses, init, timeline)
+            ledger.enabled = False
+            everyone = world.gather((last, steps_ledger, outer.fragment_sizes()), root=0)
+    finally:
+        mesh.free()
+        dp.comm.Free()
+    if everyone is not None:
+        result.ledger = [r for mine, _, _ in everyone for r in mine]
+        result.extras["ledger_steps"] = [r for _, steps, _ in everyone for r in steps]
+        result.extras["fragment_sizes"] = [sizes for _, _, sizes in everyone]
+    return result
 
 
 def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Updater,

@@ -26,6 +26,8 @@ MOE_MODELS = ("moe", "gpt-moe")
 RECOMPUTE = ("none", "selective", "full")
 GRAD_SYNCS = ("naive", "bucketed", "overlapped")
 MUON_MODES = ("layer-sharded", "distributed", "duplicated")
+OUTERS = ("diloco",)
+DILOCO_DEFAULTS = {"outer_lr": 0.7, "outer_momentum": 0.9, "fragments": 1}
 MUON_DEFAULTS = {"momentum": 0.95, "nesterov": True, "ns_steps": 5, "weight_decay": 0.1,
                  "muon_mode": "layer-sharded"}
 
@@ -107,6 +109,12 @@ class TrainConfig:
     fp8_block: int = 128              # --fp8 blockwise: the tile / block size B
     fp8_grad: str = "e5m2"            # --fp8: the output gradients' format (or e4m3)
     fp8_allgather: bool = False       # --fp8 --zero 3: the weights gathered in 8 bits
+    # --outer diloco (parallel/diloco.py): the dp replicas train alone, meeting every H steps
+    outer: str | None = None          # diloco, or None (plain data parallelism)
+    inner_steps: int | None = None    # H: inner steps between two outer steps of a fragment
+    outer_lr: float | None = None     # eta of the outer Nesterov SGD (default 0.7)
+    outer_momentum: float | None = None  # mu of the outer Nesterov SGD (default 0.9)
+    fragments: int | None = None      # P: streaming fragments (default 1: the whole model)
 
     def resolved(self, world_size: int) -> TrainConfig:
         """Fill the defaults that depend on other flags (d_ff, expert_d_ff, dp)."""
@@ -127,6 +135,10 @@ class TrainConfig:
             values["route_top_groups"] = self.route_groups
         if self.optimizer == "muon":  # Muon's defaults (core/muon.py)
             for name, default in MUON_DEFAULTS.items():
+                if values[name] is None:
+                    values[name] = default
+        if self.outer == "diloco":  # DiLoCo's defaults (parallel/diloco.py)
+            for name, default in DILOCO_DEFAULTS.items():
                 if values[name] is None:
                     values[name] = default
         if self.vocab_parallel is None:  # the transformer on a tp group splits its vocabulary
@@ -192,6 +204,59 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
     out += _data_parallel_problems(cfg)
     out += routing_problems(cfg)
     out += muon_problems(cfg)
+    out += diloco_problems(cfg)
+    return out
+
+
+def diloco_problems(cfg: TrainConfig) -> list[str]:
+    """--outer diloco and its flags (parallel/diloco.py): H >= 1 dividing --steps, P
+    dividing H and --layers, eta > 0, mu in [0, 1); the flags without --outer refused, and
+    what DiLoCo does not run with: ZeRO (a worker keeps its whole optimizer state), expert
+    parallelism (experts borrow the dp axis the workers are), the sigmoid-bias router (its
+    bias is no parameter the outer step averages), --inject-bug, --trace."""
+    names = ("inner_steps", "outer_lr", "outer_momentum", "fragments")
+    if cfg.outer is None:
+        return [f"--{name.replace('_', '-')} applies to --outer diloco only"
+                for name in names if getattr(cfg, name) is not None]
+    if cfg.outer not in OUTERS:
+        return [f"--outer must be one of {', '.join(OUTERS)} (got {cfg.outer})"]
+    h, p = cfg.inner_steps, cfg.fragments
+    out = []
+    if h is None:
+        out.append("--outer diloco needs --inner-steps H (the inner steps each worker takes "
+                   "alone between two outer steps)")
+    elif h < 1:
+        out.append(f"--inner-steps must be at least 1 (got {h})")
+    elif cfg.steps % h:
+        out.append(f"--steps {cfg.steps} is not a multiple of --inner-steps {h} (every run "
+                   "ends on an outer step of fragment 0)")
+    if p < 1:
+        out.append(f"--fragments must be at least 1 (got {p})")
+    elif cfg.layers % p:
+        out.append(f"--fragments {p} does not divide --layers {cfg.layers} (fragment p is "
+                   "the blocks [p L/P, (p+1) L/P))")
+    elif h is not None and h >= 1 and h % p:
+        out.append(f"--fragments {p} does not divide --inner-steps {h} (fragment p syncs "
+                   "p H / P steps after fragment 0)")
+    if not (math.isfinite(cfg.outer_lr) and cfg.outer_lr > 0):
+        out.append(f"--outer-lr must be a positive, finite number (got {cfg.outer_lr})")
+    if not (math.isfinite(cfg.outer_momentum) and 0 <= cfg.outer_momentum < 1):
+        out.append(f"--outer-momentum must be in [0, 1) (got {cfg.outer_momentum})")
+    if cfg.zero:
+        out.append(f"--outer diloco with --zero {cfg.zero} is not built: each worker keeps its "
+                   "own whole optimizer state, which ZeRO would shard over the workers")
+    if cfg.ep > 1:
+        out.append(f"--outer diloco with --ep {cfg.ep} is not built: expert parallelism "
+                   "splits the experts over the dp axis, and the dp ranks are the workers")
+    if cfg.router == "sigmoid-bias":
+        out.append("--outer diloco with --router sigmoid-bias is not built: the bias b is no "
+                   "parameter, so the outer step would not average it")
+    if cfg.check_placements:
+        out.append("--outer diloco with --check-placements is not built")
+    for name, flag in (("inject_bug", "--inject-bug"), ("trace", "--trace"),
+                       ("save", "--save"), ("resume", "--resume")):
+        if getattr(cfg, name) is not None:
+            out.append(f"--outer diloco with {flag} is not built")
     return out
 
 

@@ -23,6 +23,7 @@ from minipar.settings.config import (
     MIXED,
     MODELS,
     MUON_MODES,
+    OUTERS,
     RECOMPUTE,
     ConfigError,
     TrainConfig,
@@ -166,6 +167,19 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     add("--fp8-allgather", action="store_true",
         help="--fp8 --zero 3: gather the 8-bit weights as 1-byte words (their scales "
              "agreed before), the rest in bf16")
+    add("--outer", choices=OUTERS, default=None,
+        help="diloco: each dp replica (a worker: its own tp x pp x cp mesh) trains alone "
+             "and the workers average what they learned every --inner-steps steps "
+             "(parallel/diloco.py)")
+    add("--inner-steps", type=int, default=None, metavar="H",
+        help="--outer diloco: inner steps between two outer steps of a fragment")
+    add("--outer-lr", type=float, default=None,
+        help="--outer diloco: the outer Nesterov SGD's learning rate (default 0.7)")
+    add("--outer-momentum", type=float, default=None,
+        help="--outer diloco: the outer Nesterov SGD's momentum (default 0.9)")
+    add("--fragments", type=int, default=None, metavar="P",
+        help="--outer diloco: streaming fragments of blocks, syncing H/P steps apart "
+             "(default 1)")
     add("--inject-bug", metavar="NAME", default=None,
         help="break one thing on purpose (lesson 08); `python -m minipar bugs` lists them")
     add("--check-placements", action="store_true",

@@ -17,6 +17,7 @@ import numpy as np
 
 from minipar.comm.mesh import MeshShape
 from minipar.core.memory import wire_elements
+from minipar.parallel import diloco
 from minipar.planner.memory_cost import RankShape, model_states, rank_shape
 from minipar.planner.time_cost import Traffic, traffic
 from minipar.planner.workloads import minipar_workload, plan_of
@@ -354,12 +355,35 @@ def ledger_table(records: list[dict], cfg: TrainConfig, skipped: bool = False) -
     return "\n".join(lines)
 
 
+def check_diloco_ledger(cfg: TrainConfig, result: RunResult) -> bool:
+    """--outer diloco: every step's dp lines of every rank against the formula
+    (parallel/diloco.py `ledger_differences`, `dp_allreduce_elements`); the workers' own
+    tp / pp / cp traffic is a dp = 1 run's and is not judged here. One line; True when
+    every dp line matches."""
+    differences = diloco.ledger_differences(
+        result.extras["ledger_steps"], result.extras["fragment_sizes"], cfg.inner_steps,
+        cfg.fragments, cfg.steps, np.dtype(cfg.dtype).itemsize)
+    ranks = len(result.extras["fragment_sizes"])
+    if differences:
+        print(f"ledger against the formulas: {len(differences)} dp line(s) differ, MISMATCH",
+              flush=True)
+        for line in differences[:6]:
+            print(f"  ledger: {line}", flush=True)
+        return False
+    print(f"ledger against the formulas: the dp Allreduce of every step on {ranks} ranks as "
+          f"diloco.dp_allreduce_elements predicts (exact: integers; the workers' own "
+          f"traffic not judged here)", flush=True)
+    return True
+
+
 def check_ledger(cfg: TrainConfig, result: RunResult) -> bool:
     """The ledger of the last step against its formulas, every rank's every line: calls,
     elements, bytes and dtype (`ledger_differences`), and rank
     0's bytes of parameters against the planner's memory formula
     (planner/memory_cost.py `model_states`, the MLP MoE's experts as `split_experts_shape`
     cuts them). Both are exact: integers. Two lines; True when both match."""
+    if cfg.outer == "diloco":
+        return check_diloco_ledger(cfg, result)
     ok = True
     try:
         workload = minipar_workload(cfg)   # the planner's model of this run

@@ -146,6 +146,16 @@ CASES = [
       "--microbatches", "2"], "--microbatches"),                     # needs M >= 2 pp
     (["--dp", "2", "--pp", "2", "--layers", "4", "--schedule", "dualpipe",
       "--microbatches", "4", "--zero", "1"], "--zero 0"),
+    # DiLoCo (parallel/diloco.py): what it cannot run
+    (["--outer", "diloco", "--inner-steps", "1", "--zero", "1"], "--zero"),
+    (["--model", "moe", "--outer", "diloco", "--inner-steps", "1", "--ep", "2"], "--ep"),
+    (["--outer", "diloco", "--inner-steps", "2"], "--inner-steps"),  # 1 step: not a multiple
+    (["--outer", "diloco", "--inner-steps", "1", "--fragments", "3"], "--fragments"),  # L = 2
+    (["--outer", "diloco", "--inner-steps", "1", "--fragments", "2"], "--fragments"),  # H = 1
+    (["--outer", "diloco"], "--inner-steps"),                        # H has no default
+    (["--inner-steps", "2"], "--inner-steps"),                       # without --outer
+    (["--outer", "diloco", "--inner-steps", "1", "--outer-momentum", "1"], "--outer-momentum"),
+    (["--outer", "diloco", "--inner-steps", "1", "--save", "{missing}"], "--save"),
     # gradient clipping (clip.py) and ragged documents (documents.py)
     (["--clip-grad-norm", "0"], "--clip-grad-norm"),
     (["--clip-grad-norm", "-1"], "--clip-grad-norm"),
