@@ -4,30 +4,37 @@
     mpiexec -n 8 python lessons/01_data_parallel.py --full    # minipar's default model size
     mpiexec -n 4 python lessons/01_data_parallel.py           # any rank count dividing 1024
     mpiexec -n 8 python lessons/01_data_parallel.py --plot figures   # + 01_gradient_sync.png,
-                                         #   01_sync_time.png, and the trace of part 7
+                                         #   01_sync_time.png, and the trace of part 6
 
 The source text's example: a global batch of 1024 on 8 GPUs, 128 each. Every
 GPU holds the whole model, computes g_i = grad L_i on its own 128 rows, and an
 AllReduce gives everyone g = 1/8 sum_i g_i. Because L = 1/8 sum_i L_i (each L_i
 a mean over 128 rows, L the mean over all 1024), g is exactly the gradient of
-one process on the whole batch. Here, on minipar's residual MLP:
+one process on the whole batch.
 
-1. Each rank prints its slice of the batch and the norm of its local gradient
-   (different on every rank: different rows).
-2. Naive sync: one Allreduce per parameter, then / N. Every rank now holds the
-   same g, equal to the one-process gradient on all 1024 rows to ~1e-16.
+1. The source's example by hand, in this file: a linear model on raw NumPy
+   arrays, each rank's g_i on its 128 rows, one `comm.Allreduce` of mpi4py, the
+   1/8, and g checked against the one-process gradient of all 1024 rows.
+2. The library's run of the same thing on minipar's residual MLP
+   (minipar/parallel/data_parallel.py, `allreduce_gradients`: one Allreduce per
+   parameter, then / N): each rank's slice and local gradient, then the same g
+   on every rank, equal to one process to ~1e-16; and the library's call on
+   part 1's arrays, equal to the hand-written one.
+
+Beyond the source (each part's header says so):
+
 3. Bucketed: the gradients packed into a few buffers, one Allreduce each: the
-   same numbers in fewer, larger messages (PyTorch DDP, Li et al. 2020).
+   same numbers in fewer, larger messages (PyTorch DDP, Li et al. 2020). Each
+   rank's ledger: it Allreduced exactly the parameter count, whichever way; a
+   ring puts 2(N-1)/N of it on the wire.
 4. Overlapped: each bucket's nonblocking Iallreduce starts from inside backward,
    as soon as backward has finished the parameters in it.
-5. The ledger: each rank Allreduced exactly the parameter count, whichever way;
-   a ring puts 2(N-1)/N of it on the wire.
-6. The three ways timed: forward + backward + gradient sync, the slowest rank
+5. The three ways timed: forward + backward + gradient sync, the slowest rank
    of each step, the median and spread of several steps, on as many ranks as this
    machine has cores (with more ranks than cores a wall clock measures the ranks
    taking turns); "fastest" only when one way's spread is clear of the others'.
    The bytes are the same; the time is not.
-7. With --plot, the overlapped sync in a traced training run: how much of the
+6. With --plot, the overlapped sync in a traced training run: how much of the
    Iallreduces' time the backward hid, measured, and the timeline drawn.
 
 The code behind it: minipar/parallel/data_parallel.py.
@@ -71,6 +78,55 @@ def banner(mesh: Mesh, title: str) -> None:
         print(f"\n=== {title}", flush=True)
 
 
+# ------------------------------------------ part 1: the source's example, by hand
+def by_hand(comm: MPI.Comm) -> tuple[np.ndarray, np.ndarray]:
+    """g = 1/N sum_i g_i with one mpi4py Allreduce, on a linear model y = x W and the loss
+    L = 1/B sum_rows 1/2 |x W - t|^2, whose gradient is dL/dW = x^T (x W - t) / B.
+    Returns (this rank's g_i, the averaged g)."""
+    n, me = comm.Get_size(), comm.Get_rank()
+    rows = BATCH // n                                   # 1024 / 8 = 128
+    rng = np.random.default_rng(0)                      # the same numbers on every rank:
+    x = rng.normal(size=(BATCH, 16))                    # the global batch, 1024 x 16
+    t = rng.normal(size=(BATCH, 4))                     # its targets, 1024 x 4
+    w = rng.normal(size=(16, 4))                        # the model, the same on every rank
+    mine = slice(me * rows, (me + 1) * rows)            # rank i's 128 rows
+    x_i, t_i = x[mine], t[mine]
+    g_i = x_i.T @ (x_i @ w - t_i) / rows                # g_i = grad L_i, a mean over 128 rows
+    g = np.empty_like(g_i)
+    comm.Allreduce(g_i, g, op=MPI.SUM)                  # every rank: g = sum_i g_i
+    g /= n                                              # the 1/8: g = 1/8 sum_i g_i
+    one_process = x.T @ (x @ w - t) / BATCH             # one process, all 1024 rows
+    rel = float(np.max(np.abs(g - one_process)) / np.max(np.abs(one_process)))
+    if me == 0:
+        print(f"a linear model W (16 x 4), loss L = mean over rows of 1/2 |x W - t|^2; "
+              f"rank i takes rows {rows}i..{rows}i+{rows - 1}\nand computes "
+              f"g_i = x_i^T (x_i W - t_i) / {rows}; then comm.Allreduce(g_i, g, op=MPI.SUM) "
+              f"and g /= {n}", flush=True)
+    say_in_order(comm, f"rows {mine.start}..{mine.stop - 1}: |g_{me}| = "
+                       f"{np.linalg.norm(g_i):.15f}   after Allreduce and /{n}: |g| = "
+                       f"{np.linalg.norm(g):.15f}")
+    if me == 0:
+        print(f"one process on all {BATCH} rows: |g| = {np.linalg.norm(one_process):.15f}; "
+              f"max relative difference {rel:.1e} -> {verdict(rel <= 1e-9)}\n"
+              f"(L = 1/{n} sum_i L_i, each L_i a mean over {rows} rows, so 1/{n} sum_i g_i is "
+              f"the gradient of L:\n the same numbers, added in another order)", flush=True)
+    return g_i, g
+
+
+def library_on_hand_arrays(mesh: Mesh, g_i: np.ndarray, g: np.ndarray) -> None:
+    """Part 1's g_i handed to the library's sync (a Parameter whose gradient is g_i):
+    `allreduce_gradients` leaves it equal to the g written by hand."""
+    p = nn.Parameter(np.zeros_like(g_i), "w")
+    p.grad = g_i.copy()
+    allreduce_gradients([p], mesh)
+    diff = float(np.max(np.abs(p.grad - g)))
+    mesh.ledger.reset()
+    if mesh.rank == 0:
+        print(f"the library on part 1's arrays: allreduce_gradients([W], mesh) leaves W.grad "
+              f"= the g of part 1:\n  max |difference| = {diff:.1e} -> {verdict(diff == 0.0)}",
+              flush=True)
+
+
 def norm(grads: list[np.ndarray]) -> float:
     return float(np.sqrt(sum(float(np.sum(g * g)) for g in grads)))
 
@@ -102,7 +158,7 @@ def ledger_line(mesh: Mesh, psi: int) -> list[dict]:
         if mesh.rank == 0:
             wire = wire_elements(op, entry.elements, n)
             print(f"  ledger (rank 0): {op} on {group}: {entry.calls} calls, "
-                  f"{entry.elements} elements (the parameter count: {psi}); on the wire "
+                  f"{entry.elements} elements (the parameter count: {psi});\n    on the wire "
                   f"{wire:.0f} elements ({format_bytes(8 * wire)}) = 2(N-1)/N x {psi} = "
                   f"{2 * (n - 1) / n * psi:.0f}", flush=True)
     mesh.ledger.reset()
@@ -110,14 +166,14 @@ def ledger_line(mesh: Mesh, psi: int) -> list[dict]:
 
 
 def timing_ranks(n: int) -> int:
-    """How many ranks part 6 times on: as many as there are cores (at most n), so each
+    """How many ranks part 5 times on: as many as there are cores (at most n), so each
     timed rank has a core of its own, and a divisor of the batch."""
     return max(k for k in range(1, min(n, cores()) + 1) if BATCH % k == 0)
 
 
 def timed(sizes: nn.ModelConfig, mesh: Mesh, bucket_size: int, repeats: int,
           ranks: int) -> dict[str, list[float]] | None:
-    """Part 6: each way's step (forward, backward, sync) timed `repeats` times, the ways
+    """Part 5: each way's step (forward, backward, sync) timed `repeats` times, the ways
     interleaved so a busy moment of the machine hits all three alike, on the first
     `timing_ranks` ranks only (dp = that many, a core each): with more ranks than cores
     the wall clock measures the ranks taking turns, not the sync. The other ranks sleep
@@ -153,9 +209,9 @@ def timed(sizes: nn.ModelConfig, mesh: Mesh, bucket_size: int, repeats: int,
         sub.Free()
     wait_for_rank0(mesh.world.comm)  # the untimed ranks asleep until rank 0 is done
     if mesh.rank == 0:
-        print(f"\n=== 6. the three ways timed: forward + backward + sync, ms, slowest rank, "
-              f"{repeats} steps each, interleaved; on dp = {k} "
-              f"{timing.where(k)}" + (f", not the {ranks} ranks above: {ranks} ranks on "
+        print(f"\n=== 5. Beyond the source: the three ways timed: forward + backward + sync, "
+              f"ms, slowest rank,\n{repeats} steps each, interleaved; on dp = {k} "
+              f"{timing.where(k)}" + (f",\nnot the {ranks} ranks above: {ranks} ranks on "
                                       f"{cores()} cores would time the ranks taking turns"
                                       if k < ranks else ""), flush=True)
         print(f"  (naive blocks {waits[0]} times a step, bucketed {waits[1]}, overlapped "
@@ -172,7 +228,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true", help="minipar's default model size")
     parser.add_argument("--bucket-size", type=int, default=2000, help="elements per bucket")
-    parser.add_argument("--repeats", type=int, default=7, help="timed steps per way (part 6)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps per way (part 5)")
     parser.add_argument("--plot", metavar="DIR", type=Path, help="write the figures here (PNG)")
     args = lesson_arguments(parser)   # --plot checked now, not at the end
     world = MPI.COMM_WORLD
@@ -189,30 +245,34 @@ def main() -> None:
     x, y = make_batch(0, 0, BATCH, sizes.d_in, sizes.classes)  # the same global batch everywhere
     rows = shard_rows(BATCH, 1, n, 0, mesh.rank)
 
-    banner(mesh, f"1. batch {BATCH} on {n} ranks, {BATCH // n} each; a model of {psi} "
-                 "parameters on every rank")
+    banner(mesh, f"1. the source's example by hand: batch {BATCH} on {n} ranks, "
+                 f"{BATCH // n} each, g = 1/{n} sum_i g_i")
+    g_i, g = by_hand(world)
+
+    banner(mesh, f"2. the library's run of the same thing: minipar's MLP ({psi} parameters "
+                 "on every rank),\none Allreduce per parameter, then / N")
     single = local_gradients(model, x, y)  # one process, all rows: the answer to match
     local = local_gradients(model, x[rows], y[rows])
     say_in_order(mesh.world, f"rows {rows.start}..{rows.stop - 1}: local gradient "
                              f"|g_{mesh.rank}| = {norm(local):.15f}")
     if mesh.rank == 0:
         print(f"  (one process on all {BATCH} rows: |g| = {norm(single):.15f})", flush=True)
-
-    banner(mesh, "2. naive: one Allreduce(SUM) per parameter, then / N")
     allreduce_gradients(model.parameters(), mesh)  # g_i -> 1/N sum_i g_i, tensor by tensor
     compare(mesh, model, single, "the naive Allreduce")
     syncs = {"naive": ledger_line(mesh, psi)}  # rank 0's ledger of each way, for the figure
+    library_on_hand_arrays(mesh, g_i, g)
 
     buckets = make_buckets(model.parameters(), args.bucket_size)
-    banner(mesh, f"3. bucketed: {len(buckets)} buckets of at most {args.bucket_size} "
-                 f"elements (a larger tensor alone), last layer first")
+    banner(mesh, f"3. Beyond the source: bucketed, {len(buckets)} buckets of at most "
+                 f"{args.bucket_size} elements (a larger tensor alone), last layer first")
     for p, g in zip(model.parameters(), local):
         p.grad = g.copy()
     bucketed_allreduce(buckets, mesh)
     compare(mesh, model, single, "the bucketed Allreduce")
     syncs["bucketed"] = ledger_line(mesh, psi)
 
-    banner(mesh, "4. overlapped: each bucket's Iallreduce starts during backward")
+    banner(mesh, "4. Beyond the source: overlapped, each bucket's Iallreduce starts during "
+                 "backward")
     overlap = OverlappedAllreduce(buckets, mesh, microbatches=1)
     install_hooks([model], overlap)  # marker nodes around the embedding, blocks and head
     local_gradients(model, x[rows], y[rows])  # backward starts the Iallreduces...
@@ -249,7 +309,7 @@ def main() -> None:
 
 def traced_overlap(sizes: nn.ModelConfig, bucket_size: int, folder: Path,
                    world: MPI.Comm) -> None:
-    """Part 7 (with --plot): the overlapped sync in a real training run, traced
+    """Part 6 (with --plot): the overlapped sync in a real training run, traced
     (`train --grad-sync overlapped --trace`): how much of the Iallreduces' time ran under
     the backward, measured (trace_report.measure, what `python -m minipar trace` prints),
     and the run's timeline drawn."""
@@ -265,10 +325,10 @@ def traced_overlap(sizes: nn.ModelConfig, bucket_size: int, folder: Path,
         return
     doc = trace_files.load(folder)
     m = trace_report.measure(doc)
-    print(f"\n=== 7. the overlap in a traced run (train --grad-sync overlapped --trace "
-          f"{folder}): {m.hidden_by_axis.get('dp', 0):.1%} of the dp Iallreduces' time ran "
-          f"under compute; {n} ranks on {cores()} cores"
-          + (" (oversubscribed: a rank waiting for a core looks idle)" if n > cores() else ""),
+    print(f"\n=== 6. Beyond the source: the overlap in a traced run (train --grad-sync overlapped "
+          f"--trace\n{folder}):\n{m.hidden_by_axis.get('dp', 0):.1%} of the dp Iallreduces' "
+          f"time ran under compute; {n} ranks on {cores()} cores"
+          + ("\n(oversubscribed: a rank waiting for a core looks idle)" if n > cores() else ""),
           flush=True)
     from minipar.teaching.plots import save
 

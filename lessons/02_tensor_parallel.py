@@ -1,25 +1,37 @@
 """Lesson 2: tensor parallelism, one weight matrix split across ranks (Megatron-LM).
 
-    mpiexec -n 2 python lessons/02_tensor_parallel.py          # W 8192x8192 scaled to 1024x1024
-    mpiexec -n 4 python lessons/02_tensor_parallel.py          # W 4096x4096 scaled to 512x512
-    mpiexec -n 2 python lessons/02_tensor_parallel.py --full   # the source's sizes (~1.5 GiB)
+    mpiexec -n 4 python lessons/02_tensor_parallel.py          # the source's examples, 1/8 size
+    mpiexec -n 4 python lessons/02_tensor_parallel.py --full   # the real sizes (W: 512 MiB)
+    mpiexec -n 2 python lessons/02_tensor_parallel.py          # any rank count dividing 512
     mpiexec -n 4 python lessons/02_tensor_parallel.py --plot figures   # + 02_tp_ledger.png
 
-The source text's example: a linear layer Y = X W with W of 8192 x 8192 on 2
+The source text's examples: a linear layer Y = X W with W of 8192 x 8192 on 2
 GPUs, held as two column blocks of 8192 x 4096; each GPU computes half of Y,
 then an AllGather; and W of 4096 x 4096 on 4 GPUs as four 4096 x 1024 blocks.
+Its other communication, AllReduce, is the row split's.
 
-1. That example on real arrays (scaled by 1/8 unless `--full`, same ratios):
-   each rank's block of W, its part of Y, the Allgather, and max |Y - X W|.
-2. Two layers, GELU(X W1) W2, the MLP of every transformer block: split W1 by
+1. The first example by hand, in this file, on raw NumPy arrays (scaled by 1/8
+   unless `--full`, the ratios kept: W 1024 x 1024 as two 1024 x 512 blocks):
+   ranks 0 and 1 each hold a column block, compute their half of Y, and one
+   `Allgather` of mpi4py joins the halves; max |Y - X W| on every rank.
+2. The second example by hand on all the ranks: W 4096 x 4096 (512 x 512) on 4
+   ranks as 4096 x 1024 (512 x 128) column blocks, the same Allgather.
+3. The row split by hand: rank k holds rows k of W and columns k of X, its
+   product is a partial sum of the whole Y, and one `Allreduce` adds them.
+4. The library's run of the same three (minipar/parallel/tensor_parallel.py:
+   ColumnParallelLinear, RowParallelLinear) on the same arrays, equal to them.
+
+Beyond the source (each part's header says so):
+
+5. Two layers, GELU(X W1) W2, the MLP of every transformer block: split W1 by
    columns and W2 by rows (Megatron, Shoeybi et al. 2019) and one Allreduce
    replaces the Allgathers, because GELU works on a column shard as it stands.
-3. One training step of minipar's model on a tp group: the communication ledger
+6. One training step of minipar's model on a tp group: the communication ledger
    beside Megatron's count (2 Allreduces of B x d per block), with sequence
    parallelism (Korthikanti et al. 2022) beside it, parameter memory per rank
    beside 1/tp of the model, and the check against one process.
 
-The code behind part 3: minipar/parallel/tensor_parallel.py.
+The code behind parts 4-6: minipar/parallel/tensor_parallel.py.
 """
 
 from __future__ import annotations
@@ -54,45 +66,132 @@ def banner(tp: Group, title: str) -> None:
         print(f"\n=== {title}", flush=True)
 
 
-# ------------------------------------------------- part 1: the source's example
-def column_split(tp: Group, full: bool) -> None:
-    """Y = X W with W split by columns: rank k computes Y[:, cols_k], Allgather joins them."""
-    n, k = tp.size, tp.rank
-    size = 16384 // n if full else 2048 // n    # 8192 on 2 ranks, 4096 on 4 (the source)
-    size -= size % n
-    tokens = 64 if full else 32
-    source = 16384 // n
-    scale = ("the source's size" if full else
-             f"the source's {source} x {source} scaled by 1/8; --full for its real size")
-    banner(tp, f"1. Y = X W, W {size} x {size} split by columns over {n} ranks ({scale})")
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(tokens, size))
-    # every rank draws the full W from one seeded generator and keeps its block:
-    # wasteful at scale, exact here (all ranks agree on W without sending it)
-    w = rng.normal(size=(size, size)) / np.sqrt(size)
-    cols = shard(size, n, k)
-    w_mine = w[:, cols].copy()
-    if k != 0:
-        del w  # only rank 0 keeps the full W, to check the result at the end
-    y_mine = x @ w_mine                        # (B, D) @ (D, D/n) -> (B, D/n)
-    say_in_order(tp, f"holds W[:, {cols.start}:{cols.stop}] ({size} x {size // n}, "
-                     f"{w_mine.nbytes / MiB:.1f} of the {size * size * 8 / MiB:.1f} MiB of W), "
-                     f"computes Y[:, {cols.start}:{cols.stop}] ({tokens} x {size // n})")
-    blocks = np.empty((n, tokens, size // n))
-    tp.Allgather(y_mine, blocks)               # Y's (B, D/n) block of every rank -> all of them
-    y = np.concatenate(list(blocks), axis=1)   # (B, D), on every rank
+def say(comm: MPI.Comm, text: str) -> None:
+    """Print from rank 0 of `comm` only."""
+    if comm.Get_rank() == 0:
+        print(text, flush=True)
+
+
+# ------------------------------------------- parts 1-3: the source's examples, by hand
+SCALE = 8        # the source's sizes divided by 8 unless --full: every ratio kept
+TOKENS = 32      # rows of X (the source gives none; 64 with --full)
+
+
+def arrays(size: int, tokens: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """X (tokens, size) and W (size, size), the same on every rank: each rank draws them
+    from one seeded generator (wasteful at scale, exact here: no rank sends W)."""
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(tokens, size)), rng.normal(size=(size, size)) / np.sqrt(size)
+
+
+def column_by_hand(comm: MPI.Comm, source: int, full: bool, seed: int) -> np.ndarray:
+    """Y = X W with W split by columns on the ranks of `comm`, by hand: rank k computes
+    Y[:, cols_k] = X W[:, cols_k] and an mpi4py Allgather joins the blocks. Returns Y."""
+    n, k = comm.Get_size(), comm.Get_rank()
+    size = source if full else source // SCALE
+    tokens = 2 * TOKENS if full else TOKENS
+    x, w = arrays(size, tokens, seed)
+    width = size // n
+    cols = slice(k * width, (k + 1) * width)
+    w_k = w[:, cols]                                     # my column block: (D, D/n)
+    y_k = x @ w_k                                        # (B, D) @ (D, D/n) -> (B, D/n)
+    say_in_order(comm, f"holds W[:, {cols.start}:{cols.stop}] ({size} x {width}, "
+                       f"{w_k.nbytes / MiB:.1f} of the {w.nbytes / MiB:.1f} MiB of W), "
+                       f"computes Y[:, {cols.start}:{cols.stop}] ({tokens} x {width})")
+    blocks = np.empty((n, tokens, width))
+    comm.Allgather(y_k, blocks)                          # every rank's (B, D/n) -> all of them
+    y = np.concatenate(list(blocks), axis=1)             # blocks side by side: Y (B, D)
+    diff = comm.allreduce(float(np.max(np.abs(y - x @ w))), op=MPI.MAX)
     if k == 0:
-        diff = float(np.max(np.abs(y - x @ w)))
-        print(f"Allgather rebuilds Y ({tokens} x {size}) on every rank: "
-              f"max |Y - X @ W| = {diff:.1e}", flush=True)
+        print(f"comm.Allgather(y_k, blocks) rebuilds Y ({tokens} x {size}) on every rank: "
+              f"max |Y - X @ W| = {diff:.1e} -> {verdict(diff < 1e-12)}", flush=True)
+    return y
 
 
-# ---------------------------------------------- part 2: column, then row
+def row_by_hand(comm: MPI.Comm, source: int, full: bool, seed: int) -> np.ndarray:
+    """Y = X W with W split by rows, by hand: rank k holds W[rows_k, :] and the matching
+    columns of X; X[:, rows_k] W[rows_k, :] is a partial sum of all of Y, and an mpi4py
+    Allreduce adds the partial sums. Returns Y."""
+    n, k = comm.Get_size(), comm.Get_rank()
+    size = source if full else source // SCALE
+    tokens = 2 * TOKENS if full else TOKENS
+    x, w = arrays(size, tokens, seed)
+    height = size // n
+    rows = slice(k * height, (k + 1) * height)
+    w_k = w[rows, :]                                     # my row block: (D/n, D)
+    partial = x[:, rows] @ w_k                           # (B, D/n) @ (D/n, D) -> (B, D), a share
+    say_in_order(comm, f"holds W[{rows.start}:{rows.stop}, :] ({height} x {size}) and "
+                       f"X[:, {rows.start}:{rows.stop}], computes a share of all of Y "
+                       f"({tokens} x {size})")
+    y = np.empty_like(partial)
+    comm.Allreduce(partial, y, op=MPI.SUM)               # the shares of every rank -> their sum
+    diff = comm.allreduce(float(np.max(np.abs(y - x @ w))), op=MPI.MAX)
+    if k == 0:
+        print(f"comm.Allreduce(partial, y, op=MPI.SUM) adds the shares into Y on every rank: "
+              f"max |Y - X @ W| = {diff:.1e} -> {verdict(diff < 1e-12)}", flush=True)
+    return y
+
+
+def the_library(comm: MPI.Comm, source: int, full: bool, seed: int,
+                by_hand: dict[str, np.ndarray]) -> None:
+    """The library's layers on the same X and W (bias zero): ColumnParallelLinear with
+    gather_output=True is the column split and its Allgather, RowParallelLinear the row
+    split and its Allreduce; each Y against the one written by hand."""
+    size = source if full else source // SCALE
+    tokens = 2 * TOKENS if full else TOKENS
+    x, w = arrays(size, tokens, seed)
+    full_params = {"w.weight": w, "w.bias": np.zeros(size)}
+    tp = Group(comm, "tp", Ledger())
+    layers = {"column": lambda: ColumnParallelLinear(full_params, "w", tp, gather_output=True),
+              "row": lambda: RowParallelLinear(full_params, "w", tp, input_is_parallel=False)}
+    for how in by_hand:
+        layer = layers[how]()
+        tp.ledger.reset()
+        with ag.no_grad():
+            y = layer(ag.Tensor(x)).data
+        diff = comm.allreduce(float(np.max(np.abs(y - by_hand[how]))), op=MPI.MAX)
+        moved = ", ".join(f"{e.calls} x {op} of {e.elements} elements"
+                          for (op, _), e in sorted(tp.ledger.entries.items()))
+        if comm.Get_rank() == 0:
+            name = type(layer).__name__
+            print(f"  {name + '(W, tp)':>27} on {comm.Get_size()} ranks, {size} x {size}: "
+                  f"{moved};\n  {'':>27} max |Y - by hand| = {diff:.1e} -> {verdict(diff < 1e-12)}",
+                  flush=True)
+
+
+def source_examples(world: MPI.Comm, full: bool) -> None:
+    """Parts 1-4: the source's two column splits, the row split, then the library."""
+    n, me = world.Get_size(), world.Get_rank()
+    scale = ("the source's size" if full else "scaled by 1/8; --full for the source's size")
+    pair = world.Split(0 if me < 2 else MPI.UNDEFINED, me)   # ranks 0 and 1: the 2 GPUs
+    say(world, f"\n=== 1. the source's first example by hand: W 8192 x 8192 on 2 ranks as two "
+               f"8192 x 4096 column blocks\n({scale}; on ranks 0 and 1"
+               + (f", ranks 2..{n - 1} wait)" if n > 2 else ")"))
+    pair_y = column_by_hand(pair, 8192, full, seed=0) if pair != MPI.COMM_NULL else None
+    world.Barrier()
+    say(world, f"\n=== 2. the source's second example by hand: W 4096 x 4096 on {n} ranks as "
+               f"{n} column blocks of 4096 x {4096 // n}\n({scale}"
+               + ("" if n == 4 else "; the source's example is 4 ranks: mpiexec -n 4") + ")")
+    hand = {"column": column_by_hand(world, 4096, full, seed=1)}
+    say(world, f"\n=== 3. the row split by hand: the same W on {n} ranks as {n} row blocks of "
+               f"{4096 // n} x 4096, an Allreduce")
+    hand["row"] = row_by_hand(world, 4096, full, seed=1)
+    say(world, "\n=== 4. the library's run of the same: minipar's tensor-parallel layers on "
+               "the same X and W")
+    if pair != MPI.COMM_NULL:
+        the_library(pair, 8192, full, 0, {"column": pair_y})
+        pair.Free()
+    world.Barrier()
+    the_library(world, 4096, full, 1, hand)
+
+
+# ---------------------------------------------- part 5: column, then row
 def two_layers(tp: Group) -> None:
     """GELU(X W1 + b1) W2 + b2: column-then-column with Allgathers, or column-then-row."""
     n, k = tp.size, tp.rank
     tokens, d, f = 32, 64, 256
-    banner(tp, f"2. Z = GELU(X W1 + b1) W2 + b2, B={tokens} d={d} f={f}, {n} ranks")
+    banner(tp, f"5. Beyond the source: two layers, column then row (Megatron-LM): "
+               f"Z = GELU(X W1 + b1) W2 + b2,\nB={tokens} d={d} f={f}, {n} ranks")
     rng = np.random.default_rng(1)
     x = rng.normal(size=(tokens, d))
     full = {"fc1.weight": rng.normal(size=(d, f)) / 8, "fc1.bias": rng.normal(size=f) / 8,
@@ -141,7 +240,7 @@ def rows_first_fails(tp: Group, x: np.ndarray, full: dict[str, np.ndarray]) -> N
               flush=True)
 
 
-# ------------------------------------------- part 3: one step of the TP model
+# ------------------------------------------- part 6: one step of the TP model
 def one_step(world: MPI.Comm, sp: bool) -> tuple[list[dict], float]:
     """Train one step with tp = world size; print the ledger beside Megatron's count.
     Returns the step's ledger and rank 0's tp wire elements (on rank 0; empty elsewhere)."""
@@ -213,14 +312,15 @@ def main() -> None:
     args = lesson_arguments(parser)   # --plot checked now, not at the end
     world = MPI.COMM_WORLD
     n = world.Get_size()
-    if n < 2 or 2048 % n:  # every rank sees the same size: all stop here, together
-        raise ConfigError(f"lesson 2 splits W's 2048 columns evenly over the ranks: run it on "
-                          f"2 or more ranks, a count dividing 2048 (got {n}): mpiexec -n 2 "
+    if n < 2 or 512 % n:  # every rank sees the same size: all stop here, together
+        raise ConfigError(f"lesson 2 splits W's 512 columns evenly over the ranks: run it on "
+                          f"2 or more ranks, a count dividing 512 (got {n}): mpiexec -n 4 "
                           "python lessons/02_tensor_parallel.py")
     tp = Group(world, "tp", Ledger())  # the whole world is one tensor-parallel group
-    column_split(tp, args.full)
+    source_examples(world, args.full)
     two_layers(tp)
-    banner(tp, "3. one training step of minipar's model, tp = every rank")
+    banner(tp, "6. Beyond the source: one training step of minipar's model, tp = every rank, "
+               "and sequence parallelism")
     steps = {label: one_step(world, sp) for label, sp in
              (("tensor parallel", False), ("+ sequence parallel (--sp)", True))}
     ledgers = {label: ledger for label, (ledger, _) in steps.items()}

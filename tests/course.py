@@ -48,7 +48,7 @@ LESSON_TIMEOUT = 600   # seconds a lesson may take before it is called hung (MPI
 COURSE: tuple[tuple[str, int], ...] = (
     ("00_collectives", 4),
     ("01_data_parallel", 8),
-    ("02_tensor_parallel", 2),
+    ("02_tensor_parallel", 4),
     ("03_expert_parallel", 8),
     ("04_pipeline_parallel", 4),
     ("05_tp_vs_pp", 4),

@@ -240,25 +240,38 @@ def check_ledgers(got: dict, size: int, label: str) -> None:
 
 
 # ----------------------------------------------------------------- the lesson
-@pytest.mark.parametrize("world, size", [(2, 1024), (4, 512)])
-def test_lesson_runs_and_shows_the_source_example(world, size):
-    job, _ = lesson_run(world, "02_tensor_parallel.py")  # on 2 ranks, test_lessons' run
+def test_lesson_runs_and_shows_the_source_examples():
+    """On 4 ranks (its run line), scaled by 1/8: the source's W 8192 x 8192 on 2 ranks as
+    two column blocks, its W 4096 x 4096 on 4 as 4096 x 1024 blocks, the row split, each
+    by hand with the mpi4py call printed, then the library's layers equal to them."""
+    job, _ = lesson_run(4, "02_tensor_parallel.py")  # test_lessons' run
     assert job.returncode == 0 and not job.timed_out, job.explain()
     out = job.stdout
-    assert f"W {size} x {size} split by columns over {world} ranks" in out, out
-    block = size // world
-    for rank in range(world):  # each rank's column block of W and its part of Y
-        cols = f"{rank * block}:{(rank + 1) * block}"
-        assert f"[rank {rank}] holds W[:, {cols}] ({size} x {block}," in out, out
-        assert f"computes Y[:, {cols}]" in out, out
+    assert "W 8192 x 8192 on 2 ranks as two 8192 x 4096 column blocks" in out, out
+    assert "W 4096 x 4096 on 4 ranks as 4 column blocks of 4096 x 1024" in out, out
+    assert out.count("scaled by 1/8; --full for the source's size") == 2, out
+    for rank in range(2):  # the first example: ranks 0 and 1, W 1024 x 1024 in halves
+        assert f"[rank {rank}] holds W[:, {rank * 512}:{(rank + 1) * 512}] (1024 x 512," in out
+    assert "[rank 2] holds W[:, 0:512]" not in out, out
+    for rank in range(4):  # the second: W 512 x 512 in quarters, by columns, then by rows
+        cols = f"{rank * 128}:{(rank + 1) * 128}"
+        assert f"[rank {rank}] holds W[:, {cols}] (512 x 128," in out, out
+        assert f"computes Y[:, {cols}] (32 x 128)" in out, out
+        assert f"[rank {rank}] holds W[{cols}, :] (128 x 512) and X[:, {cols}]" in out, out
+    assert out.count("comm.Allgather(y_k, blocks) rebuilds Y") == 2, out
+    assert out.count("comm.Allreduce(partial, y, op=MPI.SUM) adds the shares") == 1, out
+    assert "ColumnParallelLinear(W, tp) on 2 ranks, 1024 x 1024: 1 x Allgather" in out, out
+    assert "ColumnParallelLinear(W, tp) on 4 ranks, 512 x 512: 1 x Allgather" in out, out
+    assert "RowParallelLinear(W, tp) on 4 ranks, 512 x 512: 1 x Allreduce" in out, out
     diffs = re.findall(r"max \|[YZ] - [^=]+= ([0-9.e+-]+)", out)
-    assert len(diffs) == 3 and max(float(v) for v in diffs) < 1e-12, out
+    assert len(diffs) == 8 and max(float(v) for v in diffs) < 1e-12, out
     assert "1 x Allreduce (2048 elements)" in out and "2 x Allgather (10240" in out, out
     assert out.count("-> matches") == 4 and "DIFFERS" not in out, out
-    assert out.count("-> OK") == 2 and "MISMATCH" not in out, out
+    assert out.count("-> OK") == 8 and "MISMATCH" not in out, out
     assert "parameters per rank:" in out, out
-    source = 8 * size
-    assert f"the source's {source} x {source} scaled by 1/8; --full" in out, out
+    heads = re.findall(r"^=== (\d+)\. (Beyond the source: )?", out, re.MULTILINE)
+    assert [int(n) for n, _ in heads] == list(range(1, 7)), heads
+    assert [bool(beyond) for _, beyond in heads] == [False] * 4 + [True] * 2, heads
     ratio = re.search(r"--sp sends ([\d.]+) x plain TP's bytes", out)
     assert ratio and 1.0 < float(ratio[1]) < 1.5, out  # same per block, + 2 Allgathers
 

@@ -296,7 +296,7 @@ def test_a_crafted_shard_is_one_line(one_checkpoint, tmp_path, how):
 
 # ------------------------------------------------- 6. lessons get the command line's refusals
 LESSON_REFUSALS = {"10_transformer.py --quick": "--batch 16 is not divisible by --dp 3",
-                   "02_tensor_parallel.py": "lesson 2 splits W's 2048 columns",
+                   "02_tensor_parallel.py": "lesson 2 splits W's 512 columns",
                    "12_context_parallel.py --quick": "--cp-mode ulysses",
                    "01_data_parallel.py": "lesson 1 splits a batch of 1024",
                    "03_expert_parallel.py --plot {a_file}": "--plot",
