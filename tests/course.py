@@ -15,6 +15,8 @@ build/notebooks/ (the book is built from there); a cell that raises, or a drawin
 that drew nothing, fails it. Its exercises run as handed out (each must print "not
 written yet") and, right after, solved in the same kernel (each must print `check
 passed`; tests/teaching/notebooks.py): the suite does not run the notebooks, this does.
+The Chinese notebooks of lessons 00-05 (lessons/zh/, a Chinese class's first week) run
+too, after the English ones, kept in build/notebooks/zh/.
 Two notebooks run at a time (as many as the cores, at most four): much of a notebook's
 time is one kernel's Python while a core waits.
 
@@ -66,6 +68,8 @@ COURSE: tuple[tuple[str, int], ...] = (
     ("17_muon", 4),
 )
 EXTRA_NOTEBOOKS = ("exercises",)   # notebooks that belong to no single lesson
+# a Chinese class's first week: these twins (lessons/zh/) run too, kept in build/notebooks/zh/
+ZH_NOTEBOOKS = tuple(LESSONS / "zh" / f"{stem}.ipynb" for stem, _ in COURSE[:6])
 CHECKS = re.compile(r"^lesson checks: (\d+) passed, (\d+) failed$", re.M)
 FAILED_LINE = re.compile(r"MISMATCH|FAILED|Traceback|Error:|error:")
 
@@ -148,7 +152,8 @@ def run_notebook(path: Path, ranks: int | None) -> Outcome:
 
     wall = time.monotonic()
     try:
-        notebook, solved_runs = notebooks.execute(path, NOTEBOOKS_OUT)
+        notebook, solved_runs = notebooks.execute(
+            path, NOTEBOOKS_OUT / path.parent.relative_to(LESSONS))
         problems = notebooks.problems(path, notebook, solved_runs)
     except Exception as error:  # nbclient's CellExecutionError names the cell
         notebook, solved_runs = None, {}
@@ -163,7 +168,7 @@ def run_notebook(path: Path, ranks: int | None) -> Outcome:
             checks += "assert " in cell.source and "not written yet" not in text  # answered
             checks += sum(int(n) for n, _ in CHECKS.findall(text))
         checks += sum("check passed" in said for said in solved_runs.values())
-    return Outcome(path.name, ranks, seconds, checks, problems)
+    return Outcome(str(path.relative_to(LESSONS)), ranks, seconds, checks, problems)
 
 
 def table(outcomes: list[Outcome]) -> str:
@@ -200,6 +205,7 @@ def main() -> int:
         paths = [(LESSONS / f"{s}.ipynb", n) for s, n in chosen]
         if not args.only:
             paths += [(LESSONS / f"{name}.ipynb", None) for name in EXTRA_NOTEBOOKS]
+        paths += [(path, n) for path in ZH_NOTEBOOKS for stem, n in chosen if stem == path.stem]
         print(f"course: {len(paths)} notebooks, {at_once()} at a time ...", flush=True)
         with ThreadPoolExecutor(at_once()) as pool:
             for outcome in pool.map(lambda p: run_notebook(*p), paths):
