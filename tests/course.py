@@ -66,6 +66,7 @@ COURSE: tuple[tuple[str, int], ...] = (
     ("15_hangs", 4),
     ("16_serving", 2),
     ("17_muon", 4),
+    ("18_diloco", 4),
 )
 EXTRA_NOTEBOOKS = ("exercises",)   # notebooks that belong to no single lesson
 # a Chinese class's first week: these twins (lessons/zh/) run too, kept in build/notebooks/zh/

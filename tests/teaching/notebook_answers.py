@@ -61,4 +61,8 @@ ANSWERS: dict[str, dict[str, str]] = {
         "reads": '((params - m.vocab * m.d_model) * 2 + m.layers * 4096 * sizes["kv_width"] * 2)'
                  " / 8 / hw.hbm_bw",
     },
+    "18_diloco": {
+        "peak": '2 * (K - 1) / K * 8 * sum(n for name, n in numbers.items()'
+                ' if not name.startswith("blocks.") or name.startswith("blocks.0."))',
+    },
 }
