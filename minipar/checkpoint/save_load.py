@@ -50,7 +50,7 @@ import contextlib
 import json
 import shutil
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -301,6 +301,45 @@ def problems(cfg: TrainConfig) -> list[str]:
     return out
 
 
+# ------------------------------------------------- --outer diloco: K + 1 checkpoints
+def diloco_folders(root: str | Path, workers: int) -> dict[str, Path]:
+    """Where an --outer diloco checkpoint `root` keeps its parts, each an ordinary
+    checkpoint (written and read by the functions above): "outer" (theta as the
+    parameters, the outer momentum as the slot "v"; saved by worker 0, with the run's own
+    flags) and "worker-k" (worker k's parameters and inner optimizer state, with the
+    worker's flags: dp 1 and its B/K rows, `config.worker_config`). Whether fragment p
+    has taken its first outer step follows from the step count alone."""
+    return {"outer": Path(root) / "outer",
+            **{f"worker-{k}": Path(root) / f"worker-{k}" for k in range(workers)}}
+
+
+def diloco_problems(cfg: TrainConfig) -> list[str]:
+    """`problems` for an --outer diloco run: each part's (`diloco_folders`) against the
+    flags that part was saved with; and a resume with another number of workers refused
+    (each worker's inner optimizer state is its own: K of them cannot become K')."""
+    from minipar.settings.config import worker_config  # the same layer
+
+    parts = diloco_folders(cfg.save or cfg.resume, cfg.dp)
+    resumed = diloco_folders(cfg.resume, cfg.dp) if cfg.resume else {}
+    if cfg.resume:
+        outer = resumed["outer"]
+        found = verify(outer)
+        if found:
+            return [f"--resume {cfg.resume}: not an --outer diloco checkpoint ({found[0]})"]
+        saved = read_manifest(outer)["config"].get("dp")
+        if saved != cfg.dp:
+            return [f"--resume {cfg.resume}: saved by {saved} workers (--dp {saved}), this run "
+                    f"has --dp {cfg.dp}: each worker's inner optimizer state is its own, so "
+                    "DiLoCo resumes with the same --dp (tp, pp and cp may change)"]
+    out = []
+    worker = worker_config(cfg)
+    for name, folder in (diloco_folders(cfg.save, cfg.dp) if cfg.save else parts).items():
+        here = cfg if name == "outer" else worker
+        out += problems(replace(here, save=str(folder) if cfg.save else None,
+                                resume=str(resumed[name]) if cfg.resume else None))
+    return out
+
+
 def continued_run(resume: str | None) -> str | None:
     """The run id a run resumed from `resume` continues (None: a fresh run, or a checkpoint
     saved before manifests named their run)."""
@@ -329,7 +368,8 @@ def folder_problems(folder: Path) -> list[str]:
 MUST_MATCH = ("model", "layers", "d_in", "d_model", "d_ff", "classes", "experts",
               "expert_d_ff", "top_k", "capacity_factor", "aux_coef", "batch", "seed",
               "optimizer", "dtype", "vocab", "seq_len", "heads", "data", "documents",
-              "shared_experts", "router", "mixed")
+              "shared_experts", "router", "mixed", "outer", "inner_steps", "fragments",
+              "outer_lr", "outer_momentum")
 
 
 def _number(value: object) -> str:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar.comm.mesh import Mesh, MeshShape
+from minipar.core.nn import Parameter
 
 if TYPE_CHECKING:  # the schedule and the formula import without mpi4py.MPI (tests, planner)
     from minipar.comm.collectives import Group, Ledger
@@ -74,8 +75,8 @@ def dp_allreduce_elements(fragment_sizes: Sequence[int], inner_steps: int, fragm
 
 
 def ledger_differences(records: Sequence[dict], fragment_sizes: Sequence[Sequence[int]],
-                       inner_steps: int, fragments: int, steps: int, itemsize: int
-                       ) -> list[str]:
+                       inner_steps: int, fragments: int, steps: int, itemsize: int,
+                       first: int = 1) -> list[str]:
     """Every step's dp lines of every rank against the formula, one sentence for each
     that differs (empty when all match). `records`: the per-step ledger (`ledger_steps.json`:
     records with a "step"); `fragment_sizes[rank]`: the elements that rank holds of each
@@ -83,7 +84,7 @@ def ledger_differences(records: Sequence[dict], fragment_sizes: Sequence[Sequenc
     `dp_allreduce_elements` elements of `itemsize` bytes; no other dp line, ever."""
     out = []
     for rank, sizes in enumerate(fragment_sizes):
-        for step in range(1, steps + 1):
+        for step in range(first, steps + 1):
             got = {r["op"]: r for r in records
                    if r["rank"] == rank and r["step"] == step and r["group"] == "dp"}
             elements = dp_allreduce_elements(sizes, inner_steps, fragments, step)
@@ -130,18 +131,22 @@ class OuterNesterov:
     `masters`: the arrays the inner optimizer updates (the parameters themselves, or
     their master copies under --mixed), read and overwritten by the outer step;
     `refresh(masters)`: makes the compute copies anew from them (nothing in one dtype).
-    `names`: each piece's canonical name, which says its fragment."""
+    `params`: the worker's pieces (canonical name, which says the fragment, and
+    `full_index`), in the order of `masters`."""
 
-    def __init__(self, names: Sequence[str], masters: Sequence[np.ndarray],
+    def __init__(self, params: Sequence[Parameter], masters: Sequence[np.ndarray],
                  refresh: Callable[[], None], dp: Group, layers: int, inner_steps: int,
                  fragments: int, lr: float, momentum: float) -> None:
         self.masters, self.refresh, self.dp = list(masters), refresh, dp
         self.inner_steps, self.fragments = inner_steps, fragments
         self.lr, self.momentum = lr, momentum
-        self.fragment = [fragment_of(n, layers, fragments) for n in names]
+        self.names = [p.name for p in params]
+        self.full_index = [p.full_index for p in params]
+        self.fragment = [fragment_of(n, layers, fragments) for n in self.names]
         self.theta = [m.copy() for m in self.masters]
         self.v = [np.zeros_like(m) for m in self.masters]
         self.started = [False] * fragments  # has fragment p taken its first outer step?
+        self.t = 0   # outer steps taken, over every fragment (a checkpoint's count)
 
     def fragment_sizes(self) -> list[int]:
         """The elements this rank holds of each fragment (what its Allreduce carries)."""
@@ -185,6 +190,26 @@ class OuterNesterov:
             self.theta[i] -= self.lr * (delta + self.momentum * self.v[i])
             self.masters[i][...] = self.theta[i]
         self.started[p] = True
+        self.t += 1
+
+    def restore(self, theta: Sequence[np.ndarray], v: Sequence[np.ndarray], step: int) -> None:
+        """A resumed run at `step` (inner steps taken): this rank's pieces of theta and v
+        as saved; fragment p has started if its first outer step, p H / P + H, is past."""
+        for mine, saved in zip(self.theta, theta):
+            mine[...] = saved
+        for mine, saved in zip(self.v, v):
+            mine[...] = saved
+        self.started = [step >= p * self.inner_steps // self.fragments + self.inner_steps
+                        for p in range(self.fragments)]
+        self.t = sum(len(due(s, self.inner_steps, self.fragments)) for s in range(1, step + 1))
+
+    def checkpoint_pieces(self) -> tuple[list, dict[str, list[np.ndarray]]]:
+        """What a checkpoint saves of the outer step (checkpoint/save_load.py `save`, as an
+        updater's pieces): theta as the parameters (each with its canonical name and
+        `full_index`, those of the worker's pieces), v as the slot "v"."""
+        pieces = [Parameter(theta, name, index) for theta, name, index
+                  in zip(self.theta, self.names, self.full_index)]
+        return pieces, {"v": self.v}
 
     def use_theta(self) -> None:
         """Point the workers' parameters at theta (each fragment's after its last outer

@@ -397,8 +397,8 @@ def dump(folder: Path, cfg: TrainConfig, result: RunResult) -> None:
         (folder / "gnorms.json").write_text(json.dumps(result.extras["gnorms"]))
     (folder / "config.json").write_text(json.dumps(cfg.as_json(), indent=1))
     (folder / "ledger.json").write_text(json.dumps(result.ledger, indent=1))
-    if "ledger_steps" in result.extras:  # every step's ledger (train.py `train_workers`)
-        (folder / "ledger_steps.json").write_text(json.dumps(result.extras["ledger_steps"]))
-        # --outer diloco: each rank's elements of each fragment (parallel/diloco.py)
-        (folder / "fragment_sizes.json").write_text(
+    # every step's ledger: the records of ledger.json, each with its "step" (1-based)
+    (folder / "ledger_steps.json").write_text(json.dumps(result.extras.get("ledger_steps", [])))
+    if "fragment_sizes" in result.extras:  # --outer diloco: each rank's elements of each
+        (folder / "fragment_sizes.json").write_text(   # fragment (parallel/diloco.py)
             json.dumps(result.extras["fragment_sizes"]))

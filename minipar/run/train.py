@@ -54,6 +54,7 @@ from minipar.core.data import (
     rank_rows,
 )
 from minipar.core.optim import held_whole, make_optimizer
+from minipar.core.shards import held_parts
 from minipar.parallel.pipeline import executor, schedules
 from minipar.run import agreement
 from minipar.run.agreement import (
@@ -96,8 +97,8 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
         out += preflight.overflow_problems(cfg) + preflight.memory_problems(cfg, world_size)
     if cfg.inject_bug is not None and not config.size_problems(cfg, world_size):
         out += catalog.problems(cfg)
-    if not out and (cfg.save or cfg.resume):
-        out += save_load.problems(cfg)
+    if not out and (cfg.save or cfg.resume):  # --outer diloco: K + 1 checkpoints
+        out += save_load.diloco_problems(cfg) if cfg.outer else save_load.problems(cfg)
     if not out and cfg.trace is not None:  # a file, read-only, another run's trace
         out += preflight.trace_problems(cfg.trace)
     return out
@@ -424,15 +425,17 @@ def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
     # the losses of the steps already taken (a resumed run reports all --steps of them)
     losses = list(saved.manifest.get("losses", [])) if saved else []
     timeline: list[dict] = []  # the pipeline's instructions of the last step, timed
+    steps_ledger: list[dict] = []  # every step's ledger records, each with its "step"
     for step in range(start, cfg.steps):  # --steps is the total, resumed or not
         watchdog.doing(f"step {step + 1} of {cfg.steps}")  # named if a rank gets stuck
         timeline.clear()
         with trace.step(step + 1):   # --trace: one span per step
             losses.append(train_step(cfg, mesh, chunks, updater, step, timeline))
+        steps_ledger += [{"step": step + 1, **r} for r in mesh.ledger.records(mesh.rank)]
         if on_step is not None:
             step_done(on_step, step, losses[-1], norms_of(updater), scaler_of(updater))
     watchdog.doing("the end of the run (gathering results, saving the checkpoint)")
-    return finish(cfg, mesh, chunks, updater, losses, init, timeline)
+    return finish(cfg, mesh, chunks, updater, losses, init, timeline, steps_ledger)
 
 
 def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Updater,
@@ -520,26 +523,40 @@ def train_workers(cfg: TrainConfig, world: object,
 
     ledger = Ledger()
     mesh, dp = diloco.worker_groups(cfg.mesh_shape(), world, ledger)
-    inner = replace(cfg, dp=1, batch=cfg.batch // cfg.dp, outer=None, inner_steps=None,
-                    outer_lr=None, outer_momentum=None, fragments=None)
-    rank = world.Get_rank()
-    rows = rank_rows(cfg.batch, cfg.microbatches, cfg.dp, cfg.mesh_shape().coords(rank)["dp"])
+    inner = config.worker_config(cfg)
+    rank, k = world.Get_rank(), cfg.mesh_shape().coords(world.Get_rank())["dp"]
+    rows = rank_rows(cfg.batch, cfg.microbatches, cfg.dp, k)
+    # --resume: theta and v from the outer part, this worker's own state from its part
+    parts = save_load.diloco_folders(cfg.resume, cfg.dp) if cfg.resume else None
+    saved = save_load.load(parts[f"worker-{k}"]) if parts else None
+    saved_outer = save_load.load(parts["outer"]) if parts else None
     try:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"), \
                 precision.use(cfg.mixed, cfg.dtype,
                               fp8_scales.over_mesh(fp8.recipe_of(cfg), mesh)):
-            full = nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
+            full = saved.params if saved else \
+                nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
             optimizer = make_optimizer(cfg.optimizer, cfg.lr, **cfg.optimizer_rule())
             chunks, updater = parallelize(inner, mesh, full, optimizer)
-            init, _ = agreement.gather_full_params(mesh, updater.params, inner, values=full)
+            params = updater.params
+            init, _ = agreement.gather_full_params(
+                mesh, params, inner, values=saved_outer.params if saved_outer else full)
             outer = diloco.OuterNesterov(
-                [p.name for p in updater.params], updater.my_slices(),
-                lambda: updater.precision.refresh(updater.masters,
-                                                  [p.data for p in updater.params]),
+                params, updater.my_slices(),
+                lambda: updater.precision.refresh(updater.masters, [p.data for p in params]),
                 dp, cfg.layers, cfg.inner_steps, cfg.fragments, cfg.outer_lr,
                 cfg.outer_momentum)
-            losses, steps_ledger, timeline = [], [], []
-            for step in range(cfg.steps):
+            start = 0
+            if saved:
+                start = save_load.restore_optimizer(optimizer, params, saved, updater)
+                outer.restore(held_parts(params, saved_outer.params),
+                              held_parts(params, saved_outer.state["v"]), start)
+                if scaler_of(updater) is not None and "loss_scaler" in saved.manifest:
+                    scaler_of(updater).load(saved.manifest["loss_scaler"])
+            losses = list(saved_outer.manifest.get("losses", [])) if saved_outer else []
+            steps_ledger: list[dict] = []
+            timeline: list[dict] = []
+            for step in range(start, cfg.steps):
                 watchdog.doing(f"step {step + 1} of {cfg.steps}")
                 timeline.clear()
                 local = train_step(inner, mesh, chunks, updater, step, timeline,
@@ -555,9 +572,11 @@ def train_workers(cfg: TrainConfig, world: object,
                     step_done(on_step, step, losses[-1], norms_of(updater),
                               scaler_of(updater))
             last = ledger.records(rank)
+            ledger.enabled = False
+            if cfg.save:   # each worker its part, worker 0 also theta and v
+                save_workers(cfg, k, mesh, updater, optimizer, outer, losses)
             outer.use_theta()   # final.npz: theta, each fragment's after its last outer step
             result = finish(inner, mesh, chunks, updater, losses, init, timeline)
-            ledger.enabled = False
             everyone = world.gather((last, steps_ledger, outer.fragment_sizes()), root=0)
     finally:
         mesh.free()
@@ -566,18 +585,38 @@ def train_workers(cfg: TrainConfig, world: object,
         result.ledger = [r for mine, _, _ in everyone for r in mine]
         result.extras["ledger_steps"] = [r for _, steps, _ in everyone for r in steps]
         result.extras["fragment_sizes"] = [sizes for _, _, sizes in everyone]
+    result.extras["first_step"] = start + 1   # a resumed run's first (ledger_steps from it)
     return result
+
+
+def save_workers(cfg: TrainConfig, k: int, mesh: Mesh, updater: Updater,
+                 optimizer: object, outer: object, losses: list[float]) -> None:
+    """--outer diloco --save: worker k's ranks write its part (its parameters, the masters
+    under --mixed, and its inner optimizer state), worker 0's ranks also the outer part
+    (theta, v) with the run's own flags (save_load.diloco_folders)."""
+    parts = save_load.diloco_folders(cfg.save, cfg.dp)
+    resumed = save_load.diloco_folders(cfg.resume, cfg.dp) if cfg.resume else {}
+    updater.use_masters()  # what is saved: the masters (the parameters in one dtype)
+    scaler = None if scaler_of(updater) is None else scaler_of(updater).state()
+    save_load.save(parts[f"worker-{k}"], config.worker_config(cfg), mesh, updater,
+                   optimizer, cfg.steps, losses, keep=cfg.keep, loss_scaler=scaler,
+                   run=save_load.continued_run(resumed.get(f"worker-{k}")))
+    if k == 0:
+        save_load.save(parts["outer"], cfg, mesh, outer, outer, cfg.steps, losses,
+                       keep=cfg.keep, run=save_load.continued_run(resumed.get("outer")))
 
 
 def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Updater,
            losses: list[float], init: dict[str, np.ndarray] | None,
-           timeline: list[dict]) -> RunResult:
-    """After the last step: gather the ledger, the timeline and the final parameters on
-    rank 0, and save the checkpoint (`--save`)."""
+           timeline: list[dict], steps_ledger: list[dict] | None = None) -> RunResult:
+    """After the last step: gather the ledger (the last step's, and `steps_ledger`: every
+    step's), the timeline and the final parameters on rank 0, and save the checkpoint
+    (`--save`)."""
     ledger = mesh.ledger
     last_ledger = ledger.records(mesh.rank)
     ledger.enabled = False
     gathered = mesh.world.gather(last_ledger)
+    every_step = mesh.world.gather(steps_ledger or [])
     timelines = executor.gather_timeline(mesh.world, timeline)
     memory = updater.memory()  # bytes of params, grads, optimizer state on this rank
     updater.materialize()  # ZeRO-3: gather every parameter whole before reading p.data
@@ -599,6 +638,8 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
     return RunResult(losses, init, final,
                      [r for rank in gathered for r in rank] if gathered else [],
                      {"replica_disagreements": disagreements,
+                      # every step's ledger of every rank (rank 0): ledger_steps.json
+                      "ledger_steps": [r for rank in every_step or [] for r in rank],
                       # --clip-grad-norm: each step's global gradient norm on this rank
                       "gnorms": norms_of(updater),
                       # --mixed: S after the last step and the steps skipped (parallel/mixed.py)

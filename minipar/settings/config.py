@@ -10,7 +10,7 @@ The command line that fills a TrainConfig is flags.py.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from minipar.comm.mesh import CP_MODES, MeshShape
 from minipar.core import fp8
@@ -208,6 +208,14 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
     return out
 
 
+def worker_config(cfg: TrainConfig) -> TrainConfig:
+    """The flags one DiLoCo worker runs with (parallel/diloco.py): a mesh of dp 1 on its
+    B/K rows of every step, its own inner steps and no outer ones."""
+    return replace(cfg, dp=1, batch=cfg.batch // cfg.dp, outer=None, inner_steps=None,
+                   outer_lr=None, outer_momentum=None, fragments=None, save=None,
+                   resume=None)
+
+
 def diloco_problems(cfg: TrainConfig) -> list[str]:
     """--outer diloco and its flags (parallel/diloco.py): H >= 1 dividing --steps, P
     dividing H and --layers, eta > 0, mu in [0, 1); the flags without --outer refused, and
@@ -253,8 +261,7 @@ def diloco_problems(cfg: TrainConfig) -> list[str]:
                    "parameter, so the outer step would not average it")
     if cfg.check_placements:
         out.append("--outer diloco with --check-placements is not built")
-    for name, flag in (("inject_bug", "--inject-bug"), ("trace", "--trace"),
-                       ("save", "--save"), ("resume", "--resume")):
+    for name, flag in (("inject_bug", "--inject-bug"), ("trace", "--trace")):
         if getattr(cfg, name) is not None:
             out.append(f"--outer diloco with {flag} is not built")
     return out

@@ -362,7 +362,8 @@ def check_diloco_ledger(cfg: TrainConfig, result: RunResult) -> bool:
     every dp line matches."""
     differences = diloco.ledger_differences(
         result.extras["ledger_steps"], result.extras["fragment_sizes"], cfg.inner_steps,
-        cfg.fragments, cfg.steps, np.dtype(cfg.dtype).itemsize)
+        cfg.fragments, cfg.steps, np.dtype(cfg.dtype).itemsize,
+        result.extras.get("first_step", 1))
     ranks = len(result.extras["fragment_sizes"])
     if differences:
         print(f"ledger against the formulas: {len(differences)} dp line(s) differ, MISMATCH",

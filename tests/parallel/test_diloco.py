@@ -41,6 +41,7 @@ CONFIGS = [
     dict(MLP, **OUTER, model="moe", experts=4, steps=4, dp=2, tp=2, inner_steps=2,
          optimizer="adam", lr=0.01),
 ]
+PLAIN_DP = dict(MLP, steps=3, dp=4)   # beside them: plain DP's traffic, step by step
 MIXED = ["train", "--model", "gpt", "--layers", "2", "--d-model", "16", "--heads", "4",
          "--seq-len", "8", "--vocab", "16", "--d-ff", "32", "--batch", "8", "--dp", "2",
          "--tp", "2", "--mixed", "bf16", "--optimizer", "adam", "--lr", "0.01", "--outer",
@@ -53,11 +54,25 @@ def label(fields: dict) -> str:
             f"H={fields['inner_steps']} P={fields.get('fragments', 1)}")
 
 
+# --save on dp 2 x tp 2 at step 4 (fragment 1 synced at step 3, its workers apart since),
+# --resume on dp 2 x pp 2 to step 8 and --save again into the same folder, --check against
+# the 8 steps in one process; a resume on --dp 4 refused by name
+SAVED = ["train", "--layers", "4", "--d-model", "16", "--batch", "16", "--outer", "diloco",
+         "--inner-steps", "2", "--fragments", "2", "--optimizer", "adam", "--lr", "0.01"]
+SAVES = [[*SAVED, "--dp", "2", "--tp", "2", "--steps", "4", "--save", "{ck}"],
+         [*SAVED, "--dp", "2", "--pp", "2", "--steps", "8", "--resume", "{ck}", "--save",
+          "{ck}", "--check"],
+         [*SAVED, "--dp", "4", "--steps", "10", "--resume", "{ck}"]]
+
+
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
-    """Every config trained in one 4-rank job, and the --mixed command line."""
+    """Every config trained in one 4-rank job, then the command lines: --mixed, the
+    checkpoints."""
     folder = tmp_path_factory.mktemp("diloco")
-    return sweep(WORLD, CONFIGS + [{"cli": MIXED}], folder, timeout=240)
+    saves = [{"cli": [str(folder / "ck") if a == "{ck}" else a for a in argv]}
+             for argv in SAVES]
+    return sweep(WORLD, CONFIGS + [PLAIN_DP, {"cli": MIXED}] + saves, folder, timeout=240)
 
 
 def test_the_sweep_covers_meshes_models_optimizers_and_fragments():
@@ -146,8 +161,32 @@ def test_streaming_fragments_stagger_and_split_the_traffic():
 
 
 def test_mixed_bf16_passes_check(swept):
-    out = swept[-1]
+    out = swept[len(CONFIGS) + 1]
     assert out["code"] == 0, out["out"]
     assert re.search(r"check against one process in bf16.*-> OK", out["out"]), out["out"]
     assert "ledger against the formulas: the dp Allreduce of every step" in out["out"]
 
+
+
+def test_plain_dp_s_ledger_is_the_same_every_step(swept):
+    """ledger_steps.json of plain DP: every step the last step's ledger (one gradient
+    Allreduce of the whole model a step), what DiLoCo's steps are read beside."""
+    run = swept[len(CONFIGS)]
+    steps = json.loads((run["job_folder"] / "ledger_steps.json").read_text())
+    assert run["ledger"] and any(r["group"] == "dp" for r in run["ledger"])
+    for step in range(1, PLAIN_DP["steps"] + 1):
+        mine = [{k: v for k, v in r.items() if k != "step"} for r in steps if r["step"] == step]
+        assert mine == run["ledger"], step
+
+
+def test_resume_on_another_mesh_continues_exactly(swept):
+    """Theta, v and each worker's parameters and Adam state come back on another tp x pp
+    mesh: the 8 steps (4 saved, 4 resumed) equal one process's 8; a second save into the
+    same folder works; another --dp is refused by name, exit 2."""
+    saved, resumed, other_dp = swept[-3:]
+    assert saved["code"] == 0, saved["out"]
+    assert resumed["code"] == 0, resumed["out"]
+    assert re.search(r"check against one process: .* -> OK", resumed["out"]), resumed["out"]
+    assert "the dp Allreduce of every step on 4 ranks as" in resumed["out"], resumed["out"]
+    assert other_dp["code"] == 2, other_dp["out"]
+    assert "saved by 2 workers (--dp 2), this run has --dp 4" in other_dp["out"]

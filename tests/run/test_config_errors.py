@@ -155,7 +155,8 @@ CASES = [
     (["--outer", "diloco"], "--inner-steps"),                        # H has no default
     (["--inner-steps", "2"], "--inner-steps"),                       # without --outer
     (["--outer", "diloco", "--inner-steps", "1", "--outer-momentum", "1"], "--outer-momentum"),
-    (["--outer", "diloco", "--inner-steps", "1", "--save", "{missing}"], "--save"),
+    (["--outer", "diloco", "--inner-steps", "1", "--optimizer", "adam", "--resume", "{good}",
+      "--steps", "4"], "--resume"),                                  # plain DP's checkpoint
     # gradient clipping (clip.py) and ragged documents (documents.py)
     (["--clip-grad-norm", "0"], "--clip-grad-norm"),
     (["--clip-grad-norm", "-1"], "--clip-grad-norm"),
