@@ -73,16 +73,6 @@ def allgather(comm: MPI.Comm) -> None:
     say_in_order(comm, f"holds {x}   after Allgather: {show(gathered.ravel(), n)}")
 
 
-def reduce_scatter(comm: MPI.Comm) -> None:
-    banner(comm, "4. Beyond the source: Reduce_scatter, the sum cut in N pieces, piece j on "
-                 "rank j")
-    n = comm.Get_size()
-    x = (comm.Get_rank() + 1) * np.arange(1, 2 * n + 1)
-    mine = np.empty(2, dtype=x.dtype)
-    comm.Reduce_scatter_block(x, mine, op=MPI.SUM)  # (N pieces of 2) summed -> my piece
-    say_in_order(comm, f"holds {show(x, n)}   after Reduce_scatter: {mine}")
-
-
 def label(code: int) -> str:
     """Chunk `code` = 100 * rank + chunk number, as the source writes it: A2 from rank 3."""
     return f"A{code % 100} from rank {code // 100}"
@@ -113,6 +103,16 @@ def alltoall(comm: MPI.Comm, plot: Path | None = None) -> None:
             path = save(alltoall_figure(np.array(before), np.array(after)),
                         plot / "00_alltoall.png")
             print(f"figure: {path}", flush=True)
+
+
+def reduce_scatter(comm: MPI.Comm) -> None:
+    banner(comm, "4. Beyond the source: Reduce_scatter, the sum cut in N pieces, piece j on "
+                 "rank j")
+    n = comm.Get_size()
+    x = (comm.Get_rank() + 1) * np.arange(1, 2 * n + 1)
+    mine = np.empty(2, dtype=x.dtype)
+    comm.Reduce_scatter_block(x, mine, op=MPI.SUM)  # (N pieces of 2) summed -> my piece
+    say_in_order(comm, f"holds {show(x, n)}   after Reduce_scatter: {mine}")
 
 
 def watch_the_ring(world: Group) -> None:

@@ -165,65 +165,6 @@ def ledger_line(mesh: Mesh, psi: int) -> list[dict]:
     return records
 
 
-def timing_ranks(n: int) -> int:
-    """How many ranks part 5 times on: as many as there are cores (at most n), so each
-    timed rank has a core of its own, and a divisor of the batch."""
-    return max(k for k in range(1, min(n, cores()) + 1) if BATCH % k == 0)
-
-
-def timed(sizes: nn.ModelConfig, mesh: Mesh, bucket_size: int, repeats: int,
-          ranks: int) -> dict[str, list[float]] | None:
-    """Part 5: each way's step (forward, backward, sync) timed `repeats` times, the ways
-    interleaved so a busy moment of the machine hits all three alike, on the first
-    `timing_ranks` ranks only (dp = that many, a core each): with more ranks than cores
-    the wall clock measures the ranks taking turns, not the sync. The other ranks sleep
-    meanwhile. A step lasts as long as its slowest rank: each time is the max over the
-    timed ranks (seconds). Returns the times on rank 0, None elsewhere."""
-    k = timing_ranks(ranks)
-    sub = mesh.world.comm.Split(0 if mesh.rank < k else MPI.UNDEFINED, mesh.rank)
-    times, waits = {}, (0, 0)
-    if sub != MPI.COMM_NULL:
-        timers = Mesh(MeshShape(dp=k), sub, Ledger())
-        rows = shard_rows(BATCH, 1, k, 0, timers.rank)
-        x, y = make_batch(0, 0, BATCH, sizes.d_in, sizes.classes)
-        x, y = x[rows], y[rows]
-        plain = nn.build_reference(sizes, nn.init_params(sizes, seed=0))
-        hooked = nn.build_reference(sizes, nn.init_params(sizes, seed=0))
-        plain_buckets = make_buckets(plain.parameters(), bucket_size)
-        overlap = OverlappedAllreduce(make_buckets(hooked.parameters(), bucket_size), timers, 1)
-        install_hooks([hooked], overlap)
-        waits = (len([p for p in plain.parameters() if p.sync]), len(plain_buckets))
-
-        def step(model: nn.Model, sync: Callable[[], object]) -> Callable[[], None]:
-            def run() -> None:
-                sub.Barrier()  # every timed rank starts the step together
-                local_gradients(model, x, y)
-                sync()
-            return run
-
-        ways = {"naive": step(plain, lambda: allreduce_gradients(plain.parameters(), timers)),
-                "bucketed": step(plain, lambda: bucketed_allreduce(plain_buckets, timers)),
-                "overlapped": step(hooked, overlap.finish)}
-        times = timing.timed(ways, repeats, clock=lambda t: sub.allreduce(t, op=MPI.MAX))
-        timers.free()
-        sub.Free()
-    wait_for_rank0(mesh.world.comm)  # the untimed ranks asleep until rank 0 is done
-    if mesh.rank == 0:
-        print(f"\n=== 5. Beyond the source: the three ways timed: forward + backward + sync, "
-              f"ms, slowest rank,\n{repeats} steps each, interleaved; on dp = {k} "
-              f"{timing.where(k)}" + (f",\nnot the {ranks} ranks above: {ranks} ranks on "
-                                      f"{cores()} cores would time the ranks taking turns"
-                                      if k < ranks else ""), flush=True)
-        print(f"  (naive blocks {waits[0]} times a step, bucketed {waits[1]}, overlapped "
-              "starts its Iallreduces during backward and waits once)", flush=True)
-        for way, seconds in times.items():
-            print(f"  {way:>10}: {timing.Spread.of(seconds).text()}", flush=True)
-        print(f"  {timing.verdict(times)} (a way is fastest only if its slowest step beats "
-              "the others' fastest)", flush=True)
-    return {way: [1000 * t for t in seconds] for way, seconds in times.items()} \
-        if mesh.rank == 0 else None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true", help="minipar's default model size")
@@ -305,6 +246,65 @@ def main() -> None:
                                   f"wire bytes, 2(N-1)/N x {psi} x 8, in fewer calls"),
                     args.plot / "01_gradient_sync.png")
         print(f"figure: {path}", flush=True)
+
+
+def timing_ranks(n: int) -> int:
+    """How many ranks part 5 times on: as many as there are cores (at most n), so each
+    timed rank has a core of its own, and a divisor of the batch."""
+    return max(k for k in range(1, min(n, cores()) + 1) if BATCH % k == 0)
+
+
+def timed(sizes: nn.ModelConfig, mesh: Mesh, bucket_size: int, repeats: int,
+          ranks: int) -> dict[str, list[float]] | None:
+    """Part 5: each way's step (forward, backward, sync) timed `repeats` times, the ways
+    interleaved so a busy moment of the machine hits all three alike, on the first
+    `timing_ranks` ranks only (dp = that many, a core each): with more ranks than cores
+    the wall clock measures the ranks taking turns, not the sync. The other ranks sleep
+    meanwhile. A step lasts as long as its slowest rank: each time is the max over the
+    timed ranks (seconds). Returns the times on rank 0, None elsewhere."""
+    k = timing_ranks(ranks)
+    sub = mesh.world.comm.Split(0 if mesh.rank < k else MPI.UNDEFINED, mesh.rank)
+    times, waits = {}, (0, 0)
+    if sub != MPI.COMM_NULL:
+        timers = Mesh(MeshShape(dp=k), sub, Ledger())
+        rows = shard_rows(BATCH, 1, k, 0, timers.rank)
+        x, y = make_batch(0, 0, BATCH, sizes.d_in, sizes.classes)
+        x, y = x[rows], y[rows]
+        plain = nn.build_reference(sizes, nn.init_params(sizes, seed=0))
+        hooked = nn.build_reference(sizes, nn.init_params(sizes, seed=0))
+        plain_buckets = make_buckets(plain.parameters(), bucket_size)
+        overlap = OverlappedAllreduce(make_buckets(hooked.parameters(), bucket_size), timers, 1)
+        install_hooks([hooked], overlap)
+        waits = (len([p for p in plain.parameters() if p.sync]), len(plain_buckets))
+
+        def step(model: nn.Model, sync: Callable[[], object]) -> Callable[[], None]:
+            def run() -> None:
+                sub.Barrier()  # every timed rank starts the step together
+                local_gradients(model, x, y)
+                sync()
+            return run
+
+        ways = {"naive": step(plain, lambda: allreduce_gradients(plain.parameters(), timers)),
+                "bucketed": step(plain, lambda: bucketed_allreduce(plain_buckets, timers)),
+                "overlapped": step(hooked, overlap.finish)}
+        times = timing.timed(ways, repeats, clock=lambda t: sub.allreduce(t, op=MPI.MAX))
+        timers.free()
+        sub.Free()
+    wait_for_rank0(mesh.world.comm)  # the untimed ranks asleep until rank 0 is done
+    if mesh.rank == 0:
+        print(f"\n=== 5. Beyond the source: the three ways timed: forward + backward + sync, "
+              f"ms, slowest rank,\n{repeats} steps each, interleaved; on dp = {k} "
+              f"{timing.where(k)}" + (f",\nnot the {ranks} ranks above: {ranks} ranks on "
+                                      f"{cores()} cores would time the ranks taking turns"
+                                      if k < ranks else ""), flush=True)
+        print(f"  (naive blocks {waits[0]} times a step, bucketed {waits[1]}, overlapped "
+              "starts its Iallreduces during backward and waits once)", flush=True)
+        for way, seconds in times.items():
+            print(f"  {way:>10}: {timing.Spread.of(seconds).text()}", flush=True)
+        print(f"  {timing.verdict(times)} (a way is fastest only if its slowest step beats "
+              "the others' fastest)", flush=True)
+    return {way: [1000 * t for t in seconds] for way, seconds in times.items()} \
+        if mesh.rank == 0 else None
 
 
 def traced_overlap(sizes: nn.ModelConfig, bucket_size: int, folder: Path,

@@ -216,11 +216,11 @@ def the_table(rows: dict[str, dict]) -> None:
                                      for row in rows.values()))
     if not rows:  # the rows are rank 0's
         return
-    say(f"  step time {timing.where(size)}, min..max over {len(rows['TP']['steps'])} steps: "
+    say(f"  step time {timing.where(size)}, min..max over {len(rows['TP']['steps'])} steps:\n    "
         + ", ".join(f"{name} {1e3 * min(row['steps']):.1f}..{1e3 * max(row['steps']):.1f}"
                     for name, row in rows.items())
         + f"; {timing.verdict({name: row['steps'] for name, row in rows.items()})}")
-    say("  activations: tape bytes of one microbatch x microbatches in flight per rank ("
+    say("  activations: tape bytes of one microbatch x microbatches in flight per rank\n    ("
         + ", ".join(f"{name} {row['flight']}" for name, row in rows.items()) + ")")
     say(*[row["check"] for row in rows.values()])
 

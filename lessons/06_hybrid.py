@@ -171,8 +171,8 @@ def the_check(cfg: TrainConfig, result: RunResult) -> None:
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(result.losses, ref.losses))
     _, param_rel, _ = max_differences(result.final, ref.final)
     ok = loss_rel <= 1e-9 and param_rel <= 1e-9
-    say(f"\n=== 5. dp=2 x tp=2 x pp=2 against one process ({cfg.steps} SGD steps, "
-        f"the same global batch): losses rel {loss_rel:.1e}, params rel {param_rel:.1e} "
+    say(f"\n=== 5. dp=2 x tp=2 x pp=2 against one process ({cfg.steps} steps, "
+        f"the same batch): losses rel {loss_rel:.1e}, params rel {param_rel:.1e} "
         f"-> {verdict(ok)}")
 
 

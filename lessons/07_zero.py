@@ -88,7 +88,7 @@ def ledger_table(ledgers: list[list[dict]], psi: int, n: int) -> None:
 
 def paper_table() -> None:
     print("\n=== 4. the paper's example: Psi = 7.5 B, N = 64, mixed-precision Adam "
-          "(2 + 2 + 12 bytes per parameter), in the paper's decimal GB (1 GB = 1e9 bytes)",
+          "(2 + 2 + 12 bytes per parameter),\nin the paper's decimal GB (1 GB = 1e9 bytes)",
           flush=True)
     print(row(["", "params GB", "grads GB", "optim GB", "total GB"]))
     for stage, states in enumerate(paper_example()):

@@ -75,6 +75,7 @@ import json
 import re
 from collections import defaultdict
 from dataclasses import replace
+from itertools import count
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +90,7 @@ from minipar.run.results import mixed_tolerance, moved_difference, relative_diff
 from minipar.run.train import RunResult, problems, train, train_reference
 from minipar.settings.config import TrainConfig
 from minipar.settings.preflight import lesson_arguments
+from minipar.teaching.lines import fit
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -105,9 +107,17 @@ ROUTED = ("Alltoallv",)  # MoE: how many rows go where depends on the router's c
 
 
 def say(*lines: str) -> None:
-    """Print from rank 0 only."""
+    """Print from rank 0 only, a line wider than the page wrapped (teaching/lines.py)."""
     if rank == 0:
-        print(*lines, sep="\n", flush=True)
+        print(fit("\n".join(lines)), flush=True)
+
+
+PARTS = count(1)   # the lesson's parts, numbered as they print: a bug each, then the table
+
+
+def part(title: str) -> str:
+    """The next part's header, `=== N. title`, after a blank line."""
+    return f"\n=== {next(PARTS)}. {title}"
 
 
 def config(bug: Bug, steps: int, quick: bool) -> TrainConfig:
@@ -199,7 +209,7 @@ def run_bug(bug: Bug, steps: int, quick: bool) -> dict | None:
     cfg = config(bug, steps, quick)
     errors = problems(replace(cfg, inject_bug=bug.name), size)
     if errors:  # the same verdict on every rank: all skip together
-        say(f"\n=== {bug.name}: skipped on {size} ranks: {errors[0]}")
+        say(part(f"{bug.name}: skipped on {size} ranks: {errors[0]}"))
         return {"skipped": errors[0]} if rank == 0 else None
     clean = train(cfg, comm)
     buggy = train(replace(cfg, inject_bug=bug.name), comm)
@@ -259,7 +269,7 @@ def show(index: int, bug: Bug, cfg: TrainConfig, found: dict) -> None:
         + (f" cp={cfg.cp}" if cfg.cp > 1 else "")
     extra = "".join(f", {k}={v}" for k, v in bug.flags.items()
                     if k not in ("dp", "tp", "pp", "ep", "cp"))
-    say(f"\n=== {index}/{len(BUGS)} {bug.name} [{bug.strategy}] on {mesh}{extra}",
+    say(part(f"{bug.name} [{bug.strategy}] on {mesh}{extra} (bug {index} of {len(BUGS)})"),
         f"broken: {bug.broken}",
         f"{'step':>5}  {'one process':>14}  {'correct mesh':>14}  {'with the bug':>14}  "
         "bug vs one process (relative)")
@@ -358,9 +368,9 @@ def run_mixed_bug(bug: Bug) -> dict | None:
 def show_mixed(index: int, bug: Bug, found: dict) -> None:
     cfg = TrainConfig(**{**MIXED, **bug.flags}).resolved(size)
     c, b = found["correct"], found["buggy"]
-    say(f"\n=== 16-bit {index}/{len(MIXED_BUGS)} {bug.name} [{bug.strategy}] on "
-        f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}, {cfg.mixed} over {cfg.dtype} masters, "
-        f"{cfg.steps} steps", f"broken: {bug.broken}",
+    say(part(f"{bug.name} [{bug.strategy}] on dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}, "
+             f"{cfg.mixed} over {cfg.dtype} masters, {cfg.steps} steps (16-bit bug {index} of "
+             f"{len(MIXED_BUGS)})"), f"broken: {bug.broken}",
         f"the derived tolerance: losses {found['loss_tol']:.2g} relative, parameters "
         f"{found['param_tol']:.2g} of their movement (run/results.py, mixed_tolerance)")
     ok = c["loss_rel"] <= found["loss_tol"] and c["moved"] <= found["param_tol"] \
@@ -384,7 +394,7 @@ def show_mixed(index: int, bug: Bug, found: dict) -> None:
 # ------------------------------------------------------------ the lesson
 def summary(results: dict[str, dict]) -> None:
     wide = max([24, *map(len, results)])  # the longest bug name sets the first column
-    say("\n=== every bug, and what caught it",
+    say(part("every bug, and what caught it"),
         f"{'bug':<{wide}} {'loss rel':>9} {'param rel':>9}  {'placements':<22}  caught by")
     for name, found in results.items():
         if "skipped" in found:

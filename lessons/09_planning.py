@@ -65,6 +65,7 @@ from minipar.planner.search import (
 from minipar.planner.time_cost import Timing, ledger_of, traffic
 from minipar.planner.workloads import transformer
 from minipar.settings.preflight import folder_problems
+from minipar.teaching.lines import fit
 
 H100 = hardware(CLUSTERS["h100"], efficiency=0.5)
 USABLE = usable(H100)  # what a plan may use: the GPU's memory less the framework's headroom
@@ -129,7 +130,8 @@ def axis_table(best: dict[int, Estimate], axis: str) -> list[str]:
 
 
 def say(*lines: str) -> None:
-    print(*lines, sep="\n", flush=True)
+    """Print, a line wider than the page wrapped (teaching/lines.py)."""
+    print(fit("\n".join(lines)), flush=True)
 
 
 def tensor_parallel() -> dict[int, Estimate]:
@@ -138,7 +140,7 @@ def tensor_parallel() -> dict[int, Estimate]:
     fits = {tp: e for tp, e in best.items() if e.timing}
     top = min(fits, key=lambda tp: fits[tp].timing.total)
     inside, across = fits[H100.node_size], fits[2 * H100.node_size]
-    say("1. TP inside a node: the 70B on 512 GPUs, the best plan for each tp",
+    say("=== 1. TP inside a node: the 70B on 512 GPUs, the best plan for each tp",
         *axis_table(best, "tp"),
         (f"   tp=1 fits only as {best[1].plan.label()}: {best[1].memory / GB:.1f} GB of the "
          f"{room()}, of which activations {best[1].activations / GB:.0f} GB (TP+SP cut them "
@@ -161,7 +163,7 @@ def pipeline_parallel() -> tuple[dict[int, Estimate], list[Estimate]]:
     best = best_by(found, "pp")
     piped = min((e for pp, e in best.items() if pp > 1 and e.timing),
                 key=lambda e: e.timing.total)            # the fastest pipeline
-    say("2. PP across nodes: the same 70B, the best plan for each pp", *axis_table(best, "pp"),
+    say("=== 2. PP across nodes: the same 70B, the best plan for each pp", *axis_table(best, "pp"),
         f"   The fastest pipeline {piped.plan.label()}"
         + (f" ({piped.timing.total / best[1].timing.total - 1:+.0%} against the best "
            "without one)" if best[1].timing else "")
@@ -179,8 +181,7 @@ def pipeline_parallel() -> tuple[dict[int, Estimate], list[Estimate]]:
         over = e.memory > USABLE
         say(f"     M={e.plan.microbatches:3d}: bubble {e.bubble:6.1%}, step "
             f"{e.timing.total:6.2f} s, {e.memory / GB:6.1f} GB per GPU"
-            + (f"  (does not fit the {room()}: b = B/(dp M) sequences in flight)"
-               if over else ""))
+            + ("  (does not fit: b = B/(dp M) sequences in flight)" if over else ""))
     say("   Few microbatches: a long bubble and big ones in flight; many: the bubble shrinks "
         "as (pp-1)/(M+pp-1), as far as the global batch allows.", "")
     return best, sweep
@@ -192,7 +193,7 @@ def expert_parallel(quick: bool = False) -> dict[int, Estimate]:
     stages = (1,) if quick else (0, 1, 2, 3)
     best = best_by(search(w, H100, 2048, DENSE, zero_stages=stages, recomputes=("full",),
                           fixed=ONE_CONTEXT), "ep")
-    say(f"3. EP for the MoE: {w.params / 1e9:.0f} B parameters, {w.active_params / 1e9:.1f} B "
+    say(f"=== 3. EP for the MoE: {w.params / 1e9:.0f} B parameters, {w.active_params / 1e9:.1f} B "
         "active per token, on 2048 GPUs, the best plan for each ep"
         + (" (--quick: ZeRO-1 plans only)" if quick else ""), *axis_table(best, "ep"))
     none, node, far = best[1], best[H100.node_size], best[64]
@@ -212,7 +213,7 @@ def data_parallel() -> list[tuple[int, Estimate]]:
     w = dense_70b()
     rows = [(gpus, dense_search(w, gpus).feasible[0]) for gpus in
             (64, 128, 256, 512, 1024, 2048, 4096)]
-    say("4. DP for the rest: the 70B on more and more GPUs (global batch fixed at 1024 x 4096)")
+    say("=== 4. DP for the rest: the 70B on more and more GPUs (global batch fixed at 1024 x 4096)")
     for gpus, e in rows:
         say(f"  {gpus:5d} GPUs: {e.plan.label():37s} step {e.timing.total:7.2f} s, "
             f"MFU {mfu(w, H100, gpus, e.timing.total):5.1%}, bubble {e.bubble:5.1%}")
@@ -236,7 +237,7 @@ def small_scale() -> None:
     cfg = TrainConfig(layers=4, d_model=16, d_in=8, batch=16, optimizer="adam",
                       microbatches=2, dp=2, tp=2, pp=2).resolved(8)
     w, plan = minipar_workload(cfg), plan_of(cfg)
-    say("5. The same arithmetic at minipar's scale: train --dp 2 --tp 2 --pp 2 "
+    say("=== 5. The same arithmetic at minipar's scale: train --dp 2 --tp 2 --pp 2 "
         "--microbatches 2 --optimizer adam, pipeline stage 0 and 1 of dp rank 0")
     for stage in (0, 1):
         shape = rank_shape(w, plan, stage)
@@ -264,7 +265,7 @@ def llama3_405b(quick: bool = False) -> None:
     schedules = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
     found = search(w, H100, 8192, DENSE, recomputes=RECOMPUTE, schedules=schedules,
                    fixed=ONE_CONTEXT if quick else None)
-    say("6. Llama 3 405B on 8192 H100s, 2048 x 8192 tokens a step: python -m minipar plan "
+    say("=== 6. Llama 3 405B on 8192 H100s, 2048 x 8192 tokens a step: python -m minipar plan "
         "--preset llama3-405b --cluster h100 --gpus 8192 --global-batch 2048"
         + (" (--quick: the plans with cp = 1 only)" if quick else ""),
         report(found, w, model, H100, 8192, DENSE, top=5))

@@ -155,7 +155,7 @@ def main() -> None:
                     .lower().split() if w.isalpha())
     top, count = words.most_common(1)[0]
     print(f"  (why it repeats itself: a tiny model trained {text_steps} steps, decoded "
-          f"greedily -- each byte its most likely one -- loops on the corpus's commonest "
+          f"greedily -- each byte its most likely one --\n   loops on the corpus's commonest "
           f"pieces: its commonest word is {top!r}, {count} of {sum(words.values())})",
           flush=True)
     documents(ragged_cfg, ragged)
@@ -169,7 +169,7 @@ def documents(cfg: TrainConfig, run: object) -> None:
     starts, lengths = read_documents(cfg.data)
     _, y = step_batch(cfg, 0)
     print(f"\n=== 4. {len(starts)} documents of {int(lengths.min())}-{int(lengths.max())} "
-          f"bytes as rows of T + 1 = {cfg.seq_len + 1}: step 1 has {valid_positions(y)} "
+          f"bytes as rows of T + 1 = {cfg.seq_len + 1}:\nstep 1 has {valid_positions(y)} "
           f"valid positions of {y.size}; the loss is their mean, the gradient clipped at "
           f"norm {cfg.clip_grad_norm:g}", flush=True)
     ref = train_reference(cfg)

@@ -50,6 +50,7 @@ from minipar.run.results import TOLERANCE, max_differences, relative_difference
 from minipar.run.train import step_batch, train, train_reference
 from minipar.settings.config import TrainConfig, problems
 from minipar.settings.preflight import lesson_arguments
+from minipar.teaching.lines import fit
 
 SHAPE = dict(model="gpt", layers=2, d_model=64, heads=8, seq_len=32, vocab=256, batch=8,
              d_ff=256, steps=2)
@@ -58,8 +59,9 @@ rank, size = comm.Get_rank(), comm.Get_size()
 
 
 def say(text: str) -> None:
+    """Print from rank 0, a line wider than the page wrapped (teaching/lines.py)."""
     if rank == 0:
-        print(text, flush=True)
+        print(fit(text), flush=True)
 
 
 def config(**fields: object) -> TrainConfig:
@@ -83,11 +85,11 @@ def holdings() -> None:
     fc1 = chunk.blocks[0].ffn.fc1.weight.full_index[1]
     rows = chunk.embed.tok.full_index[0]
     say(f"\n=== 1. gpt L={cfg.layers} d={cfg.d_model} H={cfg.heads} T={cfg.seq_len} "
-        f"V={cfg.vocab} d_ff={cfg.d_ff} on tp = {size}: what each rank holds")
+        f"V={cfg.vocab} d_ff={cfg.d_ff} on tp = {size}: what each rank holds\n"
+        "(tokens: the embedding's rows and the head's columns)")
     say_in_order(comm, f"heads {cols.start // dh}..{cols.stop // dh - 1} (q, k, v columns "
                  f"{cols.start}:{cols.stop}, proj rows {cols.start}:{cols.stop}); fc1 "
-                 f"columns {fc1.start}:{fc1.stop}; tokens {rows.start}..{rows.stop - 1} "
-                 f"(embedding rows, head columns)")
+                 f"columns {fc1.start}:{fc1.stop}; tokens {rows.start}..{rows.stop - 1}")
 
 
 # ------------------------------------------------------------ 2. the ledger

@@ -60,6 +60,7 @@ from minipar.settings.config import ConfigError, TrainConfig
 from minipar.settings.preflight import lesson_arguments
 from minipar.teaching import trace_files, trace_report
 from minipar.teaching.ledger_tables import RECEIVES, group_sizes, wire_bytes
+from minipar.teaching.lines import print  # the builtin, a line wider than the page wrapped
 
 MODES = ("allgather", "ring", "zigzag", "ulysses")
 

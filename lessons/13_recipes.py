@@ -62,6 +62,7 @@ from minipar.run.train import train, train_reference
 from minipar.settings.config import TrainConfig
 from minipar.settings.preflight import lesson_arguments
 from minipar.teaching.ledger_tables import group_sizes, wire_bytes
+from minipar.teaching.lines import print  # the builtin, a line wider than the page wrapped
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -146,7 +147,7 @@ def main() -> None:
             print("lesson 13 runs on 8 ranks: mpiexec -n 8 python lessons/13_recipes.py")
         raise SystemExit(2)
     rows = []
-    for name, fields, model, seq_len, cluster, batch, real in RECIPES:
+    for part, (name, fields, model, seq_len, cluster, batch, real) in enumerate(RECIPES, 1):
         wait_for_rank0(world)  # the others asleep while rank 0 reran the last one alone
         cfg = TrainConfig(**fields).resolved(n)
         result = train(cfg, world)
@@ -155,7 +156,7 @@ def main() -> None:
             continue
         mesh = " x ".join(f"{axis} {getattr(cfg, axis)}" for axis in ("tp", "cp", "pp", "dp")
                           if getattr(cfg, axis, 1) > 1)
-        print(f"\n=== {name}: --model {cfg.model}, {mesh}"
+        print(f"\n=== {part}. {name}: --model {cfg.model}, {mesh}"
               + (f", ep {cfg.ep}" if cfg.ep > 1 else "")
               + (f", --cp-mode {cfg.cp_mode}" if cfg.cp > 1 else "")
               + f", ZeRO-{cfg.zero}", flush=True)

@@ -56,6 +56,7 @@ from minipar.run.train import train, train_reference
 from minipar.settings.config import ConfigError, TrainConfig
 from minipar.settings.preflight import lesson_arguments
 from minipar.teaching import ledger_tables
+from minipar.teaching.lines import print  # the builtin, a line wider than the page wrapped
 
 # the three recipes of section 1: (label, --mixed, --dtype of the masters)
 RECIPES = (("fp32", None, "float32"), ("bf16", "bf16", "float32"), ("fp16", "fp16", "float32"))

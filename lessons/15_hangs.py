@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -63,6 +64,7 @@ from minipar.comm.job import verdict as check
 from minipar.run.train import train
 from minipar.settings.config import TrainConfig
 from minipar.teaching.classroom import mpiexec, rank_environment
+from minipar.teaching.lines import print  # the builtin, a line wider than the page wrapped
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -95,7 +97,7 @@ def healthy(folder: Path) -> None:
     lines = [f"pid {os.getpid()}: {len(load(folder)[rank]['calls'])} calls recorded, the "
              f"last: {load(folder)[rank]['calls'][-1]['op']} over "
              f"{load(folder)[rank]['calls'][-1]['axis']}"]
-    say("1. a healthy job (dp 2 x tp 2, one step), asked for its records by SIGUSR1:")
+    say("=== 1. a healthy job (dp 2 x tp 2, one step), asked for its records by SIGUSR1:")
     say_in_order(comm, lines[0])
     if rank == 0:
         dumps = load(folder)
@@ -153,6 +155,8 @@ def run_hang(hang: Hang, folder: Path) -> dict:
 
 def show(index: int, hang: Hang, found: dict) -> None:
     named = all(words in found["verdict"] for words in hang.names)
+    if index == 1:
+        print("\n=== 2. each hang injected into a job of 4 ranks, and what ended it")
     print(f"\n2.{index} {hang.name} [{hang.strategy}]: {hang.broken}")
     print(f"   why it hangs: {hang.why}")
     print(f"   run: {found['command']}")
@@ -172,14 +176,33 @@ def show(index: int, hang: Hang, found: dict) -> None:
         near = [i for i, r in enumerate(rows) if " *" in r or "<-- differs" in r][:4]
         shown = sorted({j for i in near for j in (max(h for h in heads if h < i),
                                                   max(h for h in heads if h < i) + 1, i)})
-        print("   the records around it (* a rank still inside that call):")
-        print("\n".join("     " + rows[j] for j in shown))
+        print("   the records around it, a line per rank (* a rank still inside that call):")
+        for j in shown:
+            if j in heads:        # a group's title; its next row names the columns
+                print("     " + rows[j])
+            elif j - 1 not in heads:
+                header = rows[max(h for h in heads if h < j) + 1]
+                print("\n".join("       " + line for line in by_rank(header, rows[j])))
+
+
+def by_rank(header: str, row: str) -> list[str]:
+    """One row of flight_report.table (a call number, then a column per rank) as one line
+    per rank, the columns cut where the header's `rank N` titles start: four ranks' cells
+    side by side are wider than the page."""
+    starts = [m.start() for m in re.finditer(r"rank \d+", header)]
+    names = re.findall(r"rank \d+", header)
+    flag = "  <-- differs" if row.endswith("<-- differs") else ""
+    body = row.removesuffix(flag)
+    cells = [body[a:b].strip() or "-" for a, b in zip(starts, [*starts[1:], len(body) + 1])]
+    seq = body[:starts[0]].strip()
+    return [f"call {seq:<4} {name}: {cell}" + (flag if i == 0 else "")
+            for i, (name, cell) in enumerate(zip(names, cells))]
 
 
 def py_spy_demo(folder: Path) -> None:
     """Rank 0: start a hang with a long timeout, `py-spy dump` one stuck rank, end it."""
     hang = HANGS["hang-pp-both-recv"]
-    print("\n3. a live stuck job, seen from outside: `py-spy dump --pid PID` on every rank "
+    print("\n=== 3. a live stuck job, seen from outside: `py-spy dump --pid PID` on every rank "
           "(`pgrep -f 'minipar train'` lists the pids; `kill -USR1 <mpiexec's pid>` makes "
           "every rank write its flight records and go on waiting)")
     if shutil.which("py-spy") is None:

@@ -65,6 +65,7 @@ from minipar.run.generate import text_of
 from minipar.run.results import relative_difference
 from minipar.run.train import train
 from minipar.settings.config import TrainConfig
+from minipar.teaching.lines import print  # the builtin, a line wider than the page wrapped
 
 ROOT = Path(__file__).resolve().parent.parent
 # One toy model for sections 1-3: big enough (3.2 M float64 weights, 25 MiB) that a
@@ -210,13 +211,14 @@ def tp_against_pp(world: MPI.Comm, fields: dict, repeats: int, batches: tuple[in
               f"{fields['d_model']}, L = {fields['layers']}), prompt 8, 9 new tokens "
               f"{timing.where(n)}"
               + (": the times measure the ranks' sharing" if n > cores() else "")
-              + f"; {repeats} runs each, median (min..max))", flush=True)
+              + f"; {repeats} runs each, median (min..max));\n  tokens and logits against "
+              "one process's full forwards", flush=True)
         for batch, (spreads, checked) in out.items():
             for name, s in spreads.items():
                 rate = batch / s[0]
                 print(f"  B = {batch}: {name}: {shown(s)} ms per decode step -> "
-                      f"{rate:7.1f} tokens/s; tokens and logits equal to one process's "
-                      f"full forwards: {verdict(checked[name])}")
+                      f"{rate:7.1f} tokens/s; tokens, logits = one process's: "
+                      f"{verdict(checked[name])}")
             what = "latency" if batch == 1 else "step time"
             print(f"    {compare_line('tp 2', spreads['tp 2'], 'pp 2', spreads['pp 2'], what)}",
                   flush=True)
@@ -241,18 +243,18 @@ def priced(context: int = 4096) -> list[tuple[str, DecodePrice]]:
     print(f"\n=== 4. priced at real scale (planner/serving.py's decode_price, as `python -m "
           f"minipar plan --serve`: H100 numbers, HBM {H100.hbm_bw / 1e12:.2f} TB/s, context "
           f"{context}, bf16; GB = 1e9 bytes). A step advances each of its B rows by one "
-          "token: one row waits a step's ms for its next token, and the B rows make B "
-          "tokens a step", flush=True)
+          "token: one row waits a step's ms for its next token (ms a token below), and the B "
+          "rows make B tokens a step (tokens/s in all)", flush=True)
     out = []
     for model, tp, pp in CASES:
         m = presets.MODELS[model]
         for batch in BATCHES:
             p = decode_price(m, H100, tp, pp, batch, context)
             label = f"{m.name}, {p.label()}"
-            print(f"  {label:>27}, B = {batch:>2}: {p.latency * 1e3:6.2f} ms a row's token "
+            print(f"  {label:>27}, B = {batch:>2}: {p.latency * 1e3:6.2f} ms a token "
                   f"(reads {p.reads * 1e3:5.2f}, waits {p.waits * 1e3:5.2f}), "
-                  f"{p.throughput:5.0f} tokens/s over the {batch} row{'s' * (batch > 1)}, "
-                  f"{p.memory / 1e9:5.1f} GB per GPU", flush=True)
+                  f"{p.throughput:5.0f} tokens/s in all, {p.memory / 1e9:5.1f} GB per GPU",
+                  flush=True)
             out.append((label, p))
     for model in dict.fromkeys(case[0] for case in CASES):
         name = presets.MODELS[model].name

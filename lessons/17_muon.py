@@ -44,6 +44,7 @@ from minipar.run.results import relative_difference
 from minipar.run.train import train, train_reference
 from minipar.settings.config import TrainConfig
 from minipar.settings.preflight import lesson_arguments
+from minipar.teaching.lines import print  # the builtin, a line wider than the page wrapped
 
 MESH = dict(model="gpt", layers=2, d_model=64, heads=4, seq_len=16, vocab=32, batch=8,
             optimizer="muon", lr=0.02, dp=2, tp=2)

@@ -9,12 +9,13 @@ Each lesson script runs as its docstring's run line says (`mpiexec -n 4 python
 lessons/02_tensor_parallel.py`), at full size (no `--quick`), with `--plot
 build/figures`: it must exit 0 (every `verdict` it printed OK: minipar/comm/job.py), print
 its `lesson checks:` line, and draw at least one picture that is not blank. Each notebook
-runs headless in a fresh kernel (nbclient) with MINIPAR_QUICK=0 -- every cell as a teacher
-runs it, lesson scripts included -- and is kept, outputs and figures in it, in
+runs headless in a fresh kernel (nbclient) with MINIPAR_QUICK=0 -- every cell as a
+teacher runs it, lesson scripts included -- and is kept, outputs and figures in it, in
 build/notebooks/ (the book is built from there); a cell that raises, or a drawing cell
-that drew nothing, fails it. Its exercises run as handed out (each must print "not
-written yet") and, right after, solved in the same kernel (each must print `check
-passed`; tests/teaching/notebooks.py): the suite does not run the notebooks, this does.
+that drew nothing, fails it. Its exercises run as handed out (each must
+print "not written yet") and, right after, solved in the same kernel (each must print
+`check passed`; tests/teaching/notebooks.py): the suite does not run the notebooks, this
+does.
 The Chinese notebooks of lessons 00-05 (lessons/zh/, a Chinese class's first week) run
 too, after the English ones, kept in build/notebooks/zh/.
 Two notebooks run at a time (as many as the cores, at most four): much of a notebook's
@@ -72,6 +73,8 @@ EXTRA_NOTEBOOKS = ("exercises",)   # notebooks that belong to no single lesson
 # a Chinese class's first week: these twins (lessons/zh/) run too, kept in build/notebooks/zh/
 ZH_NOTEBOOKS = tuple(LESSONS / "zh" / f"{stem}.ipynb" for stem, _ in COURSE[:6])
 CHECKS = re.compile(r"^lesson checks: (\d+) passed, (\d+) failed$", re.M)
+HEADER = re.compile(r"^=== ")             # a part's header: `=== N. its title`
+NUMBERED = re.compile(r"^=== (\d+)\. \S")
 FAILED_LINE = re.compile(r"MISMATCH|FAILED|Traceback|Error:|error:")
 
 
@@ -141,6 +144,32 @@ def run_lesson(stem: str, ranks: int, logs: Path) -> Outcome:
         problems.append(f"drew no picture ({FIGURES}/{stem[:2]}_*.png)")
     problems += [f"{p.name}: {said}" for p in drawn if (said := picture_problem(p))]
     return Outcome(f"{stem}.py", ranks, seconds, passed, problems)
+
+
+def layout_problems(output: str) -> list[str]:
+    """What a reader of the output would trip over: parts not numbered 1..N in order, each
+    under its `=== N. title` header (a lesson's first part included), or a line wider than
+    minipar/teaching/lines.py's WIDTH, 120 characters (a terminal, a notebook cell, the
+    book's page; `lines.fit` wraps a lesson's prose to it)."""
+    from minipar.teaching.lines import WIDTH as WIDEST
+
+    problems = []
+    lines = output.splitlines()
+    headers = [(i + 1, line) for i, line in enumerate(lines) if HEADER.match(line)]
+    if not headers:
+        problems.append("no part header: the output should open its parts with `=== 1. title`")
+    for expected, (at, line) in enumerate(headers, start=1):
+        numbered = NUMBERED.match(line)
+        if not numbered or int(numbered.group(1)) != expected:
+            problems.append(f"part header at output line {at} is not `=== {expected}. ...`: "
+                            f"{line[:80]!r}")
+            break
+    wide = [(i + 1, len(line)) for i, line in enumerate(lines) if len(line) > WIDEST]
+    if wide:
+        at, width = wide[0]
+        problems.append(f"{len(wide)} output line(s) wider than {WIDEST} characters, the first "
+                        f"at output line {at} ({width} characters)")
+    return problems
 
 
 def run_notebook(path: Path, ranks: int | None) -> Outcome:

@@ -42,7 +42,7 @@ Under SP the residual stream is Shard(0) over tp, and the parameters used on it
 
 Run it: `mpiexec -n 4 python -m minipar train --tp 4 --check --ledger` (add `--sp`),
 `mpiexec -n 4 python -m minipar train --model gpt --tp 4 --sp --check --ledger`,
-or the lessons `mpiexec -n 2 python lessons/02_tensor_parallel.py` and
+or the lessons `mpiexec -n 4 python lessons/02_tensor_parallel.py` and
 `mpiexec -n 4 python lessons/11_transformer_tp.py`.
 """
 

@@ -103,14 +103,28 @@ def test_a_hang_ends_with_the_verdict_and_every_rank_dumps(name, tmp_path):
         assert (asked / "rank0.json").read_text() == EARLIER
 
 
+def item(block: str, start: str) -> str:
+    """The line of a lesson's output that starts with `start`, its continuation lines (the
+    lesson wraps a line wider than the page, each continuation indented deeper:
+    minipar/teaching/lines.py) joined back on."""
+    lines = block.splitlines()
+    at = next(i for i, x in enumerate(lines) if x.strip().startswith(start))
+    indent = len(lines[at]) - len(lines[at].lstrip())
+    joined = [lines[at].strip()]
+    for x in lines[at + 1:]:
+        if not x.strip() or len(x) - len(x.lstrip()) <= indent:
+            break
+        joined.append(x.strip())
+    return " ".join(joined)
+
+
 def test_the_pipeline_hang_of_lesson_15_ends_with_its_verdict_and_every_dump():
     # the run tests/teaching/test_lessons.py makes
     job, _ = lesson_run(4, "15_hangs.py", "--quick")
     assert job.returncode == 0 and not job.timed_out, job.explain()
     block = job.stdout.split(f"2.1 {LESSON_HANG} ", 1)[1]
-    line = next(x for x in block.splitlines() if x.strip().startswith("minipar: error: "
-                                                                      "watchdog: rank "))
-    said = next(x for x in block.splitlines() if x.strip().startswith("verdict: "))
+    line = item(block, "minipar: error: watchdog: rank ")
+    said = item(block, "verdict: ")
     for words in HANGS[LESSON_HANG].names:
         assert words in said, (words, said)
     ended = re.search(r"ended after ([\d.]+) s", block)

@@ -117,3 +117,29 @@ def test_a_notebooks_exercise_runs_handed_out_then_solved_in_the_same_kernel(tmp
     ran.cells[1].outputs = []
     assert any("did not wait for its answer" in p
                for p in notebooks.problems(path, ran, solved_runs))
+
+
+def test_a_lessons_parts_are_numbered_in_order_and_its_lines_fit_the_page():
+    """`make course` fails a lesson whose parts skip a number, come out of order, have no
+    `=== N.` header at all, or whose output has a line wider than 120 characters; the
+    output of a lesson that does it right passes."""
+    from minipar.teaching.lines import fit
+    from tests.course import layout_problems
+
+    good = "lesson 9 on 4 ranks\n\n=== 1. the first\n[rank 0] x\n\n=== 2. Beyond the source: y\n"
+    assert layout_problems(good) == []
+    gap = layout_problems(good.replace("=== 2.", "=== 3."))
+    assert len(gap) == 1 and "is not `=== 2. ...`" in gap[0], gap
+    assert "no part header" in layout_problems("just lines\n")[0]
+    assert "is not `=== 1. ...`" in layout_problems("=== 5a. ring\n")[0]
+    assert "is not `=== 1. ...`" in layout_problems("=== 1/21 a bug\n")[0]
+    wide = layout_problems(good + "x" * 121 + "\n" + "y" * 120 + "\n" + "z" * 130)
+    assert wide == ["2 output line(s) wider than 120 characters, the first at output line 7 "
+                    "(121 characters)"], wide
+    prose = "  why: " + " ".join(["word"] * 60)   # 307 characters
+    wrapped = fit(prose).splitlines()
+    assert len(wrapped) == 3 and all(len(line) <= 120 for line in wrapped), wrapped
+    assert wrapped[0].startswith("  why: ") and wrapped[1].startswith("    word")
+    assert " ".join(line.strip() for line in wrapped) == prose.strip()
+    assert fit("short\n\n  kept as it is") == "short\n\n  kept as it is"
+    assert fit("a" * 130) == "a" * 130   # no space to break at: left whole
