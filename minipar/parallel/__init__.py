@@ -30,6 +30,10 @@ pipeline parallelism
 context parallelism
     context_parallel.py: allgather_attention, ring_attention, ulysses_attention.
     Lesson 12_context_parallel. Tests: tests/parallel/test_context_parallel.py.
+DiLoCo (data parallelism that talks every H steps)
+    diloco.py: worker_groups, OuterNesterov (the outer step of a fragment), due,
+    dp_allreduce_elements (the ledger's formula); run/train.py train_workers runs it.
+    Lesson 18_diloco. Tests: tests/parallel/test_diloco.py.
 serving with a KV cache
     kvcache.py: the cache split by heads (tp) and positions (cp), merged by log-sum-exp;
     run/decode.py runs the loop, run/generate.py the command. Lesson 16_serving.
