@@ -10,10 +10,14 @@ which downloads no browser of its own here) opens every page. The book fails on:
 - an image that did not load (naturalWidth 0);
 - an internal link that leads nowhere: a page that is not there, or an #anchor that
   is not on its page;
-- a search for "Alltoall" whose results name no lesson page.
+- a search for "Alltoall" whose results name no lesson page;
+- at a laptop's 1280 x 900 (WINDOW): a page wider than the window, a table wider than
+  its column (its last columns scrolled out of sight), a figure past the window's edge
+  or drawn below READABLE (0.55) of its natural width, where its labels blur.
 
-It writes screenshots into build/book/screenshots/: the first page, lesson 03's top
-and lesson 03's first figure. The closing line counts what was checked:
+It writes screenshots at 1280 x 900 into build/book/screenshots/: the first page, the
+tops of lessons 02 and 04, lesson 04 at its widest figure (and, in a book with Chinese
+pages, the Chinese first page and a Chinese lesson). The closing line counts what was checked:
 `book: N pages, N images, N links checked, search ok`; exit 1 on any failure.
 
     python book/browse.py [--book build/book] [--chromium /usr/bin/chromium]
@@ -35,6 +39,39 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
 IDS = re.compile(r"""\bid=["']([^"']+)["']""")
+# The window every page is checked in: a laptop's screen.
+WINDOW = {"width": 1280, "height": 900}
+# A figure must be drawn at least this fraction of its natural width. The notebooks'
+# figures carry matplotlib's 10 pt labels at 100 dpi, 14 px tall at natural size; at
+# 0.55 they are 8 px, the smallest a reader makes out without zooming (the widest
+# figures, three 5:1 panels of lesson 04, show at 0.59 at 1280 px; a click on any figure
+# opens it at full size).
+READABLE = 0.55
+# What a page must not do at WINDOW's width: be wider than the window, hold a table that
+# is wider than its column (it would scroll, its last columns out of sight), or draw a
+# figure past the window's edge or below READABLE of its natural width. Code blocks and
+# the source pages' numbered code may scroll: a line of code is not cut, only out of view.
+LAYOUT = """readable => {
+  const problems = [], width = document.documentElement.clientWidth;
+  if (document.documentElement.scrollWidth > width + 1)
+    problems.push(`the page is ${document.documentElement.scrollWidth} px wide `
+                  + `in a ${width} px window`);
+  for (const table of document.querySelectorAll("article table:not(.highlighttable)")) {
+    const column = (table.closest(".md-typeset__scrollwrap") || table.parentElement).clientWidth;
+    if (table.scrollWidth > column + 1)
+      problems.push(`a table ${table.scrollWidth} px wide in a ${column} px column: `
+                    + JSON.stringify(table.rows[0].innerText.slice(0, 60)));
+  }
+  for (const image of document.querySelectorAll("article img")) {
+    const box = image.getBoundingClientRect(), name = image.getAttribute("src");
+    if (box.right > width + 1) problems.push(`figure ${name} reaches past the window`);
+    if (image.naturalWidth && box.width < readable * image.naturalWidth)
+      problems.push(`figure ${name} drawn ${Math.round(box.width)} px wide, `
+                    + `${(box.width / image.naturalWidth).toFixed(2)} `
+                    + `of its ${image.naturalWidth} px`);
+  }
+  return problems;
+}"""
 
 
 class Quiet(SimpleHTTPRequestHandler):
@@ -95,7 +132,7 @@ def check(book: Path, chromium: str, shots: Path) -> tuple[list[str], dict[str, 
     try:
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-            context = browser.new_context(viewport={"width": 1440, "height": 900})
+            context = browser.new_context(viewport=WINDOW)
             context.set_default_timeout(90000)   # a page, on a machine busy with other work
             outside: list[str] = []
 
@@ -126,6 +163,7 @@ def check(book: Path, chromium: str, shots: Path) -> tuple[list[str], dict[str, 
                     why = link_problem(book, base, href)
                     if why:
                         problems.append(f"link {href[len(base):]}: {why}")
+                problems += page.evaluate(LAYOUT, READABLE)
                 problems += [f"request outside 127.0.0.1: {url}" for url in outside]
                 failures += [f"{name}: {p}" for p in problems]
                 counts["pages"] += 1
@@ -133,7 +171,7 @@ def check(book: Path, chromium: str, shots: Path) -> tuple[list[str], dict[str, 
                 counts["links"] += len(set(links))
             failures += search(page, base)
             shots.mkdir(parents=True, exist_ok=True)
-            screenshots(page, base, pages, shots)
+            counts["screenshots"] = len(screenshots(page, base, pages, shots))
             browser.close()
     finally:
         server.shutdown()
@@ -163,22 +201,40 @@ def search(page: object, base: str, word: str = "Alltoall") -> list[str]:
     return []
 
 
-def screenshots(page: object, base: str, pages: list[str], shots: Path) -> None:
-    """The first page, lesson 03's top, and lesson 03 at its first figure."""
-    page.goto(base + "index.html", wait_until="load")
-    page.screenshot(path=str(shots / "first-page.png"))
-    lesson = next((p for p in pages if p.startswith("lessons/03_")), None)
-    if lesson is None:
-        return
-    page.goto(base + lesson, wait_until="load")
-    page.screenshot(path=str(shots / "lesson-03.png"))
-    if page.query_selector("article img") is not None:
-        # one jump down (no scrolling up: that shows Material's "back to top" button),
-        # then a pause for the header's title to finish changing
-        page.evaluate("window.scrollTo(0, document.querySelector('article img')"
-                      ".getBoundingClientRect().top + window.scrollY - 260)")
-        page.wait_for_timeout(1000)
-        page.screenshot(path=str(shots / "lesson-03-figure.png"))
+def screenshots(page: object, base: str, pages: list[str], shots: Path) -> list[str]:
+    """At WINDOW's size: the first page; lessons 02 and 04 at their top; lesson 04 at its
+    widest figure; the Chinese first page and lesson 04 (or the first Chinese lesson).
+    Returns the files written."""
+    written = []
+
+    def shoot(name: str, file: str, widest: bool = False) -> None:
+        page.goto(base + name, wait_until="load")
+        if widest and page.query_selector("article img") is not None:
+            # one jump down (no scrolling up: that shows Material's "back to top" button),
+            # then a pause for the header's title to finish changing
+            page.evaluate("""() => { const widest = [...document.querySelectorAll('article img')]
+                .sort((a, b) => b.naturalWidth - a.naturalWidth)[0];
+                window.scrollTo(0, widest.getBoundingClientRect().top + window.scrollY - 200); }""")
+            page.wait_for_timeout(1000)
+        page.screenshot(path=str(shots / file))
+        written.append(file)
+
+    shoot("index.html", "first-page.png")
+    for number in ("02", "04"):
+        lesson = next((p for p in pages if p.startswith(f"lessons/{number}_")), None)
+        if lesson is not None:
+            shoot(lesson, f"lesson-{number}.png")
+    lesson = next((p for p in pages if p.startswith("lessons/04_")), None)
+    if lesson is not None:
+        shoot(lesson, "lesson-04-figure.png", widest=True)
+    chinese = [p for p in pages if p.startswith("zh/lessons/")]
+    if "zh/index.html" in pages:
+        shoot("zh/index.html", "zh-first-page.png")
+    if chinese:
+        lesson = next((p for p in chinese if p.startswith("zh/lessons/04_")), chinese[0])
+        shoot(lesson, "zh-lesson.png")
+        shoot(lesson, "zh-lesson-figure.png", widest=True)
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:

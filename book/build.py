@@ -15,14 +15,17 @@ notebook that breaks it, naming the notebook, the cell and why:
 - the notebook is missing from build/notebooks/, or its code differs from lessons/ (it
   ran an older copy of the lesson); the book is make course's full-size run.
 
-The pages, in the table of contents' order: the README's "Start here" and "Words used
+The pages, in the table of contents' order: the first page, written for a student
+(book/start.md: what the course teaches, its lessons in order with the rank count each
+runs on, how to run lesson 00, how to read a page); the README's "Words used
 throughout"; one page per lesson, 00 to the last (a lesson with no notebook shows its
 script's docstring and its command); the exercises; docs/design.md; docs/glossary.md (every
 term in Chinese and English, its name in the code, its lesson); then the strategies
 in the order of the reading index of minipar/parallel/__init__.py, every named class and
-function linked to its line in a source page of the book. Each lesson page says which
-command produced its figures and links the strategies and the minipar calls it uses to
-their lines.
+function linked to its line in a source page of the book. A lesson page opens on the
+lesson's own text and ends, folded, on how it was made: the command that produced its
+outputs, its script's run line (the rank count of tests/course.py's COURSE, the one
+table of contents), the strategies and the minipar calls it uses linked to their lines.
 
     python book/build.py                  # build/notebooks -> build/book
     python book/build.py --notebooks DIR --out DIR
@@ -37,6 +40,7 @@ import argparse
 import ast
 import base64
 import datetime as dt
+import json
 import os
 import re
 import shutil
@@ -270,17 +274,40 @@ class Lesson:
         return f"lessons/{self.stem}.md"
 
     def ranks(self) -> int | None:
-        """The rank count of the script's docstring's run line (None: one process)."""
+        """The rank count make course runs the script on (tests/course.py's COURSE, the
+        course's one table of contents); None: one process, or no script."""
         if self.script is None:
             return None
-        found = re.search(r"mpiexec -n (\d+)", self.script.read_text())
-        return int(found.group(1)) if found else None
+        ranks = dict(course_table()).get(self.stem)
+        return ranks if ranks and ranks > 1 else None
+
+    def title(self) -> str:
+        """The lesson's title, as its notebook's first heading gives it, less the
+        "Lesson N —" in front; else its script's docstring's first line."""
+        if self.notebook is not None:
+            for cell in json.loads(self.notebook.read_text())["cells"]:
+                text = cell_text(cell).lstrip()
+                if cell.get("cell_type") == "markdown" and text.startswith("# "):
+                    heading = text[2:].partition("\n")[0].strip()
+                    return re.sub(r"^Lesson \d+\s*[—:-]+\s*", "", heading)
+        if self.script is not None:
+            doc = ast.get_docstring(ast.parse(self.script.read_text())) or self.stem
+            return doc.partition("\n")[0].strip().rstrip(".")
+        return self.stem[3:].replace("_", " ")
 
     def run_line(self) -> str:
         """The command make course runs the script with, from the repository root."""
         ranks = self.ranks()
         launch = f".venv/bin/mpiexec -n {ranks} " if ranks else ""
         return f"{launch}.venv/bin/python lessons/{self.stem}.py --plot build/figures"
+
+
+def course_table() -> tuple[tuple[str, int], ...]:
+    """(lesson, ranks) of tests/course.py, in the course's order."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tests.course import COURSE
+    return COURSE
 
 
 def lessons() -> list[Lesson]:
@@ -404,19 +431,15 @@ def notebook_page(lesson: Lesson, notebook: dict, sources: Sources, entries: lis
     figures = docs / "lessons" / "figures"
     figures.mkdir(parents=True, exist_ok=True)
     code = [cell_text(c) for c in notebook["cells"] if c.get("cell_type") == "code"]
-    header = provenance(lesson, notebook, sources) + "\n" + strategy_table(
+    made = how_made(lesson, notebook, sources, strategy_table(
         here, [e for e in entries if lesson.stem in e.lessons], lesson_rows(lesson, rows),
-        calls_of(code, sources), sources)
+        calls_of(code, sources), sources))
     parts, figure_count, placed = [], 0, False
     for number, cell in enumerate(notebook["cells"], start=1):
         text = cell_text(cell)
         if cell.get("cell_type") == "markdown":
-            if not placed and text.lstrip().startswith("# "):
-                title, _, rest = text.lstrip().partition("\n")
-                parts += [title + "\n", header, rest]
-                placed = True
-            else:
-                parts.append(text)
+            parts.append(text)
+            placed = placed or text.lstrip().startswith("# ")
             continue
         if cell.get("cell_type") != "code" or not text.strip():
             continue
@@ -438,12 +461,15 @@ def notebook_page(lesson: Lesson, notebook: dict, sources: Sources, entries: lis
             blob = base64.b64decode(payload) if suffix == "png" else payload.encode()
             (figures / name).write_bytes(blob)
             link = relative(here, f"lessons/figures/{name}")
-            parts.append(f"![Lesson {lesson.number}, figure {figure_count}]({link})\n\n"
+            # the picture links to itself: a click opens it at full size
+            parts.append(f"[![Lesson {lesson.number}, figure {figure_count}]({link})]({link})"
+                         "{ .figure }\n\n"
                          f"*Figure {figure_count}: drawn by In [{cell.get('execution_count')}]"
-                         " above.*\n")
+                         " above (click it for the full size).*\n")
         parts.append(text_block(pending))
     if not placed:
-        parts.insert(0, f"# Lesson {lesson.number}\n\n{header}\n")
+        parts.insert(0, f"# Lesson {lesson.number}: {lesson.title()}\n")
+    parts.append(made)
     return "\n".join(part for part in parts if part)
 
 
@@ -458,12 +484,19 @@ def text_block(texts: list[str]) -> str:
     return f'??? example "Output: {lines} lines (click to open)"\n\n' + indent(fence(text, "text"))
 
 
+def how_made(lesson: Lesson, notebook: dict | None, sources: Sources, links: str) -> str:
+    """The folded box at a lesson page's end: what ran, how, when, that it passed
+    (`provenance`), then `links`, the page's strategies and calls at their lines."""
+    return ('??? info "How this page was made: the command, the script, the code it uses"'
+            "\n\n" + indent(provenance(lesson, notebook, sources) + "\n\n" + links) + "\n")
+
+
 def provenance(lesson: Lesson, notebook: dict | None, sources: Sources) -> str:
-    """The box under a lesson's title: what ran, how, when; that it passed."""
+    """What ran, how, when; that it passed; the script's command and its rank count."""
     lines = []
     if notebook is not None:
         when = when_executed(notebook)
-        lines.append(f"Every output and figure below is from the notebook "
+        lines.append(f"Every output and figure on this page is from the notebook "
                      f"`lessons/{lesson.stem}.ipynb`, executed at full size"
                      + (f" on {when}" if when else "") + " by `make course`; every cell "
                      "ran and none of its checks failed. The command that produced them:")
@@ -471,9 +504,12 @@ def provenance(lesson: Lesson, notebook: dict | None, sources: Sources) -> str:
                            if lesson.number.isdigit() else ALL_NOTEBOOKS_COMMAND, "sh"))
     if lesson.script is not None:
         script = sources.link(f"lessons/{lesson.stem}.py", None, lesson.page)
-        lines.append(f"The lesson's script, from the repository root ([its source]({script})):")
+        ranks = lesson.ranks()
+        on = f"on {ranks} ranks" if ranks else "in one process"
+        lines.append(f"The lesson's script runs {on} (make course's run line, from the "
+                     f"repository root; [its source]({script})):")
         lines.append(fence(lesson.run_line(), "sh"))
-    return "!!! info \"How this page was made\"\n\n" + indent("\n\n".join(lines)) + "\n"
+    return "\n\n".join(lines)
 
 
 def script_page(lesson: Lesson, sources: Sources, entries: list[Entry], rows: list) -> str:
@@ -482,16 +518,37 @@ def script_page(lesson: Lesson, sources: Sources, entries: list[Entry], rows: li
     doc = ast.get_docstring(ast.parse(lesson.script.read_text())) or ""
     title, _, rest = doc.partition("\n")
     sources.link(f"lessons/{lesson.stem}.py", None, here)
+    ranks = lesson.ranks()
     return "\n".join([
         f"# {title.strip()}\n",
-        provenance(lesson, None, sources),
         "This lesson has no notebook: it is a script, run by `make course` (and `make "
-        "lessons`) at full size; its text is below, its output is what the command above "
-        "prints.\n",
-        strategy_table(here, [e for e in entries if lesson.stem in e.lessons],
-                       lesson_rows(lesson, rows), [], sources),
+        f"lessons`) at full size {f'on {ranks} ranks' if ranks else 'in one process'}:\n",
+        fence(lesson.run_line(), "sh"),
+        "Its text is below; its output is what that command prints.\n",
         fence(rest.strip("\n"), "text"),
+        how_made(lesson, None, sources, strategy_table(
+            here, [e for e in entries if lesson.stem in e.lessons],
+            lesson_rows(lesson, rows), [], sources)),
     ])
+
+
+def landing_page(template: str, course: list[Lesson]) -> str:
+    """book/start.md with its `<!-- lessons NN-MM -->` marks replaced by the lessons of
+    that range in the book: number, title, the rank count make course runs it on."""
+    def listed(match: re.Match) -> str:
+        first, last = int(match.group(1)), int(match.group(2))
+        items = []
+        for lesson in course:
+            if lesson.number.isdigit() and first <= int(lesson.number) <= last:
+                ranks = lesson.ranks()
+                on = f"{ranks} ranks" if ranks else "one process"
+                items.append(f"- [{lesson.number} · {lesson.title()}]({lesson.page}) "
+                             f"<small>({on})</small>")
+        return "\n".join(items) or "(not in this build of the book)"
+    return LESSON_RANGE.sub(listed, template)
+
+
+LESSON_RANGE = re.compile(r"<!-- lessons (\d+)-(\d+) -->")
 
 
 def exercises_page(sources: Sources) -> str:
@@ -578,8 +635,6 @@ def write_pages(notebooks: Path, docs: Path, only: list[str] | None = None) -> l
     """Every page into `docs`; returns the nav. Raises RefusedError (every reason of every
     notebook) before writing anything when a notebook did not pass. `only`: the lessons
     to keep (their numbers, or "exercises"), the others left out of the book."""
-    import json
-
     course = [lesson for lesson in lessons() if not only or lesson.number in only]
     executed: dict[str, dict] = {}
     refused = []
@@ -605,16 +660,7 @@ def write_pages(notebooks: Path, docs: Path, only: list[str] | None = None) -> l
     intro, entries, closing = reading_index(sources)
     rows = readme_rows()
 
-    # GitHub indents a numbered item's code and tables by 3 spaces, and starts an item
-    # right under a paragraph; Python-Markdown wants 4 spaces and a blank line between
-    start = re.sub(r"^   (?=\S)", "    ", readme_section("## Start here").split(
-        "### Words used throughout")[0], flags=re.M)
-    start = re.sub(r"(?<=\S)\n(\d+\. )", r"\n\n\1", start)
-    (docs / "index.md").write_text(
-        "# Start here\n\n" + (ROOT / "README.md").read_text().split("\n## ")[0]
-        .split("\n", 1)[1].strip() + "\n\n" + start.strip() + "\n\n"
-        "The lessons follow, one page each, every output and figure from a run of this "
-        "book's build that passed its own checks.\n")
+    (docs / "index.md").write_text(landing_page((BOOK / "start.md").read_text(), course))
     (docs / "words.md").write_text("# Words used throughout\n\n"
                                    + readme_section("### Words used throughout").strip() + "\n")
     lesson_nav, lesson_pages = [], {}

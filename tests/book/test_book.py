@@ -123,6 +123,48 @@ def test_a_lesson_page_shows_its_figure_its_command_and_its_strategies_lines(tmp
     assert titles[-1] == "The strategies in code", titles
 
 
+def test_a_lesson_page_opens_on_the_lesson_and_folds_how_it_was_made(tmp_path):
+    """The notebook's title and first paragraph come first; the command, the script and
+    the links into the code come last, in one folded box."""
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    (notebooks / "03_expert_parallel.ipynb").write_text(json.dumps(executed(
+        "03_expert_parallel")))
+    build.write_pages(notebooks, tmp_path / "docs", only=["03"])
+    page = (tmp_path / "docs" / "lessons" / ("03_expert_parallel" + ".md")).read_text()
+    first = next(c for c in stored("03_expert_parallel")["cells"]
+                 if c["cell_type"] == "markdown")
+    assert page.startswith("".join(first["source"])), page[:300]
+    box = page.index('??? info "How this page was made')
+    assert box > page.rindex("In ["), "the box is not after the last cell"
+    for words in ("python -m tests.course --notebooks --only 03", "mpiexec -n 8",
+                  "**What this page calls**", "The strategies of this lesson"):
+        assert page.rindex(words) > box, words
+
+
+def test_the_first_page_is_the_course_for_a_student(tmp_path):
+    """Lessons in the course's order, each with the rank count make course runs it on
+    (tests/course.py's COURSE); none of the README's first lines for a developer."""
+    from tests.course import COURSE
+
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    (notebooks / "03_expert_parallel.ipynb").write_text(json.dumps(executed(
+        "03_expert_parallel")))
+    build.write_pages(notebooks, tmp_path / "docs", only=["03"])
+    page = (tmp_path / "docs" / "index.md").read_text()
+    ranks = dict(COURSE)["03_expert_parallel"]
+    assert f"[03 · expert parallelism: 64 experts on 8 ranks](lessons/03_expert_parallel.md)"\
+        f" <small>({ranks} ranks)</small>" in page, page
+    assert "mpiexec -n 4 .venv/bin/python lessons/00_collectives.py" in page
+    for developer in ("make test", "make demo", "source .venv/bin/activate", "|---|"):
+        assert developer not in page, developer
+    every = build.landing_page((build.BOOK / "start.md").read_text(), build.lessons())
+    order = [every.index(f"(lessons/{lesson}.md)") for lesson, _ in COURSE
+             if (ROOT / f"lessons/{lesson}.ipynb").exists()]
+    assert order == sorted(order) and len(order) == len(COURSE)
+
+
 def test_the_reading_index_becomes_the_second_half_of_the_contents():
     _, entries, _ = build.reading_index(build.Sources())
     titles = [entry.title for entry in entries]
