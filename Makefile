@@ -80,21 +80,26 @@ notebooks: bytecode
 
 # The course as a static book in build/book/ (mkdocs-material, book/build.py), from the
 # executed notebooks `make course` keeps in build/notebooks/: a notebook whose own checks
-# failed is refused, and the book with it. Builds and reads with no network.
+# failed is refused, and the book with it. In English, and in Chinese in build/book/zh/
+# (the notebooks of lessons/zh/ with the English run's outputs). Builds and reads with
+# no network.
 book:
 	@ls build/notebooks/*.ipynb > /dev/null 2>&1 || \
 	  { echo "make book: no executed notebooks in build/notebooks/: run make course first"; exit 2; }
 	@$(MAKE) --no-print-directory $(VENV)/.book
 	$(PY) book/build.py
 
-$(VENV)/.book: $(VENV)/.installed
+$(VENV)/.book: $(VENV)/.installed setup.cfg
 	$(PY) -m pip install --quiet -e '.[book]'
 	touch $@
 
-# Every page of build/book/ in a headless Chromium (Debian's, installed when missing;
-# Playwright downloads no browser): console errors, images, internal links, search.
+# Every page of build/book/ (English, and Chinese in build/book/zh/) in a headless Chromium
+# at 1280 x 900 (Debian's, installed when missing, with Debian's CJK font; Playwright
+# downloads no browser): console errors, images, internal links, widths, search in both
+# languages, the language switch both ways.
 test-book: $(VENV)/.book
-	@test -x /usr/bin/chromium || { apt-get update -qq && apt-get install -y -qq chromium > /dev/null; }
+	@test -x /usr/bin/chromium && fc-list :lang=zh | grep -q . || { apt-get update -qq && \
+	  apt-get install -y -qq chromium fonts-noto-cjk > /dev/null; }
 	$(PY) book/browse.py
 
 # Speed figures, each a ratio measured side by side (writes bench/results.json).

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import re
+import subprocess
 import sys
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -47,6 +48,10 @@ WINDOW = {"width": 1280, "height": 900}
 # figures, three 5:1 panels of lesson 04, show at 0.59 at 1280 px; a click on any figure
 # opens it at full size).
 READABLE = 0.55
+# A word the Chinese search must find on a Chinese lesson page: "pipeline", which the
+# Chinese lessons write as the source does (流水线并行); Material's search cuts Chinese
+# text into words with jieba when it builds the index.
+CHINESE_WORD = "流水线"
 # What a page must not do at WINDOW's width: be wider than the window, hold a table that
 # is wider than its column (it would scroll, its last columns out of sight), or draw a
 # figure past the window's edge or below READABLE of its natural width. Code blocks and
@@ -170,6 +175,10 @@ def check(book: Path, chromium: str, shots: Path) -> tuple[list[str], dict[str, 
                 counts["images"] += len(images)
                 counts["links"] += len(set(links))
             failures += search(page, base)
+            if "zh/index.html" in pages:
+                failures += search(page, base, CHINESE_WORD, "zh/index.html", "zh/lessons/")
+                found, counts["switches"] = switches(page, base, pages)
+                failures += found
             shots.mkdir(parents=True, exist_ok=True)
             counts["screenshots"] = len(screenshots(page, base, pages, shots))
             browser.close()
@@ -178,15 +187,18 @@ def check(book: Path, chromium: str, shots: Path) -> tuple[list[str], dict[str, 
     return failures, counts
 
 
-def search(page: object, base: str, word: str = "Alltoall") -> list[str]:
-    """Type `word` in the search box of the first page; [] when a lesson page is found.
-    The index is built in a worker after the page loads (seconds on a busy machine): the
-    word is typed again, up to three times, until results show."""
-    page.goto(base + "index.html", wait_until="networkidle")
+def search(page: object, base: str, word: str = "Alltoall", home: str = "index.html",
+           where: str = "lessons/") -> list[str]:
+    """Type `word` in the search box of the page `home`; [] when a result is a page under
+    `where`. The index is built in a worker after the page loads (seconds on a busy
+    machine): the word is typed again, up to three times, until results show."""
+    page.goto(base + home, wait_until="networkidle")
     found: list[str] = []
     for _ in range(3):
-        page.fill("input.md-search__input", "")    # the header's box (a wide window)
-        page.type("input.md-search__input", word, delay=50)
+        # the header's box (a wide window); filled whole, then a key: Material reads the
+        # box on a key event, and Chinese typed character by character sends none
+        page.fill("input.md-search__input", word)
+        page.press("input.md-search__input", "End")
         try:
             page.wait_for_selector(".md-search-result__item", timeout=20000)
         except Exception:
@@ -195,10 +207,40 @@ def search(page: object, base: str, word: str = "Alltoall") -> list[str]:
                                           "els => els.map(e => e.href)")
         break
     if not found:
-        return [f"search for {word!r}: no result at all"]
-    if not any("/lessons/" in href for href in found):
-        return [f"search for {word!r}: no lesson page among {len(found)} results"]
+        return [f"search for {word!r} on {home}: no result at all"]
+    if not any(href.startswith(base + where) for href in found):
+        return [f"search for {word!r} on {home}: no page of {where} among {len(found)} "
+                "results"]
     return []
+
+
+def switches(page: object, base: str, pages: list[str]) -> tuple[list[str], int]:
+    """Every Chinese lesson page's language switch leads to its English twin, and the
+    twin's leads back: (failures, pairs checked)."""
+    failures, pairs = [], 0
+    for chinese in (p for p in pages if p.startswith("zh/lessons/")):
+        english = chinese[len("zh/"):]
+        for here, lang, there in ((chinese, "en", english), (english, "zh", chinese)):
+            page.goto(base + here, wait_until="load")
+            link = page.query_selector(f"a.md-select__link[hreflang={lang}]")
+            href = link.evaluate("a => a.href") if link is not None else None
+            if href != base + there:
+                failures.append(f"{here}: the switch to {lang} leads to "
+                                f"{(href or 'nothing')[len(base):] if href else 'nothing'}, "
+                                f"not {there}")
+        pairs += 1
+    return failures, pairs
+
+
+def cjk_font() -> str | None:
+    """Why Chinese would draw as boxes here (no CJK font for fontconfig), or None."""
+    try:
+        listed = subprocess.run(["fc-list", ":lang=zh", "family"], capture_output=True,
+                                text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"fc-list failed ({error})"
+    return None if listed.strip() else ("no font with Chinese glyphs (apt-get install "
+                                        "fonts-noto-cjk)")
 
 
 def screenshots(page: object, base: str, pages: list[str], shots: Path) -> list[str]:
@@ -249,16 +291,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"book: no browser at {args.chromium} (apt-get install chromium)",
               file=sys.stderr)
         return 2
+    chinese = (args.book / "zh/index.html").is_file()
+    unreadable = cjk_font() if chinese else None
+    if unreadable:
+        print(f"book: the Chinese pages would show boxes: {unreadable}", file=sys.stderr)
+        return 2
     failures, counts = check(args.book.resolve(), args.chromium,
                              args.book.resolve() / "screenshots")
     for failure in failures:
         print(f"FAIL {failure}")
-    summary = (f"{counts['pages']} pages, {counts['images']} images, {counts['links']} "
-               f"links checked")
+    zh = sum(1 for p in args.book.rglob("*.html") if p.relative_to(args.book).parts[0] == "zh"
+             and p.name != "404.html")
+    summary = (f"{counts['pages']} pages ({zh} in Chinese), {counts['images']} images, "
+               f"{counts['links']} links checked at {WINDOW['width']}x{WINDOW['height']}")
+    if chinese:
+        summary += f", {counts.get('switches', 0)} language switches both ways"
     if failures:
         print(f"book: {len(failures)} failure(s); {summary}")
         return 1
-    print(f"book: {summary}, search ok; screenshots in {args.book}/screenshots/")
+    searched = "search ok (Alltoall" + (f", {CHINESE_WORD}" if chinese else "") + ")"
+    print(f"book: {summary}, {searched}; {counts['screenshots']} screenshots in "
+          f"{args.book}/screenshots/")
     return 0
 
 

@@ -27,6 +27,15 @@ lesson's own text and ends, folded, on how it was made: the command that produce
 outputs, its script's run line (the rank count of tests/course.py's COURSE, the one
 table of contents), the strategies and the minipar calls it uses linked to their lines.
 
+The book in Chinese, build/book/zh/ (a second mkdocs build, the theme's interface in
+Chinese, its search cutting Chinese into words with jieba): a page for every notebook that
+has a Chinese twin in lessons/zh/, its markdown cells in Chinese and each code cell's
+outputs those of the same cell of the English run (the code of the two is the same,
+tests/teaching/test_translations.py; a Chinese notebook whose code is not is refused
+here); its own first page (book/start.zh.md), the exercises, the glossary. Its pages
+link to the code pages of the English book (shared, not copied), and each page and its
+twin to each other: the language switch of book/overrides/ goes to the twin.
+
     python book/build.py                  # build/notebooks -> build/book
     python book/build.py --notebooks DIR --out DIR
 
@@ -49,9 +58,11 @@ import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
+CHINESE = ROOT / "lessons" / "zh"   # the notebooks' Chinese twins (tests/translations.py)
 # what a lesson script prints when a check failed (minipar/comm/job.py)
 FAILED_CHECKS = re.compile(r"\b[1-9]\d* check\(s\) failed"
                            r"|^lesson checks: \d+ passed, [1-9]\d* failed", flags=re.M)
@@ -281,15 +292,23 @@ class Lesson:
         ranks = dict(course_table()).get(self.stem)
         return ranks if ranks and ranks > 1 else None
 
-    def title(self) -> str:
-        """The lesson's title, as its notebook's first heading gives it, less the
-        "Lesson N —" in front; else its script's docstring's first line."""
-        if self.notebook is not None:
-            for cell in json.loads(self.notebook.read_text())["cells"]:
+    @property
+    def chinese(self) -> Path | None:
+        """lessons/zh/<stem>.ipynb, the notebook's Chinese twin, if there is one."""
+        path = CHINESE / f"{self.stem}.ipynb"
+        return path if path.exists() else None
+
+    def title(self, lang: str = "en") -> str:
+        """The lesson's title, as its notebook's first heading gives it (the Chinese
+        notebook's for lang "zh", when there is one), less the "Lesson N —" / "第 N 课 —"
+        in front; else its script's docstring's first line."""
+        notebook = self.chinese if lang == "zh" and self.chinese else self.notebook
+        if notebook is not None:
+            for cell in json.loads(notebook.read_text())["cells"]:
                 text = cell_text(cell).lstrip()
                 if cell.get("cell_type") == "markdown" and text.startswith("# "):
                     heading = text[2:].partition("\n")[0].strip()
-                    return re.sub(r"^Lesson \d+\s*[—:-]+\s*", "", heading)
+                    return re.sub(r"^(Lesson \d+|第\s*\d+\s*课)\s*[—:：-]+\s*", "", heading)
         if self.script is not None:
             doc = ast.get_docstring(ast.parse(self.script.read_text())) or self.stem
             return doc.partition("\n")[0].strip().rstrip(".")
@@ -384,30 +403,101 @@ def calls_of(code_cells: list[str], sources: Sources) -> list[tuple[str, str, in
     return sorted((name, path, line) for name, (path, line) in found.items())
 
 
+# The words the book itself writes on a page, in each of its languages (the lessons'
+# own words come from their notebooks: lessons/ and lessons/zh/).
+WORDS: dict[str, dict[str, str]] = {
+    "en": {
+        "strategies": "**The strategies of this lesson, in the code** (the reading index of "
+                      "[minipar/parallel]({index})):\n",
+        "table": "| strategy | class or function | source |\n|---|---|---|",
+        "the file": "(the file)",
+        "also": "**Also read** (README, \"Where each strategy lives\"): ",
+        "calls": "**What this page calls**: ",
+        "figure alt": "Lesson {number}, figure {k}",
+        "figure": "*Figure {k}: drawn by In [{cell}] above (click it for the full size).*",
+        "folded": "Output: {lines} lines (click to open)",
+        "made": "How this page was made: the command, the script, the code it uses",
+        "ran": "Every output and figure on this page is from the notebook `{notebook}`, "
+               "executed at full size{when} by `make course`; every cell ran and none of "
+               "its checks failed. The command that produced them:",
+        "when": " on {when}",
+        "script": "The lesson's script runs {on} (make course's run line, from the "
+                  "repository root; [its source]({link})):",
+        "ranks": "on {ranks} ranks", "one process": "in one process",
+        "listed ranks": "{ranks} ranks", "listed one": "one process",
+        "not built": "(not in this build of the book)",
+        "no notebook": "This lesson has no notebook: it is a script, run by `make course` "
+                       "(and `make lessons`) at full size {on}:\n",
+        "below": "Its text is below; its output is what that command prints.\n",
+        "exercises": "# Exercises\n",
+        "exercises intro": "Each exercise stubs a marked region of minipar's own code "
+                           "(`# exercise: NAME`); the equivalence checks grade a student's "
+                           "version against one process.\n",
+        "region": "The region to rewrite: ",
+        "hint": "Hint, step {k}",
+        "english": "",
+    },
+    "zh": {
+        "strategies": "**这一课的策略在代码中的位置**（[minipar/parallel]({index}) "
+                      "的阅读索引）：\n",
+        "table": "| 策略 | 类或函数 | 源代码 |\n|---|---|---|",
+        "the file": "（整个文件）",
+        "also": "**另请阅读**（README 的 \"Where each strategy lives\"）：",
+        "calls": "**这一页调用的 minipar 函数**：",
+        "figure alt": "第 {number} 课，图 {k}",
+        "figure": "*图 {k}：由上面的 In [{cell}] 画出（点击可看原尺寸）。*",
+        "folded": "输出：{lines} 行（点击展开）",
+        "made": "这一页是怎样生成的：命令、脚本、用到的代码",
+        "ran": "这一页的说明文字来自中文 notebook `{zh}`；代码与英文 notebook `{notebook}` "
+               "逐字相同，每一个输出和图都来自 `make course` 对英文 notebook 的完整规模运行"
+               "{when}：每个单元格都运行了，没有一项检查失败。生成它们的命令：",
+        "when": "（{when}）",
+        "script": "这一课的脚本{on}运行（make course 的运行命令，在仓库根目录下执行；"
+                  "[脚本源代码]({link})）：",
+        "ranks": "在 {ranks} 个 rank 上", "one process": "在单个进程中",
+        "listed ranks": "{ranks} 个 rank", "listed one": "单进程",
+        "not built": "（本次构建的书中没有这些课）",
+        "no notebook": "这一课没有 notebook：它是一个脚本，由 `make course`（以及 "
+                       "`make lessons`）以完整规模{on}运行：\n",
+        "below": "下面是它的说明文字；它的输出就是上面这条命令打印的内容。\n",
+        "exercises": "# 练习\n",
+        "exercises intro": "每个练习把 minipar 自身代码中标记出的一段（`# exercise: NAME`）"
+                           "换成空白的桩；等价性检查把学生写的版本与单进程比对来评分。"
+                           "每个练习的说明和提示与 `python -m minipar exercise` 打印的一样，"
+                           "是英文的；术语的中文见术语表。\n",
+        "region": "要重写的那一段：",
+        "hint": "提示，第 {k} 步",
+        "english": "（英文）",
+    },
+}
+
+
 def strategy_table(here: str, entries: list[Entry], rows: list[tuple[str, list[str], str]],
-                   calls: list[tuple[str, str, int]], sources: Sources) -> str:
+                   calls: list[tuple[str, str, int]], sources: Sources,
+                   lang: str = "en") -> str:
     """A lesson page's links into the code: the reading index's strategies of the lesson
     at their lines, the README's files for it, and the minipar names its cells call."""
+    words = WORDS[lang]
     out = []
     if entries:
-        out.append("**The strategies of this lesson, in the code** (the reading index of "
-                   f"[minipar/parallel]({relative(here, 'code/index.md')})):\n")
-        out.append("| strategy | class or function | source |\n|---|---|---|")
+        out.append(words["strategies"].format(index=relative(here, "code/index.md")))
+        out.append(words["table"])
         for entry in entries:
             strategy = f"[{entry.title}]({relative(here, f'code/{entry.slug}.md')})"
             # an entry that names no class or function: its files, from their first line
-            for name, path, line in entry.symbols or [("(the file)", p, 1) for p in entry.files]:
-                shown = name if name.startswith("(") else f"`{name}`"
+            for name, path, line in entry.symbols or [
+                    (words["the file"], p, 1) for p in entry.files]:
+                shown = f"`{name}`" if name.isidentifier() else name
                 out.append(f"| {strategy} | {shown} | "
                            f"[{plain(path)}:{line}]({sources.link(path, line, here)}) |")
                 strategy = ""
         out.append("")
     if rows:
-        out.append("**Also read** (README, \"Where each strategy lives\"): " + "; ".join(
+        out.append(words["also"] + "; ".join(
             f"{name}: " + ", ".join(f"[{plain(p)}]({sources.link(p, 1, here)})" for p in files)
             for name, files, _ in rows) + "\n")
     if calls:
-        out.append("**What this page calls**: " + ", ".join(
+        out.append(words["calls"] + ", ".join(
             f"[`{name}`]({sources.link(path, line, here)}) ({plain(Path(path).name)}:{line})"
             for name, path, line in calls) + "\n")
     return "\n".join(out)
@@ -424,16 +514,17 @@ def lesson_rows(lesson: Lesson, rows: list[tuple[str, list[str], str]]
 
 
 def notebook_page(lesson: Lesson, notebook: dict, sources: Sources, entries: list[Entry],
-                  rows: list, docs: Path, here: str | None = None) -> str:
+                  rows: list, docs: Path, here: str | None = None, lang: str = "en") -> str:
     """One lesson's page (at `here`, else lessons/<stem>.md): its cells in order, each
-    figure a PNG in lessons/figures/."""
+    figure a PNG in lessons/figures/, how it was made folded at its end."""
+    words = WORDS[lang]
     here = here or lesson.page
     figures = docs / "lessons" / "figures"
     figures.mkdir(parents=True, exist_ok=True)
     code = [cell_text(c) for c in notebook["cells"] if c.get("cell_type") == "code"]
     made = how_made(lesson, notebook, sources, strategy_table(
         here, [e for e in entries if lesson.stem in e.lessons], lesson_rows(lesson, rows),
-        calls_of(code, sources), sources))
+        calls_of(code, sources), sources, lang), lang)
     parts, figure_count, placed = [], 0, False
     for number, cell in enumerate(notebook["cells"], start=1):
         text = cell_text(cell)
@@ -451,7 +542,7 @@ def notebook_page(lesson: Lesson, notebook: dict, sources: Sources, entries: lis
             if image is None:
                 pending.append(ANSI.sub("", output_text(output)))
                 continue
-            parts.append(text_block(pending))
+            parts.append(text_block(pending, lang))
             pending = []
             figure_count += 1
             suffix = "png" if image == "image/png" else "svg"
@@ -462,18 +553,17 @@ def notebook_page(lesson: Lesson, notebook: dict, sources: Sources, entries: lis
             (figures / name).write_bytes(blob)
             link = relative(here, f"lessons/figures/{name}")
             # the picture links to itself: a click opens it at full size
-            parts.append(f"[![Lesson {lesson.number}, figure {figure_count}]({link})]({link})"
-                         "{ .figure }\n\n"
-                         f"*Figure {figure_count}: drawn by In [{cell.get('execution_count')}]"
-                         " above (click it for the full size).*\n")
-        parts.append(text_block(pending))
+            alt = words["figure alt"].format(number=lesson.number, k=figure_count)
+            parts.append(f"[![{alt}]({link})]({link}){{ .figure }}\n\n" + words["figure"].format(
+                k=figure_count, cell=cell.get("execution_count")) + "\n")
+        parts.append(text_block(pending, lang))
     if not placed:
         parts.insert(0, f"# Lesson {lesson.number}: {lesson.title()}\n")
     parts.append(made)
     return "\n".join(part for part in parts if part)
 
 
-def text_block(texts: list[str]) -> str:
+def text_block(texts: list[str], lang: str = "en") -> str:
     """Consecutive text outputs as one block, folded when long."""
     text = "".join(texts).rstrip()
     if not text:
@@ -481,87 +571,97 @@ def text_block(texts: list[str]) -> str:
     lines = text.count("\n") + 1
     if lines <= FOLD_LINES:
         return fence(text, "text")
-    return f'??? example "Output: {lines} lines (click to open)"\n\n' + indent(fence(text, "text"))
+    title = WORDS[lang]["folded"].format(lines=lines)
+    return f'??? example "{title}"\n\n' + indent(fence(text, "text"))
 
 
-def how_made(lesson: Lesson, notebook: dict | None, sources: Sources, links: str) -> str:
+def how_made(lesson: Lesson, notebook: dict | None, sources: Sources, links: str,
+             lang: str = "en") -> str:
     """The folded box at a lesson page's end: what ran, how, when, that it passed
     (`provenance`), then `links`, the page's strategies and calls at their lines."""
-    return ('??? info "How this page was made: the command, the script, the code it uses"'
-            "\n\n" + indent(provenance(lesson, notebook, sources) + "\n\n" + links) + "\n")
+    return (f'??? info "{WORDS[lang]["made"]}"\n\n'
+            + indent(provenance(lesson, notebook, sources, lang) + "\n\n" + links) + "\n")
 
 
-def provenance(lesson: Lesson, notebook: dict | None, sources: Sources) -> str:
+def provenance(lesson: Lesson, notebook: dict | None, sources: Sources,
+               lang: str = "en") -> str:
     """What ran, how, when; that it passed; the script's command and its rank count."""
+    words = WORDS[lang]
     lines = []
     if notebook is not None:
         when = when_executed(notebook)
-        lines.append(f"Every output and figure on this page is from the notebook "
-                     f"`lessons/{lesson.stem}.ipynb`, executed at full size"
-                     + (f" on {when}" if when else "") + " by `make course`; every cell "
-                     "ran and none of its checks failed. The command that produced them:")
+        lines.append(words["ran"].format(
+            notebook=f"lessons/{lesson.stem}.ipynb", zh=f"lessons/zh/{lesson.stem}.ipynb",
+            when=words["when"].format(when=when) if when else ""))
         lines.append(fence(NOTEBOOK_COMMAND.format(number=lesson.number)
                            if lesson.number.isdigit() else ALL_NOTEBOOKS_COMMAND, "sh"))
     if lesson.script is not None:
         script = sources.link(f"lessons/{lesson.stem}.py", None, lesson.page)
         ranks = lesson.ranks()
-        on = f"on {ranks} ranks" if ranks else "in one process"
-        lines.append(f"The lesson's script runs {on} (make course's run line, from the "
-                     f"repository root; [its source]({script})):")
+        on = words["ranks"].format(ranks=ranks) if ranks else words["one process"]
+        lines.append(words["script"].format(on=on, link=script))
         lines.append(fence(lesson.run_line(), "sh"))
     return "\n\n".join(lines)
 
 
-def script_page(lesson: Lesson, sources: Sources, entries: list[Entry], rows: list) -> str:
+def script_page(lesson: Lesson, sources: Sources, entries: list[Entry], rows: list,
+                lang: str = "en") -> str:
     """A lesson with no notebook: its docstring, its command, its strategies."""
+    words = WORDS[lang]
     here = lesson.page
     doc = ast.get_docstring(ast.parse(lesson.script.read_text())) or ""
     title, _, rest = doc.partition("\n")
     sources.link(f"lessons/{lesson.stem}.py", None, here)
     ranks = lesson.ranks()
+    on = words["ranks"].format(ranks=ranks) if ranks else words["one process"]
     return "\n".join([
         f"# {title.strip()}\n",
-        "This lesson has no notebook: it is a script, run by `make course` (and `make "
-        f"lessons`) at full size {f'on {ranks} ranks' if ranks else 'in one process'}:\n",
+        words["no notebook"].format(on=on),
         fence(lesson.run_line(), "sh"),
-        "Its text is below; its output is what that command prints.\n",
+        words["below"],
         fence(rest.strip("\n"), "text"),
         how_made(lesson, None, sources, strategy_table(
             here, [e for e in entries if lesson.stem in e.lessons],
-            lesson_rows(lesson, rows), [], sources)),
+            lesson_rows(lesson, rows), [], sources, lang), lang),
     ])
 
 
-def landing_page(template: str, course: list[Lesson]) -> str:
-    """book/start.md with its `<!-- lessons NN-MM -->` marks replaced by the lessons of
-    that range in the book: number, title, the rank count make course runs it on."""
+def landing_page(template: str, course: list[Lesson], lang: str = "en",
+                 links: dict[str, str] | None = None) -> str:
+    """book/start.md (start.zh.md) with its `<!-- lessons NN-MM -->` marks replaced by
+    the lessons of that range in the book: number, title, the rank count make course
+    runs it on. `links`: a lesson's link when it is not its page beside this one (a
+    Chinese book's link to an English page)."""
+    words = WORDS[lang]
+    links = links or {}
+
     def listed(match: re.Match) -> str:
         first, last = int(match.group(1)), int(match.group(2))
         items = []
         for lesson in course:
             if lesson.number.isdigit() and first <= int(lesson.number) <= last:
                 ranks = lesson.ranks()
-                on = f"{ranks} ranks" if ranks else "one process"
-                items.append(f"- [{lesson.number} · {lesson.title()}]({lesson.page}) "
+                on = words["listed ranks"].format(ranks=ranks) if ranks else words["listed one"]
+                link = links.get(lesson.stem, lesson.page)
+                items.append(f"- [{lesson.number} · {lesson.title(lang)}]({link}) "
                              f"<small>({on})</small>")
-        return "\n".join(items) or "(not in this build of the book)"
+        return "\n".join(items) or words["not built"]
     return LESSON_RANGE.sub(listed, template)
 
 
 LESSON_RANGE = re.compile(r"<!-- lessons (\d+)-(\d+) -->")
 
 
-def exercises_page(sources: Sources) -> str:
+def exercises_page(sources: Sources, lang: str = "en") -> str:
     """Every exercise: its title, instructions, where its region is, its hints folded."""
     sys.path.insert(0, str(ROOT))
     from minipar.exercises import EXERCISES
     from minipar.exercises.regions import find_regions
 
+    words = WORDS[lang]
     here = "exercises/index.md"
     regions = find_regions()
-    out = ["# Exercises\n",
-           "Each exercise stubs a marked region of minipar's own code (`# exercise: NAME`); "
-           "the equivalence checks grade a student's version against one process.\n",
+    out = [words["exercises"], words["exercises intro"],
            fence("python -m minipar exercise list\n"
                  "python -m minipar exercise start dp-naive ~/work && cd ~/work\n"
                  "python -m minipar exercise hint dp-naive            # then --step 2, ...\n"
@@ -572,13 +672,118 @@ def exercises_page(sources: Sources) -> str:
         where = [r for r in regions if r.name == exercise.name]
         if where:
             paths = [("minipar/" + r.path, r.first) for r in where]
-            out.append("The region to rewrite: " + ", ".join(
+            out.append(words["region"] + ", ".join(
                 f"[{plain(path)}:{line}]({sources.link(path, line, here)})"
                 for path, line in paths) + "\n")
         steps = exercise.hint_steps() if exercise.hint_file.exists() else []
         for k, step in enumerate(steps, start=1):
-            out.append(f'??? tip "Hint, step {k}"\n\n' + indent(step.strip()) + "\n")
+            out.append(f'??? tip "{words["hint"].format(k=k)}"\n\n' + indent(step.strip())
+                       + "\n")
     return "\n".join(out)
+
+
+# ----------------------------------------------------------------- the Chinese pages
+def with_english_outputs(chinese: dict, english: dict) -> tuple[dict, list[str]]:
+    """The Chinese notebook with the English run's outputs: each code cell's outputs and
+    execution count from the same code cell of the executed English notebook. The code
+    of the two is the same text cell by cell (tests/teaching/test_translations.py); a
+    pair that is not is refused here too, with the cell: its outputs would be another
+    code's. Returns (notebook, reasons); reasons [] when every code cell matched."""
+    merged = json.loads(json.dumps(chinese))
+    ours = [c for c in merged["cells"] if c.get("cell_type") == "code"]
+    theirs = [c for c in english["cells"] if c.get("cell_type") == "code"]
+    if len(ours) != len(theirs):
+        return merged, [f"{len(ours)} code cells, the English run has {len(theirs)}"]
+    reasons = []
+    for k, (cell, ran) in enumerate(zip(ours, theirs), start=1):
+        if cell_text(cell) != cell_text(ran):
+            reasons.append(f"code cell {k} differs from the English one (its outputs "
+                           "would be another code's)")
+        cell["outputs"] = ran.get("outputs", [])
+        cell["execution_count"] = ran.get("execution_count")
+        cell.setdefault("metadata", {})["execution"] = ran.get("metadata", {}).get(
+            "execution", {})
+    return merged, reasons
+
+
+SHARED = re.compile(r"\]\(((?:\.\./)*)((?:src|code)/[^)\s#]*?|design)\.md(#[^)\s]*)?\)")
+
+
+def to_shared(text: str) -> str:
+    """A Chinese page's links to the pages both languages share (the code, the source
+    pages, the design), which only the English book holds: one folder up, as .html."""
+    return SHARED.sub(lambda m: f"]({m.group(1)}../{m.group(2)}.html{m.group(3) or ''})", text)
+
+
+def twin_link(page: str, to_chinese: bool) -> str:
+    """The link from `page` (a docs path, lessons/03_x.md) to its twin in the other
+    language's book, relative to the page (the Chinese book is build/book/zh/)."""
+    up = "../" * page.count("/")
+    html = page[:-3] + ".html"
+    return f"{up}zh/{html}" if to_chinese else f"{up}../{html}"
+
+
+def front_matter(text: str, **fields: str) -> str:
+    """`text` with `fields` in its YAML front matter (added to one it has, or new)."""
+    lines = "".join(f"{key}: {value}\n" for key, value in fields.items())
+    if text.startswith("---\n"):
+        return "---\n" + lines + text[4:]
+    return f"---\n{lines}---\n\n{text}"
+
+
+def chinese_pages(course: list[Lesson], executed: dict[str, dict], docs: Path,
+                  english: Path, sources: Sources, entries: list[Entry], rows: list) -> list:
+    """The Chinese book's pages into `docs` (from lessons/zh/, each with the English
+    run's outputs): its first page, a page per lesson that has a Chinese notebook, the
+    exercises, the glossary; each page and its English twin (in `english`, the English
+    docs) linked to each other for the language switch. Returns the Chinese nav.
+    Raises RefusedError when a Chinese notebook's code is not the English run's."""
+    merged, refused = {}, []
+    for stem, notebook in executed.items():
+        path = CHINESE / f"{stem}.ipynb"
+        if path.exists():
+            merged[stem], reasons = with_english_outputs(json.loads(path.read_text()),
+                                                         notebook)
+            refused += [f"{path}: {reason}" for reason in reasons]
+    if refused:
+        raise RefusedError("\n".join(refused))
+    if docs.exists():
+        shutil.rmtree(docs)
+    (docs / "lessons").mkdir(parents=True)
+    pages: dict[str, str] = {}    # docs path -> page text
+    lesson_nav, outside = [], {}
+    for lesson in course:
+        if lesson.stem not in merged:
+            outside[lesson.stem] = "../" + lesson.page[:-3] + ".html"
+            continue
+        pages[lesson.page] = notebook_page(lesson, merged[lesson.stem], sources, entries,
+                                           rows, docs, lang="zh")
+        lesson_nav.append({f"{lesson.number} {lesson.title('zh')}": lesson.page})
+    pages["index.md"] = landing_page((BOOK / "start.zh.md").read_text(), course, "zh",
+                                     {stem: f"{link}" for stem, link in outside.items()})
+    for stem in outside:   # an English page, said so
+        pages["index.md"] = pages["index.md"].replace(
+            f"]({outside[stem]})", f"]({outside[stem]}){WORDS['zh']['english']}")
+    pages["exercises/index.md"] = exercises_page(sources, "zh")
+    exercise_nav = [{"练习": "exercises/index.md"}]
+    if "exercises" in merged:
+        fake = Lesson("exercises", None, ROOT / "lessons/exercises.ipynb")
+        pages["exercises/notebook.md"] = notebook_page(
+            fake, merged["exercises"], sources, [], [], docs, here="exercises/notebook.md",
+            lang="zh")
+        exercise_nav.append({"教师用（notebook）": "exercises/notebook.md"})
+    pages["glossary.md"] = (ROOT / "docs/glossary.md").read_text()
+    for page, text in pages.items():
+        (docs / page).parent.mkdir(parents=True, exist_ok=True)
+        twin = english / page
+        if twin.exists():
+            text = front_matter(text, alternate_en=twin_link(page, to_chinese=False))
+            twin.write_text(front_matter(twin.read_text(),
+                                         alternate_zh=twin_link(page, to_chinese=True)))
+        (docs / page).write_text(to_shared(text))
+    shutil.copy(BOOK / "book.css", docs / "book.css")
+    return [{"从这里开始": "index.md"}, {"课程": lesson_nav}, {"练习": exercise_nav},
+            {"术语表 Glossary": "glossary.md"}]
 
 
 def strategy_page(entry: Entry, sources: Sources, lesson_pages: dict[str, str]) -> str:
@@ -631,10 +836,19 @@ def design_page() -> str:
 
 
 # ----------------------------------------------------------------- the build
-def write_pages(notebooks: Path, docs: Path, only: list[str] | None = None) -> list:
-    """Every page into `docs`; returns the nav. Raises RefusedError (every reason of every
-    notebook) before writing anything when a notebook did not pass. `only`: the lessons
-    to keep (their numbers, or "exercises"), the others left out of the book."""
+class Navs(NamedTuple):
+    """The tables of contents of the two books: English, and Chinese (None: not built)."""
+
+    en: list
+    zh: list | None
+
+
+def write_pages(notebooks: Path, docs: Path, only: list[str] | None = None,
+                chinese: Path | None = None) -> Navs:
+    """Every page into `docs` (and the Chinese book's into `chinese`, when given);
+    returns the navs. Raises RefusedError (every reason of every notebook) before
+    writing anything when a notebook did not pass. `only`: the lessons to keep (their
+    numbers, or "exercises"), the others left out of the book."""
     course = [lesson for lesson in lessons() if not only or lesson.number in only]
     executed: dict[str, dict] = {}
     refused = []
@@ -685,6 +899,8 @@ def write_pages(notebooks: Path, docs: Path, only: list[str] | None = None) -> l
     (docs / "design.md").write_text(design_page())
     (docs / "glossary.md").write_text((ROOT / "docs/glossary.md").read_text())  # 中文 / English
     shutil.copytree(ROOT / "docs/images", docs / "images")
+    zh_nav = chinese_pages(course, executed, chinese, docs, sources, entries, rows) if (
+        chinese is not None) else None
     (docs / "code").mkdir()
     (docs / "code/index.md").write_text(code_index_page(intro, entries, closing))
     for entry in entries:
@@ -694,26 +910,56 @@ def write_pages(notebooks: Path, docs: Path, only: list[str] | None = None) -> l
         page.parent.mkdir(parents=True, exist_ok=True)
         page.write_text(source_page(path))
     shutil.copy(BOOK / "book.css", docs / "book.css")
-    return [{"Start here": "index.md"}, {"Words used throughout": "words.md"},
-            {"Lessons": lesson_nav}, {"Exercises": exercise_nav},
-            {"Design": "design.md"}, {"Glossary 术语表": "glossary.md"},
-            {"The strategies in code": [{"Reading order": "code/index.md"}] + [
-                {entry.title: f"code/{entry.slug}.md"} for entry in entries]}]
+    return Navs([{"Start here": "index.md"}, {"Words used throughout": "words.md"},
+                 {"Lessons": lesson_nav}, {"Exercises": exercise_nav},
+                 {"Design": "design.md"}, {"Glossary 术语表": "glossary.md"},
+                 {"The strategies in code": [{"Reading order": "code/index.md"}] + [
+                     {entry.title: f"code/{entry.slug}.md"} for entry in entries]}], zh_nav)
 
 
 def build(notebooks: Path, out: Path, work: Path, only: list[str] | None = None) -> int:
-    """Write the pages into work/docs and run mkdocs into `out`; returns mkdocs' exit code."""
-    nav = write_pages(notebooks, work / "docs", only)
-    import yaml  # here: mkdocs brings it (the book extra); the refusals above need none
-    config = (BOOK / "mkdocs.yml").read_text() + "\n" + yaml.safe_dump({
-        "docs_dir": str(work / "docs"), "site_dir": str(out),
-        "hooks": [str(BOOK / "hooks.py")], "nav": nav}, sort_keys=False, allow_unicode=True)
-    (work / "mkdocs.yml").write_text(config)
+    """Write the pages into work/docs (the Chinese ones into work/docs-zh) and run mkdocs
+    into `out` and `out`/zh; returns mkdocs' exit code (the first that failed)."""
+    navs = write_pages(notebooks, work / "docs", only, chinese=work / "docs-zh")
     if out.exists():
         shutil.rmtree(out)
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
-                           "-f", str(work / "mkdocs.yml")], cwd=ROOT,
-                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}).returncode
+    for lang, nav, docs, site in (("en", navs.en, work / "docs", out),
+                                  ("zh", navs.zh, work / "docs-zh", out / "zh")):
+        config = work / f"mkdocs.{lang}.yml"
+        config.write_text(mkdocs_config(lang, nav, docs, site))
+        code = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+                               "-f", str(config)], cwd=ROOT,
+                              env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}).returncode
+        if code != 0:
+            return code
+    return 0
+
+
+# What the Chinese book changes in book/mkdocs.yml: its name, the theme's language (its
+# interface, and search's segmenting: Material cuts Chinese into words with jieba), and
+# links: its pages link to the code pages of the English book, outside its own folder,
+# which mkdocs cannot see (make test-book follows every one of them).
+CHINESE_CONFIG = {"site_name: minipar, the course": "site_name: minipar 课程",
+                  "  language: en\n": "  language: zh\n",
+                  "  unrecognized_links: warn": "  unrecognized_links: info"}
+
+
+def mkdocs_config(lang: str, nav: list, docs: Path, site: Path) -> str:
+    """book/mkdocs.yml for one language's book, with its pages, folders and the two
+    languages of the switch."""
+    import yaml  # here: mkdocs brings it (the book extra); the refusals above need none
+    text = (BOOK / "mkdocs.yml").read_text().replace("BOOK/overrides", str(BOOK / "overrides"))
+    if lang == "zh":
+        for english, chinese in CHINESE_CONFIG.items():
+            assert english in text, f"book/mkdocs.yml has no {english!r} any more"
+            text = text.replace(english, chinese)
+    home = {"en": ("index.html", "zh/index.html"), "zh": ("../index.html", "index.html")}[lang]
+    return text + "\n" + yaml.safe_dump({
+        "docs_dir": str(docs), "site_dir": str(site), "hooks": [str(BOOK / "hooks.py")],
+        "nav": nav, "extra": {"generator": False, "alternate": [
+            {"name": "English", "link": home[0], "lang": "en"},
+            {"name": "中文", "link": home[1], "lang": "zh"}]}},
+        sort_keys=False, allow_unicode=True)
 
 
 def main(argv: list[str] | None = None) -> int:

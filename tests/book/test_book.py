@@ -104,7 +104,7 @@ def test_a_lesson_page_shows_its_figure_its_command_and_its_strategies_lines(tmp
     notebooks.mkdir()
     (notebooks / "03_expert_parallel.ipynb").write_text(json.dumps(executed(
         "03_expert_parallel")))
-    nav = build.write_pages(notebooks, tmp_path / "docs", only=["03"])
+    nav = build.write_pages(notebooks, tmp_path / "docs", only=["03"]).en
     md = ".md"   # (pages are Markdown files of the build, not of this repository)
     page = (tmp_path / "docs" / "lessons" / ("03_expert_parallel" + md)).read_text()
     figures = sorted((tmp_path / "docs/lessons/figures").glob("03_expert_parallel-*.png"))
@@ -192,3 +192,54 @@ def test_the_browser_check_finds_a_link_that_leads_nowhere(tmp_path):
     assert browse.link_problem(tmp_path, base, base + "lessons/04.html") == "no such page"
     assert browse.link_problem(tmp_path, base, base + "lessons/03.html#__codelineno-0-8") == (
         "no #__codelineno-0-8 on lessons/03.html")
+
+
+def test_a_chinese_page_has_the_english_runs_outputs_and_links_its_twin(tmp_path):
+    """lessons/zh/<stem>.ipynb's words, the executed English notebook's outputs cell by
+    cell, a switch to its English twin and back, the code pages of the English book."""
+    stem = next(p.stem for p in sorted((ROOT / "lessons/zh").glob("[0-9][0-9]_*.ipynb"))
+                if (ROOT / f"lessons/{p.stem}.ipynb").exists())
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    (notebooks / f"{stem}.ipynb").write_text(json.dumps(executed(stem)))
+    navs = build.write_pages(notebooks, tmp_path / "en", only=[stem[:2]],
+                             chinese=tmp_path / "zh")
+    md = ".md"
+    page = (tmp_path / "zh" / "lessons" / (stem + md)).read_text()
+    english = (tmp_path / "en" / "lessons" / (stem + md)).read_text()
+    chinese = json.loads((ROOT / f"lessons/zh/{stem}.ipynb").read_text())
+    title = "".join(next(c for c in chinese["cells"] if c["cell_type"] == "markdown")["source"])
+    assert page.startswith(f"---\nalternate_en: ../../lessons/{stem}.html\n---\n\n"
+                           + title.partition("\n")[0]), page[:200]
+    assert english.startswith(f"---\nalternate_zh: ../zh/lessons/{stem}.html\n---\n"), english[:80]
+    assert "lesson checks: 7 passed, 0 failed" in page   # the English run's output
+    figures = sorted((tmp_path / "zh/lessons/figures").glob(f"{stem}-*.png"))
+    assert figures and all(f"(../lessons/figures/{f.name})" in page for f in figures)
+    assert "](../../src/minipar/" in page and "](../src/" not in page   # the shared pages
+    assert "这一页是怎样生成的" in page
+    assert [next(iter(item)) for item in navs.zh][:2] == ["从这里开始", "课程"], navs.zh
+    index = (tmp_path / "zh/index.md").read_text()
+    assert f"](lessons/{stem}.md)" in index and "](../lessons/00_collectives.html)（英文）" not in \
+        index   # a lesson left out of this book is not listed at all
+
+
+def test_a_chinese_notebook_whose_code_is_not_the_english_runs_is_refused():
+    stem = next(p.stem for p in sorted((ROOT / "lessons/zh").glob("[0-9][0-9]_*.ipynb")))
+    chinese = json.loads((ROOT / f"lessons/zh/{stem}.ipynb").read_text())
+    merged, reasons = build.with_english_outputs(chinese, executed(stem))
+    assert reasons == []
+    ran = [c for c in merged["cells"] if c["cell_type"] == "code"]
+    assert ran[0]["outputs"][0]["text"] == "lesson checks: 7 passed, 0 failed\n"
+    stale = executed(stem)
+    next(c for c in stale["cells"] if c["cell_type"] == "code")["source"] = "print(1)"
+    _, reasons = build.with_english_outputs(chinese, stale)
+    assert reasons == ["code cell 1 differs from the English one (its outputs would be "
+                       "another code's)"], reasons
+
+
+def test_a_chinese_page_links_the_code_pages_of_the_english_book():
+    text = ("[a](../src/minipar/x.py.md#__codelineno-0-7) [b](../code/index.md) "
+            "[c](../lessons/figures/f.png) [d](../../design.md) [e](glossary.md)")
+    assert build.to_shared(text) == (
+        "[a](../../src/minipar/x.py.html#__codelineno-0-7) [b](../../code/index.html) "
+        "[c](../lessons/figures/f.png) [d](../../../design.html) [e](glossary.md)")
