@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import base64
 import json
+import re
 
 import pytest
 
@@ -167,6 +168,19 @@ def test_the_first_page_is_the_course_for_a_student(tmp_path):
     order = [every.index(f"(lessons/{lesson}{md})") for lesson, _ in COURSE
              if (ROOT / f"lessons/{lesson}.ipynb").exists()]
     assert order == sorted(order) and len(order) == len(COURSE)
+
+
+def test_a_title_names_the_ranks_its_run_line_starts():
+    """A lesson whose title says "on N ranks" runs on N ranks in make course."""
+    from tests.course import COURSE
+
+    wrong = []
+    for lesson in build.lessons():
+        said = re.findall(r"\bon (\d+) ranks\b", lesson.title())
+        runs = dict(COURSE).get(lesson.stem)
+        wrong += [f"{lesson.stem}: the title says {n}, make course runs {runs}"
+                  for n in said if int(n) != runs]
+    assert wrong == [], wrong
 
 
 def test_the_reading_index_becomes_the_second_half_of_the_contents():
