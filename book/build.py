@@ -630,10 +630,12 @@ def landing_page(template: str, course: list[Lesson], lang: str = "en",
                  links: dict[str, str] | None = None) -> str:
     """book/start.md (start.zh.md) with its `<!-- lessons NN-MM -->` marks replaced by
     the lessons of that range in the book: number, title, the rank count make course
-    runs it on. `links`: a lesson's link when it is not its page beside this one (a
-    Chinese book's link to an English page)."""
+    runs it on; LAST is the course's last lesson. `links`: a lesson's link when it is
+    not its page beside this one (a Chinese book's link to an English page)."""
     words = WORDS[lang]
     links = links or {}
+    template = template.replace("LAST", max(
+        lesson.number for lesson in lessons() if lesson.number.isdigit()))
 
     def listed(match: re.Match) -> str:
         first, last = int(match.group(1)), int(match.group(2))
