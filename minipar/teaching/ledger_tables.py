@@ -324,6 +324,9 @@ def ledger_table(records: list[dict], cfg: TrainConfig, skipped: bool = False) -
     the fixed part, `Line.per_row`). `--check` judges every rank's lines the same way
     (`ledger_differences`)."""
     predicted = predicted_lines(cfg, skipped)
+    if cfg.outer == "diloco":  # dp carries the outer step: its own formula, every step
+        predicted = {rank: {key: line for key, line in lines.items() if key[0] != "dp"}
+                     for rank, lines in predicted.items()}
     per: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in records:
         per[(r["group"], r["op"])].append(r)
@@ -352,6 +355,9 @@ def ledger_table(records: list[dict], cfg: TrainConfig, skipped: bool = False) -
                      "DIFFERS (never called)")
     if len(lines) == 2:
         lines.append("  (no communication: a mesh of one rank)")
+    if cfg.outer == "diloco":
+        lines.append("  dp: the outer step's Allreduce of the fragments due (--check judges "
+                     "every step's against diloco.dp_allreduce_elements)")
     return "\n".join(lines)
 
 

@@ -61,7 +61,7 @@ SAVED = ["train", "--layers", "4", "--d-model", "16", "--batch", "16", "--outer"
          "--inner-steps", "2", "--fragments", "2", "--optimizer", "adam", "--lr", "0.01"]
 SAVES = [[*SAVED, "--dp", "2", "--tp", "2", "--steps", "4", "--save", "{ck}"],
          [*SAVED, "--dp", "2", "--pp", "2", "--steps", "8", "--resume", "{ck}", "--save",
-          "{ck}", "--check"],
+          "{ck}", "--check", "--ledger"],
          [*SAVED, "--dp", "4", "--steps", "10", "--resume", "{ck}"]]
 
 
@@ -188,5 +188,6 @@ def test_resume_on_another_mesh_continues_exactly(swept):
     assert resumed["code"] == 0, resumed["out"]
     assert re.search(r"check against one process: .* -> OK", resumed["out"]), resumed["out"]
     assert "the dp Allreduce of every step on 4 ranks as" in resumed["out"], resumed["out"]
+    assert "dp: the outer step's Allreduce of the fragments due" in resumed["out"]
     assert other_dp["code"] == 2, other_dp["out"]
     assert "saved by 2 workers (--dp 2), this run has --dp 4" in other_dp["out"]
