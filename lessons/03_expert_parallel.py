@@ -555,6 +555,7 @@ def main() -> None:
     say(f"{EXPERTS} experts on {size} ranks, {EXPERTS // size} each; {TOKENS} tokens, "
         f"{TOKENS // size} per rank; top-{TOP_K} routing; d={D_MODEL}", "")
     hand, sends = the_hand_example(nn.init_params(config(None), seed=0), h)   # part 1
+    wait_for_rank0(comm)  # the others asleep while rank 0 computes the one-process layer
     the_picture()                                                      # part 2
     for capacity in (None, CAPACITY):
         wait_for_rank0(comm)  # the others asleep while rank 0 reports (reruns, a figure)

@@ -278,6 +278,7 @@ def the_hand_pipeline() -> None:
             f"    ({size} ranks on {CORES} cores" + (", taking turns)" if SHARED else ")"))
     say("  (the formula counts F = 1, B = 2; the CPU times are these small layers' own, "
         "Python's fixed costs included)")
+    wait_for_rank0(comm)  # the others asleep while rank 0 checked the last M alone
 
 
 # ------------------------------------------------- part 2: the library's run of it
