@@ -432,8 +432,8 @@ def the_bubble(runs: dict, trace: Path | None = None) -> None:
         "  and the 1F1B program's dependencies place it; no communication cost.")
     if trace is not None and rank == 0:   # the same M = 8 run, read from its timeline
         measured_trace = trace_report.measure(trace_files.load(trace))
-        print(f"  its trace ({trace}; `python -m minipar trace {trace}` prints the same): "
-              f"M = {TRACED} bubble {measured_trace.bubble:.1%}, communication hidden "
+        print(f"  its trace: `python -m minipar trace {trace}` prints the same:\n"
+              f"    M = {TRACED} bubble {measured_trace.bubble:.1%}, communication hidden "
               f"under compute {measured_trace.hidden:.1%}; {size} ranks on {CORES} cores"
               + (" (oversubscribed)" if SHARED else ""), flush=True)
     if SHARED:

@@ -170,7 +170,8 @@ def test_lesson_4_prints_the_numbers_of_its_trace():
     job, folder = lesson_run(4, "04_pipeline_parallel.py", "--quick")  # test_lessons' run
     assert job.returncode == 0, job.explain()
     measured = trace_report.measure(trace_files.load(folder / "trace_1f1b"))
-    line = next(x for x in job.stdout.splitlines() if "its trace (" in x)
+    lines = job.stdout.splitlines()
+    line = next(after for x, after in zip(lines, lines[1:]) if "its trace:" in x)
     assert f"M = 8 bubble {measured.bubble:.1%}, communication hidden under compute " \
            f"{measured.hidden:.1%}" in line, line
     assert "cores" in line and (folder / "04_trace_1f1b.png").exists()
