@@ -36,7 +36,7 @@ def main() -> None:
                                                world)
     recorder = trace.Recorder(mesh.rank, trace.label(mesh.rank, mesh.coords), "here", 0, "")
     trace.RECORDER = recorder
-    trace.instrument(updater.optimizer, updater.memory)   # as train_on_mesh does
+    trace.instrument(updater.optimizer, updater.memory)   # as train does
     trace.RECORDER = None
     samples: dict[str, list[float]] = {"untraced": [], "traced": []}
     for rep in range(repeats + 2):  # the first two: warm-up, not kept

@@ -56,7 +56,8 @@ from minipar.comm.mesh import Mesh, MeshShape
 from minipar.core import autograd as ag
 from minipar.core import fused_layers, nn, routing
 from minipar.core.byte_units import KiB, format_bytes
-from minipar.parallel.expert_parallel import ExpertParallelBlock, expected_alltoallv_elements
+from minipar.parallel.expert_parallel import ExpertParallelBlock
+from minipar.parallel.moe.load_stats import expected_alltoallv_elements
 from minipar.run.results import relative_difference
 from minipar.settings.preflight import lesson_arguments
 

@@ -20,7 +20,9 @@ import argparse
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from minipar.bugs.catalog import listing
 from minipar.checkpoint import save_load, shard_files
@@ -303,75 +305,77 @@ def launcher_rank() -> str:
     return os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def main(argv: list[str]) -> int:
+    """Run one command (`main(["train", "--dp", "2"])`) and return its exit code; `run` is
+    the same with the job's handling of what leaves it."""
+    return chosen(argv)(argv[1:])
+
+
+def chosen(argv: list[str]) -> Callable[[list[str]], int]:
+    """The command `argv` names, or one that prints the usage and returns 2. With --help,
+    every rank parses and rank 0 alone prints."""
     if {"-h", "--help"} & set(argv[1:]) and launcher_rank() != "0":
-        sys.stdout = open(os.devnull, "w")  # --help: every rank parses, rank 0 alone prints
-    if not argv or argv[0] not in COMMANDS:
-        print(f"usage: python -m minipar {{{','.join(COMMANDS)}}} [flags]  "
-              "(add --help after a command)", file=sys.stderr)
-        return 2
-    return COMMANDS[argv[0]](argv[1:])
+        sys.stdout = open(os.devnull, "w")
+    return COMMANDS[argv[0]] if argv and argv[0] in COMMANDS else usage
 
 
-def main_quiet_on_closed_pipe() -> int:
-    """`main()`; when the reader of our output has left (`python -m minipar plan ... | head`),
-    stop quietly with exit 0."""
-    try:
-        return main()
-    except BrokenPipeError:
-        sys.stderr.close()
-        raise SystemExit(0) from None
+def usage(argv: list[str]) -> int:
+    """No command, or one we do not know: the usage line, exit 2."""
+    print(f"usage: python -m minipar {{{','.join(COMMANDS)}}} [flags]  "
+          "(add --help after a command)", file=sys.stderr)
+    return 2
 
 
 # Commands whose ranks talk: a rank that leaves on its own strands the others.
 TALKING = ("train", "reshard", "tour", "generate")
 
 
-def main_leaving_together() -> int:
-    """`main_quiet_on_closed_pipe()`, where a SystemExit inside a command whose ranks talk
-    is one rank leaving on its own, whatever its code, 0 included (every rank leaving
-    alike returns an exit code from `main` instead; only --help leaves by SystemExit on
-    every rank): end the job, or its partners wait forever."""
+def run() -> None:
+    """Entry point: the command, and the one handler of what may leave it.
+
+    Like `python -m mpi4py`, an exception on one rank of a job aborts every rank (its
+    traceback first; Ctrl-C is one line, exit 130). A SystemExit inside a command whose
+    ranks talk is one rank leaving on its own, whatever its code, 0 included (ranks that
+    leave alike return an exit code instead; only --help leaves by SystemExit on every
+    rank): it ends the job too, or its partners would wait forever. When the reader of
+    our output has left (`python -m minipar plan ... | head`), we stop quietly, exit 0.
+    One process has no partner to strand: a traceback and exit 1 suffice."""
+    argv = sys.argv[1:]
+    command = chosen(argv)
     try:
-        return main_quiet_on_closed_pipe()
-    except SystemExit as leaving:
-        helping = leaving.code in (None, 0) and {"-h", "--help"} & set(sys.argv[2:])
-        if helping or sys.argv[1:2] not in [[name] for name in TALKING]:
-            raise
+        code = command(argv[1:])
+    except BaseException as error:   # each kind of leaving in turn (`leave`)
+        leave(error, argv)
+    sys.exit(code)
+
+
+def leave(error: BaseException, argv: list[str]) -> NoReturn:
+    """End this process (and, on a rank of a job that talks, the job) for `error`."""
+    many = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))) > 1
+    if isinstance(error, BrokenPipeError):   # our reader left: leave as if with exit 0
+        sys.stderr.close()
+        error = SystemExit(0)
+    if isinstance(error, SystemExit):
+        helping = error.code in (None, 0) and {"-h", "--help"} & set(argv[1:])
+        if not many or helping or argv[:1] not in [[name] for name in TALKING]:
+            raise error from None
         from minipar.comm.job import abort_all  # here: comm/job.py loads mpi4py.MPI
 
         if sys.stderr.closed:   # our reader left (a closed pipe): end the job quietly
-            from mpi4py import MPI
-
-            MPI.COMM_WORLD.Abort(0)
+            _world().Abort(0)
         abort_all(f"minipar: rank {launcher_rank()} left on its own "
-                  f"(SystemExit({leaving.code!r})) while its partners ran on: ending the job\n",
-                  leaving.code if isinstance(leaving.code, int) and leaving.code else 1)
-        raise
+                  f"(SystemExit({error.code!r})) while its partners ran on: ending the job\n",
+                  error.code if isinstance(error.code, int) and error.code else 1)
+        raise error from None
+    if many:
+        from minipar.comm.job import abort_for  # here: comm/job.py loads mpi4py.MPI
 
-
-def run() -> None:
-    """Entry point: like `python -m mpi4py`, an exception on one rank aborts every rank,
-    and so does a SystemExit with a failing code on one rank of a command whose ranks
-    talk (`main_leaving_together`); Ctrl-C is one line from each rank, exit 130."""
-    world_size = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
-    if world_size > 1:
-        # here, not at the top: comm/job.py loads mpi4py.MPI, which one process never needs
-        from minipar.comm.job import abort_on_exception
-
-        sys.exit(abort_on_exception(main_leaving_together, label="minipar: "))
-    try:  # one process: no partner can be left waiting, the traceback and exit 1 suffice
-        code = main_quiet_on_closed_pipe()
-    except SystemExit:
-        raise
-    except KeyboardInterrupt:
+        abort_for(error, label="minipar: ")
+    if isinstance(error, KeyboardInterrupt):
         sys.stderr.write("minipar: interrupted (Ctrl-C)\n")
         raise SystemExit(130) from None
-    except BaseException:
-        sys.stderr.write(f"minipar: rank 0 failed:\n{traceback.format_exc()}")
-        raise SystemExit(1) from None
-    sys.exit(code)
+    sys.stderr.write(f"minipar: rank 0 failed:\n{traceback.format_exc()}")
+    raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -203,12 +203,12 @@ def run_notebook(path: Path, ranks: int | None) -> Outcome:
 
 def table(outcomes: list[Outcome]) -> str:
     """One row per lesson and notebook: ranks, seconds, checks passed, and its verdict."""
-    rows = [f"{'lesson / notebook':<30} {'ranks':>5} {'seconds':>8} {'checks':>7}  result"]
+    rows = [f"{'lesson / notebook':<28} {'ranks':>5} {'seconds':>8} {'checks':>7}  result"]
     for o in outcomes:
         ranks = "-" if o.ranks is None else str(o.ranks)
         over = "*" if o.ranks and o.ranks > cores() else " "
         checks = "-" if o.checks is None else str(o.checks)
-        rows.append(f"{o.name:<30} {ranks:>4}{over} {o.seconds:8.1f} {checks:>7}  "
+        rows.append(f"{o.name:<28} {ranks:>4}{over} {o.seconds:8.1f} {checks:>7}  "
                     + ("ok" if not o.problems else "FAILED"))
     return "\n".join(rows)
 

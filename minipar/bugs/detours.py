@@ -62,7 +62,7 @@ def one_input_buffer() -> list[Swap]:
             self.buffer = np.empty(self.shape, dtype=self.dtype)
 
         def recv_act(self, ins: pipeline.Instruction) -> None:
-            source = pipeline.peer(ins.kind, self.pp, self.stage)
+            source = self.peer(ins)
             # activation (B/(M dp), d) <- the previous stage. BUG: into the stage's one buffer
             self.group.Recv(self.buffer, source=source, tag=pipeline.ACT_TAG)
             self.inputs[(ins.chunk, ins.microbatch)] = pipeline.rows_of(
@@ -104,15 +104,15 @@ def plain_linears() -> list[Swap]:
 # --------------------------------------------------------- data parallelism
 def stage_left_out() -> list[Swap]:
     """Plain DP whose last pipeline stage never registered its gradients for the sync."""
-    from minipar.parallel import data_parallel  # here: loads mpi4py.MPI (module docstring)
+    from minipar.parallel import dp_updater  # here: loads mpi4py.MPI (module docstring)
 
-    class StageLeftOut(data_parallel.DataParallel):
+    class StageLeftOut(dp_updater.DataParallel):
         def __init__(self, chunks: list[nn.Model], mesh: Mesh, *args: object) -> None:
             super().__init__(chunks, mesh, *args)
             if mesh.coords["pp"] == mesh.shape.pp - 1:
                 self.buckets = []  # BUG: this stage's buckets are never Allreduced over dp
 
-    return [(data_parallel, "DataParallel", StageLeftOut)]
+    return [(dp_updater, "DataParallel", StageLeftOut)]
 
 
 def sum_not_mean() -> list[Swap]:

@@ -60,9 +60,9 @@ def extra_allreduce() -> list[Swap]:
     """dp rank 0 alone sums the squared gradient norm over dp, for its log line."""
     from mpi4py import MPI  # here, as every detour's import (module docstring)
 
-    from minipar.parallel import data_parallel  # here: loads mpi4py.MPI
+    from minipar.parallel import dp_updater  # here: loads mpi4py.MPI
 
-    class LoggingRankZero(data_parallel.DataParallel):
+    class LoggingRankZero(dp_updater.DataParallel):
         def step(self) -> None:
             super().step()
             if self.mesh.coords["dp"] == 0:  # BUG: a collective inside a rank-0-only branch
@@ -70,7 +70,7 @@ def extra_allreduce() -> list[Swap]:
                                      if p.grad is not None)])
                 self.mesh.dp.Allreduce(MPI.IN_PLACE, norm)  # BUG: the others never come
 
-    return [(data_parallel, "DataParallel", LoggingRankZero)]
+    return [(dp_updater, "DataParallel", LoggingRankZero)]
 
 
 # ------------------------------------------------------- both stages receive

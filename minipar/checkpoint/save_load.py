@@ -78,9 +78,9 @@ from minipar.core.optim import Optimizer
 from minipar.core.shards import held_parts
 from minipar.settings.config import TrainConfig
 
-if TYPE_CHECKING:  # data_parallel.py loads mpi4py.MPI; checking a checkpoint needs none
+if TYPE_CHECKING:  # dp_updater.py loads mpi4py.MPI; checking a checkpoint needs none
     from minipar.comm.collectives import Group
-    from minipar.parallel.data_parallel import Updater
+    from minipar.parallel.dp_updater import Updater
 
 
 class FolderInUseError(CheckpointError):

@@ -11,7 +11,8 @@ make it so: every rank sends its text to one rank, which prints them in order.
     run_collectively(main)             # a lesson's entry: one failing rank stops them all,
                                        # and a failed check makes every rank exit 1
     agreed(world, errors, argv)        # a command's refusal on any rank reaches all of them
-    abort_on_exception(main)           # any rank program: one failing rank stops them all;
+    abort_on_exception(main)           # any rank program: one failing rank stops them all
+                                       # (abort_for: what `python -m minipar` calls itself);
                                        # an error MPI raises is one line and the verdict
 
 Used by the lessons: `mpiexec -n 4 python lessons/00_collectives.py`.
@@ -24,7 +25,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from mpi4py import MPI
 
@@ -169,19 +170,28 @@ def abort_on_exception(main: Callable[[], T], label: str = "") -> T:
         return main()
     except SystemExit:
         raise
-    except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line each, not a traceback
+    except BaseException as error:
+        abort_for(error, label)
+
+
+def abort_for(error: BaseException, label: str = "") -> NoReturn:
+    """End every rank of the job for `error`, caught on this rank (call it in an `except`).
+
+    Ctrl-C's KeyboardInterrupt is one line and exit 130; an error MPI raised inside a call
+    is one line (`mpi_error_line`); any other exception is this rank's traceback after
+    `label`. Then MPI_Abort ends them all."""
+    if isinstance(error, KeyboardInterrupt):  # Ctrl-C reaches every rank: one line each
         abort_all(f"{label}rank {MPI.COMM_WORLD.Get_rank()} interrupted (Ctrl-C): ending the "
                   "job\n", 130)
         raise SystemExit(130) from None
-    except MPI.Exception as error:  # MPI's own error inside a call: a verdict, not a trace
+    if isinstance(error, MPI.Exception):  # MPI's own error inside a call: a verdict
         shown = traceback.format_exc() if os.environ.get("MINIPAR_TRACEBACK") == "1" else ""
         abort_all(shown + mpi_error_line(error, MPI.COMM_WORLD.Get_rank()) + "\n")
         raise SystemExit(1) from None
-    except BaseException:
-        abort_all(f"{label}rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
-        # MPI_Abort may return before the launcher ends this rank: leave without letting
-        # Python print the same traceback a second time
-        raise SystemExit(1) from None
+    abort_all(f"{label}rank {MPI.COMM_WORLD.Get_rank()} failed:\n{traceback.format_exc()}")
+    # MPI_Abort may return before the launcher ends this rank: leave without letting
+    # Python print the same traceback a second time
+    raise SystemExit(1) from None
 
 
 def mpi_error_line(error: BaseException, rank: int) -> str:

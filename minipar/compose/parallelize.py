@@ -21,8 +21,8 @@ from minipar.core.recompute import Recomputed
 from minipar.parallel.pipeline import chunk_layout, schedules
 from minipar.settings.config import TrainConfig
 
-if TYPE_CHECKING:  # data_parallel.py loads mpi4py.MPI
-    from minipar.parallel.data_parallel import Updater
+if TYPE_CHECKING:  # dp_updater.py loads mpi4py.MPI
+    from minipar.parallel.dp_updater import Updater
 
 
 def parallelize(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray],
@@ -78,9 +78,9 @@ def build_rank_model(cfg: TrainConfig, mesh: Mesh, full: dict[str, np.ndarray]
     enter = leave = None
     if cfg.sp:  # the residual stream is split by rows (the transformer: positions) over
         # tp from the embedding to the head, so pipeline stages pass those shards along
-        from minipar.parallel import tensor_parallel  # here: it loads mpi4py.MPI
+        from minipar.parallel import sequence_parallel  # here: it loads mpi4py.MPI
 
-        enter, leave = tensor_parallel.sequence_parallel_hooks(
+        enter, leave = sequence_parallel.sequence_parallel_hooks(
             mesh.tp, axis=1 if model_cfg.is_gpt else 0)
     embed, head = (gpt.Embedding, gpt.Head) if model_cfg.is_gpt else (nn.Embed, nn.Head)
     # context parallelism: the embedding adds the rows of the positions this rank holds
@@ -146,7 +146,12 @@ def make_ffn_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
     The classes are looked up in their modules at call time, so `--inject-bug` can
     swap what they use."""
     # here: these load mpi4py.MPI, which the one-process reference never needs
-    from minipar.parallel import context_parallel, expert_parallel, tensor_parallel
+    from minipar.parallel import (
+        context_parallel,
+        expert_parallel,
+        sequence_parallel,
+        tensor_parallel,
+    )
 
     if model_cfg.is_moe:
         split = cfg.model == "moe" and cfg.tp > 1   # the MLP model: each expert over tp
@@ -162,8 +167,8 @@ def make_ffn_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
                                                                  split_over_tp=split)
         else:
             moe = nn.MoEBlock(full, index, model_cfg, ln=ln)
-        if cfg.sp:  # my positions -> all of them, and back (tensor_parallel.py)
-            return tensor_parallel.ReplicatedOverTp(moe, mesh.tp)
+        if cfg.sp:  # my positions -> all of them, and back (sequence_parallel.py)
+            return sequence_parallel.ReplicatedOverTp(moe, mesh.tp)
         return moe
     if cfg.tp > 1:
         return tensor_parallel.TensorParallelBlock(full, index, mesh.tp,
@@ -185,7 +190,7 @@ def make_updater(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     step's backward: plain data parallelism (`--grad-sync`) or a ZeRO stage (`--zero`).
     Built once, before the first forward (it may wrap the pieces of `chunks`)."""
     from minipar.core import precision
-    from minipar.parallel import data_parallel, fp8_scales, muon_mesh, zero  # here: MPI
+    from minipar.parallel import dp_updater, fp8_scales, muon_mesh, zero  # here: MPI
     from minipar.parallel.mixed import FullPrecision, MixedStep
 
     # the precision policy the updater is handed (parallel/mixed.py). --mixed: masters,
@@ -201,8 +206,8 @@ def make_updater(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     # ask): parallel/muon_mesh.py
     optimizer.bind(muon_mesh.MeshMeeting(mesh))
     if cfg.zero == 0:
-        updater = data_parallel.DataParallel(chunks, mesh, optimizer, cfg.grad_sync,
-                                             cfg.bucket_size, cfg.microbatches, policy)
+        updater = dp_updater.DataParallel(chunks, mesh, optimizer, cfg.grad_sync,
+                                          cfg.bucket_size, cfg.microbatches, policy)
     else:
         updater = zero.make_zero(cfg.zero, chunks, mesh, optimizer, policy)
     if cfg.clip_grad_norm is not None:  # --clip-grad-norm: between the sync and the step

@@ -118,7 +118,7 @@ class Block(nn.Module):
 
     def partial_over_tp(self) -> list[nn.Parameter]:
         """Sequence parallelism: the replicated parameters of both halves that see only
-        this rank's positions (tensor_parallel.allreduce_sequence_parallel_grads)."""
+        this rank's positions (sequence_parallel.py `allreduce_sequence_parallel_grads`)."""
         return [p for part in (self.attn, self.ffn) if hasattr(part, "partial_over_tp")
                 for p in part.partial_over_tp()]
 

@@ -89,22 +89,19 @@ EXERCISES = [
     Exercise(
         "dp-naive", "Data parallelism: one Allreduce per parameter",
         "In data_parallel.allreduce_gradients, make every replica's gradient the average "
-        "over dp: for each parameter p, Allreduce its gradient grad_or_zeros(p) in "
-        "place over its replica group _group(p, mesh) (the dp group, or edp for an expert "
-        "weight), then divide by mesh.shape.replicas (dp, times cp under context "
-        "parallelism). What travels and how it adds comes from the precision policy: "
-        "buf, op = precision.reduction(grad) (in one dtype: grad itself and MPI.SUM), "
-        "then precision.reduced(grad, buf). Shapes: p.grad has p.data's shape; one "
-        "Allreduce per parameter.",
+        "over dp: for each parameter p, Allreduce its gradient grad (grad_or_zeros(p)) in "
+        "place over group, its replicas (the dp group, or edp for an expert weight), then "
+        "divide by mesh.shape.replicas (dp, times cp under context parallelism). Shapes: "
+        "p.grad has p.data's shape; one Allreduce per parameter, none on a group of one "
+        "rank.",
         [_train(dp=4, grad_sync="naive"),
          _train(model="moe", dp=4, ep=2, grad_sync="naive")]),
     Exercise(
         "dp-bucketed", "Data parallelism: one Allreduce per bucket",
         "In data_parallel.bucketed_allreduce, for each bucket (a list of parameters of "
         "one sync group): pack its gradients into one flat buffer (pack), Allreduce "
-        "the buffer in place over the bucket's group (_group(bucket[0], mesh)), what the "
-        "precision policy hands you (buf, op = precision.reduction(flat); then "
-        "precision.reduced(flat, buf)), and unpack it back scaled by 1/dp. Shapes: the "
+        "the buffer in place over the bucket's group (groups[i], the bucket's replicas "
+        "as the precision policy sums), and unpack it back scaled by 1/dp. Shapes: the "
         "flat buffer has sum(p.size) elements; one Allreduce per bucket, none on a group "
         "of one rank.",
         [_train(dp=4, grad_sync="bucketed", bucket_size=100),

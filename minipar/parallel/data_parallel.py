@@ -27,7 +27,8 @@ side, each equal to one process (`--grad-sync`):
 
 How overlap knows a gradient is complete: dp_hooks.py (a `Piece` around each
 piece of the model, its marker nodes in the tape). The buckets and their flat
-buffers: buckets.py.
+buffers: buckets.py. The updater that calls a sync and then the optimizer, with the
+masters, the memory and the checkpoint pieces it holds: dp_updater.py.
 
 Run it: `mpiexec -n 8 python lessons/01_data_parallel.py`, or
 `mpiexec -n 4 python -m minipar train --dp 4 --grad-sync overlapped --check --ledger`.
@@ -36,7 +37,6 @@ Run it: `mpiexec -n 8 python lessons/01_data_parallel.py`, or
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import numpy as np
 from mpi4py import MPI
@@ -45,12 +45,9 @@ from minipar import placement
 from minipar.comm import trace
 from minipar.comm.collectives import Group
 from minipar.comm.mesh import Mesh
-from minipar.core.memory import ModelStates, measure
-from minipar.core.nn import Module, Parameter
-from minipar.core.optim import Optimizer, held_whole
-from minipar.core.shards import held_parts
-from minipar.parallel.buckets import flat_buffers, grad_or_zeros, make_buckets, pack, unpack
-from minipar.parallel.dp_hooks import Hooks, Piece, install_hooks
+from minipar.core.nn import Parameter
+from minipar.parallel.buckets import flat_buffers, grad_or_zeros, pack, unpack
+from minipar.parallel.dp_hooks import Hooks, Piece
 from minipar.parallel.mixed import FullPrecision
 
 FULL = FullPrecision()  # the policy of a run in one dtype (parallel/mixed.py)
@@ -74,19 +71,19 @@ def allreduce_gradients(params: Sequence[Parameter], mesh: Mesh,
     one rank's *local mean* loss, of which there are dp in the global mean.
     With context parallelism every rank's loss is the mean over its positions, so
     the sum runs over the dp x cp ranks and is divided by dp cp (`mesh.shape.replicas`).
-    `precision`: the policy (parallel/mixed.py) that says what travels and how it
-    adds; without --mixed the gradient itself, with MPI.SUM.
+    `precision`: the policy (parallel/mixed.py) whose `summing(group)` says how the sum
+    adds; without --mixed the group itself: the gradient travels, with MPI.SUM.
     """
     for p in params:
         if p.sync is None:
             continue
+        grad, replicas = grad_or_zeros(p), _group(p, mesh)
+        if replicas.size > 1:
+            placement.summed([p], replicas)            # Partial -> Replicate over dp
+        group = precision.summing(replicas)    # how the policy adds (parallel/mixed.py)
         # exercise: dp-naive
-        grad, group = grad_or_zeros(p), _group(p, mesh)
         if group.size > 1:
-            buf, op = precision.reduction(grad)          # grad and MPI.SUM, in one dtype
-            group.Allreduce(MPI.IN_PLACE, buf, op=op)    # g_i of every replica -> sum
-            precision.reduced(grad, buf)
-            placement.summed([p], group)                    # Partial -> Replicate over dp
+            group.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)   # g_i of every replica -> sum
         if mesh.shape.replicas > 1:
             grad /= mesh.shape.replicas
         # end exercise
@@ -97,19 +94,21 @@ def bucketed_allreduce(buckets: Sequence[Sequence[Parameter]], mesh: Mesh,
                        flats: Sequence[np.ndarray] | None = None,
                        precision: FullPrecision = FULL) -> None:
     """Bucketed DP: one in-place Allreduce per bucket, then divide by dp. `flats`: the
-    buckets' reused buffers (`flat_buffers`), or None for new ones. `precision`: what
-    travels and how it adds (parallel/mixed.py; in one dtype the bucket, MPI.SUM)."""
+    buckets' reused buffers (`flat_buffers`), or None for new ones. `precision`: how the
+    sums add (parallel/mixed.py; in one dtype the bucket itself, MPI.SUM)."""
+    groups = []
+    for bucket in buckets:
+        replicas = _group(bucket[0], mesh)
+        if replicas.size > 1:
+            placement.summed(bucket, replicas)             # Partial -> Replicate over dp
+        groups.append(precision.summing(replicas))  # how the policy adds (parallel/mixed.py)
     # exercise: dp-bucketed
-    for i, bucket in enumerate(buckets):
-        group = _group(bucket[0], mesh)
+    for i, (bucket, group) in enumerate(zip(buckets, groups)):
         if group.size == 1 and mesh.shape.replicas == 1:
             continue  # one replica and nothing to average: the gradients are final
         flat = pack(bucket, None if flats is None else flats[i])
         if group.size > 1:
-            buf, op = precision.reduction(flat)          # the bucket and MPI.SUM, in one dtype
-            group.Allreduce(MPI.IN_PLACE, buf, op=op)    # a bucket of g_i -> its sum
-            precision.reduced(flat, buf)
-            placement.summed(bucket, group)                 # Partial -> Replicate over dp
+            group.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)   # a bucket of g_i -> its sum
         unpack(bucket, flat, 1.0 / mesh.shape.replicas)
     # end exercise
 
@@ -186,110 +185,3 @@ class OverlappedAllreduce(Hooks):
             unpack(self.buckets[i], flat, self.scale)
         self._reset()
         return early
-
-
-# ---------------------------------------------------------- the updater
-class Updater(Protocol):
-    """What turns this rank's gradients into updated parameters after each step's
-    backward: plain data parallelism (`DataParallel`) or a ZeRO stage (zero.py). Built
-    once before the first forward (it may wrap the model's pieces in hooks)."""
-
-    stage: int             # the ZeRO stage: 0 for plain data parallelism
-    optimizer: Optimizer   # what updates this rank's parameters (or its flat slice)
-    backward_seed: float   # what backward starts from (times S under fp16): 1, or 1/dp
-
-    def step(self) -> None:
-        """Synchronize the gradients over dp, then update what this rank holds."""
-
-    def materialize(self) -> None:
-        """Make every parameter whole in `p.data` (ZeRO-3 gathers them)."""
-
-    def memory(self) -> ModelStates:
-        """Bytes of parameters, gradients and optimizer state this rank holds."""
-
-    def checkpoint_pieces(self) -> tuple[list[Parameter], dict[str, list[np.ndarray]]]:
-        """What this rank saves: pieces named and indexed in the full canonical arrays,
-        and each optimizer slot (Adam's m, v) as one array per piece."""
-
-    def slice_state(self, full: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """This rank's part of one optimizer slot, cut from its full canonical arrays:
-        the inverse of `checkpoint_pieces`, in the layout the optimizer is handed."""
-
-
-class DataParallel:
-    """ZeRO stage 0: full parameters, gradients and optimizer state on every rank.
-    `step()` synchronizes the gradients (naive, bucketed or overlapped), then updates."""
-
-    stage = 0
-    clipper = None  # clip.Clipper with --clip-grad-norm: called after the sync
-
-    def __init__(self, chunks: Sequence[Module], mesh: Mesh, optimizer: Optimizer,
-                 grad_sync: str = "bucketed", bucket_size: int = 65536,
-                 microbatches: int = 1, precision: FullPrecision = FULL) -> None:
-        self.params = [p for chunk in chunks for p in chunk.parameters()]
-        self.mesh, self.optimizer, self.grad_sync = mesh, optimizer, grad_sync
-        # the precision policy (parallel/mixed.py): the optimizer updates `masters`, the
-        # parameters as built; each p.data becomes the copy the model computes with (the
-        # same array in one dtype), made anew from its master after each step
-        self.precision = precision
-        self.masters = [p.data for p in self.params]
-        for p in self.params:
-            p.data = precision.compute_copy(p.data)
-        self.buckets = make_buckets(self.params, bucket_size)
-        self.flats = flat_buffers(self.buckets) if grad_sync == "bucketed" else None
-        self.overlap = None
-        self.started_in_backward = 0  # buckets the last step started during backward
-        # overlapped, in one dtype: backward starts from 1/dp (run/train.py reads this),
-        # so each g_i is already divided and the last Wait leaves the average, where
-        # dividing afterwards is one more pass over every gradient (docs/design.md)
-        seeded = grad_sync == "overlapped" and precision.average_in_seed
-        self.backward_seed = 1.0 / mesh.shape.replicas if seeded else 1.0
-        if grad_sync == "overlapped":
-            self.overlap = OverlappedAllreduce(self.buckets, mesh, microbatches, precision,
-                                               seeded)
-            install_hooks(chunks, self.overlap)
-
-    def step(self) -> None:
-        if self.grad_sync == "naive":
-            allreduce_gradients(self.params, self.mesh, self.precision)
-        elif self.grad_sync == "bucketed":
-            bucketed_allreduce(self.buckets, self.mesh, self.flats, self.precision)
-        else:
-            self.started_in_backward = self.overlap.finish()
-        if self.precision.skips([grad_or_zeros(p) for p in self.params]):
-            return  # fp16 overflow somewhere: every rank skips this update (S halved)
-        if self.clipper is not None:  # clip.py: the global norm, one scale on every rank
-            grads = [grad_or_zeros(p) for p in self.params]
-            self.clipper(list(zip(self.params, grads)), grads)
-        # the optimizer is handed whole parameters (or their TP shards), and says so
-        self.optimizer.step(self.masters, [p.grad for p in self.params],  # the masters,
-                            held_whole(self.params))
-        self.precision.refresh(self.masters, [p.data for p in self.params])  # the copies
-
-    def my_slices(self) -> list[np.ndarray]:
-        """The numbers this rank's optimizer updates: the masters (in one dtype the
-        parameters themselves)."""
-        return self.masters
-
-    def use_masters(self) -> None:
-        """Point every `p.data` at its master (the end of a --mixed run: what --check,
-        --dump and checkpoints read). No-op without --mixed."""
-        for p, master in zip(self.params, self.masters):
-            p.data = master
-
-    def materialize(self) -> None:
-        """Every parameter is already whole in `p.data` (ZeRO-3 must gather them)."""
-
-    def memory(self) -> ModelStates:
-        """Bytes of parameters, gradients and optimizer state this rank holds."""
-        return measure([p.data for p in self.params], [p.grad for p in self.params],
-                       self.optimizer.held_state(),
-                       [m for p, m in zip(self.params, self.masters) if m is not p.data])
-
-    def checkpoint_pieces(self) -> tuple[list[Parameter], dict[str, list[np.ndarray]]]:
-        """Every parameter as it is held (its `full_index`), with its optimizer state."""
-        return self.params, self.optimizer.state_arrays()
-
-    def slice_state(self, full: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """Each parameter's part of the full slot, cut as the parameter was cut."""
-        return held_parts(self.params, full)

@@ -1,7 +1,7 @@
 """Mixed precision in the gradient sync and the update: masters, main gradients, the
 loss scale (docs/design.md, "Mixed precision").
 
-What this file teaches. Under `--mixed` every updater (data_parallel.py, zero.py)
+What this file teaches. Under `--mixed` every updater (dp_updater.py, zero.py)
 does the same four things around its optimizer step, through one `MixedStep`:
 
     1. the DP / ZeRO reduction of the main gradients runs in the master dtype
@@ -25,7 +25,9 @@ says what travels and how it adds:
     group.Allreduce(MPI.IN_PLACE, buf, op=op)
     precision.reduced(grad, buf)               # the sum back into grad (16 bits: a copy)
 
-so a run without --mixed executes the very calls it did before the policy existed.
+so a run without --mixed executes the very calls it did before the policy existed. The
+plain DP syncs take a group instead (`summing`): `LowSum` makes those three calls inside
+its `Allreduce`, so their code reads `group.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)`.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ class FullPrecision:
     def landing(self, x: np.ndarray) -> np.ndarray:
         """The receive buffer of a sum meant for `x` (a Reduce_scatter's): `x` itself."""
         return x
+
+    def summing(self, group: Group) -> Group:
+        """The group a gradient sync sums over, as this policy sums: `group` itself, whose
+        `Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)` adds the gradients as they are."""
+        return group
 
     def reduced(self, x: np.ndarray, buf: np.ndarray) -> None:
         """The sum that arrived in `buf` written into `x`: nothing, it landed in `x`."""
@@ -165,6 +172,11 @@ class MixedStep(FullPrecision):
         if buf is not x:
             x[...] = buf.view(self.low)
 
+    def summing(self, group: Group) -> Group:
+        """`group`, or under `low` the group whose in-place Allreduce sums a 16-bit copy
+        (`LowSum`): the sync's own call stays `Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)`."""
+        return LowSum(group, self) if self.reduce_low else group
+
     def compute_copy(self, x: np.ndarray) -> np.ndarray:
         """The 16-bit copy of the master `x`."""
         return x.astype(self.low)
@@ -193,6 +205,24 @@ class MixedStep(FullPrecision):
     def skips(self, grads: Sequence[np.ndarray]) -> bool:
         """The gradients divided by S, and every rank's vote (`unscale_and_vote`)."""
         return self.unscale_and_vote(grads)
+
+
+class LowSum:
+    """A gradient sync's group under `--grad-reduce-dtype low`: its in-place Allreduce of
+    master-dtype gradients sends a 16-bit copy, summed in 16 bits (`reduction`), and
+    writes the sum back (`reduced`). Everything else is the group's own."""
+
+    def __init__(self, group: Group, policy: MixedStep) -> None:
+        self.group, self.policy = group, policy
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.group, name)
+
+    def Allreduce(self, sendbuf: object, recvbuf: np.ndarray, op: MPI.Op = MPI.SUM) -> None:
+        """Allreduce(MPI.IN_PLACE, x, MPI.SUM) of x as 16-bit words added in 16 bits."""
+        buf, low_op = self.policy.reduction(recvbuf)
+        self.group.Allreduce(MPI.IN_PLACE, buf, op=low_op)   # the 16-bit copies -> their sum
+        self.policy.reduced(recvbuf, buf)
 
 
 def cast_copies(masters: Sequence[np.ndarray], copies: Sequence[np.ndarray]) -> None:

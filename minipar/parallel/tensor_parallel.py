@@ -15,35 +15,25 @@ two matmuls nothing moves; one Allreduce of B x d ends the block in the
 forward (g = `reduce_from`), one Allreduce of B x d starts it in the backward
 (f = `copy_to`, whose backward sums the input gradient of every rank's shard).
 
-Sequence parallelism (Korthikanti et al. 2022, `--sp`): outside fc1..fc2 every
-rank of the group above computes the same LayerNorm and residual on all B
-rows. With SP each rank keeps B/tp rows there instead; the Allreduce becomes a
-Reduce_scatter (sum, keep my rows) after fc2 and an Allgather of rows before
-fc1, the same ring volume (Allreduce = Reduce_scatter + Allgather), with the
-activation memory of the row-split region divided by tp. Parameters used on
-row shards (LayerNorm gamma/beta, fc2's bias) then get only this rank's rows'
-share of their gradient: `allreduce_sequence_parallel_grads` sums it over tp.
+Sequence parallelism (`--sp`) is a layer on these linears: their entry becomes an
+Allgather of rows and their exit a Reduce_scatter (`sequence_parallel=True`), and the
+rest of it -- splitting the residual stream, the gradients left split by rows, an
+MoE block run whole -- is sequence_parallel.py's.
 
 The transformer (`--model gpt`, gpt.py) is split the same way block by block:
 attention by heads (`TensorParallelAttention`: the q, k, v columns and proj rows of
 H/tp whole heads, one Allreduce after it), then the FFN as above, so four Allreduces
 of (B, T, d) per block and microbatch; under SP the split region is cut along T
 (positions, axis 1), not rows. Its embedding and head are vocabulary-parallel
-(vocab_parallel.py). The MLP models' embedding and head stay replicated: their
-inputs are dense vectors and C is tiny, so there is nothing worth splitting.
+(vocab_parallel.py); the MLP models' stay replicated (dense inputs, C tiny).
 
-Placements over tp (placement/__init__.py), what `--check-placements` verifies: fc1's W and
-b are Shard(1) and Shard(0), fc2's W Shard(0), every other parameter Replicate. The
-LayerNorm output is Replicate, `copy_to` makes it Replicate with its gradient summed,
-fc1's output and GELU are Shard(1), fc2's product is a Partial sum, `reduce_from`
-makes it Replicate, and only then may the replicated bias and residual be added.
-Under SP the residual stream is Shard(0) over tp, and the parameters used on it
-(LayerNorm, fc2's bias) get a Partial gradient over tp, summed before the dp sync.
+Placements over tp (`--check-placements`): fc1's W and b Shard(1) and Shard(0), fc2's W
+Shard(0), the rest Replicate; `copy_to`'s output Replicate (its gradient summed), fc1's
+and GELU's Shard(1), fc2's product Partial until `reduce_from` makes it Replicate: only
+then may the replicated bias and residual be added.
 
-Run it: `mpiexec -n 4 python -m minipar train --tp 4 --check --ledger` (add `--sp`),
-`mpiexec -n 4 python -m minipar train --model gpt --tp 4 --sp --check --ledger`,
-or the lessons `mpiexec -n 4 python lessons/02_tensor_parallel.py` and
-`mpiexec -n 4 python lessons/11_transformer_tp.py`.
+Run it: `mpiexec -n 4 python -m minipar train --tp 4 --check --ledger`, or the lessons
+`mpiexec -n 4 python lessons/02_tensor_parallel.py`, lessons/11_transformer_tp.py (-n 4).
 """
 
 from __future__ import annotations
@@ -51,7 +41,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from mpi4py import MPI
 
 from minipar import placement
 from minipar.comm.collectives import (
@@ -66,7 +55,6 @@ from minipar.comm.collectives import (
 from minipar.core import attention, fused_layers, gpt
 from minipar.core.autograd import Tensor
 from minipar.core.nn import LayerNorm, Module, Parameter
-from minipar.parallel.buckets import pack, unpack
 from minipar.placement import Shard
 
 
@@ -255,65 +243,6 @@ class TensorParallelAttention(gpt.Attention):
         if not self.sequence_parallel:
             return []
         return [self.ln.weight, self.ln.bias, self.proj.bias]
-
-
-class ReplicatedOverTp(Module):
-    """A block every tp rank runs whole on the same input (the MoE FFN: its experts
-    split over ep, not tp). Under sequence parallelism its input is my positions: an
-    Allgather of them first (backward: keep my positions' gradient, each rank's copy
-    of the block gives the full one) and a split back after (backward: Allgather)."""
-
-    def __init__(self, block: Module, tp: Group) -> None:
-        self.block, self.tp = block, tp
-
-    def __call__(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
-        out, aux = self.block(gather_from(h, self.tp, axis=1))   # (B, T/tp, d) -> (B, T, d)
-        return scatter_to(out, self.tp, axis=1), aux             # -> my (B, T/tp, d)
-
-    @property
-    def last_stats(self) -> dict:
-        return getattr(self.block, "last_stats", {})
-
-
-# ------------------------------------------------------ sequence parallelism
-def sequence_parallel_hooks(tp: Group, axis: int = 0
-                            ) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
-    """`(enter, leave)` for `nn.Model`: split the residual stream by rows after the
-    embedding, gather it back before the head.
-
-    The embedding and head are replicated: every tp rank computes the same h0 and
-    seeds the same loss. So the entry is `scatter_to` (forward split, backward
-    Allgather: each rank's h0 gets the gradient of all rows, as in one process)
-    and the exit `gather_from` (forward Allgather, backward split: each rank keeps
-    its rows' gradient). The other pair (`all_gather` / `reduce_scatter`) would
-    sum tp identical copies and make every gradient tp times too large.
-    """
-    def enter(h: Tensor) -> Tensor:
-        return scatter_to(h, tp, axis=axis)   # keep my rows (B/tp, d); backward Allgather
-
-    def leave(h: Tensor) -> Tensor:
-        return gather_from(h, tp, axis=axis)  # my rows (B/tp, d) of every rank -> (B, d)
-    return enter, leave
-
-
-def allreduce_sequence_parallel_grads(chunks: Sequence[Module], tp: Group) -> None:
-    """Sum over tp the gradients that sequence parallelism left split by rows.
-
-    Call it once per step, after the backward of the last microbatch (the shares of
-    all microbatches have accumulated in `.grad`) and before the data-parallel sync,
-    as Megatron does. One Allreduce, all such gradients packed in one buffer:
-    3 d per block (gamma, beta, fc2 bias) of this rank's chunks.
-    """
-    pieces = [piece for chunk in chunks
-              for piece in (chunk.embed, *chunk.blocks, chunk.head) if piece is not None]
-    params = [p for piece in pieces if hasattr(piece, "partial_over_tp")
-              for p in piece.partial_over_tp() if p.grad is not None]
-    if not params or tp.size == 1:
-        return
-    packed = pack(params)
-    tp.Allreduce(MPI.IN_PLACE, packed, op=MPI.SUM)  # my rows' share (3 d per block) -> the sum
-    placement.summed(params, tp)                    # Partial -> Replicate over tp
-    unpack(params, packed, 1.0)
 
 
 def parameter_count(modules: Sequence[Module]) -> int:

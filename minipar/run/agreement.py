@@ -30,8 +30,8 @@ from minipar.core import nn, precision, routing
 from minipar.core.shards import held_parts
 from minipar.settings.config import TrainConfig
 
-if TYPE_CHECKING:  # data_parallel.py loads mpi4py.MPI
-    from minipar.parallel.data_parallel import Updater
+if TYPE_CHECKING:  # dp_updater.py loads mpi4py.MPI
+    from minipar.parallel.dp_updater import Updater
 
 
 class DivergedError(ArithmeticError):

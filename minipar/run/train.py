@@ -55,7 +55,7 @@ from minipar.core.data import (
 )
 from minipar.core.optim import held_whole, make_optimizer
 from minipar.core.shards import held_parts
-from minipar.parallel.pipeline import executor, schedules
+from minipar.parallel.pipeline import chunk_layout, executor, schedules, stage_trace, v_executor
 from minipar.run import agreement
 from minipar.run.agreement import (
     DivergedError,
@@ -69,8 +69,8 @@ from minipar.run.agreement import (
 from minipar.settings import config, preflight
 from minipar.settings.config import TrainConfig
 
-if TYPE_CHECKING:  # data_parallel.py loads mpi4py.MPI; train_reference needs none
-    from minipar.parallel.data_parallel import Updater
+if TYPE_CHECKING:  # dp_updater.py loads mpi4py.MPI; train_reference needs none
+    from minipar.parallel.dp_updater import Updater
 
 
 @dataclass
@@ -290,8 +290,16 @@ def step_done(on_step: Callable[..., None], step: int, loss: float, norms: list[
 def microbatch_loss(chunk: nn.Model, x: np.ndarray | ag.Tensor, y: np.ndarray, scale: float,
                     weight: float = 1.0) -> ag.Tensor:
     """scale * (weight * local mean CE + aux) for a chunk that holds the whole model
-    (`weight`: documents.loss_weight with --documents, else 1)."""
-    return nn.loss_fn(chunk, x, y, weight) * scale
+    (`weight`: documents.loss_weight with --documents, else 1): nn.loss_fn, scaled."""
+    return scaled_loss(chunk, *chunk.forward(ag.as_tensor(x)), y, scale, weight)
+
+
+def scaled_loss(chunk: nn.Model, logits: ag.Tensor, aux: ag.Tensor | None, y: np.ndarray,
+                scale: float, weight: float = 1.0) -> ag.Tensor:
+    """`microbatch_loss` from the chunk's forward already run: its logits and aux."""
+    loss = nn.output_loss(chunk.head, logits, y)
+    loss = loss if weight == 1.0 else loss * weight
+    return (loss if aux is None else loss + aux) * scale
 
 
 def boundary_shape(cfg: TrainConfig) -> tuple[int, ...]:
@@ -342,13 +350,17 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
                 placement.loss("the gradient sync", loss, mesh.dp_cp)
             return loss
 
-        # looked up at call time: --inject-bug swaps pipeline_parallel.StageWorker
-        worker = executor.StageWorker(
+        # looked up at call time: --inject-bug swaps executor.StageWorker
+        worker_class, extension = executor.StageWorker, {}
+        layout, split = schedules.layout_of(cfg.schedule), cfg.schedule in schedules.SPLIT_BACKWARD
+        if layout != chunk_layout.LOOP or split:   # a V, two chains, B and W apart
+            worker_class = v_executor.extended(worker_class)
+            extension = dict(layout=layout, split_backward=split)
+        worker = worker_class(
             mesh.pp, chunks, x, y, slices, last_stage_loss, scale, boundary_shape(cfg),
-            len(chunks), split_backward=cfg.schedule in schedules.SPLIT_BACKWARD,
-            rank=mesh.rank, dtype=precision.LOW if cfg.mixed else cfg.dtype,  # 16-bit
-            layout=schedules.layout_of(cfg.schedule),    # activations between stages
-            rows_over=rows_over, boundary_rows_over=boundary_rows_over)
+            len(chunks), rank=mesh.rank, dtype=precision.LOW if cfg.mixed else cfg.dtype,
+            rows_over=rows_over, boundary_rows_over=boundary_rows_over,  # 16-bit between
+            **extension)                                                 # stages under --mixed
         worker.backward_seed = loss_scale
         return executor.forward_backward(worker, cfg.schedule, cfg.microbatches,
                                                   timeline)
@@ -356,8 +368,8 @@ def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
     for m, rows in enumerate(slices):  # gradient accumulation: grads add up in .grad
         flight.set_microbatch(m)  # the flight recorder's calls of this microbatch
         with trace.span("forward", microbatch=m, chunk=0):
-            loss = microbatch_loss(chunks[0], executor.rows_of(
-                ag.Tensor(x[rows]), rows_over), y[rows], scale, weight(y[rows]))
+            logits, aux = chunks[0].forward(executor.rows_of(ag.Tensor(x[rows]), rows_over))
+            loss = scaled_loss(chunks[0], logits, aux, y[rows], scale, weight(y[rows]))
         trace.hold((0, m), loss)  # --trace: the activations the tape keeps
         if placement.ON:  # what the gradient sync expects: at most a mean over dp (x cp)
             placement.loss("the gradient sync", loss, mesh.dp_cp)
@@ -399,14 +411,28 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
                 trace.recording(cfg.trace, mesh, cfg.as_json()), \
                 precision.use(cfg.mixed, cfg.dtype,   # --mixed: 16-bit ops (precision.py)
                               fp8_scales.over_mesh(fp8.recipe_of(cfg), mesh)):  # --fp8
-            return train_on_mesh(cfg, mesh, on_step)
+            chunks, updater, init, losses, start = start_on_mesh(cfg, mesh)
+            timeline: list[dict] = []  # the pipeline's instructions of the last step, timed
+            steps_ledger: list[dict] = []  # every step's ledger records, each with its "step"
+            for step in range(start, cfg.steps):  # --steps is the total, resumed or not
+                watchdog.doing(f"step {step + 1} of {cfg.steps}")  # named if a rank gets stuck
+                timeline.clear()
+                with trace.step(step + 1):   # --trace: one span per step
+                    losses.append(train_step(cfg, mesh, chunks, updater, step, timeline))
+                steps_ledger += [{"step": step + 1, **r} for r in mesh.ledger.records(mesh.rank)]
+                if on_step is not None:
+                    step_done(on_step, step, losses[-1], norms_of(updater), scaler_of(updater))
+            watchdog.doing("the end of the run (gathering results, saving the checkpoint)")
+            return finish(cfg, mesh, chunks, updater, losses, init, timeline, steps_ledger)
     finally:  # also when a step diverges: a sweep or a notebook builds many meshes
         mesh.free()
 
 
-def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
-                  on_step: Callable[[int, float], None] | None = None) -> RunResult:
-    """The body of `train` on a mesh already built (its communicators and ledger)."""
+def start_on_mesh(cfg: TrainConfig, mesh: Mesh
+                  ) -> tuple[list[nn.Model], Updater, dict, list[float], int]:
+    """Before the first step, on a mesh already built: this rank's chunks and updater,
+    the full initial parameters (on rank 0), the losses of the steps already taken (a
+    resumed run reports all --steps of them) and the step to start from."""
     # --resume: the full arrays assembled from any mesh's shards, sliced below like init
     saved = save_load.load(cfg.resume) if cfg.resume else None
     full = saved.params if saved else nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
@@ -422,20 +448,8 @@ def train_on_mesh(cfg: TrainConfig, mesh: Mesh,
         routing.set_bias_values(chunks, saved.manifest.get("router_bias", {}))
     if saved and scaler_of(updater) is not None and "loss_scaler" in saved.manifest:
         scaler_of(updater).load(saved.manifest["loss_scaler"])  # --mixed: S continues
-    # the losses of the steps already taken (a resumed run reports all --steps of them)
     losses = list(saved.manifest.get("losses", [])) if saved else []
-    timeline: list[dict] = []  # the pipeline's instructions of the last step, timed
-    steps_ledger: list[dict] = []  # every step's ledger records, each with its "step"
-    for step in range(start, cfg.steps):  # --steps is the total, resumed or not
-        watchdog.doing(f"step {step + 1} of {cfg.steps}")  # named if a rank gets stuck
-        timeline.clear()
-        with trace.step(step + 1):   # --trace: one span per step
-            losses.append(train_step(cfg, mesh, chunks, updater, step, timeline))
-        steps_ledger += [{"step": step + 1, **r} for r in mesh.ledger.records(mesh.rank)]
-        if on_step is not None:
-            step_done(on_step, step, losses[-1], norms_of(updater), scaler_of(updater))
-    watchdog.doing("the end of the run (gathering results, saving the checkpoint)")
-    return finish(cfg, mesh, chunks, updater, losses, init, timeline, steps_ledger)
+    return chunks, updater, init, losses, start
 
 
 def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Updater,
@@ -445,7 +459,7 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
     The ledger holds this step's traffic afterwards (the loss report left out). `rows`:
     the (x, y) this rank trains on, by default its dp rows of the step's global batch
     (--outer diloco hands its worker's rows: `train_workers`)."""
-    from minipar.parallel import tensor_parallel  # here: it loads mpi4py.MPI
+    from minipar.parallel import sequence_parallel  # here: it loads mpi4py.MPI
 
     ledger = mesh.ledger
     ledger.reset()
@@ -476,9 +490,9 @@ def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Up
     local = forward_backward(cfg, mesh, chunks, x, y, timeline, valid, seed)
     flight.set_microbatch(None)  # the syncs below belong to the whole step
     if cfg.schedule in schedules.TWO_WAY and cfg.pp > 1:  # DualPipe: copy + copy
-        executor.sum_the_two_copies(chunks, mesh.pp)
+        v_executor.sum_the_two_copies(chunks, mesh.pp)
     if cfg.sp:  # LayerNorm / fc2-bias gradients of row shards: sum over tp first
-        tensor_parallel.allreduce_sequence_parallel_grads(chunks, mesh.tp)
+        sequence_parallel.allreduce_sequence_parallel_grads(chunks, mesh.tp)
     # data parallelism: sum each weight's gradient over its replicas, divide by dp;
     # then the optimizer updates what this rank holds (ZeRO: its slice)
     updater.step()
@@ -617,7 +631,7 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
     ledger.enabled = False
     gathered = mesh.world.gather(last_ledger)
     every_step = mesh.world.gather(steps_ledger or [])
-    timelines = executor.gather_timeline(mesh.world, timeline)
+    timelines = stage_trace.gather_timeline(mesh.world, timeline)
     memory = updater.memory()  # bytes of params, grads, optimizer state on this rank
     updater.materialize()  # ZeRO-3: gather every parameter whole before reading p.data
     if cfg.mixed:  # --mixed: what is read and saved from here on are the masters
@@ -651,11 +665,11 @@ def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Update
                           # fp16: each step's largest finite scaled gradient on this rank
                           "largest_scaled": updater.precision.largest}),
                       "memory": memory,  # memory.ModelStates of this rank, after the last step
-                      # pipeline_parallel.gather_timeline: every rank's instructions of the
+                      # stage_trace.gather_timeline: every rank's instructions of the
                       # last step with wall-clock start/end (rank 0; empty with pp = 1)
                       "timeline": timelines or [],
                       # MoE load of the last microbatch, per expert-parallel block of this
-                      # rank (expert_parallel.load_stats): tokens per expert, drops, ...
+                      # rank (parallel/moe/load_stats.py): tokens per expert, drops, ...
                       "expert_load": [block.last_stats for chunk in chunks
                                       for block in chunk.blocks if hasattr(block, "last_stats")],
                       # context parallelism: score entries of each attention's latest

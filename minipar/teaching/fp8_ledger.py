@@ -18,7 +18,7 @@ def linears(cfg: object, block: object) -> tuple[int, int, int]:
     row-parallel ones (fc2, proj) have their input features cut, the column-parallel ones
     (fc1, q, k, v) their outputs. An MoE FFN: 2 per routed and shared expert (E / ep of
     them), cut like the dense FFN's when the MLP MoE splits them over tp (fc1 by
-    columns, fc2 by rows: expert_parallel.py), whole otherwise (gpt-moe over tp)."""
+    columns, fc2 by rows: parallel/moe/expert_tp.py), whole otherwise (gpt-moe over tp)."""
     attention = 4 if cfg.model in ("gpt", "gpt-moe") else 0   # q, k, v, proj
     experts = block.experts // cfg.ep + cfg.shared_experts
     ffn = 2 * experts if block.moe else 2

@@ -176,8 +176,8 @@ def _merged(a: Line | None, b: Line) -> Line:
 def split_experts_shape(cfg: TrainConfig, shape: RankShape) -> RankShape:
     """`shape` with the expert arrays as the MLP MoE's ranks hold them under --tp (the
     planner's MoE keeps every expert whole): fc1's columns, its bias and fc2's rows cut
-    over tp, fc2's bias whole (expert_parallel.py `TensorParallelExpert`), so that the
-    edp gradient sync, DualPipe's gradient copies and the bytes of parameters
+    over tp, fc2's bias whole (parallel/moe/expert_tp.py `TensorParallelExpert`), so that
+    the edp gradient sync, DualPipe's gradient copies and the bytes of parameters
     (`check_ledger`) count what is there. The shared experts, cut the same way, are the
     workload's own (planner/workloads.py `minipar_workload`)."""
     if cfg.model != "moe" or cfg.tp == 1:
@@ -194,11 +194,11 @@ def split_experts_shape(cfg: TrainConfig, shape: RankShape) -> RankShape:
 
 
 def split_expert_sums(cfg: TrainConfig, blocks: Sequence[object]) -> Line | None:
-    """The tp Allreduces of the MLP MoE's experts split over tp (expert_parallel.py
-    `run_local_experts_split`, `shared_ffn`), in the master dtype: per MoE block and
-    microbatch one of the (R, d) shares of the rows R the rank received (forward, and
-    again under --recompute full) and one of their input gradients (backward); the
-    shared experts the same on the rank's own b rows. R follows the router: a row
+    """The tp Allreduces of the MLP MoE's experts split over tp (parallel/moe/expert_tp.py
+    `run_local_experts_split`, moe/shared_experts.py `SharedExperts`), in the master dtype:
+    per MoE block and microbatch one of the (R, d) shares of the rows R the rank received
+    (forward, and again under --recompute full) and one of their input gradients
+    (backward); the shared experts the same on the rank's own b rows. R follows the router: a row
     received adds d elements a pass (`Line.per_row`)."""
     if cfg.model != "moe" or cfg.tp == 1:
         return None

@@ -307,7 +307,7 @@ def balance_figure(histories: dict[float, Sequence[dict]], capacity_factor: floa
 
 # -------------------------------------------------------------- expert load
 def expert_load_figure(stats: dict, title: str = "") -> Figure:
-    """An MoE block's load (`expert_parallel.load_stats`): assignments routed to each
+    """An MoE block's load (`moe/load_stats.py` `load_stats`): assignments routed to each
     expert and kept under the capacity limit, the experts of each ep rank shaded
     alike; and beside it the kept assignments each ep rank computes."""
     routed, kept = np.asarray(stats["routed"]), np.asarray(stats["kept"])

@@ -267,7 +267,7 @@ def test_b_is_checkpointed_and_resumed_on_another_mesh(four):
 
 
 def test_node_limited_routing_reaches_at_most_m_groups(four):
-    """The routing ledger (expert_parallel.group_stats) of the last step: per rank and
+    """The routing ledger (parallel/moe/load_stats.py `group_stats`) of the last step: per rank and
     block, the tokens and rows sent to each group (here a group is an ep rank). With
     --route-top-groups 1 of 2 groups no token reaches more than one, so the tokens sent
     across groups add up to at most M x tokens; the same model unlimited reaches both.

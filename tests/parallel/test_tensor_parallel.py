@@ -105,6 +105,7 @@ def piece_inputs() -> dict[str, np.ndarray]:
 def run_pieces(tp: object, out: dict[str, np.ndarray]) -> None:
     """Rank side: forward, backward of loss = sum(out * R) for each piece on group
     `tp`; stores the output, the input gradient and every parameter gradient."""
+    from minipar.parallel import sequence_parallel
     from minipar.parallel import tensor_parallel as tpl
 
     full, inputs = piece_params(), piece_inputs()
@@ -133,7 +134,8 @@ def run_pieces(tp: object, out: dict[str, np.ndarray]) -> None:
         for p in module.parameters():
             out[f"{key}/{name}/{p.name}"] = p.grad.copy()
         if name == "block_sp":  # the shares before the tp sum, then the sum
-            tpl.allreduce_sequence_parallel_grads([nn.Model(None, [module], None)], tp)
+            sequence_parallel.allreduce_sequence_parallel_grads(
+                [nn.Model(None, [module], None)], tp)
             for p in module.parameters():
                 out[f"{key}/{name}/synced/{p.name}"] = p.grad.copy()
         for (op, _group), entry in tp.ledger.entries.items():

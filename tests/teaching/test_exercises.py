@@ -91,8 +91,8 @@ def test_a_stub_carries_the_instructions_and_the_solution_is_the_real_code(tmp_p
     stubbed = regions.start(["dp-naive"], tmp_path)
     assert [p.name for p in stubbed] == ["data_parallel.py"]
     text = stubbed[0].read_text()
-    assert "raise NotImplementedError" in text and "buf, op=op)    # g_i of every" not in text
-    assert "buf, op=op)    # a bucket of g_i" in text  # the other exercise untouched
+    assert "raise NotImplementedError" in text and "grad, op=MPI.SUM)   # g_i of every" not in text
+    assert "flat, op=MPI.SUM)   # a bucket of g_i" in text  # the other exercise untouched
     assert exercises.get("dp-naive").instructions in text
     sheet = (tmp_path / "EXERCISE.txt").read_text()
     assert "python -m minipar exercise hint dp-naive" in sheet

@@ -29,7 +29,7 @@ one waits for it), the put-off W's are what fills the gaps.
   enter at rank 0 (chunk 0) and stage pp-1-r of the copy whose microbatches
   enter at rank pp-1 (chunk 1), so 2x the parameters (each rank 2 L/pp blocks),
   and after the step the two copies' gradients of a stage are summed
-  (`pipeline_parallel.sum_the_two_copies`): one process's step. By symmetry
+  (v_executor.py `sum_the_two_copies`): one process's step. By symmetry
   ranks r and pp-1-r run mirror images of one program, and that program is
   DualPipeV's for pp/2 ranks and M/2 microbatches (`dualpipe_order`): its
   bubble is DeepSeek-V3's (PP/2-1)(F&B+B-3W), its activation memory PP + 1.
