@@ -319,7 +319,6 @@ def diloco_problems(cfg: TrainConfig) -> list[str]:
     (each worker's inner optimizer state is its own: K of them cannot become K')."""
     from minipar.settings.config import worker_config  # the same layer
 
-    parts = diloco_folders(cfg.save or cfg.resume, cfg.dp)
     resumed = diloco_folders(cfg.resume, cfg.dp) if cfg.resume else {}
     if cfg.resume:
         outer = resumed["outer"]
@@ -333,8 +332,8 @@ def diloco_problems(cfg: TrainConfig) -> list[str]:
                     "DiLoCo resumes with the same --dp (tp, pp and cp may change)"]
     out = []
     worker = worker_config(cfg)
-    for name, folder in (diloco_folders(cfg.save, cfg.dp) if cfg.save else parts).items():
-        here = cfg if name == "outer" else worker
+    for name, folder in diloco_folders(cfg.save or cfg.resume, cfg.dp).items():
+        here = cfg if name == "outer" else worker   # the flags that part is saved with
         out += problems(replace(here, save=str(folder) if cfg.save else None,
                                 resume=str(resumed[name]) if cfg.resume else None))
     return out
