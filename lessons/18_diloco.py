@@ -293,8 +293,8 @@ def plot(folder: Path, runs: dict, streams: dict, prices: list) -> None:
     fig.tight_layout()
     fig.savefig(folder / "18_sites.png", dpi=110)
     plt.close(fig)
-    print(f"figures: {folder}/18_loss_wire.png, {folder}/18_fragments.png, "
-          f"{folder}/18_sites.png", flush=True)
+    for name in ("18_loss_wire.png", "18_fragments.png", "18_sites.png"):
+        print(f"figure: {folder / name}", flush=True)
 
 
 def main() -> None:
