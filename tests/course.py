@@ -8,14 +8,15 @@
 Each lesson script runs as its docstring's run line says (`mpiexec -n 4 python
 lessons/02_tensor_parallel.py`), at full size (no `--quick`), with `--plot
 build/figures`: it must exit 0 (every `verdict` it printed OK: minipar/comm/job.py), print
-its `lesson checks:` line, and draw at least one picture that is not blank. Each notebook
-runs headless in a fresh kernel (nbclient) with MINIPAR_QUICK=0 -- every cell as a
-teacher runs it, lesson scripts included -- and is kept, outputs and figures in it, in
-build/notebooks/ (the book is built from there); a cell that raises, or a drawing cell
-that drew nothing, fails it. Its exercises run as handed out (each must
-print "not written yet") and, right after, solved in the same kernel (each must print
-`check passed`; tests/teaching/notebooks.py): the suite does not run the notebooks, this
-does.
+its `lesson checks:` line, number its parts 1..N in order, each under its `=== N. title`
+header, print no line wider than 120 characters, and draw at least one picture that is
+not blank. Each notebook runs headless in a fresh kernel (nbclient) with MINIPAR_QUICK=0
+-- every cell as a teacher runs it, lesson scripts included -- and is kept, outputs and
+figures in it, in build/notebooks/ (the book is built from there); a cell that raises,
+or a drawing cell that drew nothing, fails it. Its exercises run as handed out (each
+must print "not written yet") and, right after, solved in the same kernel (each must
+print `check passed`; tests/teaching/notebooks.py): the suite does not run the
+notebooks, this does.
 The Chinese notebooks of lessons 00-05 (lessons/zh/, a Chinese class's first week) run
 too, after the English ones, kept in build/notebooks/zh/.
 Two notebooks run at a time (as many as the cores, at most four): much of a notebook's
@@ -107,7 +108,8 @@ def environment() -> dict[str, str]:
 def run_lesson(stem: str, ranks: int, logs: Path) -> Outcome:
     """`mpiexec -n ranks python lessons/<stem>.py --plot build/figures`, its output kept in
     build/course/<stem>.log; the problems: a non-zero exit, no `lesson checks:` line, a
-    failed check, no picture drawn (or a blank one)."""
+    failed check, parts not numbered 1..N or a line too wide (`layout_problems`), no
+    picture drawn (or a blank one)."""
     from minipar.teaching.classroom import mpiexec
     from tests.teaching.test_plots import picture_problem
 
@@ -139,6 +141,7 @@ def run_lesson(stem: str, ranks: int, logs: Path) -> Outcome:
     if problems:
         problems += [f"  {line.strip()[:200]}" for line in output.splitlines()
                      if FAILED_LINE.search(line)][:12]
+    problems += layout_problems(output)
     drawn = [p for p in FIGURES.glob(f"{stem[:2]}_*.png") if p.stat().st_mtime >= started - 1]
     if not drawn:
         problems.append(f"drew no picture ({FIGURES}/{stem[:2]}_*.png)")
