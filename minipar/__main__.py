@@ -34,7 +34,7 @@ from minipar.comm.mesh import MeshShape
 from minipar.core import routing
 from minipar.placement import PlacementError
 from minipar.run.agreement import DivergedError, ReplicaError
-from minipar.run.results import check, dump, gather_decisions
+from minipar.run.results import check, check_problems, dump, gather_decisions
 from minipar.run.train import problems, train
 from minipar.settings import preflight
 from minipar.settings.config import ConfigError
@@ -73,8 +73,10 @@ def train_command(argv: list[str]) -> int:
         cfg = config_from_args(args).resolved(world.Get_size())
         errors = problems(cfg, world.Get_size())
         if not errors:   # the --dump folder too (preflight.py), still no talking
-            errors = preflight.output_problems({"--dump": args.dump}) + \
+            errors = preflight.dump_problems(args.dump, "train") + \
                 preflight.flight_problems(args.flight, cfg.trace)
+        if not errors and args.check:   # a resumed run checked against its own flags
+            errors = check_problems(cfg)
     except ConfigError as error:
         errors = [str(error)]
     from minipar.comm.job import agreed  # every rank's refusal reaches every rank (job.py)

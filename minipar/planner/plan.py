@@ -74,11 +74,12 @@ from minipar.planner.presets import CLUSTERS, MODELS, Cluster, ModelShape
 from minipar.planner.search import (
     MESH,
     RECOMPUTE,
+    divisors,
     hardware,
     mesh_problem,
     search,
 )
-from minipar.planner.serving import layouts, serve_record, serve_report
+from minipar.planner.serving import layouts, serve_problem, serve_record, serve_report
 from minipar.planner.time_cost import Hardware
 from minipar.planner.workloads import transformer
 from minipar.settings.config import ConfigError
@@ -97,29 +98,63 @@ def count(text: str) -> float:
                                          "try 70e9 or 70B)") from None
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a positive number (got {text})")
+    if value > LIMIT:
+        raise argparse.ArgumentTypeError(f"must be at most 2^53 = {LIMIT} (got {text})")
     return value
 
 
+# The largest count or amount a flag takes: 2^53, the last integer a float64 holds exactly
+# (the cost model's arithmetic is in floats). A width, batch or GPU count past it is no
+# machine's, and would make the search factor numbers of 300 digits or overflow a float.
+LIMIT = 2**53
+
+
 def number(kind: type, low: float, strict: bool = True) -> object:
-    """An argparse type: a `kind` number above `low` (or at least, if not strict), finite."""
+    """An argparse type: a `kind` number above `low` (or at least, if not strict), finite,
+    at most `LIMIT`."""
     def parse(text: str) -> float:
         try:
             value = kind(text)
         except ValueError:
+            if kind is int and text.strip().lower().lstrip("+").replace(".", "", 1).replace(
+                    "e", "", 1).isdigit():   # 1e21: a whole number written as a float
+                raise argparse.ArgumentTypeError(
+                    f"not a whole number (got {text!r}; write it out in digits)") from None
             raise argparse.ArgumentTypeError(
                 f"not a{' whole' if kind is int else ''} number (got {text!r})") from None
         if not (value > low if strict else value >= low) or not value < math.inf:
             raise argparse.ArgumentTypeError(
                 f"must be {'more than' if strict else 'at least'} {low:g} (got {text})")
+        if value > LIMIT:
+            raise argparse.ArgumentTypeError(
+                f"must be at most 2^53 = {LIMIT} (got {text}): no machine's size, and past "
+                "what a float counts exactly")
         return value
     parse.__name__ = kind.__name__
     return parse
 
 
 POSITIVE, COUNT, AMOUNT = number(int, 0), number(int, 0, strict=False), number(float, 0)
+# the cost model lists every layer and every expert, and prices every stage count up to the
+# layers: 4096 of either is 30 times the deepest published model's layers (126) and 16 times
+# the most experts (256), and keeps a search in seconds
+LISTED = 4096
+
+
+def listed(kind: object) -> object:
+    """`kind`, at most `LISTED` (the layers and experts the workload lists one by one)."""
+    def parse(text: str) -> int:
+        value = kind(text)
+        if value > LISTED:
+            raise argparse.ArgumentTypeError(f"must be at most {LISTED} (got {text}): the "
+                                             "cost model lists each one")
+        return value
+    parse.__name__ = "int"
+    return parse
+
 
 MODEL_FLAGS = {  # flag field -> (type, help)
-    "layers": (POSITIVE, "transformer layers"),
+    "layers": (listed(POSITIVE), "transformer layers"),
     "d_model": (POSITIVE, "model width d"),
     "heads": (POSITIVE, "attention (query) heads"),
     "kv_heads": (POSITIVE, "key/value heads (grouped-query attention; default: --heads)"),
@@ -128,11 +163,11 @@ MODEL_FLAGS = {  # flag field -> (type, help)
     "vocab": (POSITIVE, "vocabulary size"),
     "seq_len": (POSITIVE, "tokens per sequence"),
     "ffn_matrices": (POSITIVE, "matrices per FFN: 2 (GELU MLP) or 3 (SwiGLU)"),
-    "experts": (COUNT, "routed experts per MoE layer (0: a dense model)"),
+    "experts": (listed(COUNT), "routed experts per MoE layer (0: a dense model)"),
     "top_k": (COUNT, "routed experts per token"),
     "expert_d_ff": (POSITIVE, "FFN width of one expert"),
-    "shared_experts": (COUNT, "always-on experts per MoE layer"),
-    "dense_layers": (COUNT, "leading layers with a dense FFN in an MoE model"),
+    "shared_experts": (listed(COUNT), "always-on experts per MoE layer"),
+    "dense_layers": (listed(COUNT), "leading layers with a dense FFN in an MoE model"),
     "attention": (POSITIVE, "parameters of one layer's attention, if it is not multi-head "
                             "(DeepSeek's MLA); default: from the heads"),
 }
@@ -192,7 +227,7 @@ def make_parser() -> argparse.ArgumentParser:
     add("--optimizer", choices=("adam", "muon"), default="adam",
         help="adam (default; K = 12 bytes: fp32 master, m, v) or muon: the block matrices "
         "keep one momentum (K = 8), priced with its --muon-mode (planner/muon_cost.py)")
-    add("--muon-mode", default="layer-sharded", help="with --optimizer muon: layer-sharded "
+    add("--muon-mode", help="with --optimizer muon: layer-sharded "
         "(default), distributed or duplicated (docs/design.md \"Muon\")")
     for axis, text in (("dp", "data-parallel"), ("tp", "tensor-parallel"),
                        ("pp", "pipeline-parallel"), ("cp", "context-parallel"),
@@ -293,7 +328,7 @@ def serve_problems(args: argparse.Namespace, hw: Hardware) -> list[str]:
     it has no use for)."""
     training = [f"--{name.replace('_', '-')}" for name in ("global_batch", "dp", "cp",
                                                            "microbatches", "zero", "recompute",
-                                                           "schedule", "virtual")
+                                                           "schedule", "virtual", "muon_mode")
                 if getattr(args, name) is not None] + ["--no-sp"] * args.no_sp + [
                     "--fp8"] * args.fp8 + ["--optimizer"] * (args.optimizer != "adam") + [
                     "--sites"] * (args.sites is not None)
@@ -312,7 +347,7 @@ def serve_problems(args: argparse.Namespace, hw: Hardware) -> list[str]:
         return ["--gpus required (or name --tp and --pp)"]
     if args.gpus is None:
         args.gpus = args.tp * args.pp
-    for axis in ("tp", "pp"):
+    for axis in ("tp", "pp", "ep"):
         if getattr(args, axis) and args.gpus % getattr(args, axis):
             return [f"--{axis} {getattr(args, axis)} does not divide --gpus {args.gpus}"]
     if args.tp and args.pp and args.tp * args.pp != args.gpus:
@@ -328,12 +363,12 @@ def run_problems(args: argparse.Namespace, m: ModelShape, hw: Hardware) -> list[
     if args.fp8 and not hw.fp8_flops:
         return [f"--fp8: the {args.cluster or 'cluster'}'s GPU has no FP8 matmul rate (give "
                 "--fp8-flops, or a cluster with one: h100, h800)"]
-    if args.muon_mode not in MUON_MODES:
+    if args.muon_mode is not None and args.muon_mode not in MUON_MODES:
         return [f"--muon-mode must be one of {', '.join(MUON_MODES)} (got {args.muon_mode!r})"]
     if args.optimizer == "muon" and (m.experts or m.attention):
         return ["--optimizer muon is priced for dense multi-head models only (no --experts, "
                 "no --attention-params)"]
-    if args.muon_mode != "layer-sharded" and args.optimizer != "muon":
+    if args.muon_mode is not None and args.optimizer != "muon":
         return [f"--muon-mode {args.muon_mode} needs --optimizer muon"]
     if args.prompt_len or args.new_tokens or args.batch:
         return ["--prompt-len, --new-tokens and --batch price serving: add --serve"]
@@ -355,7 +390,10 @@ def run_problems(args: argparse.Namespace, m: ModelShape, hw: Hardware) -> list[
         out.append(f"--virtual {args.virtual[0]} needs --schedule interleaved")
     if args.virtual and min(args.virtual) < 2:
         out.append("--virtual must be at least 2 (1 is --schedule 1f1b)")
-    if args.microbatches and args.dp and args.global_batch % (args.dp * args.microbatches):
+    if args.microbatches and args.global_batch % args.microbatches:
+        out.append(f"--microbatches {args.microbatches} does not divide --global-batch "
+                   f"{args.global_batch}")
+    elif args.microbatches and args.dp and args.global_batch % (args.dp * args.microbatches):
         out.append(f"--dp {args.dp} x --microbatches {args.microbatches} does not divide "
                    f"--global-batch {args.global_batch}")
     return out
@@ -400,10 +438,33 @@ def sites_problems(args: argparse.Namespace, m: ModelShape) -> list[str]:
     return []
 
 
+def named_layout_problem(m: ModelShape, gpus: int, fixed: dict[str, int]) -> str | None:
+    """Why no layout of `gpus` with the degrees `fixed` names (tp, pp, ep) can serve `m`
+    (None if one can): the reason of the first such layout, or that there is none."""
+    named = " ".join(f"--{k} {v}" for k, v in fixed.items())
+    reasons = []
+    for tp in divisors(gpus):
+        for ep in (divisors(tp) if m.experts else [1]):
+            layout = {"tp": tp, "pp": gpus // tp, "ep": ep}
+            if all(layout[k] == v for k, v in fixed.items()):
+                reason = serve_problem(m, tp, gpus // tp, ep)
+                if reason is None:
+                    return None
+                reasons.append(f"tp {tp} x pp {gpus // tp} (ep {ep}): {reason}")
+    if not reasons:
+        return (f"no tp x pp layout of --gpus {gpus} has {named} (ep must divide tp: the "
+                "ranks that share the experts)")
+    return f"no layout with {named} can serve on {gpus} GPUs: {reasons[0]}"
+
+
 def serve_command(args: argparse.Namespace, m: ModelShape, hw: Hardware) -> int:
     """`plan --serve`: the layouts' table (or, with --json, their records)."""
     fixed = {k: getattr(args, k) for k in ("tp", "pp", "ep") if getattr(args, k)}
     batch = args.batch or 1
+    problem = named_layout_problem(m, args.gpus, fixed) if fixed else None
+    if problem:
+        print(f"minipar: error: {problem}", file=sys.stderr, flush=True)
+        return 2
     if args.json:
         fit, _, _ = layouts(m, hw, args.gpus, batch, args.prompt_len + args.new_tokens)
         records = [serve_record(p) for p in fit
@@ -454,7 +515,7 @@ def plan_command(argv: list[str]) -> int:
     if args.serve:
         return serve_command(args, m, hw)
     template = Plan(1, sp=not args.no_sp, fp8=args.fp8, optimizer=args.optimizer,
-                    muon_mode=args.muon_mode)
+                    muon_mode=args.muon_mode or "layer-sharded")
     schedules = tuple((s, v) for s in dict.fromkeys(args.schedule or ["1f1b", "interleaved"])
                       for v in (sorted(set(args.virtual or [2, 4])) if s == "interleaved"
                                 else [1]))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import product
 
+from minipar.core.divisors import divisors as factored_divisors
 from minipar.core.memory import ModelStates, wire_elements
 from minipar.parallel.pipeline.schedules import bubble_formula
 from minipar.planner.memory_cost import (
@@ -174,9 +175,9 @@ def distinct_meshes(estimates: list[Estimate]) -> list[Estimate]:
 
 
 def divisors(n: int) -> list[int]:
-    """Every k that divides n, smallest first."""
-    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
-    return sorted(set(small + [n // k for k in small]))
+    """Every k that divides n, smallest first (by its prime factors: core/divisors.py, in
+    milliseconds for a batch of 10^15 where trying every k up to sqrt(n) takes minutes)."""
+    return list(factored_divisors(n))
 
 
 def mesh_problem(w: Workload, plan: Plan) -> str | None:
@@ -184,6 +185,8 @@ def mesh_problem(w: Workload, plan: Plan) -> str | None:
     moe = [b for b in w.blocks if b.moe]
     if w.batch % plan.dp:
         return "dp does not divide the global batch"
+    if (w.batch // plan.dp) % plan.microbatches:
+        return "M does not divide the sequences of a dp rank"
     if w.seq_len % plan.cp:
         return "cp does not divide the sequence length"
     if any(dim % plan.tp for dim in w.split_dims):
@@ -206,10 +209,10 @@ PRUNED = ("meshes whose dp does not divide the batch, cp the sequence, tp the sp
           "degree is drawn from the divisors of what it must divide")
 
 
-@lru_cache(maxsize=4096)
 def small_divisors(n: int) -> tuple[int, ...]:
-    """`divisors(n)`, cached: the meshes below ask for the same small numbers often."""
-    return tuple(divisors(n))
+    """`divisors(n)`, cached (core/divisors.py): the meshes below ask for the same numbers
+    often."""
+    return factored_divisors(n)
 
 
 def meshes(w: Workload, world: int, fixed: dict[str, int]) -> list[tuple[int, ...]]:
@@ -220,7 +223,8 @@ def meshes(w: Workload, world: int, fixed: dict[str, int]) -> list[tuple[int, ..
     has 1344, and the triples of them are millions): dp is drawn from the divisors of
     gcd(world, batch), cp of the sequence length, pp counts up to the layers, and tp is
     what is left, kept only if it divides every split size. So the work is bounded by
-    the model's sizes, whatever the GPU count."""
+    the model's sizes, whatever the GPU count; pp is drawn from the divisors of what is
+    left (never counted up to the layers one by one)."""
     moe = [b for b in w.blocks if b.moe]
     splits = math.gcd(*w.split_dims) if w.split_dims else 0     # 0: tp divides anything
     experts = math.gcd(*(b.experts for b in moe)) if moe else 1
@@ -228,9 +232,9 @@ def meshes(w: Workload, world: int, fixed: dict[str, int]) -> list[tuple[int, ..
     for dp in small_divisors(math.gcd(world, w.batch)):
         for cp in small_divisors(math.gcd(world // dp, w.seq_len)):
             rest = world // (dp * cp)
-            for pp in range(1, min(w.layers, rest) + 1):
-                if rest % pp:
-                    continue
+            for pp in small_divisors(rest):
+                if pp > w.layers:
+                    break
                 tp = rest // pp
                 if splits and splits % tp:
                     continue

@@ -272,6 +272,8 @@ def dump(folder: Path, gcfg: GenerateConfig, full: dict[str, np.ndarray],
     (folder / "tokens.json").write_text(json.dumps(
         {"prompt": prompt, "generated": result.tokens.tolist()}))
     np.savez(folder / "logits.npz", logits=result.logits)
+    preflight.sign_dump(folder, "generate", ["params.npz", "config.json", "tokens.json",
+                                             "logits.npz"])
 
 
 def full_params(cfg: TrainConfig) -> dict[str, np.ndarray]:
@@ -304,7 +306,7 @@ def command(argv: list[str], world: object) -> int:
         args = make_parser().parse_args(argv)
         gcfg, errors = config_from_args(args, size)
         if not errors:
-            errors = preflight.output_problems({"--dump": args.dump})
+            errors = preflight.dump_problems(args.dump, "generate")
     except ConfigError as error:
         gcfg, errors = None, [str(error)]
     errors = agreed(world, errors, ["generate", *argv])   # any rank's refusal reaches all

@@ -27,6 +27,7 @@ import numpy as np
 from minipar.core import fp8, precision, routing
 from minipar.core.documents import split_mask
 from minipar.run.train import RunResult, step_batch, train_reference
+from minipar.settings import preflight
 from minipar.settings.config import TrainConfig
 
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
@@ -112,7 +113,9 @@ def update_rule(cfg: TrainConfig, e: float) -> tuple[float, str]:
     if cfg.optimizer == "adam":
         return 2.0 * math.sqrt(e), "2 sqrt(e) a step (Adam)"
     if cfg.optimizer == "muon":
-        amplified = min(2.0, e * 3.4445 ** (cfg.ns_steps or 5))
+        k = cfg.ns_steps or 5   # e a^k, capped at 2 before it is computed: a^1000 overflows
+        amplified = 2.0 if e <= 0 or math.log(e) + k * math.log(3.4445) >= math.log(2.0) \
+            else e * 3.4445 ** k
         return max(amplified, 2.0 * math.sqrt(e)), (
             f"min(2, e a^{cfg.ns_steps}) a step (Muon: Newton-Schulz's slope a = 3.4445 an "
             "iteration), at least 2 sqrt(e) (AdamW)")
@@ -304,6 +307,51 @@ DERIVATION = {
 }
 
 
+# The flags `--check` may differ in from the saved run without changing its numbers: the
+# mesh and how it is laid out (every layout is proven equal to one process), and where
+# files go. Every other flag of a resumed run (--lr, --clip-grad-norm, Muon's --momentum,
+# --nesterov, --ns-steps, --weight-decay, the FP8 recipe, ...) shapes the numbers, and the
+# reference of `--check` reruns one process from step 0 with this run's values.
+LAYOUT_FLAGS = frozenset((
+    "dp", "tp", "pp", "ep", "cp", "schedule", "virtual", "zero", "grad_sync", "bucket_size",
+    "sp", "microbatches", "vocab_parallel", "recompute", "cp_mode", "muon_mode",
+    "fp8_allgather", "save", "resume", "keep", "timeout", "trace", "check_placements",
+    "inject_bug", "steps", "data"))
+
+
+def check_problems(cfg: TrainConfig) -> list[str]:
+    """Why `--check` could not compare like with like, before any step: a run resumed
+    with a flag that shapes the numbers set otherwise than the checkpoint's (it may
+    continue so without --check, e.g. with a new --lr). The one-process reference starts
+    at step 0 with this run's flags: the steps before the checkpoint were taken with the
+    saved ones, and the verdict would be a MISMATCH that names nothing."""
+    if not cfg.resume:
+        return []
+    from minipar.checkpoint.shard_files import read_manifest  # the layer below, when used
+
+    saved = read_manifest(Path(cfg.resume)).get("config", {})
+    for name, mine in cfg.as_json().items():
+        if name in LAYOUT_FLAGS or name not in saved or saved[name] == mine:
+            continue
+        return [f"--check after --resume reruns one process from step 0 with this run's "
+                f"flags, but this run has {spelled(name, mine)} where the checkpoint was "
+                f"trained with {spelled(name, saved[name])}; resume with "
+                f"{spelled(name, saved[name])} to check, or without --check to continue with "
+                "the new value"]
+    return []
+
+
+def spelled(name: str, value: object) -> str:
+    """A flag and its value as the command line says it: --lr 0.01, --no-nesterov,
+    no --clip-grad-norm (a flag left out)."""
+    flag = f"--{name.replace('_', '-')}"
+    if value is None:
+        return f"no {flag}"
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag} {value}"
+
+
 def near(value: float, bound: float) -> str:
     """' (within 5% of its bound)' for a check that passes by less than 5%, else ''."""
     return " (within 5% of its bound)" if 0.95 * bound < value <= bound else ""
@@ -402,3 +450,8 @@ def dump(folder: Path, cfg: TrainConfig, result: RunResult) -> None:
     if "fragment_sizes" in result.extras:  # --outer diloco: each rank's elements of each
         (folder / "fragment_sizes.json").write_text(   # fragment (parallel/diloco.py)
             json.dumps(result.extras["fragment_sizes"]))
+    written = ["init.npz", "final.npz", "data.npz", "losses.json", "config.json",
+               "ledger.json", "ledger_steps.json"] + (
+        ["gnorms.json"] if result.extras.get("gnorms") else []) + (
+        ["fragment_sizes.json"] if "fragment_sizes" in result.extras else [])
+    preflight.sign_dump(folder, "train", written)   # whose files these are (preflight.py)

@@ -260,6 +260,75 @@ def output_problems(flags: dict[str, str | None]) -> list[str]:
             for message in folder_problems(path)]
 
 
+# ------------------------------------------------------------ --dump DIR: whose files
+# What each command's `--dump DIR` writes (docs/design.md, "The train command",
+# "Inference"), and the note beside them that says a dump wrote them: a folder holding
+# anything else is the user's, and a dump never overwrites it.
+DUMP_FILES = {"train": ("init.npz", "final.npz", "data.npz", "losses.json", "gnorms.json",
+                        "config.json", "ledger.json", "ledger_steps.json",
+                        "fragment_sizes.json"),
+              "generate": ("params.npz", "config.json", "tokens.json", "logits.npz")}
+DUMP_NOTE = ".minipar-dump.json"
+
+
+def dump_owner(folder: Path) -> tuple[str | None, list[str]]:
+    """(the command whose `--dump` wrote `folder`, the files it wrote), from its note;
+    (None, []) without a readable note."""
+    import json
+
+    try:
+        note = json.loads((folder / DUMP_NOTE).read_text())
+        return str(note["command"]), [str(name) for name in note["files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, []
+
+
+def dump_problems(folder: str | None, command: str) -> list[str]:
+    """Why `command --dump folder` would overwrite what it must not (after
+    `folder_problems`): a folder is written into when it is new or empty, or holds an
+    earlier dump of the same command (its note says so, and names its files: those are
+    replaced, nothing else is touched). Refused: a folder with files no dump wrote among
+    the names this dump writes, or with no note at all and anything in it, or another
+    command's dump (`generate`'s config.json is not `train`'s)."""
+    if folder is None:
+        return []
+    problems = output_problems({"--dump": folder})
+    path = Path(folder)
+    if problems or not path.is_dir():
+        return problems
+    present = sorted(entry.name for entry in path.iterdir())
+    if not present:
+        return []
+    owner, written = dump_owner(path)
+    shown = ", ".join(present[:3]) + (f" and {len(present) - 3} more" if len(present) > 3
+                                      else "")
+    if owner is None:
+        return [f"--dump {folder}: holds files no dump wrote ({shown}): --dump writes into "
+                "a new or empty folder, or one an earlier --dump of the same command wrote; "
+                "give another folder"]
+    if owner != command:
+        return [f"--dump {folder}: holds a `{owner} --dump` ({', '.join(written[:3])}...): "
+                f"`{command} --dump` would overwrite its config.json; give another folder"]
+    theirs = [name for name in DUMP_FILES[command] if name in present and name not in written]
+    if theirs:
+        return [f"--dump {folder}: {theirs[0]} there is not the earlier dump's (its note "
+                f"lists {', '.join(written)}): it would be overwritten; give another folder"]
+    return []
+
+
+def sign_dump(folder: Path, command: str, written: list[str]) -> None:
+    """After `command --dump` wrote `written` into `folder`: remove the files of the earlier
+    dump this one did not write again (a gnorms.json of a run with --clip-grad-norm), and
+    write the note that says which files the dump wrote."""
+    import json
+
+    _, before = dump_owner(folder)
+    for name in before:
+        if name not in written and name in DUMP_FILES.get(command, ()):
+            (folder / name).unlink(missing_ok=True)
+    (folder / DUMP_NOTE).write_text(json.dumps({"command": command, "files": written}) + "\n")
+
+
 def lesson_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
     """A lesson's `parser.parse_args()`, with its `--plot DIR` checked at once (a file, a
     read-only folder, a dangling link: `folder_problems`), not after the lesson
