@@ -964,8 +964,43 @@ def mkdocs_config(lang: str, nav: list, docs: Path, site: Path) -> str:
         sort_keys=False, allow_unicode=True)
 
 
+BUILT_NOTE = ".minipar-book"   # in --out and --work: this build wrote the folder
+
+
+def not_ours(folder: Path, flag: str) -> str | None:
+    """Why `folder` may not be emptied by a build (None if it may): it is rewritten
+    whole (and mkdocs cleans its site folder), so it must be new, empty, or one a build
+    wrote (its note, or an earlier build's own files: the site's search index and
+    book.css, the pages' mkdocs.yml)."""
+    if not folder.exists():
+        return None
+    if not folder.is_dir():
+        return f"{flag} {folder}: is a file, not a folder"
+    entries = sorted(p.name for p in folder.iterdir())
+    ours = (folder / BUILT_NOTE).exists() or (
+        (folder / "search/search_index.json").exists() and (folder / "book.css").exists()) or (
+        (folder / "mkdocs.yml").exists() and (folder / "docs/book.css").exists())
+    if not entries or ours:
+        return None
+    return (f"{flag} {folder}: holds files no build wrote ({', '.join(entries[:3])}"
+            f"{' ...' if len(entries) > 3 else ''}): the build replaces the whole folder; "
+            "give a new or empty one")
+
+
+def lesson_numbers(only: str) -> tuple[list[str], str | None]:
+    """--only's lessons as two-digit numbers (9 is 09), and the first one that is no
+    lesson's ("exercises" is one)."""
+    known = {lesson.number for lesson in lessons()} | {"exercises"}
+    wanted = [n.strip().zfill(2) if n.strip().isdigit() else n.strip()
+              for n in only.split(",")]
+    unknown = [n for n in wanted if n not in known]
+    return wanted, (f"--only {unknown[0]}: no such lesson (the lessons: "
+                    f"{', '.join(sorted(known))})" if unknown else None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`make book`: 0 built, 1 refused or mkdocs failed, 2 no executed notebooks."""
+    """`make book`: 0 built, 1 refused or mkdocs failed, 2 no executed notebooks, or a bad
+    flag (an --only that names no lesson, an --out or --work folder holding other files)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--notebooks", type=Path, default=ROOT / "build/notebooks",
                         help="the executed notebooks (make course writes them)")
@@ -975,17 +1010,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", metavar="NN,NN", help="a book of these lessons only "
                         "(numbers, or 'exercises'): while writing one lesson")
     args = parser.parse_args(argv)
+    only, wrong = lesson_numbers(args.only) if args.only else (None, None)
+    wrong = wrong or not_ours(args.out, "--out") or not_ours(args.work, "--work")
+    if wrong:
+        print(f"book: error: {wrong}", file=sys.stderr)
+        return 2
     if not any(args.notebooks.glob("*.ipynb")):
         print(f"book: no executed notebooks in {args.notebooks}: run `make course` first",
               file=sys.stderr)
         return 2
     try:
-        code = build(args.notebooks.resolve(), args.out.resolve(), args.work.resolve(),
-                     args.only.split(",") if args.only else None)
+        code = build(args.notebooks.resolve(), args.out.resolve(), args.work.resolve(), only)
     except RefusedError as refused:
         print("book: refused, a notebook's own checks failed (no page shows a run that did "
               f"not pass):\n{refused}", file=sys.stderr)
         return 1
+    for folder in (args.out, args.work):   # the next build may replace them
+        if folder.is_dir():
+            (folder / BUILT_NOTE).write_text("written by book/build.py\n")
     if code != 0:
         print(f"book: mkdocs failed (exit {code})", file=sys.stderr)
         return 1

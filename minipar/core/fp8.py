@@ -31,12 +31,14 @@ Everything here is vectorized: a group's amax is a max over an axis of a reshape
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from minipar.core import precision
+from minipar.core.divisors import divisors as factored_divisors
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
 GRAD_FORMATS = ("e5m2", "e4m3")
@@ -291,9 +293,14 @@ def tiled_sizes(cfg: object) -> dict[str, int]:
 
 
 def nearest_blocks(sizes: Iterable[int], block: int) -> list[int]:
-    """The block sizes nearest to `block` (one below, one above) that divide every size."""
-    g = int(np.gcd.reduce(np.array(list(sizes), dtype=np.int64)))
-    divisors = [b for b in range(1, g + 1) if g % b == 0]
+    """The block sizes nearest to `block` (one below, one above) that divide every size:
+    from the divisors of their gcd by its prime factors (core/divisors.py), not by trying
+    every b up to it (a width of 10^12 took seconds). Past 2^53 (no machine's width,
+    refused by its size anyway) none is named."""
+    g = math.gcd(*(int(n) for n in sizes))
+    if not 0 < g <= 2**53:
+        return []
+    divisors = factored_divisors(g)
     below = [b for b in divisors if b < block]
     above = [b for b in divisors if b > block]
     return ([below[-1]] if below else []) + ([above[0]] if above else [])
@@ -311,7 +318,7 @@ def block_problems(cfg: object) -> list[str]:
     works = " or ".join(str(b) for b in nearest_blocks(sizes.values(), cfg.fp8_block))
     what = ", ".join(f"{name} = {n}" for name, n in bad.items())
     return [f"--fp8-block {cfg.fp8_block} does not divide {what}: a block would straddle a "
-            f"shard; the nearest sizes that work: --fp8-block {works}"]
+            "shard" + (f"; the nearest sizes that work: --fp8-block {works}" if works else "")]
 
 
 def problems(cfg: object) -> list[str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -33,12 +34,40 @@ COPIED = 3   # check's exit code: every check passed, but some region is the ref
 VERDICT = "minipar: exercise verdict: "  # grade.VERDICT (grade.py loads MPI: not imported)
 TIMEOUT = 60  # seconds per check for the launcher; grade.py names where it is stuck at 40
 SHOWN_LINES = 20   # of the student's own output, at most this many lines are shown
-# The job's ranks import the student's folder alone: the installed package's import hook
-# (an editable install's finder) would fill in any module the folder lacks.
-ALONE = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' "
-         "not in repr(f)]; sys.path_hooks[:] = [h for h in sys.path_hooks if '__editable__' "
-         "not in repr(h)]; sys.path_importer_cache.clear(); sys.argv[0] = 'grade'; "
-         "runpy.run_module('minipar.exercises.grade', run_name='__main__', alter_sys=True)")
+# The job's ranks start in this package's exercises/sealed.py (run by its path: the
+# grader's code, not the student's copy), which imports the student's folder alone and
+# reads the run's seal from the standard input before any of the student's code runs.
+SEALED = Path(__file__).resolve().parent / "sealed.py"
+# The grader's own files: the student's copy must hold them as handed out (a verdict comes
+# from them); the files with the exercises' regions are the student's to write.
+GRADER_FILES = ("exercises/__init__.py", "exercises/grade.py", "exercises/units.py",
+                "exercises/units_attention.py")
+
+
+def grader_changed(folder: Path) -> list[str]:
+    """The grader's files (`GRADER_FILES`) in folder/minipar that differ from this
+    package's, byte for byte."""
+    ours = Path(__file__).resolve().parent.parent
+    return [f"minipar/{path}" for path in GRADER_FILES
+            if (ours / path).is_file() and (folder / "minipar" / path).is_file()
+            and (folder / "minipar" / path).read_bytes() != (ours / path).read_bytes()]
+
+
+def unsealed(stdout: str, word: str) -> tuple[str, dict[str, bool]]:
+    """The job's output with the seal taken off the grader's verdict lines, and each
+    exercise's verdict from those lines alone ({name: passed}); a line the student's
+    code printed in their form is shown as the code's, and decides nothing."""
+    mark, lines, verdicts = f" [{word}]", [], {}
+    for line in stdout.splitlines():
+        graded = re.match(r"exercise (\S+): (passed|FAILED)", line)
+        if graded and line.endswith(mark):
+            lines.append(line[:-len(mark)])
+            verdicts.setdefault(graded.group(1), graded.group(2) == "passed")
+        elif line.startswith("exercise "):
+            lines.append(f"(printed by the code, not the grader) {line}")
+        else:
+            lines.append(line)
+    return "\n".join(lines), verdicts
 
 
 def missing_files(folder: Path, names: list[str]) -> list[str]:
@@ -152,6 +181,13 @@ def run_job(names: list[str], folder: Path, timeout: float = TIMEOUT) -> tuple[i
                 else "") + ": the check runs your copy alone; start again with python -m "
              "minipar exercise start NAME DIR"]
             + [f"exercise {name}: not checked (the folder is incomplete)" for name in names[1:]])
+    changed = grader_changed(folder)
+    if changed:   # the verdicts come from these files: they must be the ones handed out
+        return 1, "\n".join(
+            [f"exercise {names[0]}: FAILED\n  {changed[0]} is not the grader handed out "
+             "(it differs from this minipar's): the check grades with its own files; start "
+             "again with python -m minipar exercise start NAME DIR and copy your regions in"]
+            + [f"exercise {name}: not checked (the grader was changed)" for name in names[1:]])
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                MKL_NUM_THREADS="1", UCX_NET_DEVICES="lo", MPIEXEC_TIMEOUT=str(int(timeout)),
                PYTHONPATH=str(folder.resolve()))  # the student's minipar, not this one
@@ -160,10 +196,11 @@ def run_job(names: list[str], folder: Path, timeout: float = TIMEOUT) -> tuple[i
     if shutil.which(launcher) is None:   # a name or path that runs nothing: said, not raised
         return 2, (f"{named} {launcher!r} is no program this process can run (not found, "
                    "or not executable): set MINIPAR_MPIEXEC to an mpiexec, or unset it")
-    command = [launcher, "-n", str(exercises.RANKS), sys.executable, "-c", ALONE, *names]
+    command = [launcher, "-n", str(exercises.RANKS), sys.executable, str(SEALED), *names]
+    word = secrets.token_hex(16)   # this run's seal: on rank 0's standard input alone
     try:
         job = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True,
-                             timeout=timeout + 10)
+                             timeout=timeout + 10, input=word + "\n")
     except OSError as error:   # it vanished or lost its permission since: the same words
         return 2, (f"{named} {launcher!r} could not be started ({error.strerror}): set "
                    "MINIPAR_MPIEXEC to an mpiexec, or unset it")
@@ -171,22 +208,32 @@ def run_job(names: list[str], folder: Path, timeout: float = TIMEOUT) -> tuple[i
         return 1, (f"exercise {names[0]}: FAILED\n  timeout: the check job ran past its "
                    f"{timeout:g} s: a rank loops forever or waits in a call its partners "
                    "never make")
-    report = bounded(without_launcher_banner(job.stdout).strip())
-    unreported = [name for name in names if not re.search(
-        rf"^exercise {re.escape(name)}: (passed|FAILED)", report, flags=re.M)]
+    text, verdicts = unsealed(without_launcher_banner(job.stdout).strip(), word)
+    report = bounded(text)
+    unreported = [name for name in names if name not in verdicts]
     if unreported:   # the job ended (an abort: exit 1 too) before these reported
         lines = [report] if report else []
-        lines.append(f"exercise {unreported[0]}: FAILED\n  "
-                     + explain_crash(job.returncode, job.stderr))
+        why = explain_crash(job.returncode, job.stderr, job.stdout, timeout)
+        if "(printed by the code, not the grader) exercise " in text:
+            why = ("the code printed a verdict line itself, and no check of the grader's "
+                   f"reported (the job ended with exit {job.returncode}): a verdict comes "
+                   "from the grader alone; code that prints or ends the process at import "
+                   "(sys.exit, os._exit) grades nothing")
+        lines.append(f"exercise {unreported[0]}: FAILED\n  " + why)
         lines += [f"exercise {name}: not checked (the job ended before it)"
                   for name in unreported[1:]]
         return 1, "\n".join(lines)
-    return job.returncode, report
+    if all(verdicts.values()) and job.returncode != 0:   # passed, then the job failed
+        return 1, (f"{report}\n  but the job ended with exit {job.returncode} after its "
+                   "checks: " + explain_crash(job.returncode, job.stderr, job.stdout, timeout))
+    return (0 if all(verdicts.values()) else 1), report
 
 
-def explain_crash(code: int, stderr: str) -> str:
+def explain_crash(code: int, stderr: str, stdout: str = "", limit: float | None = None
+                  ) -> str:
     """A job that ended without its report, in words: MPI's own fatal error (the ranks'
-    calls did not match), the watchdog's line (a rank stuck), or the last lines."""
+    calls did not match), the watchdog's line (a rank stuck), the launcher's timeout
+    (MPIEXEC_TIMEOUT: mpiexec says so on its standard output), or the last lines."""
     fatal = re.search(r"Fatal error in (?:internal_|P?MPI_)?(\w+?)(?:_c)?: ([^,\n]+)", stderr)
     if fatal:
         return (f"MPI stopped the job in {fatal.group(1)} ({fatal.group(2)}): the "
@@ -207,9 +254,11 @@ def explain_crash(code: int, stderr: str) -> str:
     stuck = [line for line in stderr.splitlines() if "watchdog:" in line]
     if stuck:
         return stuck[0].removeprefix("minipar: error: ")
-    if "TIMED OUT" in stderr or "timeout" in stderr.lower() and code in (-9, 137, 255):
-        return ("timeout: the check job ran past its time limit: a rank loops forever or "
-                "waits in a call its partners never make")
+    said = stderr + "\n" + stdout
+    if "TIMED OUT" in said or "timeout" in said.lower() and code in (-9, 137, 255):
+        return ("timeout: the check job ran past its time limit"
+                + (f" of {limit:g} s" if limit else "") + " (the launcher ended it): a rank "
+                "loops forever, or waits in a call its partners never make")
     tail = "\n".join(line[:300] for line in stderr.strip().splitlines()[-12:])
     if code == 0:
         return ("the job ended with exit 0 before any check reported: the code ended the "

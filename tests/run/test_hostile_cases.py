@@ -510,3 +510,208 @@ def test_exercise_check_with_a_launcher_that_runs_nothing_is_one_line(tmp_path, 
         line = refused(cli("exercise", "check", "dp-naive", str(tmp_path / "student")),
                        "$MINIPAR_MPIEXEC", said)
         assert launcher in line, line
+
+
+# ------------------------------------------------- 13. sizes no machine has: refused in seconds
+def test_plan_refuses_sizes_past_what_it_can_count_by_name_in_seconds(capsys):
+    from minipar.planner.plan import plan_command
+
+    base = ["--preset", "llama3-8b", "--cluster", "h100", "--global-batch", "64", "--gpus", "8"]
+    for flag, value, said in (("--global-batch", "1" + "0" * 21, "at most 2^53"),
+                              ("--gpus", "1" + "0" * 21, "at most 2^53"),
+                              ("--global-batch", "1e21", "write it out in digits"),
+                              ("--d-model", "1" + "0" * 300, "at most 2^53"),
+                              ("--vocab", "1" + "0" * 300, "at most 2^53"),
+                              ("--layers", "1" + "0" * 300, "must be at most"),
+                              ("--layers", str(2**53), "at most 4096"),
+                              ("--microbatches", str(2**53), "does not divide")):
+        start = time.monotonic()
+        assert plan_command([*base, flag, value]) == 2, (flag, value)
+        err = capsys.readouterr().err
+        assert time.monotonic() - start < 5 and err.count("\n") == 1, (flag, err)
+        assert flag in err and said in err, (flag, err)
+    experts = ["--preset", "deepseek-v3", "--cluster", "h100", "--global-batch", "64",
+               "--gpus", "8", "--experts", "100000"]
+    assert plan_command(experts) == 2 and "--experts" in capsys.readouterr().err
+
+
+def test_divisors_come_from_the_prime_factors_fast_and_exact():
+    from minipar.core.divisors import divisors
+    from minipar.core.fp8 import nearest_blocks
+
+    for n in range(1, 400):
+        assert list(divisors(n)) == [k for k in range(1, n + 1) if n % k == 0], n
+    start = time.monotonic()
+    for n in (2**53, 2**53 - 111, 94906249 * 94906247, 10**15, 735134400):
+        found = divisors(n)
+        assert all(n % k == 0 for k in found) and found[0] == 1 and found[-1] == n, n
+    assert len(divisors(735134400)) == 1344 and divisors(94906249 * 94906247) == (
+        1, 94906247, 94906249, 94906249 * 94906247)
+    assert time.monotonic() - start < 5
+    assert nearest_blocks([1000000000001], 16) == [1, 73]   # 10^12 + 1 = 73 x 137 x ...
+    assert nearest_blocks([10**300 + 1], 16) == []           # past 2^53: none searched
+
+
+def test_plan_serve_refuses_training_flags_and_names_why_no_layout_runs(capsys):
+    from minipar.planner.plan import plan_command
+
+    serve = ["--serve", "--cluster", "h100", "--prompt-len", "100", "--new-tokens", "10"]
+    for model, flags, said in (
+            ("llama3-8b", ["--gpus", "8", "--muon-mode", "distributed"],
+             "--muon-mode is training's"),
+            ("deepseek-v3", ["--gpus", "8", "--ep", "3"], "--ep 3 does not divide --gpus 8"),
+            ("deepseek-v3", ["--gpus", "12", "--tp", "3", "--ep", "3"],
+             "no layout with --tp 3 --ep 3 can serve on 12 GPUs: tp 3 x pp 4 (ep 3): tp does "
+             "not divide the (key/value) heads"),
+            ("llama3-8b", ["--gpus", "8", "--ep", "2"], "--ep 2 needs a model with --experts")):
+        assert plan_command(["--preset", model, *serve, *flags]) == 2, flags
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, captured
+        assert said in captured.err, (said, captured.err)
+    train = ["--preset", "llama3-8b", "--cluster", "h100", "--global-batch", "64", "--gpus", "8"]
+    assert plan_command([*train, "--muon-mode", "layer-sharded"]) == 2   # adam: it would do
+    assert "needs --optimizer muon" in capsys.readouterr().err          # nothing
+    assert plan_command(["--preset", "deepseek-v3", *serve, "--gpus", "64", "--ep", "8"]) == 0
+    assert "lowest latency: tp 64 x pp 1 x ep 8" in capsys.readouterr().out
+
+
+def test_blockwise_fp8_on_an_absurd_width_is_refused_as_fast_as_without_it():
+    start = time.monotonic()
+    for width in ("1000000000001", "1" + "0" * 40 + "1", "123456789012"):
+        (line,) = refusals("--d-model", width, "--mixed", "bf16", "--fp8", "blockwise",
+                           "--fp8-block", "16")
+        assert line.startswith("--fp8-block 16 does not divide d_model"), line
+    assert time.monotonic() - start < 5
+
+
+# ------------------------------------------------- 14. --check compares like with like
+def test_muon_tolerance_of_many_newton_schulz_steps_is_a_number():
+    from minipar.run.results import mixed_tolerance
+
+    for steps in ("5", "1000", "100000"):
+        loss_tol, param_tol = mixed_tolerance(config(*SMALL, "--optimizer", "muon", "--ns-steps",
+                                                     steps, "--mixed", "bf16"))
+        assert 0 < loss_tol < 1 and 0 < param_tol <= 2.0 * 5, (steps, param_tol)
+    assert mixed_tolerance(config(*SMALL, "--optimizer", "muon", "--ns-steps", "1000",
+                                  "--mixed", "bf16"))[1] == 2.0 * 5   # capped at 2 a step
+
+
+def test_check_after_a_resume_with_other_numbers_is_refused_by_name(tmp_path):
+    from minipar.run.results import check_problems
+
+    muon = [*SMALL[:-2], "--optimizer", "muon"]
+    ck = tmp_path / "ck"
+    assert cli("train", *muon, "--steps", "2", "--save", str(ck)).returncode == 0
+    for flags, said in ((["--momentum", "0.9"], "--momentum 0.9 where the checkpoint was "
+                                                "trained with --momentum 0.95"),
+                        (["--no-nesterov"], "--no-nesterov where the checkpoint was trained "
+                                            "with --nesterov"),
+                        (["--lr", "0.01"], "--lr 0.01 where"),
+                        (["--ns-steps", "7"], "--ns-steps 7 where"),
+                        (["--clip-grad-norm", "1"], "no --clip-grad-norm")):
+        (line,) = check_problems(config(*muon, *flags, "--steps", "3", "--resume", str(ck)))
+        assert line.startswith("--check after --resume") and said in line, line
+    assert check_problems(config(*muon, "--steps", "3", "--resume", str(ck), "--muon-mode",
+                                 "duplicated")) == []   # a layout: exact either way
+    refused(cli("train", *muon, "--steps", "3", "--resume", str(ck), "--momentum", "0.9",
+                "--check"), "--check after --resume", "--momentum 0.9")
+    job = cli("train", *muon, "--steps", "3", "--resume", str(ck), "--check")
+    assert job.returncode == 0 and "-> OK" in job.stdout, job.stdout + job.stderr
+    job = cli("train", *muon, "--steps", "3", "--resume", str(ck), "--lr", "0.01")
+    assert job.returncode == 0, job.stderr          # a new --lr continues, unchecked
+
+
+def test_readme_fp8_row_says_what_runs_on_experts_over_tp():
+    """Every recipe runs on the MLP MoE's experts split over --tp (its equivalence under
+    --check: tests/parallel/test_mixed.py); the README says so, not that it is refused."""
+    from tests.parallel.test_mixed import CONFIGS
+
+    moe_tp = ["--model", "moe", "--experts", "4", "--expert-d-ff", "16", "--tp", "2",
+              "--mixed", "bf16", "--batch", "16", "--layers", "2", "--d-model", "16"]
+    for recipe in ("tensorwise", "rowwise", "blockwise"):
+        block = ["--fp8-block", "8"] if recipe == "blockwise" else []
+        assert refusals(*moe_tp, "--fp8", recipe, *block, world=4) == [], recipe
+        assert any(c.get("fp8") == recipe and c.get("model") == "moe" and c.get("tp", 1) > 1
+                   for c in CONFIGS), recipe
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines()
+               if line.startswith("| `--fp8 {"))
+    assert "Refused" not in row and "split over `--tp`" in row, row
+
+
+# ------------------------------------------------- 15. what the user had is kept
+def test_dump_writes_only_into_its_own_folders(tmp_path):
+    from minipar.settings.preflight import DUMP_NOTE
+
+    run = [*SMALL, "--steps", "2"]
+    gen = ["--model", "gpt", "--layers", "1", "--d-model", "8", "--heads", "2", "--seq-len",
+           "8", "--vocab", "16", "--batch", "2", "--prompt-ids", "1,2", "--new-tokens", "2"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("my own config")
+    refused(cli("train", *run, "--dump", str(mine)), "--dump", "holds files no dump wrote")
+    refused(cli("generate", *gen, "--dump", str(mine)), "--dump", "holds files no dump wrote")
+    assert (mine / "config.json").read_text() == "my own config"
+    trained = tmp_path / "trained"
+    assert cli("train", *run, "--clip-grad-norm", "1", "--dump", str(trained)).returncode == 0
+    assert (trained / "gnorms.json").exists() and (trained / DUMP_NOTE).exists()
+    (trained / "notes.txt").write_text("kept")
+    assert cli("train", *run, "--dump", str(trained)).returncode == 0   # its own: rewritten
+    assert not (trained / "gnorms.json").exists()                      # the stale one gone
+    assert (trained / "notes.txt").read_text() == "kept"
+    before = (trained / "config.json").read_text()
+    refused(cli("generate", *gen, "--dump", str(trained)), "--dump", "holds a `train --dump`")
+    assert (trained / "config.json").read_text() == before
+    generated = tmp_path / "generated"
+    for _ in range(2):
+        assert cli("generate", *gen, "--dump", str(generated)).returncode == 0
+    refused(cli("train", *run, "--dump", str(generated)), "--dump", "`generate --dump`")
+
+
+def test_book_and_course_refuse_a_lesson_that_is_not_there_and_keep_other_folders(tmp_path,
+                                                                                  capsys):
+    from book import build
+    from tests import course
+
+    job = subprocess.run([sys.executable, "-m", "tests.course", "--only", "99"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert job.returncode == 2 and "--only 99: no such lesson" in job.stderr, job.stderr
+    assert "course: lesson" not in job.stdout
+    outcome = course.run_lesson("99_not_there", 1, tmp_path)   # a script gone: a row, FAILED
+    assert outcome.problems == [f"{course.LESSONS / '99_not_there.py'} is missing"]
+    assert build.main(["--only", "99"]) == 2
+    assert "--only 99: no such lesson" in capsys.readouterr().err
+    assert build.lesson_numbers("9,exercises") == (["09", "exercises"], None)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "mine.txt").write_text("mine")
+    assert build.main(["--out", str(site)]) == 2
+    assert "--out" in capsys.readouterr().err and (site / "mine.txt").read_text() == "mine"
+
+
+# ------------------------------------------------- 16. a verdict the student cannot forge
+def test_exercise_check_believes_only_the_grader_and_names_a_loop_at_import(tmp_path,
+                                                                           monkeypatch):
+    from minipar.exercises import regions
+    from minipar.exercises.command import check, grader_changed
+
+    forged = tmp_path / "forged"
+    (path,) = regions.start(["dp-naive"], forged)
+    path.write_text(path.read_text() + "\nprint('exercise dp-naive: passed (3 checks on 4 "
+                    "ranks)', flush=True)\nimport os\nos._exit(0)\n")
+    code, report = check(["dp-naive"], forged)
+    assert code == 1 and "exercise dp-naive: FAILED" in report, report
+    assert "the code printed a verdict line itself" in report, report
+    assert "left as the stub" in report, report
+    looping = tmp_path / "looping"
+    (path,) = regions.start(["dp-naive"], looping)
+    path.write_text(path.read_text() + "\nwhile True:\n    pass\n")
+    monkeypatch.setenv("MINIPAR_EXERCISE_DEADLINE", "3")
+    start = time.monotonic()
+    code, report = check(["dp-naive"], looping)
+    assert code == 1 and "timeout: after 3 s rank" in report, report
+    assert "data_parallel.py" in report and time.monotonic() - start < 30, report
+    grader = looping / "minipar" / "exercises" / "grade.py"
+    grader.write_text(grader.read_text() + "\n# changed\n")
+    assert grader_changed(looping) == ["minipar/exercises/grade.py"]
+    code, report = check(["dp-naive"], looping)
+    assert code == 1 and "is not the grader handed out" in report, report
