@@ -10,7 +10,9 @@
 $MINIPAR_MPIEXEC) in DIR, so that DIR/minipar, the student's copy, is what the
 ranks import; it prints the job's report, with a line under an exercise for each
 of its regions that is left as the stub or copied from the reference answer
-(`regions.compare`), and exits 0 if every exercise passed, 1 if one failed, 3 if
+(`regions.compare`). A verdict is taken only from the grader's lines, sealed with a
+word of this run the student's code never sees (exercises/sealed.py); it exits 0 if
+every exercise passed, 1 if one failed, 3 if
 all passed but a region is the reference answer itself (the numbers pass on the
 library's own code, not on the student's), 2 on bad arguments (a name the folder
 was not started for among them: `start` records its names in DIR/exercise.json).

@@ -1,6 +1,7 @@
 """Rank side of `python -m minipar exercise check`: run the exercises' checks in one job.
 
-    mpiexec -n 4 python -m minipar.exercises.grade NAME [NAME ...]   (from the student's folder)
+    mpiexec -n 4 python minipar/exercises/sealed.py NAME [NAME ...]   (from the student's folder;
+    sealed.py, the grading package's own, runs this file's `main`)
 
 Each check returns None or one sentence a student can act on: which tensor, which
 rank, by how much, which collective's count differs. Ranks agree on every verdict
