@@ -14,8 +14,9 @@ student's code. Before importing any of it, this file
   grader prints through `seal` end with it, and `command.py` believes no other:
   a student's module that prints "exercise NAME: passed" and exits 0 at import
   grades nothing;
-- starts a deadline for the import itself: code at module level that never returns
-  ends the job with the line it is stuck on, as a check's deadline does (grade.py).
+- starts a deadline for the import itself (40 s, `MINIPAR_EXERCISE_IMPORT_DEADLINE`):
+  code at module level that never returns ends the job with the line it is stuck on,
+  as a check's deadline does (grade.py).
 
 Then it runs the student's `minipar/exercises/grade.py` (which `command.py` has checked
 is the one handed out, byte for byte) and exits with its code.
@@ -70,7 +71,9 @@ def run() -> int:
     hide_installed_package()
     rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     word = sys.stdin.readline().strip() if rank == 0 else ""
-    seconds = float(os.environ.get("MINIPAR_EXERCISE_DEADLINE", "40"))
+    # its own limit: an import on a loaded machine may take longer than a test's short
+    # check deadline (MINIPAR_EXERCISE_DEADLINE), and a check's deadline starts after it
+    seconds = float(os.environ.get("MINIPAR_EXERCISE_IMPORT_DEADLINE", "40"))
     deadline = import_deadline(seconds, rank)
     import runpy
 

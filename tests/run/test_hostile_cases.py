@@ -677,7 +677,8 @@ def test_book_and_course_refuse_a_lesson_that_is_not_there_and_keep_other_folder
     assert job.returncode == 2 and "--only 99: no such lesson" in job.stderr, job.stderr
     assert "course: lesson" not in job.stdout
     outcome = course.run_lesson("99_not_there", 1, tmp_path)   # a script gone: a row, FAILED
-    assert outcome.problems == [f"{course.LESSONS / '99_not_there.py'} is missing"]
+    assert len(outcome.problems) == 1 and outcome.problems[0].endswith(" is missing")
+    assert "99_not_there" in outcome.problems[0] and outcome.seconds == 0.0
     assert build.main(["--only", "99"]) == 2
     assert "--only 99: no such lesson" in capsys.readouterr().err
     assert build.lesson_numbers("9,exercises") == (["09", "exercises"], None)
@@ -705,11 +706,12 @@ def test_exercise_check_believes_only_the_grader_and_names_a_loop_at_import(tmp_
     looping = tmp_path / "looping"
     (path,) = regions.start(["dp-naive"], looping)
     path.write_text(path.read_text() + "\nwhile True:\n    pass\n")
-    monkeypatch.setenv("MINIPAR_EXERCISE_DEADLINE", "3")
+    monkeypatch.setenv("MINIPAR_EXERCISE_DEADLINE", "3")          # a check's
+    monkeypatch.setenv("MINIPAR_EXERCISE_IMPORT_DEADLINE", "15")  # the grader's import's
     start = time.monotonic()
     code, report = check(["dp-naive"], looping)
-    assert code == 1 and "timeout: after 3 s rank" in report, report
-    assert "data_parallel.py" in report and time.monotonic() - start < 30, report
+    assert code == 1 and "timeout: after " in report, report
+    assert "data_parallel.py" in report and time.monotonic() - start < 55, report
     grader = looping / "minipar" / "exercises" / "grade.py"
     grader.write_text(grader.read_text() + "\n# changed\n")
     assert grader_changed(looping) == ["minipar/exercises/grade.py"]
