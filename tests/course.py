@@ -228,9 +228,10 @@ def main() -> int:
     if args.only:   # 9 is lesson 09; a number no lesson has is refused, not run as nothing
         args.only = [n.zfill(2) if n.isdigit() else n for n in args.only]
         unknown = [n for n in args.only if n not in {s[:2] for s, _ in COURSE}]
-        if unknown:
-            parser.error(f"--only {unknown[0]}: no such lesson (the lessons: "
-                         f"{', '.join(s[:2] for s, _ in COURSE)})")
+        if unknown:   # one line, exit 2, before anything runs
+            print(f"course: error: --only {unknown[0]}: no such lesson (the lessons: "
+                  f"{', '.join(s[:2] for s, _ in COURSE)})", file=sys.stderr)
+            return 2
     chosen = [(s, n) for s, n in COURSE if not args.only or s[:2] in args.only]
     logs = ROOT / "build" / "course"
     for folder in (logs, FIGURES, NOTEBOOKS_OUT):
