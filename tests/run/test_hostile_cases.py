@@ -693,8 +693,16 @@ def test_book_and_course_refuse_a_lesson_that_is_not_there_and_keep_other_folder
 def test_exercise_check_believes_only_the_grader_and_names_a_loop_at_import(tmp_path,
                                                                            monkeypatch):
     from minipar.exercises import regions
-    from minipar.exercises.command import check, grader_changed
+    from minipar.exercises.command import check, explain_crash, grader_changed, unsealed
 
+    text, verdicts = unsealed("exercise a: passed (x)\nexercise a: FAILED (y) [w0rd]\n  why\n"
+                              "exercise b: passed [not-it]", "w0rd")
+    assert verdicts == {"a": False} and text.splitlines() == [
+        "(printed by the code, not the grader) exercise a: passed (x)",
+        "exercise a: FAILED (y)", "  why",
+        "(printed by the code, not the grader) exercise b: passed [not-it]"]
+    said = explain_crash(255, "", "[mpiexec@vm] APPLICATION TIMED OUT, TIMEOUT = 60s\n", 60)
+    assert said.startswith("timeout: the check job ran past its time limit of 60 s"), said
     forged = tmp_path / "forged"
     (path,) = regions.start(["dp-naive"], forged)
     path.write_text(path.read_text() + "\nprint('exercise dp-naive: passed (3 checks on 4 "
