@@ -276,8 +276,9 @@ def muon_problems(cfg: TrainConfig) -> list[str]:
     out = []
     if not (math.isfinite(cfg.momentum) and 0 <= cfg.momentum < 1):
         out.append(f"--momentum must be in [0, 1) (got {cfg.momentum})")
-    if cfg.ns_steps < 1:
-        out.append(f"--ns-steps must be at least 1 (got {cfg.ns_steps})")
+    if not 1 <= cfg.ns_steps <= 1000:   # 10^9 would be a step that never ends; past a few,
+        # each iteration only keeps the singular values in the polynomial's band
+        out.append(f"--ns-steps must be between 1 and 1000 (got {cfg.ns_steps})")
     if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
         out.append(f"--weight-decay must be zero or a positive finite number (got "
                    f"{cfg.weight_decay})")

@@ -109,7 +109,9 @@ def test_refusals_and_config():
     def said(**fields: object) -> list[str]:
         return problems(TrainConfig(**fields).resolved(1), 1)
     assert said(optimizer="muon", momentum=1.0) == ["--momentum must be in [0, 1) (got 1.0)"]
-    assert said(optimizer="muon", ns_steps=0) == ["--ns-steps must be at least 1 (got 0)"]
+    assert said(optimizer="muon", ns_steps=0) == ["--ns-steps must be between 1 and 1000 (got 0)"]
+    assert said(optimizer="muon", ns_steps=10**9) == [
+        "--ns-steps must be between 1 and 1000 (got 1000000000)"]   # a step that never ends
     assert said(optimizer="adam", nesterov=False) == [
         "--nesterov applies to --optimizer muon only"]
     assert said(optimizer="sgd", muon_mode="duplicated") == [
