@@ -117,7 +117,10 @@ def run_lesson(stem: str, ranks: int, logs: Path) -> Outcome:
     if not script.is_file():   # a row of the table that says so, not a traceback
         return Outcome(f"{stem}.py", ranks, 0.0, None, [f"{script} is missing"])
     launch = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
-    command = [*launch, sys.executable, str(script), "--plot", str(FIGURES)]
+    # the figures' folder as a student types it (relative, the job runs in the repository's
+    # root): the lesson prints its paths, and a clone's own path must not widen its lines
+    command = [*launch, sys.executable, str(script.relative_to(ROOT)), "--plot",
+               str(FIGURES.relative_to(ROOT))]
     started, wall = time.time(), time.monotonic()
     try:
         job = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True,
