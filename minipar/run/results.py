@@ -327,9 +327,15 @@ def check_problems(cfg: TrainConfig) -> list[str]:
     saved ones, and the verdict would be a MISMATCH that names nothing."""
     if not cfg.resume:
         return []
-    from minipar.checkpoint.shard_files import read_manifest  # the layer below, when used
+    from minipar.checkpoint.save_load import diloco_folders  # the layer below, when used
+    from minipar.checkpoint.shard_files import CheckpointError, read_manifest
 
-    saved = read_manifest(Path(cfg.resume)).get("config", {})
+    # an --outer diloco checkpoint keeps the run's own flags in its "outer" part
+    folder = diloco_folders(cfg.resume, cfg.dp)["outer"] if cfg.outer else Path(cfg.resume)
+    try:
+        saved = read_manifest(folder).get("config", {})
+    except CheckpointError as error:   # said as a refusal, not a traceback
+        return [f"--resume {cfg.resume}: {error}"]
     for name, mine in cfg.as_json().items():
         if name in LAYOUT_FLAGS or name not in saved or saved[name] == mine:
             continue
