@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 from bench.dp_limit_rank import build
 from bench.timing import spread
-from minipar.run.train import train_step
+from minipar.run.mesh_step import train_step
 from minipar.settings.config import TrainConfig
 
 SHAPE = dict(model="gpt", layers=2, d_model=128, d_ff=512, heads=4, seq_len=128, vocab=64,

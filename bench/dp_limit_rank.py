@@ -54,7 +54,8 @@ from minipar.core import nn
 from minipar.core.data import rank_rows
 from minipar.core.optim import make_optimizer
 from minipar.parallel.data_parallel import allreduce_gradients, bucketed_allreduce
-from minipar.run.train import forward_backward, step_batch
+from minipar.run.mesh_step import forward_backward
+from minipar.run.reference import step_batch
 from minipar.settings.config import TrainConfig
 
 BUCKETS = (16384, 65536, 262144, 1048576)  # elements (float64: 128 KB .. 8 MB)

@@ -30,7 +30,7 @@ from bench.timing import spread
 from minipar.core import precision
 from minipar.parallel.mixed import cast_copies
 from minipar.run.agreement import replica_check
-from minipar.run.train import train_step
+from minipar.run.mesh_step import train_step
 from minipar.settings.config import TrainConfig
 
 SHAPE = dict(layers=2, d_in=256, d_model=512, d_ff=512, classes=10, batch=256,

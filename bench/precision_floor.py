@@ -9,7 +9,7 @@ work plus, at the very least, one rounding pass over every tensor the recipe rou
 That sum is the floor: nothing a cleverer emulation does can go below it. Measured
 here, in one process, on the MLP of bench/mixed_rank.py's SHAPE (dp = 1, SGD), each
 run built and stepped as `train` builds and steps it (bench/dp_limit_rank.py `build`,
-run/train.py `train_step`, under `precision.use` and the fp8 recipe `train` makes):
+run/mesh_step.py `train_step`, under `precision.use` and the fp8 recipe `train` makes):
 
     floor      the float32 step, then one rounding pass over arrays of the real shapes:
                `dst[...] = src` into a preallocated 16-bit array (ml_dtypes' cast, no
@@ -63,7 +63,7 @@ from bench.timing import spread
 from minipar.core import fp8, muon, precision
 from minipar.parallel import fp8_scales, mixed
 from minipar.run.agreement import replica_check
-from minipar.run.train import train_step
+from minipar.run.mesh_step import train_step
 from minipar.settings.config import TrainConfig
 
 RUNS = {"float32": dict(dtype="float32"),

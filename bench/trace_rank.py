@@ -21,7 +21,7 @@ from mpi4py import MPI
 from bench.dp_limit_rank import build
 from bench.timing import spread
 from minipar.comm import trace
-from minipar.run.train import train_step
+from minipar.run.mesh_step import train_step
 from minipar.settings.config import TrainConfig
 
 SHAPE = dict(layers=4, d_in=64, d_model=256, d_ff=1024, batch=256, microbatches=8,

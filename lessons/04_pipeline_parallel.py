@@ -65,8 +65,9 @@ from minipar.parallel.pipeline.schedules import (
     simulate_schedule,
 )
 from minipar.parallel.pipeline.simulator import bubble_fraction, gantt, in_flight_peak
+from minipar.run.reference import RunResult
 from minipar.run.results import max_differences
-from minipar.run.train import RunResult, train, train_reference
+from minipar.run.train import train, train_reference
 from minipar.settings.config import TrainConfig, problems
 from minipar.settings.preflight import lesson_arguments
 from minipar.teaching import trace_files, trace_report

@@ -47,8 +47,9 @@ from minipar.core.recompute import tape_bytes  # node outputs and what their clo
 from minipar.parallel.pipeline.instructions import COMPUTE
 from minipar.parallel.pipeline.schedules import bubble_formula, simulate_schedule
 from minipar.parallel.pipeline.simulator import in_flight_peak
+from minipar.run.reference import RunResult
 from minipar.run.results import max_differences
-from minipar.run.train import RunResult, train, train_reference
+from minipar.run.train import train, train_reference
 from minipar.settings.config import TrainConfig, problems
 from minipar.settings.preflight import lesson_arguments
 from minipar.teaching.ledger_tables import group_sizes, wire_bytes

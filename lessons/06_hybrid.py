@@ -21,7 +21,8 @@ each axis to a different set of partners about a different thing.
   5. the run against one process.
 
 The code behind it: minipar/run/train.py (each rank builds its piece of the model from the
-full initial weights), tensor_parallel.py, parallel/pipeline/executor.py, data_parallel.py.
+full initial weights) and minipar/run/mesh_step.py (its step), tensor_parallel.py,
+parallel/pipeline/executor.py, data_parallel.py.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ from minipar.comm.collectives import Ledger
 from minipar.comm.job import run_collectively, say_in_order, verdict
 from minipar.comm.mesh import Mesh, MeshShape
 from minipar.core import nn
+from minipar.run.reference import RunResult
 from minipar.run.results import max_differences
-from minipar.run.train import RunResult, train, train_reference
+from minipar.run.train import train, train_reference
 from minipar.settings.config import TrainConfig, problems
 from minipar.settings.preflight import lesson_arguments
 from minipar.teaching.ledger_tables import ledger_table

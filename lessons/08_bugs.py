@@ -86,8 +86,9 @@ from minipar.comm.job import run_collectively, verdict, wait_for_rank0
 from minipar.core import nn
 from minipar.placement import PlacementError
 from minipar.run.agreement import ReplicaError
+from minipar.run.reference import RunResult
 from minipar.run.results import mixed_tolerance, moved_difference, relative_difference
-from minipar.run.train import RunResult, problems, train, train_reference
+from minipar.run.train import problems, train, train_reference
 from minipar.settings.config import TrainConfig
 from minipar.settings.preflight import lesson_arguments
 from minipar.teaching.lines import fit

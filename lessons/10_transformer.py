@@ -40,8 +40,9 @@ from minipar.comm.job import run_collectively, verdict
 from minipar.core import autograd as ag
 from minipar.core.data import make_sequences, read_corpus, repeated_positions
 from minipar.core.documents import read_documents, valid_positions
+from minipar.run.reference import build_reference, step_batch
 from minipar.run.results import max_differences
-from minipar.run.train import build_reference, step_batch, train, train_reference
+from minipar.run.train import train, train_reference
 from minipar.settings.config import TrainConfig
 from minipar.settings.preflight import lesson_arguments
 

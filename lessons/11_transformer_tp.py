@@ -46,8 +46,9 @@ from minipar.core.threads import cores
 from minipar.planner.memory_cost import rank_shape
 from minipar.planner.time_cost import ledger_of, traffic
 from minipar.planner.workloads import minipar_workload, plan_of
+from minipar.run.reference import step_batch
 from minipar.run.results import TOLERANCE, max_differences, relative_difference
-from minipar.run.train import step_batch, train, train_reference
+from minipar.run.train import train, train_reference
 from minipar.settings.config import TrainConfig, problems
 from minipar.settings.preflight import lesson_arguments
 from minipar.teaching.lines import fit

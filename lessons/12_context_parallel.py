@@ -54,8 +54,10 @@ from minipar.parallel import context_parallel as cpar
 from minipar.planner.memory_cost import rank_shape
 from minipar.planner.time_cost import cp_traffic
 from minipar.planner.workloads import minipar_workload, plan_of
+from minipar.run.mesh_step import forward_backward
+from minipar.run.reference import step_batch
 from minipar.run.results import relative_difference
-from minipar.run.train import forward_backward, problems, step_batch, train, train_reference
+from minipar.run.train import problems, train, train_reference
 from minipar.settings.config import ConfigError, TrainConfig
 from minipar.settings.preflight import lesson_arguments
 from minipar.teaching import trace_files, trace_report

@@ -24,7 +24,7 @@ learned with one Allreduce of the parameters and applies it with an outer optimi
      joined by 100 Gb/s, the seconds a step spends on the slow link.
 
 The code behind it: minipar/parallel/diloco.py (the workers, the outer step, the
-fragments), minipar/run/train.py (`train_workers`), minipar/planner/diloco_cost.py
+fragments), minipar/run/diloco_train.py (`train_workers`), minipar/planner/diloco_cost.py
 (docs/design.md "DiLoCo priced").
 """
 

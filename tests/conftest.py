@@ -6,13 +6,14 @@ import functools
 
 import numpy as np
 
+from minipar.run.reference import RunResult
 from minipar.run.results import (
     TOLERANCE,
     mixed_tolerance,
     moved_difference,
     relative_difference,
 )
-from minipar.run.train import RunResult, train_reference
+from minipar.run.train import train_reference
 from minipar.settings.config import TrainConfig
 
 RTOL = TOLERANCE["float64"]

@@ -122,7 +122,7 @@ def group_key(comm: object, name: str) -> str:
 
 
 def set_microbatch(m: int | None) -> None:
-    """Say which microbatch the calls that follow belong to (train.py, the pipeline)."""
+    """Say which microbatch the calls that follow belong to (run/mesh_step.py, the pipeline)."""
     global _microbatch
     _microbatch = m
 

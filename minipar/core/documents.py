@@ -11,7 +11,7 @@ over cp hold different numbers of them. The loss is
 
 (every microbatch, every dp x cp rank). A rank knows only its own count
 (`valid_positions`), so N costs one Allreduce of one number per step over the dp x cp
-ranks, before backward (train.py, `train_step`). Dividing
+ranks, before backward (run/mesh_step.py, `train_step`). Dividing
 by anything else -- each microbatch's own count, each rank's own count -- weights
 the tokens of a short microbatch more than those of a long one: the classic silent
 bug of gradient accumulation (`--inject-bug loss-mean-per-microbatch`, lesson 08).

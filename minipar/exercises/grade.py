@@ -34,6 +34,7 @@ from minipar.comm.job import abort_all
 from minipar.exercises import units, units_attention
 from minipar.run import agreement
 from minipar.run import train as training
+from minipar.run.reference import RunResult
 from minipar.run.results import (
     TOLERANCE,
     mixed_tolerance,
@@ -143,8 +144,8 @@ def check_train(fields: dict, world: MPI.Comm) -> str | None:
     return world.bcast(verdict)
 
 
-def mixed_verdict(cfg: TrainConfig, result: training.RunResult,
-                  reference: training.RunResult) -> str | None:
+def mixed_verdict(cfg: TrainConfig, result: RunResult,
+                  reference: RunResult) -> str | None:
     """A --mixed check on rank 0: S and the skipped steps equal to one process's, losses
     and the parameters' movement within the derived tolerance, then the ledger. (A
     replica that differs, S above all, has stopped the run already: ReplicaError.)"""

@@ -21,9 +21,9 @@ H/P inner steps, so no step carries more than about 1/P of the model
 (`due`, `dp_allreduce_elements`: the ledger's formula, step by step).
 
 The worker's own communicators come from `worker_groups` (one Comm.Split by the dp
-coordinate); inside a worker every strategy runs as on a mesh with dp = 1. run/train.py
-runs the steps (`train_workers`) and the one-process reference (K one-process runs and
-the rule above, written plainly).
+coordinate); inside a worker every strategy runs as on a mesh with dp = 1.
+run/diloco_train.py runs the steps (`train_workers`) and the one-process reference
+(`train_diloco_reference`: K one-process runs and the rule above, written plainly).
 
 Run it: `mpiexec -n 4 python -m minipar train --dp 2 --tp 2 --outer diloco
 --inner-steps 4 --steps 8 --check`; lesson 18.

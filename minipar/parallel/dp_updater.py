@@ -79,7 +79,7 @@ class DataParallel:
         self.flats = flat_buffers(self.buckets) if grad_sync == "bucketed" else None
         self.overlap = None
         self.started_in_backward = 0  # buckets the last step started during backward
-        # overlapped, in one dtype: backward starts from 1/dp (run/train.py reads this),
+        # overlapped, in one dtype: backward starts from 1/dp (run/mesh_step.py reads this),
         # so each g_i is already divided and the last Wait leaves the average, where
         # dividing afterwards is one more pass over every gradient (docs/design.md)
         seeded = grad_sync == "overlapped" and precision.average_in_seed

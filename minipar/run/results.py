@@ -26,7 +26,8 @@ import numpy as np
 
 from minipar.core import fp8, precision, routing
 from minipar.core.documents import split_mask
-from minipar.run.train import RunResult, step_batch, train_reference
+from minipar.run.reference import RunResult, step_batch
+from minipar.run.train import train_reference
 from minipar.settings import preflight
 from minipar.settings.config import TrainConfig
 

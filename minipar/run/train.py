@@ -1,33 +1,19 @@
-"""Training: the single-process reference, and the same steps on a mesh of ranks.
+"""Training: the entry points, the single-process reference and the run on a mesh.
 
-What this file teaches: the skeleton every strategy plugs into. One step is
+What this file teaches: the outer loop. `train` checks a run's flags on every rank
+alike, builds the mesh, applies every strategy to the model (compose/parallelize.py)
+and takes `--steps` steps of mesh_step.py's `train_step`; `train_reference` runs the
+same steps in one process with no communication (reference.py): the ground truth that
+`--check` and the test suite compare every mesh against. --outer diloco runs its own
+loops (diloco_train.py): both entry points hand such a run to them.
 
-    1. every rank computes the step's global batch from (seed, step) and keeps
-       its rows (data.py);
-    2. forward and backward over the microbatches: a plain loop, or the
-       pipeline schedule when pp > 1 (parallel/pipeline/executor.py); tensor- and
-       expert-parallel blocks talk inside the model (comm/collectives.py);
-    3. gradients summed over the replicas of each weight and divided by dp
-       (data_parallel.py);
-    4. the optimizer updates what this rank holds (optim.py);
-    5. the ranks check that they agree: the loss finite, the replicas equal
-       (agreement.py, which also assembles the full model from their pieces).
-
-`train_reference` is the same loop with one process and no communication: the
-ground truth that `--check` and the test suite compare every mesh against.
-
-Loss bookkeeping: each rank's microbatch loss is its local mean cross-entropy
-plus the MoE aux loss, times 1/M; gradients are then summed over the dp ranks
-and divided by dp (the source text's g = 1/8 sum_i g_i). The reported loss of
-a step is taken before its update, averaged the same way.
+    mpiexec -n 4 python -m minipar train --dp 2 --tp 2 --check
 """
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,53 +21,21 @@ import numpy as np
 from minipar import placement
 from minipar.bugs import catalog
 from minipar.checkpoint import save_load
-from minipar.comm import flight, trace, watchdog
+from minipar.comm import trace, watchdog
 from minipar.comm.mesh import AXES as MESH_AXES
 from minipar.comm.mesh import Mesh
-from minipar.compose import clip
-from minipar.compose.parallelize import (
-    context_positions,
-    parallelize,
-)
-from minipar.core import autograd as ag
-from minipar.core import documents, fp8, gpt, nn, precision, routing
-from minipar.core.data import (
-    local_rows,
-    make_batch,
-    make_sequences,
-    make_text_windows,
-    microbatch_rows,
-    rank_rows,
-)
-from minipar.core.optim import held_whole, make_optimizer
-from minipar.core.shards import held_parts
-from minipar.parallel.pipeline import chunk_layout, executor, schedules, stage_trace, v_executor
-from minipar.run import agreement
-from minipar.run.agreement import (
-    DivergedError,
-    blame,
-    gather_biases,
-    nonfinite_count,
-    replica_check,
-    report_loss,
-    scaler_of,
-)
+from minipar.compose.parallelize import parallelize
+from minipar.core import fp8, nn, precision, routing
+from minipar.core.optim import make_optimizer
+from minipar.run import agreement, diloco_train, reference
+from minipar.run.agreement import scaler_of
+from minipar.run.mesh_step import finish, norms_of, train_step
+from minipar.run.reference import RunResult, step_done
 from minipar.settings import config, preflight
 from minipar.settings.config import TrainConfig
 
 if TYPE_CHECKING:  # dp_updater.py loads mpi4py.MPI; train_reference needs none
     from minipar.parallel.dp_updater import Updater
-
-
-@dataclass
-class RunResult:
-    """What a run produced. On a mesh, `init`, `final` and `ledger` are filled on rank 0."""
-
-    losses: list[float]
-    init: dict[str, np.ndarray] | None = None
-    final: dict[str, np.ndarray] | None = None
-    ledger: list[dict] = field(default_factory=list)
-    extras: dict = field(default_factory=dict)
 
 
 def problems(cfg: TrainConfig, world_size: int) -> list[str]:
@@ -104,27 +58,6 @@ def problems(cfg: TrainConfig, world_size: int) -> list[str]:
     return out
 
 
-def step_batch(cfg: TrainConfig, step: int, rows: np.ndarray | None = None
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """The global batch of `step`: the same on every rank, from (seed, step) alone.
-    MLP models: x (B, d_in), y (B,); the transformer: token ids x, y (B, T). With
-    `rows`, only those rows of it (data.rank_rows: a rank's own), drawn without the rest.
-    With --documents, y is `documents.IGNORE` at the padded positions."""
-    if cfg.data is not None and cfg.documents:
-        return documents.make_documents(cfg.data, cfg.seed, step, cfg.batch, cfg.seq_len, rows)
-    if cfg.data is not None:
-        return make_text_windows(cfg.data, cfg.seed, step, cfg.batch, cfg.seq_len, rows)
-    if cfg.model_config().is_gpt:
-        return make_sequences(cfg.seed, step, cfg.batch, cfg.seq_len, cfg.vocab, rows)
-    return make_batch(cfg.seed, step, cfg.batch, cfg.d_in, cfg.classes, cfg.dtype, rows)
-
-
-def build_reference(cfg: TrainConfig, full: dict[str, np.ndarray]) -> nn.Model:
-    """The single-process model: the MLP models of nn.py or the transformer of gpt.py."""
-    model_cfg = cfg.model_config()
-    return (gpt.build_reference if model_cfg.is_gpt else nn.build_reference)(model_cfg, full)
-
-
 # ------------------------------------------------------------ the reference
 def train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | None = None
                     ) -> RunResult:
@@ -134,7 +67,8 @@ def train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | No
     gradients add up in `.grad`; one optimizer step follows. With --mixed the same
     steps in 16 bits (core/precision.py): master copies updated, the loss scaled by S.
     """
-    body = _train_diloco_reference if cfg.outer == "diloco" else _train_reference
+    body = diloco_train.train_diloco_reference if cfg.outer == "diloco" \
+        else reference.train_one_process
     if not cfg.mixed:
         return body(cfg, on_step)
     # fp16 overflow is expected (the loss scaler skips that step): no warnings for it
@@ -143,243 +77,7 @@ def train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | No
         return body(cfg, on_step)
 
 
-def _train_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | None
-                     ) -> RunResult:
-    """The body of `train_reference`, under the precision policy of `cfg`."""
-    full = nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
-    init = {k: v.copy() for k, v in full.items()}
-    model = build_reference(cfg, full)
-    params = model.parameters()
-    optimizer = make_optimizer(cfg.optimizer, cfg.lr, **cfg.optimizer_rule())
-    losses, norms = [], []
-    # --mixed: the optimizer updates the masters; each p.data is the 16-bit copy
-    masters = [p.data for p in params] if cfg.mixed else None
-    if masters is not None:
-        for p in params:
-            p.data = precision.to_low(p.data)
-    scaler = precision.make_scaler(cfg.mixed, cfg.loss_scale, cfg.loss_scale_window)
-    for step in range(cfg.steps):
-        losses.append(reference_step(cfg, model, optimizer, masters, scaler, norms,
-                                     *step_batch(cfg, step)))
-        if on_step is not None:
-            step_done(on_step, step, losses[-1], norms, scaler if cfg.mixed else None)
-    final = masters if masters is not None else [p.data for p in params]
-    return RunResult(losses, init, {**{p.name: m.copy() for p, m in zip(params, final)},
-                                    **routing.bias_values(model)},
-                     extras={"gnorms": norms, "loss_scale": scaler.scale,
-                             "skipped": scaler.skipped})
-
-
-def _train_diloco_reference(cfg: TrainConfig, on_step: Callable[[int, float], None] | None
-                            ) -> RunResult:
-    """--outer diloco in one process, written as its definition (docs/design.md, "DiLoCo"):
-    K = dp workers, each a one-process run (its own model, inner optimizer, masters, loss
-    scaler) on its rows of every step's global batch (DP's rows, `rank_rows`); the step's
-    loss is the workers' mean. After inner step s, fragment p (blocks [p L/P, (p+1) L/P),
-    the rest in fragment 0) takes its outer step if s = p H/P + nH (n >= 1): Delta = theta
-    - mean_k theta_k, v = Delta (first) or mu v + Delta, theta -= eta (Delta + mu v), every
-    worker restarts from theta. Returns theta as `final`; worker 0's norms and scaler."""
-    K, H, P, L = cfg.dp, cfg.inner_steps, cfg.fragments, cfg.layers
-    eta, mu = cfg.outer_lr, cfg.outer_momentum
-    full = nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
-    theta = {name: a.copy() for name, a in full.items()}
-    v = {name: np.zeros_like(a) for name, a in full.items()}
-    started = [False] * P
-    workers = []   # (model, inner optimizer, {name: what it updates}, scaler, norms)
-    for _ in range(K):
-        model = build_reference(cfg, {name: a.copy() for name, a in full.items()})
-        params = model.parameters()
-        held = {p.name: p.data for p in params}
-        if cfg.mixed:  # the optimizer updates the masters; each p.data a 16-bit copy
-            for p in params:
-                p.data = precision.to_low(p.data)
-        workers.append((model, make_optimizer(cfg.optimizer, cfg.lr, **cfg.optimizer_rule()),
-                        held, precision.make_scaler(cfg.mixed, cfg.loss_scale,
-                                                    cfg.loss_scale_window), []))
-
-    def fragment(name: str) -> int:
-        block = re.match(r"blocks\.(\d+)\.", name)
-        return 0 if block is None else int(block.group(1)) // (L // P)
-    losses = []
-    for step in range(cfg.steps):
-        x, y = step_batch(cfg, step)
-        total = 0.0
-        for k, (model, optimizer, held, scaler, norms) in enumerate(workers):
-            rows = rank_rows(cfg.batch, cfg.microbatches, K, k)
-            masters = list(held.values()) if cfg.mixed else None
-            total += reference_step(cfg, model, optimizer, masters, scaler, norms,
-                                    x[rows], y[rows])
-        losses.append(total / K)
-        for p in range(P):
-            offset = p * H // P
-            if step + 1 < offset + H or (step + 1 - offset) % H:
-                continue
-            for name in (n for n in theta if fragment(n) == p):
-                delta = theta[name] - sum(w[2][name] for w in workers) * (1.0 / K)
-                v[name] = mu * v[name] + delta if started[p] else delta
-                theta[name] = theta[name] - eta * (delta + mu * v[name])
-                for w in workers:
-                    w[2][name][...] = theta[name]
-            started[p] = True
-            for model, _, held, *_ in workers:  # --mixed: 16-bit copies cast anew
-                for param in model.parameters() if cfg.mixed else ():
-                    param.data = precision.to_low(held[param.name])
-        if on_step is not None:
-            step_done(on_step, step, losses[-1], workers[0][4],
-                      workers[0][3] if cfg.mixed else None)
-    return RunResult(losses, full, theta, extras={"gnorms": workers[0][4],
-                                                  "loss_scale": workers[0][3].scale,
-                                                  "skipped": workers[0][3].skipped})
-
-
-def reference_step(cfg: TrainConfig, model: nn.Model, optimizer: object,
-                   masters: list[np.ndarray] | None, scaler: precision.LossScaler,
-                   norms: list[float], x: np.ndarray, y: np.ndarray) -> float:
-    """One step of the one-process run on the batch `x, y` (its M microbatches): forward,
-    backward, the optimizer's update of the parameters (of `masters` under --mixed, the
-    16-bit copies cast from them; fp16 skips an overflowing step); returns the step loss.
-    With --clip-grad-norm the step's gradient norm is appended to `norms`."""
-    params = model.parameters()
-    model.zero_grad()
-    if precision.FP8 is not None:  # --fp8: this step's weight amaxes (core/fp8.py)
-        precision.FP8.begin_step(params)
-    total = 0.0
-    # --documents: CE over the valid positions / N, the batch's valid positions
-    valid = documents.valid_positions(y) if cfg.documents else None
-    batch = len(x)
-    for m in range(cfg.microbatches):
-        rows = microbatch_rows(batch, cfg.microbatches, m)
-        weight = 1.0 if valid is None else documents.loss_weight(y[rows], y.size, valid)
-        loss = nn.loss_fn(model, x[rows], y[rows], weight) * (1.0 / cfg.microbatches)
-        loss.backward(scaler.scale)   # S = 1 but for fp16
-        total += loss.item()
-    if masters is not None and not scaler.static:  # fp16: unscale, skip on overflow
-        grads = [p.grad if p.grad is not None else np.zeros_like(m)
-                 for p, m in zip(params, masters)]
-        for g in grads:
-            g *= 1.0 / scaler.scale
-        if scaler.update(precision.nonfinite(grads)):
-            return total
-    if cfg.clip_grad_norm is not None:  # the whole gradient's norm, then the scale
-        norms.append(clip.clip_reference([p.grad for p in params], cfg.clip_grad_norm))
-    if masters is None:
-        optimizer.step([p.data for p in params], [p.grad for p in params],
-                       held_whole(params))
-    else:  # the masters, then the 16-bit copies cast from them
-        optimizer.step(masters, [p.grad for p in params], held_whole(params))
-        for p, master in zip(params, masters):
-            p.data = precision.to_low(master)
-    if cfg.router == "sigmoid-bias":  # b moves against the step's load (routing.py)
-        routing.update_biases(model, None, cfg.bias_rate)
-    return total
-
-
-def step_done(on_step: Callable[..., None], step: int, loss: float, norms: list[float],
-              scaler: precision.LossScaler | None = None) -> None:
-    """Report a step: `on_step(step, loss)`, and with --clip-grad-norm also
-    `gnorm=` the step's global gradient norm (before clipping); with --mixed also
-    `scale=` the loss scale S after the step and `skipped=` the steps skipped so far."""
-    extra = {} if scaler is None else {"scale": scaler.scale, "skipped": scaler.skipped}
-    if norms:
-        on_step(step, loss, gnorm=norms[-1], **extra)
-    else:
-        on_step(step, loss, **extra)
-
-
 # ----------------------------------------------------------- the mesh run
-def microbatch_loss(chunk: nn.Model, x: np.ndarray | ag.Tensor, y: np.ndarray, scale: float,
-                    weight: float = 1.0) -> ag.Tensor:
-    """scale * (weight * local mean CE + aux) for a chunk that holds the whole model
-    (`weight`: documents.loss_weight with --documents, else 1): nn.loss_fn, scaled."""
-    return scaled_loss(chunk, *chunk.forward(ag.as_tensor(x)), y, scale, weight)
-
-
-def scaled_loss(chunk: nn.Model, logits: ag.Tensor, aux: ag.Tensor | None, y: np.ndarray,
-                scale: float, weight: float = 1.0) -> ag.Tensor:
-    """`microbatch_loss` from the chunk's forward already run: its logits and aux."""
-    loss = nn.output_loss(chunk.head, logits, y)
-    loss = loss if weight == 1.0 else loss * weight
-    return (loss if aux is None else loss + aux) * scale
-
-
-def boundary_shape(cfg: TrainConfig) -> tuple[int, ...]:
-    """What crosses a stage boundary per microbatch: (B/(M dp), d) rows of the residual
-    stream, or (B/(M dp tp), d) with sequence parallelism (the stream is row-split);
-    for the transformer (B/(M dp), T/cp, d), the positions of those sequences it holds
-    (with sequence parallelism T/(cp tp) of them)."""
-    rows = cfg.batch // cfg.microbatches // cfg.dp
-    if cfg.model_config().is_gpt:  # cp and sequence parallelism cut positions
-        positions = cfg.seq_len // cfg.cp
-        return (rows, positions // cfg.tp if cfg.sp else positions, cfg.d_model)
-    return (rows // cfg.tp if cfg.sp else rows, cfg.d_model)
-
-
-def forward_backward(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model],
-                     x: np.ndarray, y: np.ndarray, timeline: list[dict] | None = None,
-                     valid: int | None = None, loss_scale: float = 1.0) -> float:
-    """Forward and backward of every microbatch of this rank's rows `x, y` (its rows of
-    the global batch, `data.rank_rows`: microbatch after microbatch); returns this
-    rank's share of the step loss (sum over microbatches of loss/M). With pp > 1
-    the pipeline schedule decides the order (parallel/pipeline/executor.py) and appends the
-    wall-clock start/end of each of its instructions to `timeline`. `valid`: with
-    --documents, the valid positions of the global batch (documents.global_valid).
-    `loss_scale`: the gradient backward starts from (the loss itself is reported
-    unscaled): S of --mixed fp16, times 1/dp where the updater averages in the seed
-    (overlapped DP, parallel/data_parallel.py)."""
-    scale = 1.0 / cfg.microbatches
-    positions = cfg.batch * cfg.seq_len   # of the global batch: the masked loss's P
-
-    def weight(labels: np.ndarray) -> float:  # documents.py: the CE's factor P / N
-        return 1.0 if valid is None else documents.loss_weight(labels, positions, valid)
-    slices = [local_rows(cfg.batch, cfg.microbatches, cfg.dp, m)  # of this rank's rows
-              for m in range(cfg.microbatches)]
-    # placements (placement/__init__.py): the rows of x are Shard(0) over dp (its positions
-    # Shard(1) over cp); so are those that cross a stage boundary, and under sequence
-    # parallelism over tp as well (the transformer's positions, dim 1)
-    gpt_model = cfg.model_config().is_gpt
-    rows_over = (mesh.dp, (mesh.cp, 1)) if cfg.cp > 1 else (mesh.dp,)
-    boundary_rows_over = (*rows_over, (mesh.tp, 1) if gpt_model else mesh.tp) if cfg.sp \
-        else rows_over
-    if cfg.pp > 1:
-        def last_stage_loss(logits: ag.Tensor, aux: ag.Tensor | None,
-                            labels: np.ndarray) -> ag.Tensor:
-            head = next(c.head for c in chunks if c.head is not None)  # the chunk with it
-            loss = nn.output_loss(head, logits, labels) * (scale * weight(labels))  # CE / M
-            loss = loss if aux is None else loss + aux * scale      # + aux / M
-            if placement.ON:  # what the gradient sync expects: at most a mean over dp (x cp)
-                placement.loss("the gradient sync", loss, mesh.dp_cp)
-            return loss
-
-        # looked up at call time: --inject-bug swaps executor.StageWorker
-        worker_class, extension = executor.StageWorker, {}
-        layout, split = schedules.layout_of(cfg.schedule), cfg.schedule in schedules.SPLIT_BACKWARD
-        if layout != chunk_layout.LOOP or split:   # a V, two chains, B and W apart
-            worker_class = v_executor.extended(worker_class)
-            extension = dict(layout=layout, split_backward=split)
-        worker = worker_class(
-            mesh.pp, chunks, x, y, slices, last_stage_loss, scale, boundary_shape(cfg),
-            len(chunks), rank=mesh.rank, dtype=precision.LOW if cfg.mixed else cfg.dtype,
-            rows_over=rows_over, boundary_rows_over=boundary_rows_over,  # 16-bit between
-            **extension)                                                 # stages under --mixed
-        worker.backward_seed = loss_scale
-        return executor.forward_backward(worker, cfg.schedule, cfg.microbatches,
-                                                  timeline)
-    total = 0.0
-    for m, rows in enumerate(slices):  # gradient accumulation: grads add up in .grad
-        flight.set_microbatch(m)  # the flight recorder's calls of this microbatch
-        with trace.span("forward", microbatch=m, chunk=0):
-            logits, aux = chunks[0].forward(executor.rows_of(ag.Tensor(x[rows]), rows_over))
-            loss = scaled_loss(chunks[0], logits, aux, y[rows], scale, weight(y[rows]))
-        trace.hold((0, m), loss)  # --trace: the activations the tape keeps
-        if placement.ON:  # what the gradient sync expects: at most a mean over dp (x cp)
-            placement.loss("the gradient sync", loss, mesh.dp_cp)
-        with trace.span("backward", microbatch=m, chunk=0):
-            loss.backward(loss_scale)
-        trace.release((0, m))
-        total += loss.item()
-    return total
-
-
 def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None] | None = None
           ) -> RunResult:
     """Train `cfg` on the mesh it describes over the `world` communicator.
@@ -397,7 +95,7 @@ def train(cfg: TrainConfig, world: object, on_step: Callable[[int, float], None]
         with catalog.injected(cfg.inject_bug):
             return train(replace(cfg, inject_bug=None), world, on_step)
     if cfg.outer == "diloco":  # every dp replica a worker of its own (parallel/diloco.py)
-        return train_workers(cfg, world, on_step)
+        return diloco_train.train_workers(cfg, world, on_step)
     from minipar.comm.collectives import (
         Ledger,  # here: comm/collectives.py loads mpi4py.MPI, train_reference not
     )
@@ -450,237 +148,3 @@ def start_on_mesh(cfg: TrainConfig, mesh: Mesh
         scaler_of(updater).load(saved.manifest["loss_scaler"])  # --mixed: S continues
     losses = list(saved.manifest.get("losses", [])) if saved else []
     return chunks, updater, init, losses, start
-
-
-def train_step(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Updater,
-               step: int, timeline: list[dict],
-               rows: tuple[np.ndarray, np.ndarray] | None = None) -> float:
-    """One training step on this rank; returns the step loss (the same on every rank).
-    The ledger holds this step's traffic afterwards (the loss report left out). `rows`:
-    the (x, y) this rank trains on, by default its dp rows of the step's global batch
-    (--outer diloco hands its worker's rows: `train_workers`)."""
-    from minipar.parallel import sequence_parallel  # here: it loads mpi4py.MPI
-
-    ledger = mesh.ledger
-    ledger.reset()
-    # this rank's rows only (B/dp of them), each drawn from its own stream (data.py)
-    x, y = rows or step_batch(cfg, step, rank_rows(cfg.batch, cfg.microbatches, cfg.dp,
-                                                   mesh.coords["dp"]))
-    if cfg.cp > 1:  # (B/dp, T) -> (B/dp, T/cp): the positions of every sequence I hold
-        x, y = x[:, context_positions(cfg, mesh)], y[:, context_positions(cfg, mesh)]
-    for chunk in chunks:
-        for p in chunk.parameters():
-            p.grad = None
-    valid = None
-    if cfg.documents:  # N: the global batch's valid positions (documents.py), before
-        from minipar.comm.collectives import (
-            allreduce_sum,  # backward (here: comm/collectives.py loads mpi4py.MPI)
-        )
-
-        # my rows' (over dp) and positions' (over cp) count -> the global batch's, on every
-        # rank; tp and pp ranks hold the labels of their dp x cp peers and sum alike
-        valid = int(allreduce_sum(mesh.dp_cp, np.array([documents.valid_positions(y)],
-                                                       dtype=np.int64))[0])
-    scaler = scaler_of(updater)   # --mixed fp16: the backward starts from S
-    if precision.FP8 is not None:  # --fp8: the step's weight amaxes, agreed (fp8_scales.py)
-        from minipar.parallel import fp8_scales
-        fp8_scales.begin_step(precision.FP8, chunks, updater)
-    # backward starts from S (fp16), times 1/dp where the updater averages that way
-    seed = (1.0 if scaler is None else scaler.scale) * updater.backward_seed
-    local = forward_backward(cfg, mesh, chunks, x, y, timeline, valid, seed)
-    flight.set_microbatch(None)  # the syncs below belong to the whole step
-    if cfg.schedule in schedules.TWO_WAY and cfg.pp > 1:  # DualPipe: copy + copy
-        v_executor.sum_the_two_copies(chunks, mesh.pp)
-    if cfg.sp:  # LayerNorm / fc2-bias gradients of row shards: sum over tp first
-        sequence_parallel.allreduce_sequence_parallel_grads(chunks, mesh.tp)
-    # data parallelism: sum each weight's gradient over its replicas, divide by dp;
-    # then the optimizer updates what this rank holds (ZeRO: its slice)
-    updater.step()
-    if cfg.router == "sigmoid-bias":  # b of every MoE block against the global load: one
-        routing.update_biases(chunks, mesh.dp_cp, cfg.bias_rate)  # Allreduce over dp x cp
-    ledger.enabled = False  # reporting the loss is not part of training's traffic
-    if placement.ON:  # no gradient left a partial sum by the syncs above (placement/__init__.py);
-        # every rank learns of any rank's finding, so all stop at this same step
-        problem = placement.unsummed_gradient({axis: getattr(mesh, axis).size
-                                               for axis in ("dp", "tp", "ep", "edp", "cp")})
-        found = [line for line in mesh.world.allgather(problem) if line]
-        if found:
-            raise placement.PlacementError(found[0])
-    loss = report_loss(mesh, local)
-    if not math.isfinite(loss):  # the same number on every rank: all stop here
-        raise DivergedError(step + 1, cfg.steps, f"the loss is {loss}", blame(cfg, step == 0))
-    broken = nonfinite_count(mesh, chunks, updater)   # a finite loss, a broken update
-    if broken:
-        raise DivergedError(step + 1, cfg.steps, f"the update left {broken} numbers of the "
-                            "ranks' parameters NaN or infinite", blame(cfg, first=False))
-    # every replica, and S, bitwise equal on every rank after every step (one rank: none)
-    if cfg.mixed and mesh.world.size > 1:
-        replica_check(mesh, chunks, updater, step + 1)
-    ledger.enabled = True
-    return loss
-
-
-def train_workers(cfg: TrainConfig, world: object,
-                  on_step: Callable[[int, float], None] | None = None) -> RunResult:
-    """--outer diloco on the mesh (parallel/diloco.py): each dp coordinate's ranks are a
-    worker, a mesh of its own with dp = 1 training on its rows of every step's batch
-    (`rank_rows`, DP's rows) with no dp traffic; after each inner step the outer step of
-    the fragments due (one Allreduce of their parameters over dp each). The step's loss
-    is the workers' mean (one scalar Allreduce over dp, outside the ledger). Returns as
-    `train` does, with theta as `final`, the whole world's ledger of the last step, and
-    `extras["ledger_steps"]` (every step's) and `extras["fragment_sizes"]` (each rank's
-    elements of each fragment: the ledger formula's input)."""
-    from mpi4py import MPI  # here: train_reference runs without it
-
-    from minipar.comm.collectives import Ledger  # here: loads mpi4py.MPI
-    from minipar.parallel import diloco, fp8_scales
-
-    ledger = Ledger()
-    mesh, dp = diloco.worker_groups(cfg.mesh_shape(), world, ledger)
-    inner = config.worker_config(cfg)
-    rank, k = world.Get_rank(), cfg.mesh_shape().coords(world.Get_rank())["dp"]
-    rows = rank_rows(cfg.batch, cfg.microbatches, cfg.dp, k)
-    # --resume: theta and v from the outer part, this worker's own state from its part
-    parts = save_load.diloco_folders(cfg.resume, cfg.dp) if cfg.resume else None
-    saved = save_load.load(parts[f"worker-{k}"]) if parts else None
-    saved_outer = save_load.load(parts["outer"]) if parts else None
-    try:
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"), \
-                precision.use(cfg.mixed, cfg.dtype,
-                              fp8_scales.over_mesh(fp8.recipe_of(cfg), mesh)):
-            full = saved.params if saved else \
-                nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
-            optimizer = make_optimizer(cfg.optimizer, cfg.lr, **cfg.optimizer_rule())
-            chunks, updater = parallelize(inner, mesh, full, optimizer)
-            params = updater.params
-            init, _ = agreement.gather_full_params(
-                mesh, params, inner, values=saved_outer.params if saved_outer else full)
-            outer = diloco.OuterNesterov(
-                params, updater.my_slices(),
-                lambda: updater.precision.refresh(updater.masters, [p.data for p in params]),
-                dp, cfg.layers, cfg.inner_steps, cfg.fragments, cfg.outer_lr,
-                cfg.outer_momentum)
-            start = 0
-            if saved:
-                start = save_load.restore_optimizer(optimizer, params, saved, updater)
-                outer.restore(held_parts(params, saved_outer.params),
-                              held_parts(params, saved_outer.state["v"]), start)
-                if scaler_of(updater) is not None and "loss_scaler" in saved.manifest:
-                    scaler_of(updater).load(saved.manifest["loss_scaler"])
-            losses = list(saved_outer.manifest.get("losses", [])) if saved_outer else []
-            steps_ledger: list[dict] = []
-            timeline: list[dict] = []
-            for step in range(start, cfg.steps):
-                watchdog.doing(f"step {step + 1} of {cfg.steps}")
-                timeline.clear()
-                local = train_step(inner, mesh, chunks, updater, step, timeline,
-                                   step_batch(cfg, step, rows))
-                outer.after_inner_step(step + 1)   # the fragments due: Allreduce over dp
-                steps_ledger += [{"step": step + 1, **r} for r in ledger.records(rank)]
-                ledger.enabled = False   # the workers' mean loss is no training traffic
-                mean = np.array([local])
-                dp.Allreduce(MPI.IN_PLACE, mean)
-                ledger.enabled = True
-                losses.append(float(mean[0]) / cfg.dp)
-                if on_step is not None:
-                    step_done(on_step, step, losses[-1], norms_of(updater),
-                              scaler_of(updater))
-            last = ledger.records(rank)
-            ledger.enabled = False
-            if cfg.save:   # each worker its part, worker 0 also theta and v
-                save_workers(cfg, k, mesh, updater, optimizer, outer, losses)
-            outer.use_theta()   # final.npz: theta, each fragment's after its last outer step
-            result = finish(inner, mesh, chunks, updater, losses, init, timeline)
-            everyone = world.gather((last, steps_ledger, outer.fragment_sizes()), root=0)
-    finally:
-        mesh.free()
-        dp.comm.Free()
-    if everyone is not None:
-        result.ledger = [r for mine, _, _ in everyone for r in mine]
-        result.extras["ledger_steps"] = [r for _, steps, _ in everyone for r in steps]
-        result.extras["fragment_sizes"] = [sizes for _, _, sizes in everyone]
-    result.extras["first_step"] = start + 1   # a resumed run's first (ledger_steps from it)
-    return result
-
-
-def save_workers(cfg: TrainConfig, k: int, mesh: Mesh, updater: Updater,
-                 optimizer: object, outer: object, losses: list[float]) -> None:
-    """--outer diloco --save: worker k's ranks write its part (its parameters, the masters
-    under --mixed, and its inner optimizer state), worker 0's ranks also the outer part
-    (theta, v) with the run's own flags (save_load.diloco_folders)."""
-    parts = save_load.diloco_folders(cfg.save, cfg.dp)
-    resumed = save_load.diloco_folders(cfg.resume, cfg.dp) if cfg.resume else {}
-    updater.use_masters()  # what is saved: the masters (the parameters in one dtype)
-    scaler = None if scaler_of(updater) is None else scaler_of(updater).state()
-    save_load.save(parts[f"worker-{k}"], config.worker_config(cfg), mesh, updater,
-                   optimizer, cfg.steps, losses, keep=cfg.keep, loss_scaler=scaler,
-                   run=save_load.continued_run(resumed.get(f"worker-{k}")))
-    if k == 0:
-        save_load.save(parts["outer"], cfg, mesh, outer, outer, cfg.steps, losses,
-                       keep=cfg.keep, run=save_load.continued_run(resumed.get("outer")))
-
-
-def finish(cfg: TrainConfig, mesh: Mesh, chunks: list[nn.Model], updater: Updater,
-           losses: list[float], init: dict[str, np.ndarray] | None,
-           timeline: list[dict], steps_ledger: list[dict] | None = None) -> RunResult:
-    """After the last step: gather the ledger (the last step's, and `steps_ledger`: every
-    step's), the timeline and the final parameters on rank 0, and save the checkpoint
-    (`--save`)."""
-    ledger = mesh.ledger
-    last_ledger = ledger.records(mesh.rank)
-    ledger.enabled = False
-    gathered = mesh.world.gather(last_ledger)
-    every_step = mesh.world.gather(steps_ledger or [])
-    timelines = stage_trace.gather_timeline(mesh.world, timeline)
-    memory = updater.memory()  # bytes of params, grads, optimizer state on this rank
-    updater.materialize()  # ZeRO-3: gather every parameter whole before reading p.data
-    if cfg.mixed:  # --mixed: what is read and saved from here on are the masters
-        updater.use_masters()
-    params = [p for chunk in chunks for p in chunk.parameters()]
-    final, disagreements = agreement.gather_full_params(mesh, params, cfg)
-    biases = gather_biases(mesh, chunks)
-    if final is not None:
-        final.update(biases[0])
-        disagreements += biases[1]
-    if cfg.save:  # every rank writes its shard; rank 0 the manifest, last
-        with trace.span("checkpoint save", "checkpoint", folder=cfg.save):
-            save_load.save(cfg.save, cfg, mesh, updater, updater.optimizer, cfg.steps,
-                            losses, keep=cfg.keep, router_bias=biases[0],
-                            run=save_load.continued_run(cfg.resume),
-                            loss_scaler=None if scaler_of(updater) is None
-                            else scaler_of(updater).state())
-    return RunResult(losses, init, final,
-                     [r for rank in gathered for r in rank] if gathered else [],
-                     {"replica_disagreements": disagreements,
-                      # every step's ledger of every rank (rank 0): ledger_steps.json
-                      "ledger_steps": [r for rank in every_step or [] for r in rank],
-                      # --clip-grad-norm: each step's global gradient norm on this rank
-                      "gnorms": norms_of(updater),
-                      # --mixed: S after the last step and the steps skipped (parallel/mixed.py)
-                      # and each step's (S it ran with, skipped?) on this rank
-                      **({} if scaler_of(updater) is None else
-                         {"loss_scale": scaler_of(updater).scale,
-                          "skipped": scaler_of(updater).skipped,
-                          "scale_history": updater.precision.history,
-                          # fp16: each step's largest finite scaled gradient on this rank
-                          "largest_scaled": updater.precision.largest}),
-                      "memory": memory,  # memory.ModelStates of this rank, after the last step
-                      # stage_trace.gather_timeline: every rank's instructions of the
-                      # last step with wall-clock start/end (rank 0; empty with pp = 1)
-                      "timeline": timelines or [],
-                      # MoE load of the last microbatch, per expert-parallel block of this
-                      # rank (parallel/moe/load_stats.py): tokens per expert, drops, ...
-                      "expert_load": [block.last_stats for chunk in chunks
-                                      for block in chunk.blocks if hasattr(block, "last_stats")],
-                      # context parallelism: score entries of each attention's latest
-                      # forward on this rank (the work a ring step does or skips)
-                      "attention_scores": [getattr(block.attn.core, "last_scores", None)
-                                           for chunk in chunks for block in chunk.blocks
-                                           if hasattr(block, "attn")]})
-
-
-def norms_of(updater: Updater) -> list[float]:
-    """The global gradient norm of each step taken (clip.Clipper), [] without clipping."""
-    clipper = getattr(updater, "clipper", None)
-    return clipper.norms if clipper is not None else []
-

@@ -21,7 +21,7 @@ from minipar.parallel import diloco
 from minipar.planner.memory_cost import RankShape, model_states, rank_shape
 from minipar.planner.time_cost import Traffic, traffic
 from minipar.planner.workloads import minipar_workload, plan_of
-from minipar.run.train import RunResult
+from minipar.run.reference import RunResult
 from minipar.settings.config import TrainConfig
 
 # Mesh axis -> the flag that sets its size (edp is dp/ep).

@@ -114,7 +114,7 @@ def test_attention_learns_to_look_back():
 
 
 def train_reference_model(cfg: TrainConfig) -> nn.Model:
-    from minipar.run.train import build_reference
+    from minipar.run.reference import build_reference
 
     final = train_reference(cfg).final
     return build_reference(cfg, final)
@@ -125,7 +125,7 @@ def test_float32_stays_float32_on_every_node(model):
     """Every value on the tape of a float32 transformer is float32 (a float64 constant
     anywhere would silently double the work), and it trains like float64."""
     from minipar.core import autograd as ag
-    from minipar.run.train import build_reference, step_batch
+    from minipar.run.reference import build_reference, step_batch
 
     fields = {**(MOE if model == "gpt-moe" else {}), "optimizer": "adam", "lr": 0.01}
     cfg = config(dtype="float32", **fields)

@@ -20,7 +20,8 @@ import pytest
 
 from minipar.core import autograd as ag
 from minipar.core import nn
-from minipar.run.train import step_batch, train_reference
+from minipar.run.reference import step_batch
+from minipar.run.train import train_reference
 from minipar.settings.config import TrainConfig
 from tests.conftest import assert_equivalent
 from tests.reference import independent

@@ -60,7 +60,7 @@ def die(mode: str, rank: int, where: str, seconds: float = 60) -> None:
 def inject(spec: str) -> None:
     """Patch the library so that world rank RANK fails as `spec` = MODE:RANK[:STEP] says."""
     from minipar.checkpoint import save_load
-    from minipar.run import train as training
+    from minipar.run import diloco_train, mesh_step
 
     mode, rank, *step = spec.split(":")
     if int(rank) != MPI.COMM_WORLD.Get_rank():
@@ -85,13 +85,14 @@ def inject(spec: str) -> None:
             die("kill", int(rank), "while writing the manifest")
         save_load.write_manifest = write_manifest
         return
-    original = training.step_batch
+    original = mesh_step.step_batch
 
     def step_batch(cfg: object, index: int, *rows: object) -> object:
         if index + 1 == int(step[0]):
             die(mode, int(rank), f"at step {index + 1}", *(float(s) for s in step[1:]))
         return original(cfg, index, *rows)
-    training.step_batch = step_batch
+    mesh_step.step_batch = step_batch   # a mesh step's rows,
+    diloco_train.step_batch = step_batch  # and a DiLoCo worker's
 
 
 def settings(cases_file: str, out: str) -> None:

@@ -207,7 +207,8 @@ def check_overlap_starts_buckets_in_backward(comm: object) -> None:
     from minipar.core.data import shard_rows
     from minipar.core.optim import SGD
     from minipar.parallel.data_parallel import bucketed_allreduce
-    from minipar.run.train import microbatch_loss, step_batch
+    from minipar.run.mesh_step import microbatch_loss
+    from minipar.run.reference import step_batch
     from tests.harness.rank_tests import agree
 
     world = comm.Get_size()

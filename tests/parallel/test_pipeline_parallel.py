@@ -15,7 +15,7 @@ from collections import defaultdict
 import pytest
 
 from minipar.comm.mesh import MeshShape
-from minipar.run.train import boundary_shape
+from minipar.run.mesh_step import boundary_shape
 from minipar.settings.config import TrainConfig, problems
 from tests.conftest import assert_equivalent, assert_within_mixed_tolerance, reference
 from tests.harness.mpi import lesson_run, sweep

@@ -18,7 +18,8 @@ import sys
 import numpy as np
 import pytest
 
-from minipar.run.train import step_batch, train_reference
+from minipar.run.reference import step_batch
+from minipar.run.train import train_reference
 from minipar.settings.config import TrainConfig
 from tests.conftest import assert_equivalent
 from tests.harness.mpi import ROOT, minipar, read_dump

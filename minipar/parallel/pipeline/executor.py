@@ -76,7 +76,7 @@ if TYPE_CHECKING:
 ACT_TAG, GRAD_TAG = 0, 1
 
 # The last stage's loss of one microbatch from (logits, the chunk's aux loss or None,
-# labels): the caller's to define (train.py: CE/M + aux/M); the pipeline only runs it.
+# labels): the caller's to define (run/mesh_step.py: CE/M + aux/M); the pipeline only runs it.
 LossFunction = Callable[[Tensor, "Tensor | None", np.ndarray], Tensor]
 
 
