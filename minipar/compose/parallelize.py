@@ -126,12 +126,12 @@ def make_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
             core = context_parallel.ContextParallelAttention(mesh.cp, cfg.cp_mode,
                                                               cfg.seq_len)
         if cfg.tp > 1:
-            # here: it loads mpi4py.MPI; looked up at call time for --inject-bug
-            from minipar.parallel import tensor_parallel
+            # here: they load mpi4py.MPI; looked up at call time for --inject-bug
+            from minipar.parallel import sequence_parallel, tensor_parallel
 
-            attn = tensor_parallel.TensorParallelAttention(full, index, model_cfg.heads,
-                                                           mesh.tp, cfg.sp,
-                                                           selective=selective, core=core)
+            kind = sequence_parallel.SequenceParallelAttention if cfg.sp \
+                else tensor_parallel.TensorParallelAttention
+            attn = kind(full, index, model_cfg.heads, mesh.tp, selective=selective, core=core)
         else:
             attn = gpt.Attention(full, index, model_cfg.heads, selective=selective,
                                  core=core)
@@ -171,9 +171,10 @@ def make_ffn_block(cfg: TrainConfig, model_cfg: nn.ModelConfig, mesh: Mesh,
             return sequence_parallel.ReplicatedOverTp(moe, mesh.tp)
         return moe
     if cfg.tp > 1:
-        return tensor_parallel.TensorParallelBlock(full, index, mesh.tp,
-                                                   sequence_parallel=cfg.sp, ln=ln,
-                                                   seq_axis=1 if model_cfg.is_gpt else 0)
+        if cfg.sp:  # the same block on my rows (positions), sequence_parallel.py
+            return sequence_parallel.SequenceParallelBlock(full, index, mesh.tp, ln=ln,
+                                                           axis=1 if model_cfg.is_gpt else 0)
+        return tensor_parallel.TensorParallelBlock(full, index, mesh.tp, ln=ln)
     return nn.DenseBlock(full, index, ln=ln)
 
 

@@ -116,22 +116,20 @@ EXERCISES = [
         [("conjugate", {}), _train(tp=2, dp=2), _train(tp=4)]),
     Exercise(
         "column-parallel", "Tensor parallelism: the column-parallel linear",
-        "Write enter_region(x, tp, sequence_parallel, axis), the entry of a tensor-parallel "
-        "region: copy_to(x, tp) (f: forward identity, backward Allreduce), or with "
-        "sequence_parallel all_gather(x, tp, axis): my rows (B/tp, d) -> (B, d). Then "
-        "ColumnParallelLinear.__call__: this rank holds W[:, cols] (d, f/tp) and b[cols]; "
-        "enter the region (unless self.entered), compute fused.linear(x, self.weight, "
-        "self.bias): (B, d) @ (d, f/tp) -> (B, f/tp), and with gather_output Allgather the "
-        "columns (gather_from(y, self.tp, axis=-1)) into (B, f).",
+        "Write ColumnParallelLinear.__call__: this rank holds W[:, cols] (d, f/tp) and "
+        "b[cols]; enter the tensor-parallel region through f, copy_to(x, tp) (forward "
+        "identity, backward Allreduce), unless self.entered; compute fused.linear(x, "
+        "self.weight, self.bias): (B, d) @ (d, f/tp) -> (B, f/tp), and with gather_output "
+        "Allgather the columns (gather_from(y, self.tp, axis=-1)) into (B, f).",
         [("linears", {}), _train(tp=2, dp=2), _train(tp=2, dp=2, sp=True)]),
     Exercise(
         "row-parallel", "Tensor parallelism: the row-parallel linear",
-        "Write RowParallelLinear.__call__: this rank holds W[rows, :] (f/tp, d) and all "
-        "of b. If not input_is_parallel, keep my columns (scatter_to(x, self.tp, "
-        "axis=-1)). Compute the partial sum fused.linear(x, self.weight): (B, f/tp) @ "
-        "(f/tp, d) -> (B, d), add the partial sums of all tp ranks with reduce_from (g, "
-        "an Allreduce; with sequence_parallel reduce_scatter: my rows (B/tp, d)), and "
-        "only then add the bias, once.",
+        "Write RowParallelLinear's partial and __call__: this rank holds W[rows, :] (f/tp, "
+        "d) and all of b. partial(x): if not input_is_parallel, keep my columns "
+        "(scatter_to(x, self.tp, axis=-1)); return the partial sum fused.linear(x, "
+        "self.weight, partial=True): (B, f/tp) @ (f/tp, d) -> (B, d). __call__(x): add the "
+        "partial sums of all tp ranks with reduce_from (g, an Allreduce), and only then "
+        "add the bias, once.",
         [("linears", {}), _train(tp=2, dp=2), _train(tp=2, dp=2, sp=True)]),
     Exercise(
         "alltoall-dispatch", "Expert parallelism: the Alltoall dispatch and its counts",
@@ -196,12 +194,12 @@ EXERCISES = [
         "__init__: self.heads is this rank's number of heads, H/tp; self.q, self.k, self.v "
         "are ColumnParallelLinear(full, f\"{p}.attn.q\", tp, entered=True) (and .k, .v): "
         "my heads' columns of Wq, Wk, Wv (d, d/tp), no entry of their own; self.proj is "
-        "RowParallelLinear(full, f\"{p}.attn.proj\", tp, sequence_parallel=..., seq_axis=1): "
-        "my heads' rows of Wo (d/tp, d), its partial sums added by g (one Allreduce of (B, "
-        "T, d); with sequence parallelism a Reduce_scatter to (B, T/tp, d)). enter(a): "
-        "the one f shared by q, k and v, enter_region over self.tp on the positions' axis 1 "
-        "(forward identity, backward one Allreduce; with sequence parallelism an "
-        "Allgather of positions (B, T/tp, d) -> (B, T, d)).",
+        "RowParallelLinear(full, f\"{p}.attn.proj\", tp): my heads' rows of Wo (d/tp, d), "
+        "its partial sums added by g (one Allreduce of (B, T, d)). enter(a): the one f "
+        "shared by q, k and v, copy_to over the layer's tp group (forward identity, "
+        "backward one Allreduce). Sequence parallelism "
+        "(sequence_parallel.SequenceParallelAttention) is built on yours: it wraps proj "
+        "and replaces enter.",
         [("heads", {}), _train_gpt(tp=2, dp=2), _train_gpt(tp=4, sp=True),
          _train_gpt(tp=2, cp=2, cp_mode="ring")]),
     Exercise(

@@ -16,6 +16,7 @@ from minipar.comm.collectives import Group, Ledger
 from minipar.core import attention, gpt
 from minipar.core.autograd import Tensor
 from minipar.parallel import context_parallel as cpar
+from minipar.parallel.sequence_parallel import SequenceParallelAttention
 from minipar.parallel.tensor_parallel import TensorParallelAttention, shard
 from minipar.run.results import TOLERANCE, relative_difference
 
@@ -91,7 +92,7 @@ def heads_on(tp: Group, full: dict[str, np.ndarray], H: int, sp: bool, h_full: n
     """One run of the split attention (sp: h holds my T/tp positions) against one process."""
     me, d = tp.rank, h_full.shape[-1]
     mode = "with sequence parallelism" if sp else "without sequence parallelism"
-    split = TensorParallelAttention(full, 0, H, tp, sequence_parallel=sp)
+    split = (SequenceParallelAttention if sp else TensorParallelAttention)(full, 0, H, tp)
     if split.heads != H // tp.size:
         return (f"TensorParallelAttention.heads on rank {me} is {split.heads}: with H = {H} "
                 f"heads over tp = {tp.size} ranks each holds H/tp = {H // tp.size}")
@@ -103,8 +104,8 @@ def heads_on(tp: Group, full: dict[str, np.ndarray], H: int, sp: bool, h_full: n
     except ValueError as error:
         return (f"{mode}, the forward pass raised on rank {me}: {error}. Under sequence "
                 "parallelism h holds my T/tp positions: q, k, v enter through an Allgather "
-                "of positions (axis 1) and proj must leave through a Reduce_scatter back "
-                "to them (sequence_parallel, seq_axis=1)")
+                "of positions (axis 1) and proj (your RowParallelLinear, wrapped) leaves "
+                "through a Reduce_scatter back to them")
     forward = calls(tp.ledger)
     problem = differs(f"{mode}, the attention's output h + proj(o)", me, y.data,
                       y_ref.data[:, at])

@@ -15,8 +15,10 @@ ZeRO 1 / 2 / 3
     zero.py: Zero1, Zero2, Zero3. Lesson 07_zero. Tests: tests/parallel/test_zero.py.
 tensor parallelism (and sequence parallelism)
     tensor_parallel.py: ColumnParallelLinear, RowParallelLinear, TensorParallelBlock,
-    TensorParallelAttention; sequence_parallel.py: sequence_parallel_hooks,
-    allreduce_sequence_parallel_grads, ReplicatedOverTp. Lessons 02_tensor_parallel,
+    TensorParallelAttention; sequence_parallel.py (a layer on those linears):
+    AllgatherThenColumn, RowThenReduceScatter, SequenceParallelBlock,
+    SequenceParallelAttention, sequence_parallel_hooks, allreduce_sequence_parallel_grads,
+    ReplicatedOverTp. Lessons 02_tensor_parallel,
     11_transformer_tp. Tests: tests/parallel/test_tensor_parallel.py,
     tests/parallel/test_gpt_tensor_parallel.py.
 vocabulary parallelism

@@ -1,13 +1,19 @@
-"""Sequence parallelism (Korthikanti et al. 2022, `--sp`): the tensor-parallel linears'
-neighbours split by rows (tensor_parallel.py holds the linears and the block).
+"""Sequence parallelism (Korthikanti et al. 2022, `--sp`): a layer on tensor_parallel.py's
+linears that splits their neighbours by rows.
 
 Outside fc1..fc2 every rank of a tp group computes the same LayerNorm and residual on
 all B rows. With SP each rank keeps B/tp rows there instead (the transformer: T/tp
 positions, axis 1); the Allreduce after fc2 becomes a Reduce_scatter (sum, keep my
 rows) and the entry of fc1 an Allgather of rows -- the same ring volume (Allreduce =
 Reduce_scatter + Allgather), with the activation memory of the row-split region
-divided by tp. What that needs beyond the linears' `sequence_parallel=True`:
+divided by tp. It is a layer on tensor_parallel.py's plain linears, as Megatron's SP is:
 
+    AllgatherThenColumn                the column linear entered by an Allgather of rows
+                                       (positions) instead of f
+    RowThenReduceScatter               the row linear's partial sums added by a
+                                       Reduce_scatter instead of g
+    SequenceParallelBlock, ...Attention  the tensor-parallel MLP block and attention with
+                                       those two at their ends
     sequence_parallel_hooks            split the residual stream after the embedding,
                                        gather it back before the head
     allreduce_sequence_parallel_grads  parameters used on row shards (LayerNorm gamma
@@ -27,13 +33,100 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 from mpi4py import MPI
 
 from minipar import placement
-from minipar.comm.collectives import Group, gather_from, scatter_to
+from minipar.comm.collectives import Group, all_gather, gather_from, reduce_scatter, scatter_to
+from minipar.core import fused_layers
 from minipar.core.autograd import Tensor
-from minipar.core.nn import Module
+from minipar.core.nn import Module, Parameter
+from minipar.parallel import tensor_parallel
 from minipar.parallel.buckets import pack, unpack
+
+
+# ----------------------------------------------- the linears' two ends
+class AllgatherThenColumn(Module):
+    """Forward: Allgather along `axis`, then the column linear. Backward: the linear's,
+    then Reduce_scatter of the input gradient (each rank keeps its rows' sum).
+
+    The Allgather takes the place of f: x is this rank's block of rows (B/tp, d), or of
+    positions (B, T/tp, d) on `axis` 1, and every rank's column shard needs all of them.
+    Its backward sums the input gradients of every rank's shard, as f's Allreduce did,
+    and keeps this rank's rows of the sum."""
+
+    def __init__(self, linear: tensor_parallel.ColumnParallelLinear, tp: Group,
+                 axis: int = 0) -> None:
+        linear.entered = True   # the Allgather below is the region's entry, not f
+        self.linear, self.tp, self.axis = linear, tp, axis
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.linear(all_gather(x, self.tp, self.axis))  # my rows -> all of them
+
+
+class RowThenReduceScatter(Module):
+    """Forward: the row linear's partial sum, then Reduce_scatter along `axis`, then the
+    bias. Backward: Allgather of the output gradient, then the linear's.
+
+    The Reduce_scatter takes the place of g: it adds the tp shares (B, d) up, as g's
+    Allreduce did, and leaves each rank its rows (B/tp, d) (positions (B, T/tp, d) on
+    `axis` 1) -- the same ring volume, half the collective."""
+
+    def __init__(self, linear: tensor_parallel.RowParallelLinear, tp: Group,
+                 axis: int = 0) -> None:
+        self.linear, self.tp, self.axis = linear, tp, axis
+
+    @property
+    def weight(self) -> Parameter:
+        """The row linear's W[rows, :] (f/tp, d), read where the linear itself would be."""
+        return self.linear.weight
+
+    @property
+    def bias(self) -> Parameter:
+        """The row linear's b (d,), added once after the Reduce_scatter."""
+        return self.linear.bias
+
+    def __call__(self, x: Tensor) -> Tensor:
+        # shares (B, d) summed -> my rows (B/tp, d); the transformer's (B, T/tp, d)
+        y = reduce_scatter(self.linear.partial(x), self.tp, self.axis)
+        return fused_layers.round_low(y) + self.linear.bias  # the bias once, after the sum
+
+
+# ----------------------------------------------- the blocks built on them
+class SequenceParallelBlock(tensor_parallel.TensorParallelBlock):
+    """The tensor-parallel MLP block on this rank's B/tp rows (the transformer's T/tp
+    positions, `axis` 1): LayerNorm and the residual on them, fc1 entered by an
+    Allgather, fc2 left by a Reduce_scatter (each in both directions: forward and
+    backward swap)."""
+
+    def __init__(self, full: dict[str, np.ndarray], index: int, tp: Group,
+                 ln: str = "ln", axis: int = 0) -> None:
+        super().__init__(full, index, tp, ln=ln)
+        self.fc1 = AllgatherThenColumn(self.fc1, tp, axis)   # my rows -> (B, d), then fc1
+        self.fc2 = RowThenReduceScatter(self.fc2, tp, axis)  # fc2's shares -> my rows
+
+    def partial_over_tp(self) -> list[Parameter]:
+        """Replicated parameters whose gradient is only this rank's share: LayerNorm's
+        gamma and beta and fc2's bias see B/tp rows on each rank."""
+        return [self.ln.weight, self.ln.bias, self.fc2.bias]
+
+
+class SequenceParallelAttention(tensor_parallel.TensorParallelAttention):
+    """Attention split by heads on this rank's T/tp positions: the entry shared by q, k
+    and v is an Allgather of positions (B, T/tp, d) -> (B, T, d) and proj's exit a
+    Reduce_scatter back to them; LN1 and the residual hold T/tp positions per rank."""
+
+    def __init__(self, full: dict[str, np.ndarray], index: int, heads: int, tp: Group,
+                 selective: bool = False, core: Callable[..., Tensor] | None = None) -> None:
+        super().__init__(full, index, heads, tp, selective=selective, core=core)
+        self.proj = RowThenReduceScatter(self.proj, tp, axis=1)
+
+    def enter(self, a: Tensor) -> Tensor:
+        return all_gather(a, self.tp, 1)   # my (B, T/tp, d) -> (B, T, d); back: Reduce_scatter
+
+    def partial_over_tp(self) -> list[Parameter]:
+        """LN1's gamma and beta and proj's bias see T/tp positions here."""
+        return [self.ln.weight, self.ln.bias, self.proj.bias]
 
 
 class ReplicatedOverTp(Module):

@@ -15,16 +15,16 @@ two matmuls nothing moves; one Allreduce of B x d ends the block in the
 forward (g = `reduce_from`), one Allreduce of B x d starts it in the backward
 (f = `copy_to`, whose backward sums the input gradient of every rank's shard).
 
-Sequence parallelism (`--sp`) is a layer on these linears: their entry becomes an
-Allgather of rows and their exit a Reduce_scatter (`sequence_parallel=True`), and the
-rest of it -- splitting the residual stream, the gradients left split by rows, an
-MoE block run whole -- is sequence_parallel.py's.
+Sequence parallelism (`--sp`) is a layer on these linears, in sequence_parallel.py:
+an Allgather of rows (or positions) before the column linear in place of f, a
+Reduce_scatter of the row linear's partial sums in place of g, and the rest of it --
+splitting the residual stream, the gradients left split by rows, an MoE block run
+whole. Nothing here knows of it.
 
 The transformer (`--model gpt`, gpt.py) is split the same way block by block:
 attention by heads (`TensorParallelAttention`: the q, k, v columns and proj rows of
 H/tp whole heads, one Allreduce after it), then the FFN as above, so four Allreduces
-of (B, T, d) per block and microbatch; under SP the split region is cut along T
-(positions, axis 1), not rows. Its embedding and head are vocabulary-parallel
+of (B, T, d) per block and microbatch. Its embedding and head are vocabulary-parallel
 (vocab_parallel.py); the MLP models' stay replicated (dense inputs, C tiny).
 
 Placements over tp (`--check-placements`): fc1's W and b Shard(1) and Shard(0), fc2's W
@@ -45,11 +45,9 @@ import numpy as np
 from minipar import placement
 from minipar.comm.collectives import (
     Group,
-    all_gather,
     copy_to,
     gather_from,
     reduce_from,
-    reduce_scatter,
     scatter_to,
 )
 from minipar.core import attention, fused_layers, gpt
@@ -64,34 +62,21 @@ def shard(size: int, parts: int, rank: int) -> slice:
     return slice(rank * step, (rank + 1) * step)
 
 
-def enter_region(x: Tensor, tp: Group, sequence_parallel: bool, axis: int = 0) -> Tensor:
-    """The entry of a tensor-parallel region: Megatron's f (`copy_to`: forward identity,
-    backward Allreduce of the input gradient, each rank's being only its shard's share),
-    or with sequence parallelism an Allgather of my rows (or positions, `axis` 1 of the
-    transformer's (B, T, d)), whose backward is a Reduce_scatter."""
-    # exercise: column-parallel
-    if sequence_parallel:
-        return all_gather(x, tp, axis)       # my (B/tp, d) or (B, T/tp, d) -> all of them
-    return copy_to(x, tp)                    # f: nothing moves; backward Allreduce
-    # end exercise
-
-
 # ------------------------------------------------------------- the linears
 class ColumnParallelLinear(Module):
     """y = x @ W + b with W (d, f) split by columns: rank k holds W[:, cols_k], b[cols_k].
 
     Input: x, the same on every rank (`copy_to` at the entry: forward identity,
     backward Allreduce, because the input gradient `g_k W[:, cols_k]^T` of each
-    rank is only its shard's share). With `sequence_parallel`, x is this rank's
-    block of rows and the entry is an Allgather of rows (backward Reduce_scatter).
+    rank is only its shard's share).
     Output: the column shard (B, f/tp), or with `gather_output` the full (B, f)
     by an Allgather of columns (the source's form). `entered`: x is inside the region
-    already (the attention's q, k and v share one entry).
+    already (the attention's q, k and v share one entry; sequence parallelism enters by
+    an Allgather of its own, sequence_parallel.py).
     """
 
     def __init__(self, full: dict[str, np.ndarray], name: str, tp: Group,
-                 gather_output: bool = False, sequence_parallel: bool = False,
-                 seq_axis: int = 0, entered: bool = False) -> None:
+                 gather_output: bool = False, entered: bool = False) -> None:
         weight = full[f"{name}.weight"]
         cols = shard(weight.shape[1], tp.size, tp.rank)
         self.weight = Parameter(weight[:, cols], f"{name}.weight",
@@ -102,14 +87,12 @@ class ColumnParallelLinear(Module):
         placement.place(self.bias, tp, Shard(0))     # and of b (f,)
         self.tp = tp
         self.gather_output = gather_output
-        self.sequence_parallel = sequence_parallel
-        self.seq_axis = seq_axis
         self.entered = entered
 
     def __call__(self, x: Tensor) -> Tensor:
         # exercise: column-parallel
         if not self.entered:  # else x is inside the region already (shared by q, k, v)
-            x = enter_region(x, self.tp, self.sequence_parallel, self.seq_axis)
+            x = copy_to(x, self.tp)                # f: nothing moves; backward Allreduce
         y = fused_layers.linear(x, self.weight, self.bias)   # (B, d) @ (d, f/tp) -> (B, f/tp)
         if self.gather_output:
             y = gather_from(y, self.tp, axis=-1)   # (B, f/tp) of every rank -> Y (B, f)
@@ -124,13 +107,12 @@ class RowParallelLinear(Module):
     produced, or with `input_is_parallel=False` the full x, of which this rank
     keeps its columns (backward: Allgather). Each rank's product is a partial sum
     of y; `reduce_from` (Allreduce, backward identity) adds them up, and only then
-    is the bias added: once, not tp times. With `sequence_parallel` the sum is a
-    Reduce_scatter of rows (backward Allgather) and y is this rank's rows.
+    is the bias added: once, not tp times. `partial` is the product before the sum
+    (sequence parallelism sums it by a Reduce_scatter instead, sequence_parallel.py).
     """
 
     def __init__(self, full: dict[str, np.ndarray], name: str, tp: Group,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 seq_axis: int = 0) -> None:
+                 input_is_parallel: bool = True) -> None:
         weight = full[f"{name}.weight"]
         rows = shard(weight.shape[0], tp.size, tp.rank)
         self.weight = Parameter(weight[rows, :], f"{name}.weight",
@@ -139,21 +121,19 @@ class RowParallelLinear(Module):
         placement.place(self.weight, tp, Shard(0))   # my rows of W (f, d); b replicated
         self.tp = tp
         self.input_is_parallel = input_is_parallel
-        self.sequence_parallel = sequence_parallel
-        self.seq_axis = seq_axis
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def partial(self, x: Tensor) -> Tensor:
+        """This rank's share of x @ W: (B, f/tp) @ (f/tp, d) -> (B, d), not yet summed."""
         # exercise: row-parallel
         if not self.input_is_parallel:
             x = scatter_to(x, self.tp, axis=-1)    # keep my columns (B, f/tp); no message
-        # (B, f/tp) @ (f/tp, d) -> (B, d), a share
         # (--mixed: the share stays in the master dtype, summed before one rounding)
-        partial = fused_layers.linear(x, self.weight, partial=True)
-        if self.sequence_parallel:
-            # shares (B, d) summed -> my rows (B/tp, d); the transformer's (B, T/tp, d)
-            y = reduce_scatter(partial, self.tp, self.seq_axis)
-        else:
-            y = reduce_from(partial, self.tp)      # g: shares (B, d) of every rank -> their sum
+        return fused_layers.linear(x, self.weight, partial=True)
+        # end exercise
+
+    def __call__(self, x: Tensor) -> Tensor:
+        # exercise: row-parallel
+        y = reduce_from(self.partial(x), self.tp)  # g: shares (B, d) of every rank -> their sum
         return fused_layers.round_low(y) + self.bias  # the bias once, after the sum
         # end exercise
 
@@ -164,33 +144,22 @@ class TensorParallelBlock(Module):
 
     The reference `DenseBlock`, split Megatron's way. Per block and microbatch the
     tp group exchanges one Allreduce of B x d in the forward (after fc2) and one in
-    the backward (before fc1), nothing else. With `sequence_parallel`, h is this
-    rank's B/tp rows, and the pair becomes an Allgather before fc1 and a
-    Reduce_scatter after fc2 (each in both directions: forward and backward swap).
+    the backward (before fc1), nothing else (sequence parallelism's form of it:
+    sequence_parallel.SequenceParallelBlock).
     """
 
     def __init__(self, full: dict[str, np.ndarray], index: int, tp: Group,
-                 sequence_parallel: bool = False, ln: str = "ln", seq_axis: int = 0) -> None:
+                 ln: str = "ln") -> None:
         p = f"blocks.{index}"
         self.ln = LayerNorm(full, f"{p}.{ln}")     # replicated (gamma, beta of size d)
-        self.fc1 = ColumnParallelLinear(full, f"{p}.fc1", tp, sequence_parallel=sequence_parallel,
-                                        seq_axis=seq_axis)
-        self.fc2 = RowParallelLinear(full, f"{p}.fc2", tp, sequence_parallel=sequence_parallel,
-                                     seq_axis=seq_axis)
-        self.sequence_parallel = sequence_parallel
+        self.fc1 = ColumnParallelLinear(full, f"{p}.fc1", tp)
+        self.fc2 = RowParallelLinear(full, f"{p}.fc2", tp)
 
     def __call__(self, h: Tensor) -> tuple[Tensor, None]:
-        u = self.ln(h)                  # (B, d) on every rank; SP: my rows (B/tp, d)
+        u = self.ln(h)                  # (B, d) on every rank
         # f, then (B, d) @ (d, f/tp) -> (B, f/tp), GELU on the shard
         z = fused_layers.gelu(self.fc1(u))
-        return h + self.fc2(z), None    # (B, f/tp) @ (f/tp, d), then g -> (B, d); SP: (B/tp, d)
-
-    def partial_over_tp(self) -> list[Parameter]:
-        """Replicated parameters whose gradient is only this rank's share: under SP,
-        LayerNorm's gamma and beta and fc2's bias see B/tp rows on each rank."""
-        if not self.sequence_parallel:
-            return []
-        return [self.ln.weight, self.ln.bias, self.fc2.bias]
+        return h + self.fc2(z), None    # (B, f/tp) @ (f/tp, d), then g -> (B, d)
 
 
 # ------------------------------------------------------- the transformer
@@ -204,15 +173,14 @@ class TensorParallelAttention(gpt.Attention):
     the H/tp local heads with no communication at all (heads never mix before proj),
     and proj's partial sums meet in ONE Allreduce of (B, T, d) (g). The three
     projections share one entry (f, `enter`): its backward is ONE Allreduce of the
-    input gradient, the sum of the q, k and v shares of every rank. With
-    `sequence_parallel` the entry is an Allgather of positions (B, T/tp, d) -> (B, T, d)
-    and the exit a Reduce_scatter back to them: LN1 and the residual hold T/tp
-    positions per rank. Under context parallelism `core` is the cp strategy, run on
-    this rank's H/tp heads of its T/cp positions (docs/design.md, "Context
-    parallelism"): the sequence is split over cp, the heads over tp, independently."""
+    input gradient, the sum of the q, k and v shares of every rank (sequence
+    parallelism's form of it: sequence_parallel.SequenceParallelAttention). Under
+    context parallelism `core` is the cp strategy, run on this rank's H/tp heads of its
+    T/cp positions (docs/design.md, "Context parallelism"): the sequence is split over
+    cp, the heads over tp, independently."""
 
     def __init__(self, full: dict[str, np.ndarray], index: int, heads: int, tp: Group,
-                 sequence_parallel: bool = False, selective: bool = False,
+                 selective: bool = False,
                  core: Callable[..., Tensor] | None = None) -> None:
         p = f"blocks.{index}"
         # exercise: attention-heads
@@ -222,27 +190,20 @@ class TensorParallelAttention(gpt.Attention):
         # local heads: the plain node, or context parallelism's exchange of my heads'
         # keys and values inside my cp group (context_parallel.py)
         self.core = attention.attention if core is None else core
-        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.tp = tp
         self.ln = LayerNorm(full, f"{p}.ln1")         # replicated (gamma, beta of size d)
         # exercise: attention-heads
         # my heads' columns of q, k, v; called inside the region (`enter` was their f)
         self.q, self.k, self.v = (ColumnParallelLinear(full, f"{p}.attn.{part}", tp,
                                                        entered=True)
                                   for part in ("q", "k", "v"))
-        self.proj = RowParallelLinear(full, f"{p}.attn.proj", tp,
-                                      sequence_parallel=sequence_parallel, seq_axis=1)
+        self.proj = RowParallelLinear(full, f"{p}.attn.proj", tp)
         # end exercise
 
     def enter(self, a: Tensor) -> Tensor:
         # exercise: attention-heads
-        return enter_region(a, self.tp, self.sequence_parallel, axis=1)
+        return copy_to(a, self.tp)   # f, shared by q, k and v: backward ONE Allreduce
         # end exercise
-
-    def partial_over_tp(self) -> list[Parameter]:
-        """Under SP: LN1's gamma and beta and proj's bias see T/tp positions here."""
-        if not self.sequence_parallel:
-            return []
-        return [self.ln.weight, self.ln.bias, self.proj.bias]
 
 
 def parameter_count(modules: Sequence[Module]) -> int:

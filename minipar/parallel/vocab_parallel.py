@@ -38,12 +38,13 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import placement
-from minipar.comm.collectives import Group, reduce_from, reduce_scatter
+from minipar.comm.collectives import Group, all_gather, reduce_from, reduce_scatter
 from minipar.core import attention, fused_layers, precision
 from minipar.core.autograd import Tensor
 from minipar.core.documents import IGNORE
 from minipar.core.nn import LayerNorm, Module, Parameter
-from minipar.parallel.tensor_parallel import enter_region, shard
+from minipar.parallel import tensor_parallel
+from minipar.parallel.tensor_parallel import shard
 from minipar.placement import Partial, Replicate, Shard
 
 
@@ -200,7 +201,12 @@ class VocabParallelHead(Module):
         self.tp, self.sequence_parallel = tp, sequence_parallel
 
     def __call__(self, h: Tensor) -> Tensor:
-        u = enter_region(self.ln_f(h), self.tp, self.sequence_parallel, axis=1)  # (B, T, d)
+        u = self.ln_f(h)
+        if self.sequence_parallel:
+            # my (B, T/tp, d) -> (B, T, d); backward: Reduce_scatter
+            u = all_gather(u, self.tp, axis=1)
+        else:  # f; looked up at call time: --inject-bug swaps tensor_parallel's copy_to
+            u = tensor_parallel.copy_to(u, self.tp)
         return fused_layers.linear(u, self.weight, self.bias)         # (B, T, d) @ (d, V/tp)
 
     def loss(self, logits: Tensor, labels: np.ndarray) -> Tensor:

@@ -120,7 +120,7 @@ def run_pieces(tp: object, out: dict[str, np.ndarray]) -> None:
         "row_scatter": (tpl.RowParallelLinear(full, fc2, tp, input_is_parallel=False),
                         inputs["z"], inputs["r_d"]),
         "block": (tpl.TensorParallelBlock(full, 0, tp), inputs["x"], inputs["r_d"]),
-        "block_sp": (tpl.TensorParallelBlock(full, 0, tp, sequence_parallel=True),
+        "block_sp": (sequence_parallel.SequenceParallelBlock(full, 0, tp),
                      inputs["x"][rows_b], inputs["r_d"][rows_b]),
     }
     key = f"tp{tp.size}"

@@ -166,8 +166,7 @@ HEADS_WITHOUT_F = [  # the three regions of attention-heads, the entry left out
     """
 self.q, self.k, self.v = (ColumnParallelLinear(full, f"{p}.attn.{part}", tp, entered=True)
                           for part in ("q", "k", "v"))
-self.proj = RowParallelLinear(full, f"{p}.attn.proj", tp,
-                              sequence_parallel=sequence_parallel, seq_axis=1)
+self.proj = RowParallelLinear(full, f"{p}.attn.proj", tp)
 """,
     "return a"]
 RING_WITHOUT_SKIP = [  # the three regions of ring-attention, every block computed
