@@ -21,10 +21,12 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
-from minipar.bugs.catalog import listing
+from minipar.bugs.catalog import injected, listing
 from minipar.checkpoint import save_load, shard_files
 from minipar.checkpoint.owner import NEW_RUN, ownership_problems
 from minipar.checkpoint.save_load import FolderInUseError, holding
@@ -34,8 +36,10 @@ from minipar.comm.mesh import MeshShape
 from minipar.core import routing
 from minipar.placement import PlacementError
 from minipar.run.agreement import DivergedError, ReplicaError
+from minipar.run.diloco_train import train_workers
+from minipar.run.mesh_step import train_on_mesh
 from minipar.run.results import check, check_problems, dump, gather_decisions
-from minipar.run.train import problems, train
+from minipar.run.train import problems
 from minipar.settings import preflight
 from minipar.settings.config import ConfigError
 from minipar.settings.flags import Parser, config_from_args, make_parser
@@ -104,8 +108,13 @@ def train_command(argv: list[str]) -> int:
         watchdog.start(cfg.timeout, rank, abort_all)
     try:
         # --check: the routing choices recorded, to replay them in one process (results.py)
-        with holding(world, cfg.save), routing.recording(args.check) as chosen:
-            result = train(cfg, world, on_step=progress)
+        # run/train.py's `train` less its check of problems() (made above, agreed by every
+        # rank): --inject-bug swaps one piece for a broken one (lesson 08), --outer diloco
+        # trains every dp replica as a worker of its own (diloco_train.py)
+        loop = train_workers if cfg.outer == "diloco" else train_on_mesh
+        with holding(world, cfg.save), routing.recording(args.check) as chosen, \
+                injected(cfg.inject_bug) if cfg.inject_bug else nullcontext():
+            result = loop(replace(cfg, inject_bug=None), world, on_step=progress)
     except CheckpointError as error:   # on every rank alike: the folder is taken (before the
         return fail(rank, str(error), code=2 if isinstance(error, FolderInUseError) else 1)  # first
         # step, exit 2), or a save failed (the previous checkpoint kept, exit 1)

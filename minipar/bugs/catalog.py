@@ -14,8 +14,8 @@ formula) and the bytes each rank holds.
     mpiexec -n 4 python lessons/08_bugs.py                     # every bug, and its checks
 How a bug gets in: the correct code is never touched. Each bug's `detour`
 (bugs/detours.py, the broken code, each broken line marked `# BUG:`) returns the
-(module, name, replacement) swaps that break one thing; `train.train` applies
-them for the run when `--inject-bug NAME` is given (`injected` puts the
+(module, name, replacement) swaps that break one thing; `train.train` (and the
+train command) applies them for the run when `--inject-bug NAME` is given (`injected` puts the
 originals back after, even on error), so a learner can diff the broken piece
 against the real one.
 

@@ -6,7 +6,8 @@ break one thing -- a subclass overriding one method, or a replacement function
 -- each broken line marked `# BUG:`, so a learner can diff the broken piece
 against the real one. bugs/catalog.py lists the bugs (what each breaks, which check
 catches it, where it shipped) and applies a bug's swaps for one run
-(`catalog.injected`, used by `train.train` under `--inject-bug NAME`).
+(`catalog.injected`, used by `train.train` and the train command under
+`--inject-bug NAME`).
 
     mpiexec -n 4 python -m minipar train --tp 2 --inject-bug tp-copy-to-no-allreduce --check
 

@@ -15,7 +15,7 @@ no rank waits forever in a collective the others left:
                     arrays; two copies of one piece that differ are listed, never
                     averaged (`gather_full_params`, `gather_biases`)
 
-run/train.py calls these around each step and at the end of the run
+run/mesh_step.py calls these around each step and at the end of the run
 (docs/design.md, "Mixed precision" for the replica check).
 """
 

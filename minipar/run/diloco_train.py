@@ -6,8 +6,8 @@ of its own with dp = 1 that takes plain `train_step`s (mesh_step.py) on its rows
 step's batch; after each inner step the fragments due take their outer step (one
 Allreduce over dp each). In one process (`train_diloco_reference`) the same rule is
 written out plainly: K one-process workers (reference.py's `reference_step`) and the
-outer Nesterov step on theta. run/train.py's `train` and `train_reference` call these
-when the flags say --outer diloco.
+outer Nesterov step on theta. run/train.py's `train` and `train_reference`, and the
+train command, call these when the flags say --outer diloco.
 
     mpiexec -n 2 python -m minipar train --dp 2 --outer diloco --inner-steps 2 --check
 """

@@ -1,4 +1,4 @@
-"""One training step on a mesh of ranks, and the end of the run.
+"""The run on a mesh of ranks: its loop, one training step, and the end of the run.
 
 What this file teaches: the skeleton every strategy plugs into. One step is
 
@@ -14,8 +14,10 @@ What this file teaches: the skeleton every strategy plugs into. One step is
        (agreement.py, which also assembles the full model from their pieces).
 
 `train_step` is that step, `finish` what follows the last one (the ledger, the final
-parameters on rank 0, the checkpoint). run/train.py's `train` and diloco_train.py's
-`train_workers` both loop over `train_step`.
+parameters on rank 0, the checkpoint). `train_on_mesh` is the loop around them: the
+mesh built, every strategy applied to the model (`start_on_mesh`, compose/parallelize.py),
+then `--steps` of `train_step`; run/train.py's `train` and `python -m minipar train`
+call it. diloco_train.py's `train_workers` loops over `train_step` too.
 
 Loss bookkeeping: each rank's microbatch loss is its local mean cross-entropy
 plus the MoE aux loss, times 1/M; gradients are then summed over the dp ranks
@@ -28,21 +30,24 @@ a step is taken before its update, averaged the same way.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from minipar import placement
 from minipar.checkpoint import save_load
-from minipar.comm import flight, trace
+from minipar.comm import flight, trace, watchdog
+from minipar.comm.mesh import AXES as MESH_AXES
 from minipar.comm.mesh import Mesh
-from minipar.compose.parallelize import context_positions
+from minipar.compose.parallelize import context_positions, parallelize
 from minipar.core import autograd as ag
-from minipar.core import documents, nn, precision, routing
+from minipar.core import documents, fp8, nn, precision, routing
 from minipar.core.data import (
     local_rows,
     rank_rows,
 )
+from minipar.core.optim import make_optimizer
 from minipar.parallel.pipeline import (
     chunk_layout,
     executor,
@@ -60,12 +65,74 @@ from minipar.run.agreement import (
     report_loss,
     scaler_of,
 )
-from minipar.run.reference import RunResult, step_batch
+from minipar.run.reference import RunResult, step_batch, step_done
 from minipar.settings.config import TrainConfig
 
 if TYPE_CHECKING:  # dp_updater.py loads mpi4py.MPI; train_reference needs none
     # (run/train.py imports this file and runs train_reference without MPI)
     from minipar.parallel.dp_updater import Updater
+
+
+def train_on_mesh(cfg: TrainConfig, world: object,
+                  on_step: Callable[[int, float], None] | None = None) -> RunResult:
+    """The run on a mesh: build it over `world`, apply every strategy to the model
+    (`start_on_mesh`), take `--steps` of `train_step`, then `finish`. `cfg` must be
+    resolved and free of problems (run/train.py's `train` checks them; the command line
+    checks them on every rank before it calls this). Every rank returns the losses; rank 0
+    also the full parameters (init and final) and the ledger of the last step from every
+    rank."""
+    from minipar.comm.collectives import (
+        Ledger,  # here: comm/collectives.py loads mpi4py.MPI, train_reference not
+    )
+    from minipar.parallel import fp8_scales
+
+    mesh = Mesh(cfg.mesh_shape(), world, Ledger())
+    try:  # overflow shows up as a DivergedError line, not as NumPy warnings burying it
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"), \
+                placement.checking(cfg.check_placements,   # placement/__init__.py: on or off
+                                   {axis: getattr(mesh, axis).size for axis in MESH_AXES}), \
+                trace.recording(cfg.trace, mesh, cfg.as_json()), \
+                precision.use(cfg.mixed, cfg.dtype,   # --mixed: 16-bit ops (precision.py)
+                              fp8_scales.over_mesh(fp8.recipe_of(cfg), mesh)):  # --fp8
+            chunks, updater, init, losses, start = start_on_mesh(cfg, mesh)
+            timeline: list[dict] = []  # the pipeline's instructions of the last step, timed
+            steps_ledger: list[dict] = []  # every step's ledger records, each with its "step"
+            for step in range(start, cfg.steps):  # --steps is the total, resumed or not
+                watchdog.doing(f"step {step + 1} of {cfg.steps}")  # named if a rank gets stuck
+                timeline.clear()
+                with trace.step(step + 1):   # --trace: one span per step
+                    losses.append(train_step(cfg, mesh, chunks, updater, step, timeline))
+                steps_ledger += [{"step": step + 1, **r} for r in mesh.ledger.records(mesh.rank)]
+                if on_step is not None:
+                    step_done(on_step, step, losses[-1], norms_of(updater), scaler_of(updater))
+            watchdog.doing("the end of the run (gathering results, saving the checkpoint)")
+            return finish(cfg, mesh, chunks, updater, losses, init, timeline, steps_ledger)
+    finally:  # also when a step diverges: a sweep or a notebook builds many meshes
+        mesh.free()
+
+
+def start_on_mesh(cfg: TrainConfig, mesh: Mesh
+                  ) -> tuple[list[nn.Model], Updater, dict, list[float], int]:
+    """Before the first step, on a mesh already built: this rank's chunks and updater,
+    the full initial parameters (on rank 0), the losses of the steps already taken (a
+    resumed run reports all --steps of them) and the step to start from."""
+    # --resume: the full arrays assembled from any mesh's shards, sliced below like init
+    saved = save_load.load(cfg.resume) if cfg.resume else None
+    full = saved.params if saved else nn.init_params(cfg.model_config(), cfg.seed, cfg.dtype)
+    optimizer = make_optimizer(cfg.optimizer, cfg.lr, **cfg.optimizer_rule())
+    chunks, updater = parallelize(cfg, mesh, full, optimizer)
+    trace.instrument(optimizer, updater.memory)  # --trace: optimizer spans, bytes held
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    # the model as built, read from `full` (ZeRO-3 has dropped p.data by now)
+    init, _ = agreement.gather_full_params(mesh, params, cfg, values=full)
+    # the saved optimizer state, cut as the updater keeps it (ZeRO: its flat slice)
+    start = save_load.restore_optimizer(optimizer, params, saved, updater) if saved else 0
+    if saved:  # sigmoid-bias: every block's b as saved (replicated: any mesh takes it whole)
+        routing.set_bias_values(chunks, saved.manifest.get("router_bias", {}))
+    if saved and scaler_of(updater) is not None and "loss_scaler" in saved.manifest:
+        scaler_of(updater).load(saved.manifest["loss_scaler"])  # --mixed: S continues
+    losses = list(saved.manifest.get("losses", [])) if saved else []
+    return chunks, updater, init, losses, start
 
 
 def microbatch_loss(chunk: nn.Model, x: np.ndarray | ag.Tensor, y: np.ndarray, scale: float,

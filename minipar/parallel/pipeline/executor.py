@@ -129,7 +129,7 @@ class StageWorker:
         self.sending: dict[tuple[int, int, int], tuple[object, np.ndarray]] = {}  # Requests
         self.loss = 0.0
         # what the backward of the loss (and of each aux loss) starts from: 1, or the
-        # precision's S (--mixed fp16: the loss scale, set by run/train.py)
+        # precision's S (--mixed fp16: the loss scale, set by run/mesh_step.py)
         self.backward_seed = 1.0
         self.timeline: list[dict] = []
         self.handlers = {RECV_ACT: self.recv_act, FORWARD: self.forward,
