@@ -35,12 +35,13 @@ Allreduce every H steps (and its streaming fragments), in seconds on the link pe
 The same arithmetic predicts minipar's own 8-rank runs exactly
 (`minipar_workload`, tests/planner/test_plan.py), which is what licenses it at 2048 GPUs.
 
-The planner in four files, one idea each: planner/workloads.py (a model's sizes as the
+The planner in five files, one idea each: planner/workloads.py (a model's sizes as the
 cost model's Workload: the formulas), planner/search.py (price a plan, search them
-all), planner/plan_table.py (the table and the explanations), and this one, the command:
-its flags, the refusals of a bad one, and the run. The names callers use
-(`from minipar.planner.plan import transformer, search, ...`) are imported here from those
-files, so `minipar.planner.plan` stays the one door to the planner.
+all), planner/plan_table.py (the table and the explanations), planner/plan_flags.py (the
+command line: every flag, and the refusal of absurd sizes as it is parsed), and this one,
+the command: the flags checked together (a mesh that does not divide the GPUs, a flag of
+serving in a training plan), and the run. Callers import each name from the file that
+defines it.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from minipar.parallel.pipeline.schedules import SCHEDULES, SIMULATED_ONLY
 from minipar.planner.diloco_cost import (
     DEFAULT_INNER_STEPS,
     DEFAULT_LINK_GBPS,
@@ -62,9 +62,7 @@ from minipar.planner.diloco_cost import (
 )
 from minipar.planner.memory_cost import Plan
 from minipar.planner.muon_cost import MODES as MUON_MODES
-
-# the planner's parts, under the names its callers use (lessons 09, 13, tests,
-# teaching/ledger_tables.py)
+from minipar.planner.plan_flags import CLUSTER_FLAGS, MODEL_FLAGS, make_parser
 from minipar.planner.plan_table import (
     named_report,
     plan_record,
@@ -83,181 +81,7 @@ from minipar.planner.serving import layouts, serve_problem, serve_record, serve_
 from minipar.planner.time_cost import Hardware
 from minipar.planner.workloads import transformer
 from minipar.settings.config import ConfigError
-from minipar.settings.flags import Parser  # Parser: raises, one line
 from minipar.settings.preflight import file_problems
-
-
-def count(text: str) -> float:
-    """A number of parameters: 70e9, 70B, 671B, 1.5T (positive)."""
-    units = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
-    suffix = text[-1:].upper()
-    try:
-        value = float(text[:-1]) * units[suffix] if suffix in units else float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of parameters (got {text!r}; "
-                                         "try 70e9 or 70B)") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive number (got {text})")
-    if value > LIMIT:
-        raise argparse.ArgumentTypeError(f"must be at most 2^53 = {LIMIT} (got {text})")
-    return value
-
-
-# The largest count or amount a flag takes: 2^53, the last integer a float64 holds exactly
-# (the cost model's arithmetic is in floats). A width, batch or GPU count past it is no
-# machine's, and would make the search factor numbers of 300 digits or overflow a float.
-LIMIT = 2**53
-
-
-def number(kind: type, low: float, strict: bool = True) -> object:
-    """An argparse type: a `kind` number above `low` (or at least, if not strict), finite,
-    at most `LIMIT`."""
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            if kind is int and text.strip().lower().lstrip("+").replace(".", "", 1).replace(
-                    "e", "", 1).isdigit():   # 1e21: a whole number written as a float
-                raise argparse.ArgumentTypeError(
-                    f"not a whole number (got {text!r}; write it out in digits)") from None
-            raise argparse.ArgumentTypeError(
-                f"not a{' whole' if kind is int else ''} number (got {text!r})") from None
-        if not (value > low if strict else value >= low) or not value < math.inf:
-            raise argparse.ArgumentTypeError(
-                f"must be {'more than' if strict else 'at least'} {low:g} (got {text})")
-        if value > LIMIT:
-            raise argparse.ArgumentTypeError(
-                f"must be at most 2^53 = {LIMIT} (got {text}): no machine's size, and past "
-                "what a float counts exactly")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
-
-
-POSITIVE, COUNT, AMOUNT = number(int, 0), number(int, 0, strict=False), number(float, 0)
-# the cost model lists every layer and every expert, and prices every stage count up to the
-# layers: 4096 of either is 30 times the deepest published model's layers (126) and 16 times
-# the most experts (256), and keeps a search in seconds
-LISTED = 4096
-
-
-def listed(kind: object) -> object:
-    """`kind`, at most `LISTED` (the layers and experts the workload lists one by one)."""
-    def parse(text: str) -> int:
-        value = kind(text)
-        if value > LISTED:
-            raise argparse.ArgumentTypeError(f"must be at most {LISTED} (got {text}): the "
-                                             "cost model lists each one")
-        return value
-    parse.__name__ = "int"
-    return parse
-
-
-MODEL_FLAGS = {  # flag field -> (type, help)
-    "layers": (listed(POSITIVE), "transformer layers"),
-    "d_model": (POSITIVE, "model width d"),
-    "heads": (POSITIVE, "attention (query) heads"),
-    "kv_heads": (POSITIVE, "key/value heads (grouped-query attention; default: --heads)"),
-    "head_dim": (POSITIVE, "width of a head (default: d / heads)"),
-    "d_ff": (POSITIVE, "FFN width of a dense layer"),
-    "vocab": (POSITIVE, "vocabulary size"),
-    "seq_len": (POSITIVE, "tokens per sequence"),
-    "ffn_matrices": (POSITIVE, "matrices per FFN: 2 (GELU MLP) or 3 (SwiGLU)"),
-    "experts": (listed(COUNT), "routed experts per MoE layer (0: a dense model)"),
-    "top_k": (COUNT, "routed experts per token"),
-    "expert_d_ff": (POSITIVE, "FFN width of one expert"),
-    "shared_experts": (listed(COUNT), "always-on experts per MoE layer"),
-    "dense_layers": (listed(COUNT), "leading layers with a dense FFN in an MoE model"),
-    "attention": (POSITIVE, "parameters of one layer's attention, if it is not multi-head "
-                            "(DeepSeek's MLA); default: from the heads"),
-}
-CLUSTER_FLAGS = {
-    "gpu_memory": (AMOUNT, "GB per GPU"),
-    "flops": (AMOUNT, "peak dense bf16 TFLOP/s per GPU"),
-    "intra_bw": (AMOUNT, "GB/s per GPU and direction inside a node (NVLink)"),
-    "inter_bw": (AMOUNT, "GB/s per GPU and direction between nodes (its NIC)"),
-    "node_size": (POSITIVE, "GPUs per node"),
-    "latency_us": (number(float, 0, strict=False), "alpha: microseconds per message step "
-                                                   "(default 5)"),
-    "hbm_bw": (AMOUNT, "GB/s of each GPU's memory (what --serve reads weights and cache at)"),
-    "fp8_flops": (AMOUNT, "peak dense FP8 TFLOP/s per GPU (what --fp8 runs the matmuls at)"),
-}
-
-
-def make_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="python -m minipar plan",
-                     description="Rank every way to split a training step over the GPUs, "
-                     "or price one plan you name.")
-    add = parser.add_argument
-    add("--preset", choices=sorted(MODELS), help="a published model (its sizes are the "
-        "defaults of the model flags)")
-    add("--cluster", choices=sorted(CLUSTERS), help="a published GPU and node (its numbers "
-        "are the defaults of the hardware flags)")
-    add("--params", type=count, help="total parameters (70e9, 671B): checked against the "
-        "count the shapes define (5%%), which is used")
-    for name, (kind, text) in MODEL_FLAGS.items():
-        add(f"--{name.replace('_', '-')}" + ("-params" if name == "attention" else ""),
-            dest=name, type=kind, help=text)
-    add("--style", choices=("gpt", "llama"), help="gpt: LayerNorm, biases, learned positions, "
-        "dropout, stored attention scores; llama: RMSNorm, no biases, rotary, no dropout, "
-        "FlashAttention-style attention")
-    add("--tied-head", action=argparse.BooleanOptionalAction, default=None,
-        help="the output head shares the embedding's matrix")
-    for name, (kind, text) in CLUSTER_FLAGS.items():
-        add(f"--{name.replace('_', '-')}", type=kind, help=text)
-    add("--efficiency", type=number(float, 0), default=0.5,
-        help="fraction of peak FLOP/s the matrix products reach (default 0.5)")
-    add("--memory-headroom", type=number(float, 0, strict=False),
-        help="GB of each GPU left to the framework: CUDA context, NCCL buffers, allocator "
-        "fragmentation (default 10%% of --gpu-memory)")
-    add("--gpus", type=POSITIVE, help="GPUs in the job (default: the product of a named "
-        "--dp --tp --pp --cp)")
-    add("--global-batch", type=POSITIVE, help="sequences per step (required, but with --serve)")
-    # the V schedules (zb-v, dualpipev) and dualpipe are left out: the planner's time
-    # model has no closed-form bubble for them (schedules.bubble_formula)
-    add("--schedule", choices=[s for s in SCHEDULES if s not in SIMULATED_ONLY],
-        action="append", help="pipeline schedules to "
-        "consider (repeat the flag; default 1f1b and interleaved)")
-    add("--virtual", type=POSITIVE, action="append", help="model chunks per pipeline rank "
-        "for --schedule interleaved (repeat the flag; default 2 and 4)")
-    add("--no-sp", action="store_true", help="no sequence parallelism with tp > 1")
-    add("--fp8", action="store_true", help="FP8 training (DeepSeek-V3's recipe): the blocks' "
-        "matmuls at the GPU's FP8 rate, ZeRO-3's weight gathers in 8 bits and their amax "
-        "Allreduce")
-    add("--optimizer", choices=("adam", "muon"), default="adam",
-        help="adam (default; K = 12 bytes: fp32 master, m, v) or muon: the block matrices "
-        "keep one momentum (K = 8), priced with its --muon-mode (planner/muon_cost.py)")
-    add("--muon-mode", help="with --optimizer muon: layer-sharded "
-        "(default), distributed or duplicated (docs/design.md \"Muon\")")
-    for axis, text in (("dp", "data-parallel"), ("tp", "tensor-parallel"),
-                       ("pp", "pipeline-parallel"), ("cp", "context-parallel"),
-                       ("ep", "expert-parallel")):
-        add(f"--{axis}", type=POSITIVE, help=f"fix the {text} degree (a named plan)")
-    add("--microbatches", type=POSITIVE, help="fix the microbatches per step M")
-    add("--zero", type=int, action="append", choices=(0, 1, 2, 3),
-        help="ZeRO stages to consider (repeat the flag; default all)")
-    add("--recompute", action="append", choices=RECOMPUTE,
-        help="recomputations to consider (repeat the flag; default all three)")
-    add("--top", type=POSITIVE, default=10, help="meshes to list (default 10)")
-    add("--json", metavar="PATH", help="write every plan that fits, fastest first, with "
-        "every field of the table (- for standard output, instead of the table)")
-    add("--serve", action="store_true", help="price decoding, not training: every tp x pp "
-        "(x ep) layout of --gpus per generated token (planner/serving.py)")
-    add("--prompt-len", type=POSITIVE, help="--serve: tokens of each prompt")
-    add("--new-tokens", type=POSITIVE, help="--serve: tokens generated after it")
-    add("--batch", type=POSITIVE, help="--serve: rows decoding together (default 1)")
-    add("--sites", type=number(int, 1), help="the named plan's dp replicas over this many "
-        "sites joined by one slow link: DP against DiLoCo, the seconds a step spends on "
-        "the link (planner/diloco_cost.py)")
-    add("--slow-link-gbps", type=AMOUNT, help="--sites: Gb/s each way of the link between "
-        f"the sites, shared by all their GPUs (default {DEFAULT_LINK_GBPS:g})")
-    add("--inner-steps", type=POSITIVE, action="append", help="--sites: DiLoCo's H, inner "
-        "steps between outer steps (repeat the flag; default "
-        f"{', '.join(map(str, DEFAULT_INNER_STEPS))})")
-    add("--fragments", type=POSITIVE, action="append", help="--sites: streaming DiLoCo's "
-        "fragments P, each dividing the layers and every H (repeat the flag; default 1 and "
-        "the largest of 4 and 2 that does)")
-    return parser
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[ModelShape | None, list[str]]:

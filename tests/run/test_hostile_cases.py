@@ -196,7 +196,8 @@ def test_data_is_checked_by_its_size_before_reading_and_large_files_are_mapped(t
 # ------------------------------------------------- 5. plan in seconds for any GPU count
 def test_plan_enumerates_only_meshes_that_can_run_whatever_the_gpu_count(capsys):
     from minipar.__main__ import main
-    from minipar.planner.plan import make_parser, resolve_model
+    from minipar.planner.plan import resolve_model
+    from minipar.planner.plan_flags import make_parser
     from minipar.planner.search import meshes
     from minipar.planner.workloads import transformer
 
@@ -214,7 +215,8 @@ def test_plan_enumerates_only_meshes_that_can_run_whatever_the_gpu_count(capsys)
 def test_a_search_past_its_budget_is_bounded_and_says_so(monkeypatch):
     from minipar.planner import search
     from minipar.planner.memory_cost import Plan
-    from minipar.planner.plan import make_parser, resolve_hardware, resolve_model
+    from minipar.planner.plan import resolve_hardware, resolve_model
+    from minipar.planner.plan_flags import make_parser
     from minipar.planner.workloads import transformer
 
     args = make_parser().parse_args(["--preset", "llama3-8b", "--cluster", "h100",
