@@ -38,7 +38,8 @@ from minipar.placement import PlacementError
 from minipar.run.agreement import DivergedError, ReplicaError
 from minipar.run.diloco_train import train_workers
 from minipar.run.mesh_step import train_on_mesh
-from minipar.run.results import check, check_problems, dump, gather_decisions
+from minipar.run.results import check, dump, gather_decisions
+from minipar.run.resume_check import check_problems
 from minipar.run.train import problems
 from minipar.settings import preflight
 from minipar.settings.config import ConfigError

@@ -599,7 +599,7 @@ def test_muon_tolerance_of_many_newton_schulz_steps_is_a_number():
 
 
 def test_check_after_a_resume_with_other_numbers_is_refused_by_name(tmp_path):
-    from minipar.run.results import check_problems
+    from minipar.run.resume_check import check_problems
 
     muon = [*SMALL[:-2], "--optimizer", "muon"]
     ck = tmp_path / "ck"
