@@ -57,8 +57,9 @@ from minipar.parallel.tensor_parallel import (
     shard,
 )
 from minipar.run.train import train, train_reference
-from minipar.settings.config import ConfigError, TrainConfig, problems
+from minipar.settings.config import ConfigError, TrainConfig
 from minipar.settings.preflight import lesson_arguments
+from minipar.settings.validation import problems
 
 
 def banner(tp: Group, title: str) -> None:

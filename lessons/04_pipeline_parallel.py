@@ -68,8 +68,9 @@ from minipar.parallel.pipeline.simulator import bubble_fraction, gantt, in_fligh
 from minipar.run.reference import RunResult
 from minipar.run.results import max_differences
 from minipar.run.train import train, train_reference
-from minipar.settings.config import TrainConfig, problems
+from minipar.settings.config import TrainConfig
 from minipar.settings.preflight import lesson_arguments
+from minipar.settings.validation import problems
 from minipar.teaching import trace_files, trace_report
 
 comm = MPI.COMM_WORLD

@@ -50,8 +50,9 @@ from minipar.parallel.pipeline.simulator import in_flight_peak
 from minipar.run.reference import RunResult
 from minipar.run.results import max_differences
 from minipar.run.train import train, train_reference
-from minipar.settings.config import TrainConfig, problems
+from minipar.settings.config import TrainConfig
 from minipar.settings.preflight import lesson_arguments
+from minipar.settings.validation import problems
 from minipar.teaching.ledger_tables import group_sizes, wire_bytes
 
 comm = MPI.COMM_WORLD

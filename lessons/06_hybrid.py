@@ -41,8 +41,9 @@ from minipar.core import nn
 from minipar.run.reference import RunResult
 from minipar.run.results import max_differences
 from minipar.run.train import train, train_reference
-from minipar.settings.config import TrainConfig, problems
+from minipar.settings.config import TrainConfig
 from minipar.settings.preflight import lesson_arguments
+from minipar.settings.validation import problems
 from minipar.teaching.ledger_tables import ledger_table
 
 comm = MPI.COMM_WORLD

@@ -49,8 +49,9 @@ from minipar.planner.workloads import minipar_workload, plan_of
 from minipar.run.reference import step_batch
 from minipar.run.results import TOLERANCE, max_differences, relative_difference
 from minipar.run.train import train, train_reference
-from minipar.settings.config import TrainConfig, problems
+from minipar.settings.config import TrainConfig
 from minipar.settings.preflight import lesson_arguments
+from minipar.settings.validation import problems
 from minipar.teaching.lines import fit
 
 SHAPE = dict(model="gpt", layers=2, d_model=64, heads=8, seq_len=32, vocab=256, batch=8,

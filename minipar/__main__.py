@@ -205,7 +205,7 @@ def reshard_command(argv: list[str]) -> int:
     from minipar.run.reshard import (
         reshard,  # here: loads mpi4py.MPI, which `plan`/`bugs` never need
     )
-    from minipar.settings.config import size_problems as config_size_problems
+    from minipar.settings.validation import size_problems as config_size_problems
 
     world = _world()
     rank, size = world.Get_rank(), world.Get_size()

@@ -91,7 +91,7 @@ def choose(selection: np.ndarray, top_k: int, groups: int = 1,
            top_groups: int | None = None) -> np.ndarray:
     """Each token's k experts (N, k), best first, ties to the lower expert id (a stable
     sort of -selection). With groups, only experts of the token's M best groups compete
-    (the others are set to -inf first; config.py makes sure k <= M E/G)."""
+    (the others are set to -inf first; settings/validation.py makes sure k <= M E/G)."""
     if groups > 1 and top_groups is not None and top_groups < groups:
         selection = np.where(allowed_groups(selection, groups, top_groups), selection, -np.inf)
     return np.argsort(-selection, axis=1, kind="stable")[:, :top_k]

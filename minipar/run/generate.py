@@ -39,7 +39,7 @@ from minipar.run.decode import (
     reference,
 )
 from minipar.run.results import TOLERANCE, relative_difference
-from minipar.settings import config, flags, preflight
+from minipar.settings import flags, preflight, validation
 from minipar.settings.config import ConfigError, TrainConfig
 
 # ---------------------------------------------------------------- the flags
@@ -171,7 +171,7 @@ def problems(gcfg: GenerateConfig, world_size: int) -> list[str]:
     if cfg.model not in nn.GPT_MODELS:
         return [f"generate needs a transformer: --model gpt or gpt-moe (got {cfg.model})"]
     # (the --data text is training's: generating needs only the vocabulary it implies)
-    out = config.problems(replace(cfg, resume=None, data=None), world_size)
+    out = validation.problems(replace(cfg, resume=None, data=None), world_size)
     if out:
         return out
     P, N, T = len(gcfg.prompt), gcfg.new_tokens, cfg.seq_len

@@ -23,22 +23,22 @@ from minipar.checkpoint import save_load
 from minipar.core import fp8, precision
 from minipar.run import diloco_train, mesh_step, reference
 from minipar.run.reference import RunResult
-from minipar.settings import config, preflight
+from minipar.settings import config, preflight, validation
 from minipar.settings.config import TrainConfig
 
 
 def problems(cfg: TrainConfig, world_size: int) -> list[str]:
     """Every reason this run cannot start, empty if it can: the flags and the mesh
-    (`config.problems`), then the bug `--inject-bug` names (`catalog.problems`: unknown, or
+    (`validation.problems`), then the bug `--inject-bug` names (`catalog.problems`: unknown, or
     for a strategy this mesh does not use), then the `--save`/`--resume` folders
     (`save_load.problems`: reads the manifest and checksums); with sound flags, also a
     size this machine cannot hold or a product that is no count (preflight.py). `cfg`
     must be resolved. No communication: every rank reaches the same list alone, before
     the first step."""
-    out = config.problems(cfg, world_size)
+    out = validation.problems(cfg, world_size)
     if not out:
         out += preflight.overflow_problems(cfg) + preflight.memory_problems(cfg, world_size)
-    if cfg.inject_bug is not None and not config.size_problems(cfg, world_size):
+    if cfg.inject_bug is not None and not validation.size_problems(cfg, world_size):
         out += catalog.problems(cfg)
     if not out and (cfg.save or cfg.resume):  # --outer diloco: K + 1 checkpoints
         out += save_load.diloco_problems(cfg) if cfg.outer else save_load.problems(cfg)

@@ -10,7 +10,7 @@
   experts and node-limited routing equals tests/reference/independent.py (and gpt-moe
   tests/reference/independent_gpt.py), written from the formulas with their own backward
   (float64, rel 1e-9), b included;
-- the flags: which combinations run, which are refused (config.routing_problems).
+- the flags: which combinations run, which are refused (validation.routing_problems).
 
     python -m pytest tests/core/test_routing.py
 """
@@ -23,7 +23,8 @@ import pytest
 from minipar.core import autograd as ag
 from minipar.core import nn, routing
 from minipar.run.train import train_reference
-from minipar.settings.config import TrainConfig, problems
+from minipar.settings.config import TrainConfig
+from minipar.settings.validation import problems
 from tests.conftest import assert_equivalent
 from tests.reference import independent, independent_gpt
 

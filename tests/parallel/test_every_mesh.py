@@ -42,7 +42,8 @@ from minipar.planner.memory_cost import rank_shape
 from minipar.planner.time_cost import ledger_of, traffic
 from minipar.planner.workloads import minipar_workload, plan_of
 from minipar.run.results import relative_difference
-from minipar.settings.config import TrainConfig, problems
+from minipar.settings.config import TrainConfig
+from minipar.settings.validation import problems
 from tests.conftest import assert_equivalent, assert_within_mixed_tolerance, reference
 from tests.harness.mpi import ROOT, sweep
 from tests.harness.trace_checks import check_trace

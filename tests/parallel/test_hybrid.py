@@ -27,7 +27,8 @@ import pytest
 
 from minipar.comm.mesh import MeshShape
 from minipar.core import nn
-from minipar.settings.config import TrainConfig, problems
+from minipar.settings.config import TrainConfig
+from minipar.settings.validation import problems
 from tests.conftest import assert_equivalent, assert_within_mixed_tolerance, reference
 from tests.harness.mpi import lesson_run, sweep
 

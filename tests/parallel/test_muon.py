@@ -25,7 +25,8 @@ from minipar.core import nn
 from minipar.core.memory import FlatLayout
 from minipar.core.muon import is_matrix, orthogonalize
 from minipar.run.train import train_reference
-from minipar.settings.config import TrainConfig, problems
+from minipar.settings.config import TrainConfig
+from minipar.settings.validation import problems
 from tests.conftest import assert_equivalent, reference
 from tests.harness.mpi import ROOT, launch, read_dump
 from tests.reference import independent_muon

@@ -26,7 +26,8 @@ import pytest
 
 from minipar.core import autograd as ag
 from minipar.core import nn
-from minipar.settings.config import TrainConfig, problems
+from minipar.settings.config import TrainConfig
+from minipar.settings.validation import problems
 from tests.conftest import assert_equivalent, assert_within_mixed_tolerance, reference
 from tests.harness.mpi import launch, lesson_run, minipar, sweep
 

@@ -35,7 +35,8 @@ from minipar.core.memory import (
     wire_formula,
     zero_formula,
 )
-from minipar.settings.config import TrainConfig, problems
+from minipar.settings.config import TrainConfig
+from minipar.settings.validation import problems
 from tests.conftest import assert_equivalent, assert_within_mixed_tolerance, reference
 from tests.harness.mpi import sweep
 from tests.harness.rank_tests import run_checks

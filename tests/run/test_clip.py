@@ -33,7 +33,8 @@ from minipar.core.autograd import Tensor
 from minipar.core.nn import Parameter
 from minipar.run.results import dump
 from minipar.run.train import train_reference
-from minipar.settings.config import TrainConfig, problems
+from minipar.settings.config import TrainConfig
+from minipar.settings.validation import problems
 from tests.harness.mpi import ROOT, lesson_run
 
 SAMPLE = str(ROOT / "lessons" / "documents.txt")
