@@ -105,6 +105,12 @@ def environment() -> dict[str, str]:
     return env
 
 
+def typed(path: Path) -> str:
+    """A path as a student types it from the repository's root (`lessons/01_...py`), or
+    whole when it lies elsewhere (a lesson a test wrote in a temporary folder)."""
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+
+
 def run_lesson(stem: str, ranks: int, logs: Path) -> Outcome:
     """`mpiexec -n ranks python lessons/<stem>.py --plot build/figures`, its output kept in
     build/course/<stem>.log; the problems: a non-zero exit, no `lesson checks:` line, a
@@ -119,8 +125,7 @@ def run_lesson(stem: str, ranks: int, logs: Path) -> Outcome:
     launch = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
     # the figures' folder as a student types it (relative, the job runs in the repository's
     # root): the lesson prints its paths, and a clone's own path must not widen its lines
-    command = [*launch, sys.executable, str(script.relative_to(ROOT)), "--plot",
-               str(FIGURES.relative_to(ROOT))]
+    command = [*launch, sys.executable, typed(script), "--plot", typed(FIGURES)]
     started, wall = time.time(), time.monotonic()
     try:
         job = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True,
