@@ -106,8 +106,9 @@ def environment() -> dict[str, str]:
 
 
 def typed(path: Path) -> str:
-    """A path as a student types it from the repository's root (`lessons/01_...py`), or
-    whole when it lies elsewhere (a lesson a test wrote in a temporary folder)."""
+    """A path as a student types it from the repository's root
+    (`lessons/01_data_parallel.py`), or whole when it lies elsewhere (a lesson a test wrote
+    in a temporary folder)."""
     return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
 
 
